@@ -1,0 +1,408 @@
+"""Attention kernels: exact blockwise (flash-style) attention in pure JAX, cuDNN dispatch.
+
+Layout (everywhere in this module):
+
+* ``q``: ``[batch, seq, heads, head_dim]``
+* ``k``, ``v``: ``[batch, seq, kv_heads, head_dim]`` with ``heads % kv_heads == 0``.
+  Grouped-query attention (GQA): query head ``h`` attends with kv head
+  ``h // (heads // kv_heads)``. ``kv_heads == heads`` is ordinary multi-head attention.
+* output: same shape and dtype as ``q``.
+* ``lse`` (log-sum-exp of the scaled scores per query row): float32 ``[batch, heads, seq]``.
+
+Queries and keys share one sequence length and, for ``causal=True``, one origin (query ``t``
+sees keys ``0..t``). Scores are ``q . k / sqrt(head_dim)``.
+
+The blockwise kernels follow FlashAttention-2 (T. Dao, "FlashAttention-2: Faster Attention
+with Better Parallelism and Work Partitioning", 2023): Algorithm 1 (forward, online softmax
+over kv tiles per query tile, saving only ``out`` and ``lse``) and Algorithm 2 (backward,
+recomputing each score tile from ``q``, ``k`` and ``lse``). They are written with
+``lax.map`` / ``lax.scan`` / ``lax.fori_loop`` so XLA never materializes a
+``[seq, seq]`` array; with ``causal=True`` the kv (forward) or query (backward) tiles that
+lie entirely above the diagonal are not visited, roughly halving the work. Inputs may be
+bf16/fp16: the matmuls take the input dtype with float32 accumulation, and softmax
+statistics, accumulators and gradients are kept in float32, then cast back.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "BACKENDS",
+    "reference_attention",
+    "blockwise_attention_fwd",
+    "blockwise_attention_bwd",
+    "blockwise_attention",
+    "cudnn_attention",
+    "resolve_backend",
+    "attention",
+    "attention_fwd_with_lse",
+    "attention_bwd",
+]
+
+BACKENDS = ("auto", "blockwise", "cudnn", "reference")
+
+_F32 = jnp.float32
+# Finite "minus infinity" for masked scores: exp(_NEG - finite) == 0 and no inf - inf NaNs.
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_shapes(q, k, v):
+    """Validate the layout; return (batch, seq, heads, kv_heads, head_dim)."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            "q, k, v must be 4-D [batch, seq, heads, head_dim]; got shapes "
+            f"{q.shape}, {k.shape}, {v.shape}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
+    b, s, h, d = q.shape
+    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
+        raise ValueError(
+            f"k/v shape {k.shape} does not match q shape {q.shape} in batch, seq or head_dim"
+        )
+    kvh = k.shape[2]
+    if kvh == 0 or h % kvh != 0:
+        raise ValueError(f"heads={h} must be a multiple of kv_heads={kvh}")
+    return b, s, h, kvh, d
+
+
+def _check_block(name: str, block: int, seq: int) -> int:
+    """Clamp ``block`` to ``seq`` and check that it divides ``seq``."""
+    if int(block) != block or block <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {block!r}")
+    block = min(int(block), seq)
+    if seq % block != 0:
+        best = max(c for c in range(1, block + 1) if seq % c == 0)
+        raise ValueError(
+            f"{name}={block} does not divide seq={seq}; use a divisor of {seq} "
+            f"(largest one <= {block} is {best}), or a value >= {seq}"
+        )
+    return block
+
+
+def _full(shape, value, *refs):
+    """float32 ``full(shape, value)`` that varies over the same shard_map axes as ``refs``.
+
+    Loop carries must keep one type inside ``jax.shard_map``; a plain ``jnp.zeros`` is
+    mesh-invariant while the loop body's results vary with the inputs. ``lax.full_like``
+    inherits the varying axes of its argument, so we take the union over ``refs``.
+    """
+    x = lax.full_like(refs[0], value, _F32, shape)
+    for r in refs[1:]:
+        x = x + lax.full_like(r, 0, _F32, shape)
+    return x
+
+
+def _split_heads(x, kv_heads):
+    """[b, s, heads, d] -> [b, s, kv_heads, group, d] (query heads grouped per kv head)."""
+    b, s, h, d = x.shape
+    return x.reshape(b, s, kv_heads, h // kv_heads, d)
+
+
+# ------------------------------------------------------------------------- reference
+
+
+def reference_attention(q, k, v, *, causal: bool = True):
+    """Materialized ``softmax(q k^T / sqrt(d)) v`` computed in float32 (tests only).
+
+    Shapes as in the module docstring; returns ``[batch, seq, heads, head_dim]`` in
+    ``q.dtype``. Uses O(seq^2) memory. Raises ValueError on malformed shapes.
+    """
+    return _reference_with_lse(q, k, v, causal=causal)[0]
+
+
+def _reference_with_lse(q, k, v, *, causal: bool):
+    b, s, h, kvh, d = _check_shapes(q, k, v)
+    q5 = _split_heads(q.astype(_F32), kvh)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q5, k.astype(_F32)) / math.sqrt(d)
+    if causal:
+        mask = jnp.tril(jnp.ones((s, s), dtype=bool))
+        scores = jnp.where(mask, scores, _NEG)
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [b, kvh, g, s]
+    probs = jnp.exp(scores - lse[..., None])
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(_F32))
+    return out.reshape(b, s, h, d).astype(q.dtype), lse.reshape(b, h, s)
+
+
+# ------------------------------------------------------------------ blockwise forward
+
+
+def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
+                            block_k: int = 512):
+    """FlashAttention-2 forward (Dao 2023, Alg. 1) in pure JAX; returns ``(out, lse)``.
+
+    Args:
+      q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``.
+      causal: mask keys after the query position.
+      block_q, block_k: query / key tile lengths (may differ). Each is clamped to ``seq``
+        and must then divide ``seq``.
+
+    Returns:
+      ``out`` with the shape and dtype of ``q``; ``lse`` float32 ``[batch, heads, seq]``.
+
+    Raises:
+      ValueError: malformed shapes, or a block size that does not divide ``seq``.
+
+    Query tiles are processed by ``lax.map``; each runs an online softmax over kv tiles in a
+    ``lax.fori_loop`` whose upper bound (for ``causal``) is the last kv tile that touches
+    the diagonal, so tiles fully above it are skipped. Peak extra memory is O(tile^2).
+    """
+    b, s, h, kvh, d = _check_shapes(q, k, v)
+    bq = _check_block("block_q", block_q, s)
+    bk = _check_block("block_k", block_k, s)
+    g, nq, nk = h // kvh, s // bq, s // bk
+    scale = 1.0 / math.sqrt(d)
+    q5 = _split_heads(q, kvh)
+
+    def q_tile(i):
+        q_i = lax.dynamic_slice_in_dim(q5, i * bq, bq, axis=1)  # [b, bq, kvh, g, d]
+        q_pos = i * bq + jnp.arange(bq)
+
+        def kv_step(j, carry):
+            m, l, acc = carry  # m, l: [b, kvh, g, bq]; acc: [b, kvh, g, bq, d] (float32)
+            k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [b, bk, kvh, d]
+            v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
+            sc = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, k_j, preferred_element_type=_F32)
+            sc = sc * scale
+            if causal:
+                mask = q_pos[:, None] >= (j * bk + jnp.arange(bk))[None, :]
+                sc = jnp.where(mask, sc, _NEG)
+            # kv tile 0 is always visited first and key 0 is visible to every query, so m
+            # is a real score from then on and masked entries give exp(_NEG - m) == 0.
+            m_new = jnp.maximum(m, sc.max(axis=-1))
+            p = jnp.exp(sc - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            l = l * corr + p.sum(axis=-1)
+            pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v_j,
+                            preferred_element_type=_F32)
+            return m_new, l, acc * corr[..., None] + pv
+
+        init = (_full((b, kvh, g, bq), _NEG, q, k, v), _full((b, kvh, g, bq), 0, q, k, v),
+                _full((b, kvh, g, bq, d), 0, q, k, v))
+        hi = jnp.minimum(nk, ((i + 1) * bq + bk - 1) // bk) if causal else nk
+        m, l, acc = lax.fori_loop(0, hi, kv_step, init)
+        out_i = jnp.transpose(acc / l[..., None], (0, 3, 1, 2, 4))  # [b, bq, kvh, g, d]
+        return out_i.astype(q.dtype), m + jnp.log(l)
+
+    outs, lses = lax.map(q_tile, jnp.arange(nq))  # [nq, b, bq, kvh, g, d], [nq, b, kvh, g, bq]
+    out = jnp.moveaxis(outs, 0, 1).reshape(b, s, h, d)
+    lse = jnp.transpose(lses, (1, 2, 3, 0, 4)).reshape(b, h, s)
+    return out, lse
+
+
+# ----------------------------------------------------------------- blockwise backward
+
+
+def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
+                            block_q: int = 512, block_k: int = 512):
+    """FlashAttention-2 backward (Dao 2023, Alg. 2) in pure JAX; returns ``(dq, dk, dv)``.
+
+    Args:
+      q, k, v: as for :func:`blockwise_attention_fwd`.
+      out: forward output, shape/dtype of ``q``; lse: float32 ``[batch, heads, seq]`` from
+        the forward; dout: cotangent of ``out`` (shape of ``q``).
+      causal, block_q, block_k: must match the forward call (same clamping and checks).
+
+    Returns:
+      ``dq``, ``dk``, ``dv`` with the shapes and dtypes of ``q``, ``k``, ``v``; ``dk`` and
+      ``dv`` are summed over the query heads of each GQA group.
+
+    Raises:
+      ValueError: malformed shapes or a block size that does not divide ``seq``.
+
+    An outer ``lax.scan`` walks kv tiles, accumulating that tile's ``dk``/``dv`` in float32;
+    an inner ``lax.fori_loop`` walks the query tiles (for ``causal`` starting at the first
+    one that reaches the tile), recomputing ``P = exp(q k^T * scale - lse)`` per tile and
+    adding into a float32 ``dq`` buffer carried through the scan. No ``[seq, seq]`` array is
+    formed.
+    """
+    b, s, h, kvh, d = _check_shapes(q, k, v)
+    bq = _check_block("block_q", block_q, s)
+    bk = _check_block("block_k", block_k, s)
+    g, nq, nk = h // kvh, s // bq, s // bk
+    scale = 1.0 / math.sqrt(d)
+    q5, do5 = _split_heads(q, kvh), _split_heads(dout.astype(q.dtype), kvh)
+    lse4 = lse.astype(_F32).reshape(b, kvh, g, s)
+    # D_i = rowsum(dO_i * O_i), [b, kvh, g, s]
+    delta = jnp.einsum("bshgd,bshgd->bhgs", do5.astype(_F32),
+                       _split_heads(out, kvh).astype(_F32))
+
+    refs = (q, k, v, out, lse, dout)  # for the shard_map varying axes of the carries
+
+    def kv_tile(dq_acc, j):
+        k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [b, bk, kvh, d]
+        v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
+        k_pos = j * bk + jnp.arange(bk)
+
+        def q_step(i, carry):
+            dq_acc, dk_j, dv_j = carry
+            q_i = lax.dynamic_slice_in_dim(q5, i * bq, bq, axis=1)  # [b, bq, kvh, g, d]
+            do_i = lax.dynamic_slice_in_dim(do5, i * bq, bq, axis=1)
+            lse_i = lax.dynamic_slice_in_dim(lse4, i * bq, bq, axis=3)  # [b, kvh, g, bq]
+            delta_i = lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
+            sc = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, k_j, preferred_element_type=_F32)
+            sc = sc * scale
+            if causal:
+                mask = (i * bq + jnp.arange(bq))[:, None] >= k_pos[None, :]
+                sc = jnp.where(mask, sc, _NEG)
+            p = jnp.exp(sc - lse_i[..., None])  # masked entries -> 0
+            dv_j = dv_j + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do_i.dtype), do_i,
+                                     preferred_element_type=_F32)
+            dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_i, v_j, preferred_element_type=_F32)
+            ds = (p * (dp - delta_i[..., None]) * scale).astype(q.dtype)
+            dk_j = dk_j + jnp.einsum("bhgqk,bqhgd->bkhd", ds, q_i,
+                                     preferred_element_type=_F32)
+            dq_i = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k_j, preferred_element_type=_F32)
+            dq_old = lax.dynamic_slice_in_dim(dq_acc, i * bq, bq, axis=1)
+            dq_acc = lax.dynamic_update_slice_in_dim(dq_acc, dq_old + dq_i, i * bq, axis=1)
+            return dq_acc, dk_j, dv_j
+
+        lo = (j * bk) // bq if causal else 0
+        zeros = _full((b, bk, kvh, d), 0, *refs)
+        dq_acc, dk_j, dv_j = lax.fori_loop(lo, nq, q_step, (dq_acc, zeros, zeros))
+        return dq_acc, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))
+
+    dq_acc = _full((b, s, kvh, g, d), 0, *refs)
+    dq_acc, (dks, dvs) = lax.scan(kv_tile, dq_acc, jnp.arange(nk))  # dks: [nk, b, bk, kvh, d]
+    dq = dq_acc.reshape(b, s, h, d).astype(q.dtype)
+    dk = jnp.moveaxis(dks, 0, 1).reshape(b, s, kvh, d)
+    dv = jnp.moveaxis(dvs, 0, 1).reshape(b, s, kvh, d)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------ custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _blockwise(q, k, v, causal, block_q, block_k):
+    return blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
+                                   block_k=block_k)[0]
+
+
+def _blockwise_vjp_fwd(q, k, v, causal, block_q, block_k):
+    out, lse = blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
+                                       block_k=block_k)
+    return out, (q, k, v, out, lse)  # O(seq) residuals only: no score tiles
+
+
+def _blockwise_vjp_bwd(causal, block_q, block_k, res, dout):
+    q, k, v, out, lse = res
+    return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal,
+                                   block_q=block_q, block_k=block_k)
+
+
+_blockwise.defvjp(_blockwise_vjp_fwd, _blockwise_vjp_bwd)
+
+
+def blockwise_attention(q, k, v, *, causal: bool = True, block_q: int = 512,
+                        block_k: int = 512):
+    """Differentiable blockwise attention (``jax.custom_vjp``); returns ``out``.
+
+    Forward is :func:`blockwise_attention_fwd`, backward :func:`blockwise_attention_bwd`;
+    the saved residuals are exactly ``(q, k, v, out, lse)``. Works under ``jit``,
+    ``lax.scan``, ``shard_map`` and ``jax.checkpoint``. Shapes, dtypes and errors as for
+    :func:`blockwise_attention_fwd` (checked eagerly, before tracing the custom_vjp).
+    """
+    _, s, _, _, _ = _check_shapes(q, k, v)
+    bq = _check_block("block_q", block_q, s)
+    bk = _check_block("block_k", block_k, s)
+    return _blockwise(q, k, v, bool(causal), bq, bk)
+
+
+# ------------------------------------------------------------------------------ cuDNN
+
+
+def cudnn_attention(q, k, v, *, causal: bool = True):
+    """cuDNN fused attention via ``jax.nn.dot_product_attention(implementation='cudnn')``.
+
+    Same layout (GQA handled natively). GPU only; requires bf16/fp16 inputs and a
+    head_dim supported by cuDNN (multiple of 8, <= 256). Errors come from JAX/cuDNN.
+    """
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def resolve_backend(backend: str, q) -> str:
+    """Map ``backend`` (one of :data:`BACKENDS`) to a concrete one for query array ``q``.
+
+    ``'auto'`` picks ``'cudnn'`` when ``jax.default_backend() == 'gpu'``, ``head_dim % 8 == 0``,
+    ``head_dim <= 256`` and ``q.dtype`` is bf16/fp16; otherwise ``'blockwise'``.
+    Raises ValueError for an unknown backend.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    d = q.shape[-1]
+    if (jax.default_backend() == "gpu" and d % 8 == 0 and d <= 256
+            and q.dtype in (jnp.bfloat16, jnp.float16)):
+        return "cudnn"
+    return "blockwise"
+
+
+def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: int = 512,
+              block_k: int = 512):
+    """Differentiable attention with backend dispatch; returns ``out`` (shape/dtype of q).
+
+    backend: ``'auto'`` (see :func:`resolve_backend`), ``'blockwise'``, ``'cudnn'`` or
+    ``'reference'``. ``block_q``/``block_k`` are used only by ``'blockwise'``.
+    Raises ValueError for an unknown backend (and as the chosen kernel does).
+    """
+    backend = resolve_backend(backend, q)
+    if backend == "blockwise":
+        return blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k)
+    if backend == "cudnn":
+        return cudnn_attention(q, k, v, causal=causal)
+    return reference_attention(q, k, v, causal=causal)
+
+
+def _forward_fn(backend, causal):
+    if backend == "cudnn":
+        return functools.partial(cudnn_attention, causal=causal)
+    return functools.partial(reference_attention, causal=causal)
+
+
+def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = True,
+                           block_q: int = 512, block_k: int = 512):
+    """Forward returning ``(out, lse)``, for ops with their own custom_vjp.
+
+    * ``'blockwise'``: :func:`blockwise_attention_fwd` (real lse).
+    * ``'reference'``: exact lse from the materialized scores.
+    * ``'cudnn'``: cuDNN exposes no lse; a **dummy** float32 zeros ``[batch, heads, seq]``
+      is returned. Do not use it as a softmax statistic: :func:`attention_bwd` ignores
+      ``out``/``lse`` for this backend and recomputes the forward with ``jax.vjp``.
+    """
+    backend = resolve_backend(backend, q)
+    if backend == "blockwise":
+        return blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
+                                       block_k=block_k)
+    if backend == "reference":
+        return _reference_with_lse(q, k, v, causal=causal)
+    b, s, h, _, _ = _check_shapes(q, k, v)
+    return cudnn_attention(q, k, v, causal=causal), jnp.zeros((b, h, s), _F32)
+
+
+def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: bool = True,
+                  block_q: int = 512, block_k: int = 512):
+    """Backward matching :func:`attention_fwd_with_lse`; returns ``(dq, dk, dv)``.
+
+    ``'blockwise'`` uses :func:`blockwise_attention_bwd` with the saved ``out``/``lse``.
+    ``'reference'`` and ``'cudnn'`` ignore ``out``/``lse`` and recompute the backend's
+    forward under ``jax.vjp`` (cost: one extra forward). Dtypes follow q, k, v.
+    """
+    backend = resolve_backend(backend, q)
+    if backend == "blockwise":
+        return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal,
+                                       block_q=block_q, block_k=block_k)
+    _, vjp = jax.vjp(_forward_fn(backend, causal), q, k, v)
+    return vjp(dout.astype(q.dtype))
