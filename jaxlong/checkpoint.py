@@ -1,0 +1,59 @@
+"""Checkpoints with orbax: asynchronous, atomic (written to a temporary directory, then renamed), keeping
+the last K. A checkpoint holds the train state and the config it was written with; the data position is the
+step itself (the batch iterator is a pure function of seed and step), so `--resume` continues exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Saves `state` every `every` steps under `directory/<step>/`, keeping the last `keep`."""
+
+    def __init__(self, directory: str | Path, *, every: int, keep: int):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=every, max_to_keep=keep, enable_async_checkpointing=True, create=True
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: dict, config: dict, *, force: bool = False) -> bool:
+        """Start an asynchronous save of `state` at `step` (if due, or `force`). Returns whether it saved."""
+        return self.manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config)),
+            force=force,
+        )
+
+    def restore(self, abstract_state: dict, step: int | None = None) -> tuple[int, dict]:
+        """Restore the state at `step` (default: latest) into the shardings of `abstract_state`.
+
+        Raises:
+          FileNotFoundError: there is no checkpoint in the directory.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"--resume: no checkpoint found in {self.directory}")
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+        )
+        return step, restored["state"]
+
+    def wait(self) -> None:
+        """Block until pending asynchronous saves are committed to disk."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def abstract_like(state: dict) -> dict:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)

@@ -1,0 +1,334 @@
+"""Typed configuration: dataclasses, YAML files in `configs/`, and `key=value` overrides.
+
+A config file is a nested YAML mapping whose keys mirror the dataclasses below; any key it does not set
+keeps its default. Command-line overrides use dotted keys (`mesh.context=8`, `seq_len=1048576`) and are
+parsed as YAML scalars, then checked against the field's type.
+
+Every check that can be made without compiling is made in `validate` (called by `load_config`):
+unknown keys, wrong types, and impossible combinations raise `ConfigError` naming the key, the value
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, has the wrong type, or the combination of values is impossible."""
+
+
+@dataclass
+class ModelConfig:
+    """Llama-3 architecture shapes (grouped-query attention, SwiGLU MLP, RMSNorm, RoPE)."""
+
+    name: str = "tiny"
+    vocab_size: int = 512  # padded vocabulary; must be >= the tokenizer's
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    mlp_hidden: int = 768
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+
+@dataclass
+class MeshConfig:
+    """Device mesh `data x fsdp x context`. -1 on one axis means "all remaining devices".
+
+    `num_devices` is the number of simulated devices when the platform is the CPU (the entry point sets
+    `--xla_force_host_platform_device_count` before importing jax); on GPUs the real device count is used.
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    context: int = 4
+    num_devices: int = 8
+
+
+@dataclass
+class AttentionConfig:
+    """How attention is parallelized (`impl`) and which kernel runs it (`backend`)."""
+
+    impl: str = "ulysses"  # ulysses | upipe
+    backend: str = "auto"  # auto | blockwise | cudnn | reference
+    block_q: int = 256
+    block_k: int = 256
+    heads_per_stage: int = 0  # U-Pipe heads per stage U; 0 means U = context degree C
+
+
+@dataclass
+class RematConfig:
+    """Activation checkpointing of the scanned decoder layer."""
+
+    policy: str = "none"  # none | full | save_dots | offload | custom
+    save: list[str] = field(default_factory=list)  # custom: names kept on device
+    offload: list[str] = field(default_factory=list)  # custom: names moved to pinned host memory
+
+
+@dataclass
+class DataConfig:
+    """Training text. `path: null` is the embedded corpus: the Python standard library's source files."""
+
+    path: str | None = None
+    tokenizer: str = "byte"
+    max_tokens: int | None = None  # cap on corpus tokens read (None: all)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay, global-norm gradient clipping (optax)."""
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 5
+    decay_steps: int = 0  # length of the warmup + cosine schedule; 0 means `steps`
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+
+
+@dataclass
+class Config:
+    """Everything one training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    remat: RematConfig = field(default_factory=RematConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    seq_len: int = 8192  # tokens per sequence
+    global_batch: int = 2  # sequences per step, over all data-parallel replicas
+    steps: int = 20
+    seed: int = 0
+    param_dtype: str = "float32"  # master weights, gradients, optimizer state
+    compute_dtype: str = "float32"  # matmuls and activations
+    run_name: str = "default"
+    run_dir: str = "runs"
+    log_every: int = 1
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    profile_steps: int = 3  # steps traced by --profile
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLS = ("ulysses", "upipe")
+ATTENTION_BACKENDS = ("auto", "blockwise", "cudnn", "reference")
+REMAT_POLICIES = ("none", "full", "save_dots", "offload", "custom")
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading and overriding.
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _apply(obj: Any, key: str, value: Any) -> None:
+    """Set dotted `key` on the dataclass tree `obj`, checking the key exists and the type fits."""
+    parts = key.split(".")
+    target = obj
+    for i, part in enumerate(parts):
+        names = {f.name: f for f in dataclasses.fields(target)}
+        if part not in names:
+            where = ".".join(parts[:i]) or "the top level"
+            raise ConfigError(
+                f"unknown config key {key!r}: {where} has no field {part!r}; allowed: {', '.join(sorted(names))}"
+            )
+        hints = typing.get_type_hints(type(target))
+        tp = hints[part]
+        if i < len(parts) - 1:
+            target = getattr(target, part)
+            if not dataclasses.is_dataclass(target):
+                raise ConfigError(f"config key {key!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            continue
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {key!r} is a section; give a mapping or set its fields")
+            for k, v in value.items():
+                _apply(obj, f"{key}.{k}", v)
+            return
+        if tp is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not _type_ok(value, tp):
+            raise ConfigError(
+                f"config key {key!r} must be of type {_type_name(tp)}, got {value!r} ({type(value).__name__})"
+            )
+        setattr(target, part, value)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`'mesh.context=8'` -> `('mesh.context', 8)`; the value is read as a YAML scalar (so `1e-3`, `null`, `true`)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. seq_len=16384)")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    if isinstance(value, str):
+        try:  # YAML 1.1 reads '3e-4' as a string
+            value = float(value) if any(c in value for c in "eE.") and value[0] in "0123456789.-+" else value
+        except ValueError:
+            pass
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a `Config` from defaults, then the YAML file at `path`, then `key=value` overrides; validate it.
+
+    Raises:
+      ConfigError: unknown key, wrong type, or impossible combination (see `validate`).
+      FileNotFoundError: `path` does not exist.
+    """
+    cfg = Config()
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
+        for k, v in data.items():
+            _apply(cfg, k, v)
+    for text in overrides:
+        _apply(cfg, *parse_override(text))
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation of combinations (no jax needed).
+
+
+def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, context) with a -1 axis filled so the product is `num_devices`.
+
+    Raises:
+      ConfigError: the axes do not multiply to the device count, or more than one axis is -1.
+    """
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "context": mesh.context}
+    free = [k for k, v in sizes.items() if v == -1]
+    for k, v in sizes.items():
+        if v == 0 or v < -1:
+            raise ConfigError(f"mesh.{k}={v}: an axis size must be a positive integer or -1 (fill)")
+    if len(free) > 1:
+        raise ConfigError(f"mesh: only one axis may be -1, got {', '.join('mesh.' + k for k in free)}")
+    fixed = 1
+    for k, v in sizes.items():
+        if v != -1:
+            fixed *= v
+    if free:
+        if num_devices % fixed:
+            raise ConfigError(
+                f"mesh: {num_devices} devices are not divisible by the fixed axes' product {fixed} "
+                f"(data={mesh.data}, fsdp={mesh.fsdp}, context={mesh.context})"
+            )
+        sizes[free[0]] = num_devices // fixed
+    total = sizes["data"] * sizes["fsdp"] * sizes["context"]
+    if total != num_devices:
+        raise ConfigError(
+            f"mesh: data*fsdp*context = {sizes['data']}*{sizes['fsdp']}*{sizes['context']} = {total}, "
+            f"but there are {num_devices} devices; set one axis to -1 to fill"
+        )
+    return sizes["data"], sizes["fsdp"], sizes["context"]
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+
+
+def validate(cfg: Config, num_devices: int | None = None) -> None:
+    """Check every combination that can be checked before compiling.
+
+    `num_devices` defaults to `cfg.mesh.num_devices` (the device count the run will have).
+
+    Raises:
+      ConfigError: naming the key, its value and what would work.
+    """
+    m = cfg.model
+    for key in ("hidden", "layers", "heads", "kv_heads", "head_dim", "mlp_hidden", "vocab_size"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be positive")
+    if m.heads % m.kv_heads:
+        raise ConfigError(
+            f"model.heads={m.heads} must be a multiple of model.kv_heads={m.kv_heads} (grouped-query attention)"
+        )
+    _choice("param_dtype", cfg.param_dtype, DTYPES)
+    _choice("compute_dtype", cfg.compute_dtype, DTYPES)
+    _choice("attention.impl", cfg.attention.impl, ATTENTION_IMPLS)
+    _choice("attention.backend", cfg.attention.backend, ATTENTION_BACKENDS)
+    _choice("remat.policy", cfg.remat.policy, REMAT_POLICIES)
+    for key in ("seq_len", "global_batch", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be positive")
+
+    n = cfg.mesh.num_devices if num_devices is None else num_devices
+    data, fsdp, context = resolve_mesh_shape(cfg.mesh, n)
+    if cfg.seq_len % context:
+        raise ConfigError(
+            f"seq_len={cfg.seq_len} is not divisible by mesh.context={context}; "
+            f"use a multiple of {context}, e.g. {(cfg.seq_len // context + 1) * context}"
+        )
+    if cfg.global_batch % (data * fsdp):
+        raise ConfigError(
+            f"global_batch={cfg.global_batch} is not divisible by mesh.data*mesh.fsdp={data * fsdp} "
+            f"(the batch is sharded over both); use a multiple of {data * fsdp}"
+        )
+    check_heads(m.heads, m.kv_heads, context)
+    if cfg.attention.impl == "upipe":
+        u = cfg.attention.heads_per_stage or context
+        if u % context or m.heads % u:
+            valid = [v for v in range(context, m.heads + 1, context) if m.heads % v == 0]
+            raise ConfigError(
+                f"attention.heads_per_stage={u} must be a multiple of mesh.context={context} and divide "
+                f"model.heads={m.heads}; valid values: {valid}"
+            )
+
+
+def check_heads(heads: int, kv_heads: int, context: int) -> None:
+    """Ulysses splits heads over the context axis.
+
+    Raises:
+      ConfigError: `heads` is not divisible by `context`, or neither of kv_heads and context divides the other.
+    """
+    if heads % context:
+        raise ConfigError(
+            f"model.heads={heads} is not divisible by mesh.context={context}: Ulysses gives each device "
+            f"heads/context whole heads; use a context degree that divides {heads}"
+        )
+    if kv_heads % context and context % kv_heads:
+        raise ConfigError(
+            f"model.kv_heads={kv_heads} and mesh.context={context}: KV heads are split when kv_heads is "
+            f"divisible by context and replicated when context is divisible by kv_heads; neither holds"
+        )

@@ -1,0 +1,48 @@
+"""Reading compiled memory: per-device bytes from `Compiled.memory_analysis()`, and device memory in use."""
+
+from __future__ import annotations
+
+import jax
+
+GiB = 1024**3
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable bytes (binary units)."""
+    for unit, size in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def compiled_bytes(compiled) -> dict[str, int]:
+    """Per-device bytes of a compiled program: arguments, outputs, temporaries, aliased (donated) bytes,
+    host-side counterparts, and `peak` = argument + output + temp - alias (XLA's own estimate; best-effort)."""
+    m = compiled.memory_analysis()
+    out = {
+        "argument": m.argument_size_in_bytes,
+        "output": m.output_size_in_bytes,
+        "temp": m.temp_size_in_bytes,
+        "alias": m.alias_size_in_bytes,
+        "host_argument": getattr(m, "host_argument_size_in_bytes", 0),
+        "host_output": getattr(m, "host_output_size_in_bytes", 0),
+        "host_temp": getattr(m, "host_temp_size_in_bytes", 0),
+    }
+    out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
+
+
+def format_compiled(compiled, title: str = "train step") -> str:
+    b = compiled_bytes(compiled)
+    return (
+        f"{title}, per device (compiled memory_analysis): arguments {fmt_bytes(b['argument'])}, "
+        f"outputs {fmt_bytes(b['output'])} (donated/aliased {fmt_bytes(b['alias'])}), "
+        f"temporaries {fmt_bytes(b['temp'])}, peak ≈ {fmt_bytes(b['peak'])}"
+    )
+
+
+def device_memory() -> dict[str, int]:
+    """`bytes_in_use` and `peak_bytes_in_use` of the first local device; empty where the backend has no stats
+    (the CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return {k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use") if k in stats}

@@ -1,0 +1,196 @@
+"""Llama-3 in Flax NNX: token embedding, a scan over stacked decoder layers, final RMSNorm, output head.
+
+Each decoder layer (Llama-3, Grattafiori et al. 2024, §3; Touvron et al. 2023, §2.2) is
+`x += W_o attention(RoPE(W_q n(x)), RoPE(W_k n(x)), W_v n(x))` then `x += SwiGLU(n(x))`, with RMSNorm `n`
+and grouped-query attention. Weight layouts keep heads explicit so head-chunked attention (U-Pipe) can take
+row blocks: W_q `[hidden, heads, head_dim]`, W_k/W_v `[hidden, kv_heads, head_dim]`, W_o
+`[heads, head_dim, hidden]`.
+
+The decoder layers' parameters are stacked on a leading `[layers]` axis and run by one `lax.scan`, so compile
+time does not grow with depth. Inside the scan body each layer's FSDP-sharded weights are cast to the compute
+dtype and gathered (a replicated sharding constraint), so only one layer's full weights are live at a time;
+the transpose of that gather reduce-scatters the gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxlong import layers as L
+from jaxlong import remat as R
+from jaxlong.config import Config, ModelConfig
+from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, activation_spec, tree_shardings
+from jaxlong.ulysses import ulysses_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """What the forward pass needs besides parameters: the mesh and the run's config (static, not traced)."""
+
+    mesh: jax.sharding.Mesh
+    cfg: Config
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.cfg.compute_dtype)
+
+    def constrain(self, x: jax.Array, spec: P) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def gather(self, w: jax.Array) -> jax.Array:
+        """FSDP all-gather of one layer's weight in the compute dtype (cast first: half the bytes moved)."""
+        return self.constrain(w.astype(self.compute_dtype), P())
+
+
+def _normal(std: float):
+    return nnx.initializers.normal(stddev=std)
+
+
+class DecoderLayer(nnx.Module):
+    """One Llama-3 decoder layer. Called on `[batch, seq, hidden]` with global positions `[batch, seq]`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        h, n, kv, d, f = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_hidden
+        init = _normal(cfg.init_std)
+        out_init = _normal(cfg.init_std / (2 * cfg.layers) ** 0.5)
+        self.attn_norm = nnx.Param(jnp.ones((h,), param_dtype))
+        self.wq = nnx.Param(init(rngs.params(), (h, n, d), param_dtype))
+        self.wk = nnx.Param(init(rngs.params(), (h, kv, d), param_dtype))
+        self.wv = nnx.Param(init(rngs.params(), (h, kv, d), param_dtype))
+        self.wo = nnx.Param(out_init(rngs.params(), (n, d, h), param_dtype))
+        self.mlp_norm = nnx.Param(jnp.ones((h,), param_dtype))
+        self.w_gate = nnx.Param(init(rngs.params(), (h, f), param_dtype))
+        self.w_up = nnx.Param(init(rngs.params(), (h, f), param_dtype))
+        self.w_down = nnx.Param(out_init(rngs.params(), (f, h), param_dtype))
+
+    def attention(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
+        """Normalized input `[b, s, hidden]` -> attention output before W_o, `[b, s, heads, head_dim]`."""
+        mc, ac = rt.cfg.model, rt.cfg.attention
+        if ac.impl == "upipe":
+            from jaxlong.upipe import upipe_attention  # noqa: PLC0415 (optional op, imported on use)
+
+            return upipe_attention(
+                x, rt.gather(self.wq[...]), rt.gather(self.wk[...]), rt.gather(self.wv[...]),
+                mesh=rt.mesh, heads_per_stage=ac.heads_per_stage or rt.mesh.shape[CONTEXT_AXIS],
+                rope_theta=mc.rope_theta, backend=ac.backend, block_q=ac.block_q, block_k=ac.block_k,
+            )
+        qkv_spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
+        q = jnp.einsum("bsh,hnd->bsnd", x, rt.gather(self.wq[...]))
+        k = jnp.einsum("bsh,hnd->bsnd", x, rt.gather(self.wk[...]))
+        v = jnp.einsum("bsh,hnd->bsnd", x, rt.gather(self.wv[...]))
+        cos, sin = L.rope_tables(positions, mc.head_dim, mc.rope_theta)
+        q = checkpoint_name(rt.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
+        k = checkpoint_name(rt.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
+        v = checkpoint_name(rt.constrain(v, qkv_spec), "value_proj")
+        return ulysses_attention(
+            q, k, v, mesh=rt.mesh, backend=ac.backend, block_q=ac.block_q, block_k=ac.block_k
+        )
+
+    def __call__(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
+        eps = rt.cfg.model.norm_eps
+        x = checkpoint_name(rt.constrain(x, activation_spec()), R.LAYER_INPUT)
+        h = checkpoint_name(L.rms_norm(x, self.attn_norm[...], eps), "attn_norm_out")
+        attn = checkpoint_name(self.attention(h, positions, rt), "attn_out")
+        x = x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(self.wo[...]))
+        h = checkpoint_name(L.rms_norm(x, self.mlp_norm[...], eps), "mlp_norm_out")
+        x = x + mlp(h, rt.gather(self.w_gate[...]), rt.gather(self.w_up[...]), rt.gather(self.w_down[...]), rt)
+        return rt.constrain(x, activation_spec())
+
+
+def mlp(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, rt: Runtime) -> jax.Array:
+    """The layer's SwiGLU MLP on `[b, s, hidden]` (plain; the tiled variant is selected by config)."""
+    gate = jnp.einsum("bsh,hf->bsf", h, w_gate)
+    up = jnp.einsum("bsh,hf->bsf", h, w_up)
+    act = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+    return jnp.einsum("bsf,fh->bsh", act, w_down)
+
+
+class Llama(nnx.Module):
+    """Llama-3 decoder-only model. `__call__(tokens [b, s] int32, rt)` -> final hidden states `[b, s, hidden]`.
+
+    The output head is separate (`head_weight`) so the loss can be computed over sequence tiles without
+    materializing `[b, s, vocab]` logits.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.tie_embeddings = cfg.tie_embeddings
+        self.norm_eps = cfg.norm_eps
+        self.embed = nnx.Param(_normal(cfg.init_std)(rngs.params(), (cfg.vocab_size, cfg.hidden), param_dtype))
+
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs):
+            return DecoderLayer(cfg, rngs=rngs, param_dtype=param_dtype)
+
+        self.layers = make_layers(rngs)
+        self.final_norm = nnx.Param(jnp.ones((cfg.hidden,), param_dtype))
+        if not cfg.tie_embeddings:
+            self.lm_head = nnx.Param(_normal(cfg.init_std)(rngs.params(), (cfg.hidden, cfg.vocab_size), param_dtype))
+
+    def head_weight(self, rt: Runtime) -> jax.Array:
+        """Output projection `[hidden, vocab]` in the compute dtype (the embedding's transpose when tied)."""
+        w = self.embed[...].T if self.tie_embeddings else self.lm_head[...]
+        return rt.gather(w)
+
+    def __call__(self, tokens: jax.Array, rt: Runtime) -> jax.Array:
+        b, s = tokens.shape
+        x = jnp.take(rt.gather(self.embed[...]), tokens, axis=0)
+        x = rt.constrain(x, activation_spec())
+        positions = rt.constrain(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), P(BATCH_AXES, CONTEXT_AXIS))
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def body(carry, state):
+            return nnx.merge(layer_def, state)(carry, positions, rt), None
+
+        x, _ = jax.lax.scan(R.remat(body, rt.cfg.remat), x, layer_state)
+        return L.rms_norm(x, self.final_norm[...], self.norm_eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure-function view used by the trainer: parameters are a plain dict of arrays.
+
+
+def _param_dtype(cfg: Config):
+    return jnp.dtype(cfg.param_dtype)
+
+
+def model_graphdef(cfg: Config):
+    """The NNX graph definition of the model (no parameters allocated)."""
+    abstract = nnx.eval_shape(lambda: Llama(cfg.model, rngs=nnx.Rngs(0), param_dtype=_param_dtype(cfg)))
+    return nnx.graphdef(abstract)
+
+
+def abstract_params(cfg: Config) -> dict:
+    """`jax.ShapeDtypeStruct` tree of the parameters (nothing allocated)."""
+
+    def create():
+        return nnx.to_pure_dict(nnx.state(Llama(cfg.model, rngs=nnx.Rngs(0), param_dtype=_param_dtype(cfg)), nnx.Param))
+
+    return jax.eval_shape(create)
+
+
+def init_params(cfg: Config, mesh: jax.sharding.Mesh, seed: int | None = None) -> dict:
+    """Initialize parameters directly into their FSDP shardings (no host copy of the full model).
+
+    Returns a nested dict of `jax.Array`; stacked decoder weights have a leading `[layers]` axis.
+    """
+    seed = cfg.seed if seed is None else seed
+    shardings = tree_shardings(mesh, abstract_params(cfg))
+
+    def create(key):
+        model = Llama(cfg.model, rngs=nnx.Rngs(params=key), param_dtype=_param_dtype(cfg))
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+    return jax.jit(create, out_shardings=shardings)(jax.random.key(seed))
+
+
+def forward(graphdef, params: dict, tokens: jax.Array, rt: Runtime) -> tuple[jax.Array, jax.Array]:
+    """`tokens [b, s]` -> (final hidden states `[b, s, hidden]`, output head `[hidden, vocab]`)."""
+    model = nnx.merge(graphdef, params)
+    return model(tokens, rt), model.head_weight(rt)

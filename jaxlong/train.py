@@ -1,0 +1,61 @@
+"""Command line trainer: `python -m jaxlong.train [--config FILE] [--resume] [--profile] [key=value ...]`.
+
+With no arguments it trains the default tiny Llama on the Python standard library's source over 8 devices
+(simulated on the CPU). Examples:
+
+    python -m jaxlong.train
+    python -m jaxlong.train steps=100 seq_len=16384 mesh.context=8
+    python -m jaxlong.train --config configs/llama3_1_8b.yaml seq_len=1048576 mesh.context=8
+    python -m jaxlong.train --resume            # continue runs/<run_name> from its latest checkpoint
+
+The config is validated before jax is imported; on the CPU, `mesh.num_devices` simulated devices are created
+(`--xla_force_host_platform_device_count`), which must happen before jax is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jaxlong.config import ConfigError, load_config
+
+
+def set_host_device_count(n: int) -> None:
+    """Ask XLA for `n` host (CPU) devices unless XLA_FLAGS already sets a count. Harmless on GPUs."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxlong.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default=None, help="YAML config (default: built-in defaults = configs/default.yaml)")
+    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    parser.add_argument("--profile", action="store_true", help="trace a few steps with jax.profiler into the run dir")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. mesh.context=8 seq_len=16384")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    set_host_device_count(cfg.mesh.num_devices)
+    from jaxlong.trainer import run  # noqa: PLC0415 (jax must be imported after XLA_FLAGS is set)
+
+    try:
+        run(cfg, resume=args.resume, profile=args.profile)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

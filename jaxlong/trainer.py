@@ -1,0 +1,137 @@
+"""The train loop: data, ahead-of-time compile with a memory report, steps, metrics, checkpoints, profile.
+
+The trainer knows no model internals: it builds the mesh, the state and the jitted step from `jaxlong.step`,
+feeds batches already sharded on the mesh, and writes TensorBoard scalars under `<run_dir>/<run_name>/`:
+`loss`, `lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `mfu` (when the device's peak is known) and
+`device_memory/*` (where the backend reports it).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+from jax.sharding import NamedSharding
+from tensorboardX import SummaryWriter
+from tqdm import tqdm
+
+from jaxlong import data as data_lib
+from jaxlong import step as step_lib
+from jaxlong.checkpoint import Checkpointer
+from jaxlong.config import Config, ConfigError, to_dict, validate
+from jaxlong.memstats import device_memory, format_compiled
+from jaxlong.mesh import batch_spec, build_mesh, describe_param_sharding
+
+# Dense bf16 peak FLOP/s per device, for MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def flops_per_token(cfg: Config) -> float:
+    """Training FLOPs per token: 6 * (non-embedding matmul params) + causal attention 6 * layers * S * H * d.
+
+    (Kaplan et al. 2020 §2.1 with the attention term; the causal mask halves 12 * layers * S * H * d.)
+    """
+    m = cfg.model
+    per_layer = m.hidden * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.hidden
+    per_layer += 3 * m.hidden * m.mlp_hidden
+    matmul_params = m.layers * per_layer + m.hidden * m.vocab_size
+    return 6.0 * matmul_params + 6.0 * m.layers * cfg.seq_len * m.heads * m.head_dim
+
+
+def peak_flops() -> float | None:
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+
+
+def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
+    """Train for `cfg.steps` steps. Returns the last step's metrics and the run directory.
+
+    Raises:
+      ConfigError: the config does not fit the devices present (checked before compiling).
+      FileNotFoundError: `resume` with no checkpoint in the run directory.
+    """
+    validate(cfg, num_devices=len(jax.devices()))
+    mesh = build_mesh(cfg.mesh)
+    run_dir = Path(cfg.run_dir) / cfg.run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer!r} tokenizer's "
+            f"{tokenizer.vocab_size}; use at least {tokenizer.vocab_size}"
+        )
+    print(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
+          f"mesh {dict(mesh.shape)} on {len(jax.devices())} x {jax.devices()[0].device_kind}, "
+          f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
+
+    t0 = time.perf_counter()
+    compiled = step_lib.compile_train_step(cfg, mesh)
+    print(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+    print(format_compiled(compiled))
+
+    ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
+    if resume:
+        start, state = ckpt.restore(step_lib.abstract_state(cfg, mesh))
+        print(f"resumed from {ckpt.directory / str(start)}")
+    else:
+        if ckpt.latest_step() is not None:
+            print(f"note: {ckpt.directory} holds checkpoints up to step {ckpt.latest_step()}; "
+                  f"starting fresh (pass --resume to continue)")
+        start, state = 0, step_lib.init_state(cfg, mesh)
+    sharded = describe_param_sharding(mesh, state["params"])
+    replicated = [line for line in sharded if "replicated" in line]
+    print(f"FSDP: {len(sharded) - len(replicated)} of {len(sharded)} parameter leaves sharded over fsdp x context"
+          + (f"; replicated: {', '.join(r.split()[0] for r in replicated)}" if replicated else ""))
+
+    tokens = data_lib.load_corpus(cfg.data.path, tokenizer, cfg.data.max_tokens)
+    batches = data_lib.make_batch_iterator(
+        tokens, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed, start_step=start
+    )
+    batch_sharding = NamedSharding(mesh, batch_spec())
+    writer = SummaryWriter(str(run_dir))
+    tokens_per_step = cfg.seq_len * cfg.global_batch
+    flops, peak = flops_per_token(cfg), peak_flops()
+    metrics: dict = {}
+    profiling = False
+    profile_start = start + 1  # skip the first step (allocation, warm-up)
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    try:
+        t_last = time.perf_counter()
+        for step in range(start, cfg.steps):
+            if profile and step == profile_start:
+                jax.profiler.start_trace(str(run_dir))
+                profiling = True
+            batch = data_lib.put_on_mesh(next(batches), batch_sharding)
+            state, m = compiled(state, batch)
+            if profiling and step == profile_start + cfg.profile_steps - 1:
+                jax.block_until_ready(m)
+                jax.profiler.stop_trace()
+                profiling = False
+                print(f"profile of {cfg.profile_steps} steps written under {run_dir}/plugins/profile")
+            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                metrics = {k: float(v) for k, v in jax.device_get(m).items()}
+                now = time.perf_counter()
+                n_steps = cfg.log_every if step + 1 - start >= cfg.log_every else step + 1 - start
+                metrics["step_time_s"] = (now - t_last) / n_steps
+                metrics["tokens_per_s"] = tokens_per_step / metrics["step_time_s"]
+                if peak:
+                    metrics["mfu"] = metrics["tokens_per_s"] * flops / (peak * len(jax.devices()))
+                for k, v in device_memory().items():
+                    metrics[f"device_memory/{k}"] = v
+                for k, v in metrics.items():
+                    writer.add_scalar(k, v, step + 1)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                t_last = now
+            bar.update(1)
+            ckpt.save(step + 1, state, to_dict(cfg))
+        ckpt.save(cfg.steps, state, to_dict(cfg), force=cfg.steps not in ckpt.manager.all_steps())
+    finally:
+        if profiling:
+            jax.profiler.stop_trace()
+        bar.close()
+        writer.close()
+        ckpt.close()  # waits for pending asynchronous saves: a finished save is never lost
+    print(f"done: step {cfg.steps}, loss {metrics.get('loss', float('nan')):.4f}; "
+          f"TensorBoard: tensorboard --logdir {cfg.run_dir}; checkpoints in {ckpt.directory}")
+    return {"metrics": metrics, "run_dir": str(run_dir)}

@@ -1,0 +1,82 @@
+"""Ulysses context parallelism: attention over the whole sequence with heads split over the `context` axis.
+
+DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv 2309.14509, §3): activations arrive sequence-sharded,
+`[batch, S/C, H, d]` per device. One all-to-all per tensor turns them into head-sharded
+`[batch, S, H/C, d]`; attention runs on whole heads with any single-device kernel; a second all-to-all turns
+the output back into `[batch, S/C, H, d]`. Per link, each all-to-all moves O(S * H * d / C) elements.
+
+Grouped-query attention (H query heads, H_kv key/value heads, C context devices):
+  - H_kv divisible by C: KV heads are split like query heads. Device r holds query heads
+    [r*H/C, (r+1)*H/C) and KV heads [r*H_kv/C, (r+1)*H_kv/C), exactly the groups those queries use.
+  - C divisible by H_kv: each KV head is repeated C/H_kv times before the all-to-all, so device r holds one
+    KV copy, head r // (C/H_kv), which is the group of all its H/C query heads. The repeat's transpose sums
+    the replicas' gradients into the real KV head.
+  - anything else raises `ConfigError` before tracing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxlong.attention.kernels import attention
+from jaxlong.config import check_heads
+from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS
+
+
+def seq_to_heads(x: jax.Array, axis_name: str = CONTEXT_AXIS) -> jax.Array:
+    """All-to-all inside `shard_map`: `[b, S/C, h, d]` (sequence-sharded) -> `[b, S, h/C, d]` (head-sharded)."""
+    return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+
+def heads_to_seq(x: jax.Array, axis_name: str = CONTEXT_AXIS) -> jax.Array:
+    """Inverse all-to-all: `[b, S, h/C, d]` (head-sharded) -> `[b, S/C, h, d]` (sequence-sharded)."""
+    return jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+
+
+def replicate_kv_heads(k: jax.Array, context: int) -> jax.Array:
+    """`[b, s, H_kv, d]` -> `[b, s, C, d]` when H_kv < C (each KV head repeated C/H_kv times, in order)."""
+    kv_heads = k.shape[2]
+    if kv_heads >= context:
+        return k
+    return jnp.repeat(k, context // kv_heads, axis=2)
+
+
+def ulysses_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: jax.sharding.Mesh,
+    backend: str = "auto",
+    causal: bool = True,
+    block_q: int = 512,
+    block_k: int = 512,
+) -> jax.Array:
+    """Causal attention with Ulysses context parallelism over the mesh's `context` axis.
+
+    Args:
+      q: `[batch, seq, heads, head_dim]`, global array; sharded batch over data x fsdp, seq over context.
+      k, v: `[batch, seq, kv_heads, head_dim]`, same sharding.
+      mesh: the `data x fsdp x context` mesh.
+      backend, block_q, block_k: the single-device kernel (see `jaxlong.attention.kernels.attention`).
+
+    Returns:
+      `[batch, seq, heads, head_dim]`, sharded like q.
+
+    Raises:
+      ConfigError: heads not divisible by the context degree, or kv_heads and context not dividing one another.
+    """
+    context = mesh.shape[CONTEXT_AXIS]
+    check_heads(q.shape[2], k.shape[2], context)
+    k = replicate_kv_heads(k, context)
+    v = replicate_kv_heads(v, context)
+    spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
+
+    def local(q, k, v):
+        q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
+        out = attention(q, k, v, backend=backend, causal=causal, block_q=block_q, block_k=block_k)
+        return heads_to_seq(out)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=True)(q, k, v)

@@ -1,0 +1,73 @@
+"""Shared test helpers: tiny configs, meshes over the 8 simulated devices, loss and gradients of one batch."""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxlong import step as step_lib
+from jaxlong.config import AttentionConfig, MeshConfig, RematConfig, load_config, validate
+from jaxlong.data import put_on_mesh
+from jaxlong.mesh import batch_spec, build_mesh
+from jaxlong.model import Runtime, model_graphdef
+
+TINY = [
+    "model.vocab_size=128", "model.hidden=64", "model.layers=2", "model.heads=8", "model.kv_heads=4",
+    "model.head_dim=16", "model.mlp_hidden=96", "seq_len=64", "global_batch=2",
+    "attention.block_q=16", "attention.block_k=16", "param_dtype=float32", "compute_dtype=float32",
+]
+
+
+def tiny_cfg(*overrides: str):
+    return load_config(None, [*TINY, *overrides])
+
+
+def mesh_for(cfg, n_devices: int):
+    return build_mesh(cfg.mesh, devices=jax.devices()[:n_devices])
+
+
+def reference_cfg(cfg):
+    """The same model and batch on one device, with the materialized reference attention and no remat."""
+    ref = copy.deepcopy(cfg)
+    ref.mesh = MeshConfig(data=1, fsdp=1, context=1, num_devices=1)
+    ref.attention = AttentionConfig(impl="ulysses", backend="reference")
+    ref.remat = RematConfig(policy="none")
+    validate(ref)
+    return ref
+
+
+def random_batch(cfg, seed: int = 1) -> dict:
+    rng = np.random.default_rng(seed)
+    shape = (cfg.global_batch, cfg.seq_len)
+    tokens = rng.integers(0, cfg.model.vocab_size, size=(shape[0], shape[1] + 1)).astype(np.int32)
+    mask = (rng.random(shape) > 0.2).astype(np.float32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+
+
+def loss_and_grads(cfg, n_devices: int, batch: dict, params_host=None):
+    """Loss and gradients (as numpy) of `batch` under `cfg` on the first `n_devices` devices."""
+    mesh = mesh_for(cfg, n_devices)
+    params = step_lib.init_state(cfg, mesh)["params"]
+    if params_host is not None:
+        params = jax.tree.map(lambda h, p: jax.device_put(h, p.sharding), params_host, params)
+    graphdef = model_graphdef(cfg)
+    rt = Runtime(mesh=mesh, cfg=cfg)
+    b = put_on_mesh(batch, NamedSharding(mesh, batch_spec()))
+    loss, grads = jax.jit(jax.value_and_grad(lambda p, x: step_lib.loss_fn(p, x, graphdef, rt)))(params, b)
+    return float(loss), jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, params)
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
+    flat_b = jax.tree.leaves(b)
+    assert len(flat_a) == len(flat_b)
+    for (path, x), y in zip(flat_a, flat_b):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def f32(x):
+    return jnp.asarray(x, jnp.float32)

@@ -1,0 +1,58 @@
+"""Config loading, overrides, and the errors promised before compiling."""
+
+import glob
+from pathlib import Path
+
+import pytest
+
+from jaxlong.config import Config, ConfigError, load_config, parse_override
+from jaxlong.train import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "configs" / "*.yaml"))))
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.model.heads % cfg.model.kv_heads == 0
+
+
+def test_default_yaml_equals_builtin_defaults():
+    assert load_config(ROOT / "configs" / "default.yaml") == Config()
+
+
+def test_overrides_are_typed():
+    cfg = load_config(None, ["mesh.data=2", "optim.lr=1e-4", "seq_len=16384", "data.path=null",
+                             "model.tie_embeddings=true", "remat.save=[query_proj]"])
+    assert (cfg.mesh.data, cfg.optim.lr, cfg.seq_len) == (2, 1e-4, 16384)
+    assert cfg.data.path is None and cfg.model.tie_embeddings is True and cfg.remat.save == ["query_proj"]
+    assert parse_override("optim.lr=3e-4") == ("optim.lr", 3e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["foo=1"], "unknown config key 'foo'.*allowed: attention"),
+        (["mesh.contxt=2"], "unknown config key 'mesh.contxt'.*allowed: context"),
+        (["seq_len=abc"], "'seq_len' must be of type int"),
+        (["model.kv_heads=3"], "model.heads=4 must be a multiple of model.kv_heads=3"),
+        (["mesh.context=8", "model.heads=4"], "model.heads=4 is not divisible by mesh.context=8"),
+        (["model.heads=12", "model.kv_heads=3"], "kv_heads=3 and mesh.context=4"),
+        (["seq_len=8190"], "seq_len=8190 is not divisible by mesh.context=4.*8192"),
+        (["global_batch=3"], "global_batch=3 is not divisible by mesh.data\\*mesh.fsdp=2"),
+        (["mesh.fsdp=3"], "data\\*fsdp\\*context = 1\\*3\\*4 = 12, but there are 8 devices"),
+        (["attention.impl=ring"], "attention.impl='ring' is not allowed; choose one of: ulysses, upipe"),
+        (["compute_dtype=fp8"], "compute_dtype='fp8' is not allowed"),
+        (["remat.policy=some"], "remat.policy='some' is not allowed"),
+        (["attention.impl=upipe", "attention.heads_per_stage=2"], "heads_per_stage=2 must be a multiple of mesh.context=4"),
+        (["mesh", "=1"], "not of the form key=value"),
+    ],
+)
+def test_bad_configs_raise_clear_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_cli_reports_config_errors_without_compiling(capsys):
+    assert main(["model.kv_heads=3"]) == 2
+    assert "config error: model.heads=4 must be a multiple" in capsys.readouterr().err
