@@ -113,7 +113,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     seq_len: int = 8192  # tokens per sequence
     global_batch: int = 2  # sequences per step, over all data-parallel replicas
-    steps: int = 20
+    steps: int = 30
     seed: int = 0
     param_dtype: str = "float32"  # master weights, gradients, optimizer state
     compute_dtype: str = "float32"  # matmuls and activations

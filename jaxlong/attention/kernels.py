@@ -389,7 +389,8 @@ def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = Tru
     if backend == "reference":
         return _reference_with_lse(q, k, v, causal=causal)
     b, s, h, _, _ = _check_shapes(q, k, v)
-    return cudnn_attention(q, k, v, causal=causal), jnp.zeros((b, h, s), _F32)
+    dummy_lse = lax.full_like(q[..., 0], 0, dtype=_F32).swapaxes(1, 2)  # [b, h, s], varying like q
+    return cudnn_attention(q, k, v, causal=causal), dummy_lse
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: bool = True,
