@@ -78,6 +78,17 @@ class RematConfig:
 
 
 @dataclass
+class TilingConfig:
+    """Sequence tiling (ALST §3.2-3.3): loss and MLP over tiles of the local sequence, recomputed in the
+    backward pass, so `[S/C, vocab]` logits and `[S/C, mlp_hidden]` intermediates never exist at once."""
+
+    loss: bool = False
+    loss_tile: int = 0  # tokens per loss tile; 0 derives it from a 256 MiB float32 logits budget
+    mlp: bool = False
+    mlp_tiles: int = 0  # tiles per local sequence; 0 means ceil(S_local / hidden) as in ALST
+
+
+@dataclass
 class DataConfig:
     """Training text. `path: null` is the embedded corpus: the Python standard library's source files."""
 
@@ -109,6 +120,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     remat: RematConfig = field(default_factory=RematConfig)
+    tiling: TilingConfig = field(default_factory=TilingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     seq_len: int = 8192  # tokens per sequence
@@ -289,6 +301,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _choice("attention.impl", cfg.attention.impl, ATTENTION_IMPLS)
     _choice("attention.backend", cfg.attention.backend, ATTENTION_BACKENDS)
     _choice("remat.policy", cfg.remat.policy, REMAT_POLICIES)
+    if cfg.tiling.loss_tile < 0 or cfg.tiling.mlp_tiles < 0:
+        raise ConfigError("tiling.loss_tile and tiling.mlp_tiles must be >= 0 (0 = derived default)")
     for key in ("seq_len", "global_batch", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be positive")
