@@ -16,9 +16,8 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, every: int, keep: int):
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(
-            save_interval_steps=every, max_to_keep=keep, enable_async_checkpointing=True, create=True
-        )
+        self.every = every
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
@@ -26,10 +25,12 @@ class Checkpointer:
 
     def save(self, step: int, state: dict, config: dict, *, force: bool = False) -> bool:
         """Start an asynchronous save of `state` at `step` (if due, or `force`). Returns whether it saved."""
+        if not force and step % self.every:
+            return False
         return self.manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config)),
-            force=force,
+            force=True,
         )
 
     def restore(self, abstract_state: dict, step: int | None = None) -> tuple[int, dict]:

@@ -93,6 +93,7 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
     tokens_per_step = cfg.seq_len * cfg.global_batch
     flops, peak = flops_per_token(cfg), peak_flops()
     metrics: dict = {}
+    last_saved = start
     profiling = False
     profile_start = start + 1  # skip the first step (allocation, warm-up)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
@@ -124,8 +125,10 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 t_last = now
             bar.update(1)
-            ckpt.save(step + 1, state, to_dict(cfg))
-        ckpt.save(cfg.steps, state, to_dict(cfg), force=cfg.steps not in ckpt.manager.all_steps())
+            if ckpt.save(step + 1, state, to_dict(cfg)):
+                last_saved = step + 1
+        if last_saved != cfg.steps and start < cfg.steps:
+            ckpt.save(cfg.steps, state, to_dict(cfg), force=True)
     finally:
         if profiling:
             jax.profiler.stop_trace()

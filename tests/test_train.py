@@ -17,7 +17,7 @@ def _cfg(tmp_path, *extra):
 
 
 def test_training_reduces_loss_and_writes_events_and_checkpoints(tmp_path):
-    cfg = _cfg(tmp_path, "steps=8", "checkpoint_every=4", "run_name=a")
+    cfg = _cfg(tmp_path, "steps=8", "checkpoint_every=4", "keep_checkpoints=3", "run_name=a")
     out = run(cfg)
     run_dir = tmp_path / "a"
     events = EventAccumulator(str(run_dir)).Reload()
@@ -27,7 +27,7 @@ def test_training_reduces_loss_and_writes_events_and_checkpoints(tmp_path):
     for tag in ("lr", "grad_norm", "tokens_per_s", "step_time_s"):
         assert tag in events.Tags()["scalars"]
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-    assert steps == [4, 8]
+    assert steps == [4, 8]  # every 4 steps, the last 2 kept
     assert out["metrics"]["loss"] == pytest.approx(losses[-1])
 
 
