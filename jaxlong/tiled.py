@@ -1,0 +1,350 @@
+"""Sequence tiling: the output projection + cross-entropy, and the SwiGLU MLP, over tiles of tokens.
+
+Both ops keep their largest intermediates for one tile of tokens at a time, in the forward pass *and* in the
+backward pass (design brief §2, rows "tiled loss" and "tiled MLP"):
+
+- `tiled_cross_entropy` never materializes `[batch, seq, vocab]` logits: a `lax.scan` over sequence tiles
+  projects one tile to float32 logits `[batch, tile, vocab]`, reduces it to per-token log-sum-exp and
+  target logit, and moves on. Its `custom_vjp` saves only the inputs and the per-token lse `[batch, seq]`
+  (float32); the backward is a second scan that recomputes each tile's logits, forms
+  `softmax - onehot(target)` in place and accumulates d_head `[hidden, vocab]` in float32.
+  Sources: ALST (Arctic Long Sequence Training, arXiv 2506.13996) §3.2, sequence tiling of the logits and
+  loss (its `TiledCompute`); Liger Kernel's chunked fused linear cross-entropy (arXiv 2410.10989).
+- `tiled_mlp` runs `(silu(x W_gate) * (x W_up)) W_down` over sequence tiles; a `custom_vjp` saves only x and
+  the weights, and its backward scan recomputes one tile's `[batch, tile, mlp_hidden]` intermediates at a
+  time, accumulating the weight gradients in float32. Source: ALST §3.3, tiled MLP (default tile count
+  `ceil(seq / hidden)`).
+
+Both hand-written backward passes matter: a plain `lax.scan` differentiated by autodiff stacks every tile's
+residuals and gives back all the memory tiling saved.
+
+Sharding. With `mesh=None` the ops run on whatever arrays they get (tiles along axis 1). With a mesh (axes
+`data`, `fsdp`, `context`), activations `[batch, seq, ...]` are laid out `P(('data', 'fsdp'), 'context')`
+and the weights are replicated (gathered); the op runs inside `jax.shard_map`, so tiles are taken along each
+device's *local* sequence (`seq / mesh.context` tokens). Replicated weights are marked varying
+(`lax.pcast`), so the shard_map transpose sums their per-device cotangents; the backward never sums them
+itself (design brief §5). The loss sum and the valid-token count are `psum`med over all mesh axes.
+
+Option names used in error messages (suggested config keys): `tiled.loss_tile` (tokens per loss tile) and
+`tiled.mlp_tiles` (number of MLP tiles per local sequence).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS
+
+MiB = 2**20
+DEFAULT_LOSS_BUDGET_BYTES = 256 * MiB
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation and defaults (no tracing: callable from config validation).
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _show(values: list[int], limit: int = 16) -> str:
+    if len(values) <= limit:
+        return str(values)
+    half = limit // 2
+    return f"[{', '.join(map(str, values[:half]))}, ..., {', '.join(map(str, values[-half:]))}]"
+
+
+def _positive_divisor(value, n: int) -> bool:
+    try:
+        v = operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool) and v >= 1 and n % v == 0
+
+
+def validate_loss_tile(seq_local: int, tile: int) -> None:
+    """Raise ValueError unless `tile` (tokens per loss tile, option `tiled.loss_tile`) divides `seq_local`
+    (the sequence length each device holds: seq_len / mesh.context)."""
+    if not _positive_divisor(tile, seq_local):
+        raise ValueError(
+            f"tiled.loss_tile={tile!r} must be a positive integer dividing the local sequence length "
+            f"{seq_local} (seq_len / mesh.context); valid values: {_show(_divisors(seq_local))}"
+        )
+
+
+def validate_mlp_tiles(seq_local: int, tiles: int) -> None:
+    """Raise ValueError unless `tiles` (number of MLP tiles, option `tiled.mlp_tiles`) divides `seq_local`."""
+    if not _positive_divisor(tiles, seq_local):
+        raise ValueError(
+            f"tiled.mlp_tiles={tiles!r} must be a positive integer dividing the local sequence length "
+            f"{seq_local} (seq_len / mesh.context); valid values: {_show(_divisors(seq_local))}"
+        )
+
+
+def default_loss_tile(seq_local: int, vocab: int, budget_bytes: int = DEFAULT_LOSS_BUDGET_BYTES, *,
+                      batch: int = 1) -> int:
+    """Tokens per loss tile: the largest power of two dividing `seq_local` whose float32 logits tile
+    `[batch, tile, vocab]` fits in `budget_bytes` (at least 1).
+
+    The backward holds about two such tiles (logits and their gradient) at once. Example: vocab 128,256 and
+    the default 256 MiB give 512 tokens (250.5 MiB per tile).
+    """
+    max_tokens = max(1, budget_bytes // (4 * vocab * max(batch, 1)))
+    tile = 1
+    while tile * 2 <= max_tokens and seq_local % (tile * 2) == 0:
+        tile *= 2
+    return tile
+
+
+def default_mlp_tiles(seq_local: int, hidden: int) -> int:
+    """ALST's tile count `ceil(seq_local / hidden)`, rounded up to the nearest divisor of `seq_local`
+    (so each tile holds about `hidden` tokens: its `[tile, mlp_hidden]` intermediates are the size of a
+    `[hidden, mlp_hidden]` weight)."""
+    want = max(1, -(-seq_local // hidden))
+    return next(d for d in _divisors(seq_local) if d >= want)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers.
+
+
+def _varying(x, axes: tuple):
+    """A fresh (unvarying) scan carry marked varying over the mesh `axes` the op runs under (inside
+    `shard_map` with check_vma), so it matches the type of the scan body's output; identity for `()`."""
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _tile(x: jax.Array, i, size: int) -> jax.Array:
+    """Tile `i` of `size` tokens along the sequence axis (axis 1)."""
+    return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=1)
+
+
+def _untile(ys: jax.Array) -> jax.Array:
+    """Per-tile scan outputs `[n_tiles, batch, tile]` -> `[batch, n_tiles * tile]`."""
+    n, b, t = ys.shape
+    return jnp.moveaxis(ys, 0, 1).reshape(b, n * t)
+
+
+def _check_mesh_seq(seq: int, mesh) -> int:
+    c = mesh.shape[CONTEXT_AXIS]
+    if seq % c:
+        raise ValueError(f"sequence length {seq} must be divisible by mesh.context={c}")
+    return seq // c
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiled output projection + cross-entropy.
+
+
+def _tile_logits(h_t: jax.Array, head: jax.Array) -> jax.Array:
+    return jnp.einsum("bth,hv->btv", h_t, head, preferred_element_type=jnp.float32)
+
+
+def _is_target(t_t: jax.Array, vocab: int) -> jax.Array:
+    """`[b, t, vocab]` boolean one-hot of the targets (never stored: fused into its consumers)."""
+    return jax.lax.broadcasted_iota(jnp.int32, (*t_t.shape, vocab), 2) == t_t[..., None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ce_sum(hidden, head, targets, mask, tile, axes):
+    """`sum(mask * token_loss)` (float32 scalar) over the arrays given, computed over sequence tiles.
+    `axes`: the mesh axes of the enclosing shard_map (all inputs vary over them), or ()."""
+    return _ce_sum_fwd(hidden, head, targets, mask, tile, axes)[0]
+
+
+def _ce_sum_fwd(hidden, head, targets, mask, tile, axes):
+    s = hidden.shape[1]
+    vocab = head.shape[1]
+
+    def body(total, i):
+        logits = _tile_logits(_tile(hidden, i, tile), head)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target_logit = jnp.sum(jnp.where(_is_target(_tile(targets, i, tile), vocab), logits, 0.0), axis=-1)
+        return total + jnp.sum((lse - target_logit) * _tile(mask, i, tile)), lse
+
+    total0 = _varying(jnp.zeros((), jnp.float32), axes)
+    total, lse = jax.lax.scan(body, total0, jnp.arange(s // tile))
+    return total, (hidden, head, targets, mask, _untile(lse))
+
+
+def _ce_sum_bwd(tile, axes, res, g):
+    hidden, head, targets, mask, lse = res
+    s = hidden.shape[1]
+    vocab = head.shape[1]
+
+    def body(carry, i):
+        d_hidden, d_head = carry
+        h_t, t_t, m_t, lse_t = (_tile(a, i, tile) for a in (hidden, targets, mask, lse))
+        logits = _tile_logits(h_t, head)
+        is_t = _is_target(t_t, vocab)
+        p = jnp.exp(logits - lse_t[..., None])
+        d_logits = jnp.where(is_t, p - 1.0, p) * (g * m_t)[..., None]  # d(loss)/d(logits), float32
+        d_mask_t = g * (lse_t - jnp.sum(jnp.where(is_t, logits, 0.0), axis=-1))
+        dh_t = jnp.einsum("btv,hv->bth", d_logits.astype(head.dtype), head, preferred_element_type=jnp.float32)
+        d_hidden = jax.lax.dynamic_update_slice_in_dim(d_hidden, dh_t.astype(hidden.dtype), i * tile, axis=1)
+        d_head = d_head + jnp.einsum("bth,btv->hv", h_t, d_logits.astype(hidden.dtype),
+                                     preferred_element_type=jnp.float32)
+        return (d_hidden, d_head), d_mask_t
+
+    init = (_varying(jnp.zeros(hidden.shape, hidden.dtype), axes),
+            _varying(jnp.zeros(head.shape, jnp.float32), axes))
+    (d_hidden, d_head), d_mask = jax.lax.scan(body, init, jnp.arange(s // tile))
+    return d_hidden, d_head.astype(head.dtype), None, _untile(d_mask).astype(mask.dtype)
+
+
+_ce_sum.defvjp(_ce_sum_fwd, _ce_sum_bwd)
+
+
+def tiled_loss_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array, *, tile: int,
+                   mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """Masked cross-entropy *sum* and valid-token count over the global batch, over sequence tiles.
+
+    Args:
+      hidden: final hidden states `[batch, seq, hidden]` (any float dtype); with `mesh`, global and laid out
+        `P(('data', 'fsdp'), 'context', None)`.
+      head: output projection `[hidden, vocab]`, replicated.
+      targets: next-token ids `[batch, seq]` int32 in `[0, vocab)` (ids outside that range are allowed only
+        where mask is 0: they contribute nothing).
+      mask: loss weights `[batch, seq]` (bool, int or float; 1 = count the token).
+      tile: tokens per tile along the (local) sequence: it must divide seq (mesh None) or seq / mesh.context.
+        `default_loss_tile` picks one from a byte budget.
+      mesh: the `data x fsdp x context` mesh, or None to run on the arrays as given.
+
+    Returns:
+      `(loss_sum, count)`: float32 scalars, `sum(token_loss * mask)` in nats and `sum(mask)`; differentiable
+      wrt hidden, head and mask (the count's gradient is the usual one of `sum(mask)`).
+
+    Memory: the float32 logits exist for one `[batch, tile, vocab]` tile at a time (forward and backward;
+    the backward holds about two: logits and their gradient). Independent of seq, the backward also holds
+    a float32 `[hidden, vocab]` d_head accumulator (the output itself for float32 heads) and each tile's
+    float32 d_head partial (XLA's CPU backend does not accumulate a matmul into an existing buffer). The
+    residuals are the inputs plus the per-token lse `[batch, seq]` float32.
+
+    Raises:
+      ValueError: `tile` does not divide the local sequence length (option `tiled.loss_tile`), or seq is not
+        divisible by mesh.context.
+    """
+    mask = mask.astype(jnp.float32)
+    if mesh is None:
+        validate_loss_tile(hidden.shape[1], tile)
+        return _ce_sum(hidden, head, targets, mask, int(tile), ()), jnp.sum(mask)
+    validate_loss_tile(_check_mesh_seq(hidden.shape[1], mesh), tile)
+    tile = int(tile)
+    axes = tuple(mesh.axis_names)
+
+    def local(h, w, t, m):
+        w = jax.lax.pcast(w, axes, to="varying")  # the shard_map transpose sums d_head over the mesh
+        return jax.lax.psum(_ce_sum(h, w, t, m, tile, axes), axes), jax.lax.psum(jnp.sum(m), axes)
+
+    tok = P(BATCH_AXES, CONTEXT_AXIS)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(P(BATCH_AXES, CONTEXT_AXIS, None), P(), tok, tok), out_specs=(P(), P()),
+        check_vma=True,
+    )(hidden, head, targets, mask)
+
+
+def tiled_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array, *, tile: int,
+                        mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+    """Mean next-token cross-entropy (nats/token, float32 scalar) over the valid tokens of the global batch:
+    `loss_sum / max(count, 1)` of `tiled_loss_sum` (same arguments and errors). Equal to
+    `jaxlong.loss.cross_entropy(hidden, head, targets, mask)` without materializing `[batch, seq, vocab]`."""
+    loss_sum, count = tiled_loss_sum(hidden, head, targets, mask, tile=tile, mesh=mesh)
+    return loss_sum / jnp.maximum(count, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiled SwiGLU MLP.
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Plain SwiGLU `(silu(x W_gate) * (x W_up)) W_down`: `[b, s, hidden]` -> `[b, s, hidden]`
+    (the same math as `jaxlong.model.mlp`)."""
+    gate = jnp.einsum("bsh,hf->bsf", x, w_gate)
+    up = jnp.einsum("bsh,hf->bsf", x, w_up)
+    return jnp.einsum("bsf,fh->bsh", jax.nn.silu(gate) * up, w_down)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _mlp_tiled(x, w_gate, w_up, w_down, tile, axes):
+    """SwiGLU over tiles of `tile` tokens; `axes` as in `_ce_sum`."""
+    return _mlp_fwd(x, w_gate, w_up, w_down, tile, axes)[0]
+
+
+def _mlp_fwd(x, w_gate, w_up, w_down, tile, axes):
+    b, s, _ = x.shape
+    dtype = jnp.result_type(x, w_gate, w_up, w_down)
+
+    def body(y, i):
+        y_t = swiglu(_tile(x, i, tile), w_gate, w_up, w_down)
+        return jax.lax.dynamic_update_slice_in_dim(y, y_t.astype(dtype), i * tile, axis=1), None
+
+    y0 = _varying(jnp.zeros((b, s, w_down.shape[1]), dtype), axes)
+    y, _ = jax.lax.scan(body, y0, jnp.arange(s // tile))
+    return y, (x, w_gate, w_up, w_down)
+
+
+def _mlp_bwd(tile, axes, res, dy):
+    x, w_gate, w_up, w_down = res
+    ws = (w_gate, w_up, w_down)
+
+    def body(carry, i):
+        dx, dws = carry
+        _, vjp = jax.vjp(swiglu, _tile(x, i, tile), *ws)  # recompute this tile's intermediates only
+        dx_t, *dws_t = vjp(_tile(dy, i, tile))
+        dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_t.astype(x.dtype), i * tile, axis=1)
+        return (dx, tuple(a + d.astype(jnp.float32) for a, d in zip(dws, dws_t))), None
+
+    init = (_varying(jnp.zeros(x.shape, x.dtype), axes),
+            tuple(_varying(jnp.zeros(w.shape, jnp.float32), axes) for w in ws))
+    (dx, dws), _ = jax.lax.scan(body, init, jnp.arange(x.shape[1] // tile))
+    return (dx, *(d.astype(w.dtype) for d, w in zip(dws, ws)))
+
+
+_mlp_tiled.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def tiled_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, tiles: int,
+              mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+    """SwiGLU MLP `(silu(x W_gate) * (x W_up)) W_down` over `tiles` sequence tiles, with recompute.
+
+    Args:
+      x: normalized layer input `[batch, seq, hidden]`; with `mesh`, global and laid out
+        `P(('data', 'fsdp'), 'context', None)`.
+      w_gate, w_up: `[hidden, mlp_hidden]`; w_down: `[mlp_hidden, hidden]`; replicated (gathered).
+      tiles: number of tiles per (local) sequence; must divide seq (mesh None) or seq / mesh.context.
+        `default_mlp_tiles` gives ALST's `ceil(seq_local / hidden)`.
+      mesh: the `data x fsdp x context` mesh, or None to run on the arrays as given.
+
+    Returns:
+      `[batch, seq, hidden]` in the promoted dtype of the inputs, equal to `swiglu(x, ...)`, sharded like x.
+
+    Memory: the `[batch, seq / tiles, mlp_hidden]` intermediates exist for one tile at a time, forward and
+    backward; the backward saves only x and the weights and accumulates weight gradients in float32.
+    The layer's `mlp_hidden` checkpoint name is not produced (there is no whole-sequence tensor to save).
+
+    Raises:
+      ValueError: `tiles` does not divide the local sequence length (option `tiled.mlp_tiles`), or seq is
+        not divisible by mesh.context.
+    """
+    if mesh is None:
+        validate_mlp_tiles(x.shape[1], tiles)
+        return _mlp_tiled(x, w_gate, w_up, w_down, x.shape[1] // int(tiles), ())
+    seq_local = _check_mesh_seq(x.shape[1], mesh)
+    validate_mlp_tiles(seq_local, tiles)
+    axes = tuple(mesh.axis_names)
+
+    def local(x, *ws):
+        ws = [jax.lax.pcast(w, axes, to="varying") for w in ws]  # the shard_map transpose sums weight grads
+        return _mlp_tiled(x, *ws, seq_local // int(tiles), axes)
+
+    act = P(BATCH_AXES, CONTEXT_AXIS, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(act, P(), P(), P()), out_specs=act, check_vma=True)(
+        x, w_gate, w_up, w_down
+    )
