@@ -320,6 +320,13 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             f"(the batch is sharded over both); use a multiple of {data * fsdp}"
         )
     check_heads(m.heads, m.kv_heads, context)
+    s_local = cfg.seq_len // context
+    for key, value in (("tiling.loss_tile", cfg.tiling.loss_tile), ("tiling.mlp_tiles", cfg.tiling.mlp_tiles)):
+        if value and s_local % value:
+            raise ConfigError(
+                f"{key}={value} must divide the local sequence length seq_len/mesh.context = {s_local}; "
+                f"use a power of two up to {s_local & -s_local} or 0 for the default"
+            )
     if cfg.attention.impl == "upipe":
         u = cfg.attention.heads_per_stage or context
         if u % context or m.heads % u:

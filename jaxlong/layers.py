@@ -1,4 +1,4 @@
-"""Stateless building blocks of the Llama-3 decoder: RMSNorm, rotary embeddings (RoPE), SwiGLU MLP.
+"""Stateless building blocks of the Llama-3 decoder: RMSNorm and rotary embeddings (RoPE).
 
 All take and return `[batch, seq, ...]` arrays; norms and the RoPE rotation are computed in float32 and cast
 back to the input dtype.
@@ -39,10 +39,3 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     c, s = cos[:, :, None, :], sin[:, :, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
-
-def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU MLP (Shazeer 2020): `(silu(x W_gate) * (x W_up)) W_down`. x `[b, s, hidden]`, W_gate/W_up
-    `[hidden, mlp_hidden]`, W_down `[mlp_hidden, hidden]`."""
-    gate = jnp.einsum("bsh,hf->bsf", x, w_gate)
-    up = jnp.einsum("bsh,hf->bsf", x, w_up)
-    return jnp.einsum("bsf,fh->bsh", jax.nn.silu(gate) * up, w_down)

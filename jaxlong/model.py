@@ -26,6 +26,7 @@ from jaxlong import layers as L
 from jaxlong import remat as R
 from jaxlong.config import Config, ModelConfig
 from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, activation_spec, tree_shardings
+from jaxlong.tiled import default_mlp_tiles, tiled_mlp
 from jaxlong.ulysses import ulysses_attention
 
 
@@ -104,7 +105,12 @@ class DecoderLayer(nnx.Module):
 
 
 def mlp(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, rt: Runtime) -> jax.Array:
-    """The layer's SwiGLU MLP on `[b, s, hidden]` (plain; the tiled variant is selected by config)."""
+    """The layer's SwiGLU MLP on `[b, s, hidden]`; over sequence tiles with recompute when `tiling.mlp`."""
+    tiling = rt.cfg.tiling
+    if tiling.mlp:
+        s_local = h.shape[1] // rt.mesh.shape[CONTEXT_AXIS]
+        tiles = tiling.mlp_tiles or default_mlp_tiles(s_local, h.shape[-1])
+        return tiled_mlp(h, w_gate, w_up, w_down, tiles=tiles, mesh=rt.mesh)
     gate = jnp.einsum("bsh,hf->bsf", h, w_gate)
     up = jnp.einsum("bsh,hf->bsf", h, w_up)
     act = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")

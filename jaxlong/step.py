@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 from jaxlong import loss as loss_lib
 from jaxlong import model as model_lib
 from jaxlong.config import Config
-from jaxlong.mesh import batch_spec, replicated, tree_shardings
+from jaxlong.mesh import CONTEXT_AXIS, batch_spec, replicated, tree_shardings
+from jaxlong.tiled import default_loss_tile, tiled_cross_entropy
 
 
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -35,8 +36,16 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
 
 
 def loss_fn(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> jax.Array:
-    """Mean next-token cross-entropy of `batch` (`inputs`, `targets`, `mask`, each `[batch, seq]`)."""
+    """Mean next-token cross-entropy of `batch` (`inputs`, `targets`, `mask`, each `[batch, seq]`); over
+    sequence tiles when `tiling.loss`."""
     hidden, head = model_lib.forward(graphdef, params, batch["inputs"], rt)
+    tiling = rt.cfg.tiling
+    if tiling.loss:
+        b, s = batch["targets"].shape
+        s_local = s // rt.mesh.shape[CONTEXT_AXIS]
+        b_local = max(b // (rt.mesh.shape["data"] * rt.mesh.shape["fsdp"]), 1)
+        tile = tiling.loss_tile or default_loss_tile(s_local, head.shape[-1], batch=b_local)
+        return tiled_cross_entropy(hidden, head, batch["targets"], batch["mask"], tile=tile, mesh=rt.mesh)
     return loss_lib.cross_entropy(hidden, head, batch["targets"], batch["mask"])
 
 

@@ -25,8 +25,8 @@ device's *local* sequence (`seq / mesh.context` tokens). Replicated weights are 
 (`lax.pcast`), so the shard_map transpose sums their per-device cotangents; the backward never sums them
 itself (design brief §5). The loss sum and the valid-token count are `psum`med over all mesh axes.
 
-Option names used in error messages (suggested config keys): `tiled.loss_tile` (tokens per loss tile) and
-`tiled.mlp_tiles` (number of MLP tiles per local sequence).
+Option names used in error messages (suggested config keys): `tiling.loss_tile` (tokens per loss tile) and
+`tiling.mlp_tiles` (number of MLP tiles per local sequence).
 """
 
 from __future__ import annotations
@@ -70,20 +70,20 @@ def _positive_divisor(value, n: int) -> bool:
 
 
 def validate_loss_tile(seq_local: int, tile: int) -> None:
-    """Raise ValueError unless `tile` (tokens per loss tile, option `tiled.loss_tile`) divides `seq_local`
+    """Raise ValueError unless `tile` (tokens per loss tile, option `tiling.loss_tile`) divides `seq_local`
     (the sequence length each device holds: seq_len / mesh.context)."""
     if not _positive_divisor(tile, seq_local):
         raise ValueError(
-            f"tiled.loss_tile={tile!r} must be a positive integer dividing the local sequence length "
+            f"tiling.loss_tile={tile!r} must be a positive integer dividing the local sequence length "
             f"{seq_local} (seq_len / mesh.context); valid values: {_show(_divisors(seq_local))}"
         )
 
 
 def validate_mlp_tiles(seq_local: int, tiles: int) -> None:
-    """Raise ValueError unless `tiles` (number of MLP tiles, option `tiled.mlp_tiles`) divides `seq_local`."""
+    """Raise ValueError unless `tiles` (number of MLP tiles, option `tiling.mlp_tiles`) divides `seq_local`."""
     if not _positive_divisor(tiles, seq_local):
         raise ValueError(
-            f"tiled.mlp_tiles={tiles!r} must be a positive integer dividing the local sequence length "
+            f"tiling.mlp_tiles={tiles!r} must be a positive integer dividing the local sequence length "
             f"{seq_local} (seq_len / mesh.context); valid values: {_show(_divisors(seq_local))}"
         )
 
@@ -228,7 +228,7 @@ def tiled_loss_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask:
     residuals are the inputs plus the per-token lse `[batch, seq]` float32.
 
     Raises:
-      ValueError: `tile` does not divide the local sequence length (option `tiled.loss_tile`), or seq is not
+      ValueError: `tile` does not divide the local sequence length (option `tiling.loss_tile`), or seq is not
         divisible by mesh.context.
     """
     mask = mask.astype(jnp.float32)
@@ -330,7 +330,7 @@ def tiled_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
     The layer's `mlp_hidden` checkpoint name is not produced (there is no whole-sequence tensor to save).
 
     Raises:
-      ValueError: `tiles` does not divide the local sequence length (option `tiled.mlp_tiles`), or seq is
+      ValueError: `tiles` does not divide the local sequence length (option `tiling.mlp_tiles`), or seq is
         not divisible by mesh.context.
     """
     if mesh is None:

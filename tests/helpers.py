@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxlong import step as step_lib
-from jaxlong.config import AttentionConfig, MeshConfig, RematConfig, load_config, validate
+from jaxlong.config import AttentionConfig, MeshConfig, RematConfig, TilingConfig, load_config, validate
 from jaxlong.data import put_on_mesh
 from jaxlong.mesh import batch_spec, build_mesh
 from jaxlong.model import Runtime, model_graphdef
@@ -31,11 +31,12 @@ def mesh_for(cfg, n_devices: int):
 
 
 def reference_cfg(cfg):
-    """The same model and batch on one device, with the materialized reference attention and no remat."""
+    """The same model and batch on one device: reference attention, no remat, no tiling."""
     ref = copy.deepcopy(cfg)
     ref.mesh = MeshConfig(data=1, fsdp=1, context=1, num_devices=1)
     ref.attention = AttentionConfig(impl="ulysses", backend="reference")
     ref.remat = RematConfig(policy="none")
+    ref.tiling = TilingConfig()
     validate(ref)
     return ref
 

@@ -56,3 +56,13 @@ def test_ulysses_attention_uses_global_rope_positions():
     lcos, lsin = rope_tables(local, d, 10000.0)
     wrong = reference_attention(apply_rope(q0, lcos, lsin), apply_rope(k0, lcos, lsin), v)
     assert np.max(np.abs(np.asarray(wrong) - np.asarray(out))) > 1e-2
+
+
+def test_tiled_loss_and_mlp_match_single_device():
+    cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "remat.policy=full", "tiling.loss=true",
+                   "tiling.loss_tile=4", "tiling.mlp=true", "tiling.mlp_tiles=2")
+    batch = random_batch(cfg, seed=11)
+    ref_loss, ref_grads, params = loss_and_grads(reference_cfg(cfg), 1, batch)
+    loss, grads, _ = loss_and_grads(cfg, 8, batch, params_host=params)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
