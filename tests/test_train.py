@@ -45,3 +45,14 @@ def test_resume_gives_the_same_next_step_loss(tmp_path):
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         run(_cfg(tmp_path, "steps=2", "run_name=none"), resume=True)
+
+
+def test_upipe_trains_to_the_same_loss_curve_as_ulysses(tmp_path):
+    def curve(impl, *extra):
+        run(_cfg(tmp_path, "steps=20", "checkpoint_every=100", f"run_name={impl}", f"attention.impl={impl}", *extra))
+        return [e.value for e in EventAccumulator(str(tmp_path / impl)).Reload().Scalars("loss")]
+
+    ulysses = curve("ulysses")
+    upipe = curve("upipe", "attention.heads_per_stage=4")
+    assert len(upipe) == 20 and upipe[-1] < 0.7 * upipe[0]
+    assert upipe == pytest.approx(ulysses, rel=2e-4)
