@@ -149,16 +149,16 @@ def test_tiled_mlp_matches_plain(sharded, tiles):
 
 def test_bad_tiles_raise():
     hidden, head, targets, mask = _ce_inputs(s=64)
-    with pytest.raises(ValueError, match=r"tiled\.loss_tile=24 .* 64 .*valid values: \[1, 2, 4, 8, 16, 32, 64\]"):
+    with pytest.raises(ValueError, match=r"tiling\.loss_tile=24 .* 64 .*valid values: \[1, 2, 4, 8, 16, 32, 64\]"):
         tiled_cross_entropy(hidden, head, targets, mask, tile=24)
-    with pytest.raises(ValueError, match=r"tiled\.loss_tile=32 .* 16 "):  # 64 tokens over context 4
+    with pytest.raises(ValueError, match=r"tiling\.loss_tile=32 .* 16 "):  # 64 tokens over context 4
         tiled_cross_entropy(hidden, head, targets, mask, tile=32, mesh=_mesh())
-    with pytest.raises(ValueError, match=r"tiled\.loss_tile=0"):
+    with pytest.raises(ValueError, match=r"tiling\.loss_tile=0"):
         tiled_cross_entropy(hidden, head, targets, mask, tile=0)
     (x, *ws), _ = _mlp_inputs(s=64)
-    with pytest.raises(ValueError, match=r"tiled\.mlp_tiles=3 .* 64"):
+    with pytest.raises(ValueError, match=r"tiling\.mlp_tiles=3 .* 64"):
         tiled_mlp(x, *ws, tiles=3)
-    with pytest.raises(ValueError, match=r"tiled\.mlp_tiles=32 .* 16 "):
+    with pytest.raises(ValueError, match=r"tiling\.mlp_tiles=32 .* 16 "):
         tiled_mlp(x, *ws, tiles=32, mesh=_mesh())
     with pytest.raises(ValueError, match="mesh.context=4"):
         tiled_mlp(x[:, :62], *ws, tiles=1, mesh=_mesh())
