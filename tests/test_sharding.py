@@ -44,3 +44,19 @@ def test_gradients_come_back_sharded_like_params():
     for got, exp in zip(jax.tree.leaves(out_state_shardings), jax.tree.leaves(want)):
         assert got.is_equivalent_to(exp, len(exp.spec) or 0) or got.spec == exp.spec
     assert np.isfinite(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def test_only_one_layer_of_gathered_weights_is_live():
+    """Each layer's weights are all-gathered inside the layer scan: adding layers adds per-device temp bytes
+    far below one full (gathered) layer's weights per layer."""
+
+    def temp(layers):
+        cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "remat.policy=full", "model.hidden=256",
+                       "model.mlp_hidden=1024", "model.head_dim=32", f"model.layers={layers}", "seq_len=32")
+        return step_lib.compile_train_step(cfg, mesh_for(cfg, 8)).memory_analysis().temp_size_in_bytes, cfg
+
+    (t2, _), (t8, cfg) = temp(2), temp(8)
+    m = cfg.model
+    layer_bytes = 4 * (m.hidden * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.hidden
+                       + 3 * m.hidden * m.mlp_hidden)
+    assert (t8 - t2) / 6 < 0.5 * layer_bytes, (t2, t8, layer_bytes)
