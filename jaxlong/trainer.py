@@ -20,7 +20,7 @@ from jaxlong import data as data_lib
 from jaxlong import step as step_lib
 from jaxlong.checkpoint import Checkpointer
 from jaxlong.config import Config, ConfigError, to_dict, validate
-from jaxlong.memstats import device_memory, format_compiled
+from jaxlong.memstats import compiled_bytes, device_memory, fmt_bytes, format_compiled
 from jaxlong.mesh import batch_spec, build_mesh, describe_param_sharding
 
 # Dense bf16 peak FLOP/s per device, for MFU.
@@ -42,6 +42,21 @@ def flops_per_token(cfg: Config) -> float:
 def peak_flops() -> float | None:
     kind = jax.devices()[0].device_kind
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+
+
+def check_fits(compiled) -> None:
+    """Raise ConfigError before allocating anything when the compiled step cannot fit device memory.
+
+    Uses the device's `bytes_limit` where the backend reports one (GPUs); the CPU reports none.
+    """
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    need = compiled_bytes(compiled)["peak"]
+    if limit and need > limit:
+        raise ConfigError(
+            f"the train step needs {fmt_bytes(need)} per device but the device has {fmt_bytes(limit)}; "
+            f"lower seq_len, or add remat.policy=offload, tiling.loss=true, tiling.mlp=true, attention.impl=upipe "
+            f"(plan with: python -m jaxlong.memory --ladder)"
+        )
 
 
 def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
@@ -69,6 +84,7 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
     compiled = step_lib.compile_train_step(cfg, mesh)
     print(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     print(format_compiled(compiled))
+    check_fits(compiled)
 
     ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
     if resume:

@@ -56,3 +56,19 @@ def test_upipe_trains_to_the_same_loss_curve_as_ulysses(tmp_path):
     upipe = curve("upipe", "attention.heads_per_stage=4")
     assert len(upipe) == 20 and upipe[-1] < 0.7 * upipe[0]
     assert upipe == pytest.approx(ulysses, rel=2e-4)
+
+
+def test_a_step_that_cannot_fit_device_memory_is_refused_before_allocating(monkeypatch):
+    import jax
+
+    from jaxlong import step as step_lib
+    from jaxlong.config import ConfigError
+    from jaxlong.trainer import check_fits
+    from helpers import mesh_for
+
+    cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4")
+    compiled = step_lib.compile_train_step(cfg, mesh_for(cfg, 8))
+    device = type(jax.local_devices()[0])
+    monkeypatch.setattr(device, "memory_stats", lambda self: {"bytes_limit": 1024})
+    with pytest.raises(ConfigError, match="per device but the device has 1.00 KiB"):
+        check_fits(compiled)
