@@ -22,17 +22,41 @@ weights, the output buffer and the per-stage log-sum-exp. The backward recompute
 RoPE and all-to-all, all-to-alls the saved output slice and the incoming gradient to head-sharded layout, runs
 the attention backward, accumulates dK, dV over the group's stages, all-to-alls dQ (and dK, dV at the group's
 end) back, un-rotates them (RoPE is orthogonal: its transpose is the rotation by -angle), and accumulates dx
-and the weight gradients block by block. Differentiating a plain scan instead would stack every stage's
-residuals and give the saving back.
+and the weight gradients stage by stage. Differentiating a plain scan instead would stack every stage's
+residuals and give the saving back (`tests/test_upipe_memory.py` checks the compiled gradient for this).
 
-Memory model, per device, one attention layer, b sequences, S tokens, elements of the compute dtype
-(f = float32 lse). With m = U/C, kc as above and Ulysses' values in brackets:
-  query:     projection `[b, S/C, U, d]` + all-to-all'd `[b, S, m, d]`            [H instead of U, H/C instead of m]
-  key/value: 2 x (`[b, S/C, C*kc, d]` + `[b, S, kc, d]`)                          [2 x (H_kv' + H_kv'/C)]
-  output:    stage `[b, S, m, d]` + back `[b, S/C, U, d]` + buffer `[b, S/C, H, d]`  [H/C + H, no buffer]
-  lse:       `[b, H/C, S]` f32 (all stages)                                        [same]
-so query-side bytes shrink by U/H and nothing of size `[S, H/C, d]` is live apart from the output buffer and
-its gradient. `experiments/upipe_sweep.py` compares this model with `memory_analysis`.
+Memory model (`attention_memory_model`), per device, one attention layer: the tensors live at the peak of the
+compiled program, i.e. what `memory_analysis().temp_size_in_bytes` counts (x, the weights and the incoming
+gradient are arguments; the output, dx and the weight gradients are outputs). Sizes, with B bytes per element
+(everything is float32 on the CPU, see below), m = U/C, kc as above, H_kv' = max(H_kv, C):
+  T_q  = b*S*m*d*B        one stage's query-side tensor, `[b, S, m, d]` (= `[b, S/C, U, d]`)
+  T_kv = b*S*kc*d*B       one KV group's K or V, `[b, S, kc, d]`        (Ulysses: b*S*(H_kv'/C)*d*B)
+  T_o  = b*(S/C)*H*d*B    the output buffer `[b, S/C, H, d]`            (= Ulysses' Q, `[b, S, H/C, d]`)
+  T_w  = hidden*(H + 2*C*kc)*d*B   W_q and one group's W_k, W_v (Ulysses: hidden*(H + 2*H_kv)*d*B)
+  T_r  = 2*b*(S/C)*d*4    the RoPE tables (cos, sin and the stacked rotation tables, float32)
+U-Pipe, forward only, at a stage's output all-to-all (U < H):
+  K, V of the group 2*T_kv; the stage's attention output T_q; the all-to-all's send and receive chunks 2*T_q; T_r.
+  With one stage (U = H) the peak is the query all-to-all instead: K, V 2*T_kv; the projection x W_q T_q; its
+  send chunks T_q; T_r.
+U-Pipe, forward + backward, at a backward stage's all-to-alls before the attention backward (U < H):
+  the output buffer T_o (forward residual); K, V, their float32 accumulators dK, dV and the attention
+  backward's fresh dK, dV 6*T_kv (4*T_kv when a KV group has a single stage: no accumulators); q, o, dout, the
+  dq accumulator and one all-to-all's chunks 5*T_q; the weights transposed to the CPU's dot layout for dx,
+  hoisted out of the loop, T_w; T_r. With one stage (U = H) the stage consumes the output buffer at once and
+  there are no accumulators: 4*T_kv + 5*T_q + T_w + T_r.
+Ulysses (`jaxlong.model` path: project all heads, RoPE, `ulysses_attention`), the same layer:
+  forward, at the query RoPE: Q projection T_o, its two rotated halves T_o, K, V projections 2*T_kv; T_r.
+  forward + backward, at the dout all-to-all of the attention backward: q and o (residuals), the dq
+  accumulator, dout's send and receive chunks 5*T_o; K, V and the attention backward's dK, dV 4*T_kv; T_w;
+  T_r.
+So every head-proportional term is T_q (U/C heads) instead of T_o (H/C heads): the query side shrinks by U/H
+(87.5% at H = 64, U = C = 8), and per stage nothing of size `[S, H/C, d]` is live apart from the output buffer
+(and its gradient, an argument). What remains at U = C is the output buffer, the KV group (K, V and dK, dV:
+GQA keeps them for g/m stages), T_w and T_r. Two terms are CPU-specific: XLA's CPU backend lowers each
+all-to-all as C sliced copies, a tuple exchange and a concatenation (the chunk terms) and transposes the
+weights for the dx product (T_w). It also computes bf16 matmuls and all-to-alls in float32: measure in float32.
+The model is checked against `memory_analysis` (within 15%, Llama3-8B and Qwen3-32B shapes, S = 256K, C = 8)
+in `tests/test_upipe_memory.py`; `experiments/upipe_sweep.py` tabulates both.
 """
 
 from __future__ import annotations
@@ -48,7 +72,7 @@ from jaxlong import layers as L
 from jaxlong.attention.kernels import attention_bwd, attention_fwd_with_lse
 from jaxlong.config import ConfigError, check_heads
 from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS
-from jaxlong.ulysses import heads_to_seq, seq_to_heads
+from jaxlong.ulysses import ulysses_attention
 
 ALL_AXES = (*BATCH_AXES, CONTEXT_AXIS)
 
@@ -117,6 +141,58 @@ class Schedule:
         return list(range(base, base + self.m))
 
 
+def attention_memory_model(
+    impl: str, b: int, S: int, H: int, H_kv: int, d: int, hidden: int, C: int, U: int | None = None,
+    dtype_bytes: int = 4, backward: bool = False,
+) -> dict[str, int]:
+    """Per-device bytes of the tensors live at the peak of one attention layer (module docstring), by tensor.
+
+    Args:
+      impl: "upipe" or "ulysses".
+      b, S, H, H_kv, d, hidden: batch per device, global sequence length, query heads, KV heads, head_dim, hidden.
+      C: context-parallel degree; U: heads per stage (U-Pipe only; a valid `Schedule`).
+      dtype_bytes: bytes per activation/weight element (4 on the CPU, where everything is measured in float32).
+      backward: False for the forward alone, True for forward + backward (a `jax.vjp` with the cotangent given).
+
+    Returns:
+      {tensor description: bytes}; the sum is the model of `memory_analysis().temp_size_in_bytes`.
+    """
+    B, s_loc = dtype_bytes, S // C
+    t_r = 2 * b * s_loc * d * 4
+    if impl == "ulysses":
+        kv_eff = max(H_kv, C)
+        t_o, t_kv, t_w = b * s_loc * H * d * B, b * S * (kv_eff // C) * d * B, hidden * (H + 2 * H_kv) * d * B
+        if not backward:
+            return {"Q projection [b,S/C,H,d]": t_o, "rotated halves of Q": t_o, "K, V projections": 2 * t_kv,
+                    "RoPE tables": t_r}
+        return {"q, o (residuals, [b,S,H/C,d])": 2 * t_o, "dq accumulator": t_o,
+                "dout all-to-all send + receive chunks": 2 * t_o, "K, V": 2 * t_kv,
+                "dK, dV of the attention backward": 2 * t_kv, "weights in dot layout": t_w, "RoPE tables": t_r}
+    if impl != "upipe":
+        raise ValueError(f"impl must be 'upipe' or 'ulysses', got {impl!r}")
+    sch = Schedule(H, H_kv, C, U)
+    sch.validate()
+    t_q, t_kv = b * S * sch.m * d * B, b * S * sch.kc * d * B
+    t_o, t_w = b * s_loc * H * d * B, hidden * (H + 2 * C * sch.kc) * d * B
+    one_stage = sch.stages == 1
+    if not backward:
+        if one_stage:
+            return {"K, V": 2 * t_kv, "query projection [b,S/C,U,d]": t_q, "all-to-all send chunks": t_q,
+                    "RoPE tables": t_r}
+        return {"K, V": 2 * t_kv, "stage attention output [b,S,U/C,d]": t_q,
+                "all-to-all send + receive chunks": 2 * t_q, "RoPE tables": t_r}
+    model = {} if one_stage else {"output buffer [b,S/C,H,d] (residual)": t_o}
+    model["K, V"] = 2 * t_kv
+    if sch.stages_per_group > 1:
+        model["dK, dV accumulators"] = 2 * t_kv
+    model["dK, dV of the attention backward"] = 2 * t_kv
+    model["q, o, dout, dq accumulator [b,S,U/C,d]"] = 4 * t_q
+    model["one all-to-all's chunks"] = t_q
+    model["weights in dot layout"] = t_w
+    model["RoPE tables"] = t_r
+    return model
+
+
 def _positions(batch: int, seq_local: int) -> jax.Array:
     """Global token positions `[batch, S/C]` of this device's sequence shard (inside shard_map)."""
     start = jax.lax.axis_index(CONTEXT_AXIS) * seq_local
@@ -135,31 +211,78 @@ def _kv_weight(w: jax.Array, t, sch: Schedule) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(w, t * n, n, axis=1)
 
 
-def _q_view(a: jax.Array, sch: Schedule, axis: int) -> jax.Array:
-    """View the head axis `axis` of `a` as `[groups, C, stages_per_group, m]`."""
-    shape = a.shape[:axis] + (sch.groups, sch.context, sch.stages_per_group, sch.m) + a.shape[axis + 1 :]
+def _stage_view(a: jax.Array, axis: int, sch: Schedule) -> jax.Array:
+    """View the head axis `axis` of `a` (natural head order, followed by head_dim) as
+    `[groups*C, stages_per_group, m*d]` (m and d merged so no unit axis reaches the layout assignment)."""
+    d = a.shape[axis + 1]
+    shape = a.shape[:axis] + (sch.groups * sch.context, sch.stages_per_group, sch.m * d) + a.shape[axis + 2 :]
     return a.reshape(shape)
 
 
-def _q_slice(a_view: jax.Array, t, u, axis: int) -> jax.Array:
-    """Stage (t, u)'s `[.., C, m, ..]` slice of a head-viewed array, flattened to `[.., U, ..]`."""
-    x = jax.lax.dynamic_index_in_dim(a_view, t, axis, keepdims=False)
-    x = jax.lax.dynamic_index_in_dim(x, u, axis + 1, keepdims=False)
-    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2 :])
-
-
-def _q_write(a_view: jax.Array, val: jax.Array, t, u, axis: int, sch: Schedule) -> jax.Array:
-    """Write `[.., U, ..]` `val` into slice (t, u) of the head-viewed array."""
-    val = val.reshape(val.shape[:axis] + (1, sch.context, 1, sch.m) + val.shape[axis + 1 :])
+def _stage_get(a: jax.Array, t, u, axis: int, sch: Schedule) -> jax.Array:
+    """Stage (t, u)'s `[.., U, d, ..]` slice of the head axis `axis`: heads `[t*C:(t+1)*C, u, :]` of the view."""
+    v = _stage_view(a, axis, sch)
     zero = jnp.zeros((), jnp.int32)
-    idx = [zero] * a_view.ndim
-    idx[axis], idx[axis + 2] = t, u
-    return jax.lax.dynamic_update_slice(a_view, val.astype(a_view.dtype), idx)
+    start = [zero] * v.ndim
+    start[axis], start[axis + 1] = t * sch.context, u
+    size = list(v.shape)
+    size[axis], size[axis + 1] = sch.context, 1
+    out = jax.lax.dynamic_slice(v, start, size)
+    return out.reshape(a.shape[:axis] + (sch.heads_per_stage,) + a.shape[axis + 1 :])
+
+
+def _stage_set(a: jax.Array, val: jax.Array, t, u, axis: int, sch: Schedule) -> jax.Array:
+    """Write `[.., U, d, ..]` `val` into stage (t, u)'s slice of the head axis `axis` of `a`."""
+    v = _stage_view(a, axis, sch)
+    val = val.reshape(val.shape[:axis] + (sch.context, 1, sch.m * val.shape[axis + 1]) + val.shape[axis + 2 :])
+    zero = jnp.zeros((), jnp.int32)
+    start = [zero] * v.ndim
+    start[axis], start[axis + 1] = t * sch.context, u
+    return jax.lax.dynamic_update_slice(v, val.astype(a.dtype), start).reshape(a.shape)
+
+
+def _seq_to_heads(x: jax.Array) -> jax.Array:
+    """`[b, S/C, U, d]` -> `[b, S, U/C, d]`, as `jaxlong.ulysses.seq_to_heads`, but all-to-all'd along a leading
+    device axis (split = concat = 0) so each peer's chunk is contiguous and the received chunks are already in
+    sequence order: no transposition after the exchange (for b = 1)."""
+    b, s, u, d = x.shape
+    c = u // _context_size()
+    xt = x.reshape(b, s, _context_size(), c, d).transpose(2, 0, 1, 3, 4)
+    y = jax.lax.all_to_all(xt, CONTEXT_AXIS, 0, 0, tiled=True)
+    return y.transpose(1, 0, 2, 3, 4).reshape(b, -1, c, d)
+
+
+def _heads_to_seq(y: jax.Array) -> jax.Array:
+    """Inverse of `_seq_to_heads`: `[b, S, U/C, d]` -> `[b, S/C, U, d]`."""
+    b, s_full, c, d = y.shape
+    n = _context_size()
+    yt = y.reshape(b, n, s_full // n, c, d).transpose(1, 0, 2, 3, 4)
+    x = jax.lax.all_to_all(yt, CONTEXT_AXIS, 0, 0, tiled=True)
+    return x.transpose(1, 2, 0, 3, 4).reshape(b, s_full // n, n * c, d)
+
+
+def _context_size() -> int:
+    return jax.lax.axis_size(CONTEXT_AXIS)
+
+
+def _rope(x, cos, sin):
+    """RoPE as `jaxlong.layers.apply_rope` (same pairing and values) written without slices and concatenation:
+    with the head dim viewed as `[2, d/2]`, `x*cos + reverse(x)*[-sin, sin]`, one fusible elementwise loop."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, half)
+    c = cos[:, :, None, None, :]
+    s = jnp.stack([-sin, sin], axis=-2)[:, :, None, :, :]
+    return (xf * c + jax.lax.rev(xf, (xf.ndim - 2,)) * s).reshape(x.shape).astype(x.dtype)
 
 
 def _project(x, w, cos, sin, rope: bool):
     y = jnp.einsum("bsh,hnd->bsnd", x, w)
-    return L.apply_rope(y, cos, sin) if rope else y
+    return _rope(y, cos, sin) if rope else y
+
+
+def _weight_grad(x, g):
+    """`sum_bs x[b,s,h] g[b,s,n,d]` -> `[h, n, d]` (float32), with x as the un-transposed right operand."""
+    return jnp.einsum("bsnd,bsh->ndh", g, x, preferred_element_type=jnp.float32).transpose(2, 0, 1)
 
 
 def _forward(x, wq, wk, wv, sch: Schedule, opts: dict):
@@ -167,64 +290,74 @@ def _forward(x, wq, wk, wv, sch: Schedule, opts: dict):
     b, s_local, _ = x.shape
     d = wq.shape[-1]
     cos, sin = L.rope_tables(_positions(b, s_local), d, opts["theta"])
-    wq_v = _q_view(wq, sch, axis=1)
-    out = _q_view(_varying(jnp.zeros((b, s_local, sch.heads, d), x.dtype)), sch, axis=2)
+    out = _varying(jnp.zeros((b, s_local, sch.heads, d), x.dtype))
 
     def group(out, t):
-        k = seq_to_heads(_project(x, _kv_weight(wk, t, sch), cos, sin, True))
-        v = seq_to_heads(_project(x, _kv_weight(wv, t, sch), cos, sin, False))
+        k = _seq_to_heads(_project(x, _kv_weight(wk, t, sch), cos, sin, True))
+        v = _seq_to_heads(_project(x, _kv_weight(wv, t, sch), cos, sin, False))
 
         def stage(out, u):
-            q = seq_to_heads(_project(x, _q_slice(wq_v, t, u, 1), cos, sin, True))
+            q = _seq_to_heads(_project(x, _stage_get(wq, t, u, 1, sch), cos, sin, True))
             o, lse = attention_fwd_with_lse(q, k, v, **opts["kernel"])
-            return _q_write(out, heads_to_seq(o), t, u, 2, sch), lse
+            return _stage_set(out, _heads_to_seq(o), t, u, 2, sch), lse
 
         return jax.lax.scan(stage, out, jnp.arange(sch.stages_per_group))
 
-    out, lse = jax.lax.scan(group, out, jnp.arange(sch.groups))
-    return out.reshape(b, s_local, sch.heads, d), lse
+    return jax.lax.scan(group, out, jnp.arange(sch.groups))
+
+
+def _opaque_one(dep: jax.Array, dtype) -> jax.Array:
+    """1, but computed from the device index and `dep` so the compiler can neither fold it nor compute what
+    uses it before `dep` (see `_backward`)."""
+    return jnp.where(jax.lax.axis_index(CONTEXT_AXIS) < 0, dep.reshape(-1)[0].astype(dtype), jnp.ones((), dtype))
 
 
 def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict):
-    """Stage scan of the backward; returns dx, dWq, dWk, dWv (this device's partial weight gradients)."""
+    """Stage scan of the backward; returns dx, dWq, dWk, dWv (this device's partial weight gradients).
+
+    The recomputed projections use weight slices multiplied by a 1 that XLA cannot fold and that depends on the
+    forward's lse: otherwise, with a single stage (no loop between forward and backward), XLA either merges them
+    with the forward's projections (its CPU pipeline runs common subexpression elimination again after
+    expanding optimization barriers) or schedules them during the forward, and Q, K, V stay alive from the
+    forward to the backward, which is what U-Pipe avoids."""
     b, s_local, _ = x.shape
     d = wq.shape[-1]
     cos, sin = L.rope_tables(_positions(b, s_local), d, opts["theta"])
     f32 = jnp.float32
-    wq_v = _q_view(wq, sch, axis=1)
-    out_v, dout_v = _q_view(out, sch, axis=2), _q_view(dout, sch, axis=2)
     n_kv = sch.context * sch.kc
 
     def group(carry, xs):
         dx, dwq, dwk, dwv = carry
         t, lse_t = xs
-        wk_t, wv_t = _kv_weight(wk, t, sch), _kv_weight(wv, t, sch)
-        k = seq_to_heads(_project(x, wk_t, cos, sin, True))
-        v = seq_to_heads(_project(x, wv_t, cos, sin, False))
+        one = _opaque_one(lse, wk.dtype)
+        wk_t, wv_t = _kv_weight(wk, t, sch) * one, _kv_weight(wv, t, sch) * one
+        k = _seq_to_heads(_project(x, wk_t, cos, sin, True))
+        v = _seq_to_heads(_project(x, wv_t, cos, sin, False))
 
         def stage(carry, xs):
             dx, dwq, dk_acc, dv_acc = carry
             u, lse_s = xs
-            wq_s = _q_slice(wq_v, t, u, 1)
-            q = seq_to_heads(_project(x, wq_s, cos, sin, True))
-            o = seq_to_heads(_q_slice(out_v, t, u, 2))
-            do = seq_to_heads(_q_slice(dout_v, t, u, 2))
+            wq_s = _stage_get(wq, t, u, 1, sch) * one
+            q = _seq_to_heads(_project(x, wq_s, cos, sin, True))
+            o = _seq_to_heads(_stage_get(out, t, u, 2, sch))
+            do = _seq_to_heads(_stage_get(dout, t, u, 2, sch))
             dq, dk, dv = attention_bwd(q, k, v, o, lse_s, do, **opts["kernel"])
-            dq = L.apply_rope(heads_to_seq(dq), cos, -sin)  # transpose of the rotation
+            dq = _rope(_heads_to_seq(dq), cos, -sin)  # transpose of the rotation
             dx = dx + jnp.einsum("bsnd,hnd->bsh", dq, wq_s, preferred_element_type=f32)
-            dwq = _q_write(dwq, jnp.einsum("bsh,bsnd->hnd", x, dq, preferred_element_type=f32), t, u, 1, sch)
+            dwq = _stage_set(dwq, _weight_grad(x, dq), t, u, 1, sch)
             return (dx, dwq, dk_acc + dk.astype(f32), dv_acc + dv.astype(f32)), None
 
         zeros_kv = jnp.zeros_like(k, dtype=f32)
         (dx, dwq, dk, dv), _ = jax.lax.scan(
             stage, (dx, dwq, zeros_kv, zeros_kv), (jnp.arange(sch.stages_per_group), lse_t)
         )
-        dk = L.apply_rope(heads_to_seq(dk.astype(x.dtype)), cos, -sin)
-        dv = heads_to_seq(dv.astype(x.dtype))
-        dx = dx + jnp.einsum("bsnd,hnd->bsh", dk, wk_t, preferred_element_type=f32)
-        dx = dx + jnp.einsum("bsnd,hnd->bsh", dv, wv_t, preferred_element_type=f32)
-        dwk_t = jnp.einsum("bsh,bsnd->hnd", x, dk, preferred_element_type=f32)
-        dwv_t = jnp.einsum("bsh,bsnd->hnd", x, dv, preferred_element_type=f32)
+        dk = _rope(_heads_to_seq(dk.astype(x.dtype)), cos, -sin)
+        dv = _heads_to_seq(dv.astype(x.dtype))
+        dkv = jnp.concatenate([dk, dv], axis=2)  # one [S/C, hidden] product for both
+        wkv = jnp.concatenate([wk_t, wv_t], axis=1)
+        dx = dx + jnp.einsum("bsnd,hnd->bsh", dkv, wkv, preferred_element_type=f32)
+        dwkv = _weight_grad(x, dkv)
+        dwk_t, dwv_t = dwkv[:, :n_kv], dwkv[:, n_kv:]
         if sch.kv_rep > 1:  # replicas' gradients sum into the real KV head
             dwk = dwk + dwk_t.reshape(dwk_t.shape[0], sch.kv_heads, sch.kv_rep, d).sum(2)
             dwv = dwv + dwv_t.reshape(dwv_t.shape[0], sch.kv_heads, sch.kv_rep, d).sum(2)
@@ -235,12 +368,12 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict):
 
     init = (
         jnp.zeros_like(x, dtype=f32),
-        _q_view(jnp.zeros_like(wq, dtype=f32), sch, axis=1),
+        jnp.zeros_like(wq, dtype=f32),
         jnp.zeros_like(wk, dtype=f32),
         jnp.zeros_like(wv, dtype=f32),
     )
     (dx, dwq, dwk, dwv), _ = jax.lax.scan(group, init, (jnp.arange(sch.groups), lse))
-    return dx.astype(x.dtype), dwq.reshape(wq.shape).astype(wq.dtype), dwk.astype(wk.dtype), dwv.astype(wv.dtype)
+    return dx.astype(x.dtype), dwq.astype(wq.dtype), dwk.astype(wk.dtype), dwv.astype(wv.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -300,7 +433,8 @@ def upipe_attention(
     """
     sch = Schedule(wq.shape[1], wk.shape[1], mesh.shape[CONTEXT_AXIS], heads_per_stage)
     sch.validate()
-    opts = _Opts(theta=float(rope_theta), kernel=_Opts(backend=backend, causal=causal, block_q=block_q, block_k=block_k))
+    kernel = _Opts(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
+    opts = _Opts(theta=float(rope_theta), kernel=kernel)
     act, rep = P(BATCH_AXES, CONTEXT_AXIS, None), P()
 
     def local(x, wq, wk, wv):
@@ -313,3 +447,28 @@ def upipe_attention(
         local, mesh=mesh, in_specs=(act, rep, rep, rep), out_specs=P(BATCH_AXES, CONTEXT_AXIS, None, None),
         check_vma=True,
     )(x, wq, wk, wv)
+
+
+def attention_layer(impl: str, mesh: jax.sharding.Mesh, *, heads_per_stage: int | None = None,
+                    rope_theta: float = 500000.0, backend: str = "auto", block_q: int = 512, block_k: int = 512):
+    """One attention layer from its normalized input, as `jaxlong.model` runs it: `(x, wq, wk, wv) -> out`
+    `[b, S, H, d]` before W_o. `impl`: "upipe" (`upipe_attention`) or "ulysses" (project all heads, RoPE with
+    global positions, `ulysses_attention`). For memory and speed comparisons of the two (tests, sweeps)."""
+    kernel = dict(backend=backend, block_q=block_q, block_k=block_k)
+    if impl == "upipe":
+        return functools.partial(upipe_attention, mesh=mesh, heads_per_stage=heads_per_stage,
+                                 rope_theta=rope_theta, **kernel)
+    if impl != "ulysses":
+        raise ValueError(f"impl must be 'upipe' or 'ulysses', got {impl!r}")
+    spec = jax.sharding.NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXIS, None, None))
+
+    def layer(x, wq, wk, wv):
+        pos = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+        cos, sin = L.rope_tables(pos, wq.shape[-1], rope_theta)
+        q = L.apply_rope(jnp.einsum("bsh,hnd->bsnd", x, wq), cos, sin)
+        k = L.apply_rope(jnp.einsum("bsh,hnd->bsnd", x, wk), cos, sin)
+        v = jnp.einsum("bsh,hnd->bsnd", x, wv)
+        q, k, v = (jax.lax.with_sharding_constraint(t, spec) for t in (q, k, v))
+        return ulysses_attention(q, k, v, mesh=mesh, **kernel)
+
+    return layer
