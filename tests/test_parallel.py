@@ -66,3 +66,15 @@ def test_tiled_loss_and_mlp_match_single_device():
     loss, grads, _ = loss_and_grads(cfg, 8, batch, params_host=params)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_compute_keeps_fp32_master_weights_and_tracks_fp32_loss():
+    cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "compute_dtype=bfloat16")
+    batch = random_batch(cfg, seed=13)
+    ref = reference_cfg(cfg)
+    ref.compute_dtype = "float32"
+    ref_loss, ref_grads, params = loss_and_grads(ref, 1, batch)
+    loss, grads, _ = loss_and_grads(cfg, 8, batch, params_host=params)
+    assert all(g.dtype == np.float32 for g in jax.tree.leaves(grads))
+    assert all(p.dtype == np.float32 for p in jax.tree.leaves(params))
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)

@@ -1,0 +1,85 @@
+"""The memory ladder and max context per rung, for one config, written as Markdown + CSV + PNG.
+
+    python experiments/memory_ladder.py --config configs/llama3_1_8b.yaml --seq 3145728 --budget 80GiB \
+        --out experiments/results
+
+Each rung adds one technique to the one before (the Untied Ulysses paper's Figure 1 order, see
+`jaxlong.memory.LADDER`). Bytes are per device, from the compiled train step on simulated CPU devices
+(`jaxlong.memory.plan`: float32 compile, activations scaled to the compute dtype, offloaded residuals counted
+on the host). Max context is a doubling + bisection search over compiled sizes at 64K-token granularity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxlong.config import load_config  # noqa: E402
+from jaxlong.train import set_host_device_count  # noqa: E402
+
+
+def machine() -> str:
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
+    except (OSError, StopIteration):
+        model = platform.processor()
+    return f"{os.cpu_count()} x {model}, {platform.system()}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--seq", type=int, required=True, help="sequence length of the ladder (tokens)")
+    ap.add_argument("--budget", default="80GiB")
+    ap.add_argument("--out", default="experiments/results")
+    ap.add_argument("--no-max-context", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    cfg = load_config(args.config, [f"seq_len={args.seq}", *args.overrides])
+    set_host_device_count(cfg.mesh.num_devices)
+    from jaxlong.memory import GiB, format_table, ladder, max_context, parse_bytes, plan, plot_ladder  # noqa: PLC0415
+
+    budget = parse_bytes(args.budget)
+    rows = []
+    t0 = time.time()
+    for name, what, c in ladder(cfg):
+        row = {"name": name, "what": what, **plan(c)}
+        if not args.no_max_context:
+            row["max_context"], _ = max_context(c, budget)
+        rows.append(row)
+        print(f"{name:18s} peak {row['peak'] / GiB:9.1f} GiB  max context {row.get('max_context', '-')}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"ladder_{cfg.model.name}_{args.seq}")
+    with open(stem + ".csv", "w", newline="") as f:
+        keys = ["name", "what", "params", "gradients", "optimizer", "activations", "host", "peak", "max_context"]
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    plot_ladder(rows, budget, stem + ".png",
+                f"{cfg.model.name}, {args.seq:,} tokens, {cfg.mesh.num_devices} devices (GiB per device)")
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    with open(stem + ".md", "w") as f:
+        f.write(f"# Memory ladder: {cfg.model.name}, {args.seq:,} tokens, {cfg.mesh.num_devices} devices, "
+                f"budget {args.budget}\n\n")
+        f.write(f"Command: `python {' '.join(sys.argv)}` (commit {rev}, {time.time() - t0:.0f} s)\n\n")
+        f.write(f"Machine: {machine()}; JAX CPU backend with simulated devices, nothing allocated.\n\n")
+        f.write("GiB per device. Compiled in float32, activations scaled to the compute dtype; host = residuals "
+                "offloaded to pinned host memory (not counted in the peak).\n\n")
+        f.write(format_table(rows, budget) + "\n\n")
+        if not args.no_max_context:
+            f.write("| rung | max context (tokens) |\n|---|---:|\n")
+            f.write("\n".join(f"| {r['name']} | {r['max_context']:,} |" for r in rows) + "\n")
+        f.write(f"\n![ladder]({os.path.basename(stem)}.png)\n")
+    print(f"wrote {stem}.md/.csv/.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
