@@ -387,7 +387,9 @@ def _upipe_local_fwd(x, wq, wk, wv, sch, opts):
 
 
 def _upipe_local_bwd(sch, opts, res, dout):
-    x, wq, wk, wv, out, lse = res
+    # The barrier marks the recomputation as distinct from the forward for passes that respect it (see also
+    # `_opaque_one`, which the CPU pipeline needs because it runs CSE again after expanding barriers).
+    x, wq, wk, wv, out, lse = jax.lax.optimization_barrier(res)
     return _backward(x, wq, wk, wv, out, lse, dout, sch, opts)
 
 
