@@ -230,6 +230,7 @@ def plot_ladder(rows: list[dict], budget: int, path: str, title: str) -> None:
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.axhline(budget / GiB, color="red", linestyle="--", label=f"budget {budget / GiB:.0f} GiB")
     ax.set_yscale("log")
+    ax.set_ylim(bottom=1)
     ax.set_ylabel("GiB per device (log)")
     ax.set_title(title)
     ax.legend(loc="upper right")
