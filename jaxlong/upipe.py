@@ -43,7 +43,7 @@ U-Pipe, forward + backward, at a backward stage's all-to-alls before the attenti
   backward's fresh dK, dV 6*T_kv (4*T_kv when a KV group has a single stage: no accumulators); q, o, dout, the
   dq accumulator and one all-to-all's chunks 5*T_q; the weights transposed to the CPU's dot layout for dx,
   hoisted out of the loop, T_w; T_r. With one stage (U = H) the stage consumes the output buffer at once and
-  there are no accumulators: 4*T_kv + 5*T_q + T_w + T_r.
+  there are no accumulators: 4*T_kv + 5*T_q + T_w + T_r. (Accumulators are float32 whatever B.)
 Ulysses (`jaxlong.model` path: project all heads, RoPE, `ulysses_attention`), the same layer:
   forward, at the query RoPE: Q projection T_o, its two rotated halves T_o, K, V projections 2*T_kv; T_r.
   forward + backward, at the dout all-to-all of the attention backward: q and o (residuals), the dq
@@ -165,7 +165,7 @@ def attention_memory_model(
         if not backward:
             return {"Q projection [b,S/C,H,d]": t_o, "rotated halves of Q": t_o, "K, V projections": 2 * t_kv,
                     "RoPE tables": t_r}
-        return {"q, o (residuals, [b,S,H/C,d])": 2 * t_o, "dq accumulator": t_o,
+        return {"q, o (residuals, [b,S,H/C,d])": 2 * t_o, "dq accumulator (float32)": t_o * 4 // B,
                 "dout all-to-all send + receive chunks": 2 * t_o, "K, V": 2 * t_kv,
                 "dK, dV of the attention backward": 2 * t_kv, "weights in dot layout": t_w, "RoPE tables": t_r}
     if impl != "upipe":
@@ -184,9 +184,10 @@ def attention_memory_model(
     model = {} if one_stage else {"output buffer [b,S/C,H,d] (residual)": t_o}
     model["K, V"] = 2 * t_kv
     if sch.stages_per_group > 1:
-        model["dK, dV accumulators"] = 2 * t_kv
+        model["dK, dV accumulators (float32)"] = 2 * t_kv * 4 // B
     model["dK, dV of the attention backward"] = 2 * t_kv
-    model["q, o, dout, dq accumulator [b,S,U/C,d]"] = 4 * t_q
+    model["q, o, dout [b,S,U/C,d]"] = 3 * t_q
+    model["dq accumulator (float32)"] = t_q * 4 // B
     model["one all-to-all's chunks"] = t_q
     model["weights in dot layout"] = t_w
     model["RoPE tables"] = t_r
