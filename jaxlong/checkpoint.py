@@ -20,6 +20,15 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
+    @staticmethod
+    def latest_in(directory: str | Path) -> int | None:
+        """Latest committed checkpoint step in `directory` (None if there is none); creates nothing."""
+        path = Path(directory)
+        if not path.is_dir():
+            return None
+        steps = [int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / "_CHECKPOINT_METADATA").exists()]
+        return max(steps, default=None)
+
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 

@@ -141,6 +141,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("ulysses", "upipe")
 ATTENTION_BACKENDS = ("auto", "blockwise", "cudnn", "reference")
 REMAT_POLICIES = ("none", "full", "save_dots", "offload", "custom")
+TOKENIZERS = ("byte",)  # names accepted by jaxlong.data.get_tokenizer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,8 +168,10 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _apply(obj: Any, key: str, value: Any) -> None:
-    """Set dotted `key` on the dataclass tree `obj`, checking the key exists and the type fits."""
+def _apply(obj: Any, key: str, value: Any, raw: str | None = None) -> None:
+    """Set dotted `key` on the dataclass tree `obj`, checking the key exists and the type fits.
+
+    `raw` is the override's text, used as is for string options."""
     parts = key.split(".")
     target = obj
     for i, part in enumerate(parts):
@@ -193,6 +196,11 @@ def _apply(obj: Any, key: str, value: Any) -> None:
             return
         if tp is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        is_str = tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp))
+        if raw is not None and is_str and value is not None and not isinstance(value, str):
+            value = raw  # string options keep their text: run_name=off is 'off', not False
+        if raw is not None and tp is str and value is None:
+            value = raw
         if not _type_ok(value, tp):
             raise ConfigError(
                 f"config key {key!r} must be of type {_type_name(tp)}, got {value!r} ({type(value).__name__})"
@@ -200,8 +208,9 @@ def _apply(obj: Any, key: str, value: Any) -> None:
         setattr(target, part, value)
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """`'mesh.context=8'` -> `('mesh.context', 8)`; the value is read as a YAML scalar (so `1e-3`, `null`, `true`)."""
+def parse_override(text: str) -> tuple[str, Any, str]:
+    """`'mesh.context=8'` -> `('mesh.context', 8, '8')`: key, the value read as a YAML scalar (so `1e-3`, `null`,
+    `true`), and the raw text (string options use it)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not of the form key=value (e.g. seq_len=16384)")
     key, raw = text.split("=", 1)
@@ -211,7 +220,7 @@ def parse_override(text: str) -> tuple[str, Any]:
             value = float(value) if any(c in value for c in "eE.") and value[0] in "0123456789.-+" else value
         except ValueError:
             pass
-    return key.strip(), value
+    return key.strip(), value, raw.strip()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -303,6 +312,14 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _choice("remat.policy", cfg.remat.policy, REMAT_POLICIES)
     if cfg.tiling.loss_tile < 0 or cfg.tiling.mlp_tiles < 0:
         raise ConfigError("tiling.loss_tile and tiling.mlp_tiles must be >= 0 (0 = derived default)")
+    if cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed} must be >= 0")
+    if cfg.data.path is not None and not str(cfg.data.path).strip():
+        raise ConfigError("data.path is empty; give a .txt/.jsonl file or directory, or null for the embedded corpus")
+    if cfg.data.tokenizer not in TOKENIZERS:
+        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} is not allowed; choose one of: {', '.join(TOKENIZERS)}")
+    if cfg.data.max_tokens is not None and cfg.data.max_tokens <= 0:
+        raise ConfigError(f"data.max_tokens={cfg.data.max_tokens} must be positive, or null for the whole corpus")
     for key in ("seq_len", "global_batch", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be positive")

@@ -4,7 +4,7 @@ With no arguments it trains the default tiny Llama on the Python standard librar
 (simulated on the CPU). Examples:
 
     python -m jaxlong.train
-    python -m jaxlong.train steps=100 seq_len=16384 mesh.context=8
+    python -m jaxlong.train steps=100 seq_len=16384 mesh.context=8 model.heads=8
     python -m jaxlong.train --config configs/llama3_1_8b.yaml seq_len=1048576 mesh.context=8
     python -m jaxlong.train --resume            # continue runs/<run_name> from its latest checkpoint
 
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
     parser.add_argument("--profile", action="store_true", help="trace a few steps with jax.profiler into the run dir")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. mesh.context=8 seq_len=16384")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except (FileNotFoundError, ValueError) as e:  # a corpus that cannot be read, no checkpoint to resume
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

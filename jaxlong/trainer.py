@@ -8,6 +8,8 @@ feeds batches already sharded on the mesh, and writes TensorBoard scalars under 
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -44,6 +46,10 @@ def peak_flops() -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def check_fits(compiled) -> None:
     """Raise ConfigError before allocating anything when the compiled step cannot fit device memory.
 
@@ -51,9 +57,13 @@ def check_fits(compiled) -> None:
     """
     limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
     need = compiled_bytes(compiled)["peak"]
+    if limit is None and jax.default_backend() == "cpu":  # simulated devices share the host's memory
+        need *= len(jax.devices())
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if limit and need > limit:
         raise ConfigError(
-            f"the train step needs {fmt_bytes(need)} per device but the device has {fmt_bytes(limit)}; "
+            f"the train step needs {fmt_bytes(need)} per device but the device has {fmt_bytes(limit)} "
+            f"(on the CPU: all simulated devices together against host memory); "
             f"lower seq_len, or add remat.policy=offload, tiling.loss=true, tiling.mlp=true, attention.impl=upipe "
             f"(plan with: python -m jaxlong.memory --ladder)"
         )
@@ -65,6 +75,8 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
     Raises:
       ConfigError: the config does not fit the devices present (checked before compiling).
       FileNotFoundError: `resume` with no checkpoint in the run directory.
+      ValueError: the corpus cannot be read or is too small (before compiling).
+      KeyboardInterrupt: on SIGINT/SIGTERM, after saving the last finished step.
     """
     validate(cfg, num_devices=len(jax.devices()))
     mesh = build_mesh(cfg.mesh)
@@ -80,30 +92,43 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
           f"mesh {dict(mesh.shape)} on {len(jax.devices())} x {jax.devices()[0].device_kind}, "
           f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
 
+    ckpt_dir = run_dir / "checkpoints"
+    latest = Checkpointer.latest_in(ckpt_dir)
+    if resume and latest is None:
+        raise FileNotFoundError(f"--resume: no checkpoint found in {ckpt_dir.absolute()}")
+    if not resume and latest is not None:
+        raise ConfigError(
+            f"run_name={cfg.run_name!r}: {ckpt_dir} already holds checkpoints (up to step {latest}); "
+            f"pass --resume to continue it, or choose a new run_name"
+        )
+    start = latest or 0
+    if start >= cfg.steps:
+        print(f"nothing to do: the latest checkpoint is step {start} and steps={cfg.steps}; "
+              f"pass steps=N with N > {start} to train further")
+        return {"metrics": {}, "run_dir": str(run_dir)}
+    # Data first: a bad corpus fails before the (possibly long) compile.
+    tokens = data_lib.load_corpus(cfg.data.path, tokenizer, cfg.data.max_tokens)
+    batches = data_lib.make_batch_iterator(
+        tokens, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed, start_step=start
+    )
+
     t0 = time.perf_counter()
     compiled = step_lib.compile_train_step(cfg, mesh)
     print(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     print(format_compiled(compiled))
     check_fits(compiled)
 
-    ckpt = Checkpointer(run_dir / "checkpoints", every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
+    ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
     if resume:
         start, state = ckpt.restore(step_lib.abstract_state(cfg, mesh))
         print(f"resumed from {ckpt.directory / str(start)}")
     else:
-        if ckpt.latest_step() is not None:
-            print(f"note: {ckpt.directory} holds checkpoints up to step {ckpt.latest_step()}; "
-                  f"starting fresh (pass --resume to continue)")
-        start, state = 0, step_lib.init_state(cfg, mesh)
+        state = step_lib.init_state(cfg, mesh)
     sharded = describe_param_sharding(mesh, state["params"])
     replicated = [line for line in sharded if "replicated" in line]
     print(f"FSDP: {len(sharded) - len(replicated)} of {len(sharded)} parameter leaves sharded over fsdp x context"
           + (f"; replicated: {', '.join(r.split()[0] for r in replicated)}" if replicated else ""))
 
-    tokens = data_lib.load_corpus(cfg.data.path, tokenizer, cfg.data.max_tokens)
-    batches = data_lib.make_batch_iterator(
-        tokens, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed, start_step=start
-    )
     batch_sharding = NamedSharding(mesh, batch_spec())
     writer = SummaryWriter(str(run_dir))
     tokens_per_step = cfg.seq_len * cfg.global_batch
@@ -113,6 +138,8 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
     profiling = False
     profile_start = start + 1  # skip the first step (allocation, warm-up)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)  # preemption: save, then stop
+    done = start
     try:
         t_last = time.perf_counter()
         for step in range(start, cfg.steps):
@@ -141,11 +168,23 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 t_last = now
             bar.update(1)
+            done = step + 1
             if ckpt.save(step + 1, state, to_dict(cfg)):
                 last_saved = step + 1
         if last_saved != cfg.steps and start < cfg.steps:
             ckpt.save(cfg.steps, state, to_dict(cfg), force=True)
+    except KeyboardInterrupt:
+        if done > last_saved:
+            try:
+                ckpt.save(done, state, to_dict(cfg), force=True)
+                last_saved = done
+            except Exception as e:  # noqa: BLE001 (the state of an interrupted step may be gone)
+                print(f"could not save step {done}: {e}")
+        ckpt.close()
+        print(f"interrupted after step {done}; latest checkpoint: step {last_saved}; continue with --resume")
+        raise
     finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
         if profiling:
             jax.profiler.stop_trace()
         bar.close()

@@ -26,7 +26,12 @@ def test_overrides_are_typed():
                              "model.tie_embeddings=true", "remat.save=[query_proj]"])
     assert (cfg.mesh.data, cfg.optim.lr, cfg.seq_len) == (2, 1e-4, 16384)
     assert cfg.data.path is None and cfg.model.tie_embeddings is True and cfg.remat.save == ["query_proj"]
-    assert parse_override("optim.lr=3e-4") == ("optim.lr", 3e-4)
+    assert parse_override("optim.lr=3e-4") == ("optim.lr", 3e-4, "3e-4")
+
+
+def test_string_options_keep_their_text():
+    cfg = load_config(None, ["run_name=off", "data.path=2024-01-01.txt", "run_dir=123"])
+    assert (cfg.run_name, cfg.data.path, cfg.run_dir) == ("off", "2024-01-01.txt", "123")
 
 
 @pytest.mark.parametrize(
@@ -46,6 +51,10 @@ def test_overrides_are_typed():
         (["remat.policy=some"], "remat.policy='some' is not allowed"),
         (["attention.impl=upipe", "attention.heads_per_stage=2"], "heads_per_stage=2 must be a multiple of mesh.context=4"),
         (["mesh", "=1"], "not of the form key=value"),
+        (["data.path="], "data.path is empty"),
+        (["data.tokenizer=gpt2"], "data.tokenizer='gpt2' is not allowed; choose one of: byte"),
+        (["data.max_tokens=0"], "data.max_tokens=0 must be positive"),
+        (["seed=-1"], "seed=-1 must be >= 0"),
     ],
 )
 def test_bad_configs_raise_clear_errors(overrides, match):

@@ -72,3 +72,37 @@ def test_a_step_that_cannot_fit_device_memory_is_refused_before_allocating(monke
     monkeypatch.setattr(device, "memory_stats", lambda self: {"bytes_limit": 1024})
     with pytest.raises(ConfigError, match="per device but the device has 1.00 KiB"):
         check_fits(compiled)
+
+
+def test_an_existing_run_is_not_overwritten_and_bad_data_fails_before_compiling(tmp_path):
+    from jaxlong.config import ConfigError
+
+    run(_cfg(tmp_path, "steps=2", "checkpoint_every=2", "run_name=once"))
+    with pytest.raises(ConfigError, match="already holds checkpoints .* pass --resume"):
+        run(_cfg(tmp_path, "steps=2", "run_name=once"))
+    with pytest.raises(ValueError, match="data.path"):
+        run(_cfg(tmp_path, "steps=2", "run_name=bad", f"data.path={tmp_path}/missing.txt"))
+    assert run(_cfg(tmp_path, "steps=2", "run_name=once"), resume=True)["metrics"] == {}  # nothing to do
+
+
+def test_sigterm_saves_the_last_finished_step(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from jaxlong import trainer
+
+    calls = {"n": 0}
+    real_put = trainer.data_lib.put_on_mesh
+
+    def put_then_preempt(batch, sharding):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the 4th batch: steps 1-3 are finished
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_put(batch, sharding)
+
+    monkeypatch.setattr(trainer.data_lib, "put_on_mesh", put_then_preempt)
+    with pytest.raises(KeyboardInterrupt):
+        run(_cfg(tmp_path, "steps=10", "checkpoint_every=100", "run_name=pre"))
+    from jaxlong.checkpoint import Checkpointer
+
+    assert Checkpointer.latest_in(tmp_path / "pre" / "checkpoints") == 3
