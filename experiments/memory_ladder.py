@@ -44,7 +44,7 @@ def main() -> int:
     args = ap.parse_args()
     cfg = load_config(args.config, [f"seq_len={args.seq}", *args.overrides])
     set_host_device_count(cfg.mesh.num_devices)
-    from jaxlong.memory import GiB, format_table, ladder, max_context, parse_bytes, plan, plot_ladder  # noqa: PLC0415
+    from jaxlong.memory import GiB, _ctx, format_table, ladder, max_context, parse_bytes, plan, plot_ladder  # noqa: PLC0415
 
     budget = parse_bytes(args.budget)
     rows = []
@@ -75,7 +75,7 @@ def main() -> int:
         f.write(format_table(rows, budget) + "\n\n")
         if not args.no_max_context:
             f.write("| rung | max context (tokens) |\n|---|---:|\n")
-            f.write("\n".join(f"| {r['name']} | {r['max_context']:,} |" for r in rows) + "\n")
+            f.write("\n".join(f"| {r['name']} | {_ctx(r['max_context'])} |" for r in rows) + "\n")
         f.write(f"\n![ladder]({os.path.basename(stem)}.png)\n")
     print(f"wrote {stem}.md/.csv/.png")
     return 0

@@ -198,6 +198,11 @@ def max_context(cfg: Config, budget: int, *, granularity: int = 65536, start: in
     return lo, best
 
 
+def _ctx(tokens: int, start: int = 65536) -> str:
+    """Max-context cell: 0 from the search means not even its first size fits."""
+    return f"< {start:,}" if tokens == 0 else f"{tokens:,}"
+
+
 def _gib(x: float) -> str:
     return f"{x / GiB:.1f}"
 
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             s, p = max_context(c, budget)
             row.update(p or {k: float("nan") for k in ("params", "gradients", "optimizer", "activations", "host", "peak")})
             row["max_context"] = s
-            print(f"{name:18s} max context {s:>9d} tokens", flush=True)
+            print(f"{name:18s} max context {_ctx(s):>11s} tokens", flush=True)
         else:
             row.update(plan(c))
             print(f"{name:18s} peak {_gib(row['peak']):>8s} GiB  (activations {_gib(row['activations'])}, "
@@ -278,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(rows, budget)
     if args.max_context:
         table = "| rung | max context (tokens) |\n|---|---:|\n" + "\n".join(
-            f"| {r['name']} | {r['max_context']:,} |" for r in rows)
+            f"| {r['name']} | {_ctx(r['max_context'])} |" for r in rows)
     print(table)
     if args.out:
         import csv  # noqa: PLC0415
