@@ -59,3 +59,20 @@ def test_max_context_bisects_over_compiled_sizes():
     over = plan(tiny_cfg("mesh.fsdp=1", "mesh.context=8", "global_batch=1", "remat.policy=full",
                          f"seq_len={s + 4096}"))["peak"]
     assert over > small * 1.5 or math.isclose(over, small * 1.5)
+
+
+def test_llama3_8b_full_stack_fits_3m_tokens_on_8x80gib():
+    """Llama-3.1-8B, 8 devices, 3M tokens: the whole stack (ZeRO-3, Ulysses C=8, offload, tiled loss and MLP,
+    U-Pipe) plans under 80 GiB per device, and the layer inputs (32 x [S/C, 4096] bf16) are on the host."""
+    from pathlib import Path
+
+    from jaxlong.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs" / "llama3_1_8b.yaml",
+                      ["seq_len=3145728", "remat.policy=offload", "tiling.loss=true", "tiling.mlp=true",
+                       "attention.impl=upipe"])
+    p = plan(cfg)
+    assert p["peak"] < 80 * GiB, p["peak"] / GiB
+    assert p["params"] + p["gradients"] + p["optimizer"] == pytest.approx(15.0 * GiB, rel=0.01)
+    assert p["host"] == 32 * (3145728 // 8) * 4096 * 2
