@@ -238,7 +238,7 @@ def mib(v):
 def markdown(args, command, shapes, mem_rows, speed_rows, png_name):
     import jax  # noqa: PLC0415
 
-    out = [f"# U-Pipe vs Ulysses: compiled memory and CPU throughput", "",
+    out = ["# U-Pipe vs Ulysses: compiled memory and CPU throughput", "",
            f"Command: `{command}`", "",
            f"Machine: {machine()}", "",
            f"JAX {jax.__version__}, {jax.device_count()} simulated CPU devices, mesh (data, fsdp, context) = "

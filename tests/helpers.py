@@ -72,3 +72,12 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
 
 def f32(x):
     return jnp.asarray(x, jnp.float32)
+
+
+def assert_matches_single_device(cfg, seed: int = 1, rtol: float = 1e-5):
+    """Loss and every gradient of `cfg` on 8 devices equal the dense single-device reference of one batch."""
+    batch = random_batch(cfg, seed=seed)
+    ref_loss, ref_grads, params = loss_and_grads(reference_cfg(cfg), 1, batch)
+    loss, grads, _ = loss_and_grads(cfg, 8, batch, params_host=params)
+    np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
+    assert_trees_close(grads, ref_grads, rtol=rtol, atol=1e-7)

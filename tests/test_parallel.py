@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import assert_trees_close, loss_and_grads, random_batch, reference_cfg, tiny_cfg
+from helpers import assert_matches_single_device, loss_and_grads, random_batch, reference_cfg, tiny_cfg
 from jaxlong.layers import apply_rope, rope_tables
 from jaxlong.ulysses import ulysses_attention
 from jaxlong.attention.kernels import reference_attention
@@ -22,20 +22,12 @@ from jaxlong.attention.kernels import reference_attention
 )
 def test_fsdp_ulysses_matches_single_device(mesh_overrides):
     cfg = tiny_cfg(*mesh_overrides)
-    batch = random_batch(cfg)
-    ref_loss, ref_grads, params = loss_and_grads(reference_cfg(cfg), 1, batch)
-    loss, grads, _ = loss_and_grads(cfg, 8, batch, params_host=params)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
+    assert_matches_single_device(cfg)
 
 
 def test_remat_full_and_tied_embeddings_match_single_device():
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "remat.policy=full", "model.tie_embeddings=true")
-    batch = random_batch(cfg, seed=3)
-    ref_loss, ref_grads, params = loss_and_grads(reference_cfg(cfg), 1, batch)
-    loss, grads, _ = loss_and_grads(cfg, 8, batch, params_host=params)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
+    assert_matches_single_device(cfg, seed=3)
 
 
 def test_ulysses_attention_uses_global_rope_positions():
@@ -61,11 +53,7 @@ def test_ulysses_attention_uses_global_rope_positions():
 def test_tiled_loss_and_mlp_match_single_device():
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "remat.policy=full", "tiling.loss=true",
                    "tiling.loss_tile=4", "tiling.mlp=true", "tiling.mlp_tiles=2")
-    batch = random_batch(cfg, seed=11)
-    ref_loss, ref_grads, params = loss_and_grads(reference_cfg(cfg), 1, batch)
-    loss, grads, _ = loss_and_grads(cfg, 8, batch, params_host=params)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
+    assert_matches_single_device(cfg, seed=11)
 
 
 def test_bf16_compute_keeps_fp32_master_weights_and_tracks_fp32_loss():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import assert_trees_close, loss_and_grads, random_batch, reference_cfg, tiny_cfg
+from helpers import assert_matches_single_device, tiny_cfg
 from jaxlong.attention.kernels import reference_attention
 from jaxlong.config import ConfigError
 from jaxlong.layers import apply_rope, rope_tables
@@ -122,8 +122,4 @@ def test_bad_heads_per_stage_raise(u, match):
 ])
 def test_upipe_model_matches_single_device(overrides):
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "attention.impl=upipe", *overrides)
-    batch = random_batch(cfg, seed=5)
-    ref_loss, ref_grads, params = loss_and_grads(reference_cfg(cfg), 1, batch)
-    loss, grads, _ = loss_and_grads(cfg, 8, batch, params_host=params)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
+    assert_matches_single_device(cfg, seed=5)
