@@ -180,7 +180,7 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
                 last_saved = done
             except Exception as e:  # noqa: BLE001 (the state of an interrupted step may be gone)
                 print(f"could not save step {done}: {e}")
-        ckpt.close()
+        ckpt.wait()  # commit it before reporting; `finally` closes the manager
         print(f"interrupted after step {done}; latest checkpoint: step {last_saved}; continue with --resume")
         raise
     finally:
