@@ -6,15 +6,51 @@ back to the input dtype.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 
+def _rms(xf: jax.Array, eps: float) -> jax.Array:
+    """Per-token `1 / sqrt(mean(x^2) + eps)`, `[..., 1]` float32."""
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm (Zhang & Sennrich 2019): `x / sqrt(mean(x^2) + eps) * scale`. x `[..., hidden]`, scale `[hidden]`."""
+    """RMSNorm (Zhang & Sennrich 2019): `x / sqrt(mean(x^2) + eps) * scale`. x `[..., hidden]`, scale `[hidden]`.
+
+    Computed in float32, returned in x's dtype. The backward saves only x and the per-token `1/rms`
+    `[..., 1]` and recomputes the normalized x: autodiff would keep `x / rms` (float32) as a residual, one more
+    `[seq, hidden]` tensor per norm alive through the layer's backward pass.
+    """
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    return (xf * _rms(xf, eps) * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rms_norm_fwd(x, scale, eps):
+    """RMSNorm forward and its residuals `(x, scale, 1/rms)` (for ops that fuse the norm, e.g. U-Pipe)."""
+    xf = x.astype(jnp.float32)
+    r = _rms(xf, eps)
+    return (xf * r * scale.astype(jnp.float32)).astype(x.dtype), (x, scale, r)
+
+
+def rms_norm_bwd(eps, res, g):
+    """RMSNorm backward from the residuals of `rms_norm_fwd`: `(dx, d_scale)`."""
+    x, scale, r = res
+    xf, gf = x.astype(jnp.float32), g.astype(jnp.float32)
+    # With xn = x * r: d_scale = sum(g * xn) and dx = r * (d_xn - xn * mean(d_xn * xn)), written in terms of
+    # rms = 1/r and without forming x * r: the compiler would otherwise reuse the forward's product and
+    # broadcast of r (full `[..., hidden]` buffers) and keep them alive from the forward to here.
+    rms = 1.0 / r
+    d_scale = jnp.sum((gf / rms) * xf, axis=tuple(range(x.ndim - 1)))
+    d_xn = gf * scale.astype(jnp.float32)
+    dx = (d_xn - xf * (jnp.mean(d_xn * xf, axis=-1, keepdims=True) / (rms * rms))) / rms
+    return dx.astype(x.dtype), d_scale.astype(scale.dtype)
+
+
+rms_norm.defvjp(rms_norm_fwd, rms_norm_bwd)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:

@@ -71,7 +71,10 @@ class DecoderLayer(nnx.Module):
         self.w_down = nnx.Param(out_init(rngs.params(), (f, h), param_dtype))
 
     def attention(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
-        """Normalized input `[b, s, hidden]` -> attention output before W_o, `[b, s, heads, head_dim]`."""
+        """Layer input `[b, s, hidden]` -> attention RMSNorm + attention, before W_o, `[b, s, heads, head_dim]`.
+
+        U-Pipe applies the norm inside its op (and recomputes it in its backward), so the tensor named
+        `attn_norm_out` exists only on the Ulysses path."""
         mc, ac = rt.cfg.model, rt.cfg.attention
         if ac.impl == "upipe":
             from jaxlong.upipe import upipe_attention  # noqa: PLC0415 (optional op, imported on use)
@@ -80,7 +83,9 @@ class DecoderLayer(nnx.Module):
                 x, rt.gather(self.wq[...]), rt.gather(self.wk[...]), rt.gather(self.wv[...]),
                 mesh=rt.mesh, heads_per_stage=ac.heads_per_stage or rt.mesh.shape[CONTEXT_AXIS],
                 rope_theta=mc.rope_theta, backend=ac.backend, block_q=ac.block_q, block_k=ac.block_k,
+                norm_scale=self.attn_norm[...], norm_eps=mc.norm_eps,
             )
+        x = checkpoint_name(L.rms_norm(x, self.attn_norm[...], mc.norm_eps), "attn_norm_out")
         qkv_spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
         q = jnp.einsum("bsh,hnd->bsnd", x, rt.gather(self.wq[...]))
         k = jnp.einsum("bsh,hnd->bsnd", x, rt.gather(self.wk[...]))
@@ -96,8 +101,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
         eps = rt.cfg.model.norm_eps
         x = checkpoint_name(rt.constrain(x, activation_spec()), R.LAYER_INPUT)
-        h = checkpoint_name(L.rms_norm(x, self.attn_norm[...], eps), "attn_norm_out")
-        attn = checkpoint_name(self.attention(h, positions, rt), "attn_out")
+        attn = checkpoint_name(self.attention(x, positions, rt), "attn_out")
         x = x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(self.wo[...]))
         h = checkpoint_name(L.rms_norm(x, self.mlp_norm[...], eps), "mlp_norm_out")
         x = x + mlp(h, rt.gather(self.w_gate[...]), rt.gather(self.w_up[...]), rt.gather(self.w_down[...]), rt)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS
+from jaxlong.ordering import zeros_after
 
 MiB = 2**20
 DEFAULT_LOSS_BUDGET_BYTES = 256 * MiB
@@ -193,8 +194,8 @@ def _ce_sum_bwd(tile, axes, res, g):
                                      preferred_element_type=jnp.float32)
         return (d_hidden, d_head), d_mask_t
 
-    init = (_varying(jnp.zeros(hidden.shape, hidden.dtype), axes),
-            _varying(jnp.zeros(head.shape, jnp.float32), axes))
+    # After the forward's lse, not g: g is known before the forward ends (it only depends on the mask).
+    init = (zeros_after(lse, hidden.shape, hidden.dtype, axes), zeros_after(lse, head.shape, jnp.float32, axes))
     (d_hidden, d_head), d_mask = jax.lax.scan(body, init, jnp.arange(s // tile))
     return d_hidden, d_head.astype(head.dtype), None, _untile(d_mask).astype(mask.dtype)
 
@@ -285,7 +286,7 @@ def _mlp_fwd(x, w_gate, w_up, w_down, tile, axes):
         y_t = swiglu(_tile(x, i, tile), w_gate, w_up, w_down)
         return jax.lax.dynamic_update_slice_in_dim(y, y_t.astype(dtype), i * tile, axis=1), None
 
-    y0 = _varying(jnp.zeros((b, s, w_down.shape[1]), dtype), axes)
+    y0 = zeros_after(x, (b, s, w_down.shape[1]), dtype, axes)
     y, _ = jax.lax.scan(body, y0, jnp.arange(s // tile))
     return y, (x, w_gate, w_up, w_down)
 
@@ -301,8 +302,9 @@ def _mlp_bwd(tile, axes, res, dy):
         dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_t.astype(x.dtype), i * tile, axis=1)
         return (dx, tuple(a + d.astype(jnp.float32) for a, d in zip(dws, dws_t))), None
 
-    init = (_varying(jnp.zeros(x.shape, x.dtype), axes),
-            tuple(_varying(jnp.zeros(w.shape, jnp.float32), axes) for w in ws))
+    # After dy and x: under layer remat x is recomputed just before this backward; dy alone is known earlier.
+    init = (zeros_after((dy, x), x.shape, x.dtype, axes),
+            tuple(zeros_after((dy, x), w.shape, jnp.float32, axes) for w in ws))
     (dx, dws), _ = jax.lax.scan(body, init, jnp.arange(x.shape[1] // tile))
     return (dx, *(d.astype(w.dtype) for d, w in zip(dws, ws)))
 

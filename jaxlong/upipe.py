@@ -25,6 +25,13 @@ end) back, un-rotates them (RoPE is orthogonal: its transpose is the rotation by
 and the weight gradients stage by stage. Differentiating a plain scan instead would stack every stage's
 residuals and give the saving back (`tests/test_upipe_memory.py` checks the compiled gradient for this).
 
+Fused attention norm (`norm_scale=`, what `jaxlong.model` uses). The op can take the raw layer input and
+the attention RMSNorm's scale and normalize inside: the forward then saves the layer input (alive anyway
+under layer remat) instead of the normalized copy, and the backward recomputes the norm only after the
+incoming gradient arrives. Otherwise the normalized input is a residual alive through the whole backward of
+the layer's MLP. Buffers the op allocates (the output buffer, the accumulators) are created with
+`jaxlong.ordering.zeros_after`, so the compiler does not hoist them out of the decoder-layer scan.
+
 Memory model (`attention_memory_model`), per device, one attention layer: the tensors live at the peak of the
 compiled program, i.e. what `memory_analysis().temp_size_in_bytes` counts (x, the weights and the incoming
 gradient are arguments; the output, dx and the weight gradients are outputs). Sizes, with B bytes per element
@@ -72,6 +79,7 @@ from jaxlong import layers as L
 from jaxlong.attention.kernels import attention_bwd, attention_fwd_with_lse
 from jaxlong.config import ConfigError, check_heads
 from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS
+from jaxlong.ordering import opaque_one, zeros_after
 from jaxlong.ulysses import ulysses_attention
 
 ALL_AXES = (*BATCH_AXES, CONTEXT_AXIS)
@@ -291,7 +299,7 @@ def _forward(x, wq, wk, wv, sch: Schedule, opts: dict):
     b, s_local, _ = x.shape
     d = wq.shape[-1]
     cos, sin = L.rope_tables(_positions(b, s_local), d, opts["theta"])
-    out = _varying(jnp.zeros((b, s_local, sch.heads, d), x.dtype))
+    out = zeros_after(x, (b, s_local, sch.heads, d), x.dtype, ALL_AXES)
 
     def group(out, t):
         k = _seq_to_heads(_project(x, _kv_weight(wk, t, sch), cos, sin, True))
@@ -305,12 +313,6 @@ def _forward(x, wq, wk, wv, sch: Schedule, opts: dict):
         return jax.lax.scan(stage, out, jnp.arange(sch.stages_per_group))
 
     return jax.lax.scan(group, out, jnp.arange(sch.groups))
-
-
-def _opaque_one(dep: jax.Array, dtype) -> jax.Array:
-    """1, but computed from the device index and `dep` so the compiler can neither fold it nor compute what
-    uses it before `dep` (see `_backward`)."""
-    return jnp.where(jax.lax.axis_index(CONTEXT_AXIS) < 0, dep.reshape(-1)[0].astype(dtype), jnp.ones((), dtype))
 
 
 def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict):
@@ -330,7 +332,7 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict):
     def group(carry, xs):
         dx, dwq, dwk, dwv = carry
         t, lse_t = xs
-        one = _opaque_one(lse, wk.dtype)
+        one = opaque_one(lse, wk.dtype, ALL_AXES)
         wk_t, wv_t = _kv_weight(wk, t, sch) * one, _kv_weight(wv, t, sch) * one
         k = _seq_to_heads(_project(x, wk_t, cos, sin, True))
         v = _seq_to_heads(_project(x, wv_t, cos, sin, False))
@@ -348,7 +350,7 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict):
             dwq = _stage_set(dwq, _weight_grad(x, dq), t, u, 1, sch)
             return (dx, dwq, dk_acc + dk.astype(f32), dv_acc + dv.astype(f32)), None
 
-        zeros_kv = jnp.zeros_like(k, dtype=f32)
+        zeros_kv = zeros_after(k, k.shape, f32, ALL_AXES)
         (dx, dwq, dk, dv), _ = jax.lax.scan(
             stage, (dx, dwq, zeros_kv, zeros_kv), (jnp.arange(sch.stages_per_group), lse_t)
         )
@@ -367,12 +369,7 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict):
             dwv = jax.lax.dynamic_update_slice_in_dim(dwv, dwv_t, t * n_kv, axis=1)
         return (dx, dwq, dwk, dwv), None
 
-    init = (
-        jnp.zeros_like(x, dtype=f32),
-        jnp.zeros_like(wq, dtype=f32),
-        jnp.zeros_like(wk, dtype=f32),
-        jnp.zeros_like(wv, dtype=f32),
-    )
+    init = tuple(zeros_after(dout, a.shape, f32, ALL_AXES) for a in (x, wq, wk, wv))
     (dx, dwq, dwk, dwv), _ = jax.lax.scan(group, init, (jnp.arange(sch.groups), lse))
     return dx.astype(x.dtype), dwq.astype(wq.dtype), dwk.astype(wk.dtype), dwv.astype(wv.dtype)
 
@@ -389,12 +386,38 @@ def _upipe_local_fwd(x, wq, wk, wv, sch, opts):
 
 def _upipe_local_bwd(sch, opts, res, dout):
     # The barrier marks the recomputation as distinct from the forward for passes that respect it (see also
-    # `_opaque_one`, which the CPU pipeline needs because it runs CSE again after expanding barriers).
+    # `opaque_one`, which the CPU pipeline needs because it runs CSE again after expanding barriers).
     x, wq, wk, wv, out, lse = jax.lax.optimization_barrier(res)
     return _backward(x, wq, wk, wv, out, lse, dout, sch, opts)
 
 
 _upipe_local.defvjp(_upipe_local_fwd, _upipe_local_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _upipe_norm_local(x, scale, wq, wk, wv, sch, opts):
+    """U-Pipe on `rms_norm(x, scale)`, with the norm inside the op (see `upipe_attention(norm_scale=...)`)."""
+    return _upipe_norm_local_fwd(x, scale, wq, wk, wv, sch, opts)[0]
+
+
+def _upipe_norm_local_fwd(x, scale, wq, wk, wv, sch, opts):
+    h, (_, _, r) = L.rms_norm_fwd(x, scale, opts["eps"])
+    out, lse = _forward(h, wq, wk, wv, sch, opts)
+    return out, (x, scale, r, wq, wk, wv, out, lse)  # the layer input x, not the normalized h
+
+
+def _upipe_norm_local_bwd(sch, opts, res, dout):
+    x, scale, r, wq, wk, wv, out, lse = jax.lax.optimization_barrier(res)
+    # Recompute the normalized input only now (after dout), so it is not live through the rest of the
+    # layer's backward; the opaque 1 keeps the compiler from reusing the forward's copy instead.
+    one = opaque_one(dout, jnp.float32, ALL_AXES)
+    h = (x.astype(jnp.float32) * r * (scale.astype(jnp.float32) * one)).astype(x.dtype)
+    dh, dwq, dwk, dwv = _backward(h, wq, wk, wv, out, lse, dout, sch, opts)
+    dx, d_scale = L.rms_norm_bwd(opts["eps"], (x, scale, r), dh)
+    return dx, d_scale, dwq, dwk, dwv
+
+
+_upipe_norm_local.defvjp(_upipe_norm_local_fwd, _upipe_norm_local_bwd)
 
 
 class _Opts(dict):
@@ -417,15 +440,22 @@ def upipe_attention(
     causal: bool = True,
     block_q: int = 512,
     block_k: int = 512,
+    norm_scale: jax.Array | None = None,
+    norm_eps: float = 1e-5,
 ) -> jax.Array:
     """Head-chunked Ulysses attention from the layer input (projection, RoPE, all-to-alls, attention).
 
     Args:
-      x: normalized layer input `[batch, seq, hidden]`, global; batch over data x fsdp, seq over context.
+      x: layer input `[batch, seq, hidden]`, global; batch over data x fsdp, seq over context. Normalized
+        already, unless `norm_scale` is given.
       wq: `[hidden, heads, head_dim]`; wk, wv: `[hidden, kv_heads, head_dim]` (replicated, i.e. gathered).
       heads_per_stage: U, a multiple of the context degree C that divides `heads`.
       rope_theta: RoPE base; positions are global token indices.
       backend, causal, block_q, block_k: the attention kernel (`jaxlong.attention.kernels`).
+      norm_scale: the attention RMSNorm's scale `[hidden]` (replicated), to normalize x inside the op:
+        the forward then saves the layer input instead of the normalized one and the backward recomputes the
+        norm after the incoming gradient arrives, so no normalized copy of x stays alive through the rest of
+        the layer's backward (under layer remat x is alive anyway). `norm_eps`: its epsilon.
 
     Returns:
       attention output before W_o, `[batch, seq, heads, head_dim]` in natural head order, sharded like x.
@@ -437,8 +467,18 @@ def upipe_attention(
     sch = Schedule(wq.shape[1], wk.shape[1], mesh.shape[CONTEXT_AXIS], heads_per_stage)
     sch.validate()
     kernel = _Opts(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
-    opts = _Opts(theta=float(rope_theta), kernel=kernel)
+    opts = _Opts(theta=float(rope_theta), kernel=kernel, eps=float(norm_eps))
     act, rep = P(BATCH_AXES, CONTEXT_AXIS, None), P()
+    out_spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
+
+    if norm_scale is not None:
+
+        def local_norm(x, scale, wq, wk, wv):
+            scale, wq, wk, wv = _varying(scale), _varying(wq), _varying(wk), _varying(wv)
+            return _upipe_norm_local(x, scale, wq, wk, wv, sch, opts)
+
+        return jax.shard_map(local_norm, mesh=mesh, in_specs=(act, rep, rep, rep, rep), out_specs=out_spec,
+                             check_vma=True)(x, norm_scale, wq, wk, wv)
 
     def local(x, wq, wk, wv):
         # Weights enter replicated (unvarying); marking them varying makes the shard_map transpose sum the

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from helpers import assert_matches_single_device, tiny_cfg
 from jaxlong.attention.kernels import reference_attention
 from jaxlong.config import ConfigError
-from jaxlong.layers import apply_rope, rope_tables
+from jaxlong.layers import apply_rope, rms_norm, rope_tables
 from jaxlong.upipe import Schedule, upipe_attention
 from jaxlong.ulysses import ulysses_attention
 
@@ -78,6 +78,32 @@ def test_upipe_op_matches_ulysses_and_reference(case):
     for name, a, b, c in zip(("dx", "dWq", "dWk", "dWv"), g_up, g_ul, g_ref):
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5, err_msg=f"{name} vs reference")
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"{name} vs ulysses")
+
+
+@pytest.mark.parametrize("case", ["gqa4-U=C", "kv<C-U=C"])
+def test_upipe_with_fused_norm_matches_norm_then_upipe(case):
+    """`norm_scale=`: the op normalizes x itself (and recomputes the norm in its backward); loss and the
+    gradients of x, the norm scale and every weight equal RMSNorm followed by the dense reference."""
+    heads, kv_heads, context, u, fsdp, batch = CASES[case]
+    mesh = _mesh(fsdp, context)
+    x, wq, wk, wv, ct = _op_inputs(heads, kv_heads, batch)
+    x = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), "context", None)))
+    scale = 1.0 + 0.1 * jax.random.normal(jax.random.key(7), (x.shape[-1],))
+
+    def fused(x, scale, wq, wk, wv):
+        out = upipe_attention(x, wq, wk, wv, mesh=mesh, heads_per_stage=u, rope_theta=10000.0, backend="blockwise",
+                              block_q=16, block_k=16, norm_scale=scale, norm_eps=1e-5)
+        return jnp.sum(out * ct)
+
+    def dense(x, scale, wq, wk, wv):
+        return jnp.sum(_dense(rms_norm(x, scale, 1e-5), wq, wk, wv) * ct)
+
+    args = (x, scale, wq, wk, wv)
+    np.testing.assert_allclose(jax.jit(fused)(*args), dense(*args), rtol=1e-5)
+    g_fused = jax.jit(jax.grad(fused, argnums=range(5)))(*args)
+    g_dense = jax.grad(dense, argnums=range(5))(*args)
+    for name, a, b in zip(("dx", "d_scale", "dWq", "dWk", "dWv"), g_fused, g_dense):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_upipe_natural_head_order_with_distinct_heads():

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxlong.ordering import varying_axes, zeros_after
+
 __all__ = [
     "BACKENDS",
     "reference_attention",
@@ -92,13 +94,12 @@ def _full(shape, value, *refs):
     """float32 ``full(shape, value)`` that varies over the same shard_map axes as ``refs``.
 
     Loop carries must keep one type inside ``jax.shard_map``; a plain ``jnp.zeros`` is
-    mesh-invariant while the loop body's results vary with the inputs. ``lax.full_like``
-    inherits the varying axes of its argument, so we take the union over ``refs``.
+    mesh-invariant while the loop body's results vary with the inputs, so the buffer varies
+    over the union of the axes of ``refs``. It is built after the last of ``refs`` (see
+    :mod:`jaxlong.ordering`): a constant buffer would be hoisted out of the enclosing layer
+    scan and stay allocated across all of it.
     """
-    x = lax.full_like(refs[0], value, _F32, shape)
-    for r in refs[1:]:
-        x = x + lax.full_like(r, 0, _F32, shape)
-    return x
+    return zeros_after(refs[-1], shape, _F32, varying_axes(*refs), value)
 
 
 def _split_heads(x, kv_heads):
