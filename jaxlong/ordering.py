@@ -34,10 +34,8 @@ def varying_axes(*xs: jax.Array) -> tuple:
     return tuple(sorted(axes))
 
 
-def _opaque_scalar(dep, value: float, dtype, axes: tuple) -> jax.Array:
-    """`value` as a `dtype` scalar that depends on every array in `dep` (an array or a tuple of arrays)
-    and on the device index over `axes`."""
-    deps = dep if isinstance(dep, (tuple, list)) else (dep,)
+def _opaque_scalar(deps: tuple, value: float, dtype, axes: tuple) -> jax.Array:
+    """`value` as a `dtype` scalar that depends on every array in `deps` and on the device index over `axes`."""
     never = jax.lax.axis_index(axes) < 0
     first = sum(d.reshape(-1)[0].astype(dtype) for d in deps)
     return jnp.where(never, first, jnp.asarray(value, dtype))
@@ -52,7 +50,7 @@ def opaque_one(dep: jax.Array, dtype, axes: tuple | None = None) -> jax.Array:
       axes: mesh axis names of the enclosing `jax.shard_map`; default: those `dep` varies over.
     """
     axes = varying_axes(dep) if axes is None else axes
-    return _opaque_scalar(dep, 1, dtype, axes) if axes else jnp.ones((), dtype)
+    return _opaque_scalar((dep,), 1, dtype, axes) if axes else jnp.ones((), dtype)
 
 
 def zeros_after(dep: jax.Array, shape: tuple, dtype, axes: tuple | None = None, value: float = 0) -> jax.Array:
@@ -71,4 +69,4 @@ def zeros_after(dep: jax.Array, shape: tuple, dtype, axes: tuple | None = None, 
     axes = varying_axes(*deps) if axes is None else axes
     if not axes:
         return jnp.full(shape, value, dtype)
-    return jnp.broadcast_to(_opaque_scalar(dep, value, dtype, axes), shape)
+    return jnp.broadcast_to(_opaque_scalar(deps, value, dtype, axes), shape)

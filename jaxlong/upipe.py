@@ -471,25 +471,17 @@ def upipe_attention(
     act, rep = P(BATCH_AXES, CONTEXT_AXIS, None), P()
     out_spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
 
-    if norm_scale is not None:
+    fused = norm_scale is not None
+    weights = ((norm_scale,) if fused else ()) + (wq, wk, wv)
 
-        def local_norm(x, scale, wq, wk, wv):
-            scale, wq, wk, wv = _varying(scale), _varying(wq), _varying(wk), _varying(wv)
-            return _upipe_norm_local(x, scale, wq, wk, wv, sch, opts)
-
-        return jax.shard_map(local_norm, mesh=mesh, in_specs=(act, rep, rep, rep, rep), out_specs=out_spec,
-                             check_vma=True)(x, norm_scale, wq, wk, wv)
-
-    def local(x, wq, wk, wv):
+    def local(x, *weights):
         # Weights enter replicated (unvarying); marking them varying makes the shard_map transpose sum the
         # per-device weight gradients (psum), so the custom backward must not sum them itself.
-        wq, wk, wv = _varying(wq), _varying(wk), _varying(wv)
-        return _upipe_local(x, wq, wk, wv, sch, opts)
+        weights = [_varying(w) for w in weights]
+        return (_upipe_norm_local if fused else _upipe_local)(x, *weights, sch, opts)
 
-    return jax.shard_map(
-        local, mesh=mesh, in_specs=(act, rep, rep, rep), out_specs=P(BATCH_AXES, CONTEXT_AXIS, None, None),
-        check_vma=True,
-    )(x, wq, wk, wv)
+    return jax.shard_map(local, mesh=mesh, in_specs=(act, *(rep,) * len(weights)), out_specs=out_spec,
+                         check_vma=True)(x, *weights)
 
 
 def attention_layer(impl: str, mesh: jax.sharding.Mesh, *, heads_per_stage: int | None = None,
