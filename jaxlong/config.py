@@ -139,6 +139,8 @@ class Config:
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("ulysses", "upipe")
+# Remat names the Ulysses attention sublayer tags and U-Pipe keeps inside its op (`jaxlong.remat.NAMES`).
+UPIPE_INTERNAL_NAMES = ("attn_norm_out", "query_proj", "key_proj", "value_proj", "attn_out")
 ATTENTION_BACKENDS = ("auto", "blockwise", "cudnn", "reference")
 REMAT_POLICIES = ("none", "full", "save_dots", "offload", "custom")
 TOKENIZERS = ("byte",)  # names accepted by jaxlong.data.get_tokenizer
@@ -351,6 +353,12 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             raise ConfigError(
                 f"attention.heads_per_stage={u} must be a multiple of mesh.context={context} and divide "
                 f"model.heads={m.heads}; valid values: {valid}"
+            )
+        inside = sorted(set(cfg.remat.save + cfg.remat.offload) & set(UPIPE_INTERNAL_NAMES))
+        if cfg.remat.policy == "custom" and inside:
+            raise ConfigError(
+                f"remat.save/remat.offload name {inside}, which attention.impl=upipe computes inside its op (it "
+                f"saves only the layer input and the attention output buffer); drop them or use attention.impl=ulysses"
             )
 
 

@@ -25,15 +25,17 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     `[..., 1]` and recomputes the normalized x: autodiff would keep `x / rms` (float32) as a residual, one more
     `[seq, hidden]` tensor per norm alive through the layer's backward pass.
     """
-    xf = x.astype(jnp.float32)
-    return (xf * _rms(xf, eps) * scale.astype(jnp.float32)).astype(x.dtype)
+    return rms_norm_fwd(x, scale, eps)[0]
 
 
 def rms_norm_fwd(x, scale, eps):
     """RMSNorm forward and its residuals `(x, scale, 1/rms)` (for ops that fuse the norm, e.g. U-Pipe)."""
     xf = x.astype(jnp.float32)
     r = _rms(xf, eps)
-    return (xf * r * scale.astype(jnp.float32)).astype(x.dtype), (x, scale, r)
+    # x * (r * scale), not (x * r) * scale: a recomputation written the same way (e.g. U-Pipe's backward) then
+    # rounds identically, and no full-size `x * r` product exists for the compiler to share with (and keep
+    # alive for) a later use of x * r.
+    return (xf * (r * scale.astype(jnp.float32))).astype(x.dtype), (x, scale, r)
 
 
 def rms_norm_bwd(eps, res, g):

@@ -70,11 +70,12 @@ class DecoderLayer(nnx.Module):
         self.w_up = nnx.Param(init(rngs.params(), (h, f), param_dtype))
         self.w_down = nnx.Param(out_init(rngs.params(), (f, h), param_dtype))
 
-    def attention(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
-        """Layer input `[b, s, hidden]` -> attention RMSNorm + attention, before W_o, `[b, s, heads, head_dim]`.
+    def attention_block(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
+        """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))`.
 
-        U-Pipe applies the norm inside its op (and recomputes it in its backward), so the tensor named
-        `attn_norm_out` exists only on the Ulysses path."""
+        U-Pipe runs the whole sublayer as one op (norm, stages, W_o and the residual; see
+        `jaxlong.upipe.upipe_attention`), so the tensors named `attn_norm_out`, `query_proj`, `key_proj`,
+        `value_proj` and `attn_out` exist only on the Ulysses path."""
         mc, ac = rt.cfg.model, rt.cfg.attention
         if ac.impl == "upipe":
             from jaxlong.upipe import upipe_attention  # noqa: PLC0415 (optional op, imported on use)
@@ -83,26 +84,25 @@ class DecoderLayer(nnx.Module):
                 x, rt.gather(self.wq[...]), rt.gather(self.wk[...]), rt.gather(self.wv[...]),
                 mesh=rt.mesh, heads_per_stage=ac.heads_per_stage or rt.mesh.shape[CONTEXT_AXIS],
                 rope_theta=mc.rope_theta, backend=ac.backend, block_q=ac.block_q, block_k=ac.block_k,
-                norm_scale=self.attn_norm[...], norm_eps=mc.norm_eps,
+                norm_scale=self.attn_norm[...], norm_eps=mc.norm_eps, out_weight=rt.gather(self.wo[...]),
             )
-        x = checkpoint_name(L.rms_norm(x, self.attn_norm[...], mc.norm_eps), "attn_norm_out")
+        h = checkpoint_name(L.rms_norm(x, self.attn_norm[...], mc.norm_eps), "attn_norm_out")
         qkv_spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
-        q = jnp.einsum("bsh,hnd->bsnd", x, rt.gather(self.wq[...]))
-        k = jnp.einsum("bsh,hnd->bsnd", x, rt.gather(self.wk[...]))
-        v = jnp.einsum("bsh,hnd->bsnd", x, rt.gather(self.wv[...]))
+        q = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(self.wq[...]))
+        k = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(self.wk[...]))
+        v = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(self.wv[...]))
         cos, sin = L.rope_tables(positions, mc.head_dim, mc.rope_theta)
         q = checkpoint_name(rt.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
         k = checkpoint_name(rt.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
         v = checkpoint_name(rt.constrain(v, qkv_spec), "value_proj")
-        return ulysses_attention(
-            q, k, v, mesh=rt.mesh, backend=ac.backend, block_q=ac.block_q, block_k=ac.block_k
-        )
+        attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=ac.backend, block_q=ac.block_q, block_k=ac.block_k)
+        attn = checkpoint_name(attn, "attn_out")
+        return x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(self.wo[...]))
 
     def __call__(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
         eps = rt.cfg.model.norm_eps
         x = checkpoint_name(rt.constrain(x, activation_spec()), R.LAYER_INPUT)
-        attn = checkpoint_name(self.attention(x, positions, rt), "attn_out")
-        x = x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(self.wo[...]))
+        x = self.attention_block(x, positions, rt)
         h = checkpoint_name(L.rms_norm(x, self.mlp_norm[...], eps), "mlp_norm_out")
         x = x + mlp(h, rt.gather(self.w_gate[...]), rt.gather(self.w_up[...]), rt.gather(self.w_down[...]), rt)
         return rt.constrain(x, activation_spec())

@@ -25,11 +25,15 @@ end) back, un-rotates them (RoPE is orthogonal: its transpose is the rotation by
 and the weight gradients stage by stage. Differentiating a plain scan instead would stack every stage's
 residuals and give the saving back (`tests/test_upipe_memory.py` checks the compiled gradient for this).
 
-Fused attention norm (`norm_scale=`, what `jaxlong.model` uses). The op can take the raw layer input and
-the attention RMSNorm's scale and normalize inside: the forward then saves the layer input (alive anyway
-under layer remat) instead of the normalized copy, and the backward recomputes the norm only after the
-incoming gradient arrives. Otherwise the normalized input is a residual alive through the whole backward of
-the layer's MLP. Buffers the op allocates (the output buffer, the accumulators) are created with
+Fused attention sublayer (`norm_scale=`, `out_weight=`, what `jaxlong.model` uses). The op can take the raw
+layer input and the attention RMSNorm's scale and normalize inside: the forward then saves the layer input
+(alive anyway under layer remat) instead of the normalized copy, and the backward recomputes the norm only
+after the incoming gradient arrives. Otherwise the normalized input is a residual alive through the whole
+backward of the layer's MLP. With W_o as well, the op returns `x + out @ W_o` and its backward takes the
+`[b, S/C, hidden]` gradient of the sublayer: each stage projects it onto its own heads (`dy @ W_o[s]^T`,
+`[b, S/C, U, d]`) and accumulates its rows of dW_o, so the full-width output gradient `[b, S/C, H, d]` that
+autodiff of `out @ W_o` would hand the op never exists, and the residual branch's gradient goes straight
+into dx. Buffers the op allocates (the output buffer, the accumulators) are created with
 `jaxlong.ordering.zeros_after`, so the compiler does not hoist them out of the decoder-layer scan.
 
 Memory model (`attention_memory_model`), per device, one attention layer: the tensors live at the peak of the
@@ -315,8 +319,13 @@ def _forward(x, wq, wk, wv, sch: Schedule, opts: dict):
     return jax.lax.scan(group, out, jnp.arange(sch.groups))
 
 
-def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict):
-    """Stage scan of the backward; returns dx, dWq, dWk, dWv (this device's partial weight gradients).
+def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None):
+    """Stage scan of the backward; returns dx, dWq, dWk, dWv, dWo (this device's partial weight gradients).
+
+    `dout` is the gradient of the output `[b, S/C, H, d]`; with `wo` (W_o `[H, d, hidden]`) it is instead the
+    gradient `[b, S/C, hidden]` of `out @ W_o`: each stage then forms its own slice of the output gradient,
+    `dout_s = dout @ W_o[s]^T` `[b, S/C, U, d]`, and accumulates `dW_o[s] = out_s^T dout`, so no full-width
+    `[b, S/C, H, d]` output gradient exists. dWo is None without `wo`.
 
     The recomputed projections use weight slices multiplied by a 1 that XLA cannot fold and that depends on the
     forward's lse: otherwise, with a single stage (no loop between forward and backward), XLA either merges them
@@ -330,7 +339,7 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict):
     n_kv = sch.context * sch.kc
 
     def group(carry, xs):
-        dx, dwq, dwk, dwv = carry
+        dx, dwq, dwk, dwv, dwo = carry
         t, lse_t = xs
         one = opaque_one(lse, wk.dtype, ALL_AXES)
         wk_t, wv_t = _kv_weight(wk, t, sch) * one, _kv_weight(wv, t, sch) * one
@@ -338,21 +347,28 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict):
         v = _seq_to_heads(_project(x, wv_t, cos, sin, False))
 
         def stage(carry, xs):
-            dx, dwq, dk_acc, dv_acc = carry
+            dx, dwq, dwo, dk_acc, dv_acc = carry
             u, lse_s = xs
             wq_s = _stage_get(wq, t, u, 1, sch) * one
             q = _seq_to_heads(_project(x, wq_s, cos, sin, True))
-            o = _seq_to_heads(_stage_get(out, t, u, 2, sch))
-            do = _seq_to_heads(_stage_get(dout, t, u, 2, sch))
+            o_s = _stage_get(out, t, u, 2, sch)
+            if wo is None:
+                do_s = _stage_get(dout, t, u, 2, sch)
+            else:
+                wo_s = _stage_get(wo, t, u, 0, sch) * one
+                do_s = jnp.einsum("bsh,ndh->bsnd", dout, wo_s).astype(dout.dtype)
+                dwo_s = jnp.einsum("bsnd,bsh->ndh", o_s, dout, preferred_element_type=f32)
+                dwo = _stage_set(dwo, dwo_s, t, u, 0, sch)
+            o, do = _seq_to_heads(o_s), _seq_to_heads(do_s)
             dq, dk, dv = attention_bwd(q, k, v, o, lse_s, do, **opts["kernel"])
             dq = _rope(_heads_to_seq(dq), cos, -sin)  # transpose of the rotation
             dx = dx + jnp.einsum("bsnd,hnd->bsh", dq, wq_s, preferred_element_type=f32)
             dwq = _stage_set(dwq, _weight_grad(x, dq), t, u, 1, sch)
-            return (dx, dwq, dk_acc + dk.astype(f32), dv_acc + dv.astype(f32)), None
+            return (dx, dwq, dwo, dk_acc + dk.astype(f32), dv_acc + dv.astype(f32)), None
 
         zeros_kv = zeros_after(k, k.shape, f32, ALL_AXES)
-        (dx, dwq, dk, dv), _ = jax.lax.scan(
-            stage, (dx, dwq, zeros_kv, zeros_kv), (jnp.arange(sch.stages_per_group), lse_t)
+        (dx, dwq, dwo, dk, dv), _ = jax.lax.scan(
+            stage, (dx, dwq, dwo, zeros_kv, zeros_kv), (jnp.arange(sch.stages_per_group), lse_t)
         )
         dk = _rope(_heads_to_seq(dk.astype(x.dtype)), cos, -sin)
         dv = _heads_to_seq(dv.astype(x.dtype))
@@ -367,11 +383,13 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict):
         else:
             dwk = jax.lax.dynamic_update_slice_in_dim(dwk, dwk_t, t * n_kv, axis=1)
             dwv = jax.lax.dynamic_update_slice_in_dim(dwv, dwv_t, t * n_kv, axis=1)
-        return (dx, dwq, dwk, dwv), None
+        return (dx, dwq, dwk, dwv, dwo), None
 
-    init = tuple(zeros_after(dout, a.shape, f32, ALL_AXES) for a in (x, wq, wk, wv))
-    (dx, dwq, dwk, dwv), _ = jax.lax.scan(group, init, (jnp.arange(sch.groups), lse))
-    return dx.astype(x.dtype), dwq.astype(wq.dtype), dwk.astype(wk.dtype), dwv.astype(wv.dtype)
+    init = [zeros_after(dout, a.shape, f32, ALL_AXES) for a in (x, wq, wk, wv)]
+    init.append(None if wo is None else zeros_after(dout, wo.shape, f32, ALL_AXES))
+    (dx, dwq, dwk, dwv, dwo), _ = jax.lax.scan(group, tuple(init), (jnp.arange(sch.groups), lse))
+    dwo = None if wo is None else dwo.astype(wo.dtype)
+    return dx.astype(x.dtype), dwq.astype(wq.dtype), dwk.astype(wk.dtype), dwv.astype(wv.dtype), dwo
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -388,33 +406,37 @@ def _upipe_local_bwd(sch, opts, res, dout):
     # The barrier marks the recomputation as distinct from the forward for passes that respect it (see also
     # `opaque_one`, which the CPU pipeline needs because it runs CSE again after expanding barriers).
     x, wq, wk, wv, out, lse = jax.lax.optimization_barrier(res)
-    return _backward(x, wq, wk, wv, out, lse, dout, sch, opts)
+    return _backward(x, wq, wk, wv, out, lse, dout, sch, opts)[:4]
 
 
 _upipe_local.defvjp(_upipe_local_fwd, _upipe_local_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _upipe_norm_local(x, scale, wq, wk, wv, sch, opts):
-    """U-Pipe on `rms_norm(x, scale)`, with the norm inside the op (see `upipe_attention(norm_scale=...)`)."""
-    return _upipe_norm_local_fwd(x, scale, wq, wk, wv, sch, opts)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _upipe_norm_local(x, scale, wq, wk, wv, wo, sch, opts):
+    """U-Pipe on `rms_norm(x, scale)`, with the norm inside the op (see `upipe_attention(norm_scale=...)`);
+    with `wo` (not None) the attention sublayer's output `x + out @ W_o` instead of `out`."""
+    return _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, sch, opts)[0]
 
 
-def _upipe_norm_local_fwd(x, scale, wq, wk, wv, sch, opts):
+def _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, sch, opts):
     h, (_, _, r) = L.rms_norm_fwd(x, scale, opts["eps"])
     out, lse = _forward(h, wq, wk, wv, sch, opts)
-    return out, (x, scale, r, wq, wk, wv, out, lse)  # the layer input x, not the normalized h
+    y = out if wo is None else x + jnp.einsum("bsnd,ndh->bsh", out, wo).astype(x.dtype)
+    return y, (x, scale, r, wq, wk, wv, wo, out, lse)  # the layer input x, not the normalized h
 
 
-def _upipe_norm_local_bwd(sch, opts, res, dout):
-    x, scale, r, wq, wk, wv, out, lse = jax.lax.optimization_barrier(res)
-    # Recompute the normalized input only now (after dout), so it is not live through the rest of the
+def _upipe_norm_local_bwd(sch, opts, res, dy):
+    x, scale, r, wq, wk, wv, wo, out, lse = jax.lax.optimization_barrier(res)
+    # Recompute the normalized input only now (after dy), so it is not live through the rest of the
     # layer's backward; the opaque 1 keeps the compiler from reusing the forward's copy instead.
-    one = opaque_one(dout, jnp.float32, ALL_AXES)
-    h = (x.astype(jnp.float32) * r * (scale.astype(jnp.float32) * one)).astype(x.dtype)
-    dh, dwq, dwk, dwv = _backward(h, wq, wk, wv, out, lse, dout, sch, opts)
+    one = opaque_one(dy, jnp.float32, ALL_AXES)
+    h = (x.astype(jnp.float32) * (r * (scale.astype(jnp.float32) * one))).astype(x.dtype)
+    dh, dwq, dwk, dwv, dwo = _backward(h, wq, wk, wv, out, lse, dy, sch, opts, wo=wo)
     dx, d_scale = L.rms_norm_bwd(opts["eps"], (x, scale, r), dh)
-    return dx, d_scale, dwq, dwk, dwv
+    if wo is not None:  # the residual connection
+        dx = (dy.astype(jnp.float32) + dx.astype(jnp.float32)).astype(x.dtype)
+    return dx, d_scale, dwq, dwk, dwv, dwo
 
 
 _upipe_norm_local.defvjp(_upipe_norm_local_fwd, _upipe_norm_local_bwd)
@@ -442,6 +464,7 @@ def upipe_attention(
     block_k: int = 512,
     norm_scale: jax.Array | None = None,
     norm_eps: float = 1e-5,
+    out_weight: jax.Array | None = None,
 ) -> jax.Array:
     """Head-chunked Ulysses attention from the layer input (projection, RoPE, all-to-alls, attention).
 
@@ -456,11 +479,18 @@ def upipe_attention(
         the forward then saves the layer input instead of the normalized one and the backward recomputes the
         norm after the incoming gradient arrives, so no normalized copy of x stays alive through the rest of
         the layer's backward (under layer remat x is alive anyway). `norm_eps`: its epsilon.
+      out_weight: W_o `[heads, head_dim, hidden]` (replicated); requires `norm_scale`. The op then returns the
+        whole attention sublayer with its residual connection, `x + W_o attention(RMSNorm(x))`, and its
+        backward forms each stage's slice of the output gradient from the incoming `[b, S/C, hidden]` gradient
+        (`dy @ W_o[stage]^T`, `[b, S/C, U, d]`) and accumulates dW_o stage by stage: no `[b, S/C, H, d]`
+        output gradient is ever live, and the residual gradient seeds dx.
 
     Returns:
-      attention output before W_o, `[batch, seq, heads, head_dim]` in natural head order, sharded like x.
+      attention output before W_o, `[batch, seq, heads, head_dim]` in natural head order, sharded like x;
+      with `out_weight`, the sublayer output `[batch, seq, hidden]`.
 
     Raises:
+      ValueError: `out_weight` without `norm_scale`.
       ConfigError: U not a multiple of C or not dividing H, heads/KV heads not splittable over C, or
         U/C and H/max(H_kv, C) not dividing one another.
     """
@@ -470,15 +500,23 @@ def upipe_attention(
     opts = _Opts(theta=float(rope_theta), kernel=kernel, eps=float(norm_eps))
     act, rep = P(BATCH_AXES, CONTEXT_AXIS, None), P()
     out_spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
+    if out_weight is not None:
+        if norm_scale is None:
+            raise ValueError("upipe_attention(out_weight=...) computes x + W_o attention(RMSNorm(x)) and needs "
+                             "norm_scale= (the attention norm's scale); pass both or neither")
+        out_spec = act
 
     fused = norm_scale is not None
-    weights = ((norm_scale,) if fused else ()) + (wq, wk, wv)
+    weights = ((norm_scale,) if fused else ()) + (wq, wk, wv) + (() if out_weight is None else (out_weight,))
 
     def local(x, *weights):
         # Weights enter replicated (unvarying); marking them varying makes the shard_map transpose sum the
         # per-device weight gradients (psum), so the custom backward must not sum them itself.
         weights = [_varying(w) for w in weights]
-        return (_upipe_norm_local if fused else _upipe_local)(x, *weights, sch, opts)
+        if not fused:
+            return _upipe_local(x, *weights, sch, opts)
+        scale, wq, wk, wv, *wo = weights
+        return _upipe_norm_local(x, scale, wq, wk, wv, wo[0] if wo else None, sch, opts)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(act, *(rep,) * len(weights)), out_specs=out_spec,
                          check_vma=True)(x, *weights)

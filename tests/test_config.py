@@ -47,6 +47,8 @@ def test_string_options_keep_their_text():
         (["global_batch=3"], "global_batch=3 is not divisible by mesh.data\\*mesh.fsdp=2"),
         (["mesh.fsdp=3"], "data\\*fsdp\\*context = 1\\*3\\*4 = 12, but there are 8 devices"),
         (["attention.impl=ring"], "attention.impl='ring' is not allowed; choose one of: ulysses, upipe"),
+        (["attention.impl=upipe", "remat.policy=custom", "remat.save=[attn_out]"],
+         "\\['attn_out'\\], which attention.impl=upipe computes inside its op"),
         (["compute_dtype=fp8"], "compute_dtype='fp8' is not allowed"),
         (["remat.policy=some"], "remat.policy='some' is not allowed"),
         (["attention.impl=upipe", "attention.heads_per_stage=2"], "heads_per_stage=2 must be a multiple of mesh.context=4"),

@@ -106,6 +106,45 @@ def test_upipe_with_fused_norm_matches_norm_then_upipe(case):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("case", ["gqa4-U=C", "gqa4-U=2C", "kv<C-U=C"])
+def test_upipe_sublayer_with_out_projection_matches_dense(case):
+    """`out_weight=`: the op returns `x + W_o attention(RMSNorm(x))` and forms each stage's output gradient
+    from the `[b, S, hidden]` one; loss and the gradients of x, the norm scale, W_q, W_k, W_v and W_o equal
+    autodiff of the dense sublayer."""
+    heads, kv_heads, context, u, fsdp, batch = CASES[case]
+    mesh = _mesh(fsdp, context)
+    x, wq, wk, wv, ct = _op_inputs(heads, kv_heads, batch)
+    x = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), "context", None)))
+    hidden, d = x.shape[-1], wq.shape[-1]
+    scale = 1.0 + 0.1 * jax.random.normal(jax.random.key(7), (hidden,))
+    wo = jax.random.normal(jax.random.key(8), (heads, d, hidden)) / (heads * d) ** 0.5
+    ct = jax.random.normal(jax.random.key(9), x.shape)
+
+    def fused(x, scale, wq, wk, wv, wo):
+        y = upipe_attention(x, wq, wk, wv, mesh=mesh, heads_per_stage=u, rope_theta=10000.0, backend="blockwise",
+                            block_q=16, block_k=16, norm_scale=scale, norm_eps=1e-5, out_weight=wo)
+        return jnp.sum(y * ct)
+
+    def dense(x, scale, wq, wk, wv, wo):
+        attn = _dense(rms_norm(x, scale, 1e-5), wq, wk, wv)
+        return jnp.sum((x + jnp.einsum("bsnd,ndh->bsh", attn, wo)) * ct)
+
+    args = (x, scale, wq, wk, wv, wo)
+    np.testing.assert_allclose(jax.jit(fused)(*args), dense(*args), rtol=1e-5)
+    g_fused = jax.jit(jax.grad(fused, argnums=range(6)))(*args)
+    g_dense = jax.grad(dense, argnums=range(6))(*args)
+    for name, a, b in zip(("dx", "d_scale", "dWq", "dWk", "dWv", "dWo"), g_fused, g_dense):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_upipe_out_weight_needs_norm_scale():
+    mesh = _mesh(2, 4)
+    x, wq, wk, wv, _ = _op_inputs(16, 4, 2)
+    with pytest.raises(ValueError, match="needs norm_scale"):
+        upipe_attention(x, wq, wk, wv, mesh=mesh, heads_per_stage=4, rope_theta=10000.0,
+                        out_weight=jnp.zeros((16, 8, 32)))
+
+
 def test_upipe_natural_head_order_with_distinct_heads():
     """Each head gets a distinct weight; a wrong output permutation would swap heads and show up here."""
     heads, kv_heads, context = 16, 4, 4
