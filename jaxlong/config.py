@@ -347,19 +347,39 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                 f"use a power of two up to {s_local & -s_local} or 0 for the default"
             )
     if cfg.attention.impl == "upipe":
-        u = cfg.attention.heads_per_stage or context
-        if u % context or m.heads % u:
-            valid = [v for v in range(context, m.heads + 1, context) if m.heads % v == 0]
-            raise ConfigError(
-                f"attention.heads_per_stage={u} must be a multiple of mesh.context={context} and divide "
-                f"model.heads={m.heads}; valid values: {valid}"
-            )
+        check_upipe_schedule(m.heads, m.kv_heads, context, cfg.attention.heads_per_stage or context)
         inside = sorted(set(cfg.remat.save + cfg.remat.offload) & set(UPIPE_INTERNAL_NAMES))
         if cfg.remat.policy == "custom" and inside:
             raise ConfigError(
                 f"remat.save/remat.offload name {inside}, which attention.impl=upipe computes inside its op (it "
                 f"saves only the layer input and the attention output buffer); drop them or use attention.impl=ulysses"
             )
+
+
+def check_upipe_schedule(heads: int, kv_heads: int, context: int, heads_per_stage: int) -> None:
+    """U-Pipe's stage schedule exists (`jaxlong.upipe.Schedule`, Untied Ulysses §3.3 with GQA).
+
+    Raises:
+      ConfigError: heads/KV heads not splittable over `context` (`check_heads`); `heads_per_stage` (U) not a
+        positive multiple of `context` dividing `heads`; or the per-device query heads per stage U/C and the
+        query heads per effective KV head H/max(H_kv, C) not dividing one another.
+    """
+    check_heads(heads, kv_heads, context)
+    u = heads_per_stage
+    if u <= 0 or u % context or heads % u:
+        valid = [v for v in range(context, heads + 1, context) if heads % v == 0]
+        raise ConfigError(
+            f"attention.heads_per_stage={u} must be a multiple of mesh.context={context} and divide "
+            f"model.heads={heads}; valid values: {valid}"
+        )
+    m, g = u // context, heads // max(kv_heads, context)
+    if m % g and g % m:
+        valid = [v for v in range(context, heads + 1, context)
+                 if heads % v == 0 and ((v // context) % g == 0 or g % (v // context) == 0)]
+        raise ConfigError(
+            f"attention.heads_per_stage={u}: per-device query heads per stage U/C={m} and query heads "
+            f"per KV head {g} must divide one another; valid values: {valid}"
+        )
 
 
 def check_heads(heads: int, kv_heads: int, context: int) -> None:

@@ -165,17 +165,24 @@ def ladder(cfg: Config) -> list[tuple[str, str, Config]]:
 def max_context(cfg: Config, budget: int, *, granularity: int = 65536, start: int = 65536,
                 limit: int = 1 << 25) -> tuple[int, dict | None]:
     """Largest multiple of `granularity` tokens whose plan peak fits `budget`, by doubling then bisection over
-    compiled sizes. Returns (seq_len, plan) or (0, None) if even `start` does not fit."""
+    compiled sizes. Returns (seq_len, plan) or (0, None) if even `start` does not fit.
+
+    Raises:
+      ConfigError: the config is invalid at `start` tokens (e.g. heads not divisible by the context degree).
+    """
 
     def fits(s: int):
         c = copy.deepcopy(cfg)
         c.seq_len = s
         try:
             p = plan(c)
-        except ConfigError:
+        except ConfigError:  # a length the tiling cannot split (sizes other than `start` only)
             return False, None
         return p["peak"] <= budget, p
 
+    first = copy.deepcopy(cfg)
+    first.seq_len = start
+    validate(first)  # a config that is invalid at any length is an error, not "does not fit"
     ok, p = fits(start)
     if not ok:
         return 0, None
@@ -204,7 +211,8 @@ def _ctx(tokens: int, start: int = 65536) -> str:
 
 
 def _gib(x: float) -> str:
-    return f"{x / GiB:.1f}"
+    v = x / GiB
+    return f"{v:.1f}" if v >= 1 or v == 0 or v != v else f"{v:.2g}"  # small plans keep two digits
 
 
 def format_table(rows: list[dict], budget: int) -> str:
@@ -270,16 +278,25 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, what, c in rungs:
         row = {"name": name, "what": what}
-        if args.max_context:
-            s, p = max_context(c, budget)
-            row.update(p or {k: float("nan") for k in ("params", "gradients", "optimizer", "activations", "host", "peak")})
-            row["max_context"] = s
-            print(f"{name:18s} max context {_ctx(s):>11s} tokens", flush=True)
-        else:
-            row.update(plan(c))
-            print(f"{name:18s} peak {_gib(row['peak']):>8s} GiB  (activations {_gib(row['activations'])}, "
-                  f"host {_gib(row['host'])})", flush=True)
+        try:
+            if args.max_context:
+                s, p = max_context(c, budget)
+                row.update(p or {k: float("nan") for k in ("params", "gradients", "optimizer", "activations", "host", "peak")})
+                row["max_context"] = s
+                print(f"{name:18s} max context {_ctx(s):>11s} tokens", flush=True)
+            else:
+                row.update(plan(c))
+                print(f"{name:18s} peak {_gib(row['peak']):>8s} GiB  (activations {_gib(row['activations'])}, "
+                      f"host {_gib(row['host'])})", flush=True)
+        except ConfigError as e:  # e.g. a ladder rung's context degree that the model's heads cannot split
+            print(f"{name:18s} invalid for this model: {e}", file=sys.stderr, flush=True)
+            if len(rungs) == 1:
+                return 2
+            continue
         rows.append(row)
+    if not rows:
+        print("error: no rung of the ladder is valid for this config", file=sys.stderr)
+        return 2
     table = format_table(rows, budget)
     if args.max_context:
         table = "| rung | max context (tokens) |\n|---|---:|\n" + "\n".join(
@@ -290,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         import os  # noqa: PLC0415
 
         os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"memory_{'maxctx' if args.max_context else 'ladder'}_{cfg.model.name}")
+        kind = "maxctx" if args.max_context else "ladder" if args.ladder else "plan"
+        stem = os.path.join(args.out, f"memory_{kind}_{cfg.model.name}")
         with open(stem + ".csv", "w", newline="") as f:
             keys = [k for k in rows[0] if k != "compiled"]
             w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")

@@ -22,15 +22,15 @@ import jax
 from jaxlong.config import ConfigError, RematConfig
 
 LAYER_INPUT = "layer_input"
-NAMES = (
+NAMES = (  # the five attention names exist only with attention.impl=ulysses (U-Pipe keeps them inside its op)
     LAYER_INPUT,  # [b, s, hidden] residual stream entering the layer
-    "attn_norm_out",  # [b, s, hidden]
-    "query_proj",  # [b, s, heads, head_dim], after RoPE
-    "key_proj",  # [b, s, kv_heads, head_dim], after RoPE
-    "value_proj",  # [b, s, kv_heads, head_dim]
-    "attn_out",  # [b, s, heads, head_dim], before W_o
+    "attn_norm_out",  # [b, s, hidden]                       (Ulysses only)
+    "query_proj",  # [b, s, heads, head_dim], after RoPE       (Ulysses only)
+    "key_proj",  # [b, s, kv_heads, head_dim], after RoPE      (Ulysses only)
+    "value_proj",  # [b, s, kv_heads, head_dim]                (Ulysses only)
+    "attn_out",  # [b, s, heads, head_dim], before W_o         (Ulysses only)
     "mlp_norm_out",  # [b, s, hidden]
-    "mlp_hidden",  # [b, s, mlp_hidden], silu(gate) * up
+    "mlp_hidden",  # [b, s, mlp_hidden], silu(gate) * up; not with tiling.mlp (the tiles recompute it)
 )
 
 
@@ -58,7 +58,8 @@ def make_policy(cfg: RematConfig):
         for key, names in (("remat.save", cfg.save), ("remat.offload", cfg.offload)):
             unknown = sorted(set(names) - set(NAMES))
             if unknown:
-                raise ConfigError(f"{key}: unknown tensor names {unknown}; the layer tags: {', '.join(NAMES)}")
+                raise ConfigError(f"{key}: unknown tensor names {unknown}; the layer tags: {', '.join(NAMES)} "
+                                  f"(the attention ones with attention.impl=ulysses only)")
         return policies.save_and_offload_only_these_names(
             names_which_can_be_saved=list(cfg.save),
             names_which_can_be_offloaded=list(cfg.offload),

@@ -81,7 +81,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong import layers as L
 from jaxlong.attention.kernels import attention_bwd, attention_fwd_with_lse
-from jaxlong.config import ConfigError, check_heads
+from jaxlong.config import check_upipe_schedule
 from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS
 from jaxlong.ordering import opaque_one, zeros_after
 from jaxlong.ulysses import ulysses_attention
@@ -131,21 +131,8 @@ class Schedule:
         return self.heads // self.heads_per_stage
 
     def validate(self) -> None:
-        """Raises ConfigError when U, H, H_kv and C do not admit a schedule."""
-        check_heads(self.heads, self.kv_heads, self.context)
-        u, c, h = self.heads_per_stage, self.context, self.heads
-        if u <= 0 or u % c or h % u:
-            valid = [v for v in range(c, h + 1, c) if h % v == 0]
-            raise ConfigError(
-                f"attention.heads_per_stage={u} must be a multiple of mesh.context={c} and divide "
-                f"model.heads={h}; valid values: {valid}"
-            )
-        g = self.group_size
-        if self.m % g and g % self.m:
-            raise ConfigError(
-                f"attention.heads_per_stage={u}: per-device query heads per stage U/C={self.m} and query heads "
-                f"per KV head {g} must divide one another"
-            )
+        """Raises ConfigError when U, H, H_kv and C do not admit a schedule (`config.check_upipe_schedule`)."""
+        check_upipe_schedule(self.heads, self.kv_heads, self.context, self.heads_per_stage)
 
     def query_heads(self, t: int, u: int, r: int) -> list[int]:
         """Query heads device r computes in stage u of KV group t (for documentation and tests)."""
@@ -490,7 +477,7 @@ def upipe_attention(
       with `out_weight`, the sublayer output `[batch, seq, hidden]`.
 
     Raises:
-      ValueError: `out_weight` without `norm_scale`.
+      ValueError: `out_weight` without `norm_scale`, or not of shape `[heads, head_dim, hidden]`.
       ConfigError: U not a multiple of C or not dividing H, heads/KV heads not splittable over C, or
         U/C and H/max(H_kv, C) not dividing one another.
     """
@@ -504,6 +491,10 @@ def upipe_attention(
         if norm_scale is None:
             raise ValueError("upipe_attention(out_weight=...) computes x + W_o attention(RMSNorm(x)) and needs "
                              "norm_scale= (the attention norm's scale); pass both or neither")
+        want = (wq.shape[1], wq.shape[2], x.shape[-1])
+        if tuple(out_weight.shape) != want:
+            raise ValueError(f"upipe_attention: out_weight has shape {tuple(out_weight.shape)}; W_o must be "
+                             f"[heads, head_dim, hidden] = {list(want)}")
         out_spec = act
 
     fused = norm_scale is not None

@@ -137,12 +137,15 @@ def test_upipe_sublayer_with_out_projection_matches_dense(case):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-def test_upipe_out_weight_needs_norm_scale():
+def test_upipe_out_weight_needs_norm_scale_and_its_shape():
     mesh = _mesh(2, 4)
     x, wq, wk, wv, _ = _op_inputs(16, 4, 2)
     with pytest.raises(ValueError, match="needs norm_scale"):
         upipe_attention(x, wq, wk, wv, mesh=mesh, heads_per_stage=4, rope_theta=10000.0,
                         out_weight=jnp.zeros((16, 8, 32)))
+    with pytest.raises(ValueError, match="W_o must be \\[heads, head_dim, hidden\\] = \\[16, 8, 32\\]"):
+        upipe_attention(x, wq, wk, wv, mesh=mesh, heads_per_stage=4, rope_theta=10000.0,
+                        norm_scale=jnp.ones((32,)), out_weight=jnp.zeros((128, 32)))
 
 
 def test_upipe_natural_head_order_with_distinct_heads():
@@ -184,6 +187,8 @@ def test_bad_heads_per_stage_raise(u, match):
 @pytest.mark.parametrize("overrides", [
     ("model.heads=8", "model.kv_heads=2", "attention.heads_per_stage=4"),  # g = 4 per KV head, U = C
     ("model.heads=8", "model.kv_heads=2", "attention.heads_per_stage=8", "remat.policy=full"),
+    ("model.heads=8", "model.kv_heads=2", "attention.heads_per_stage=4", "remat.policy=offload",
+     "tiling.loss=true", "tiling.mlp=true"),  # the ALST stack with U-Pipe, as the memory ladder runs it
 ])
 def test_upipe_model_matches_single_device(overrides):
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "attention.impl=upipe", *overrides)
