@@ -7,6 +7,7 @@ Each rung adds one technique to the one before (the Untied Ulysses paper's Figur
 `jaxlong.memory.LADDER`). Bytes are per device, from the compiled train step on simulated CPU devices
 (`jaxlong.memory.plan`: float32 compile, activations scaled to the compute dtype, offloaded residuals counted
 on the host). Max context is a doubling + bisection search over compiled sizes at 64K-token granularity.
+`--heads-per-stage 32,16` adds rows for the U-Pipe rung at those heads per stage (tables and CSV, not the plot).
 """
 
 from __future__ import annotations
@@ -40,16 +41,24 @@ def main() -> int:
     ap.add_argument("--budget", default="80GiB")
     ap.add_argument("--out", default="experiments/results")
     ap.add_argument("--no-max-context", action="store_true")
+    ap.add_argument("--heads-per-stage", default="", help="comma-separated U for extra U-Pipe rows, e.g. 32,16")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = load_config(args.config, [f"seq_len={args.seq}", *args.overrides])
     set_host_device_count(cfg.mesh.num_devices)
-    from jaxlong.memory import GiB, _ctx, format_table, ladder, max_context, parse_bytes, plan, plot_ladder  # noqa: PLC0415
+    from jaxlong.memory import (  # noqa: PLC0415
+        GiB, _ctx, apply_rung, format_table, ladder, max_context, parse_bytes, plan, plot_ladder,
+    )
 
     budget = parse_bytes(args.budget)
     rows = []
     t0 = time.time()
-    for name, what, c in ladder(cfg):
+    rungs = ladder(cfg)
+    n_ladder = len(rungs)
+    for u in filter(None, args.heads_per_stage.split(",")):
+        c = apply_rung(rungs[-1][2], [f"attention.heads_per_stage={int(u)}"], cfg.mesh.num_devices)
+        rungs.append((f"+U-Pipe U={u}", f"the U-Pipe rung with {u} heads per stage", c))
+    for name, what, c in rungs:
         row = {"name": name, "what": what, **plan(c)}
         if not args.no_max_context:
             row["max_context"], _ = max_context(c, budget)
@@ -62,7 +71,7 @@ def main() -> int:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    plot_ladder(rows, budget, stem + ".png",
+    plot_ladder(rows[:n_ladder], budget, stem + ".png",
                 f"{cfg.model.name}, {args.seq:,} tokens, {cfg.mesh.num_devices} devices (GiB per device)")
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(stem + ".md", "w") as f:

@@ -137,6 +137,45 @@ def test_upipe_sublayer_with_out_projection_matches_dense(case):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def test_upipe_sublayer_in_bfloat16_is_as_accurate_as_ulysses():
+    """bf16 inputs and compute: the U-Pipe sublayer's loss and gradients are as close to a float32 reference
+    (same bf16-rounded inputs) as the Ulysses sublayer's are, i.e. the op's casts lose nothing extra."""
+    heads, kv_heads, context, u, fsdp, batch = CASES["gqa4-U=C"]
+    mesh = _mesh(fsdp, context)
+    x, wq, wk, wv, _ = _op_inputs(heads, kv_heads, batch)
+    hidden, d = x.shape[-1], wq.shape[-1]
+    scale = 1.0 + 0.1 * jax.random.normal(jax.random.key(7), (hidden,))
+    wo = jax.random.normal(jax.random.key(8), (heads, d, hidden)) / (heads * d) ** 0.5
+    ct = jax.random.normal(jax.random.key(9), x.shape)
+    bf = [a.astype(jnp.bfloat16) for a in (x, scale, wq, wk, wv, wo)]
+    bf[0] = jax.device_put(bf[0], NamedSharding(mesh, P(("data", "fsdp"), "context", None)))
+
+    def upipe(x, scale, wq, wk, wv, wo):
+        y = upipe_attention(x, wq, wk, wv, mesh=mesh, heads_per_stage=u, rope_theta=10000.0, backend="blockwise",
+                            block_q=16, block_k=16, norm_scale=scale, norm_eps=1e-5, out_weight=wo)
+        return jnp.sum(y.astype(jnp.float32) * ct)
+
+    def ulysses(x, scale, wq, wk, wv, wo):
+        attn = _ulysses(rms_norm(x, scale, 1e-5), wq, wk, wv, mesh)
+        return jnp.sum((x + jnp.einsum("bsnd,ndh->bsh", attn, wo)).astype(jnp.float32) * ct)
+
+    def dense(x, scale, wq, wk, wv, wo):
+        attn = _dense(rms_norm(x, scale, 1e-5), wq, wk, wv)
+        return jnp.sum((x + jnp.einsum("bsnd,ndh->bsh", attn, wo)) * ct)
+
+    ref = jax.value_and_grad(dense, argnums=range(6))(*[a.astype(jnp.float32) for a in bf])
+    got = {f.__name__: jax.jit(jax.value_and_grad(f, argnums=range(6)))(*bf) for f in (upipe, ulysses)}
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    for i, name in enumerate(("dx", "d_scale", "dWq", "dWk", "dWv", "dWo")):
+        e_up, e_ul = rel(got["upipe"][1][i], ref[1][i]), rel(got["ulysses"][1][i], ref[1][i])
+        assert e_up <= 2 * e_ul + 2e-3 and e_up < 0.03, (name, e_up, e_ul)
+    assert rel(got["upipe"][0], ref[0]) < 1e-2
+
+
 def test_upipe_out_weight_needs_norm_scale_and_its_shape():
     mesh = _mesh(2, 4)
     x, wq, wk, wv, _ = _op_inputs(16, 4, 2)
