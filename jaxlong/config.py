@@ -139,8 +139,14 @@ class Config:
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("ulysses", "upipe")
-# Remat names the Ulysses attention sublayer tags and U-Pipe keeps inside its op (`jaxlong.remat.NAMES`).
-UPIPE_INTERNAL_NAMES = ("attn_norm_out", "query_proj", "key_proj", "value_proj", "attn_out")
+# Remat names (`jaxlong.remat.NAMES`) the Ulysses attention sublayer tags; U-Pipe keeps them inside its op.
+UPIPE_INTERNAL_NAMES = (
+    "attn_norm_out",  # [b, s, hidden]
+    "query_proj",  # [b, s, heads, head_dim], after RoPE
+    "key_proj",  # [b, s, kv_heads, head_dim], after RoPE
+    "value_proj",  # [b, s, kv_heads, head_dim]
+    "attn_out",  # [b, s, heads, head_dim], before W_o
+)
 ATTENTION_BACKENDS = ("auto", "blockwise", "cudnn", "reference")
 REMAT_POLICIES = ("none", "full", "save_dots", "offload", "custom")
 TOKENIZERS = ("byte",)  # names accepted by jaxlong.data.get_tokenizer
@@ -365,19 +371,21 @@ def check_upipe_schedule(heads: int, kv_heads: int, context: int, heads_per_stag
         query heads per effective KV head H/max(H_kv, C) not dividing one another.
     """
     check_heads(heads, kv_heads, context)
+    g = heads // max(kv_heads, context)
+
+    def fits_gqa(m: int) -> bool:
+        return m % g == 0 or g % m == 0
+
     u = heads_per_stage
+    valid = [v for v in range(context, heads + 1, context) if heads % v == 0 and fits_gqa(v // context)]
     if u <= 0 or u % context or heads % u:
-        valid = [v for v in range(context, heads + 1, context) if heads % v == 0]
         raise ConfigError(
             f"attention.heads_per_stage={u} must be a multiple of mesh.context={context} and divide "
             f"model.heads={heads}; valid values: {valid}"
         )
-    m, g = u // context, heads // max(kv_heads, context)
-    if m % g and g % m:
-        valid = [v for v in range(context, heads + 1, context)
-                 if heads % v == 0 and ((v // context) % g == 0 or g % (v // context) == 0)]
+    if not fits_gqa(u // context):
         raise ConfigError(
-            f"attention.heads_per_stage={u}: per-device query heads per stage U/C={m} and query heads "
+            f"attention.heads_per_stage={u}: per-device query heads per stage U/C={u // context} and query heads "
             f"per KV head {g} must divide one another; valid values: {valid}"
         )
 

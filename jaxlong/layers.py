@@ -30,12 +30,17 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 def rms_norm_fwd(x, scale, eps):
     """RMSNorm forward and its residuals `(x, scale, 1/rms)` (for ops that fuse the norm, e.g. U-Pipe)."""
-    xf = x.astype(jnp.float32)
-    r = _rms(xf, eps)
-    # x * (r * scale), not (x * r) * scale: a recomputation written the same way (e.g. U-Pipe's backward) then
-    # rounds identically, and no full-size `x * r` product exists for the compiler to share with (and keep
-    # alive for) a later use of x * r.
-    return (xf * (r * scale.astype(jnp.float32))).astype(x.dtype), (x, scale, r)
+    r = _rms(x.astype(jnp.float32), eps)
+    return rms_norm_apply(x, r, scale), (x, scale, r)
+
+
+def rms_norm_apply(x, r, scale):
+    """The normalized x from its per-token `1/rms` r `[..., 1]`: `x * (r * scale)`, in x's dtype.
+
+    Recomputations (U-Pipe's backward) call this too, so they round exactly as the forward did. The product
+    is `x * (r * scale)`, not `(x * r) * scale`: no full-size `x * r` exists for the compiler to share with
+    (and keep alive for) another use of it."""
+    return (x.astype(jnp.float32) * (r * scale.astype(jnp.float32))).astype(x.dtype)
 
 
 def rms_norm_bwd(eps, res, g):

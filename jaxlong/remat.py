@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import jax
 
-from jaxlong.config import ConfigError, RematConfig
+from jaxlong.config import UPIPE_INTERNAL_NAMES, ConfigError, RematConfig
 
 LAYER_INPUT = "layer_input"
-NAMES = (  # the five attention names exist only with attention.impl=ulysses (U-Pipe keeps them inside its op)
+NAMES = (
     LAYER_INPUT,  # [b, s, hidden] residual stream entering the layer
-    "attn_norm_out",  # [b, s, hidden]                       (Ulysses only)
-    "query_proj",  # [b, s, heads, head_dim], after RoPE       (Ulysses only)
-    "key_proj",  # [b, s, kv_heads, head_dim], after RoPE      (Ulysses only)
-    "value_proj",  # [b, s, kv_heads, head_dim]                (Ulysses only)
-    "attn_out",  # [b, s, heads, head_dim], before W_o         (Ulysses only)
+    *UPIPE_INTERNAL_NAMES,  # the attention sublayer's tensors; with attention.impl=ulysses only
     "mlp_norm_out",  # [b, s, hidden]
     "mlp_hidden",  # [b, s, mlp_hidden], silu(gate) * up; not with tiling.mlp (the tiles recompute it)
 )

@@ -417,8 +417,7 @@ def _upipe_norm_local_bwd(sch, opts, res, dy):
     x, scale, r, wq, wk, wv, wo, out, lse = jax.lax.optimization_barrier(res)
     # Recompute the normalized input only now (after dy), so it is not live through the rest of the
     # layer's backward; the opaque 1 keeps the compiler from reusing the forward's copy instead.
-    one = opaque_one(dy, jnp.float32, ALL_AXES)
-    h = (x.astype(jnp.float32) * (r * (scale.astype(jnp.float32) * one))).astype(x.dtype)
+    h = L.rms_norm_apply(x, r, scale.astype(jnp.float32) * opaque_one(dy, jnp.float32, ALL_AXES))
     dh, dwq, dwk, dwv, dwo = _backward(h, wq, wk, wv, out, lse, dy, sch, opts, wo=wo)
     dx, d_scale = L.rms_norm_bwd(opts["eps"], (x, scale, r), dh)
     if wo is not None:  # the residual connection

@@ -106,30 +106,44 @@ def test_upipe_with_fused_norm_matches_norm_then_upipe(case):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def _sublayer_case(case, dtype=jnp.float32):
+    """Mesh, U, the sublayer's arguments `(x, scale, wq, wk, wv, wo)` in `dtype` (x sharded) and a cotangent."""
+    heads, kv_heads, context, u, fsdp, batch = CASES[case]
+    mesh = _mesh(fsdp, context)
+    x, wq, wk, wv, _ = _op_inputs(heads, kv_heads, batch)
+    hidden, d = x.shape[-1], wq.shape[-1]
+    scale = 1.0 + 0.1 * jax.random.normal(jax.random.key(7), (hidden,))
+    wo = jax.random.normal(jax.random.key(8), (heads, d, hidden)) / (heads * d) ** 0.5
+    ct = jax.random.normal(jax.random.key(9), x.shape)
+    args = [a.astype(dtype) for a in (x, scale, wq, wk, wv, wo)]
+    args[0] = jax.device_put(args[0], NamedSharding(mesh, P(("data", "fsdp"), "context", None)))
+    return mesh, u, tuple(args), ct
+
+
+def _dense_sublayer(x, scale, wq, wk, wv, wo):
+    return x + jnp.einsum("bsnd,ndh->bsh", _dense(rms_norm(x, scale, 1e-5), wq, wk, wv), wo)
+
+
+def _upipe_sublayer(mesh, u):
+    return lambda x, scale, wq, wk, wv, wo: upipe_attention(
+        x, wq, wk, wv, mesh=mesh, heads_per_stage=u, rope_theta=10000.0, backend="blockwise", block_q=16,
+        block_k=16, norm_scale=scale, norm_eps=1e-5, out_weight=wo)
+
+
 @pytest.mark.parametrize("case", ["gqa4-U=C", "gqa4-U=2C", "kv<C-U=C"])
 def test_upipe_sublayer_with_out_projection_matches_dense(case):
     """`out_weight=`: the op returns `x + W_o attention(RMSNorm(x))` and forms each stage's output gradient
     from the `[b, S, hidden]` one; loss and the gradients of x, the norm scale, W_q, W_k, W_v and W_o equal
     autodiff of the dense sublayer."""
-    heads, kv_heads, context, u, fsdp, batch = CASES[case]
-    mesh = _mesh(fsdp, context)
-    x, wq, wk, wv, ct = _op_inputs(heads, kv_heads, batch)
-    x = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), "context", None)))
-    hidden, d = x.shape[-1], wq.shape[-1]
-    scale = 1.0 + 0.1 * jax.random.normal(jax.random.key(7), (hidden,))
-    wo = jax.random.normal(jax.random.key(8), (heads, d, hidden)) / (heads * d) ** 0.5
-    ct = jax.random.normal(jax.random.key(9), x.shape)
+    mesh, u, args, ct = _sublayer_case(case)
+    sublayer = _upipe_sublayer(mesh, u)
 
-    def fused(x, scale, wq, wk, wv, wo):
-        y = upipe_attention(x, wq, wk, wv, mesh=mesh, heads_per_stage=u, rope_theta=10000.0, backend="blockwise",
-                            block_q=16, block_k=16, norm_scale=scale, norm_eps=1e-5, out_weight=wo)
-        return jnp.sum(y * ct)
+    def fused(*a):
+        return jnp.sum(sublayer(*a) * ct)
 
-    def dense(x, scale, wq, wk, wv, wo):
-        attn = _dense(rms_norm(x, scale, 1e-5), wq, wk, wv)
-        return jnp.sum((x + jnp.einsum("bsnd,ndh->bsh", attn, wo)) * ct)
+    def dense(*a):
+        return jnp.sum(_dense_sublayer(*a) * ct)
 
-    args = (x, scale, wq, wk, wv, wo)
     np.testing.assert_allclose(jax.jit(fused)(*args), dense(*args), rtol=1e-5)
     g_fused = jax.jit(jax.grad(fused, argnums=range(6)))(*args)
     g_dense = jax.grad(dense, argnums=range(6))(*args)
@@ -140,28 +154,18 @@ def test_upipe_sublayer_with_out_projection_matches_dense(case):
 def test_upipe_sublayer_in_bfloat16_is_as_accurate_as_ulysses():
     """bf16 inputs and compute: the U-Pipe sublayer's loss and gradients are as close to a float32 reference
     (same bf16-rounded inputs) as the Ulysses sublayer's are, i.e. the op's casts lose nothing extra."""
-    heads, kv_heads, context, u, fsdp, batch = CASES["gqa4-U=C"]
-    mesh = _mesh(fsdp, context)
-    x, wq, wk, wv, _ = _op_inputs(heads, kv_heads, batch)
-    hidden, d = x.shape[-1], wq.shape[-1]
-    scale = 1.0 + 0.1 * jax.random.normal(jax.random.key(7), (hidden,))
-    wo = jax.random.normal(jax.random.key(8), (heads, d, hidden)) / (heads * d) ** 0.5
-    ct = jax.random.normal(jax.random.key(9), x.shape)
-    bf = [a.astype(jnp.bfloat16) for a in (x, scale, wq, wk, wv, wo)]
-    bf[0] = jax.device_put(bf[0], NamedSharding(mesh, P(("data", "fsdp"), "context", None)))
+    mesh, u, bf, ct = _sublayer_case("gqa4-U=C", jnp.bfloat16)
+    sublayer = _upipe_sublayer(mesh, u)
 
-    def upipe(x, scale, wq, wk, wv, wo):
-        y = upipe_attention(x, wq, wk, wv, mesh=mesh, heads_per_stage=u, rope_theta=10000.0, backend="blockwise",
-                            block_q=16, block_k=16, norm_scale=scale, norm_eps=1e-5, out_weight=wo)
-        return jnp.sum(y.astype(jnp.float32) * ct)
+    def upipe(*a):
+        return jnp.sum(sublayer(*a).astype(jnp.float32) * ct)
 
     def ulysses(x, scale, wq, wk, wv, wo):
         attn = _ulysses(rms_norm(x, scale, 1e-5), wq, wk, wv, mesh)
         return jnp.sum((x + jnp.einsum("bsnd,ndh->bsh", attn, wo)).astype(jnp.float32) * ct)
 
-    def dense(x, scale, wq, wk, wv, wo):
-        attn = _dense(rms_norm(x, scale, 1e-5), wq, wk, wv)
-        return jnp.sum((x + jnp.einsum("bsnd,ndh->bsh", attn, wo)) * ct)
+    def dense(*a):
+        return jnp.sum(_dense_sublayer(*a) * ct)
 
     ref = jax.value_and_grad(dense, argnums=range(6))(*[a.astype(jnp.float32) for a in bf])
     got = {f.__name__: jax.jit(jax.value_and_grad(f, argnums=range(6)))(*bf) for f in (upipe, ulysses)}
