@@ -4,8 +4,8 @@
         --out experiments/results
 
 Each rung adds one technique to the one before (the Untied Ulysses paper's Figure 1 order, see
-`jaxlong.memory.LADDER`). Bytes are per device, from the compiled train step on simulated CPU devices
-(`jaxlong.memory.plan`: float32 compile, activations scaled to the compute dtype, offloaded residuals counted
+`jaxlong.plan.LADDER`). Bytes are per device, from the compiled train step on simulated CPU devices
+(`jaxlong.plan.plan`: float32 compile, activations scaled to the compute dtype, offloaded residuals counted
 on the host). Max context is a doubling + bisection search over compiled sizes at 64K-token granularity.
 `--heads-per-stage 32,16` adds rows for the U-Pipe rung at those heads per stage (tables and CSV, not the plot).
 """
@@ -46,7 +46,7 @@ def main() -> int:
     args = ap.parse_args()
     cfg = load_config(args.config, [f"seq_len={args.seq}", *args.overrides])
     set_host_device_count(cfg.mesh.num_devices)
-    from jaxlong.memory import (  # noqa: PLC0415
+    from jaxlong.plan.planner import (  # noqa: PLC0415
         GiB, _ctx, apply_rung, format_table, ladder, max_context, parse_bytes, plan, plot_ladder,
     )
 

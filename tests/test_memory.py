@@ -5,7 +5,7 @@ import math
 import pytest
 
 from helpers import tiny_cfg
-from jaxlong.memory import GiB, ladder, max_context, parse_bytes, plan
+from jaxlong.plan import GiB, ladder, max_context, parse_bytes, plan
 
 
 def test_parse_bytes():
