@@ -1,87 +1,151 @@
-"""Command line of the memory planner: `python -m jaxlong.memory [--config FILE] [--ladder] [--max-context] ...`.
+"""Command line of the memory planner: `python -m jaxlong.memory [--target GPU] [--config FILE] [--ladder]
+[--max-context] [key=value ...]`.
 
-The planning itself is in `jaxlong.plan`; this module parses arguments and prints tables.
+The planning itself is in `jaxlong.plan`; this module parses arguments, picks where to compile (a GPU target,
+the GPUs present, or the CPU approximation) and prints tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from jaxlong.config import ConfigError, load_config
+from jaxlong.config import ConfigError, load_config, validate
 from jaxlong.plan.planner import __doc__ as _PLAN_DOC
 from jaxlong.plan.planner import _ctx, _gib, format_table, ladder, max_context, parse_bytes, plan, plot_ladder
 
+TiB = 1024**4
+CPU_NOTICE = ("note: CPU approximation (XLA's CPU compiler, float32 compile scaled to the compute dtype; no "
+              "attention workspace, collective buffers or headroom). For the GPU compiler's plan: "
+              "pip install 'jax[cuda12]' and add --target h100 (or h200, a100).")
+
+
+def _gpu_present() -> bool:
+    """An NVIDIA driver is present (checked without importing jax, so JAX_PLATFORMS can still be set)."""
+    return os.path.exists("/dev/nvidiactl")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxlong.memory", description=_PLAN_DOC,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None)
+    p.add_argument("--target", default=None,
+                   help="plan for a GPU without one: h100, h200, a100 or a GpuTargetConfigProto .txtpb, "
+                        "[:DEVICES_PER_NODE][xNODES], e.g. h100:8x2 (sets mesh.num_devices)")
+    p.add_argument("--budget", default=None,
+                   help="per-device memory budget (default: the target's memory, else 80GiB)")
+    p.add_argument("--host-budget", default="2TiB", help="host memory per node for offloaded bytes (default 2TiB)")
+    p.add_argument("--headroom", default="2%", help="fragmentation headroom, %% of device memory or a size")
+    p.add_argument("--collective-buffers", default=None, help="NCCL buffers per device (default: modelled)")
+    p.add_argument("--ladder", action="store_true", help="add the techniques one at a time (paper Fig. 1)")
+    p.add_argument("--max-context", action="store_true", help="largest seq_len that fits, per rung")
+    p.add_argument("--out", default=None, help="directory for ladder .md/.csv/.png")
+    p.add_argument("--dump", default=None, help="XLA dump directory (buffer assignment, memory-usage report)")
+    p.add_argument("overrides", nargs="*")
+    return p
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxlong.memory", description=_PLAN_DOC,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None)
-    parser.add_argument("--budget", default="80GiB", help="per-device memory budget (default 80GiB)")
-    parser.add_argument("--ladder", action="store_true", help="add the techniques one at a time (paper Fig. 1)")
-    parser.add_argument("--max-context", action="store_true", help="largest seq_len that fits, per rung")
-    parser.add_argument("--out", default=None, help="directory for ladder .md/.csv/.png")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        budget = parse_bytes(args.budget)
+        target = None
+        if args.target:
+            if _target_usable():
+                from jaxlong.plan.target import parse_target  # noqa: PLC0415
+
+                target = parse_target(args.target)
+                cfg.mesh.num_devices = target.devices
+                validate(cfg)
+            else:
+                print(f"note: --target {args.target} needs the CUDA plugin (pip install 'jax[cuda12]'); "
+                      f"planning on the CPU instead", file=sys.stderr)
+        budget = parse_bytes(args.budget) if args.budget else (target.device_memory if target else 80 * 1024**3)
+        host_budget = parse_bytes(args.host_budget, option="--host-budget")
+        per_node = target.devices_per_node if target else min(cfg.mesh.num_devices, 8)
+        host_budget = host_budget * per_node // 8 if per_node < 8 else host_budget
+        collectives = parse_bytes(args.collective_buffers, option="--collective-buffers") \
+            if args.collective_buffers else None
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if target is not None and not _gpu_present():
+        os.environ["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin must not try to initialize a driver
+    if args.dump:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.dump}".strip()
     from jaxlong.train import set_host_device_count  # noqa: PLC0415
 
     set_host_device_count(cfg.mesh.num_devices)
-    print(f"{cfg.model.name}: seq_len {cfg.seq_len}, {cfg.mesh.num_devices} devices, budget {_gib(budget)} GiB "
-          f"(compute {cfg.compute_dtype}; activations measured in float32 and scaled)")
+    where = target.describe() if target else f"{cfg.mesh.num_devices} devices"
+    print(f"{cfg.model.name}: seq_len {cfg.seq_len:,}, {where}, budget {_gib(budget)} GiB per device, "
+          f"host {_gib(host_budget)} GiB per node, compute {cfg.compute_dtype}")
     rungs = ladder(cfg) if (args.ladder or args.max_context) else [("config", "as given", cfg)]
-    rows = []
+    kw = dict(headroom=args.headroom, collective_buffers=collectives)
+    rows, cpu = [], False
     for name, what, c in rungs:
         row = {"name": name, "what": what}
         try:
             if args.max_context:
-                s, p = max_context(c, budget)
-                row.update(p or {k: float("nan") for k in ("params", "gradients", "optimizer", "activations", "host", "peak")})
+                s, p = max_context(c, budget, target=target, host_budget=host_budget, **kw)
+                row.update(p or {k: float("nan") for k in ("params", "gradients", "optimizer", "activations", "host",
+                                                           "peak", "workspace", "collectives", "headroom", "total",
+                                                           "host_per_node")})
                 row["max_context"] = s
                 print(f"{name:18s} max context {_ctx(s):>11s} tokens", flush=True)
             else:
-                row.update(plan(c))
-                print(f"{name:18s} peak {_gib(row['peak']):>8s} GiB  (activations {_gib(row['activations'])}, "
-                      f"host {_gib(row['host'])})", flush=True)
+                row.update(plan(c, target, **kw))
+                print(f"{name:18s} total {_gib(row['total']):>8s} GiB  (compiled peak {_gib(row['peak'])}, "
+                      f"activations {_gib(row['activations'])}, host {_gib(row['host'])})", flush=True)
         except ConfigError as e:  # e.g. a ladder rung's context degree that the model's heads cannot split
             print(f"{name:18s} invalid for this model: {e}", file=sys.stderr, flush=True)
             if len(rungs) == 1:
                 return 2
             continue
+        cpu = cpu or str(row.get("source", "")).startswith("CPU")
         rows.append(row)
     if not rows:
         print("error: no rung of the ladder is valid for this config", file=sys.stderr)
         return 2
-    table = format_table(rows, budget)
+    table = format_table(rows, budget, host_budget)
     if args.max_context:
-        table = "| rung | max context (tokens) |\n|---|---:|\n" + "\n".join(
-            f"| {r['name']} | {_ctx(r['max_context'])} |" for r in rows)
+        table = "| rung | max context (tokens) | total at it (GiB) |\n|---|---:|---:|\n" + "\n".join(
+            f"| {r['name']} | {_ctx(r['max_context'])} | {_gib(r['total'])} |" for r in rows)
+    source = next((r["source"] for r in rows if "source" in r), "")
+    print(f"source: {source}")
     print(table)
+    if cpu:
+        print(CPU_NOTICE)
     if args.out:
-        import csv  # noqa: PLC0415
-        import os  # noqa: PLC0415
-
-        os.makedirs(args.out, exist_ok=True)
-        kind = "maxctx" if args.max_context else "ladder" if args.ladder else "plan"
-        stem = os.path.join(args.out, f"memory_{kind}_{cfg.model.name}")
-        with open(stem + ".csv", "w", newline="") as f:
-            keys = [k for k in rows[0] if k != "compiled"]
-            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(rows)
-        with open(stem + ".md", "w") as f:
-            f.write(f"python -m jaxlong.memory {' '.join(argv if argv is not None else sys.argv[1:])}\n\n{table}\n")
-        if args.ladder and not args.max_context:
-            plot_ladder(rows, budget, stem + ".png", f"{cfg.model.name}, {cfg.seq_len:,} tokens, {cfg.mesh.num_devices} devices")
-        print(f"wrote {stem}.csv/.md" + ("/.png" if args.ladder and not args.max_context else ""))
+        _write(args, argv, cfg, rows, table, source, budget)
     return 0
+
+
+def _target_usable() -> bool:
+    from jaxlong.plan.target import cuda_plugin_available  # noqa: PLC0415
+
+    return cuda_plugin_available()
+
+
+def _write(args, argv, cfg, rows, table, source, budget) -> None:
+    import csv  # noqa: PLC0415
+
+    os.makedirs(args.out, exist_ok=True)
+    kind = "maxctx" if args.max_context else "ladder" if args.ladder else "plan"
+    tag = f"_{args.target.replace(':', '-')}" if args.target else "_cpu"
+    stem = os.path.join(args.out, f"memory_{kind}_{cfg.model.name}{tag}")
+    with open(stem + ".csv", "w", newline="") as f:
+        keys = [k for k in rows[0] if k != "compiled"]
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    with open(stem + ".md", "w") as f:
+        f.write(f"python -m jaxlong.memory {' '.join(argv if argv is not None else sys.argv[1:])}\n\n"
+                f"source: {source}\n\n{table}\n")
+    if args.ladder and not args.max_context:
+        plot_ladder(rows, budget, stem + ".png", f"{cfg.model.name}, {cfg.seq_len:,} tokens, {source}")
+    print(f"wrote {stem}.csv/.md" + ("/.png" if args.ladder and not args.max_context else ""))
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

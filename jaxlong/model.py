@@ -41,6 +41,14 @@ class Runtime:
     def compute_dtype(self):
         return jnp.dtype(self.cfg.compute_dtype)
 
+    @property
+    def attention_backend(self) -> str:
+        """`attention.backend` with `auto` resolved for the mesh's devices (GPU compile-only devices included)."""
+        from jaxlong.attention.kernels import resolve_backend  # noqa: PLC0415
+
+        probe = jax.ShapeDtypeStruct((self.cfg.model.head_dim,), self.compute_dtype)
+        return resolve_backend(self.cfg.attention.backend, probe, platform=self.mesh.devices.flat[0].platform)
+
     def constrain(self, x: jax.Array, spec: P) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
@@ -83,7 +91,7 @@ class DecoderLayer(nnx.Module):
             return upipe_attention(
                 x, rt.gather(self.wq[...]), rt.gather(self.wk[...]), rt.gather(self.wv[...]),
                 mesh=rt.mesh, heads_per_stage=ac.heads_per_stage or rt.mesh.shape[CONTEXT_AXIS],
-                rope_theta=mc.rope_theta, backend=ac.backend, block_q=ac.block_q, block_k=ac.block_k,
+                rope_theta=mc.rope_theta, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k,
                 norm_scale=self.attn_norm[...], norm_eps=mc.norm_eps, out_weight=rt.gather(self.wo[...]),
             )
         h = checkpoint_name(L.rms_norm(x, self.attn_norm[...], mc.norm_eps), "attn_norm_out")
@@ -95,7 +103,7 @@ class DecoderLayer(nnx.Module):
         q = checkpoint_name(rt.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
         k = checkpoint_name(rt.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
         v = checkpoint_name(rt.constrain(v, qkv_spec), "value_proj")
-        attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=ac.backend, block_q=ac.block_q, block_k=ac.block_k)
+        attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k)
         attn = checkpoint_name(attn, "attn_out")
         return x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(self.wo[...]))
 

@@ -333,20 +333,23 @@ def cudnn_attention(q, k, v, *, causal: bool = True):
 # --------------------------------------------------------------------------- dispatch
 
 
-def resolve_backend(backend: str, q) -> str:
+def resolve_backend(backend: str, q, platform: str | None = None) -> str:
     """Map ``backend`` (one of :data:`BACKENDS`) to a concrete one for query array ``q``.
 
-    ``'auto'`` picks ``'cudnn'`` when ``jax.default_backend() == 'gpu'``, ``head_dim % 8 == 0``,
-    ``head_dim <= 256`` and ``q.dtype`` is bf16/fp16; otherwise ``'blockwise'``.
+    ``'auto'`` picks ``'cudnn'`` when the devices are GPUs (``platform``: the mesh's device platform, e.g.
+    ``mesh.devices.flat[0].platform``; default ``jax.default_backend()``), ``head_dim % 8 == 0``,
+    ``head_dim <= 256`` and ``q.dtype`` is bf16/fp16; otherwise ``'blockwise'``. Compile-only GPU devices
+    (planning without a GPU) report ``'gpu'`` while ``jax.default_backend()`` is ``'cpu'``: pass ``platform``.
     Raises ValueError for an unknown backend.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend != "auto":
         return backend
+    platform = jax.default_backend() if platform is None else platform
     d = q.shape[-1]
-    if (jax.default_backend() == "gpu" and d % 8 == 0 and d <= 256
-            and q.dtype in (jnp.bfloat16, jnp.float16)):
+    if (platform in ("gpu", "cuda") and d % 8 == 0 and d <= 256
+            and jnp.dtype(q.dtype) in (jnp.bfloat16, jnp.float16)):
         return "cudnn"
     return "blockwise"
 

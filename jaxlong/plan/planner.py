@@ -1,29 +1,37 @@
-"""Memory planner: per-device bytes of a training config, compiled ahead of time on simulated devices.
+"""Memory planner: per-device bytes of a training config, from the train step compiled ahead of time.
 
-    python -m jaxlong.memory --config configs/llama3_1_8b.yaml seq_len=3145728 --budget 80GiB
-    python -m jaxlong.memory --config configs/llama3_1_8b.yaml seq_len=3145728 --ladder --out experiments/results
-    python -m jaxlong.memory --config configs/llama3_1_8b.yaml --max-context --budget 80GiB
+    python -m jaxlong.memory --target h100 --config configs/llama3_1_8b.yaml seq_len=3145728 --ladder
+    python -m jaxlong.memory --target h100:8x2 --config configs/qwen3_32b.yaml --max-context
+    python -m jaxlong.memory --config configs/llama3_1_8b.yaml seq_len=3145728     # CPU approximation
 
-The train step is lowered and compiled for `mesh.num_devices` CPU devices (`--xla_force_host_platform_
-device_count`); nothing is allocated, so 8x H100 shapes plan on a laptop. Per device it reports:
+Where the compile comes from (the `source` of a plan):
+  GPU compile   `--target NAME` (`jaxlong.plan.target`): XLA's GPU compiler for compile-only devices of that
+                GPU, no GPU needed (needs the CUDA plugin, `pip install 'jax[cuda12]'`). The program is compiled
+                as it will run: the run's compute dtype, cuDNN attention for `attention.backend=auto`, XLA's GPU
+                fusion, scheduling and rematerialization against the target's memory size.
+  GPU           no `--target`, on a machine whose devices are GPUs: the same, for the real devices.
+  CPU approx.   no `--target`, no GPU: simulated CPU devices (`--xla_force_host_platform_device_count`).
+                XLA's CPU backend computes bf16 matmuls and all-to-alls in float32 (its buffer assignment holds
+                float32 copies of bf16 operands), so the program is compiled in float32 and activation bytes
+                are scaled by bytes(compute_dtype)/4; it drops memory-space annotations, so offloaded residuals
+                are read from the jaxpr (`saved_residuals` types them `<host>`) and moved to the host column.
+                Neither correction is exact: use a GPU target for numbers you publish.
 
+Per device it reports:
   params, optimizer   exact, from the shardings of the train state (bytes of each leaf's shard).
-  gradients           exact: same shapes and shardings as the parameters (param_dtype); transient, they
-                      are part of the compiled temporaries.
-  activations         compiled temporaries minus gradients minus host-offloaded residuals, for the compute
-                      dtype (see the bf16 correction below).
-  host (offloaded)    residuals the remat policy sends to `pinned_host` (read from the jaxpr of the loss:
-                      `saved_residuals` types them `<host>`). XLA's CPU backend drops memory-space
-                      annotations, so the CPU compile counts them as device temporaries; the plan moves
-                      them to the host column. On a GPU they live in pinned host memory.
-  peak                params + optimizer + gradients + activations (+ XLA's argument/output accounting):
-                      what must fit the device `--budget`.
-
-bf16 correction: XLA's CPU backend computes bf16 matmuls and all-to-alls in float32 (its buffer assignment
-holds float32 copies of bf16 operands), so a CPU compile of a bf16 program overstates activation bytes.
-The planner therefore compiles the program in float32 and scales activation bytes by
-bytes(compute_dtype)/4. Buffers that are float32 whatever the compute dtype (softmax statistics, logits of
-the loss) are understated by that scaling; they are small next to the `[S/C, hidden]` activations.
+  gradients           exact: same shapes and shardings as the parameters (param_dtype); transient, part of
+                      the compiled temporaries.
+  activations         compiled temporaries minus gradients (GPU: the device memory space only; CPU: minus the
+                      offloaded residuals, scaled as above).
+  host (offloaded)    GPU: the compiled host-memory-space bytes (`host_temp_size_in_bytes` and host
+                      arguments/outputs), exact; per node it is this times the devices per node, checked
+                      against `--host-budget`.
+  peak                params + optimizer + gradients + activations: the compiled program's device bytes.
+  workspace           the attention kernel's run-time workspace, which no compile sees (`jaxlong.plan.workspace`).
+  collectives         NCCL buffers (a model, `jaxlong.plan.workspace`).
+  headroom            allocator fragmentation and what JAX holds besides the step (`--headroom`).
+  total               peak + workspace + collectives + headroom: what must fit the device budget.
+The three rows after peak are GPU-only; the CPU approximation reports them as 0.
 """
 
 from __future__ import annotations
@@ -52,15 +60,15 @@ LADDER = [
 ]
 
 
-def parse_bytes(text: str) -> int:
-    """'80GiB' / '80GB' / '1.5TiB' / '123' -> bytes.
+def parse_bytes(text: str, option: str = "--budget") -> int:
+    """'80GiB' / '80GB' / '1.5TiB' / '123' -> bytes (`option` names the flag in the error).
 
     Raises:
       ValueError: unparseable size.
     """
     m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
     if not m:
-        raise ValueError(f"--budget {text!r}: expected a size like 80GiB, 80GB or 85899345920")
+        raise ValueError(f"{option} {text!r}: expected a size like 80GiB, 80GB or 85899345920")
     value, unit = float(m.group(1)), (m.group(2) or "B").upper()
     powers = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}
     base = 1024 if "I" in unit or unit in ("K", "M", "G", "T") else 1000
@@ -100,30 +108,70 @@ def _host_residual_bytes(cfg: Config, mesh) -> int:
     return host // activation_shards
 
 
-def plan(cfg: Config) -> dict:
+def _gpu_devices_present() -> bool:
+    import jax  # noqa: PLC0415
+
+    return jax.default_backend() == "gpu"
+
+
+def _target_for(target, n: int):
+    """`target` resized to `n` devices: one node of n when n fits a node, else whole nodes."""
+    import dataclasses  # noqa: PLC0415
+
+    per_node = min(n, target.devices_per_node)
+    if n % per_node:
+        raise ConfigError(f"mesh.num_devices={n} is not a whole number of {target.name} nodes of "
+                          f"{target.devices_per_node} devices")
+    return dataclasses.replace(target, devices_per_node=per_node, nodes=n // per_node)
+
+
+def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: int | None = None) -> dict:
     """Compile the train step of `cfg` ahead of time and return per-device bytes by category.
 
-    Returns a dict with `params`, `optimizer`, `gradients`, `activations`, `host`, `peak` (bytes per device)
-    and the raw `compiled` memory_analysis numbers.
+    Args:
+      cfg: the run's config; `mesh.num_devices` devices are planned.
+      target: a `jaxlong.plan.target.Target` for a deviceless GPU compile, or None for the devices present
+        (GPUs, else the CPU approximation). See the module docstring.
+      headroom: `--headroom` text (`'2%'` of device memory or a size); GPU plans only.
+      collective_buffers: bytes of NCCL buffers per device, overriding the model; GPU plans only.
+
+    Returns:
+      dict with `params`, `optimizer`, `gradients`, `activations`, `host`, `peak`, `workspace`, `collectives`,
+      `headroom`, `total` (bytes per device), `host_per_node` (bytes), `device_memory` (bytes per device, None
+      on the CPU), `source` (where the compile came from) and `compiled` (raw memory_analysis numbers).
 
     Raises:
-      ConfigError: the config is invalid for its own `mesh.num_devices`.
+      ConfigError: the config is invalid for its own `mesh.num_devices`, or the target cannot be compiled for.
     """
     import jax  # noqa: PLC0415
 
     from jaxlong import step as step_lib  # noqa: PLC0415
     from jaxlong.memstats import compiled_bytes  # noqa: PLC0415
-    from jaxlong.mesh import build_mesh  # noqa: PLC0415
+    from jaxlong.mesh import CONTEXT_AXIS, build_mesh  # noqa: PLC0415
+    from jaxlong.model import Runtime  # noqa: PLC0415
+    from jaxlong.plan import workspace as ws  # noqa: PLC0415
+    from jaxlong.plan.target import compile_only_devices  # noqa: PLC0415
 
     validate(cfg)
-    measured = copy.deepcopy(cfg)
-    scale = 1.0
-    if cfg.compute_dtype != "float32":
-        measured.compute_dtype = "float32"
-        scale = {"bfloat16": 2, "float16": 2}[cfg.compute_dtype] / 4
-    devices = jax.devices()[: cfg.mesh.num_devices]
-    if len(devices) < cfg.mesh.num_devices:
-        raise ConfigError(f"mesh.num_devices={cfg.mesh.num_devices} but only {len(devices)} devices exist")
+    n = cfg.mesh.num_devices
+    gpu = target is not None or _gpu_devices_present()
+    measured, scale, device_memory, per_node = cfg, 1.0, None, min(n, 8)
+    if target is not None:
+        t = _target_for(target, n)
+        devices, source, device_memory, per_node = compile_only_devices(t), f"GPU compile, {t.describe()}", \
+            t.device_memory, t.devices_per_node
+    elif gpu:
+        devices = jax.devices()[:n]
+        source = f"GPU, {len(devices)} x {devices[0].device_kind}"
+        device_memory = (devices[0].memory_stats() or {}).get("bytes_limit")
+    else:
+        devices, source = jax.devices()[:n], "CPU approximation (float32 compile, scaled)"
+        if cfg.compute_dtype != "float32":
+            measured = copy.deepcopy(cfg)
+            measured.compute_dtype = "float32"
+            scale = {"bfloat16": 2, "float16": 2}[cfg.compute_dtype] / 4
+    if len(devices) < n:
+        raise ConfigError(f"mesh.num_devices={n} but only {len(devices)} devices exist")
     mesh = build_mesh(measured.mesh, devices=devices)
     state = step_lib.abstract_state(measured, mesh)
     compiled = step_lib.compile_train_step(measured, mesh)
@@ -131,11 +179,31 @@ def plan(cfg: Config) -> dict:
     params = _shard_bytes(state["params"])
     optimizer = _shard_bytes(state["opt_state"])
     gradients = params
-    host = _host_residual_bytes(measured, mesh)
-    activations = max(raw["temp"] - gradients - host, 0) * scale
+    if gpu:
+        host = raw["host_temp"] + raw["host_argument"] + raw["host_output"]
+        activations = max(raw["temp"] - gradients, 0)
+    else:
+        host = _host_residual_bytes(measured, mesh)
+        activations = max(raw["temp"] - gradients - host, 0) * scale
+        host = host * scale
     peak = params + optimizer + gradients + activations
+    rows = {"workspace": 0, "collectives": 0, "headroom": 0}
+    if gpu:
+        batch_local = max(cfg.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"]), 1)
+        backend = Runtime(mesh=mesh, cfg=cfg).attention_backend
+        rows["workspace"] = ws.attention_workspace_bytes(cfg, backend, mesh.shape[CONTEXT_AXIS], batch_local)
+        rows["collectives"] = ws.collective_buffer_bytes(n, collective_buffers)
+        rows["headroom"] = ws.parse_headroom(headroom, device_memory) if device_memory else 0
+    total = peak + sum(rows.values())
     return {"params": params, "optimizer": optimizer, "gradients": gradients, "activations": activations,
-            "host": host * scale, "peak": peak, "compiled": raw}
+            "host": host, "peak": peak, **rows, "total": total, "host_per_node": host * per_node,
+            "device_memory": device_memory, "source": source, "compiled": raw}
+
+
+def fits(p: dict, budget: int, host_budget: int | None = None) -> bool:
+    """Whether plan `p` fits `budget` bytes per device (its `total`) and `host_budget` bytes of host memory
+    per node (None: unchecked)."""
+    return p["total"] <= budget and (host_budget is None or p["host_per_node"] <= host_budget)
 
 
 def apply_rung(cfg: Config, overrides: list[str], n: int) -> Config:
@@ -160,46 +228,66 @@ def ladder(cfg: Config) -> list[tuple[str, str, Config]]:
     return rungs
 
 
-def max_context(cfg: Config, budget: int, *, granularity: int = 65536, start: int = 65536,
+def max_context(cfg: Config, budget: int, *, target=None, host_budget: int | None = None, headroom: str = "2%",
+                collective_buffers: int | None = None, granularity: int = 65536, start: int = 65536,
                 limit: int = 1 << 25) -> tuple[int, dict | None]:
-    """Largest multiple of `granularity` tokens whose plan peak fits `budget`, by doubling then bisection over
-    compiled sizes. Returns (seq_len, plan) or (0, None) if even `start` does not fit.
+    """Largest multiple of `granularity` tokens whose plan fits `budget` per device (and `host_budget` per node).
+
+    Memory is close to linear in the sequence length, so the search brackets the answer by doubling from
+    `start`, then narrows the bracket with linear interpolation of the plans' excess over the budget
+    (regula falsi, Illinois variant), falling back to bisection; every probe is a compiled plan. Returns
+    (seq_len, plan) or (0, None) if even `start` does not fit. `target`, `headroom`, `collective_buffers` as
+    for `plan`.
 
     Raises:
       ConfigError: the config is invalid at `start` tokens (e.g. heads not divisible by the context degree).
     """
 
-    def fits(s: int):
+    def probe(s: int):
         c = copy.deepcopy(cfg)
         c.seq_len = s
         try:
-            p = plan(c)
+            p = plan(c, target, headroom=headroom, collective_buffers=collective_buffers)
         except ConfigError:  # a length the tiling cannot split (sizes other than `start` only)
-            return False, None
-        return p["peak"] <= budget, p
+            return None, None
+        excess = p["total"] / budget - 1
+        if host_budget is not None:
+            excess = max(excess, p["host_per_node"] / host_budget - 1)
+        return excess, p
 
     first = copy.deepcopy(cfg)
     first.seq_len = start
     validate(first)  # a config that is invalid at any length is an error, not "does not fit"
-    ok, p = fits(start)
-    if not ok:
+    e_lo, p = probe(start)
+    if e_lo is None or e_lo > 0:
         return 0, None
-    lo, best = start, p
-    hi = start * 2
+    lo, best, hi, e_hi = start, p, start * 2, None
     while hi <= limit:
-        ok, p = fits(hi)
-        if not ok:
-            break
-        lo, best, hi = hi, p, hi * 2
+        e, p = probe(hi)
+        if e is not None and e <= 0:
+            lo, e_lo, best, hi = hi, e, p, hi * 2
+            continue
+        e_hi = e
+        break
     else:
         return lo, best
+    side = 0
     while hi - lo > granularity:
-        mid = (lo + hi) // 2 // granularity * granularity
-        ok, p = fits(mid)
-        if ok:
-            lo, best = mid, p
+        mid = (lo + hi) // 2
+        if e_hi is not None and e_hi > e_lo:  # interpolate where the excess crosses zero
+            mid = int(lo + (hi - lo) * (-e_lo) / (e_hi - e_lo))
+        mid = min(max(mid // granularity * granularity, lo + granularity), hi - granularity)
+        e, p = probe(mid)
+        if e is not None and e <= 0:
+            lo, e_lo, best = mid, e, p
+            if side == -1 and e_hi is not None:
+                e_hi /= 2  # Illinois: keep the stale end from stalling the interpolation
+            side = -1
         else:
-            hi = mid
+            hi, e_hi = mid, e
+            if side == 1:
+                e_lo /= 2
+            side = 1
     return lo, best
 
 
@@ -213,14 +301,19 @@ def _gib(x: float) -> str:
     return f"{v:.1f}" if v >= 1 or v == 0 or v != v else f"{v:.2g}"  # small plans keep two digits
 
 
-def format_table(rows: list[dict], budget: int) -> str:
-    head = "| rung | params | grads | optimizer | activations | host (offload) | peak | fits |\n|---|---:|---:|---:|---:|---:|---:|---|"
+def format_table(rows: list[dict], budget: int, host_budget: int | None = None) -> str:
+    """Markdown table of plans (GiB per device; host per node in GiB), one row per rung."""
+    head = ("| rung | params | grads | optimizer | activations | peak (compiled) | attention workspace | "
+            "collectives | headroom | total | host offload / device | host / node | fits |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     lines = [head]
     for r in rows:
+        ok = fits(r, budget, host_budget)
         lines.append(
             f"| {r['name']} | {_gib(r['params'])} | {_gib(r['gradients'])} | {_gib(r['optimizer'])} | "
-            f"{_gib(r['activations'])} | {_gib(r['host'])} | {_gib(r['peak'])} | "
-            f"{'yes' if r['peak'] <= budget else 'no'} |"
+            f"{_gib(r['activations'])} | {_gib(r['peak'])} | {_gib(r['workspace'])} | {_gib(r['collectives'])} | "
+            f"{_gib(r['headroom'])} | **{_gib(r['total'])}** | {_gib(r['host'])} | {_gib(r['host_per_node'])} | "
+            f"{'yes' if ok else 'no'} |"
         )
     return "\n".join(lines)
 
@@ -235,8 +328,9 @@ def plot_ladder(rows: list[dict], budget: int, path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(10, 5))
     bottom = [0.0] * len(rows)
     for key, color in (("params", "#4c72b0"), ("gradients", "#55a868"), ("optimizer", "#8172b2"),
-                       ("activations", "#dd8452")):
-        vals = [r[key] / GiB for r in rows]
+                       ("activations", "#dd8452"), ("workspace", "#c44e52"), ("collectives", "#937860"),
+                       ("headroom", "#bbbbbb")):
+        vals = [r.get(key, 0) / GiB for r in rows]
         ax.bar(names, vals, bottom=bottom, label=key, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.axhline(budget / GiB, color="red", linestyle="--", label=f"budget {budget / GiB:.0f} GiB")
