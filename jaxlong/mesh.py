@@ -5,9 +5,12 @@ also split over it), `context` (Ulysses context parallelism: the sequence axis o
 it, and attention re-splits heads over it with an all-to-all).
 
 FSDP (ZeRO-3, design brief §2): every parameter, its gradient and its optimizer state are sharded over all
-devices of `fsdp` x `context` together (`FSDP_AXES`). The rule is per leaf: the largest dimension divisible by
-that device count is split (for stacked decoder weights the leading layer dimension is never split, so a
-`lax.scan` over layers sees a sharded slice and gathers one layer at a time). A leaf with no divisible
+devices of `fsdp` x `context` together (`FSDP_AXES`). The rule is per leaf: the most major dimension divisible
+by that device count is split (for stacked decoder weights the leading layer dimension is never split, so a
+`lax.scan` over layers sees a sharded slice and gathers one layer at a time). Splitting the most major
+dimension makes each layer's all-gather and reduce-scatter act on contiguous blocks: with a minor dimension
+split, XLA's GPU compiler keeps a transposed copy of the whole stacked weight for the gathers, alive for the
+whole step (two `[layers, 4096, 14336/8]` float32 copies, 1.75 GiB per device, for Llama-3-8B's MLP). A leaf with no divisible
 dimension stays replicated; `describe_param_sharding` lists those.
 """
 
@@ -53,7 +56,7 @@ def fsdp_size(mesh: jax.sharding.Mesh) -> int:
 
 
 def param_spec(shape: tuple[int, ...], n_shards: int, stacked: bool) -> P:
-    """ZeRO-3 spec of one leaf: the largest dimension divisible by `n_shards` is split over `FSDP_AXES`.
+    """ZeRO-3 spec of one leaf: the most major dimension divisible by `n_shards` is split over `FSDP_AXES`.
 
     `stacked`: the leaf has a leading layer dimension (never split). Scalars and leaves with no divisible
     dimension are replicated (`P()`).
@@ -62,10 +65,7 @@ def param_spec(shape: tuple[int, ...], n_shards: int, stacked: bool) -> P:
     if n_shards == 1 or not shape:
         return P(*spec)
     first = 1 if stacked else 0
-    best = None
-    for i in range(first, len(shape)):
-        if shape[i] % n_shards == 0 and (best is None or shape[i] > shape[best]):
-            best = i
+    best = next((i for i in range(first, len(shape)) if shape[i] % n_shards == 0), None)
     if best is not None:
         spec[best] = FSDP_AXES
     return P(*spec)

@@ -94,15 +94,25 @@ class DecoderLayer(nnx.Module):
                 rope_theta=mc.rope_theta, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k,
                 norm_scale=self.attn_norm[...], norm_eps=mc.norm_eps, out_weight=rt.gather(self.wo[...]),
             )
-        h = checkpoint_name(L.rms_norm(x, self.attn_norm[...], mc.norm_eps), "attn_norm_out")
         qkv_spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
-        q = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(self.wq[...]))
-        k = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(self.wk[...]))
-        v = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(self.wv[...]))
         cos, sin = L.rope_tables(positions, mc.head_dim, mc.rope_theta)
-        q = checkpoint_name(rt.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
-        k = checkpoint_name(rt.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
-        v = checkpoint_name(rt.constrain(v, qkv_spec), "value_proj")
+
+        def project(x, scale, wq, wk, wv):
+            h = checkpoint_name(L.rms_norm(x, scale, mc.norm_eps), "attn_norm_out")
+            q = jnp.einsum("bsh,hnd->bsnd", h, wq)
+            k = jnp.einsum("bsh,hnd->bsnd", h, wk)
+            v = jnp.einsum("bsh,hnd->bsnd", h, wv)
+            q = checkpoint_name(rt.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
+            k = checkpoint_name(rt.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
+            return q, k, checkpoint_name(rt.constrain(v, qkv_spec), "value_proj")
+
+        if rt.cfg.remat.policy in ("full", "offload"):
+            # The layer is recomputed in its backward anyway; checkpointing the projection as well makes the
+            # normalized input `[b, S/C, hidden]` a recomputation at the weight-gradient step instead of a
+            # buffer held from the layer's recompute through the whole attention backward (its peak).
+            project = jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable)
+        weights = (rt.gather(self.wq[...]), rt.gather(self.wk[...]), rt.gather(self.wv[...]))
+        q, k, v = project(x, self.attn_norm[...], *weights)
         attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k)
         attn = checkpoint_name(attn, "attn_out")
         return x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(self.wo[...]))

@@ -324,6 +324,15 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None)
     cos, sin = L.rope_tables(_positions(b, s_local), d, opts["theta"])
     f32 = jnp.float32
     n_kv = sch.context * sch.kc
+    # Sequence-sized accumulators (dx `[b, S/C, hidden]`, dK/dV `[b, S, kc, d]`) are kept in the activation
+    # dtype; each stage's contribution is a matmul or kernel output with float32 accumulation inside, rounded
+    # once, and the running sum is added in float32 and rounded again. In bf16 this is what autodiff of the
+    # Ulysses path does (its gradients are bf16 tensors), and a float32 accumulator of `[S/C, hidden]` would
+    # be the largest buffer of the backward (twice the bf16 layer input). Weight gradients stay float32.
+    acc = x.dtype
+
+    def add(total, part):
+        return (total.astype(f32) + part.astype(f32)).astype(total.dtype)
 
     def group(carry, xs):
         dx, dwq, dwk, dwv, dwo = carry
@@ -349,11 +358,11 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None)
             o, do = _seq_to_heads(o_s), _seq_to_heads(do_s)
             dq, dk, dv = attention_bwd(q, k, v, o, lse_s, do, **opts["kernel"])
             dq = _rope(_heads_to_seq(dq), cos, -sin)  # transpose of the rotation
-            dx = dx + jnp.einsum("bsnd,hnd->bsh", dq, wq_s, preferred_element_type=f32)
+            dx = add(dx, jnp.einsum("bsnd,hnd->bsh", dq, wq_s, preferred_element_type=acc))
             dwq = _stage_set(dwq, _weight_grad(x, dq), t, u, 1, sch)
-            return (dx, dwq, dwo, dk_acc + dk.astype(f32), dv_acc + dv.astype(f32)), None
+            return (dx, dwq, dwo, add(dk_acc, dk), add(dv_acc, dv)), None
 
-        zeros_kv = zeros_after(k, k.shape, f32, ALL_AXES)
+        zeros_kv = zeros_after(k, k.shape, acc, ALL_AXES)
         (dx, dwq, dwo, dk, dv), _ = jax.lax.scan(
             stage, (dx, dwq, dwo, zeros_kv, zeros_kv), (jnp.arange(sch.stages_per_group), lse_t)
         )
@@ -361,7 +370,7 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None)
         dv = _heads_to_seq(dv.astype(x.dtype))
         dkv = jnp.concatenate([dk, dv], axis=2)  # one [S/C, hidden] product for both
         wkv = jnp.concatenate([wk_t, wv_t], axis=1)
-        dx = dx + jnp.einsum("bsnd,hnd->bsh", dkv, wkv, preferred_element_type=f32)
+        dx = add(dx, jnp.einsum("bsnd,hnd->bsh", dkv, wkv, preferred_element_type=acc))
         dwkv = _weight_grad(x, dkv)
         dwk_t, dwv_t = dwkv[:, :n_kv], dwkv[:, n_kv:]
         if sch.kv_rep > 1:  # replicas' gradients sum into the real KV head
@@ -372,7 +381,8 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None)
             dwv = jax.lax.dynamic_update_slice_in_dim(dwv, dwv_t, t * n_kv, axis=1)
         return (dx, dwq, dwk, dwv, dwo), None
 
-    init = [zeros_after(dout, a.shape, f32, ALL_AXES) for a in (x, wq, wk, wv)]
+    init = [zeros_after(dout, x.shape, acc, ALL_AXES)]
+    init += [zeros_after(dout, a.shape, f32, ALL_AXES) for a in (wq, wk, wv)]
     init.append(None if wo is None else zeros_after(dout, wo.shape, f32, ALL_AXES))
     (dx, dwq, dwk, dwv, dwo), _ = jax.lax.scan(group, tuple(init), (jnp.arange(sch.groups), lse))
     dwo = None if wo is None else dwo.astype(wo.dtype)
