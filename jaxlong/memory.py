@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--headroom", default="2%", help="fragmentation headroom, %% of device memory or a size")
     p.add_argument("--collective-buffers", default=None, help="NCCL buffers per device (default: modelled)")
     p.add_argument("--ladder", action="store_true", help="add the techniques one at a time (paper Fig. 1)")
-    p.add_argument("--max-context", action="store_true", help="largest seq_len that fits, per rung")
+    p.add_argument("--max-context", action="store_true",
+                   help="largest seq_len that fits (for the config, or per rung with --ladder)")
     p.add_argument("--out", default=None, help="directory for ladder .md/.csv/.png")
     p.add_argument("--dump", default=None, help="XLA dump directory (buffer assignment, memory-usage report)")
     p.add_argument("overrides", nargs="*")
@@ -80,19 +81,20 @@ def main(argv: list[str] | None = None) -> int:
     where = target.describe() if target else f"{cfg.mesh.num_devices} devices"
     print(f"{cfg.model.name}: seq_len {cfg.seq_len:,}, {where}, budget {_gib(budget)} GiB per device, "
           f"host {_gib(host_budget)} GiB per node, compute {cfg.compute_dtype}")
-    rungs = ladder(cfg) if (args.ladder or args.max_context) else [("config", "as given", cfg)]
+    rungs = ladder(cfg) if args.ladder else [("config", "as given", cfg)]
     kw = dict(headroom=args.headroom, collective_buffers=collectives)
+    start = 262144 if target else 65536  # first length the max-context search tries
     rows, cpu = [], False
     for name, what, c in rungs:
         row = {"name": name, "what": what}
         try:
             if args.max_context:
-                s, p = max_context(c, budget, target=target, host_budget=host_budget, **kw)
+                s, p = max_context(c, budget, target=target, host_budget=host_budget, start=start, **kw)
                 row.update(p or {k: float("nan") for k in ("params", "gradients", "optimizer", "activations", "host",
                                                            "peak", "workspace", "collectives", "headroom", "total",
                                                            "host_per_node")})
                 row["max_context"] = s
-                print(f"{name:18s} max context {_ctx(s):>11s} tokens", flush=True)
+                print(f"{name:18s} max context {_ctx(s, start):>11s} tokens", flush=True)
             else:
                 row.update(plan(c, target, **kw))
                 print(f"{name:18s} total {_gib(row['total']):>8s} GiB  (compiled peak {_gib(row['peak'])}, "
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(rows, budget, host_budget)
     if args.max_context:
         table = "| rung | max context (tokens) | total at it (GiB) |\n|---|---:|---:|\n" + "\n".join(
-            f"| {r['name']} | {_ctx(r['max_context'])} | {_gib(r['total'])} |" for r in rows)
+            f"| {r['name']} | {_ctx(r['max_context'], start)} | {_gib(r['total'])} |" for r in rows)
     source = next((r["source"] for r in rows if "source" in r), "")
     print(f"source: {source}")
     print(table)
