@@ -58,3 +58,81 @@ def test_ring_attention_matches_reference(ring, heads, kv_heads, causal):
     want = _grads(ref, q, k, v, ct)
     for name, a, w in zip(("dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(a, w, err_msg=name, **TOL)
+
+
+# ----------------------------------------------------------------------------- hybrids
+
+from jaxlong.layers import apply_rope, rope_tables  # noqa: E402
+from jaxlong.ulysses import ulysses_attention  # noqa: E402
+from jaxlong.upipe import upipe_attention  # noqa: E402
+
+
+def _mesh(ring, context):
+    fsdp = 8 // (ring * context)
+    return jax.make_mesh((1, fsdp, ring, context), ("data", "fsdp", "ring", "context"),
+                         axis_types=(AxisType.Auto,) * 4)
+
+
+SEQ = P(("data", "fsdp"), ("ring", "context"))
+
+
+@pytest.mark.parametrize(
+    "ring,context,heads,kv_heads",
+    [(2, 4, 8, 4), (4, 2, 8, 1), (8, 1, 8, 2)],
+    ids=["r2c4-kvsplit", "r4c2-kvreplicated", "r8c1-gqa"],
+)
+def test_ulysses_ring_hybrid_matches_reference(ring, context, heads, kv_heads):
+    mesh = _mesh(ring, context)
+    b, s, d = 8 // (ring * context), 64, 8
+    q, k, v, ct = _qkv(b, s, heads, kv_heads, d, seed=2)
+    sh = NamedSharding(mesh, P(*SEQ, None, None))
+
+    def hybrid(q, k, v):
+        args = [jax.device_put(zigzag(x, ring), sh) for x in (q, k, v)]
+        return unzigzag(ulysses_attention(*args, mesh=mesh, backend="blockwise", block_q=4, block_k=4), ring)
+
+    np.testing.assert_allclose(jax.jit(hybrid)(q, k, v), reference_attention(q, k, v), **TOL)
+    got = jax.jit(lambda *a: _grads(hybrid, *a))(q, k, v, ct)
+    for name, a, w in zip(("dq", "dk", "dv"), got, _grads(reference_attention, q, k, v, ct)):
+        np.testing.assert_allclose(a, w, err_msg=name, **TOL)
+
+
+def _dense_layer(x, wq, wk, wv, theta=10000.0):
+    pos = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    cos, sin = rope_tables(pos, wq.shape[-1], theta)
+    q = apply_rope(jnp.einsum("bsh,hnd->bsnd", x, wq), cos, sin)
+    k = apply_rope(jnp.einsum("bsh,hnd->bsnd", x, wk), cos, sin)
+    return reference_attention(q, k, jnp.einsum("bsh,hnd->bsnd", x, wv))
+
+
+@pytest.mark.parametrize(
+    "ring,context,u_per_c,kv_heads",
+    [(2, 4, 1, 2), (2, 4, 2, 4), (4, 2, 1, 2), (4, 2, 2, 1), (8, 1, 1, 4), (8, 1, 2, 2)],
+    ids=["r2c4-U=C-kvrep", "r2c4-U=2C-kvsplit", "r4c2-U=C-kvsplit", "r4c2-U=2C-kvrep", "r8c1-U=C", "r8c1-U=2C"],
+)
+def test_upipe_ring_hybrid_matches_reference(ring, context, u_per_c, kv_heads):
+    """U-Pipe x ring: each stage runs ring attention for its heads; RoPE positions follow the zigzag layout."""
+    mesh = _mesh(ring, context)
+    heads, hidden, d, s = 8, 32, 8, 64
+    b = 8 // (ring * context)
+    ks = jax.random.split(jax.random.key(5), 5)
+    x = jax.random.normal(ks[0], (b, s, hidden))
+    wq = jax.random.normal(ks[1], (hidden, heads, d)) / hidden**0.5
+    wk = jax.random.normal(ks[2], (hidden, kv_heads, d)) / hidden**0.5
+    wv = jax.random.normal(ks[3], (hidden, kv_heads, d)) / hidden**0.5
+    ct = jax.random.normal(ks[4], (b, s, heads, d))
+    sh = NamedSharding(mesh, P(*SEQ, None))
+
+    def upipe(x, wq, wk, wv):
+        out = upipe_attention(jax.device_put(zigzag(x, ring), sh), wq, wk, wv, mesh=mesh,
+                              heads_per_stage=u_per_c * context, rope_theta=10000.0, backend="blockwise",
+                              block_q=4, block_k=4)
+        return unzigzag(out, ring)
+
+    def grads(fn):
+        return jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2, 3))(x, wq, wk, wv)
+
+    np.testing.assert_allclose(jax.jit(upipe)(x, wq, wk, wv), _dense_layer(x, wq, wk, wv), **TOL)
+    got = jax.jit(lambda: grads(upipe))()
+    for name, a, w in zip(("dx", "dWq", "dWk", "dWv"), got, grads(_dense_layer)):
+        np.testing.assert_allclose(a, w, err_msg=name, **TOL)
