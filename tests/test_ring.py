@@ -136,3 +136,26 @@ def test_upipe_ring_hybrid_matches_reference(ring, context, u_per_c, kv_heads):
     got = jax.jit(lambda: grads(upipe))()
     for name, a, w in zip(("dx", "dWq", "dWk", "dWv"), got, grads(_dense_layer)):
         np.testing.assert_allclose(a, w, err_msg=name, **TOL)
+
+
+# ----------------------------------------------------------------------------- whole model
+
+from helpers import assert_matches_single_device, tiny_cfg  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4"),
+        ("mesh.fsdp=2", "mesh.ring=4", "mesh.context=1", "remat.policy=full", "tiling.loss=true",
+         "tiling.loss_tile=4", "tiling.mlp=true", "tiling.mlp_tiles=2"),
+        ("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "attention.impl=upipe"),
+        ("mesh.fsdp=1", "mesh.ring=4", "mesh.context=2", "attention.impl=upipe", "attention.heads_per_stage=4",
+         "model.kv_heads=1"),
+    ],
+    ids=["ulysses-r2c4", "ring4-fsdp2-remat-tiled", "upipe-fsdp2-r2c2", "upipe-r4c2-U=2C-kvrep"],
+)
+def test_model_with_ring_matches_single_device(overrides):
+    """Zigzag layout of the batch, RoPE positions and the hybrids: the loss and every gradient equal the
+    single-device model on the natural token order."""
+    assert_matches_single_device(tiny_cfg(*overrides))
