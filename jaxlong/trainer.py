@@ -126,7 +126,7 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
         state = step_lib.init_state(cfg, mesh)
     sharded = describe_param_sharding(mesh, state["params"])
     replicated = [line for line in sharded if "replicated" in line]
-    print(f"FSDP: {len(sharded) - len(replicated)} of {len(sharded)} parameter leaves sharded over fsdp x context"
+    print(f"FSDP: {len(sharded) - len(replicated)} of {len(sharded)} parameter leaves sharded over fsdp x ring x context"
           + (f"; replicated: {', '.join(r.split()[0] for r in replicated)}" if replicated else ""))
 
     batch_sharding = NamedSharding(mesh, batch_spec())
