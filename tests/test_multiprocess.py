@@ -1,0 +1,65 @@
+"""Two CPU processes of 4 simulated devices each (jax.distributed, gloo collectives, coordinator on
+127.0.0.1) train with the same losses as one process with 8 devices."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from helpers import TINY
+from test_train import TRAIN
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args: list[str], n: int, timeout: float = 900) -> list[subprocess.CompletedProcess]:
+    """`python -m jaxlong.train *args` as n processes (n = 1: an ordinary single-process run)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    port = _free_port()
+    procs = []
+    for i in range(n):
+        e = dict(env)
+        if n > 1:
+            e.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i))
+        procs.append(subprocess.Popen([sys.executable, "-m", "jaxlong.train", *args], env=e, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append(subprocess.CompletedProcess(p.args, p.returncode, out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [e.value for e in EventAccumulator(str(run_dir)).Reload().Scalars("loss")]
+
+
+def test_two_processes_train_like_one(tmp_path):
+    args = [*TINY, *TRAIN, "steps=3", "checkpoint_every=3", f"run_dir={tmp_path}"]
+    one = _launch([*args, "run_name=one"], 1)
+    assert one[0].returncode == 0, one[0].stdout[-3000:]
+    two = _launch([*args, "run_name=two"], 2)
+    for r in two:
+        assert r.returncode == 0, r.stdout[-3000:]
+    assert "on 8 x cpu" in two[0].stdout.lower()  # one mesh over the devices of both processes
+    assert "done: step 3" in two[0].stdout and "done: step 3" not in two[1].stdout  # process 0 logs
+    ref, got = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(got) == 3
+    assert got == pytest.approx(ref, rel=1e-5)
+    assert (tmp_path / "two" / "checkpoints" / "3").is_dir()
