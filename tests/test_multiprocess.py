@@ -50,16 +50,20 @@ def _losses(run_dir: Path) -> list[float]:
     return [e.value for e in EventAccumulator(str(run_dir)).Reload().Scalars("loss")]
 
 
-def test_two_processes_train_like_one(tmp_path):
-    args = [*TINY, *TRAIN, "steps=3", "checkpoint_every=3", f"run_dir={tmp_path}"]
-    one = _launch([*args, "run_name=one"], 1)
+def test_two_processes_train_and_resume_like_one(tmp_path):
+    """Losses of 2 x 4 devices equal those of 1 x 8; a two-process run stopped at a checkpoint and resumed by
+    both processes (orbax restores each process's shards) continues with the same losses."""
+    args = [*TINY, *TRAIN, "checkpoint_every=3", "optim.decay_steps=6", f"run_dir={tmp_path}"]
+    one = _launch([*args, "steps=6", "run_name=one"], 1)
     assert one[0].returncode == 0, one[0].stdout[-3000:]
-    two = _launch([*args, "run_name=two"], 2)
-    for r in two:
-        assert r.returncode == 0, r.stdout[-3000:]
+    for extra in (["steps=3"], ["steps=6", "--resume"]):  # stopped after step 3, then resumed
+        two = _launch([*args, *extra, "run_name=two"], 2)
+        for r in two:
+            assert r.returncode == 0, r.stdout[-3000:]
     assert "on 8 x cpu" in two[0].stdout.lower()  # one mesh over the devices of both processes
-    assert "done: step 3" in two[0].stdout and "done: step 3" not in two[1].stdout  # process 0 logs
+    assert "resumed from" in two[0].stdout and "resumed from" not in two[1].stdout  # process 0 logs
     ref, got = _losses(tmp_path / "one"), _losses(tmp_path / "two")
-    assert len(got) == 3
-    assert got == pytest.approx(ref, rel=1e-5)
-    assert (tmp_path / "two" / "checkpoints" / "3").is_dir()
+    assert len(got) == 6
+    assert got[:3] == pytest.approx(ref[:3], rel=1e-5)
+    assert got[3:] == pytest.approx(ref[3:], rel=1e-5)  # after the resume
+    assert (tmp_path / "two" / "checkpoints" / "6").is_dir()
