@@ -45,7 +45,10 @@ class ModelConfig:
 
 @dataclass
 class MeshConfig:
-    """Device mesh `data x fsdp x context`. -1 on one axis means "all remaining devices".
+    """Device mesh `data x fsdp x ring x context`. -1 on one axis means "all remaining devices".
+
+    The sequence is split over `ring` x `context`: Ulysses all-to-alls over `context` (inside a node), ring
+    attention over `ring` (across nodes; `jaxlong.ring`). With ring > 1 both `attention.impl`s run as hybrids.
 
     `num_devices` is the number of simulated devices when the platform is the CPU (the entry point sets
     `--xla_force_host_platform_device_count` before importing jax); on GPUs the real device count is used.
@@ -53,6 +56,7 @@ class MeshConfig:
 
     data: int = 1
     fsdp: int = -1
+    ring: int = 1
     context: int = 4
     num_devices: int = 8
 
@@ -259,13 +263,13 @@ def to_dict(cfg: Config) -> dict:
 # Validation of combinations (no jax needed).
 
 
-def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, context) with a -1 axis filled so the product is `num_devices`.
+def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
+    """(data, fsdp, ring, context) with a -1 axis filled so the product is `num_devices`.
 
     Raises:
       ConfigError: the axes do not multiply to the device count, or more than one axis is -1.
     """
-    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "context": mesh.context}
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "ring": mesh.ring, "context": mesh.context}
     free = [k for k, v in sizes.items() if v == -1]
     for k, v in sizes.items():
         if v == 0 or v < -1:
@@ -280,16 +284,16 @@ def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, in
         if num_devices % fixed:
             raise ConfigError(
                 f"mesh: {num_devices} devices are not divisible by the fixed axes' product {fixed} "
-                f"(data={mesh.data}, fsdp={mesh.fsdp}, context={mesh.context})"
+                f"(data={mesh.data}, fsdp={mesh.fsdp}, ring={mesh.ring}, context={mesh.context})"
             )
         sizes[free[0]] = num_devices // fixed
-    total = sizes["data"] * sizes["fsdp"] * sizes["context"]
+    total = sizes["data"] * sizes["fsdp"] * sizes["ring"] * sizes["context"]
     if total != num_devices:
         raise ConfigError(
-            f"mesh: data*fsdp*context = {sizes['data']}*{sizes['fsdp']}*{sizes['context']} = {total}, "
-            f"but there are {num_devices} devices; set one axis to -1 to fill"
+            f"mesh: data*fsdp*ring*context = {sizes['data']}*{sizes['fsdp']}*{sizes['ring']}*{sizes['context']} "
+            f"= {total}, but there are {num_devices} devices; set one axis to -1 to fill"
         )
-    return sizes["data"], sizes["fsdp"], sizes["context"]
+    return sizes["data"], sizes["fsdp"], sizes["ring"], sizes["context"]
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -333,23 +337,25 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be positive")
 
     n = cfg.mesh.num_devices if num_devices is None else num_devices
-    data, fsdp, context = resolve_mesh_shape(cfg.mesh, n)
-    if cfg.seq_len % context:
+    data, fsdp, ring, context = resolve_mesh_shape(cfg.mesh, n)
+    if ring == 1 and cfg.seq_len % context:
         raise ConfigError(
             f"seq_len={cfg.seq_len} is not divisible by mesh.context={context}; "
             f"use a multiple of {context}, e.g. {(cfg.seq_len // context + 1) * context}"
         )
+    if ring > 1:
+        check_ring(cfg.seq_len, ring, context, cfg.attention.block_q, cfg.attention.block_k)
     if cfg.global_batch % (data * fsdp):
         raise ConfigError(
             f"global_batch={cfg.global_batch} is not divisible by mesh.data*mesh.fsdp={data * fsdp} "
             f"(the batch is sharded over both); use a multiple of {data * fsdp}"
         )
     check_heads(m.heads, m.kv_heads, context)
-    s_local = cfg.seq_len // context
+    s_local = cfg.seq_len // (ring * context)
     for key, value in (("tiling.loss_tile", cfg.tiling.loss_tile), ("tiling.mlp_tiles", cfg.tiling.mlp_tiles)):
         if value and s_local % value:
             raise ConfigError(
-                f"{key}={value} must divide the local sequence length seq_len/mesh.context = {s_local}; "
+                f"{key}={value} must divide the local sequence length seq_len/(mesh.ring*mesh.context) = {s_local}; "
                 f"use a power of two up to {s_local & -s_local} or 0 for the default"
             )
     if cfg.attention.impl == "upipe":
@@ -359,6 +365,29 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             raise ConfigError(
                 f"remat.save/remat.offload name {inside}, which attention.impl=upipe computes inside its op (it "
                 f"saves only the layer input and the attention output buffer); drop them or use attention.impl=ulysses"
+            )
+
+
+def check_ring(seq_len: int, ring: int, context: int, block_q: int, block_k: int) -> None:
+    """Ring attention's zigzag layout (`jaxlong.ring`) cuts the sequence into 2*ring chunks, each split over
+    `context`, and runs the kernel on blocks of seq_len/(2*ring) tokens.
+
+    Raises:
+      ConfigError: seq_len not divisible by 2*ring*context, or a kernel tile not dividing the block.
+    """
+    m = 2 * ring * context
+    if seq_len % m:
+        raise ConfigError(
+            f"seq_len={seq_len} is not divisible by 2*mesh.ring*mesh.context = 2*{ring}*{context} = {m} (ring "
+            f"attention's zigzag layout); use a multiple of {m}, e.g. {(seq_len // m + 1) * m}"
+        )
+    block = seq_len // (2 * ring)
+    for key, value in (("attention.block_q", block_q), ("attention.block_k", block_k)):
+        if value <= 0 or block % min(value, block):
+            divisors = [1 << i for i in range(block.bit_length()) if block % (1 << i) == 0]
+            raise ConfigError(
+                f"{key}={value} must divide ring attention's block of seq_len/(2*mesh.ring) = {block} tokens; "
+                f"use one of {divisors[-4:]} or a value >= {block}"
             )
 
 

@@ -1,16 +1,19 @@
 """The device mesh and how parameters, optimizer state and activations are laid out on it.
 
 Mesh axes (in this order): `data` (pure data parallelism), `fsdp` (ZeRO-3 parameter sharding; the batch is
-also split over it), `context` (Ulysses context parallelism: the sequence axis of activations is split over
-it, and attention re-splits heads over it with an all-to-all).
+also split over it), `ring` (ring attention, `jaxlong.ring`: the across-node part of context parallelism) and
+`context` (Ulysses context parallelism: attention re-splits heads over it with an all-to-all). The sequence
+axis of activations is split over `ring` x `context` (`SEQ_AXES`, ring-major); with ring > 1 the sequence is
+in the zigzag layout (`jaxlong.ring.zigzag`), so ring rank r's `S/R` tokens are chunks r and 2R-1-r.
 
 FSDP (ZeRO-3, design brief §2): every parameter, its gradient and its optimizer state are sharded over all
-devices of `fsdp` x `context` together (`FSDP_AXES`). The rule is per leaf: the most major dimension divisible
-by that device count is split (for stacked decoder weights the leading layer dimension is never split, so a
-`lax.scan` over layers sees a sharded slice and gathers one layer at a time). Splitting the most major
-dimension makes each layer's all-gather and reduce-scatter act on contiguous blocks: with a minor dimension
-split, XLA's GPU compiler keeps a transposed copy of the whole stacked weight for the gathers, alive for the
-whole step (two `[layers, 4096, 14336/8]` float32 copies, 1.75 GiB per device, for Llama-3-8B's MLP). A leaf with no divisible
+devices of `fsdp` x `ring` x `context` together (`FSDP_AXES`). The rule is per leaf: the most major dimension
+divisible by that device count is split (for stacked decoder weights the leading layer dimension is never
+split, so a `lax.scan` over layers sees a sharded slice and gathers one layer at a time). Splitting the most
+major dimension makes each layer's all-gather and reduce-scatter act on contiguous blocks: with a minor
+dimension split, XLA's GPU compiler keeps a transposed copy of the whole stacked weight for the gathers, alive
+for the whole step (two `[layers, 4096, 14336/8]` float32 copies, 1.75 GiB per device, for Llama-3-8B's MLP).
+A leaf with no divisible
 dimension stays replicated; `describe_param_sharding` lists those.
 """
 
@@ -22,14 +25,32 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxlong.config import MeshConfig, resolve_mesh_shape
 
-AXES = ("data", "fsdp", "context")
-FSDP_AXES = ("fsdp", "context")  # parameters are sharded over both (ZeRO-3 over the whole model-parallel group)
+AXES = ("data", "fsdp", "ring", "context")
+FSDP_AXES = ("fsdp", "ring", "context")  # parameters are sharded over these (ZeRO-3 over the model-parallel group)
 BATCH_AXES = ("data", "fsdp")  # the batch dimension of activations
-CONTEXT_AXIS = "context"  # the sequence dimension of activations
+RING_AXIS = "ring"  # ring attention (across nodes)
+CONTEXT_AXIS = "context"  # Ulysses all-to-alls (inside a node)
+SEQ_AXES = (RING_AXIS, CONTEXT_AXIS)  # the sequence dimension of activations
+
+
+def seq_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes the sequence is split over: `SEQ_AXES`, or only those the mesh has (e.g. a
+    `data x fsdp x context` mesh built by hand)."""
+    return tuple(a for a in SEQ_AXES if a in mesh.axis_names)
+
+
+def axis_size(mesh, name: str) -> int:
+    """Size of mesh axis `name`, 1 if the mesh has no such axis."""
+    return int(mesh.shape[name]) if name in mesh.axis_names else 1
+
+
+def seq_shards(mesh) -> int:
+    """Devices the sequence is split over: ring x context."""
+    return axis_size(mesh, RING_AXIS) * axis_size(mesh, CONTEXT_AXIS)
 
 
 def build_mesh(cfg: MeshConfig, devices: list | None = None) -> jax.sharding.Mesh:
-    """A `data x fsdp x context` mesh over `devices` (default: all devices), with Auto axis types.
+    """A `data x fsdp x ring x context` mesh over `devices` (default: all devices), with Auto axis types.
 
     Raises:
       ConfigError: the axis sizes do not multiply to the device count.
@@ -42,17 +63,18 @@ def build_mesh(cfg: MeshConfig, devices: list | None = None) -> jax.sharding.Mes
 
 
 def batch_spec() -> P:
-    """`[batch, seq]` token arrays and `[batch, seq, ...]` activations: batch over data x fsdp, seq over context."""
-    return P(BATCH_AXES, CONTEXT_AXIS)
+    """`[batch, seq]` token arrays and `[batch, seq, ...]` activations: batch over data x fsdp, seq over
+    ring x context."""
+    return P(BATCH_AXES, SEQ_AXES)
 
 
 def activation_spec() -> P:
     """`[batch, seq, hidden]` activations."""
-    return P(BATCH_AXES, CONTEXT_AXIS, None)
+    return P(BATCH_AXES, SEQ_AXES, None)
 
 
 def fsdp_size(mesh: jax.sharding.Mesh) -> int:
-    return int(np.prod([mesh.shape[a] for a in FSDP_AXES]))
+    return int(np.prod([axis_size(mesh, a) for a in FSDP_AXES]))
 
 
 def param_spec(shape: tuple[int, ...], n_shards: int, stacked: bool) -> P:

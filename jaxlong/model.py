@@ -25,7 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxlong import layers as L
 from jaxlong import remat as R
 from jaxlong.config import Config, ModelConfig
-from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, activation_spec, tree_shardings
+from jaxlong.mesh import (BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, activation_spec, axis_size, batch_spec,
+                          seq_shards, tree_shardings)
+from jaxlong.ring import zigzag_positions
 from jaxlong.tiled import default_mlp_tiles, tiled_mlp
 from jaxlong.ulysses import ulysses_attention
 
@@ -94,7 +96,7 @@ class DecoderLayer(nnx.Module):
                 rope_theta=mc.rope_theta, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k,
                 norm_scale=self.attn_norm[...], norm_eps=mc.norm_eps, out_weight=rt.gather(self.wo[...]),
             )
-        qkv_spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
+        qkv_spec = P(BATCH_AXES, SEQ_AXES, None, None)
         cos, sin = L.rope_tables(positions, mc.head_dim, mc.rope_theta)
 
         def project(x, scale, wq, wk, wv):
@@ -130,7 +132,7 @@ def mlp(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, rt:
     """The layer's SwiGLU MLP on `[b, s, hidden]`; over sequence tiles with recompute when `tiling.mlp`."""
     tiling = rt.cfg.tiling
     if tiling.mlp:
-        s_local = h.shape[1] // rt.mesh.shape[CONTEXT_AXIS]
+        s_local = h.shape[1] // seq_shards(rt.mesh)
         tiles = tiling.mlp_tiles or default_mlp_tiles(s_local, h.shape[-1])
         return tiled_mlp(h, w_gate, w_up, w_down, tiles=tiles, mesh=rt.mesh)
     gate = jnp.einsum("bsh,hf->bsf", h, w_gate)
@@ -141,6 +143,9 @@ def mlp(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, rt:
 
 class Llama(nnx.Module):
     """Llama-3 decoder-only model. `__call__(tokens [b, s] int32, rt)` -> final hidden states `[b, s, hidden]`.
+
+    With `mesh.ring` > 1 the tokens (and the hidden states returned) are in ring attention's zigzag layout
+    (`jaxlong.ring.zigzag`; `jaxlong.step.loss_fn` permutes the batch) and RoPE uses their original positions.
 
     The output head is separate (`head_weight`) so the loss can be computed over sequence tiles without
     materializing `[b, s, vocab]` logits.
@@ -170,7 +175,8 @@ class Llama(nnx.Module):
         b, s = tokens.shape
         x = jnp.take(rt.gather(self.embed[...]), tokens, axis=0)
         x = rt.constrain(x, activation_spec())
-        positions = rt.constrain(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), P(BATCH_AXES, CONTEXT_AXIS))
+        pos = zigzag_positions(jnp.arange(s, dtype=jnp.int32), s, axis_size(rt.mesh, RING_AXIS))
+        positions = rt.constrain(jnp.broadcast_to(pos, (b, s)), batch_spec())
         layer_def, layer_state = nnx.split(self.layers)
 
         def body(carry, state):

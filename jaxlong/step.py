@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 from jaxlong import loss as loss_lib
 from jaxlong import model as model_lib
 from jaxlong.config import Config
-from jaxlong.mesh import CONTEXT_AXIS, batch_spec, replicated, tree_shardings
+from jaxlong.mesh import RING_AXIS, axis_size, batch_spec, replicated, seq_shards, tree_shardings
+from jaxlong.ring import zigzag
 from jaxlong.tiled import default_loss_tile, tiled_cross_entropy
 
 
@@ -37,12 +38,15 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
 
 def loss_fn(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> jax.Array:
     """Mean next-token cross-entropy of `batch` (`inputs`, `targets`, `mask`, each `[batch, seq]`); over
-    sequence tiles when `tiling.loss`."""
+    sequence tiles when `tiling.loss`. With `mesh.ring` > 1 the batch is first permuted into ring attention's
+    zigzag layout (all of its `[batch, seq]` arrays alike, so the token-mean loss is unchanged)."""
+    ring = axis_size(rt.mesh, RING_AXIS)
+    batch = {k: zigzag(v, ring) for k, v in batch.items()}
     hidden, head = model_lib.forward(graphdef, params, batch["inputs"], rt)
     tiling = rt.cfg.tiling
     if tiling.loss:
         b, s = batch["targets"].shape
-        s_local = s // rt.mesh.shape[CONTEXT_AXIS]
+        s_local = s // seq_shards(rt.mesh)
         b_local = max(b // (rt.mesh.shape["data"] * rt.mesh.shape["fsdp"]), 1)
         tile = tiling.loss_tile or default_loss_tile(s_local, head.shape[-1], batch=b_local)
         return tiled_cross_entropy(hidden, head, batch["targets"], batch["mask"], tile=tile, mesh=rt.mesh)

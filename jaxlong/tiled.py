@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS
+from jaxlong.mesh import BATCH_AXES, seq_axes, seq_shards
 from jaxlong.ordering import zeros_after
 
 MiB = 2**20
@@ -134,9 +134,10 @@ def _untile(ys: jax.Array) -> jax.Array:
 
 
 def _check_mesh_seq(seq: int, mesh) -> int:
-    c = mesh.shape[CONTEXT_AXIS]
+    c = seq_shards(mesh)
     if seq % c:
-        raise ValueError(f"sequence length {seq} must be divisible by mesh.context={c}")
+        raise ValueError(f"sequence length {seq} must be divisible by mesh.context={c}"
+                         + ("" if c == mesh.shape["context"] else " (times mesh.ring)"))
     return seq // c
 
 
@@ -244,9 +245,9 @@ def tiled_loss_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask:
         w = jax.lax.pcast(w, axes, to="varying")  # the shard_map transpose sums d_head over the mesh
         return jax.lax.psum(_ce_sum(h, w, t, m, tile, axes), axes), jax.lax.psum(jnp.sum(m), axes)
 
-    tok = P(BATCH_AXES, CONTEXT_AXIS)
+    tok = P(BATCH_AXES, seq_axes(mesh))
     return jax.shard_map(
-        local, mesh=mesh, in_specs=(P(BATCH_AXES, CONTEXT_AXIS, None), P(), tok, tok), out_specs=(P(), P()),
+        local, mesh=mesh, in_specs=(P(BATCH_AXES, seq_axes(mesh), None), P(), tok, tok), out_specs=(P(), P()),
         check_vma=True,
     )(hidden, head, targets, mask)
 
@@ -346,7 +347,7 @@ def tiled_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
         ws = [jax.lax.pcast(w, axes, to="varying") for w in ws]  # the shard_map transpose sums weight grads
         return _mlp_tiled(x, *ws, seq_local // int(tiles), axes)
 
-    act = P(BATCH_AXES, CONTEXT_AXIS, None)
+    act = P(BATCH_AXES, seq_axes(mesh), None)
     return jax.shard_map(local, mesh=mesh, in_specs=(act, P(), P(), P()), out_specs=act, check_vma=True)(
         x, w_gate, w_up, w_down
     )

@@ -10,6 +10,11 @@ With no arguments it trains the default tiny Llama on the Python standard librar
 
 The config is validated before jax is imported; on the CPU, `mesh.num_devices` simulated devices are created
 (`--xla_force_host_platform_device_count`), which must happen before jax is imported.
+
+Launched as several processes (`srun`, `mpirun`, or by hand with `JAX_COORDINATOR_ADDRESS`,
+`JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`; see `jaxlong.distributed`), it calls `jax.distributed.initialize()`
+first and the mesh spans the devices of all processes (on the CPU each process simulates
+`mesh.num_devices / processes` of them).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import os
 import sys
 
+from jaxlong import distributed
 from jaxlong.config import ConfigError, load_config
 
 
@@ -51,7 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    set_host_device_count(cfg.mesh.num_devices)
+    try:
+        processes = distributed.process_count_from_env()
+        if cfg.mesh.num_devices % processes:
+            raise ConfigError(f"mesh.num_devices={cfg.mesh.num_devices} is not divisible by the {processes} processes "
+                              f"of this launch; use a multiple of {processes}")
+        set_host_device_count(cfg.mesh.num_devices // processes)
+        distributed.initialize()
+    except (ConfigError, ValueError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     from jaxlong.trainer import run  # noqa: PLC0415 (jax must be imported after XLA_FLAGS is set)
 
     try:

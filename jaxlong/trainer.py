@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
@@ -58,7 +59,7 @@ def check_fits(compiled) -> None:
     limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
     need = compiled_bytes(compiled)["peak"]
     if limit is None and jax.default_backend() == "cpu":  # simulated devices share the host's memory
-        need *= len(jax.devices())
+        need *= len(jax.local_devices())
         limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if limit and need > limit:
         raise ConfigError(
@@ -67,6 +68,10 @@ def check_fits(compiled) -> None:
             f"lower seq_len, or add remat.policy=offload, tiling.loss=true, tiling.mlp=true, attention.impl=upipe "
             f"(plan with: python -m jaxlong.memory --ladder)"
         )
+
+
+def _silent(*args, **kwargs) -> None:
+    """`print` on the processes other than process 0."""
 
 
 def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
@@ -79,6 +84,8 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
       KeyboardInterrupt: on SIGINT/SIGTERM, after saving the last finished step.
     """
     validate(cfg, num_devices=len(jax.devices()))
+    main = jax.process_index() == 0  # process 0 logs, writes TensorBoard and shows the progress bar
+    say = print if main else _silent
     mesh = build_mesh(cfg.mesh)
     run_dir = Path(cfg.run_dir) / cfg.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -88,7 +95,7 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer!r} tokenizer's "
             f"{tokenizer.vocab_size}; use at least {tokenizer.vocab_size}"
         )
-    print(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
+    say(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
           f"mesh {dict(mesh.shape)} on {len(jax.devices())} x {jax.devices()[0].device_kind}, "
           f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
 
@@ -103,7 +110,7 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
         )
     start = latest or 0
     if start >= cfg.steps:
-        print(f"nothing to do: the latest checkpoint is step {start} and steps={cfg.steps}; "
+        say(f"nothing to do: the latest checkpoint is step {start} and steps={cfg.steps}; "
               f"pass steps=N with N > {start} to train further")
         return {"metrics": {}, "run_dir": str(run_dir)}
     # Data first: a bad corpus fails before the (possibly long) compile.
@@ -114,30 +121,30 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
 
     t0 = time.perf_counter()
     compiled = step_lib.compile_train_step(cfg, mesh)
-    print(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
-    print(format_compiled(compiled))
+    say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+    say(format_compiled(compiled))
     check_fits(compiled)
 
     ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
     if resume:
         start, state = ckpt.restore(step_lib.abstract_state(cfg, mesh))
-        print(f"resumed from {ckpt.directory / str(start)}")
+        say(f"resumed from {ckpt.directory / str(start)}")
     else:
         state = step_lib.init_state(cfg, mesh)
     sharded = describe_param_sharding(mesh, state["params"])
     replicated = [line for line in sharded if "replicated" in line]
-    print(f"FSDP: {len(sharded) - len(replicated)} of {len(sharded)} parameter leaves sharded over fsdp x context"
+    say(f"FSDP: {len(sharded) - len(replicated)} of {len(sharded)} parameter leaves sharded over fsdp x ring x context"
           + (f"; replicated: {', '.join(r.split()[0] for r in replicated)}" if replicated else ""))
 
     batch_sharding = NamedSharding(mesh, batch_spec())
-    writer = SummaryWriter(str(run_dir))
+    writer = SummaryWriter(str(run_dir)) if main else None
     tokens_per_step = cfg.seq_len * cfg.global_batch
     flops, peak = flops_per_token(cfg), peak_flops()
     metrics: dict = {}
     last_saved = start
     profiling = False
     profile_start = start + 1  # skip the first step (allocation, warm-up)
-    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=not main)
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)  # preemption: save, then stop
     done = start
     try:
@@ -152,9 +159,11 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
                 jax.block_until_ready(m)
                 jax.profiler.stop_trace()
                 profiling = False
-                print(f"profile of {cfg.profile_steps} steps written under {run_dir}/plugins/profile")
+                say(f"profile of {cfg.profile_steps} steps written under {run_dir}/plugins/profile")
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-                metrics = {k: float(v) for k, v in jax.device_get(m).items()}
+                # replicated scalars: every process reads its own copy (multi-process arrays are not
+                # fully addressable, so no device_get of the global array)
+                metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in m.items()}
                 now = time.perf_counter()
                 n_steps = cfg.log_every if step + 1 - start >= cfg.log_every else step + 1 - start
                 metrics["step_time_s"] = (now - t_last) / n_steps
@@ -164,7 +173,8 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
                 for k, v in device_memory().items():
                     metrics[f"device_memory/{k}"] = v
                 for k, v in metrics.items():
-                    writer.add_scalar(k, v, step + 1)
+                    if writer is not None:
+                        writer.add_scalar(k, v, step + 1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 t_last = now
             bar.update(1)
@@ -179,17 +189,18 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
                 ckpt.save(done, state, to_dict(cfg), force=True)
                 last_saved = done
             except Exception as e:  # noqa: BLE001 (the state of an interrupted step may be gone)
-                print(f"could not save step {done}: {e}")
+                say(f"could not save step {done}: {e}")
         ckpt.wait()  # commit it before reporting; `finally` closes the manager
-        print(f"interrupted after step {done}; latest checkpoint: step {last_saved}; continue with --resume")
+        say(f"interrupted after step {done}; latest checkpoint: step {last_saved}; continue with --resume")
         raise
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
         if profiling:
             jax.profiler.stop_trace()
         bar.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
         ckpt.close()  # waits for pending asynchronous saves: a finished save is never lost
-    print(f"done: step {cfg.steps}, loss {metrics.get('loss', float('nan')):.4f}; "
+    say(f"done: step {cfg.steps}, loss {metrics.get('loss', float('nan')):.4f}; "
           f"TensorBoard: tensorboard --logdir {cfg.run_dir}; checkpoints in {ckpt.directory}")
     return {"metrics": metrics, "run_dir": str(run_dir)}

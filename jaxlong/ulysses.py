@@ -12,6 +12,12 @@ Grouped-query attention (H query heads, H_kv key/value heads, C context devices)
     KV copy, head r // (C/H_kv), which is the group of all its H/C query heads. The repeat's transpose sums
     the replicas' gradients into the real KV head.
   - anything else raises `ConfigError` before tracing.
+
+Ulysses x ring hybrid (USP, Fang & Zhao 2024, arXiv 2405.07719): when the mesh has a `ring` axis of size
+R > 1, the sequence is split over `ring` x `context` (zigzag layout, `jaxlong.ring`); the all-to-alls run over
+`context` only, giving each device `[b, S/R, H/C, d]`, and ring attention over `ring` (K/V blocks passed
+around the R ring ranks) replaces the single-device kernel. The all-to-alls stay inside a node and only the
+ring's point-to-point sends cross nodes.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong.attention.kernels import attention
 from jaxlong.config import check_heads
-from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS
+from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, axis_size, seq_axes
+from jaxlong.ring import ring_attention_local
 
 
 def seq_to_heads(x: jax.Array, axis_name: str = CONTEXT_AXIS) -> jax.Array:
@@ -54,13 +61,16 @@ def ulysses_attention(
     block_q: int = 512,
     block_k: int = 512,
 ) -> jax.Array:
-    """Causal attention with Ulysses context parallelism over the mesh's `context` axis.
+    """Causal attention with Ulysses context parallelism over the mesh's `context` axis (and ring attention
+    over its `ring` axis when that has size > 1: the Ulysses x ring hybrid).
 
     Args:
-      q: `[batch, seq, heads, head_dim]`, global array; sharded batch over data x fsdp, seq over context.
+      q: `[batch, seq, heads, head_dim]`, global array; sharded batch over data x fsdp, seq over
+        ring x context (in the zigzag layout when ring > 1, `jaxlong.ring.zigzag`).
       k, v: `[batch, seq, kv_heads, head_dim]`, same sharding.
-      mesh: the `data x fsdp x context` mesh.
-      backend, block_q, block_k: the single-device kernel (see `jaxlong.attention.kernels.attention`).
+      mesh: the `data x fsdp x ring x context` mesh (or `data x fsdp x context`).
+      backend, block_q, block_k: the single-device kernel (see `jaxlong.attention.kernels.attention`); with
+        ring > 1 the per-block kernel is the blockwise one whatever `backend` says.
 
     Returns:
       `[batch, seq, heads, head_dim]`, sharded like q.
@@ -72,11 +82,15 @@ def ulysses_attention(
     check_heads(q.shape[2], k.shape[2], context)
     k = replicate_kv_heads(k, context)
     v = replicate_kv_heads(v, context)
-    spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
+    spec = P(BATCH_AXES, seq_axes(mesh), None, None)
+    ring = axis_size(mesh, RING_AXIS)
 
     def local(q, k, v):
         q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
-        out = attention(q, k, v, backend=backend, causal=causal, block_q=block_q, block_k=block_k)
+        if ring > 1:
+            out = ring_attention_local(q, k, v, causal=causal, block_q=block_q, block_k=block_k)
+        else:
+            out = attention(q, k, v, backend=backend, causal=causal, block_q=block_q, block_k=block_k)
         return heads_to_seq(out)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=True)(q, k, v)

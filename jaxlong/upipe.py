@@ -82,11 +82,35 @@ from jax.sharding import PartitionSpec as P
 from jaxlong import layers as L
 from jaxlong.attention.kernels import attention_bwd, attention_fwd_with_lse
 from jaxlong.config import check_upipe_schedule
-from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS
+from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, seq_axes
+from jaxlong.ring import ring_attention_bwd, ring_attention_fwd, zigzag_positions
 from jaxlong.ordering import opaque_one, zeros_after
 from jaxlong.ulysses import ulysses_attention
 
-ALL_AXES = (*BATCH_AXES, CONTEXT_AXIS)
+
+def _all_axes() -> tuple[str, ...]:
+    """The axes of the enclosing `jax.shard_map`'s mesh (the op's arrays vary over all of them)."""
+    return tuple(jax.sharding.get_abstract_mesh().axis_names)
+
+
+def _ring_size() -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    return int(mesh.shape[RING_AXIS]) if RING_AXIS in mesh.axis_names else 1
+
+
+def _attention_fwd(q, k, v, kernel: dict):
+    """The stage's attention on `[b, S/R, U/C, d]`: ring attention over `ring` (U-Pipe x ring) when R > 1."""
+    if _ring_size() > 1:
+        return ring_attention_fwd(q, k, v, causal=kernel["causal"], block_q=kernel["block_q"],
+                                  block_k=kernel["block_k"])
+    return attention_fwd_with_lse(q, k, v, **kernel)
+
+
+def _attention_bwd(q, k, v, o, lse, do, kernel: dict):
+    if _ring_size() > 1:
+        return ring_attention_bwd(q, k, v, o, lse, do, causal=kernel["causal"], block_q=kernel["block_q"],
+                                  block_k=kernel["block_k"])
+    return attention_bwd(q, k, v, o, lse, do, **kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,13 +218,19 @@ def attention_memory_model(
 
 
 def _positions(batch: int, seq_local: int) -> jax.Array:
-    """Global token positions `[batch, S/C]` of this device's sequence shard (inside shard_map)."""
-    start = jax.lax.axis_index(CONTEXT_AXIS) * seq_local
-    return jnp.broadcast_to(start + jnp.arange(seq_local, dtype=jnp.int32), (batch, seq_local))
+    """Global token positions `[batch, S/(R*C)]` of this device's sequence shard (inside shard_map); with a
+    ring (R > 1) the shard is slot block `ring_index * C + context_index` of the zigzag layout."""
+    ring, context = _ring_size(), _context_size()
+    block = jax.lax.axis_index(CONTEXT_AXIS)
+    if ring > 1:
+        block = jax.lax.axis_index(RING_AXIS) * context + block
+    slots = block * seq_local + jnp.arange(seq_local, dtype=jnp.int32)
+    pos = zigzag_positions(slots, seq_local * ring * context, ring)
+    return jnp.broadcast_to(pos, (batch, seq_local))
 
 
 def _varying(x: jax.Array) -> jax.Array:
-    return jax.lax.pcast(x, ALL_AXES, to="varying")
+    return jax.lax.pcast(x, _all_axes(), to="varying")
 
 
 def _kv_weight(w: jax.Array, t, sch: Schedule) -> jax.Array:
@@ -290,7 +320,7 @@ def _forward(x, wq, wk, wv, sch: Schedule, opts: dict):
     b, s_local, _ = x.shape
     d = wq.shape[-1]
     cos, sin = L.rope_tables(_positions(b, s_local), d, opts["theta"])
-    out = zeros_after(x, (b, s_local, sch.heads, d), x.dtype, ALL_AXES)
+    out = zeros_after(x, (b, s_local, sch.heads, d), x.dtype, _all_axes())
 
     def group(out, t):
         k = _seq_to_heads(_project(x, _kv_weight(wk, t, sch), cos, sin, True))
@@ -298,7 +328,7 @@ def _forward(x, wq, wk, wv, sch: Schedule, opts: dict):
 
         def stage(out, u):
             q = _seq_to_heads(_project(x, _stage_get(wq, t, u, 1, sch), cos, sin, True))
-            o, lse = attention_fwd_with_lse(q, k, v, **opts["kernel"])
+            o, lse = _attention_fwd(q, k, v, opts["kernel"])
             return _stage_set(out, _heads_to_seq(o), t, u, 2, sch), lse
 
         return jax.lax.scan(stage, out, jnp.arange(sch.stages_per_group))
@@ -337,7 +367,7 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None)
     def group(carry, xs):
         dx, dwq, dwk, dwv, dwo = carry
         t, lse_t = xs
-        one = opaque_one(lse, wk.dtype, ALL_AXES)
+        one = opaque_one(lse, wk.dtype, _all_axes())
         wk_t, wv_t = _kv_weight(wk, t, sch) * one, _kv_weight(wv, t, sch) * one
         k = _seq_to_heads(_project(x, wk_t, cos, sin, True))
         v = _seq_to_heads(_project(x, wv_t, cos, sin, False))
@@ -356,13 +386,13 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None)
                 dwo_s = jnp.einsum("bsnd,bsh->ndh", o_s, dout, preferred_element_type=f32)
                 dwo = _stage_set(dwo, dwo_s, t, u, 0, sch)
             o, do = _seq_to_heads(o_s), _seq_to_heads(do_s)
-            dq, dk, dv = attention_bwd(q, k, v, o, lse_s, do, **opts["kernel"])
+            dq, dk, dv = _attention_bwd(q, k, v, o, lse_s, do, opts["kernel"])
             dq = _rope(_heads_to_seq(dq), cos, -sin)  # transpose of the rotation
             dx = add(dx, jnp.einsum("bsnd,hnd->bsh", dq, wq_s, preferred_element_type=acc))
             dwq = _stage_set(dwq, _weight_grad(x, dq), t, u, 1, sch)
             return (dx, dwq, dwo, add(dk_acc, dk), add(dv_acc, dv)), None
 
-        zeros_kv = zeros_after(k, k.shape, acc, ALL_AXES)
+        zeros_kv = zeros_after(k, k.shape, acc, _all_axes())
         (dx, dwq, dwo, dk, dv), _ = jax.lax.scan(
             stage, (dx, dwq, dwo, zeros_kv, zeros_kv), (jnp.arange(sch.stages_per_group), lse_t)
         )
@@ -381,9 +411,9 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None)
             dwv = jax.lax.dynamic_update_slice_in_dim(dwv, dwv_t, t * n_kv, axis=1)
         return (dx, dwq, dwk, dwv, dwo), None
 
-    init = [zeros_after(dout, x.shape, acc, ALL_AXES)]
-    init += [zeros_after(dout, a.shape, f32, ALL_AXES) for a in (wq, wk, wv)]
-    init.append(None if wo is None else zeros_after(dout, wo.shape, f32, ALL_AXES))
+    init = [zeros_after(dout, x.shape, acc, _all_axes())]
+    init += [zeros_after(dout, a.shape, f32, _all_axes()) for a in (wq, wk, wv)]
+    init.append(None if wo is None else zeros_after(dout, wo.shape, f32, _all_axes()))
     (dx, dwq, dwk, dwv, dwo), _ = jax.lax.scan(group, tuple(init), (jnp.arange(sch.groups), lse))
     dwo = None if wo is None else dwo.astype(wo.dtype)
     return dx.astype(x.dtype), dwq.astype(wq.dtype), dwk.astype(wk.dtype), dwv.astype(wv.dtype), dwo
@@ -427,7 +457,7 @@ def _upipe_norm_local_bwd(sch, opts, res, dy):
     x, scale, r, wq, wk, wv, wo, out, lse = jax.lax.optimization_barrier(res)
     # Recompute the normalized input only now (after dy), so it is not live through the rest of the
     # layer's backward; the opaque 1 keeps the compiler from reusing the forward's copy instead.
-    h = L.rms_norm_apply(x, r, scale.astype(jnp.float32) * opaque_one(dy, jnp.float32, ALL_AXES))
+    h = L.rms_norm_apply(x, r, scale.astype(jnp.float32) * opaque_one(dy, jnp.float32, _all_axes()))
     dh, dwq, dwk, dwv, dwo = _backward(h, wq, wk, wv, out, lse, dy, sch, opts, wo=wo)
     dx, d_scale = L.rms_norm_bwd(opts["eps"], (x, scale, r), dh)
     if wo is not None:  # the residual connection
@@ -494,8 +524,8 @@ def upipe_attention(
     sch.validate()
     kernel = _Opts(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
     opts = _Opts(theta=float(rope_theta), kernel=kernel, eps=float(norm_eps))
-    act, rep = P(BATCH_AXES, CONTEXT_AXIS, None), P()
-    out_spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
+    act, rep = P(BATCH_AXES, seq_axes(mesh), None), P()
+    out_spec = P(BATCH_AXES, seq_axes(mesh), None, None)
     if out_weight is not None:
         if norm_scale is None:
             raise ValueError("upipe_attention(out_weight=...) computes x + W_o attention(RMSNorm(x)) and needs "

@@ -1,0 +1,66 @@
+"""Multi-process runs on `jax.distributed`: one process per host (or per GPU), all forming one mesh.
+
+A run is multi-process when it is launched as several processes, detected as JAX does it:
+  - explicitly: `JAX_COORDINATOR_ADDRESS` (host:port of process 0), `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`;
+  - SLURM (`srun`: `SLURM_NTASKS` > 1), Open MPI (`mpirun`: `OMPI_COMM_WORLD_SIZE` > 1): JAX's cluster
+    auto-detection finds the coordinator, the process count and the process id.
+Every process runs the same program on the same config; `jax.devices()` is then the devices of all processes
+and the mesh spans them. On CPUs the processes exchange data with gloo
+(`jax_cpu_collectives_implementation`), which is how the multi-process path is tested on one machine.
+
+These functions must run before anything touches a jax backend (`jaxlong.train` calls them first).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
+
+
+def process_count_from_env() -> int:
+    """The number of processes this launch consists of (1 for an ordinary single-process run)."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS") and _int_env("JAX_NUM_PROCESSES"):
+        return _int_env("JAX_NUM_PROCESSES")
+    for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        n = _int_env(name)
+        if n and n > 1 and (name != "SLURM_NTASKS" or "SLURM_STEP_NODELIST" in os.environ):
+            return n
+    return 1
+
+
+def initialize() -> int:
+    """`jax.distributed.initialize()` when launched as several processes; returns the process count.
+
+    Raises:
+      ValueError: JAX_COORDINATOR_ADDRESS is set without JAX_NUM_PROCESSES / JAX_PROCESS_ID (or not integers).
+    """
+    n = process_count_from_env()
+    if os.environ.get("JAX_COORDINATOR_ADDRESS") and n == 1 and _int_env("JAX_NUM_PROCESSES") is None:
+        raise ValueError("JAX_COORDINATOR_ADDRESS is set but JAX_NUM_PROCESSES is not; set both and JAX_PROCESS_ID")
+    if n == 1:
+        return 1
+    import jax  # noqa: PLC0415 (after XLA_FLAGS is set by the caller)
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes; ignored by GPUs
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        pid = _int_env("JAX_PROCESS_ID")
+        if pid is None:
+            raise ValueError("JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES are set but JAX_PROCESS_ID is not")
+        jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=n, process_id=pid)
+    else:
+        jax.distributed.initialize()  # SLURM / Open MPI / Kubernetes auto-detection
+    return n
+
+
+def is_main_process() -> bool:
+    """Process 0 writes logs, TensorBoard events and the progress bar."""
+    import jax  # noqa: PLC0415
+
+    return jax.process_index() == 0

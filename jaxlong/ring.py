@@ -1,0 +1,301 @@
+"""Ring attention over the mesh axis `ring`, causal with the zigzag layout (load-balanced).
+
+Ring attention (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers", arXiv 2310.01889):
+the sequence is split over R ring ranks. Each rank keeps its queries; the K/V blocks travel around the ring
+with `lax.ppermute` (R - 1 steps) and each step's partial attention is merged into the running output by its
+log-sum-exp (design brief §8):
+
+    lse = logaddexp(lse_a, lse_b),  out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b.
+
+The backward (a `custom_vjp`) saves only q, k, v, the output and the lse -- nothing per ring step. It sends
+K/V around the ring again; the dK/dV accumulator of each block travels with it, every rank adds its
+contribution, and one last `ppermute` hands the finished dK/dV back to the block's owner. Each step's
+`ppermute` of the next K/V block is issued before the step's attention, so XLA can overlap the transfer with
+the compute.
+
+Zigzag layout (causal load balance, as in `zigzag_ring_flash_attn`): the sequence is cut into 2R chunks of
+c = S/(2R) tokens and ring rank r holds chunks r and 2R-1-r, in that order (`zigzag`). Then with the K/V
+block of rank `src`:
+  - src == r: ordinary causal attention on the local 2c tokens (local order is causal order);
+  - src <  r: all 2c queries see the first K/V chunk (chunk src) and none of the second;
+  - src >  r: only the second query chunk (chunk 2R-1-r) sees the K/V block, all of it.
+Both off-diagonal cases are two c x c unmasked blocks, so every rank does the same work at every step:
+block X = (second query chunk, first K/V chunk) always, and block Y = (first, first) or (second, second).
+No block is ever fully masked. Token positions (RoPE) follow the permutation (`zigzag_positions`); the
+loss, a mean over tokens, is unchanged when inputs, targets and mask are permuted together.
+
+The per-block math is `jaxlong.attention.kernels.blockwise_attention_fwd/bwd` (FlashAttention-2), whose
+backward takes the *global* output and lse, so the per-block gradients of the ring are exact.
+
+Hybrids: with a `context` axis as well, `jaxlong.ulysses.ulysses_attention` all-to-alls heads over `context`
+and runs `ring_attention_local` over `ring` (USP, Fang & Zhao 2024, arXiv 2405.07719); `jaxlong.upipe` runs it
+for each stage's heads.
+
+Memory per device: q, k, v, out (`[b, S/R, h, d]` each, h the heads this device holds), the lse, one extra
+K/V block in flight, and the kernels' O(tile^2) scratch: O(S/R) for a fixed head count, O(S/(R*C)) per
+device with Ulysses over C (heads split C ways).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxlong.attention.kernels import blockwise_attention_bwd, blockwise_attention_fwd
+
+RING_AXIS = "ring"
+_F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------- zigzag layout
+
+
+def zigzag_order(seq_len: int, ring: int) -> np.ndarray:
+    """Original token position of each slot of the zigzag layout, `[seq_len]` int32.
+
+    Slot block r (tokens `[r*S/R, (r+1)*S/R)`, what ring rank r holds) is chunk r followed by chunk
+    2R-1-r of the 2R chunks of S/(2R) tokens. `ring == 1` is the identity.
+
+    Raises:
+      ValueError: `seq_len` not divisible by 2 * ring (when ring > 1).
+    """
+    if ring == 1:
+        return np.arange(seq_len, dtype=np.int32)
+    if seq_len % (2 * ring):
+        raise ValueError(f"zigzag layout: sequence length {seq_len} must be divisible by 2*ring = {2 * ring}")
+    c = seq_len // (2 * ring)
+    chunks = np.arange(seq_len, dtype=np.int32).reshape(2 * ring, c)
+    order = np.stack([chunks[:ring], chunks[ring:][::-1]], axis=1)  # [R, 2, c]
+    return order.reshape(seq_len)
+
+
+def zigzag(x: jax.Array, ring: int, axis: int = 1) -> jax.Array:
+    """Permute a global array's sequence axis into the zigzag layout: `out[..., i, ...] = x[..., order[i], ...]`
+    with `order = zigzag_order(S, ring)`. A reshape and a reversal, no gather."""
+    if ring == 1:
+        return x
+    x = jnp.moveaxis(x, axis, 0)
+    s = x.shape[0]
+    if s % (2 * ring):
+        raise ValueError(f"zigzag layout: sequence length {s} must be divisible by 2*ring = {2 * ring}")
+    c = x.shape[0] // (2 * ring)
+    chunks = x.reshape(2 * ring, c, *x.shape[1:])
+    out = jnp.stack([chunks[:ring], chunks[ring:][::-1]], axis=1).reshape(x.shape)
+    return jnp.moveaxis(out, 0, axis)
+
+
+def unzigzag(x: jax.Array, ring: int, axis: int = 1) -> jax.Array:
+    """Inverse of `zigzag`: back to natural token order along `axis`."""
+    if ring == 1:
+        return x
+    x = jnp.moveaxis(x, axis, 0)
+    c = x.shape[0] // (2 * ring)
+    pairs = x.reshape(ring, 2, c, *x.shape[1:])
+    out = jnp.concatenate([pairs[:, 0], pairs[:, 1][::-1]], axis=0).reshape(x.shape)
+    return jnp.moveaxis(out, 0, axis)
+
+
+def zigzag_positions(slot: jax.Array, seq_len: int, ring: int) -> jax.Array:
+    """Original token positions of zigzag-layout slots `slot` (int array of any shape, traced or not)."""
+    if ring == 1:
+        return slot
+    c = seq_len // (2 * ring)
+    r, within = slot // (2 * c), slot % (2 * c)
+    return jnp.where(within < c, r * c + within, (2 * ring - 1 - r) * c + within - c)
+
+
+# ----------------------------------------------------------------------------- per-step math
+
+
+def _halves(x: jax.Array, axis: int):
+    n = x.shape[axis] // 2
+    return lax.slice_in_dim(x, 0, n, axis=axis), lax.slice_in_dim(x, n, 2 * n, axis=axis)
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Log-sum-exp merge of two partial attentions over disjoint key sets.
+
+    out: float32 `[b, s, h, d]`; lse: float32 `[b, h, s]`."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    wa = jnp.swapaxes(jnp.exp(lse_a - lse), 1, 2)[..., None]
+    wb = jnp.swapaxes(jnp.exp(lse_b - lse), 1, 2)[..., None]
+    return wa * out_a + wb * out_b.astype(_F32), lse
+
+
+def _where(c, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
+
+
+def _fwd_step(q, k, v, out, lse, before, causal, kw):
+    """Merge the attention of local queries to one remote K/V block (`before`: the block's owner precedes
+    this rank in the ring) into `(out, lse)`."""
+    if not causal:
+        o, l = blockwise_attention_fwd(q, k, v, causal=False, **kw)
+        return _merge(out, lse, o, l)
+    q0, q1 = _halves(q, 1)
+    k0, k1 = _halves(k, 1)
+    v0, v1 = _halves(v, 1)
+    (out0, out1), (lse0, lse1) = _halves(out, 1), _halves(lse, 2)
+    ox, lx = blockwise_attention_fwd(q1, k0, v0, causal=False, **kw)  # block X, every step
+    out1, lse1 = _merge(out1, lse1, ox, lx)
+    qy, ky, vy = _where(before, (q0, k0, v0), (q1, k1, v1))
+    oy, ly = blockwise_attention_fwd(qy, ky, vy, causal=False, **kw)  # block Y
+    ta, tl = _where(before, (out0, lse0), (out1, lse1))
+    m, ml = _merge(ta, tl, oy, ly)
+    out0, lse0 = _where(before, (m, ml), (out0, lse0))
+    out1, lse1 = _where(before, (out1, lse1), (m, ml))
+    return jnp.concatenate([out0, out1], 1), jnp.concatenate([lse0, lse1], 2)
+
+
+def _bwd_step(q, k, v, out, lse, dout, before, causal, kw):
+    """Gradient contributions `(dq, dk, dv)` (float32) of one remote K/V block; see `_fwd_step`."""
+    if not causal:
+        return tuple(g.astype(_F32) for g in blockwise_attention_bwd(q, k, v, out, lse, dout, causal=False, **kw))
+    halves = [_halves(a, 1) for a in (q, k, v, out, dout)] + [_halves(lse, 2)]
+    (q0, q1), (k0, k1), (v0, v1), (o0, o1), (do0, do1), (l0, l1) = halves
+    dqx, dkx, dvx = blockwise_attention_bwd(q1, k0, v0, o1, l1, do1, causal=False, **kw)
+    ys = _where(before, (q0, k0, v0, o0, l0, do0), (q1, k1, v1, o1, l1, do1))
+    dqy, dky, dvy = (g.astype(_F32) for g in blockwise_attention_bwd(*ys, causal=False, **kw))
+    zero = jnp.zeros_like(dqy)
+    dq = jnp.concatenate([jnp.where(before, dqy, zero), dqx.astype(_F32) + jnp.where(before, zero, dqy)], 1)
+    zk = jnp.zeros_like(dky)
+    dk = jnp.concatenate([dkx.astype(_F32) + jnp.where(before, dky, zk), jnp.where(before, zk, dky)], 1)
+    dv = jnp.concatenate([dvx.astype(_F32) + jnp.where(before, dvy, zk), jnp.where(before, zk, dvy)], 1)
+    return dq, dk, dv
+
+
+def _ring_perm(n: int):
+    return [(i, (i + 1) % n) for i in range(n)]  # rank i sends to i+1, receives from i-1
+
+
+# ----------------------------------------------------------------------------- forward / backward
+
+
+def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = True, block_q: int = 512,
+                       block_k: int = 512):
+    """Ring attention forward inside `jax.shard_map`; returns `(out, lse)` like
+    `jaxlong.attention.kernels.attention_fwd_with_lse`.
+
+    Args:
+      q: local `[batch, S/R, heads, head_dim]`; k, v: local `[batch, S/R, kv_heads, head_dim]`, this ring
+        rank's zigzag shard (chunks r and 2R-1-r; for `causal=False` any layout).
+      axis_name: the mesh axis of the ring (size R).
+      causal: causal mask in original token order (zigzag layout required).
+      block_q, block_k: kernel tiles; with `causal` they must divide S/(2R) (after clamping).
+
+    Returns:
+      out `[batch, S/R, heads, head_dim]` (dtype of q), lse float32 `[batch, heads, S/R]`.
+
+    Raises:
+      ValueError: an odd local length with `causal`, or tiles not dividing the blocks.
+    """
+    kw = dict(block_q=block_q, block_k=block_k)
+    n = lax.axis_size(axis_name)
+    if causal and q.shape[1] % 2:
+        raise ValueError(f"ring attention (zigzag): local sequence length {q.shape[1]} must be even")
+    if n > 1:
+        nxt = lax.ppermute((k, v), axis_name, _ring_perm(n))  # issued before the diagonal block
+    out, lse = blockwise_attention_fwd(q, k, v, causal=causal, **kw)
+    out = out.astype(_F32)
+    if n == 1:
+        return out.astype(q.dtype), lse
+    r = lax.axis_index(axis_name)
+
+    def step(i, carry, last=False):
+        out, lse, k_i, v_i = carry
+        nxt = (k_i, v_i) if last else lax.ppermute((k_i, v_i), axis_name, _ring_perm(n))
+        before = (r - i) % n < r
+        out, lse = _fwd_step(q, k_i, v_i, out, lse, before, causal, kw)
+        return (out, lse, *nxt)
+
+    carry = lax.fori_loop(1, n - 1, step, (out, lse, *nxt))
+    out, lse, _, _ = step(n - 1, carry, last=True)
+    return out.astype(q.dtype), lse
+
+
+def ring_attention_bwd(q, k, v, out, lse, dout, *, axis_name: str = RING_AXIS, causal: bool = True,
+                       block_q: int = 512, block_k: int = 512):
+    """Ring attention backward inside `jax.shard_map`; returns `(dq, dk, dv)` (dtypes of q, k, v).
+
+    `out` and `lse` are `ring_attention_fwd`'s; K/V travel around the ring again and each block's dK/dV
+    accumulator (float32) travels with it, arriving back at its owner after R sends."""
+    kw = dict(block_q=block_q, block_k=block_k)
+    n = lax.axis_size(axis_name)
+    if n > 1:
+        nxt = lax.ppermute((k, v), axis_name, _ring_perm(n))
+    dq, dk, dv = (g.astype(_F32) for g in blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal, **kw))
+    if n == 1:
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    r = lax.axis_index(axis_name)
+    dkv = lax.ppermute((dk, dv), axis_name, _ring_perm(n))
+
+    def step(i, carry, last=False):
+        dq, k_i, v_i, dk_i, dv_i = carry
+        nxt = (k_i, v_i) if last else lax.ppermute((k_i, v_i), axis_name, _ring_perm(n))
+        before = (r - i) % n < r
+        gq, gk, gv = _bwd_step(q, k_i, v_i, out, lse, dout, before, causal, kw)
+        dkv = lax.ppermute((dk_i + gk, dv_i + gv), axis_name, _ring_perm(n))  # on to the next rank / owner
+        return (dq + gq, *nxt, *dkv)
+
+    carry = lax.fori_loop(1, n - 1, step, (dq, *nxt, *dkv))
+    dq, _, _, dk, dv = step(n - 1, carry, last=True)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ring(q, k, v, axis_name, causal, block_q, block_k):
+    return ring_attention_fwd(q, k, v, axis_name=axis_name, causal=causal, block_q=block_q, block_k=block_k)[0]
+
+
+def _ring_vjp_fwd(q, k, v, axis_name, causal, block_q, block_k):
+    out, lse = ring_attention_fwd(q, k, v, axis_name=axis_name, causal=causal, block_q=block_q, block_k=block_k)
+    return out, (q, k, v, out, lse)  # nothing per ring step
+
+
+def _ring_vjp_bwd(axis_name, causal, block_q, block_k, res, dout):
+    return ring_attention_bwd(*res, dout, axis_name=axis_name, causal=causal, block_q=block_q, block_k=block_k)
+
+
+_ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
+
+
+def ring_attention_local(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = True, block_q: int = 512,
+                         block_k: int = 512) -> jax.Array:
+    """Differentiable ring attention on local shards inside `jax.shard_map` (`custom_vjp`: forward
+    `ring_attention_fwd`, backward `ring_attention_bwd`, residuals q, k, v, out, lse). Shapes and errors as
+    `ring_attention_fwd`; returns out `[batch, S/R, heads, head_dim]`."""
+    return _ring(q, k, v, axis_name, bool(causal), int(block_q), int(block_k))
+
+
+def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, causal: bool = True, block_q: int = 512,
+                   block_k: int = 512) -> jax.Array:
+    """Ring attention on global arrays whose sequence is split over the mesh axis `ring` only.
+
+    Args:
+      q: `[batch, seq, heads, head_dim]`, k, v: `[batch, seq, kv_heads, head_dim]`, global, sequence in the
+        zigzag layout (`zigzag`) when `causal`; batch over the mesh's `data`/`fsdp` axes if it has them.
+      mesh: a mesh with a `ring` axis; any `context` axis must have size 1 (with context > 1 use the
+        Ulysses x ring hybrid, `jaxlong.ulysses.ulysses_attention`).
+
+    Returns:
+      `[batch, seq, heads, head_dim]` in the same layout as q.
+
+    Raises:
+      ValueError: no `ring` axis, a `context` axis of size > 1, or seq not divisible by 2 * ring (causal).
+    """
+    if RING_AXIS not in mesh.axis_names:
+        raise ValueError(f"ring_attention needs a mesh axis {RING_AXIS!r}; mesh axes are {mesh.axis_names}")
+    if mesh.shape.get("context", 1) != 1:
+        raise ValueError("ring_attention: the mesh's context axis has size > 1; use ulysses_attention (hybrid)")
+    n = mesh.shape[RING_AXIS]
+    if causal and q.shape[1] % (2 * n):
+        raise ValueError(f"ring attention (zigzag): seq={q.shape[1]} must be divisible by 2*ring = {2 * n}")
+    batch = tuple(a for a in mesh.axis_names if a in ("data", "fsdp")) or None
+    spec = P(batch, RING_AXIS, None, None)
+    fn = functools.partial(ring_attention_local, causal=causal, block_q=block_q, block_k=block_k)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=True)(q, k, v)
