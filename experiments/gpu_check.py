@@ -99,6 +99,7 @@ def child_kernel(smoke: bool, large: bool) -> list[dict]:
 
     from jaxlong.attention import kernels as K  # noqa: PLC0415
 
+    jax.config.update("jax_default_matmul_precision", "highest")  # the float32 truth without TF32
     gpu = jax.default_backend() == "gpu"
     cand, base = ("cudnn", "blockwise") if gpu else ("blockwise", "reference")
     cases = ([(1, 4096, 8, 2, 128, True), (2, 2048, 8, 8, 64, True), (1, 4096, 16, 4, 64, False),

@@ -31,8 +31,10 @@ Why this kernel (survey, December 2026):
   - FlashAttention-3 bindings: PyTorch/CUDA extensions with no maintained XLA custom-call binding for JAX
     (and a CUDA build step per machine); they would not compile in a deviceless plan.
 
-Private API guard: `_api()` checks that the module and the names used here exist and raises a clear error
-otherwise (use `attention.backend=blockwise`). Checked with JAX 0.10.2 (deviceless sm_90 compile); the device
+Private API guard: `_api()` checks that the module and the names used here exist (and that the forward has
+`return_residual`) and raises a clear error otherwise (use `attention.backend=blockwise`); the backward's
+operand list is read from the module's own `_dot_product_attention_bwd_impl` signature, since it has grown
+across JAX versions (offsets, page tables), and an unknown parameter is an error, not a guess. Checked with JAX 0.10.2 (deviceless sm_90 compile); the device
 check `experiments/gpu_check.py` verifies the numbers on the JAX that the GPU machine has (0.11).
 
 The statistic's convention (from the source). cuDNN's SDPA graph defines its `Stats` output as
@@ -60,6 +62,7 @@ U/C heads, so the limit moves to 2**31 / (U/C * head_dim) tokens (16M for one 12
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import jax
@@ -71,7 +74,8 @@ __all__ = ["CHECKED_JAX", "MAX_ELEMENTS", "cudnn_attention", "cudnn_attention_bw
 
 CHECKED_JAX = ("0.10.2",)  # the versions whose private module this file was read against
 MAX_ELEMENTS = 2**31 - 1  # per operand; see the module docstring
-_NAMES = ("dot_product_attention", "_dot_product_attention_bwd_p_wrapper", "MaskType", "AttentionLayout")
+_NAMES = ("dot_product_attention", "_dot_product_attention_bwd_p_wrapper", "_dot_product_attention_bwd_impl",
+          "MaskType", "AttentionLayout")
 
 
 def _api():
@@ -81,6 +85,8 @@ def _api():
     except ImportError as e:
         fa, err = None, e
     missing = [n for n in _NAMES if fa is None or not hasattr(fa, n)]
+    if not missing and "return_residual" not in inspect.signature(fa.dot_product_attention).parameters:
+        missing = ["dot_product_attention(return_residual=...)"]
     if missing:
         raise RuntimeError(
             f"attention.backend=cudnn needs jax._src.cudnn.fused_attention_stablehlo with {', '.join(missing)}, "
@@ -174,13 +180,31 @@ def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment
         raise ValueError(f"cudnn attention backward: out {out.shape} and dout {dout.shape} must have q's shape "
                          f"{q.shape} and lse {lse.shape} must be [batch, heads, seq] = {(b, h, s)}")
     fa = _api()
+    named = {"query": q, "key": k, "value": v, "activation": lse.astype(jnp.float32),
+             "fwd_output": out.astype(q.dtype), "grad_output": dout.astype(q.dtype)}
+    params = {"scale": 1.0 / math.sqrt(d), "seed": 42, "dropout_rate": 0.0, "variadic_args": (False, False),
+              "mask_type": _mask(fa, causal), "layout": fa.AttentionLayout.BTNH.value,
+              "sliding_window_length": None}
+    operands, keywords = _bwd_signature(fa)
+    unknown = [n for n in keywords if n not in params]
+    if unknown:
+        raise RuntimeError(f"attention.backend=cudnn: JAX {jax.__version__}'s cuDNN backward primitive takes "
+                           f"{', '.join(unknown)}, unknown to jaxlong (checked with JAX {', '.join(CHECKED_JAX)}); "
+                           f"use attention.backend=blockwise")
     unused = jnp.zeros(0, dtype=q.dtype)  # the module's placeholder for absent bias / seqlens / offsets / pages
     dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(
-        q, k, v, unused, unused, unused, unused, unused, unused, unused,
-        lse.astype(jnp.float32), out.astype(q.dtype), dout.astype(q.dtype),
-        scale=1.0 / math.sqrt(d), seed=42, dropout_rate=0.0, variadic_args=(False, False),
-        mask_type=_mask(fa, causal), layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)[:3]
+        *(named.get(n, unused) for n in operands), **{n: params[n] for n in keywords})[:3]
     return dq, dk, dv
+
+
+@functools.cache
+def _bwd_signature(fa) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Operand and parameter names of the backward primitive, read from the module's own implementation
+    (`_dot_product_attention_bwd_impl(query, key, value, bias, q_seqlen, ..., activation, fwd_output,
+    grad_output, scale, seed, ...)`): the operand list has grown across JAX versions (offsets, page tables)."""
+    names = list(inspect.signature(fa._dot_product_attention_bwd_impl).parameters)
+    first = names.index("scale")
+    return tuple(names[:first]), tuple(names[first:])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
