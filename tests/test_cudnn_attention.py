@@ -107,9 +107,9 @@ def _layer_calls(impl: str, u: int | None = None) -> tuple[int, int]:
     ct = _sds((1, s, heads, d), mesh, P(("data", "fsdp"), "context"))
     layer = attention_layer(impl, mesh, heads_per_stage=u, backend="cudnn")
 
-    def fwd_bwd(x, wq, wk, wv, ct):
-        _, vjp = jax.vjp(layer, x, wq, wk, wv)
-        return vjp(ct)
+    def fwd_bwd(x, wq, wk, wv, ct):  # the output is used (as by the next layer): the forward stays live
+        out, vjp = jax.vjp(layer, x, wq, wk, wv)
+        return out, vjp(ct)
 
     return cudnn_calls(jax.jit(fwd_bwd).lower(x, *ws, ct).compile())
 
@@ -118,7 +118,7 @@ def _layer_calls(impl: str, u: int | None = None) -> tuple[int, int]:
 @pytest.mark.parametrize("u", [8, 32])
 def test_upipe_layer_backward_does_not_rerun_the_forward(u):
     """U-Pipe's stage scans hold one forward and one backward call site each, as Ulysses' layer does; before
-    the lse-returning kernel the backward scan held a second forward (a `jax.vjp` recompute)."""
+    the lse-returning kernel the backward scan held a second forward (a `jax.vjp` recompute): (2, 1)."""
     ulysses = _layer_calls("ulysses")
     assert ulysses == (1, 1)
     assert _layer_calls("upipe", u) == ulysses
