@@ -141,7 +141,8 @@ def child_kernel(smoke: bool, large: bool) -> list[dict]:
         except Exception as e:  # noqa: BLE001
             row = {"case": name, "candidate": cand, "pass": False, "error": f"{type(e).__name__}: {e}"[:400]}
         rows.append(row)
-    rows.append(_segment_row(K, cand, smoke, inspect))
+    for backend in dict.fromkeys((cand, "blockwise")):  # the GPU backend, and the blockwise one where it differs
+        rows.append(_segment_row(K, backend, smoke, inspect))
     if large and gpu:
         rows.append(_large_tensor_row())
     return rows
