@@ -1,4 +1,5 @@
-"""Attention kernels: exact blockwise (flash-style) attention in pure JAX, cuDNN dispatch.
+"""Attention kernels: exact blockwise (flash-style) attention in pure JAX, cuDNN dispatch
+(the cuDNN kernel pair with lse in and out is :mod:`jaxlong.attention.cudnn`).
 
 Layout (everywhere in this module):
 
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxlong.attention import cudnn as _cudnn
 from jaxlong.ordering import varying_axes, zeros_after
 
 __all__ = [
@@ -322,12 +324,13 @@ def blockwise_attention(q, k, v, *, causal: bool = True, block_q: int = 512,
 
 
 def cudnn_attention(q, k, v, *, causal: bool = True):
-    """cuDNN fused attention via ``jax.nn.dot_product_attention(implementation='cudnn')``.
+    """Differentiable cuDNN flash attention (:mod:`jaxlong.attention.cudnn`, a ``custom_vjp`` saving
+    ``(q, k, v, out, lse)`` whose backward does not rerun the forward).
 
-    Same layout (GQA handled natively). GPU only; requires bf16/fp16 inputs and a
-    head_dim supported by cuDNN (multiple of 8, <= 256). Errors come from JAX/cuDNN.
+    Same layout (GQA handled natively). GPU only; bf16/fp16 inputs, head_dim a multiple of 8 and <= 256.
+    Raises ValueError/ConfigError as :func:`jaxlong.attention.cudnn.cudnn_attention_fwd`.
     """
-    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    return _cudnn.cudnn_attention(q, k, v, causal=causal)
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -370,21 +373,14 @@ def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: i
     return reference_attention(q, k, v, causal=causal)
 
 
-def _forward_fn(backend, causal):
-    if backend == "cudnn":
-        return functools.partial(cudnn_attention, causal=causal)
-    return functools.partial(reference_attention, causal=causal)
-
-
 def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = True,
                            block_q: int = 512, block_k: int = 512):
     """Forward returning ``(out, lse)``, for ops with their own custom_vjp.
 
     * ``'blockwise'``: :func:`blockwise_attention_fwd` (real lse).
     * ``'reference'``: exact lse from the materialized scores.
-    * ``'cudnn'``: cuDNN exposes no lse; a **dummy** float32 zeros ``[batch, heads, seq]``
-      is returned. Do not use it as a softmax statistic: :func:`attention_bwd` ignores
-      ``out``/``lse`` for this backend and recomputes the forward with ``jax.vjp``.
+    * ``'cudnn'``: :func:`jaxlong.attention.cudnn.cudnn_attention_fwd`, cuDNN's softmax statistic,
+      which is the same natural-log lse.
     """
     backend = resolve_backend(backend, q)
     if backend == "blockwise":
@@ -392,22 +388,23 @@ def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = Tru
                                        block_k=block_k)
     if backend == "reference":
         return _reference_with_lse(q, k, v, causal=causal)
-    b, s, h, _, _ = _check_shapes(q, k, v)
-    dummy_lse = lax.full_like(q[..., 0], 0, dtype=_F32).swapaxes(1, 2)  # [b, h, s], varying like q
-    return cudnn_attention(q, k, v, causal=causal), dummy_lse
+    return _cudnn.cudnn_attention_fwd(q, k, v, causal=causal)
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: bool = True,
                   block_q: int = 512, block_k: int = 512):
     """Backward matching :func:`attention_fwd_with_lse`; returns ``(dq, dk, dv)``.
 
-    ``'blockwise'`` uses :func:`blockwise_attention_bwd` with the saved ``out``/``lse``.
-    ``'reference'`` and ``'cudnn'`` ignore ``out``/``lse`` and recompute the backend's
-    forward under ``jax.vjp`` (cost: one extra forward). Dtypes follow q, k, v.
+    ``'blockwise'`` uses :func:`blockwise_attention_bwd` and ``'cudnn'``
+    :func:`jaxlong.attention.cudnn.cudnn_attention_bwd`, both from the saved ``out``/``lse`` (no
+    forward is rerun). ``'reference'`` (tests only) ignores ``out``/``lse`` and recomputes the
+    forward under ``jax.vjp``. Dtypes follow q, k, v.
     """
     backend = resolve_backend(backend, q)
     if backend == "blockwise":
         return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal,
                                        block_q=block_q, block_k=block_k)
-    _, vjp = jax.vjp(_forward_fn(backend, causal), q, k, v)
+    if backend == "cudnn":
+        return _cudnn.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=causal)
+    _, vjp = jax.vjp(functools.partial(reference_attention, causal=causal), q, k, v)
     return vjp(dout.astype(q.dtype))

@@ -1,0 +1,235 @@
+"""cuDNN flash attention with its softmax statistic in and out (NVIDIA GPUs).
+
+    cudnn_attention_fwd(q, k, v)                      -> (out, lse)
+    cudnn_attention_bwd(q, k, v, out, lse, dout)      -> (dq, dk, dv)     (no forward recomputation)
+    cudnn_attention(q, k, v)                          -> out              (custom_vjp saving q, k, v, out, lse)
+
+Layout as in `jaxlong.attention.kernels`: q `[batch, seq, heads, head_dim]`, k, v `[batch, seq, kv_heads,
+head_dim]` (grouped-query attention: kv heads are not repeated, cuDNN maps query head h to kv head
+h // (heads / kv_heads)), lse float32 `[batch, heads, seq]`. Inputs bf16 or fp16, head_dim a multiple of 8 and
+at most 256 (Hopper; 128 before), scores scaled by 1/sqrt(head_dim), causal or not.
+
+Why this kernel (survey, December 2026):
+  - JAX's cuDNN fused-attention module `jax._src.cudnn.fused_attention_stablehlo` (chosen). Its
+    `dot_product_attention(..., return_residual=True)` returns `(out, softmax_stat)` and lowers to the custom
+    call `__cudnn$fmhaSoftmax`; its backward primitive (`_dot_product_attention_bwd_p_wrapper`, lowering to
+    `__cudnn$fmhaSoftmaxBackward`) takes the saved statistic and output with the output gradient, so a backward
+    needs no forward. It is what `jax.nn.dot_product_attention(implementation='cudnn')` and MaxText's
+    `cudnn_flash_jax` path run (cuDNN's FlashAttention-2/3-class kernels), GQA natively, sequence length only
+    bounded by memory (no `[S, S]` tensor), it partitions under `jax.shard_map`, and it compiles in a deviceless
+    GPU compile (`jaxlong.plan.target`), so plans see the kernel that runs. Cost: the module is private.
+  - `jax.nn.dot_product_attention(implementation='cudnn')`: the same kernel, but public API returns no
+    statistic, so an op with its own backward (U-Pipe, ring attention) must recompute the forward under
+    `jax.vjp` -- one extra attention forward per layer, what this module removes.
+  - Tokamax (openxla/tokamax): wraps the same cuDNN call and Pallas/Mosaic GPU kernels behind an autotuning
+    API; not installed with JAX, and its lse-returning entry points are internal too, so it adds a dependency
+    without removing the private-API risk.
+  - A Pallas GPU (Triton) kernel of our own, e.g. from `jax.experimental.pallas.ops.gpu.attention`: testable on
+    the CPU in interpret mode and supports segment ids, but on H100 the Triton lowering reaches well under
+    cuDNN's throughput (no warp specialization / TMA pipelining), and a faster Mosaic GPU kernel is a project of
+    its own. Kept as the route for document masking if cuDNN's packed layout stays impractical (below).
+  - FlashAttention-3 bindings: PyTorch/CUDA extensions with no maintained XLA custom-call binding for JAX
+    (and a CUDA build step per machine); they would not compile in a deviceless plan.
+
+Private API guard: `_api()` checks that the module and the names used here exist (and that the forward has
+`return_residual`) and raises a clear error otherwise (use `attention.backend=blockwise`); the backward's
+operand list is read from the module's own `_dot_product_attention_bwd_impl` signature, since it has grown
+across JAX versions (offsets, page tables), and an unknown parameter is an error, not a guess. Checked with JAX 0.10.2 (deviceless sm_90 compile); the device
+check `experiments/gpu_check.py` verifies the numbers on the JAX that the GPU machine has (0.11).
+
+The statistic's convention (from the source). cuDNN's SDPA graph defines its `Stats` output as
+`max + log(sum(exp(P - max)))` over the keys, natural logarithm, where `P` is the scaled, masked score
+(cudnn-frontend `CompositeSoftmaxNode`; JAX's docstring: "the logsumexp tensor", FlashAttention-2 §3.1.1);
+JAX returns it as float32 `[batch, heads, seq]` (`softmax_stat_shape = (B, N, T)`), for either qkv layout.
+That is exactly `blockwise_attention_fwd`'s lse, so `_stat_to_lse` is the identity; the device check compares
+the two numerically.
+
+Segment ids (document masking) are not supported here and raise a clear error: JAX's packed layout
+(`q_seqlen/kv_seqlen/q_offsets/kv_offsets`) needs a static maximum number of segments M per row, returns the
+statistic with shape `[batch * M, heads, seq]` (M times the memory of the lse: gigabytes per call at a million
+tokens and hundreds of documents, in a per-segment layout unlike the blockwise kernel's), and its checks
+reject the packed layout unless the process's default backend is a Hopper GPU, so it cannot be planned on a
+machine without one. Use `attention.backend=blockwise` with segment ids.
+
+Sizes: each operand of a call (`q`, `out`, `dout`, `dq`, the backward's float32 dQ accumulator, `k`, `v`) must
+have fewer than 2**31 elements (`MAX_ELEMENTS`). cuDNN's public descriptors are 64-bit, but whether every
+kernel indexes with 64-bit offsets is not documented, and FlashAttention-style kernels have overflowed 32-bit
+offsets at this size before; a silent overflow corrupts gradients, so the limit is enforced until the device
+check's large-tensor probe (`experiments/gpu_check.py`) shows it can be lifted. With U-Pipe a call holds only
+U/C heads, so the limit moves to 2**31 / (U/C * head_dim) tokens (16M for one 128-dim head).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxlong.config import ConfigError
+
+__all__ = ["CHECKED_JAX", "MAX_ELEMENTS", "cudnn_attention", "cudnn_attention_bwd", "cudnn_attention_fwd"]
+
+CHECKED_JAX = ("0.10.2",)  # the versions whose private module this file was read against
+MAX_ELEMENTS = 2**31 - 1  # per operand; see the module docstring
+_NAMES = ("dot_product_attention", "_dot_product_attention_bwd_p_wrapper", "_dot_product_attention_bwd_impl",
+          "MaskType", "AttentionLayout")
+
+
+def _api():
+    """The private cuDNN fused-attention module, or a clear error when this JAX lacks it."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa  # noqa: PLC0415
+    except ImportError as e:
+        fa, err = None, e
+    missing = [n for n in _NAMES if fa is None or not hasattr(fa, n)]
+    if not missing and "return_residual" not in inspect.signature(fa.dot_product_attention).parameters:
+        missing = ["dot_product_attention(return_residual=...)"]
+    if missing:
+        raise RuntimeError(
+            f"attention.backend=cudnn needs jax._src.cudnn.fused_attention_stablehlo with {', '.join(missing)}, "
+            f"which JAX {jax.__version__} does not have (checked with JAX {', '.join(CHECKED_JAX)}); use "
+            f"attention.backend=blockwise" + (f" ({err})" if fa is None else ""))
+    return fa
+
+
+def _check(q, k, v, segment_ids):
+    """Validate shapes, dtypes and sizes before anything is traced into cuDNN; return head_dim."""
+    if segment_ids is not None:
+        raise ValueError("attention.backend=cudnn does not support segment ids (document masking): cuDNN's packed "
+                         "layout is not usable at long context (see jaxlong.attention.cudnn); use "
+                         "attention.backend=blockwise")
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(f"cudnn attention: q must be [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, "
+                         f"head_dim] of one shape; got {q.shape}, {k.shape}, {v.shape}")
+    b, s, h, d = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (b, s, d) or h % k.shape[2]:
+        raise ValueError(f"cudnn attention: k/v shape {k.shape} does not fit q shape {q.shape} (same batch, seq and "
+                         f"head_dim; heads a multiple of kv_heads)")
+    if not (jnp.dtype(q.dtype) == jnp.dtype(k.dtype) == jnp.dtype(v.dtype)) or \
+            jnp.dtype(q.dtype) not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"attention.backend=cudnn needs bfloat16 or float16 q, k, v (compute_dtype); got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if d % 8 or d > 256:
+        raise ValueError(f"attention.backend=cudnn needs head_dim a multiple of 8 and <= 256 (model.head_dim), "
+                         f"got {d}")
+    biggest = max(b * s * h * d, b * s * k.shape[2] * d)
+    if biggest > MAX_ELEMENTS:
+        raise ConfigError(
+            f"attention.backend=cudnn: one attention call would take a tensor of {biggest:,} elements "
+            f"(q {tuple(q.shape)}, k {tuple(k.shape)}), more than {MAX_ELEMENTS:,} (int32 offsets); split it: "
+            f"attention.impl=upipe with a smaller attention.heads_per_stage, a larger mesh.context, or a shorter "
+            f"seq_len (or attention.backend=blockwise)")
+    return d
+
+
+def _mask(fa, causal: bool):
+    return fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+
+
+def _stat_to_lse(stat):
+    """cuDNN's softmax statistic -> the blockwise kernel's lse: both natural-log logsumexp of the scaled scores,
+    float32 `[batch, heads, seq]` (module docstring), so this is the identity."""
+    return stat
+
+
+def cudnn_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None):
+    """cuDNN flash attention forward; returns ``(out, lse)``.
+
+    Args:
+      q: ``[batch, seq, heads, head_dim]`` bf16/fp16; k, v: ``[batch, seq, kv_heads, head_dim]`` (same dtype).
+      causal: query t sees keys 0..t.
+      segment_ids: must be None (see the module docstring).
+
+    Returns:
+      ``out`` (shape and dtype of q) and ``lse`` float32 ``[batch, heads, seq]``: the natural-log logsumexp of
+      the scaled scores per query row, the convention of ``blockwise_attention_fwd``.
+
+    Raises:
+      ValueError: segment ids, malformed shapes, a dtype other than bf16/fp16, an unsupported head_dim.
+      ConfigError: a tensor of 2**31 or more elements (``MAX_ELEMENTS``).
+      RuntimeError: this JAX lacks the private cuDNN module (``CHECKED_JAX``).
+    """
+    d = _check(q, k, v, segment_ids)
+    fa = _api()
+    out, stat = fa.dot_product_attention(q, k, v, scale=1.0 / math.sqrt(d), mask_type=_mask(fa, causal),
+                                         qkv_layout="BTNH", return_residual=True)
+    return out, _stat_to_lse(stat)
+
+
+def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None):
+    """cuDNN flash attention backward from the saved ``out`` and ``lse``; returns ``(dq, dk, dv)``.
+
+    Args:
+      q, k, v, causal, segment_ids: as for :func:`cudnn_attention_fwd`.
+      out: the forward output (shape of q); lse: float32 ``[batch, heads, seq]`` in the blockwise convention
+        (from :func:`cudnn_attention_fwd` or ``blockwise_attention_fwd``); dout: the gradient of out.
+
+    Returns:
+      ``dq``, ``dk``, ``dv`` with the shapes and dtypes of q, k, v (dk, dv summed over each GQA group by cuDNN).
+      The forward is not run again: one ``__cudnn$fmhaSoftmaxBackward`` call.
+
+    Raises:
+      as :func:`cudnn_attention_fwd`, and ValueError when ``out``/``dout``/``lse`` have the wrong shapes.
+    """
+    d = _check(q, k, v, segment_ids)
+    b, s, h, _ = q.shape
+    if out.shape != q.shape or dout.shape != q.shape or lse.shape != (b, h, s):
+        raise ValueError(f"cudnn attention backward: out {out.shape} and dout {dout.shape} must have q's shape "
+                         f"{q.shape} and lse {lse.shape} must be [batch, heads, seq] = {(b, h, s)}")
+    fa = _api()
+    named = {"query": q, "key": k, "value": v, "activation": lse.astype(jnp.float32),
+             "fwd_output": out.astype(q.dtype), "grad_output": dout.astype(q.dtype)}
+    params = {"scale": 1.0 / math.sqrt(d), "seed": 42, "dropout_rate": 0.0, "variadic_args": (False, False),
+              "mask_type": _mask(fa, causal), "layout": fa.AttentionLayout.BTNH.value,
+              "sliding_window_length": None}
+    operands, keywords = _bwd_signature(fa)
+    unknown = [n for n in keywords if n not in params]
+    if unknown:
+        raise RuntimeError(f"attention.backend=cudnn: JAX {jax.__version__}'s cuDNN backward primitive takes "
+                           f"{', '.join(unknown)}, unknown to jaxlong (checked with JAX {', '.join(CHECKED_JAX)}); "
+                           f"use attention.backend=blockwise")
+    unused = jnp.zeros(0, dtype=q.dtype)  # the module's placeholder for absent bias / seqlens / offsets / pages
+    dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(
+        *(named.get(n, unused) for n in operands), **{n: params[n] for n in keywords})[:3]
+    return dq, dk, dv
+
+
+@functools.cache
+def _bwd_signature(fa) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Operand and parameter names of the backward primitive, read from the module's own implementation
+    (`_dot_product_attention_bwd_impl(query, key, value, bias, q_seqlen, ..., activation, fwd_output,
+    grad_output, scale, seed, ...)`): the operand list has grown across JAX versions (offsets, page tables)."""
+    names = list(inspect.signature(fa._dot_product_attention_bwd_impl).parameters)
+    first = names.index("scale")
+    return tuple(names[:first]), tuple(names[first:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _cudnn(q, k, v, causal):
+    return cudnn_attention_fwd(q, k, v, causal=causal)[0]
+
+
+def _cudnn_vjp_fwd(q, k, v, causal):
+    out, lse = cudnn_attention_fwd(q, k, v, causal=causal)
+    return out, (q, k, v, out, lse)
+
+
+def _cudnn_vjp_bwd(causal, res, dout):
+    return cudnn_attention_bwd(*res, dout, causal=causal)
+
+
+_cudnn.defvjp(_cudnn_vjp_fwd, _cudnn_vjp_bwd)
+
+
+def cudnn_attention(q, k, v, *, causal: bool = True, segment_ids=None):
+    """Differentiable cuDNN attention (``jax.custom_vjp``); returns ``out`` (shape and dtype of q).
+
+    The residuals are exactly ``(q, k, v, out, lse)`` and the backward is :func:`cudnn_attention_bwd`, the same
+    kernel pair that U-Pipe calls through ``attention_fwd_with_lse`` / ``attention_bwd``. Shapes and errors as
+    for :func:`cudnn_attention_fwd` (checked before tracing the custom_vjp).
+    """
+    _check(q, k, v, segment_ids)
+    return _cudnn(q, k, v, bool(causal))
