@@ -57,6 +57,14 @@ kernel indexes with 64-bit offsets is not documented, and FlashAttention-style k
 offsets at this size before; a silent overflow corrupts gradients, so the limit is enforced until the device
 check's large-tensor probe (`experiments/gpu_check.py`) shows it can be lifted. With U-Pipe a call holds only
 U/C heads, so the limit moves to 2**31 / (U/C * head_dim) tokens (16M for one 128-dim head).
+
+Head chunks. A call is split over its heads where that helps: the forward runs as few calls as the size limit
+allows (aligned with the KV groups), the backward one query head per call
+(`BWD_HEADS_PER_CALL`), with that head's KV head; dK and dV of a KV group are summed over its calls (in float32, kept in the input dtype between calls).
+The backward's run-time workspace (the float32 dQ accumulator, `4 * b * heads_per_call * S * head_dim` bytes,
+see `jaxlong.plan.workspace`) then holds one head instead of all of them: for Ulysses on Llama-3-8B at C = 8,
+a quarter (1.5 GiB instead of 6 GiB per device at 3M tokens). At millions of tokens one head saturates the GPU
+(the Untied Ulysses paper's observation), so the extra launches cost nothing measurable.
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ __all__ = ["CHECKED_JAX", "MAX_ELEMENTS", "cudnn_attention", "cudnn_attention_bw
 
 CHECKED_JAX = ("0.10.2",)  # the versions whose private module this file was read against
 MAX_ELEMENTS = 2**31 - 1  # per operand; see the module docstring
+BWD_HEADS_PER_CALL = 1  # query heads per cuDNN backward call (module docstring: head chunks)
 _NAMES = ("dot_product_attention", "_dot_product_attention_bwd_p_wrapper", "_dot_product_attention_bwd_impl",
           "MaskType", "AttentionLayout")
 
@@ -115,13 +124,11 @@ def _check(q, k, v, segment_ids):
     if d % 8 or d > 256:
         raise ValueError(f"attention.backend=cudnn needs head_dim a multiple of 8 and <= 256 (model.head_dim), "
                          f"got {d}")
-    biggest = max(b * s * h * d, b * s * k.shape[2] * d)
-    if biggest > MAX_ELEMENTS:
+    if b * s * d > MAX_ELEMENTS:
         raise ConfigError(
-            f"attention.backend=cudnn: one attention call would take a tensor of {biggest:,} elements "
-            f"(q {tuple(q.shape)}, k {tuple(k.shape)}), more than {MAX_ELEMENTS:,} (int32 offsets); split it: "
-            f"attention.impl=upipe with a smaller attention.heads_per_stage, a larger mesh.context, or a shorter "
-            f"seq_len (or attention.backend=blockwise)")
+            f"attention.backend=cudnn: even one head's call (q {tuple(q.shape)}) would take a tensor of "
+            f"{b * s * d:,} elements, more than {MAX_ELEMENTS:,} (int32 offsets); use a shorter seq_len, "
+            f"mesh.ring > 1, or attention.backend=blockwise")
     return d
 
 
@@ -154,9 +161,38 @@ def cudnn_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None):
     """
     d = _check(q, k, v, segment_ids)
     fa = _api()
-    out, stat = fa.dot_product_attention(q, k, v, scale=1.0 / math.sqrt(d), mask_type=_mask(fa, causal),
-                                         qkv_layout="BTNH", return_residual=True)
-    return out, _stat_to_lse(stat)
+    outs, lses = [], []
+    for lo, hi, kv_lo, kv_hi in _calls(q, k, _forward_heads_per_call(q, k)):
+        out, stat = fa.dot_product_attention(q[:, :, lo:hi], k[:, :, kv_lo:kv_hi], v[:, :, kv_lo:kv_hi],
+                                             scale=1.0 / math.sqrt(d), mask_type=_mask(fa, causal),
+                                             qkv_layout="BTNH", return_residual=True)
+        outs.append(out)
+        lses.append(_stat_to_lse(stat))
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=1)
+
+
+def _forward_heads_per_call(q, k) -> int:
+    """Query heads per forward call: all of them, or the most under `MAX_ELEMENTS` that keep calls aligned
+    with the KV groups (a multiple or a divisor of the heads per KV head)."""
+    b, s, h, d = q.shape
+    g = h // k.shape[2]
+    fits = [c for c in range(h, 0, -1)
+            if h % c == 0 and (c % g == 0 or g % c == 0) and b * s * d * c <= MAX_ELEMENTS]
+    return fits[0] if fits else 1
+
+
+def _calls(q, k, heads_per_call: int):
+    """`(q_lo, q_hi, kv_lo, kv_hi)` head ranges of the calls: `heads_per_call` query heads each (a divisor of a
+    KV group's heads, or a multiple of it), with the KV heads they use."""
+    h, kvh = q.shape[2], k.shape[2]
+    g = h // kvh
+    out = []
+    for lo in range(0, h, heads_per_call):
+        hi = min(lo + heads_per_call, h)
+        out.append((lo, hi, lo // g, max(lo // g + 1, -(-hi // g))))
+    return out
 
 
 def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None):
@@ -192,9 +228,25 @@ def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment
                            f"{', '.join(unknown)}, unknown to jaxlong (checked with JAX {', '.join(CHECKED_JAX)}); "
                            f"use attention.backend=blockwise")
     unused = jnp.zeros(0, dtype=q.dtype)  # the module's placeholder for absent bias / seqlens / offsets / pages
-    dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(
-        *(named.get(n, unused) for n in operands), **{n: params[n] for n in keywords})[:3]
+    lse = lse.astype(jnp.float32)
+    # dK, dV of a KV group split over several calls are summed in float32 and kept in k's dtype between calls
+    # (a float32 `[b, S, kv_heads, d]` buffer would cost what the split saves in workspace).
+    dqs, dk, dv = [], jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype)
+    for lo, hi, kv_lo, kv_hi in _calls(q, k, min(BWD_HEADS_PER_CALL, h)):
+        named.update(query=q[:, :, lo:hi], key=k[:, :, kv_lo:kv_hi], value=v[:, :, kv_lo:kv_hi],
+                     activation=lse[:, lo:hi], fwd_output=out[:, :, lo:hi].astype(q.dtype),
+                     grad_output=dout[:, :, lo:hi].astype(q.dtype))
+        dq_c, dk_c, dv_c = fa._dot_product_attention_bwd_p_wrapper.bind(
+            *(named.get(n, unused) for n in operands), **{n: params[n] for n in keywords})[:3]
+        dqs.append(dq_c)
+        dk = dk.at[:, :, kv_lo:kv_hi].set(_sum(dk[:, :, kv_lo:kv_hi], dk_c))
+        dv = dv.at[:, :, kv_lo:kv_hi].set(_sum(dv[:, :, kv_lo:kv_hi], dv_c))
+    dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs, axis=2)
     return dq, dk, dv
+
+
+def _sum(total, part):
+    return (total.astype(jnp.float32) + part.astype(jnp.float32)).astype(total.dtype)
 
 
 @functools.cache

@@ -10,8 +10,9 @@ algorithm, the one JAX's `dot_product_attention(implementation='cudnn')` uses): 
   dQ_accum     float32 `[b, h_q, s_q, d]`: dQ accumulated by atomic adds across key blocks, 4*b*h_q*s_q*d bytes
   softmax_sum  float32 `[b, h_q, s_q]`: rowsum(dO * O), 4*b*h_q*s_q bytes
 (GQA's full-head dK/dV buffers are virtual in this layout: no memory). The forward needs no sizeable workspace.
-Only one attention backward runs at a time (the layer scan is sequential), so the row is the largest single
-call: Ulysses runs all H/C local heads in one call (h_q = H/C, s_q = S); U-Pipe one stage's U/C heads.
+Only one attention backward call runs at a time (the layer scan is sequential), so the row is the largest
+single call: `jaxlong.attention.cudnn` runs the backward one query head per call (`BWD_HEADS_PER_CALL`), for
+Ulysses' H/C local heads and U-Pipe's U/C heads alike (h_q = 1, s_q = S).
 The blockwise (pure JAX) and reference kernels are XLA programs: all their memory is in the compiled plan.
 
 Collective buffers (NCCL): each communicator allocates, per channel, send and receive buffers of
@@ -50,12 +51,14 @@ def attention_workspace_bytes(cfg: Config, backend: str, context: int, batch_loc
     """
     if backend != "cudnn":
         return 0
+    from jaxlong.attention.cudnn import BWD_HEADS_PER_CALL  # noqa: PLC0415
+
     m = cfg.model
     if cfg.attention.impl == "upipe":
         heads_local = (cfg.attention.heads_per_stage or context) // context
     else:
         heads_local = m.heads // context
-    rows = batch_local * heads_local * cfg.seq_len
+    rows = batch_local * min(heads_local, BWD_HEADS_PER_CALL) * cfg.seq_len
     return 4 * rows * m.head_dim + 4 * rows  # dQ_accum + softmax_sum, float32
 
 
