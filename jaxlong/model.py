@@ -69,6 +69,9 @@ class DecoderLayer(nnx.Module):
         self.w_gate = nnx.Param(init(rngs.params(), (h, f), param_dtype))
         self.w_up = nnx.Param(init(rngs.params(), (h, f), param_dtype))
         self.w_down = nnx.Param(out_init(rngs.params(), (f, h), param_dtype))
+        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim of every query and key head, before RoPE
+            self.q_norm = nnx.Param(jnp.ones((d,), param_dtype))
+            self.k_norm = nnx.Param(jnp.ones((d,), param_dtype))
 
     def attention_block(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
         """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))`.
@@ -85,19 +88,27 @@ class DecoderLayer(nnx.Module):
                 mesh=rt.mesh, heads_per_stage=ac.heads_per_stage or rt.mesh.shape[CONTEXT_AXIS],
                 rope_theta=mc.rope_theta, backend=ac.backend, block_q=ac.block_q, block_k=ac.block_k,
                 norm_scale=self.attn_norm[...], norm_eps=mc.norm_eps, out_weight=rt.gather(self.wo[...]),
+                rope_scaling=mc.rope_scaling, qk_norm=self._qk_norm_scales(),
             )
         h = checkpoint_name(L.rms_norm(x, self.attn_norm[...], mc.norm_eps), "attn_norm_out")
         qkv_spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
         q = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(self.wq[...]))
         k = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(self.wk[...]))
         v = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(self.wv[...]))
-        cos, sin = L.rope_tables(positions, mc.head_dim, mc.rope_theta)
+        if mc.qk_norm:
+            q_scale, k_scale = self._qk_norm_scales()
+            q, k = L.rms_norm(q, q_scale, mc.norm_eps), L.rms_norm(k, k_scale, mc.norm_eps)
+        cos, sin = L.rope_tables(positions, mc.head_dim, mc.rope_theta, mc.rope_scaling)
         q = checkpoint_name(rt.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
         k = checkpoint_name(rt.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
         v = checkpoint_name(rt.constrain(v, qkv_spec), "value_proj")
         attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=ac.backend, block_q=ac.block_q, block_k=ac.block_k)
         attn = checkpoint_name(attn, "attn_out")
         return x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(self.wo[...]))
+
+    def _qk_norm_scales(self):
+        """(q_norm, k_norm) scales `[head_dim]` (Qwen3), or None."""
+        return (self.q_norm[...], self.k_norm[...]) if hasattr(self, "q_norm") else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
         eps = rt.cfg.model.norm_eps
