@@ -13,6 +13,7 @@ Writes, for `llama31` (Llama-3.1 layout: GQA, `llama3` rope scaling, untied head
   golden.npz: `prompt` int32 [1, 64], `logits` float32 [1, 64, vocab] (transformers, float32), and
   `batch_inputs`/`batch_targets` int32 [2, 64] with `batch_loss` (mean next-token cross-entropy, transformers):
   the first batch of `jaxlong.train` on corpus.txt with seq_len=64, global_batch=2, seed=0.
+rope.npz with transformers' inverse frequencies and attention factor for the RoPE scalings in ROPE_CASES,
 and RECORD.md with the command and package versions. All weights are random (std 0.1, norms 1 +- 0.1),
 so every tensor, its layout and its position in the model matter.
 """
@@ -110,8 +111,47 @@ def build(name: str, config: transformers.PretrainedConfig, cls, dtype: torch.dt
     print(f"{name}: {sum(p.numel() for p in reloaded.parameters())} parameters, loss {loss.item():.6f}")
 
 
+# RoPE scalings whose inverse frequencies and attention factor transformers computes for rope.npz.
+ROPE_CASES = [
+    {"head_dim": 64, "theta": 500000.0, "max_pos": 131072,
+     "params": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}},
+    {"head_dim": 128, "theta": 1000000.0, "max_pos": 131072,
+     "params": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+    {"head_dim": 64, "theta": 10000.0, "max_pos": 16384,
+     "params": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False,
+                "original_max_position_embeddings": 2048}},
+    {"head_dim": 64, "theta": 10000.0, "max_pos": 16384,
+     "params": {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.25, "original_max_position_embeddings": 2048}},
+    {"head_dim": 32, "theta": 10000.0, "max_pos": 8192, "params": {"rope_type": "linear", "factor": 4.0}},
+    {"head_dim": 128, "theta": 1000000.0, "max_pos": 40960, "params": {"rope_type": "default"}},
+]
+
+
+def rope_reference() -> None:
+    """rope.npz: for each of ROPE_CASES, transformers' inverse frequencies and attention factor."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
+
+    arrays = {}
+    for i, case in enumerate(ROPE_CASES):
+        params = dict(case["params"], rope_theta=case["theta"])
+        config = transformers.LlamaConfig(hidden_size=case["head_dim"] * 4, num_attention_heads=4,
+                                          head_dim=case["head_dim"], max_position_embeddings=case["max_pos"],
+                                          rope_parameters=params)
+        kind = params["rope_type"]
+        if kind == "default":
+            inv = 1.0 / (case["theta"] ** (torch.arange(0, case["head_dim"], 2, dtype=torch.float) / case["head_dim"]))
+            factor = 1.0
+        else:
+            inv, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+        arrays[f"inv_freq_{i}"] = inv.float().numpy()
+        arrays[f"attention_factor_{i}"] = np.float64(factor)
+    np.savez(ROOT / "rope.npz", cases=json.dumps(ROPE_CASES), **arrays)
+
+
 def main() -> None:
     ROOT.mkdir(parents=True, exist_ok=True)
+    rope_reference()
     (ROOT / "corpus.txt").write_text(" ".join(SENTENCES * 4) + "\n")
     llama = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,

@@ -75,7 +75,8 @@ def _rope_scaling(hf: dict, where: str) -> tuple[float | None, RopeScalingConfig
     for key, field in ROPE_KEYS.items():
         if params.get(key) is not None:
             value = params[key]
-            setattr(scaling, field, value if isinstance(value, bool) else type(getattr(scaling, field) or 1.0)(value))
+            kind_of = {"original_max_position_embeddings": int, "truncate": bool}.get(field, float)
+            setattr(scaling, field, kind_of(value))
     if scaling.type in ("llama3", "yarn") and not scaling.original_max_position_embeddings:
         scaling.original_max_position_embeddings = int(hf.get("max_position_embeddings") or 0)
     return theta, scaling
