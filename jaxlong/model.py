@@ -4,7 +4,10 @@ Each decoder layer (Llama-3, Grattafiori et al. 2024, §3; Touvron et al. 2023, 
 `x += W_o attention(RoPE(W_q n(x)), RoPE(W_k n(x)), W_v n(x))` then `x += SwiGLU(n(x))`, with RMSNorm `n`
 and grouped-query attention. Weight layouts keep heads explicit so head-chunked attention (U-Pipe) can take
 row blocks: W_q `[hidden, heads, head_dim]`, W_k/W_v `[hidden, kv_heads, head_dim]`, W_o
-`[heads, head_dim, hidden]`.
+`[heads, head_dim, hidden]`. Qwen3 (`model.qk_norm`) adds an RMSNorm over head_dim on every query and key head
+before RoPE (scales `q_norm`, `k_norm` `[head_dim]`); RoPE frequencies may be rescaled (`model.rope_scaling`:
+linear, llama3, yarn; `jaxlong.layers.rope_frequencies`). Hugging Face checkpoints map onto these parameters in
+`jaxlong.models.hf`.
 
 The decoder layers' parameters are stacked on a leading `[layers]` axis and run by one `lax.scan`, so compile
 time does not grow with depth. Inside the scan body each layer's FSDP-sharded weights are cast to the compute
