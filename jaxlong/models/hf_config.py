@@ -112,8 +112,12 @@ def model_config_from_hf(directory: str | Path) -> ModelConfig:
         m.kv_heads = m.heads
     if hf.get("head_dim") is None:
         m.head_dim = m.hidden // m.heads
-    if hf.get("tie_word_embeddings") is None:  # transformers' defaults: Llama unties, Qwen3 ties
-        m.tie_embeddings = mt == "qwen3"
+    if hf.get("tie_word_embeddings") is None:  # transformers' defaults (Llama and Qwen3 alike)
+        m.tie_embeddings = False
+    if hf.get("rms_norm_eps") is None:
+        m.norm_eps = 1e-6
+    if hf.get("rope_theta") is None:
+        m.rope_theta = 10000.0
     theta, m.rope_scaling = _rope_scaling(hf, where)
     if theta is not None:
         m.rope_theta = float(theta)
