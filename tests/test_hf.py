@@ -400,3 +400,18 @@ def test_released_configs_read_as_the_shipped_configs(tmp_path, hf_json, yaml):
                 "max_position_embeddings", "vocab_size", "rms_norm_eps", "tie_word_embeddings"):
         assert back[key] == hf_json[key], key
     assert back.get("rope_scaling") == (dict(hf_json["rope_scaling"]) if hf_json["rope_scaling"] else None)
+
+
+def test_rope_scaling_options_are_validated():
+    from helpers import tiny_cfg  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match="model.rope_scaling.type='ntk' is not allowed; choose one of: none, linear"):
+        tiny_cfg("model.rope_scaling.type=ntk")
+    with pytest.raises(ConfigError, match="needs model.rope_scaling.original_max_position_embeddings"):
+        tiny_cfg("model.rope_scaling.type=yarn", "model.rope_scaling.factor=4.0")
+    with pytest.raises(ConfigError, match="model.rope_scaling.factor=0.0 must be positive"):
+        tiny_cfg("model.rope_scaling.type=linear", "model.rope_scaling.factor=0")
+    cfg = tiny_cfg("model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
+                   "model.rope_scaling.original_max_position_embeddings=4096", "model.rope_scaling.attention_factor=1.2")
+    assert cfg.model.rope_scaling == RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=4096,
+                                                       attention_factor=1.2)
