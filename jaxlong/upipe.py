@@ -36,6 +36,12 @@ autodiff of `out @ W_o` would hand the op never exists, and the residual branch'
 into dx. Buffers the op allocates (the output buffer, the accumulators) are created with
 `jaxlong.ordering.zeros_after`, so the compiler does not hoist them out of the decoder-layer scan.
 
+Qwen3's q/k norms (`qk_norm=`) and RoPE scaling (`rope_scaling=`). Each stage normalizes its own query heads and
+its KV group's key heads over head_dim before RoPE, inside the op; the backward recomputes `rope(norm(x @ w))`
+for the stage as a `jax.vjp` and pulls dQ (dK) back through it, accumulating the norm scales' gradients over the
+stages. The RoPE tables carry the scaled frequencies (and YaRN's attention factor, which the rotation's
+transpose carries too).
+
 Memory model (`attention_memory_model`), per device, one attention layer: the tensors live at the peak of the
 compiled program, i.e. what `memory_analysis().temp_size_in_bytes` counts (x, the weights and the incoming
 gradient are arguments; the output, dx and the weight gradients are outputs). Sizes, with B bytes per element
