@@ -11,6 +11,7 @@ and what is allowed.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -26,8 +27,38 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling for context extension (`rope_scaling` of Hugging Face configs).
+
+    `type`: `none`; `linear` (position interpolation, Chen et al. 2023: every frequency / `factor`);
+    `llama3` (Llama-3.1: wavelengths above `original_max_position_embeddings / low_freq_factor` are divided by
+    `factor`, those below `original_max_position_embeddings / high_freq_factor` kept, those between
+    interpolated); `yarn` (Peng et al. 2023, YaRN: a ramp between `beta_fast` and `beta_slow` rotations, and
+    the attention temperature `attention_factor`, default `0.1 ln(factor) + 1`, applied to cos and sin).
+    `jaxlong.layers.rope_frequencies` computes them as `transformers` does.
+    """
+
+    type: str = "none"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0  # pretraining context (llama3, yarn); 0: none given
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; null: 0.1 * ln(factor) + 1
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+
+
+@dataclass
 class ModelConfig:
-    """Llama-3 architecture shapes (grouped-query attention, SwiGLU MLP, RMSNorm, RoPE)."""
+    """Llama-3 / Qwen3 architecture shapes (grouped-query attention, SwiGLU MLP, RMSNorm, RoPE; Qwen3 adds
+    `qk_norm`, an RMSNorm over head_dim on every query and key head before RoPE).
+
+    `from_hf`: a local Hugging Face checkpoint directory (`config.json`, `*.safetensors`, `tokenizer.json`);
+    the shapes then come from its `config.json` (`jaxlong.models.hf_config`), the weights from its safetensors
+    and the tokenizer from its `tokenizer.json`. Model keys set explicitly (e.g. `model.rope_theta`,
+    `model.rope_scaling.*` to extend the context) override the checkpoint's values; shape keys must agree.
+    """
 
     name: str = "tiny"
     vocab_size: int = 512  # padded vocabulary; must be >= the tokenizer's
@@ -41,6 +72,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys before RoPE
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    max_position_embeddings: int = 0  # the checkpoint's trained context (exported as the run's seq_len if larger)
+    from_hf: str | None = None  # Hugging Face checkpoint directory to start from
 
 
 @dataclass
@@ -154,6 +189,7 @@ UPIPE_INTERNAL_NAMES = (
 ATTENTION_BACKENDS = ("auto", "blockwise", "cudnn", "reference")
 REMAT_POLICIES = ("none", "full", "save_dots", "offload", "custom")
 TOKENIZERS = ("byte",)  # names accepted by jaxlong.data.get_tokenizer
+ROPE_SCALING_TYPES = ("none", "linear", "llama3", "yarn")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,16 +279,43 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
       FileNotFoundError: `path` does not exist.
     """
     cfg = Config()
+    settings: list[tuple] = []
     if path is not None:
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
-        for k, v in data.items():
-            _apply(cfg, k, v)
-    for text in overrides:
-        _apply(cfg, *parse_override(text))
+        settings += [(k, v) for k, v in data.items()]
+    settings += [parse_override(text) for text in overrides]
+    for s in settings:
+        _apply(cfg, *s)
+    if cfg.model.from_hf:
+        cfg = _with_hf_model(cfg, settings)
     validate(cfg)
     return cfg
+
+
+# Model keys that must agree with a `model.from_hf` checkpoint's config.json (the weights have these shapes).
+HF_SHAPE_KEYS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim", "mlp_hidden", "tie_embeddings",
+                 "qk_norm")
+
+
+def _with_hf_model(cfg: Config, settings: list[tuple]) -> Config:
+    """`cfg` with its model taken from `model.from_hf`'s config.json, then the explicit settings applied again
+    (so `model.rope_theta=...` or `model.rope_scaling.*` override the checkpoint's values)."""
+    from jaxlong.models.hf_config import model_config_from_hf  # noqa: PLC0415
+
+    base = model_config_from_hf(cfg.model.from_hf)
+    out = Config()
+    out.model = copy.deepcopy(base)
+    for s in settings:
+        _apply(out, *s)
+    for key in HF_SHAPE_KEYS:
+        if getattr(out.model, key) != getattr(base, key):
+            raise ConfigError(
+                f"model.{key}={getattr(out.model, key)!r} conflicts with model.from_hf={cfg.model.from_hf!r}, whose "
+                f"config.json gives {getattr(base, key)!r}; drop model.{key} (the weights have the checkpoint's shapes)"
+            )
+    return out
 
 
 def to_dict(cfg: Config) -> dict:
@@ -316,6 +379,22 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if m.heads % m.kv_heads:
         raise ConfigError(
             f"model.heads={m.heads} must be a multiple of model.kv_heads={m.kv_heads} (grouped-query attention)"
+        )
+    rs = m.rope_scaling
+    _choice("model.rope_scaling.type", rs.type, ROPE_SCALING_TYPES)
+    if m.rope_theta <= 0:
+        raise ConfigError(f"model.rope_theta={m.rope_theta} must be positive")
+    if rs.type != "none" and rs.factor <= 0:
+        raise ConfigError(f"model.rope_scaling.factor={rs.factor} must be positive")
+    if rs.type in ("llama3", "yarn") and rs.original_max_position_embeddings <= 0:
+        raise ConfigError(
+            f"model.rope_scaling.type={rs.type} needs model.rope_scaling.original_max_position_embeddings (the "
+            f"pretraining context length, e.g. 8192 for Llama-3.1), got {rs.original_max_position_embeddings}"
+        )
+    if rs.type == "llama3" and rs.high_freq_factor <= rs.low_freq_factor:
+        raise ConfigError(
+            f"model.rope_scaling.high_freq_factor={rs.high_freq_factor} must exceed "
+            f"model.rope_scaling.low_freq_factor={rs.low_freq_factor}"
         )
     _choice("param_dtype", cfg.param_dtype, DTYPES)
     _choice("compute_dtype", cfg.compute_dtype, DTYPES)

@@ -7,9 +7,11 @@ back to the input dtype.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _rms(xf: jax.Array, eps: float) -> jax.Array:
@@ -60,15 +62,76 @@ def rms_norm_bwd(eps, res, g):
 rms_norm.defvjp(rms_norm_fwd, rms_norm_bwd)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_frequencies(head_dim: int, theta: float, scaling=None) -> tuple[np.ndarray, float]:
+    """RoPE inverse frequencies `[head_dim/2]` (float32, numpy, static) and the attention factor (a float that
+    multiplies cos and sin; 1 except for YaRN).
+
+    `theta^(-2i/head_dim)` (Su et al. 2021, RoFormer eq. 15), rescaled by `scaling` (a
+    `jaxlong.config.RopeScalingConfig` or None) as `transformers`' `ROPE_INIT_FUNCTIONS` do:
+    `linear` divides every frequency by `factor`; `llama3` (`_compute_llama3_parameters`) divides those with
+    wavelength `2 pi / f` above `original_max_position_embeddings / low_freq_factor` by `factor`, keeps those
+    below `original_max_position_embeddings / high_freq_factor` and interpolates between; `yarn`
+    (`_compute_yarn_parameters`, Peng et al. 2023) blends interpolated and extrapolated frequencies with a
+    linear ramp over the dimensions between the `beta_fast` and `beta_slow` correction dimensions and returns
+    the attention factor (`attention_factor`, default `0.1 ln(factor) + 1`).
+
+    Raises:
+      ValueError: an unknown scaling type.
+    """
+    f32 = np.float32
+    pos_freqs = np.asarray(theta, f32) ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(f32) / f32(head_dim))
+    inv_freq = (f32(1.0) / pos_freqs).astype(f32)
+    kind = "none" if scaling is None else scaling.type
+    if kind == "none":
+        return inv_freq, 1.0
+    factor = float(scaling.factor)
+    if kind == "linear":
+        return (inv_freq / f32(factor)).astype(f32), 1.0
+    old = float(scaling.original_max_position_embeddings)
+    if kind == "llama3":
+        low, high = float(scaling.low_freq_factor), float(scaling.high_freq_factor)
+        wavelen = f32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > old / low, inv_freq / f32(factor), inv_freq).astype(f32)
+        smooth = ((f32(old) / wavelen - f32(low)) / f32(high - low)).astype(f32)
+        smoothed = ((1 - smooth) * scaled / f32(factor) + smooth * scaled).astype(f32)
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        return np.where(medium, smoothed, scaled).astype(f32), 1.0
+    if kind == "yarn":
+        attention = scaling.attention_factor
+        if attention is None:
+            attention = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+        def correction_dim(rotations):
+            return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+        if scaling.truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((np.arange(head_dim // 2, dtype=f32) - f32(lo)) / f32(hi - lo), 0, 1).astype(f32)
+        extrapolation = (1 - ramp).astype(f32)
+        interpolation = (f32(1.0) / (f32(factor) * pos_freqs)).astype(f32)
+        inv = interpolation * (1 - extrapolation) + inv_freq * extrapolation
+        return inv.astype(f32), float(attention)
+    raise ValueError(f"model.rope_scaling.type={kind!r} is not supported; choose none, linear, llama3 or yarn")
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float, scaling=None) -> tuple[jax.Array, jax.Array]:
     """cos and sin tables `[..., seq, head_dim/2]` (float32) for integer token `positions` `[..., seq]`.
 
-    Frequencies `theta^(-2i/head_dim)` (Su et al. 2021, RoFormer eq. 15). Positions must be *global* token
-    indices: under context parallelism a shard starting at token `r*S/C` passes `r*S/C + arange(S/C)`.
+    Frequencies from `rope_frequencies(head_dim, theta, scaling)` (`scaling`: a
+    `jaxlong.config.RopeScalingConfig` or None); YaRN's attention factor multiplies both tables, as in
+    `transformers`. Positions must be *global* token indices: under context parallelism a shard starting at
+    token `r*S/C` passes `r*S/C + arange(S/C)`.
     """
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
+    inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -4,7 +4,10 @@ Each decoder layer (Llama-3, Grattafiori et al. 2024, §3; Touvron et al. 2023, 
 `x += W_o attention(RoPE(W_q n(x)), RoPE(W_k n(x)), W_v n(x))` then `x += SwiGLU(n(x))`, with RMSNorm `n`
 and grouped-query attention. Weight layouts keep heads explicit so head-chunked attention (U-Pipe) can take
 row blocks: W_q `[hidden, heads, head_dim]`, W_k/W_v `[hidden, kv_heads, head_dim]`, W_o
-`[heads, head_dim, hidden]`.
+`[heads, head_dim, hidden]`. Qwen3 (`model.qk_norm`) adds an RMSNorm over head_dim on every query and key head
+before RoPE (scales `q_norm`, `k_norm` `[head_dim]`); RoPE frequencies may be rescaled (`model.rope_scaling`:
+linear, llama3, yarn; `jaxlong.layers.rope_frequencies`). Hugging Face checkpoints map onto these parameters in
+`jaxlong.models.hf`.
 
 The decoder layers' parameters are stacked on a leading `[layers]` axis and run by one `lax.scan`, so compile
 time does not grow with depth. Inside the scan body each layer's FSDP-sharded weights are cast to the compute
@@ -79,6 +82,9 @@ class DecoderLayer(nnx.Module):
         self.w_gate = nnx.Param(init(rngs.params(), (h, f), param_dtype))
         self.w_up = nnx.Param(init(rngs.params(), (h, f), param_dtype))
         self.w_down = nnx.Param(out_init(rngs.params(), (f, h), param_dtype))
+        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim of every query and key head, before RoPE
+            self.q_norm = nnx.Param(jnp.ones((d,), param_dtype))
+            self.k_norm = nnx.Param(jnp.ones((d,), param_dtype))
 
     def attention_block(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
         """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))`.
@@ -95,15 +101,18 @@ class DecoderLayer(nnx.Module):
                 mesh=rt.mesh, heads_per_stage=ac.heads_per_stage or rt.mesh.shape[CONTEXT_AXIS],
                 rope_theta=mc.rope_theta, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k,
                 norm_scale=self.attn_norm[...], norm_eps=mc.norm_eps, out_weight=rt.gather(self.wo[...]),
+                rope_scaling=mc.rope_scaling, qk_norm=self._qk_norm_scales(),
             )
         qkv_spec = P(BATCH_AXES, SEQ_AXES, None, None)
-        cos, sin = L.rope_tables(positions, mc.head_dim, mc.rope_theta)
+        cos, sin = L.rope_tables(positions, mc.head_dim, mc.rope_theta, mc.rope_scaling)
 
-        def project(x, scale, wq, wk, wv):
+        def project(x, scale, wq, wk, wv, *qk_scales):
             h = checkpoint_name(L.rms_norm(x, scale, mc.norm_eps), "attn_norm_out")
             q = jnp.einsum("bsh,hnd->bsnd", h, wq)
             k = jnp.einsum("bsh,hnd->bsnd", h, wk)
             v = jnp.einsum("bsh,hnd->bsnd", h, wv)
+            if qk_scales:  # Qwen3: RMSNorm over head_dim of each query and key head, before RoPE
+                q, k = L.rms_norm(q, qk_scales[0], mc.norm_eps), L.rms_norm(k, qk_scales[1], mc.norm_eps)
             q = checkpoint_name(rt.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
             k = checkpoint_name(rt.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
             return q, k, checkpoint_name(rt.constrain(v, qkv_spec), "value_proj")
@@ -114,10 +123,14 @@ class DecoderLayer(nnx.Module):
             # buffer held from the layer's recompute through the whole attention backward (its peak).
             project = jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable)
         weights = (rt.gather(self.wq[...]), rt.gather(self.wk[...]), rt.gather(self.wv[...]))
-        q, k, v = project(x, self.attn_norm[...], *weights)
+        q, k, v = project(x, self.attn_norm[...], *weights, *(self._qk_norm_scales() if mc.qk_norm else ()))
         attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k)
         attn = checkpoint_name(attn, "attn_out")
         return x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(self.wo[...]))
+
+    def _qk_norm_scales(self):
+        """(q_norm, k_norm) scales `[head_dim]` (Qwen3), or None."""
+        return (self.q_norm[...], self.k_norm[...]) if hasattr(self, "q_norm") else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
         eps = rt.cfg.model.norm_eps

@@ -53,9 +53,11 @@ def loss_fn(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> jax.A
     return loss_lib.cross_entropy(hidden, head, batch["targets"], batch["mask"])
 
 
-def init_state(cfg: Config, mesh: jax.sharding.Mesh) -> dict:
-    """Fresh parameters and optimizer state, created directly in their shardings."""
-    params = model_lib.init_params(cfg, mesh)
+def init_state(cfg: Config, mesh: jax.sharding.Mesh, params: dict | None = None) -> dict:
+    """Fresh optimizer state and `params` (default: freshly initialized), created directly in their shardings.
+    `params` given (e.g. pretrained weights from `jaxlong.models.hf.load_params`) must already be in the
+    FSDP shardings of `jaxlong.mesh.tree_shardings`."""
+    params = model_lib.init_params(cfg, mesh) if params is None else params
     tx, _ = make_optimizer(cfg)
     opt_shardings = tree_shardings(mesh, jax.eval_shape(tx.init, params))
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)

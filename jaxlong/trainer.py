@@ -89,7 +89,13 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
     mesh = build_mesh(cfg.mesh)
     run_dir = Path(cfg.run_dir) / cfg.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
+    if cfg.model.from_hf:  # the checkpoint's tokenizer.json; its tensors are checked before compiling
+        from jaxlong.models import hf  # noqa: PLC0415
+
+        hf.check_checkpoint(cfg.model.from_hf, cfg)
+        tokenizer = hf.HFTokenizer(cfg.model.from_hf)
+    else:
+        tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer!r} tokenizer's "
@@ -129,6 +135,9 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
     if resume:
         start, state = ckpt.restore(step_lib.abstract_state(cfg, mesh))
         say(f"resumed from {ckpt.directory / str(start)}")
+    elif cfg.model.from_hf:
+        state = step_lib.init_state(cfg, mesh, hf.load_params(cfg.model.from_hf, cfg, mesh))
+        say(f"loaded the weights of {cfg.model.from_hf}")
     else:
         state = step_lib.init_state(cfg, mesh)
     sharded = describe_param_sharding(mesh, state["params"])

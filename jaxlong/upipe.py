@@ -36,6 +36,12 @@ autodiff of `out @ W_o` would hand the op never exists, and the residual branch'
 into dx. Buffers the op allocates (the output buffer, the accumulators) are created with
 `jaxlong.ordering.zeros_after`, so the compiler does not hoist them out of the decoder-layer scan.
 
+Qwen3's q/k norms (`qk_norm=`) and RoPE scaling (`rope_scaling=`). Each stage normalizes its own query heads and
+its KV group's key heads over head_dim before RoPE, inside the op; the backward recomputes `rope(norm(x @ w))`
+for the stage as a `jax.vjp` and pulls dQ (dK) back through it, accumulating the norm scales' gradients over the
+stages. The RoPE tables carry the scaled frequencies (and YaRN's attention factor, which the rotation's
+transpose carries too).
+
 Memory model (`attention_memory_model`), per device, one attention layer: the tensors live at the peak of the
 compiled program, i.e. what `memory_analysis().temp_size_in_bytes` counts (x, the weights and the incoming
 gradient are arguments; the output, dx and the weight gradients are outputs). Sizes, with B bytes per element
@@ -305,8 +311,12 @@ def _rope(x, cos, sin):
     return (xf * c + jax.lax.rev(xf, (xf.ndim - 2,)) * s).reshape(x.shape).astype(x.dtype)
 
 
-def _project(x, w, cos, sin, rope: bool):
+def _project(x, w, cos, sin, rope: bool, norm=None, eps: float = 0.0):
+    """`x @ w` `[b, S/C, n, d]`; with `norm` (a `[d]` scale, Qwen3's q/k norm) RMSNorm over d per head, then
+    RoPE when `rope`."""
     y = jnp.einsum("bsh,hnd->bsnd", x, w)
+    if norm is not None:
+        y = L.rms_norm(y, norm, eps)
     return _rope(y, cos, sin) if rope else y
 
 
@@ -315,19 +325,22 @@ def _weight_grad(x, g):
     return jnp.einsum("bsnd,bsh->ndh", g, x, preferred_element_type=jnp.float32).transpose(2, 0, 1)
 
 
-def _forward(x, wq, wk, wv, sch: Schedule, opts: dict):
-    """Stage scan. Returns the output `[b, S/C, H, d]` and lse `[groups, stages_per_group, b, m, S]`."""
+def _forward(x, wq, wk, wv, sch: Schedule, opts: dict, qk=None):
+    """Stage scan. Returns the output `[b, S/C, H, d]` and lse `[groups, stages_per_group, b, m, S]`.
+    `qk`: None, or the (q_norm, k_norm) scales `[d]` normalizing each stage's query and key heads."""
+    qn, kn = (None, None) if qk is None else qk
+    eps = opts["eps"]
     b, s_local, _ = x.shape
     d = wq.shape[-1]
-    cos, sin = L.rope_tables(_positions(b, s_local), d, opts["theta"])
+    cos, sin = L.rope_tables(_positions(b, s_local), d, opts["theta"], opts.get("scaling"))
     out = zeros_after(x, (b, s_local, sch.heads, d), x.dtype, _all_axes())
 
     def group(out, t):
-        k = _seq_to_heads(_project(x, _kv_weight(wk, t, sch), cos, sin, True))
+        k = _seq_to_heads(_project(x, _kv_weight(wk, t, sch), cos, sin, True, kn, eps))
         v = _seq_to_heads(_project(x, _kv_weight(wv, t, sch), cos, sin, False))
 
         def stage(out, u):
-            q = _seq_to_heads(_project(x, _stage_get(wq, t, u, 1, sch), cos, sin, True))
+            q = _seq_to_heads(_project(x, _stage_get(wq, t, u, 1, sch), cos, sin, True, qn, eps))
             o, lse = _attention_fwd(q, k, v, opts["kernel"])
             return _stage_set(out, _heads_to_seq(o), t, u, 2, sch), lse
 
@@ -336,8 +349,12 @@ def _forward(x, wq, wk, wv, sch: Schedule, opts: dict):
     return jax.lax.scan(group, out, jnp.arange(sch.groups))
 
 
-def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None):
-    """Stage scan of the backward; returns dx, dWq, dWk, dWv, dWo (this device's partial weight gradients).
+def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None, qk=None):
+    """Stage scan of the backward; returns dx, dWq, dWk, dWv, dWo, d(q_norm, k_norm) (this device's partial
+    weight gradients; dWo None without `wo`, the last None without `qk`).
+
+    With `qk` (the q/k RMSNorm scales `[d]`, Qwen3) each recomputed projection `rope(norm(x @ w))` is a
+    `jax.vjp` whose pullback takes the un-all-to-all'd dQ (dK) to dx, the weight rows and the norm scale.
 
     `dout` is the gradient of the output `[b, S/C, H, d]`; with `wo` (W_o `[H, d, hidden]`) it is instead the
     gradient `[b, S/C, hidden]` of `out @ W_o`: each stage then forms its own slice of the output gradient,
@@ -351,7 +368,7 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None)
     forward to the backward, which is what U-Pipe avoids."""
     b, s_local, _ = x.shape
     d = wq.shape[-1]
-    cos, sin = L.rope_tables(_positions(b, s_local), d, opts["theta"])
+    cos, sin = L.rope_tables(_positions(b, s_local), d, opts["theta"], opts.get("scaling"))
     f32 = jnp.float32
     n_kv = sch.context * sch.kc
     # Sequence-sized accumulators (dx `[b, S/C, hidden]`, dK/dV `[b, S, kc, d]`) are kept in the activation
@@ -360,23 +377,35 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None)
     # Ulysses path does (its gradients are bf16 tensors), and a float32 accumulator of `[S/C, hidden]` would
     # be the largest buffer of the backward (twice the bf16 layer input). Weight gradients stay float32.
     acc = x.dtype
+    eps = opts["eps"]
 
     def add(total, part):
         return (total.astype(f32) + part.astype(f32)).astype(total.dtype)
 
+    def normed_projection(x_, w_, scale):  # rope(norm(x @ w)), differentiated with jax.vjp
+        return _project(x_, w_, cos, sin, True, scale, eps)
+
     def group(carry, xs):
-        dx, dwq, dwk, dwv, dwo = carry
+        dx, dwq, dwk, dwv, dwo, dqk = carry
         t, lse_t = xs
         one = opaque_one(lse, wk.dtype, _all_axes())
         wk_t, wv_t = _kv_weight(wk, t, sch) * one, _kv_weight(wv, t, sch) * one
-        k = _seq_to_heads(_project(x, wk_t, cos, sin, True))
+        if qk is None:
+            k = _seq_to_heads(_project(x, wk_t, cos, sin, True))
+        else:
+            k_loc, k_vjp = jax.vjp(normed_projection, x, wk_t, qk[1])
+            k = _seq_to_heads(k_loc)
         v = _seq_to_heads(_project(x, wv_t, cos, sin, False))
 
         def stage(carry, xs):
-            dx, dwq, dwo, dk_acc, dv_acc = carry
+            dx, dwq, dwo, dk_acc, dv_acc, dqk = carry
             u, lse_s = xs
             wq_s = _stage_get(wq, t, u, 1, sch) * one
-            q = _seq_to_heads(_project(x, wq_s, cos, sin, True))
+            if qk is None:
+                q = _seq_to_heads(_project(x, wq_s, cos, sin, True))
+            else:
+                q_loc, q_vjp = jax.vjp(normed_projection, x, wq_s, qk[0])
+                q = _seq_to_heads(q_loc)
             o_s = _stage_get(out, t, u, 2, sch)
             if wo is None:
                 do_s = _stage_get(dout, t, u, 2, sch)
@@ -387,82 +416,98 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None)
                 dwo = _stage_set(dwo, dwo_s, t, u, 0, sch)
             o, do = _seq_to_heads(o_s), _seq_to_heads(do_s)
             dq, dk, dv = _attention_bwd(q, k, v, o, lse_s, do, opts["kernel"])
-            dq = _rope(_heads_to_seq(dq), cos, -sin)  # transpose of the rotation
-            dx = add(dx, jnp.einsum("bsnd,hnd->bsh", dq, wq_s, preferred_element_type=acc))
-            dwq = _stage_set(dwq, _weight_grad(x, dq), t, u, 1, sch)
-            return (dx, dwq, dwo, add(dk_acc, dk), add(dv_acc, dv)), None
+            if qk is None:
+                dq = _rope(_heads_to_seq(dq), cos, -sin)  # transpose of the rotation
+                dx = add(dx, jnp.einsum("bsnd,hnd->bsh", dq, wq_s, preferred_element_type=acc))
+                dwq = _stage_set(dwq, _weight_grad(x, dq), t, u, 1, sch)
+            else:  # through RoPE and the q norm: the projection's pullback
+                dx_s, dwq_s, dqn = q_vjp(_heads_to_seq(dq).astype(q_loc.dtype))
+                dx = add(dx, dx_s)
+                dwq = _stage_set(dwq, dwq_s.astype(f32), t, u, 1, sch)
+                dqk = (dqk[0] + dqn.astype(f32), dqk[1])
+            return (dx, dwq, dwo, add(dk_acc, dk), add(dv_acc, dv), dqk), None
 
         zeros_kv = zeros_after(k, k.shape, acc, _all_axes())
-        (dx, dwq, dwo, dk, dv), _ = jax.lax.scan(
-            stage, (dx, dwq, dwo, zeros_kv, zeros_kv), (jnp.arange(sch.stages_per_group), lse_t)
+        (dx, dwq, dwo, dk, dv, dqk), _ = jax.lax.scan(
+            stage, (dx, dwq, dwo, zeros_kv, zeros_kv, dqk), (jnp.arange(sch.stages_per_group), lse_t)
         )
-        dk = _rope(_heads_to_seq(dk.astype(x.dtype)), cos, -sin)
         dv = _heads_to_seq(dv.astype(x.dtype))
-        dkv = jnp.concatenate([dk, dv], axis=2)  # one [S/C, hidden] product for both
-        wkv = jnp.concatenate([wk_t, wv_t], axis=1)
-        dx = add(dx, jnp.einsum("bsnd,hnd->bsh", dkv, wkv, preferred_element_type=acc))
-        dwkv = _weight_grad(x, dkv)
-        dwk_t, dwv_t = dwkv[:, :n_kv], dwkv[:, n_kv:]
+        if qk is None:
+            dk = _rope(_heads_to_seq(dk.astype(x.dtype)), cos, -sin)
+            dkv = jnp.concatenate([dk, dv], axis=2)  # one [S/C, hidden] product for both
+            wkv = jnp.concatenate([wk_t, wv_t], axis=1)
+            dx = add(dx, jnp.einsum("bsnd,hnd->bsh", dkv, wkv, preferred_element_type=acc))
+            dwkv = _weight_grad(x, dkv)
+            dwk_t, dwv_t = dwkv[:, :n_kv], dwkv[:, n_kv:]
+        else:
+            dx_k, dwk_t, dkn = k_vjp(_heads_to_seq(dk.astype(x.dtype)).astype(k_loc.dtype))
+            dx = add(dx, dx_k.astype(f32) + jnp.einsum("bsnd,hnd->bsh", dv, wv_t, preferred_element_type=f32))
+            dwk_t, dwv_t = dwk_t.astype(f32), _weight_grad(x, dv)
+            dqk = (dqk[0], dqk[1] + dkn.astype(f32))
         if sch.kv_rep > 1:  # replicas' gradients sum into the real KV head
             dwk = dwk + dwk_t.reshape(dwk_t.shape[0], sch.kv_heads, sch.kv_rep, d).sum(2)
             dwv = dwv + dwv_t.reshape(dwv_t.shape[0], sch.kv_heads, sch.kv_rep, d).sum(2)
         else:
             dwk = jax.lax.dynamic_update_slice_in_dim(dwk, dwk_t, t * n_kv, axis=1)
             dwv = jax.lax.dynamic_update_slice_in_dim(dwv, dwv_t, t * n_kv, axis=1)
-        return (dx, dwq, dwk, dwv, dwo), None
+        return (dx, dwq, dwk, dwv, dwo, dqk), None
 
     init = [zeros_after(dout, x.shape, acc, _all_axes())]
     init += [zeros_after(dout, a.shape, f32, _all_axes()) for a in (wq, wk, wv)]
     init.append(None if wo is None else zeros_after(dout, wo.shape, f32, _all_axes()))
-    (dx, dwq, dwk, dwv, dwo), _ = jax.lax.scan(group, tuple(init), (jnp.arange(sch.groups), lse))
+    init.append(None if qk is None else tuple(zeros_after(dout, s.shape, f32, _all_axes()) for s in qk))
+    (dx, dwq, dwk, dwv, dwo, dqk), _ = jax.lax.scan(group, tuple(init), (jnp.arange(sch.groups), lse))
     dwo = None if wo is None else dwo.astype(wo.dtype)
-    return dx.astype(x.dtype), dwq.astype(wq.dtype), dwk.astype(wk.dtype), dwv.astype(wv.dtype), dwo
+    dqk = None if qk is None else tuple(g.astype(s.dtype) for g, s in zip(dqk, qk))
+    return dx.astype(x.dtype), dwq.astype(wq.dtype), dwk.astype(wk.dtype), dwv.astype(wv.dtype), dwo, dqk
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _upipe_local(x, wq, wk, wv, sch, opts):
-    return _forward(x, wq, wk, wv, sch, opts)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _upipe_local(x, wq, wk, wv, qk, sch, opts):
+    return _forward(x, wq, wk, wv, sch, opts, qk)[0]
 
 
-def _upipe_local_fwd(x, wq, wk, wv, sch, opts):
-    out, lse = _forward(x, wq, wk, wv, sch, opts)
-    return out, (x, wq, wk, wv, out, lse)
+def _upipe_local_fwd(x, wq, wk, wv, qk, sch, opts):
+    out, lse = _forward(x, wq, wk, wv, sch, opts, qk)
+    return out, (x, wq, wk, wv, qk, out, lse)
 
 
 def _upipe_local_bwd(sch, opts, res, dout):
     # The barrier marks the recomputation as distinct from the forward for passes that respect it (see also
     # `opaque_one`, which the CPU pipeline needs because it runs CSE again after expanding barriers).
-    x, wq, wk, wv, out, lse = jax.lax.optimization_barrier(res)
-    return _backward(x, wq, wk, wv, out, lse, dout, sch, opts)[:4]
+    x, wq, wk, wv, qk, out, lse = jax.lax.optimization_barrier(res)
+    dx, dwq, dwk, dwv, _, dqk = _backward(x, wq, wk, wv, out, lse, dout, sch, opts, qk=qk)
+    return dx, dwq, dwk, dwv, dqk
 
 
 _upipe_local.defvjp(_upipe_local_fwd, _upipe_local_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _upipe_norm_local(x, scale, wq, wk, wv, wo, sch, opts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _upipe_norm_local(x, scale, wq, wk, wv, wo, qk, sch, opts):
     """U-Pipe on `rms_norm(x, scale)`, with the norm inside the op (see `upipe_attention(norm_scale=...)`);
-    with `wo` (not None) the attention sublayer's output `x + out @ W_o` instead of `out`."""
-    return _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, sch, opts)[0]
+    with `wo` (not None) the attention sublayer's output `x + out @ W_o` instead of `out`; `qk`: None or the
+    q/k norm scales."""
+    return _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, sch, opts)[0]
 
 
-def _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, sch, opts):
+def _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, sch, opts):
     h, (_, _, r) = L.rms_norm_fwd(x, scale, opts["eps"])
-    out, lse = _forward(h, wq, wk, wv, sch, opts)
+    out, lse = _forward(h, wq, wk, wv, sch, opts, qk)
     y = out if wo is None else x + jnp.einsum("bsnd,ndh->bsh", out, wo).astype(x.dtype)
-    return y, (x, scale, r, wq, wk, wv, wo, out, lse)  # the layer input x, not the normalized h
+    return y, (x, scale, r, wq, wk, wv, wo, qk, out, lse)  # the layer input x, not the normalized h
 
 
 def _upipe_norm_local_bwd(sch, opts, res, dy):
-    x, scale, r, wq, wk, wv, wo, out, lse = jax.lax.optimization_barrier(res)
+    x, scale, r, wq, wk, wv, wo, qk, out, lse = jax.lax.optimization_barrier(res)
     # Recompute the normalized input only now (after dy), so it is not live through the rest of the
     # layer's backward; the opaque 1 keeps the compiler from reusing the forward's copy instead.
     h = L.rms_norm_apply(x, r, scale.astype(jnp.float32) * opaque_one(dy, jnp.float32, _all_axes()))
-    dh, dwq, dwk, dwv, dwo = _backward(h, wq, wk, wv, out, lse, dy, sch, opts, wo=wo)
+    dh, dwq, dwk, dwv, dwo, dqk = _backward(h, wq, wk, wv, out, lse, dy, sch, opts, wo=wo, qk=qk)
     dx, d_scale = L.rms_norm_bwd(opts["eps"], (x, scale, r), dh)
     if wo is not None:  # the residual connection
         dx = (dy.astype(jnp.float32) + dx.astype(jnp.float32)).astype(x.dtype)
-    return dx, d_scale, dwq, dwk, dwv, dwo
+    return dx, d_scale, dwq, dwk, dwv, dwo, dqk
 
 
 _upipe_norm_local.defvjp(_upipe_norm_local_fwd, _upipe_norm_local_bwd)
@@ -491,6 +536,8 @@ def upipe_attention(
     norm_scale: jax.Array | None = None,
     norm_eps: float = 1e-5,
     out_weight: jax.Array | None = None,
+    rope_scaling=None,
+    qk_norm: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Head-chunked Ulysses attention from the layer input (projection, RoPE, all-to-alls, attention).
 
@@ -510,6 +557,10 @@ def upipe_attention(
         backward forms each stage's slice of the output gradient from the incoming `[b, S/C, hidden]` gradient
         (`dy @ W_o[stage]^T`, `[b, S/C, U, d]`) and accumulates dW_o stage by stage: no `[b, S/C, H, d]`
         output gradient is ever live, and the residual gradient seeds dx.
+      rope_scaling: a `jaxlong.config.RopeScalingConfig` (or None), as `jaxlong.layers.rope_tables` takes.
+      qk_norm: None, or Qwen3's (q_norm, k_norm) RMSNorm scales `[head_dim]` (replicated): each stage normalizes
+        its query heads and its KV group's key heads over head_dim (epsilon `norm_eps`) before RoPE, and the
+        backward pulls dQ, dK back through the norms (the scales' gradients included).
 
     Returns:
       attention output before W_o, `[batch, seq, heads, head_dim]` in natural head order, sharded like x;
@@ -523,7 +574,8 @@ def upipe_attention(
     sch = Schedule(wq.shape[1], wk.shape[1], mesh.shape[CONTEXT_AXIS], heads_per_stage)
     sch.validate()
     kernel = _Opts(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
-    opts = _Opts(theta=float(rope_theta), kernel=kernel, eps=float(norm_eps))
+    scaling = None if rope_scaling is None or rope_scaling.type == "none" else rope_scaling
+    opts = _Opts(theta=float(rope_theta), kernel=kernel, eps=float(norm_eps), scaling=scaling)
     act, rep = P(BATCH_AXES, seq_axes(mesh), None), P()
     out_spec = P(BATCH_AXES, seq_axes(mesh), None, None)
     if out_weight is not None:
@@ -538,15 +590,19 @@ def upipe_attention(
 
     fused = norm_scale is not None
     weights = ((norm_scale,) if fused else ()) + (wq, wk, wv) + (() if out_weight is None else (out_weight,))
+    weights += () if qk_norm is None else tuple(qk_norm)
+    n_qk = 0 if qk_norm is None else 2
 
     def local(x, *weights):
         # Weights enter replicated (unvarying); marking them varying makes the shard_map transpose sum the
         # per-device weight gradients (psum), so the custom backward must not sum them itself.
         weights = [_varying(w) for w in weights]
+        qk = tuple(weights[len(weights) - n_qk:]) if n_qk else None
+        weights = weights[: len(weights) - n_qk]
         if not fused:
-            return _upipe_local(x, *weights, sch, opts)
+            return _upipe_local(x, *weights, qk, sch, opts)
         scale, wq, wk, wv, *wo = weights
-        return _upipe_norm_local(x, scale, wq, wk, wv, wo[0] if wo else None, sch, opts)
+        return _upipe_norm_local(x, scale, wq, wk, wv, wo[0] if wo else None, qk, sch, opts)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(act, *(rep,) * len(weights)), out_specs=out_spec,
                          check_vma=True)(x, *weights)

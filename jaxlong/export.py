@@ -1,0 +1,98 @@
+"""Export a run's checkpoint as a Hugging Face checkpoint: `python -m jaxlong.export RUN_DIR --out DIR [--step N]`.
+
+Reads `RUN_DIR/checkpoints/<step>` (default: the latest) with the config saved next to the state, restores
+only the parameters (onto all local devices, FSDP-sharded), and writes DIR with `config.json` (Llama or Qwen3,
+the trained context length as `max_position_embeddings`, the run's RoPE theta and scaling), sharded
+`model-*.safetensors` + `model.safetensors.index.json`, and the tokenizer files of the checkpoint the run
+started from (`model.from_hf`), so that `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it.
+See `jaxlong.models.hf.save_hf`. Errors are one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def config_from_dict(data: dict):
+    """The `Config` saved with a checkpoint (`jaxlong.config.to_dict`), taken as is: `model.from_hf` is not
+    re-read (the saved model fields already hold the run's values)."""
+    from jaxlong.config import Config, _apply  # noqa: PLC0415
+
+    cfg = Config()
+    for k, v in data.items():
+        _apply(cfg, k, v)
+    return cfg
+
+
+def restore_params(run_dir: str | Path, step: int | None = None):
+    """(step, config, params) of the checkpoint at `step` (default: latest) in `run_dir/checkpoints`, the params
+    restored FSDP-sharded over all local devices; optimizer state is not read.
+
+    Raises:
+      FileNotFoundError: no checkpoint (at that step) in the run directory.
+    """
+    import jax  # noqa: PLC0415
+    import orbax.checkpoint as ocp  # noqa: PLC0415
+
+    from jaxlong.checkpoint import Checkpointer  # noqa: PLC0415
+    from jaxlong.config import MeshConfig  # noqa: PLC0415
+    from jaxlong.mesh import build_mesh, tree_shardings  # noqa: PLC0415
+    from jaxlong.model import abstract_params  # noqa: PLC0415
+
+    ckpt_dir = (Path(run_dir) / "checkpoints").absolute()
+    latest = Checkpointer.latest_in(ckpt_dir)
+    if latest is None:
+        raise FileNotFoundError(f"RUN_DIR {run_dir}: no checkpoint in {ckpt_dir}")
+    step = latest if step is None else step
+    if not (ckpt_dir / str(step)).is_dir():
+        raise FileNotFoundError(f"--step {step}: no checkpoint {ckpt_dir / str(step)}")
+    manager = ocp.CheckpointManager(ckpt_dir)
+    try:
+        saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        cfg = config_from_dict(saved)
+        cfg.mesh = MeshConfig(data=1, fsdp=-1, context=1, num_devices=len(jax.devices()))
+        mesh = build_mesh(cfg.mesh)
+        abstract = abstract_params(cfg)
+        shardings = tree_shardings(mesh, abstract)
+        target = {"params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                         abstract, shardings)}
+        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), target)
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True)))["state"]
+    finally:
+        manager.close()
+    return step, cfg, restored["params"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxlong.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="the run directory (runs/<run_name>)")
+    parser.add_argument("--out", required=True, help="output directory (new or empty)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default 2GiB)")
+    args = parser.parse_args(argv)
+    try:
+        from jaxlong.memory import parse_bytes  # noqa: PLC0415
+        from jaxlong.models.hf import save_hf  # noqa: PLC0415
+
+        out = Path(args.out)
+        if out.exists() and any(out.iterdir()):
+            raise FileExistsError(f"--out {out}: the directory exists and is not empty; choose a new one")
+        step, cfg, params = restore_params(args.run_dir, args.step)
+        source = cfg.model.from_hf
+        if source and not (Path(source) / "tokenizer.json").is_file():
+            print(f"warning: {source} (model.from_hf) has no tokenizer.json any more; no tokenizer exported",
+                  file=sys.stderr)
+        save_hf(params, cfg, out, source=source, max_shard_bytes=parse_bytes(args.max_shard_size))
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported step {step} of {args.run_dir} to {out} ({cfg.model.name}, context {cfg.seq_len})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

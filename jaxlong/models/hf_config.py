@@ -1,0 +1,164 @@
+"""Hugging Face `config.json` <-> `jaxlong.config.ModelConfig`, for Llama-3.x (`model_type: llama`) and Qwen3
+(`model_type: qwen3`). Pure Python (no jax): the trainer's CLI builds its config before jax is imported.
+
+Every field of `config.json` is either mapped (`MAPPED`), ignorable (`IGNORED`: metadata, token ids, caching
+and dropout settings at their inert values) or an error naming it, so a checkpoint with an architecture
+variant jaxlong does not implement (biases, sliding windows, partial rotary, ...) never loads silently wrong.
+Both spellings of RoPE settings are read: `rope_theta` + `rope_scaling` (transformers 4.x) and
+`rope_parameters` (transformers 5).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jaxlong.config import ConfigError, ModelConfig, RopeScalingConfig
+
+MODEL_TYPES = ("llama", "qwen3")
+# config.json field -> ModelConfig field.
+MAPPED = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden", "num_hidden_layers": "layers",
+    "num_attention_heads": "heads", "num_key_value_heads": "kv_heads", "head_dim": "head_dim",
+    "intermediate_size": "mlp_hidden", "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps",
+    "tie_word_embeddings": "tie_embeddings", "initializer_range": "init_std",
+    "max_position_embeddings": "max_position_embeddings",
+}
+# Fields that do not change the computation jaxlong does (metadata, generation and caching settings).
+IGNORED = (
+    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "bos_token_id",
+    "eos_token_id", "pad_token_id", "use_cache", "attention_dropout", "pretraining_tp", "output_attentions",
+    "output_hidden_states", "return_dict", "_name_or_path", "name_or_path", "sliding_window", "max_window_layers",
+    "layer_types", "use_sliding_window", "attention_bias", "mlp_bias", "hidden_act", "rope_scaling",
+    "rope_parameters", "partial_rotary_factor", "use_return_dict", "chunk_size_feed_forward",
+)
+# Ignorable fields that must still have one of these values (anything else is a variant jaxlong lacks).
+REQUIRED_VALUES = {
+    "hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,), "use_sliding_window": (False,),
+    "attention_dropout": (0, 0.0), "pretraining_tp": (1, None), "partial_rotary_factor": (1, 1.0, None),
+}
+ROPE_KEYS = {
+    "factor": "factor", "original_max_position_embeddings": "original_max_position_embeddings",
+    "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor", "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow", "attention_factor": "attention_factor", "truncate": "truncate",
+}
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
+
+
+def read_config_json(directory: str | Path) -> dict:
+    """The parsed `config.json` of a checkpoint directory.
+
+    Raises:
+      ConfigError: the directory or its config.json does not exist (names `model.from_hf`).
+    """
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model.from_hf={str(directory)!r}: no config.json in that directory; give a local "
+                          f"Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    return json.loads(path.read_text())
+
+
+def _rope_scaling(hf: dict, where: str) -> tuple[float | None, RopeScalingConfig]:
+    """(rope_theta from rope_parameters if there, scaling) from `rope_scaling` or `rope_parameters`."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"{where}: rope scaling type {kind!r} is not supported; supported: "
+                          f"{', '.join(ROPE_TYPES)}")
+    unknown = sorted(set(params) - set(ROPE_KEYS) - {"rope_type", "type", "rope_theta", "mscale", "mscale_all_dim"})
+    if unknown:
+        raise ConfigError(f"{where}: rope scaling fields {unknown} are not supported")
+    if params.get("mscale") or params.get("mscale_all_dim"):
+        raise ConfigError(f"{where}: rope scaling with mscale/mscale_all_dim (DeepSeek's YaRN) is not supported")
+    scaling = RopeScalingConfig(type=ROPE_TYPES[kind])
+    for key, field in ROPE_KEYS.items():
+        if params.get(key) is not None:
+            value = params[key]
+            kind_of = {"original_max_position_embeddings": int, "truncate": bool}.get(field, float)
+            setattr(scaling, field, kind_of(value))
+    if scaling.type in ("llama3", "yarn") and not scaling.original_max_position_embeddings:
+        scaling.original_max_position_embeddings = int(hf.get("max_position_embeddings") or 0)
+    return theta, scaling
+
+
+def model_config_from_hf(directory: str | Path) -> ModelConfig:
+    """Build the `ModelConfig` of a Hugging Face Llama-3.x or Qwen3 checkpoint from its `config.json`.
+
+    Raises:
+      ConfigError: no config.json; an unsupported `model_type`; a field jaxlong does not implement or an
+        ignorable one at a value that changes the model (each named); an unsupported rope scaling type.
+    """
+    hf = read_config_json(directory)
+    where = f"model.from_hf={str(directory)!r} (config.json)"
+    mt = hf.get("model_type")
+    if mt not in MODEL_TYPES:
+        raise ConfigError(f"{where}: model_type {mt!r} is not supported; supported: {', '.join(MODEL_TYPES)}")
+    unknown = sorted(k for k in hf if k not in MAPPED and k not in IGNORED)
+    if unknown:
+        raise ConfigError(f"{where}: fields {unknown} are not supported by jaxlong's {mt} (supported: "
+                          f"{', '.join(sorted(MAPPED))}; ignored: {', '.join(sorted(IGNORED))})")
+    for key, allowed in REQUIRED_VALUES.items():
+        if key in hf and hf[key] not in allowed:
+            raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (jaxlong implements {allowed[0]!r})")
+    layer_types = hf.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ConfigError(f"{where}: layer_types other than full_attention (sliding windows) are not supported")
+    m = ModelConfig(name=str(Path(directory).name or mt), from_hf=str(directory), qk_norm=(mt == "qwen3"))
+    for key, field in MAPPED.items():
+        if hf.get(key) is not None:
+            setattr(m, field, type(getattr(m, field))(hf[key]))
+    if hf.get("num_key_value_heads") is None:
+        m.kv_heads = m.heads
+    if hf.get("head_dim") is None:
+        m.head_dim = m.hidden // m.heads
+    if hf.get("tie_word_embeddings") is None:  # transformers' defaults (Llama and Qwen3 alike)
+        m.tie_embeddings = False
+    if hf.get("rms_norm_eps") is None:
+        m.norm_eps = 1e-6
+    if hf.get("rope_theta") is None:
+        m.rope_theta = 10000.0
+    theta, m.rope_scaling = _rope_scaling(hf, where)
+    if theta is not None:
+        m.rope_theta = float(theta)
+    return m
+
+
+def hf_config_dict(m: ModelConfig, *, model_type: str, context: int, dtype: str = "float32") -> dict:
+    """The `config.json` of `m` for `transformers` (Llama or Qwen3), with `max_position_embeddings` = `context`
+    (the trained context length) and the RoPE settings as `rope_theta` + `rope_scaling`.
+
+    Raises:
+      ConfigError: `model_type` is not llama or qwen3, or does not match `model.qk_norm` (Llama has no q/k norm).
+    """
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"export: model_type {model_type!r} is not supported; supported: {', '.join(MODEL_TYPES)}")
+    if (model_type == "qwen3") != m.qk_norm:
+        raise ConfigError(f"export: model.qk_norm={m.qk_norm} does not fit model_type {model_type!r} "
+                          f"(qwen3 has q/k norms, llama has none)")
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
+    out = {
+        "architectures": [arch], "model_type": model_type, "vocab_size": m.vocab_size, "hidden_size": m.hidden,
+        "num_hidden_layers": m.layers, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads,
+        "head_dim": m.head_dim, "intermediate_size": m.mlp_hidden, "rope_theta": m.rope_theta,
+        "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
+        "max_position_embeddings": int(context), "hidden_act": "silu", "attention_bias": False,
+        "attention_dropout": 0.0, "torch_dtype": dtype, "use_cache": True,
+    }
+    if model_type == "llama":
+        out["mlp_bias"] = False
+    else:
+        out["use_sliding_window"] = False
+    rs = m.rope_scaling
+    if rs.type != "none":
+        scaling = {"rope_type": rs.type, "factor": rs.factor}
+        if rs.type in ("llama3", "yarn"):
+            scaling["original_max_position_embeddings"] = rs.original_max_position_embeddings
+        if rs.type == "llama3":
+            scaling.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
+        if rs.type == "yarn":
+            scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, truncate=rs.truncate)
+            if rs.attention_factor is not None:
+                scaling["attention_factor"] = rs.attention_factor
+        out["rope_scaling"] = scaling
+    return out

@@ -1,0 +1,183 @@
+"""Create the tiny Hugging Face checkpoints under tests/fixtures/hf/ and their golden `transformers` outputs.
+
+Needs torch, transformers, safetensors, tokenizers and numpy (the tests themselves need only safetensors,
+tokenizers and numpy), e.g. in a separate virtual environment:
+
+    python -m venv /tmp/venv-hf && /tmp/venv-hf/bin/pip install torch transformers safetensors tokenizers numpy
+    /tmp/venv-hf/bin/python tests/make_hf_fixtures.py
+
+Writes, for `llama31` (Llama-3.1 layout: GQA, `llama3` rope scaling, untied head, bf16 weights) and `qwen3`
+(q/k norms, explicit head_dim != hidden/heads, tied head, float32 weights):
+  <name>/config.json, model.safetensors (llama31: two shards + model.safetensors.index.json),
+  tokenizer.json + tokenizer_config.json (a tiny BPE trained on the sentences below),
+  golden.npz: `prompt` int32 [1, 64], `logits` float32 [1, 64, vocab] (transformers, float32), and
+  `batch_inputs`/`batch_targets` int32 [2, 64] with `batch_loss` (mean next-token cross-entropy, transformers):
+  the first batch of `jaxlong.train` on corpus.txt with seq_len=64, global_batch=2, seed=0.
+rope.npz with transformers' inverse frequencies and attention factor for the RoPE scalings in ROPE_CASES,
+and RECORD.md with the command and package versions. All weights are random (std 0.1, norms 1 +- 0.1),
+so every tensor, its layout and its position in the model matter.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import safetensors
+import tokenizers
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+
+ROOT = Path(__file__).resolve().parent / "fixtures" / "hf"
+sys.path.insert(0, str(ROOT.parents[2]))  # the repository: jaxlong.data's batches (numpy only)
+
+SENTENCES = [
+    "Long context training splits the sequence over devices and the heads over stages.",
+    "Rotary position embeddings rotate pairs of dimensions by an angle proportional to the position.",
+    "The quick brown fox jumps over the lazy dog while the model learns to predict the next token.",
+    "Attention heads are exchanged with an all-to-all so each device holds whole heads for the full sequence.",
+    "Grouped query attention shares one key and value head among several query heads.",
+]
+PROMPT = "The model rotates the heads of the long sequence over devices and predicts the next token."
+SEQ = 64
+VOCAB = 128
+
+
+def make_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<|end_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:0], show_progress=False)
+    tok.train_from_iterator(SENTENCES + [PROMPT], trainer=trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|end_of_text|>")
+    fast.save_pretrained(directory)
+    assert fast.vocab_size <= VOCAB, fast.vocab_size
+    return fast
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def prompt_ids(tok) -> np.ndarray:
+    ids = tok(PROMPT, add_special_tokens=False)["input_ids"]
+    ids = (ids * (SEQ // len(ids) + 1))[:SEQ]
+    return np.asarray([ids], np.int32)
+
+
+def first_batch(directory: Path) -> dict:
+    """The first batch jaxlong.train draws from corpus.txt (seq_len 64, global_batch 2, seed 0)."""
+    from jaxlong.data import load_corpus, make_batch_iterator  # noqa: PLC0415
+    from jaxlong.models.hf_tokenizer import HFTokenizer  # noqa: PLC0415
+
+    tokens = load_corpus(ROOT / "corpus.txt", HFTokenizer(directory))
+    return next(make_batch_iterator(tokens, seq_len=SEQ, global_batch=2, seed=0))
+
+
+def build(name: str, config: transformers.PretrainedConfig, cls, dtype: torch.dtype, shard: bool) -> None:
+    out = ROOT / name
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(out)
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    randomize(model, seed=len(name))
+    # The saved (possibly bf16) weights are the model: compute the golden outputs from them in float32.
+    model = model.to(dtype).to(torch.float32)
+    model.save_pretrained(out, max_shard_size="100KB" if shard else "100MB")
+    if dtype != torch.float32:  # rewrite the weights in dtype
+        model.to(dtype).save_pretrained(out, max_shard_size="100KB" if shard else "100MB")
+        model = model.to(torch.float32)
+    reloaded = cls.from_pretrained(out, dtype=torch.float32).eval()
+    prompt = prompt_ids(tok)
+    batch = first_batch(out)
+    with torch.no_grad():
+        logits = reloaded(input_ids=torch.from_numpy(prompt).long()).logits.float().numpy()
+        blog = reloaded(input_ids=torch.from_numpy(batch["inputs"]).long()).logits.float()
+        loss = torch.nn.functional.cross_entropy(blog.reshape(-1, blog.shape[-1]),
+                                                 torch.from_numpy(batch["targets"]).long().reshape(-1))
+    np.savez(out / "golden.npz", prompt=prompt, logits=logits.astype(np.float32), batch_inputs=batch["inputs"],
+             batch_targets=batch["targets"], batch_loss=np.float32(loss.item()))
+    print(f"{name}: {sum(p.numel() for p in reloaded.parameters())} parameters, loss {loss.item():.6f}")
+
+
+# RoPE scalings whose inverse frequencies and attention factor transformers computes for rope.npz.
+ROPE_CASES = [
+    {"head_dim": 64, "theta": 500000.0, "max_pos": 131072,
+     "params": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}},
+    {"head_dim": 128, "theta": 1000000.0, "max_pos": 131072,
+     "params": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+    {"head_dim": 64, "theta": 10000.0, "max_pos": 16384,
+     "params": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False,
+                "original_max_position_embeddings": 2048}},
+    {"head_dim": 64, "theta": 10000.0, "max_pos": 16384,
+     "params": {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.25, "original_max_position_embeddings": 2048}},
+    {"head_dim": 32, "theta": 10000.0, "max_pos": 8192, "params": {"rope_type": "linear", "factor": 4.0}},
+    {"head_dim": 128, "theta": 1000000.0, "max_pos": 40960, "params": {"rope_type": "default"}},
+]
+
+
+def rope_reference() -> None:
+    """rope.npz: for each of ROPE_CASES, transformers' inverse frequencies and attention factor."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
+
+    arrays = {}
+    for i, case in enumerate(ROPE_CASES):
+        params = dict(case["params"], rope_theta=case["theta"])
+        config = transformers.LlamaConfig(hidden_size=case["head_dim"] * 4, num_attention_heads=4,
+                                          head_dim=case["head_dim"], max_position_embeddings=case["max_pos"],
+                                          rope_parameters=params)
+        kind = params["rope_type"]
+        if kind == "default":
+            inv = 1.0 / (case["theta"] ** (torch.arange(0, case["head_dim"], 2, dtype=torch.float) / case["head_dim"]))
+            factor = 1.0
+        else:
+            inv, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+        arrays[f"inv_freq_{i}"] = inv.float().numpy()
+        arrays[f"attention_factor_{i}"] = np.float64(factor)
+    np.savez(ROOT / "rope.npz", cases=json.dumps(ROPE_CASES), **arrays)
+
+
+def main() -> None:
+    ROOT.mkdir(parents=True, exist_ok=True)
+    rope_reference()
+    (ROOT / "corpus.txt").write_text(" ".join(SENTENCES * 4) + "\n")
+    llama = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_theta=500000.0, bos_token_id=None, eos_token_id=1, pad_token_id=None,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 256},
+    )
+    build("llama31", llama, transformers.LlamaForCausalLM, torch.bfloat16, shard=True)
+    qwen = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, rope_theta=1000000.0, bos_token_id=None, eos_token_id=1, pad_token_id=None,
+    )
+    build("qwen3", qwen, transformers.Qwen3ForCausalLM, torch.float32, shard=False)
+    versions = (f"python {platform.python_version()}, torch {torch.__version__}, transformers "
+                f"{transformers.__version__}, safetensors {safetensors.__version__}, tokenizers "
+                f"{tokenizers.__version__}, numpy {np.__version__}")
+    (ROOT / "RECORD.md").write_text(
+        "# Hugging Face fixtures\n\nTiny random Llama-3.1 (`llama31/`: GQA 8/2 heads, `llama3` rope scaling, "
+        "bf16 weights in two shards) and Qwen3 (`qwen3/`: q/k norms, head_dim 16 with hidden 32 and 8 heads, "
+        "tied head, float32) checkpoints with `transformers`' float32 logits on a fixed prompt and its loss on "
+        "jaxlong's first training batch from `corpus.txt` (`golden.npz`).\n\n"
+        f"Made by `python tests/make_hf_fixtures.py` with {versions}.\n")
+    print(versions)
+
+
+if __name__ == "__main__":
+    main()
