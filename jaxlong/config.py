@@ -255,6 +255,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """A `Config` from a nested mapping (e.g. `to_dict` output saved with a checkpoint), then `key=value`
+    overrides; validated. Keys the mapping omits keep their defaults.
+
+    Raises:
+      ConfigError: unknown key, wrong type, or impossible combination (see `validate`).
+    """
+    cfg = Config()
+    for k, v in data.items():
+        _apply(cfg, k, v)
+    for text in overrides:
+        _apply(cfg, *parse_override(text))
+    validate(cfg)
+    return cfg
+
+
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
