@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime
 import os
 import platform
@@ -41,19 +42,23 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--context", type=int, default=4, help="Ulysses degree (FSDP takes the other devices)")
     p.add_argument("--batch", type=int, default=2, help="sequences per step")
+    p.add_argument("--short-seq", type=int, default=1024, help="first phase's length (0: train at --seq only)")
+    p.add_argument("--short-batch", type=int, default=4)
+    p.add_argument("--short-minutes", type=float, default=20.0, help="first phase's budget (CPU minutes / 2)")
     p.add_argument("--corpus-every", type=int, default=4, help="every N-th step is a batch of corpus windows")
     p.add_argument("--digits", type=int, default=3)
     p.add_argument("--answer-weight", type=float, default=20.0)
     p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--max-steps", type=int, default=400, help="cosine schedule length and step cap")
-    p.add_argument("--minutes", type=float, default=30.0, help="budget in CPU minutes / 2 (2 dedicated cores)")
-    p.add_argument("--wall-minutes", type=float, default=70.0, help="budget in wall-clock minutes")
+    p.add_argument("--minutes", type=float, default=10.0, help="full-length phase's budget in CPU minutes / 2")
+    p.add_argument("--short-wall-minutes", type=float, default=30.0, help="first phase's wall-clock budget")
+    p.add_argument("--wall-minutes", type=float, default=15.0, help="full-length phase's wall-clock budget")
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--eval-per-depth", type=int, default=2)
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="depths scored during training")
     p.add_argument("--final-depths", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1")
-    p.add_argument("--final-per-depth", type=int, default=8)
+    p.add_argument("--final-per-depth", type=int, default=4)
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "experiments/results/passkey"))
@@ -83,59 +88,63 @@ def main(argv=None):
     mesh = build_mesh(cfg.mesh)
     tok = data_lib.get_tokenizer("byte")
     corpus, _ = ev.held_out_split(data_lib.load_corpus(None, tok, 4_000_000), tok.eod_id, 0.01, cfg.seed)
-    corpus_batches = data_lib.make_batch_iterator(corpus, seq_len=cfg.seq_len, global_batch=args.batch, seed=cfg.seed)
     rng = np.random.default_rng([cfg.seed, 7])
     sharding = NamedSharding(mesh, batch_spec())
-
-    def train_batch(step):
-        if args.corpus_every and step % args.corpus_every == 0:
-            return next(corpus_batches)
-        examples = [ev.passkey_example(tok.encode, cfg.seq_len, float(rng.random()), ev.random_key(rng, args.digits))
-                    for _ in range(args.batch)]
-        batch = ev.passkey_batch(examples)
-        batch["mask"] = 1.0 + (args.answer_weight - 1.0) * batch["mask"]  # every token; answers weighted
-        return batch
-
-    t0 = time.perf_counter()
-    train_step = step_lib.compile_train_step(cfg, mesh)
-    stats = ev.make_token_stats_step(cfg, mesh)
-    state = step_lib.init_state(cfg, mesh)
-    print(f"compiled in {time.perf_counter() - t0:.1f} s; mesh {dict(mesh.shape)}; {cfg.seq_len} tokens", flush=True)
+    # Phases (seq_len, batch, budget in minutes of 2 cores): an optional short warm-up phase, then the full length.
+    phases = ([(args.short_seq, args.short_batch, args.short_minutes, args.short_wall_minutes)] if args.short_seq
+              else []) + [(cfg.seq_len, args.batch, args.minutes, args.wall_minutes)]
     depths = [float(d) for d in args.depths.split(",")]
-
-    def predict(batch):
-        return jax.device_get(stats(state["params"], data_lib.put_on_mesh(batch, sharding))[1])
-
-    history = []  # (step, minutes, train loss, [accuracy per depth])
+    state = step_lib.init_state(cfg, mesh)
+    history = []  # (step, seq_len, wall minutes, train loss, [accuracy per depth])
     start, cpu0 = time.perf_counter(), time.process_time()
-
-    def budget_spent():
-        return ((time.process_time() - cpu0) / 120 > args.minutes
-                or (time.perf_counter() - start) / 60 > args.wall_minutes)
-
-    hits = 0
     step = 0
-    loss = float("nan")
-    while step < args.max_steps:
-        state, m = train_step(state, data_lib.put_on_mesh(train_batch(step + 1), sharding))
-        step += 1
-        if step % args.eval_every == 0 or budget_spent():
-            loss = float(m["loss"])
-            acc = ev.score_passkey(predict, tok.encode, lengths=[cfg.seq_len], depths=depths,
-                                   per_cell=args.eval_per_depth, batch_size=args.batch, digits=args.digits,
-                                   seed=10_000 + step)[:, 0]
-            minutes = (time.perf_counter() - start) / 60
-            history.append((step, minutes, loss, acc.tolist()))
-            print(f"step {step} ({minutes:.1f} min wall, {(time.process_time() - cpu0) / 120:.1f} min of 2 cores): loss {loss:.3f}, passkey accuracy by depth "
-                  f"{' '.join(f'{a:.2f}' for a in acc)} (mean {acc.mean():.2f})", flush=True)
-            hits = hits + 1 if acc.min() >= args.target else 0
-            if hits >= 2 or budget_spent():
-                break
+
+    def score(stats, seq, batch, depths, per_depth, seed):
+        def predict(b):
+            return jax.device_get(stats(state["params"], data_lib.put_on_mesh(b, sharding))[1])
+
+        return ev.score_passkey(predict, tok.encode, lengths=[seq], depths=depths, per_cell=per_depth,
+                                batch_size=batch, digits=args.digits, seed=seed)[:, 0]
+
+    for seq, batch_size, minutes_budget, wall_budget in phases:
+        pcfg = dataclasses.replace(cfg, seq_len=seq, global_batch=batch_size)
+        corpus_batches = data_lib.make_batch_iterator(corpus, seq_len=seq, global_batch=batch_size, seed=cfg.seed)
+        t0 = time.perf_counter()
+        train_step = step_lib.compile_train_step(pcfg, mesh)
+        stats = ev.make_token_stats_step(pcfg, mesh)
+        print(f"phase {seq} tokens x {batch_size}: compiled in {time.perf_counter() - t0:.1f} s; mesh "
+              f"{dict(mesh.shape)}", flush=True)
+        phase_cpu0, phase_t0 = time.process_time(), time.perf_counter()
+
+        def train_batch(i):
+            if args.corpus_every and i % args.corpus_every == 0:
+                return next(corpus_batches)
+            examples = [ev.passkey_example(tok.encode, seq, float(rng.random()), ev.random_key(rng, args.digits))
+                        for _ in range(batch_size)]
+            b = ev.passkey_batch(examples)
+            b["mask"] = 1.0 + (args.answer_weight - 1.0) * b["mask"]  # every token; answers weighted
+            return b
+
+        hits = 0
+        while step < args.max_steps:
+            state, m = train_step(state, data_lib.put_on_mesh(train_batch(step + 1), sharding))
+            step += 1
+            spent = (time.process_time() - phase_cpu0) / 120 > minutes_budget or \
+                (time.perf_counter() - phase_t0) / 60 > wall_budget
+            if step % args.eval_every == 0 or spent:
+                loss = float(m["loss"])
+                acc = score(stats, seq, batch_size, depths, args.eval_per_depth, 10_000 + step)
+                minutes = (time.perf_counter() - start) / 60
+                history.append((step, seq, minutes, loss, acc.tolist()))
+                print(f"step {step} at {seq} tokens ({minutes:.1f} min wall, {(time.process_time() - cpu0) / 120:.1f} "
+                      f"min of 2 cores): loss {loss:.3f}, passkey accuracy by depth "
+                      f"{' '.join(f'{a:.2f}' for a in acc)} (mean {acc.mean():.2f})", flush=True)
+                hits = hits + 1 if acc.min() >= args.target else 0
+                if hits >= 2 or spent:
+                    break
     minutes, cpu_minutes = (time.perf_counter() - start) / 60, (time.process_time() - cpu0) / 120
     final_depths = [float(d) for d in args.final_depths.split(",")]
-    final = ev.score_passkey(predict, tok.encode, lengths=[cfg.seq_len], depths=final_depths,
-                             per_cell=args.final_per_depth, batch_size=args.batch, digits=args.digits,
-                             seed=99_999)[:, 0]
+    final = score(stats, cfg.seq_len, args.batch, final_depths, args.final_per_depth, 99_999)
     print(f"final ({step} steps, {minutes:.1f} min wall, {cpu_minutes:.1f} min of 2 cores): "
           f"{' '.join(f'{a:.2f}' for a in final)} (mean {final.mean():.3f})")
     write(args, cfg, depths, final_depths, history, final, step, minutes, cpu_minutes)
@@ -151,12 +160,14 @@ def write(args, cfg, depths, final_depths, history, final, steps, minutes, cpu_m
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["step", "minutes", "train_loss", *[f"depth_{d}" for d in depths], "mean"])
-        for s, mins, loss, acc in history:
-            w.writerow([s, f"{mins:.2f}", f"{loss:.4f}", *[f"{a:.3f}" for a in acc], f"{sum(acc) / len(acc):.3f}"])
+        w.writerow(["step", "seq_len", "minutes", "train_loss", *[f"depth_{d}" for d in depths], "mean"])
+        for s, seq, mins, loss, acc in history:
+            w.writerow([s, seq, f"{mins:.2f}", f"{loss:.4f}", *[f"{a:.3f}" for a in acc], f"{sum(acc) / len(acc):.3f}"])
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    a1.plot([h[0] for h in history], [sum(h[3]) / len(h[3]) for h in history], "o-", label="mean over depths")
-    a1.plot([h[0] for h in history], [min(h[3]) for h in history], "s--", label="worst depth")
+    for seq in sorted({h[1] for h in history}):
+        hs = [h for h in history if h[1] == seq]
+        a1.plot([h[0] for h in hs], [sum(h[4]) / len(h[4]) for h in hs], "o-", label=f"mean over depths, {seq} tokens")
+        a1.plot([h[0] for h in hs], [min(h[4]) for h in hs], "s--", label=f"worst depth, {seq} tokens")
     a1.set(xlabel="train step", ylabel="passkey retrieval accuracy", ylim=(-0.02, 1.02),
            title=f"{cfg.seq_len} tokens, context {args.context}")
     a1.axhline(args.target, color="gray", lw=0.8)
@@ -176,7 +187,10 @@ def write(args, cfg, depths, final_depths, history, final, steps, minutes, cpu_m
         f"devices; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
         "",
         f"Model: {', '.join(MODEL + tuple(args.overrides))}; seq_len {cfg.seq_len}, mesh data x fsdp x context = "
-        f"1 x {8 // args.context} x {args.context} (Ulysses), global batch {args.batch}: passkey sequences, "
+        f"1 x {8 // args.context} x {args.context} (Ulysses), global batch {args.batch}"
+        + (f" (first phase: {args.short_seq} tokens x {args.short_batch} for {args.short_minutes} min of 2 cores or "
+            f"{args.short_wall_minutes} min wall)"
+           if args.short_seq else "") + ": passkey sequences, "
         f"every {args.corpus_every}th step a batch of corpus windows (Python stdlib), AdamW lr {args.lr} (warmup {args.warmup}, cosine over "
         f"{args.max_steps}), {args.digits}-digit byte-level keys, answer weight {args.answer_weight}.",
         "",
@@ -190,10 +204,10 @@ def write(args, cfg, depths, final_depths, history, final, steps, minutes, cpu_m
         "",
         "During training (accuracy per depth, " + f"{args.eval_per_depth} keys each):",
         "",
-        "| step | wall minutes | train loss | " + " | ".join(f"depth {d}" for d in depths) + " | mean |",
-        "|---|---|---|" + "---|" * (len(depths) + 1),
-        *[f"| {s} | {m:.1f} | {l:.3f} | " + " | ".join(f"{x:.2f}" for x in a) + f" | {sum(a) / len(a):.2f} |"
-          for s, m, l, a in history],
+        "| step | seq_len | wall minutes | train loss | " + " | ".join(f"depth {d}" for d in depths) + " | mean |",
+        "|---|---|---|---|" + "---|" * (len(depths) + 1),
+        *[f"| {s} | {q} | {m:.1f} | {l:.3f} | " + " | ".join(f"{x:.2f}" for x in a) + f" | {sum(a) / len(a):.2f} |"
+          for s, q, m, l, a in history],
         "",
         f"![curve]({out.with_suffix('.png').name})",
     ]
