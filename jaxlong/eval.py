@@ -121,9 +121,11 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     mesh = build_mesh(cfg.mesh)
     tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
     tokens = data_lib.load_corpus(cfg.data.path, tokenizer, cfg.data.max_tokens)
-    _, held = ev.held_out_split(tokens, tokenizer.eod_id, cfg.eval_fraction, cfg.seed)
-    batches = ev.eval_batches(held, seq_len=cfg.seq_len, batch_size=ev.eval_batch_size(cfg),
-                              n_batches=args.batches or cfg.eval_batches)
+    validator = ev.Validator(cfg, mesh, tokens, tokenizer.eod_id)  # the trainer's held-out split
+    batches = validator.batches if not args.batches else ev.eval_batches(
+        ev.held_out_split(tokens, tokenizer.eod_id, cfg.eval_fraction, cfg.seed,
+                          cfg.eval_batches * ev.eval_batch_size(cfg) * cfg.seq_len + 1)[1],
+        seq_len=cfg.seq_len, batch_size=ev.eval_batch_size(cfg), n_batches=args.batches)
     compiled = ev.compile_eval_step(cfg, mesh)
     print(format_compiled(compiled, "eval step"))
     ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=10**9)

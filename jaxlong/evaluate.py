@@ -38,11 +38,13 @@ from jaxlong.tiled import default_loss_tile, validate_loss_tile
 # Held-out data.
 
 
-def held_out_split(tokens: np.ndarray, eod_id: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def held_out_split(tokens: np.ndarray, eod_id: int, fraction: float, seed: int,
+                   min_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Split a packed token stream (documents each followed by `eod_id`) into train and held-out streams by
-    whole documents: `max(1, round(fraction * n_docs))` documents, chosen by `np.random.default_rng([seed, 1])`,
-    are held out; both streams keep their documents in corpus order. A trailing document without `eod_id`
-    (a stream cut by `data.max_tokens`) counts as a document.
+    whole documents, taken in the order of `np.random.default_rng([seed, 1]).permutation(n_docs)`: at least
+    `max(1, round(fraction * n_docs))` documents, and more until they hold `min_tokens` tokens (enough for the
+    validation batches), never all of them. Both streams keep their documents in corpus order. A trailing
+    document without `eod_id` (a stream cut by `data.max_tokens`) counts as a document.
 
     Returns `(train_tokens, eval_tokens)`, int32 `[n]` each.
 
@@ -60,9 +62,11 @@ def held_out_split(tokens: np.ndarray, eod_id: int, fraction: float, seed: int) 
             f"eval_fraction={fraction}: the corpus has {n_docs} document(s); a held-out split needs at least 2 "
             f"(use a corpus of several documents, or eval_every=0 to train without validation)"
         )
-    n_eval = min(max(1, round(fraction * n_docs)), n_docs - 1)
+    order = np.random.default_rng([seed, 1]).permutation(n_docs)
+    enough = np.flatnonzero(np.cumsum((ends - starts)[order]) >= min_tokens)
+    n_eval = max(1, round(fraction * n_docs), int(enough[0]) + 1 if enough.size else n_docs)
     held = np.zeros(n_docs, bool)
-    held[np.random.default_rng([seed, 1]).permutation(n_docs)[:n_eval]] = True
+    held[order[:min(n_eval, n_docs - 1)]] = True
 
     def gather(sel):
         return np.concatenate([tokens[s:e] for s, e in zip(starts[sel], ends[sel])]).astype(np.int32)
@@ -355,7 +359,7 @@ class Validator:
     """Validation in the train loop: the held-out split, its fixed batches and the AOT-compiled eval step.
 
     `Validator(cfg, mesh, tokens, eod_id)` splits the packed corpus stream (`held_out_split`, documents fixed by
-    `seed`), builds `eval_batches` batches of `eval_batch_size(cfg)` sequences (raising `ValueError` before any
+    `seed`; at least `eval_fraction` of them, more if their tokens cannot fill the validation batches), builds `eval_batches` batches of `eval_batch_size(cfg)` sequences (raising `ValueError` before any
     compile if the held-out documents are too few), and `compile()` compiles the eval step ahead of time.
     `train_tokens` is the stream left for training; `due(step)` says whether to validate after `step` (every
     `eval_every` steps and after the last); `run(params)` returns `{'loss', 'perplexity', 'tokens'}`.
@@ -363,7 +367,8 @@ class Validator:
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, tokens: np.ndarray, eod_id: int):
         self.cfg, self.mesh = cfg, mesh
-        self.train_tokens, eval_tokens = held_out_split(tokens, eod_id, cfg.eval_fraction, cfg.seed)
+        need = cfg.eval_batches * eval_batch_size(cfg) * cfg.seq_len + 1
+        self.train_tokens, eval_tokens = held_out_split(tokens, eod_id, cfg.eval_fraction, cfg.seed, need)
         self.batches = eval_batches(eval_tokens, seq_len=cfg.seq_len, batch_size=eval_batch_size(cfg),
                                     n_batches=cfg.eval_batches)
         self.compiled = None

@@ -34,6 +34,8 @@ def test_held_out_split_is_by_document_and_fixed_by_seed():
     np.testing.assert_array_equal(again, train)
     other, _ = ev.held_out_split(tokens, eod, 0.3, seed=1)
     assert not np.array_equal(other, train)
+    _, more = ev.held_out_split(tokens, eod, 0.3, seed=0, min_tokens=40)  # more documents to fill the batches
+    assert more.size >= 40 and set(held.tolist()) <= set(more.tolist())
     with pytest.raises(ValueError, match="eval_fraction.* 1 document"):
         ev.held_out_split(np.arange(5), eod, 0.1, seed=0)
     with pytest.raises(ValueError, match="eval_batches=4: .* raise eval_fraction"):
