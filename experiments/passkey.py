@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--answer-weight", type=float, default=20.0)
     p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--max-steps", type=int, default=400, help="cosine schedule length and step cap")
+    p.add_argument("--max-steps", type=int, default=1000, help="cosine schedule length and step cap per phase")
     p.add_argument("--minutes", type=float, default=10.0, help="full-length phase's budget in CPU minutes / 2")
     p.add_argument("--short-wall-minutes", type=float, default=30.0, help="first phase's wall-clock budget")
     p.add_argument("--wall-minutes", type=float, default=15.0, help="full-length phase's wall-clock budget")
@@ -125,10 +125,11 @@ def main(argv=None):
             b["mask"] = 1.0 + (args.answer_weight - 1.0) * b["mask"]  # every token; answers weighted
             return b
 
-        hits = 0
-        while step < args.max_steps:
+        hits, phase_steps = 0, 0
+        while phase_steps < args.max_steps:
             state, m = train_step(state, data_lib.put_on_mesh(train_batch(step + 1), sharding))
             step += 1
+            phase_steps += 1
             spent = (time.process_time() - phase_cpu0) / 120 > minutes_budget or \
                 (time.perf_counter() - phase_t0) / 60 > wall_budget
             if step % args.eval_every == 0 or spent:
