@@ -180,7 +180,7 @@ def write(args, cfg, depths, final_depths, history, final, steps, minutes, cpu_m
     fig.savefig(out.with_suffix(".png"), dpi=110)
     cmd = "python experiments/passkey.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     lines = [
-        "# Passkey retrieval learned with context-parallel training",
+        "# Passkey retrieval under context-parallel training from scratch",
         "",
         f"`{cmd}`",
         "",
@@ -199,7 +199,7 @@ def write(args, cfg, depths, final_depths, history, final, steps, minutes, cpu_m
         f"was shared); teacher-forced retrieval (every answer byte the argmax) by depth, "
         f"{args.final_per_depth} new keys per depth:",
         "",
-        "| depth | " + " | ".join(f"{d:.1f}" for d in final_depths) + " | mean |",
+        "| depth | " + " | ".join(f"{d:.2f}" for d in final_depths) + " | mean |",
         "|---|" + "---|" * (len(final_depths) + 1),
         "| accuracy | " + " | ".join(f"{a:.2f}" for a in final) + f" | {sum(final) / len(final):.3f} |",
         "",
