@@ -163,7 +163,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     seq_len: int = 8192  # tokens per sequence
-    global_batch: int = 2  # sequences per step, over all data-parallel replicas
+    global_batch: int = 2  # sequences per optimizer step, over all data-parallel replicas and micro-batches
+    grad_accum: int = 1  # micro-batches per step (gradient accumulation); each has global_batch / grad_accum
     steps: int = 30
     seed: int = 0
     param_dtype: str = "float32"  # master weights, gradients, optimizer state
@@ -174,6 +175,9 @@ class Config:
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     profile_steps: int = 3  # steps traced by --profile
+    eval_every: int = 10  # validation every N steps and after the last step; 0 disables it
+    eval_batches: int = 2  # held-out batches (of global_batch / grad_accum sequences) per validation
+    eval_fraction: float = 0.01  # share of the corpus's documents held out for validation (fixed by seed)
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -318,6 +322,22 @@ def _with_hf_model(cfg: Config, settings: list[tuple]) -> Config:
     return out
 
 
+def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """A `Config` from a nested mapping (e.g. `to_dict` output saved with a checkpoint), then `key=value`
+    overrides; validated. Keys the mapping omits keep their defaults.
+
+    Raises:
+      ConfigError: unknown key, wrong type, or impossible combination (see `validate`).
+    """
+    cfg = Config()
+    for k, v in data.items():
+        _apply(cfg, k, v)
+    for text in overrides:
+        _apply(cfg, *parse_override(text))
+    validate(cfg)
+    return cfg
+
+
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
@@ -411,9 +431,14 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} is not allowed; choose one of: {', '.join(TOKENIZERS)}")
     if cfg.data.max_tokens is not None and cfg.data.max_tokens <= 0:
         raise ConfigError(f"data.max_tokens={cfg.data.max_tokens} must be positive, or null for the whole corpus")
-    for key in ("seq_len", "global_batch", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):
+    for key in ("seq_len", "global_batch", "steps", "log_every", "checkpoint_every", "keep_checkpoints",
+                "grad_accum", "eval_batches"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be positive")
+    if cfg.eval_every < 0:
+        raise ConfigError(f"eval_every={cfg.eval_every} must be >= 0 (0 disables validation)")
+    if not 0.0 < cfg.eval_fraction < 1.0:
+        raise ConfigError(f"eval_fraction={cfg.eval_fraction} must be in (0, 1), e.g. 0.01 (1% of the documents)")
 
     n = cfg.mesh.num_devices if num_devices is None else num_devices
     data, fsdp, ring, context = resolve_mesh_shape(cfg.mesh, n)
@@ -428,6 +453,13 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(
             f"global_batch={cfg.global_batch} is not divisible by mesh.data*mesh.fsdp={data * fsdp} "
             f"(the batch is sharded over both); use a multiple of {data * fsdp}"
+        )
+    if cfg.global_batch % (cfg.grad_accum * data * fsdp):
+        raise ConfigError(
+            f"grad_accum={cfg.grad_accum}: global_batch={cfg.global_batch} must be divisible by "
+            f"grad_accum*mesh.data*mesh.fsdp={cfg.grad_accum * data * fsdp} (each micro-batch is sharded over "
+            f"data x fsdp); use global_batch={cfg.grad_accum * data * fsdp * max(1, cfg.global_batch // (cfg.grad_accum * data * fsdp))} "
+            f"or a grad_accum dividing {cfg.global_batch // (data * fsdp)}"
         )
     check_heads(m.heads, m.kv_heads, context)
     s_local = cfg.seq_len // (ring * context)

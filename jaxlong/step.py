@@ -9,14 +9,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlong import loss as loss_lib
 from jaxlong import model as model_lib
 from jaxlong.config import Config
-from jaxlong.mesh import RING_AXIS, axis_size, batch_spec, replicated, seq_shards, tree_shardings
+from jaxlong.mesh import BATCH_AXES, RING_AXIS, axis_size, batch_spec, replicated, seq_axes, seq_shards, tree_shardings
 from jaxlong.ring import zigzag
-from jaxlong.tiled import default_loss_tile, tiled_cross_entropy
+from jaxlong.tiled import default_loss_tile, tiled_loss_sum
 
 
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -36,10 +36,14 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
     return tx, schedule
 
 
-def loss_fn(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> jax.Array:
-    """Mean next-token cross-entropy of `batch` (`inputs`, `targets`, `mask`, each `[batch, seq]`); over
-    sequence tiles when `tiling.loss`. With `mesh.ring` > 1 the batch is first permuted into ring attention's
-    zigzag layout (all of its `[batch, seq]` arrays alike, so the token-mean loss is unchanged)."""
+def loss_sum_fn(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> tuple[jax.Array, jax.Array]:
+    """Next-token cross-entropy *sum* (nats, float32) and valid-token count of `batch` (`inputs`, `targets`,
+    `mask`, each `[batch, seq]`; other keys are passed along untouched); over sequence tiles when `tiling.loss`.
+    With `mesh.ring` > 1 the batch is first permuted into ring attention's zigzag layout (all of its
+    `[batch, seq]` arrays alike, so the loss is unchanged).
+
+    Sums, not means, so that several batches (micro-batches, validation batches) combine exactly:
+    mean = total sum / total count."""
     ring = axis_size(rt.mesh, RING_AXIS)
     batch = {k: zigzag(v, ring) for k, v in batch.items()}
     hidden, head = model_lib.forward(graphdef, params, batch["inputs"], rt)
@@ -49,8 +53,58 @@ def loss_fn(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> jax.A
         s_local = s // seq_shards(rt.mesh)
         b_local = max(b // (rt.mesh.shape["data"] * rt.mesh.shape["fsdp"]), 1)
         tile = tiling.loss_tile or default_loss_tile(s_local, head.shape[-1], batch=b_local)
-        return tiled_cross_entropy(hidden, head, batch["targets"], batch["mask"], tile=tile, mesh=rt.mesh)
-    return loss_lib.cross_entropy(hidden, head, batch["targets"], batch["mask"])
+        return tiled_loss_sum(hidden, head, batch["targets"], batch["mask"], tile=tile, mesh=rt.mesh)
+    mask = batch["mask"].astype(jnp.float32)
+    return jnp.sum(loss_lib.token_losses(hidden, head, batch["targets"]) * mask), jnp.sum(mask)
+
+
+def loss_fn(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> jax.Array:
+    """Mean next-token cross-entropy (nats/token) over the valid tokens of `batch`: `loss_sum_fn`'s
+    sum / max(count, 1)."""
+    loss_sum, count = loss_sum_fn(params, batch, graphdef, rt)
+    return loss_sum / jnp.maximum(count, 1.0)
+
+
+def micro_batches(batch: dict, n: int, mesh: jax.sharding.Mesh) -> dict:
+    """Split a global batch (every leaf `[B, seq, ...]`) into `n` micro-batches `[n, B / n, seq, ...]`.
+
+    Micro-batch j holds rows j, j + n, j + 2n, ...: with the batch dimension sharded over data x fsdp, the
+    reshape `[B] -> [B / n, n]` keeps each device's rows on it, so the split moves no data between devices
+    (it needs `B / n` divisible by data x fsdp, checked by config validation for `grad_accum`)."""
+
+    def split(x):
+        x = x.reshape(x.shape[0] // n, n, *x.shape[1:])
+        x = jnp.swapaxes(x, 0, 1)
+        spec = P(None, BATCH_AXES, seq_axes(mesh), *([None] * (x.ndim - 3)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(split, batch)
+
+
+def accumulated_loss_and_grads(params: dict, batch: dict, graphdef, rt: model_lib.Runtime, n: int):
+    """Mean loss and its gradient over a global batch run as `n` micro-batches in a `lax.scan`
+    (gradient accumulation): only one micro-batch's activations are live at a time.
+
+    The loss is normalized by the valid-token count of the *whole* batch (counted before the scan), so the
+    result equals `jax.value_and_grad(loss_fn)` on the whole batch even when micro-batches hold different
+    numbers of valid tokens (a per-micro-batch mean would weight their tokens unequally). Gradients are
+    accumulated in the parameters' dtype and sharding (FSDP: reduce-scattered per micro-batch).
+    Returns `(loss [], grads like params)`."""
+    if n == 1:
+        return jax.value_and_grad(loss_fn)(params, batch, graphdef, rt)
+    total = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
+
+    def scaled(p, mb):
+        return loss_sum_fn(p, mb, graphdef, rt)[0] / total
+
+    def body(carry, mb):
+        loss, grads = carry
+        l, g = jax.value_and_grad(scaled)(params, mb)
+        return (loss + l, jax.tree.map(jnp.add, grads, g)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro_batches(batch, n, rt.mesh))
+    return loss, grads
 
 
 def init_state(cfg: Config, mesh: jax.sharding.Mesh, params: dict | None = None) -> dict:
@@ -82,10 +136,11 @@ def state_shardings(mesh: jax.sharding.Mesh, state: dict) -> dict:
     }
 
 
-def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh) -> dict:
-    """`ShapeDtypeStruct`s of one global batch, sharded batch over data x fsdp and sequence over context."""
+def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh, batch_size: int | None = None) -> dict:
+    """`ShapeDtypeStruct`s of one global batch (`batch_size` sequences, default `global_batch`), sharded batch
+    over data x fsdp and sequence over context."""
     sh = NamedSharding(mesh, batch_spec())
-    shape = (cfg.global_batch, cfg.seq_len)
+    shape = (batch_size or cfg.global_batch, cfg.seq_len)
     return {
         "inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
         "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
@@ -96,14 +151,15 @@ def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh) -> dict:
 def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
     """`train_step(state, batch) -> (state, metrics)`, jitted with explicit shardings and the state donated.
 
-    metrics: `loss` (nats/token), `grad_norm` (global L2 norm before clipping), `lr`.
+    metrics: `loss` (nats/token), `grad_norm` (global L2 norm before clipping), `lr`. With `grad_accum=N` the
+    batch runs as N micro-batches of `global_batch / N` sequences (`accumulated_loss_and_grads`).
     """
     graphdef = model_lib.model_graphdef(cfg)
     rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
     tx, schedule = make_optimizer(cfg)
 
     def train_step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, graphdef, rt)
+        loss, grads = accumulated_loss_and_grads(state["params"], batch, graphdef, rt, cfg.grad_accum)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}

@@ -3,7 +3,8 @@
 The trainer knows no model internals: it builds the mesh, the state and the jitted step from `jaxlong.step`,
 feeds batches already sharded on the mesh, and writes TensorBoard scalars under `<run_dir>/<run_name>/`:
 `loss`, `lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `mfu` (when the device's peak is known) and
-`device_memory/*` (where the backend reports it).
+`device_memory/*` (where the backend reports it), and every `eval_every` steps `eval/loss` and `eval/perplexity`
+on held-out documents (`jaxlong.evaluate.Validator`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 from jaxlong import data as data_lib
+from jaxlong import evaluate as eval_lib
 from jaxlong import step as step_lib
 from jaxlong.checkpoint import Checkpointer
 from jaxlong.config import Config, ConfigError, to_dict, validate
@@ -121,6 +123,8 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
         return {"metrics": {}, "run_dir": str(run_dir)}
     # Data first: a bad corpus fails before the (possibly long) compile.
     tokens = data_lib.load_corpus(cfg.data.path, tokenizer, cfg.data.max_tokens)
+    validator = eval_lib.Validator(cfg, mesh, tokens, tokenizer.eod_id) if cfg.eval_every else None
+    tokens = validator.train_tokens if validator else tokens
     batches = data_lib.make_batch_iterator(
         tokens, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed, start_step=start
     )
@@ -130,6 +134,8 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
     say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     say(format_compiled(compiled))
     check_fits(compiled)
+    if validator:
+        print(format_compiled(validator.compile(), "eval step"))
 
     ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
     if resume:
@@ -186,6 +192,12 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
                         writer.add_scalar(k, v, step + 1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 t_last = now
+            if validator and validator.due(step + 1):
+                ev = validator.run(state["params"])
+                writer.add_scalar("eval/loss", ev["loss"], step + 1)
+                writer.add_scalar("eval/perplexity", ev["perplexity"], step + 1)
+                bar.write(f"step {step + 1}: eval loss {ev['loss']:.4f} (perplexity {ev['perplexity']:.2f}, "
+                          f"{ev['tokens']:.0f} held-out tokens)")
             bar.update(1)
             done = step + 1
             if ckpt.save(step + 1, state, to_dict(cfg)):

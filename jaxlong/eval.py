@@ -1,0 +1,244 @@
+"""Evaluate a training run: `python -m jaxlong.eval RUN_DIR [--step N] [options] [key=value ...]`.
+
+Restores the latest (or `--step N`) checkpoint of `RUN_DIR` (e.g. `runs/default`) on the mesh of the config it
+was trained with (`key=value` overrides change it, e.g. `mesh.context=8`), then measures:
+
+* validation loss and perplexity on the held-out documents (the split the trainer used: `eval_fraction`, `seed`),
+  with the AOT-compiled eval step (its memory_analysis is printed);
+* loss by position: mean per-token loss of the same held-out sequences in log-spaced position buckets
+  (0, 1, 2-3, 4-7, ..., up to seq_len), as a table, a CSV and a PNG;
+* passkey retrieval, teacher-forced, on a needle depth x context length grid (`--depths`, `--lengths`), drawn as a
+  heatmap.
+
+Results go to `RUN_DIR/eval/step_N/` (`summary.json`, `loss_by_position.{csv,png}`, `passkey.{csv,png}`) and to
+the run's TensorBoard events (`eval/loss`, `eval/perplexity`, `eval/passkey_accuracy`,
+`eval/loss_by_position/<start>`). Examples:
+
+    python -m jaxlong.eval runs/default
+    python -m jaxlong.eval runs/default --step 20 --lengths 1024,4096,8192 --depths 0,0.5,1 --per-cell 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from jaxlong.config import ConfigError, from_dict
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jaxlong.eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", help="a run directory holding checkpoints/ (e.g. runs/default)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--batches", type=int, default=None, help="held-out batches (default: the run's eval_batches)")
+    p.add_argument("--lengths", default="", help="passkey context lengths, comma-separated (default: S/8,S/4,S/2,S)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey needle depths in [0, 1]")
+    p.add_argument("--per-cell", type=int, default=4, help="passkey examples per depth x length cell")
+    p.add_argument("--digits", type=int, default=5, help="passkey digits")
+    p.add_argument("--no-passkey", dest="passkey", action="store_false")
+    p.add_argument("overrides", nargs="*", help="config key=value overrides (e.g. mesh.context=8)")
+    return p.parse_intermixed_args(argv)
+
+
+def _committed_steps(ckpt_dir: Path) -> list[int]:
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and (p / "_CHECKPOINT_METADATA").exists())
+
+
+def resolve(args) -> tuple[Path, int, object]:
+    """(run dir, step, Config) from the arguments, before jax is imported.
+
+    Raises:
+      FileNotFoundError: no run directory, no checkpoint, or no checkpoint at `--step`.
+      ConfigError: a bad override or option value.
+    """
+    run_dir = Path(args.run_dir)
+    steps = _committed_steps(run_dir / "checkpoints")
+    if not steps:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint found in {run_dir / 'checkpoints'} (train first: "
+                                f"python -m jaxlong.train run_name=...)")
+    step = steps[-1] if args.step is None else args.step
+    if step not in steps:
+        raise FileNotFoundError(f"--step {step}: no checkpoint at that step in {run_dir / 'checkpoints'}; have {steps}")
+    config_file = run_dir / "checkpoints" / str(step) / "config" / "metadata"
+    cfg = from_dict(json.loads(config_file.read_text()), args.overrides)
+    if args.batches is not None and args.batches <= 0:
+        raise ConfigError(f"--batches={args.batches} must be positive")
+    if args.per_cell <= 0 or args.digits <= 0:
+        raise ConfigError(f"--per-cell={args.per_cell} and --digits={args.digits} must be positive")
+    context = cfg.mesh.context if cfg.mesh.context > 0 else 1
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else \
+        [cfg.seq_len // 8, cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len]
+    bad = [n for n in lengths if n < 64 or n % context]
+    if bad:
+        raise ConfigError(f"--lengths {bad}: each passkey length must be >= 64 and a multiple of mesh.context={context}")
+    depths = [float(x) for x in args.depths.split(",")]
+    if any(not 0 <= d <= 1 for d in depths):
+        raise ConfigError(f"--depths {args.depths}: depths must be in [0, 1]")
+    args.lengths_list, args.depths_list = sorted(set(lengths)), depths
+    return run_dir, step, cfg
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        run_dir, step, cfg = resolve(args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from jaxlong.train import set_host_device_count  # noqa: PLC0415
+
+    set_host_device_count(cfg.mesh.num_devices)
+    try:
+        run(cfg, run_dir, step, args)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run(cfg, run_dir: Path, step: int, args) -> dict:
+    """Evaluate checkpoint `step` of `run_dir` under `cfg`; writes the results and returns the summary dict."""
+    import jax  # noqa: PLC0415 (after the device count is set)
+    import numpy as np  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from tensorboardX import SummaryWriter  # noqa: PLC0415
+    from tqdm import tqdm  # noqa: PLC0415
+
+    from jaxlong import data as data_lib  # noqa: PLC0415
+    from jaxlong import evaluate as ev  # noqa: PLC0415
+    from jaxlong import step as step_lib  # noqa: PLC0415
+    from jaxlong.checkpoint import Checkpointer  # noqa: PLC0415
+    from jaxlong.config import validate  # noqa: PLC0415
+    from jaxlong.memstats import format_compiled  # noqa: PLC0415
+    from jaxlong.mesh import batch_spec, build_mesh  # noqa: PLC0415
+
+    validate(cfg, num_devices=len(jax.devices()))
+    mesh = build_mesh(cfg.mesh)
+    tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
+    tokens = data_lib.load_corpus(cfg.data.path, tokenizer, cfg.data.max_tokens)
+    validator = ev.Validator(cfg, mesh, tokens, tokenizer.eod_id)  # the trainer's held-out split
+    batches = validator.batches if not args.batches else ev.eval_batches(
+        ev.held_out_split(tokens, tokenizer.eod_id, cfg.eval_fraction, cfg.seed,
+                          cfg.eval_batches * ev.eval_batch_size(cfg) * cfg.seq_len + 1)[1],
+        seq_len=cfg.seq_len, batch_size=ev.eval_batch_size(cfg), n_batches=args.batches)
+    compiled = ev.compile_eval_step(cfg, mesh)
+    print(format_compiled(compiled, "eval step"))
+    ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=10**9)
+    try:
+        _, state = ckpt.restore(step_lib.abstract_state(cfg, mesh), step)
+    finally:
+        ckpt.close()
+    params = state["params"]
+    del state
+    print(f"restored {run_dir / 'checkpoints' / str(step)}; mesh {dict(mesh.shape)}, seq_len {cfg.seq_len}")
+
+    sharding = NamedSharding(mesh, batch_spec())
+    stats = ev.make_token_stats_step(cfg, mesh)
+    n_passkey = len(args.lengths_list) * len(args.depths_list) * -(-args.per_cell // ev.eval_batch_size(cfg)) \
+        * ev.eval_batch_size(cfg) if args.passkey else 0
+    bar = tqdm(total=len(batches) * ev.eval_batch_size(cfg) * 2 + n_passkey, desc="eval", unit="seq",
+               dynamic_ncols=True)
+    val = ev.evaluate_loss(compiled, params, batches, sharding)
+    bar.update(len(batches) * ev.eval_batch_size(cfg))
+    by_pos = ev.PositionLoss(cfg.seq_len)
+    for batch in batches:
+        loss, _ = stats(params, data_lib.put_on_mesh(batch, sharding))
+        by_pos.add(jax.device_get(loss), batch["mask"])
+        bar.update(len(batch["inputs"]))
+    acc = None
+    if args.passkey:
+        def predict(batch):
+            return jax.device_get(stats(params, data_lib.put_on_mesh(batch, sharding))[1])
+
+        acc = ev.score_passkey(predict, tokenizer.encode, lengths=args.lengths_list, depths=args.depths_list,
+                               per_cell=args.per_cell, batch_size=ev.eval_batch_size(cfg), digits=args.digits,
+                               seed=cfg.seed, progress=bar.update)
+    bar.close()
+    summary = {"step": step, "loss": val["loss"], "perplexity": val["perplexity"], "tokens": val["tokens"],
+               "loss_by_position": by_pos.rows()}
+    if acc is not None:
+        summary["passkey"] = {"lengths": args.lengths_list, "depths": args.depths_list, "accuracy": acc.tolist(),
+                              "mean": float(np.mean(acc)), "per_cell": args.per_cell, "digits": args.digits}
+    out = run_dir / "eval" / f"step_{step}"
+    write_results(out, summary)
+    writer = SummaryWriter(str(run_dir))
+    writer.add_scalar("eval/loss", val["loss"], step)
+    writer.add_scalar("eval/perplexity", val["perplexity"], step)
+    for row in summary["loss_by_position"]:
+        writer.add_scalar(f"eval/loss_by_position/{row['start']:08d}", row["loss"], step)
+    if acc is not None:
+        writer.add_scalar("eval/passkey_accuracy", float(np.mean(acc)), step)
+    writer.close()
+    print(format_summary(summary))
+    print(f"results in {out}/ and TensorBoard (tensorboard --logdir {run_dir})")
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"step {summary['step']}: validation loss {summary['loss']:.4f} nats/token, perplexity "
+             f"{summary['perplexity']:.3f} ({summary['tokens']:.0f} tokens)", "", "loss by position:",
+             f"{'positions':>18}  {'tokens':>9}  {'loss':>7}"]
+    for r in summary["loss_by_position"]:
+        lines.append(f"{r['start']:>8}-{r['end'] - 1:<9}  {r['tokens']:>9}  {r['loss']:7.4f}")
+    if "passkey" in summary:
+        pk = summary["passkey"]
+        lines += ["", f"passkey retrieval ({pk['digits']} digits, {pk['per_cell']} per cell; rows: depth, columns: "
+                      f"length), mean {pk['mean']:.3f}:",
+                  f"{'depth':>6}  " + "  ".join(f"{n:>7}" for n in pk["lengths"])]
+        for d, row in zip(pk["depths"], pk["accuracy"]):
+            lines.append(f"{d:>6.2f}  " + "  ".join(f"{a:>7.2f}" for a in row))
+    return "\n".join(lines)
+
+
+def write_results(out: Path, summary: dict) -> None:
+    """`summary.json`, `loss_by_position.csv/.png` and (with passkey results) `passkey.csv/.png` under `out`."""
+    import csv  # noqa: PLC0415
+
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    rows = summary["loss_by_position"]
+    with open(out / "loss_by_position.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["start", "end", "tokens", "loss"])
+        w.writeheader()
+        w.writerows(rows)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([max(r["start"], 0.5) for r in rows], [r["loss"] for r in rows], "o-")
+    ax.set(xscale="log", xlabel="token position (bucket start)", ylabel="mean loss (nats/token)",
+           title=f"loss by position, step {summary['step']}")
+    fig.tight_layout()
+    fig.savefig(out / "loss_by_position.png", dpi=110)
+    plt.close(fig)
+    if "passkey" not in summary:
+        return
+    pk = summary["passkey"]
+    with open(out / "passkey.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["depth", *pk["lengths"]])
+        for d, row in zip(pk["depths"], pk["accuracy"]):
+            w.writerow([d, *row])
+    fig, ax = plt.subplots(figsize=(1.2 * len(pk["lengths"]) + 2, 0.5 * len(pk["depths"]) + 2))
+    im = ax.imshow(pk["accuracy"], vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(pk["lengths"])), [str(n) for n in pk["lengths"]])
+    ax.set_yticks(range(len(pk["depths"])), [f"{d:.2f}" for d in pk["depths"]])
+    for i, row in enumerate(pk["accuracy"]):
+        for j, a in enumerate(row):
+            ax.text(j, i, f"{a:.2f}", ha="center", va="center", fontsize=8)
+    ax.set(xlabel="context length (tokens)", ylabel="needle depth", title=f"passkey retrieval, step {summary['step']}")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(out / "passkey.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
