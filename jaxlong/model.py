@@ -10,6 +10,11 @@ The decoder layers' parameters are stacked on a leading `[layers]` axis and run 
 time does not grow with depth. Inside the scan body each layer's FSDP-sharded weights are cast to the compute
 dtype and gathered (a replicated sharding constraint), so only one layer's full weights are live at a time;
 the transpose of that gather reduce-scatters the gradients.
+
+Packed documents (`positions`, `segment_ids` `[batch, seq]` from the batch): RoPE rotates by each token's
+position within its document, and attention masks across documents. The segment ids are gathered whole onto
+every context device once, before the layer scan (`jaxlong.ulysses.gather_segment_ids`), and every layer
+reuses them.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from jaxlong import remat as R
 from jaxlong.config import Config, ModelConfig
 from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, activation_spec, tree_shardings
 from jaxlong.tiled import default_mlp_tiles, tiled_mlp
-from jaxlong.ulysses import ulysses_attention
+from jaxlong.ulysses import gather_segment_ids, ulysses_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +75,8 @@ class DecoderLayer(nnx.Module):
         self.w_up = nnx.Param(init(rngs.params(), (h, f), param_dtype))
         self.w_down = nnx.Param(out_init(rngs.params(), (f, h), param_dtype))
 
-    def attention_block(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
+    def attention_block(self, x: jax.Array, positions: jax.Array, rt: Runtime,
+                        segment_ids: jax.Array | None = None) -> jax.Array:
         """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))`.
 
         U-Pipe runs the whole sublayer as one op (norm, stages, W_o and the residual; see
@@ -85,6 +91,7 @@ class DecoderLayer(nnx.Module):
                 mesh=rt.mesh, heads_per_stage=ac.heads_per_stage or rt.mesh.shape[CONTEXT_AXIS],
                 rope_theta=mc.rope_theta, backend=ac.backend, block_q=ac.block_q, block_k=ac.block_k,
                 norm_scale=self.attn_norm[...], norm_eps=mc.norm_eps, out_weight=rt.gather(self.wo[...]),
+                positions=positions, segment_ids=segment_ids,
             )
         h = checkpoint_name(L.rms_norm(x, self.attn_norm[...], mc.norm_eps), "attn_norm_out")
         qkv_spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
@@ -95,14 +102,16 @@ class DecoderLayer(nnx.Module):
         q = checkpoint_name(rt.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
         k = checkpoint_name(rt.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
         v = checkpoint_name(rt.constrain(v, qkv_spec), "value_proj")
-        attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=ac.backend, block_q=ac.block_q, block_k=ac.block_k)
+        attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=ac.backend, block_q=ac.block_q, block_k=ac.block_k,
+                                 segment_ids=segment_ids)
         attn = checkpoint_name(attn, "attn_out")
         return x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(self.wo[...]))
 
-    def __call__(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, rt: Runtime,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
         eps = rt.cfg.model.norm_eps
         x = checkpoint_name(rt.constrain(x, activation_spec()), R.LAYER_INPUT)
-        x = self.attention_block(x, positions, rt)
+        x = self.attention_block(x, positions, rt, segment_ids)
         h = checkpoint_name(L.rms_norm(x, self.mlp_norm[...], eps), "mlp_norm_out")
         x = x + mlp(h, rt.gather(self.w_gate[...]), rt.gather(self.w_up[...]), rt.gather(self.w_down[...]), rt)
         return rt.constrain(x, activation_spec())
@@ -148,15 +157,22 @@ class Llama(nnx.Module):
         w = self.embed[...].T if self.tie_embeddings else self.lm_head[...]
         return rt.gather(w)
 
-    def __call__(self, tokens: jax.Array, rt: Runtime) -> jax.Array:
+    def __call__(self, tokens: jax.Array, rt: Runtime, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """`positions` int32 `[b, s]` (RoPE; default the global index) and `segment_ids` int32 `[b, s]`
+        (document masking, 0 = padding; default none) come from packed batches."""
         b, s = tokens.shape
         x = jnp.take(rt.gather(self.embed[...]), tokens, axis=0)
         x = rt.constrain(x, activation_spec())
-        positions = rt.constrain(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), P(BATCH_AXES, CONTEXT_AXIS))
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        positions = rt.constrain(positions.astype(jnp.int32), P(BATCH_AXES, CONTEXT_AXIS))
+        if segment_ids is not None:  # whole sequences on every context device, once for all layers
+            segment_ids = gather_segment_ids(segment_ids, rt.mesh)
         layer_def, layer_state = nnx.split(self.layers)
 
         def body(carry, state):
-            return nnx.merge(layer_def, state)(carry, positions, rt), None
+            return nnx.merge(layer_def, state)(carry, positions, rt, segment_ids), None
 
         x, _ = jax.lax.scan(R.remat(body, rt.cfg.remat), x, layer_state)
         return L.rms_norm(x, self.final_norm[...], self.norm_eps)
@@ -200,7 +216,9 @@ def init_params(cfg: Config, mesh: jax.sharding.Mesh, seed: int | None = None) -
     return jax.jit(create, out_shardings=shardings)(jax.random.key(seed))
 
 
-def forward(graphdef, params: dict, tokens: jax.Array, rt: Runtime) -> tuple[jax.Array, jax.Array]:
-    """`tokens [b, s]` -> (final hidden states `[b, s, hidden]`, output head `[hidden, vocab]`)."""
+def forward(graphdef, params: dict, tokens: jax.Array, rt: Runtime, positions: jax.Array | None = None,
+            segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`tokens [b, s]` -> (final hidden states `[b, s, hidden]`, output head `[hidden, vocab]`); `positions` and
+    `segment_ids` `[b, s]` for packed documents (see `Llama.__call__`)."""
     model = nnx.merge(graphdef, params)
-    return model(tokens, rt), model.head_weight(rt)
+    return model(tokens, rt, positions, segment_ids), model.head_weight(rt)

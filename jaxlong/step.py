@@ -37,8 +37,14 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
 
 def loss_fn(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> jax.Array:
     """Mean next-token cross-entropy of `batch` (`inputs`, `targets`, `mask`, each `[batch, seq]`); over
-    sequence tiles when `tiling.loss`."""
-    hidden, head = model_lib.forward(graphdef, params, batch["inputs"], rt)
+    sequence tiles when `tiling.loss`.
+
+    Packed documents: `positions` `[batch, seq]` (RoPE) and `segment_ids` `[batch, seq]` (document masking,
+    0 = padding), when present; the segment ids are used only with `data.packing=documents` (with `concat` the
+    sequence is one causal stream, as before). Targets never cross a document boundary and padding is masked: the data
+    pipeline builds them per document (`jaxlong.data`)."""
+    segment_ids = batch.get("segment_ids") if rt.cfg.data.packing == "documents" else None
+    hidden, head = model_lib.forward(graphdef, params, batch["inputs"], rt, batch.get("positions"), segment_ids)
     tiling = rt.cfg.tiling
     if tiling.loss:
         b, s = batch["targets"].shape
@@ -77,13 +83,17 @@ def state_shardings(mesh: jax.sharding.Mesh, state: dict) -> dict:
 
 
 def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh) -> dict:
-    """`ShapeDtypeStruct`s of one global batch, sharded batch over data x fsdp and sequence over context."""
+    """`ShapeDtypeStruct`s of one global batch, sharded batch over data x fsdp and sequence over context:
+    `inputs`, `targets` int32, `mask` float32, `positions` int32 (within each document) and `segment_ids` int32
+    (0 = padding), each `[global_batch, seq_len]`."""
     sh = NamedSharding(mesh, batch_spec())
     shape = (cfg.global_batch, cfg.seq_len)
     return {
         "inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
         "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
         "mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh),
+        "positions": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
+        "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
     }
 
 

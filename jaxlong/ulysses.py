@@ -12,6 +12,11 @@ Grouped-query attention (H query heads, H_kv key/value heads, C context devices)
     KV copy, head r // (C/H_kv), which is the group of all its H/C query heads. The repeat's transpose sums
     the replicas' gradients into the real KV head.
   - anything else raises `ConfigError` before tracing.
+
+Packed documents (design brief §10): after the all-to-all every device attends over the whole sequence, so it
+needs the segment ids `[batch, S]` of the whole sequence, not its `S/C` shard. `ulysses_attention` takes them
+already gathered (`gather_segment_ids`, an int32 all-gather over `context` that the model does once per step,
+outside its layer scan) and hands them to the kernel unchanged: no per-layer communication is added.
 """
 
 from __future__ import annotations
@@ -43,6 +48,15 @@ def replicate_kv_heads(k: jax.Array, context: int) -> jax.Array:
     return jnp.repeat(k, context // kv_heads, axis=2)
 
 
+def gather_segment_ids(segment_ids: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
+    """Segment ids `[batch, S]` (int32) laid out whole on every context device: `P(('data', 'fsdp'), None)`.
+
+    From the usual `P(('data', 'fsdp'), 'context')` this is one all-gather of `S * 4` bytes per sequence over the
+    `context` axis; call it once per step, outside the layer scan, and pass the result to every layer."""
+    sharding = jax.sharding.NamedSharding(mesh, P(BATCH_AXES, None))
+    return jax.lax.with_sharding_constraint(segment_ids.astype(jnp.int32), sharding)
+
+
 def ulysses_attention(
     q: jax.Array,
     k: jax.Array,
@@ -53,6 +67,7 @@ def ulysses_attention(
     causal: bool = True,
     block_q: int = 512,
     block_k: int = 512,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention with Ulysses context parallelism over the mesh's `context` axis.
 
@@ -61,6 +76,8 @@ def ulysses_attention(
       k, v: `[batch, seq, kv_heads, head_dim]`, same sharding.
       mesh: the `data x fsdp x context` mesh.
       backend, block_q, block_k: the single-device kernel (see `jaxlong.attention.kernels.attention`).
+      segment_ids: int32 `[batch, seq]` (0 = padding) or None: document masking. Whole sequences per device,
+        as `gather_segment_ids` lays them out (passing them sharded over context gathers them on every call).
 
     Returns:
       `[batch, seq, heads, head_dim]`, sharded like q.
@@ -73,10 +90,19 @@ def ulysses_attention(
     k = replicate_kv_heads(k, context)
     v = replicate_kv_heads(v, context)
     spec = P(BATCH_AXES, CONTEXT_AXIS, None, None)
+    kernel = dict(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
 
-    def local(q, k, v):
+    if segment_ids is None:
+        def local(q, k, v):
+            q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
+            return heads_to_seq(attention(q, k, v, **kernel))
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=True)(q, k, v)
+
+    def local_packed(q, k, v, seg):
         q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
-        out = attention(q, k, v, backend=backend, causal=causal, block_q=block_q, block_k=block_k)
-        return heads_to_seq(out)
+        return heads_to_seq(attention(q, k, v, segment_ids=seg, **kernel))
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=True)(q, k, v)
+    seg_spec = P(BATCH_AXES, None)
+    return jax.shard_map(local_packed, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
+                         check_vma=True)(q, k, v, segment_ids.astype(jnp.int32))

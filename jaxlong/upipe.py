@@ -285,11 +285,18 @@ def _weight_grad(x, g):
     return jnp.einsum("bsnd,bsh->ndh", g, x, preferred_element_type=jnp.float32).transpose(2, 0, 1)
 
 
-def _forward(x, wq, wk, wv, sch: Schedule, opts: dict):
-    """Stage scan. Returns the output `[b, S/C, H, d]` and lse `[groups, stages_per_group, b, m, S]`."""
+def _rope_positions(x, pos):
+    """RoPE positions of this device's shard: the batch's `pos` `[b, S/C]` (per-document positions of packed
+    documents), or the global token indices when None."""
+    return _positions(*x.shape[:2]) if pos is None else pos
+
+
+def _forward(x, wq, wk, wv, pos, seg, sch: Schedule, opts: dict):
+    """Stage scan. Returns the output `[b, S/C, H, d]` and lse `[groups, stages_per_group, b, m, S]`.
+    `pos`: RoPE positions `[b, S/C]` or None; `seg`: segment ids of the whole sequence `[b, S]` or None."""
     b, s_local, _ = x.shape
     d = wq.shape[-1]
-    cos, sin = L.rope_tables(_positions(b, s_local), d, opts["theta"])
+    cos, sin = L.rope_tables(_rope_positions(x, pos), d, opts["theta"])
     out = zeros_after(x, (b, s_local, sch.heads, d), x.dtype, ALL_AXES)
 
     def group(out, t):
@@ -298,7 +305,7 @@ def _forward(x, wq, wk, wv, sch: Schedule, opts: dict):
 
         def stage(out, u):
             q = _seq_to_heads(_project(x, _stage_get(wq, t, u, 1, sch), cos, sin, True))
-            o, lse = attention_fwd_with_lse(q, k, v, **opts["kernel"])
+            o, lse = attention_fwd_with_lse(q, k, v, segment_ids=seg, **opts["kernel"])
             return _stage_set(out, _heads_to_seq(o), t, u, 2, sch), lse
 
         return jax.lax.scan(stage, out, jnp.arange(sch.stages_per_group))
@@ -306,7 +313,7 @@ def _forward(x, wq, wk, wv, sch: Schedule, opts: dict):
     return jax.lax.scan(group, out, jnp.arange(sch.groups))
 
 
-def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None):
+def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict, wo=None):
     """Stage scan of the backward; returns dx, dWq, dWk, dWv, dWo (this device's partial weight gradients).
 
     `dout` is the gradient of the output `[b, S/C, H, d]`; with `wo` (W_o `[H, d, hidden]`) it is instead the
@@ -319,9 +326,8 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None)
     with the forward's projections (its CPU pipeline runs common subexpression elimination again after
     expanding optimization barriers) or schedules them during the forward, and Q, K, V stay alive from the
     forward to the backward, which is what U-Pipe avoids."""
-    b, s_local, _ = x.shape
     d = wq.shape[-1]
-    cos, sin = L.rope_tables(_positions(b, s_local), d, opts["theta"])
+    cos, sin = L.rope_tables(_rope_positions(x, pos), d, opts["theta"])
     f32 = jnp.float32
     n_kv = sch.context * sch.kc
 
@@ -347,7 +353,7 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None)
                 dwo_s = jnp.einsum("bsnd,bsh->ndh", o_s, dout, preferred_element_type=f32)
                 dwo = _stage_set(dwo, dwo_s, t, u, 0, sch)
             o, do = _seq_to_heads(o_s), _seq_to_heads(do_s)
-            dq, dk, dv = attention_bwd(q, k, v, o, lse_s, do, **opts["kernel"])
+            dq, dk, dv = attention_bwd(q, k, v, o, lse_s, do, segment_ids=seg, **opts["kernel"])
             dq = _rope(_heads_to_seq(dq), cos, -sin)  # transpose of the rotation
             dx = dx + jnp.einsum("bsnd,hnd->bsh", dq, wq_s, preferred_element_type=f32)
             dwq = _stage_set(dwq, _weight_grad(x, dq), t, u, 1, sch)
@@ -379,50 +385,50 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None)
     return dx.astype(x.dtype), dwq.astype(wq.dtype), dwk.astype(wk.dtype), dwv.astype(wv.dtype), dwo
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _upipe_local(x, wq, wk, wv, sch, opts):
-    return _forward(x, wq, wk, wv, sch, opts)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _upipe_local(x, wq, wk, wv, pos, seg, sch, opts):
+    return _forward(x, wq, wk, wv, pos, seg, sch, opts)[0]
 
 
-def _upipe_local_fwd(x, wq, wk, wv, sch, opts):
-    out, lse = _forward(x, wq, wk, wv, sch, opts)
-    return out, (x, wq, wk, wv, out, lse)
+def _upipe_local_fwd(x, wq, wk, wv, pos, seg, sch, opts):
+    out, lse = _forward(x, wq, wk, wv, pos, seg, sch, opts)
+    return out, (x, wq, wk, wv, pos, seg, out, lse)
 
 
 def _upipe_local_bwd(sch, opts, res, dout):
     # The barrier marks the recomputation as distinct from the forward for passes that respect it (see also
     # `opaque_one`, which the CPU pipeline needs because it runs CSE again after expanding barriers).
-    x, wq, wk, wv, out, lse = jax.lax.optimization_barrier(res)
-    return _backward(x, wq, wk, wv, out, lse, dout, sch, opts)[:4]
+    x, wq, wk, wv, pos, seg, out, lse = jax.lax.optimization_barrier(res)
+    return (*_backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch, opts)[:4], None, None)
 
 
 _upipe_local.defvjp(_upipe_local_fwd, _upipe_local_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _upipe_norm_local(x, scale, wq, wk, wv, wo, sch, opts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _upipe_norm_local(x, scale, wq, wk, wv, wo, pos, seg, sch, opts):
     """U-Pipe on `rms_norm(x, scale)`, with the norm inside the op (see `upipe_attention(norm_scale=...)`);
     with `wo` (not None) the attention sublayer's output `x + out @ W_o` instead of `out`."""
-    return _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, sch, opts)[0]
+    return _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, pos, seg, sch, opts)[0]
 
 
-def _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, sch, opts):
+def _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, pos, seg, sch, opts):
     h, (_, _, r) = L.rms_norm_fwd(x, scale, opts["eps"])
-    out, lse = _forward(h, wq, wk, wv, sch, opts)
+    out, lse = _forward(h, wq, wk, wv, pos, seg, sch, opts)
     y = out if wo is None else x + jnp.einsum("bsnd,ndh->bsh", out, wo).astype(x.dtype)
-    return y, (x, scale, r, wq, wk, wv, wo, out, lse)  # the layer input x, not the normalized h
+    return y, (x, scale, r, wq, wk, wv, wo, pos, seg, out, lse)  # the layer input x, not the normalized h
 
 
 def _upipe_norm_local_bwd(sch, opts, res, dy):
-    x, scale, r, wq, wk, wv, wo, out, lse = jax.lax.optimization_barrier(res)
+    x, scale, r, wq, wk, wv, wo, pos, seg, out, lse = jax.lax.optimization_barrier(res)
     # Recompute the normalized input only now (after dy), so it is not live through the rest of the
     # layer's backward; the opaque 1 keeps the compiler from reusing the forward's copy instead.
     h = L.rms_norm_apply(x, r, scale.astype(jnp.float32) * opaque_one(dy, jnp.float32, ALL_AXES))
-    dh, dwq, dwk, dwv, dwo = _backward(h, wq, wk, wv, out, lse, dy, sch, opts, wo=wo)
+    dh, dwq, dwk, dwv, dwo = _backward(h, wq, wk, wv, pos, seg, out, lse, dy, sch, opts, wo=wo)
     dx, d_scale = L.rms_norm_bwd(opts["eps"], (x, scale, r), dh)
     if wo is not None:  # the residual connection
         dx = (dy.astype(jnp.float32) + dx.astype(jnp.float32)).astype(x.dtype)
-    return dx, d_scale, dwq, dwk, dwv, dwo
+    return dx, d_scale, dwq, dwk, dwv, dwo, None, None
 
 
 _upipe_norm_local.defvjp(_upipe_norm_local_fwd, _upipe_norm_local_bwd)
@@ -451,6 +457,8 @@ def upipe_attention(
     norm_scale: jax.Array | None = None,
     norm_eps: float = 1e-5,
     out_weight: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Head-chunked Ulysses attention from the layer input (projection, RoPE, all-to-alls, attention).
 
@@ -470,6 +478,11 @@ def upipe_attention(
         backward forms each stage's slice of the output gradient from the incoming `[b, S/C, hidden]` gradient
         (`dy @ W_o[stage]^T`, `[b, S/C, U, d]`) and accumulates dW_o stage by stage: no `[b, S/C, H, d]`
         output gradient is ever live, and the residual gradient seeds dx.
+      positions: int32 `[batch, seq]` RoPE positions (per-document positions of packed documents), sharded like
+        the tokens; None: global token indices.
+      segment_ids: int32 `[batch, seq]` (0 = padding) or None: document masking. Every device attends over the
+        whole sequence, so they enter whole (`jaxlong.ulysses.gather_segment_ids`: gathered once per step,
+        outside the layer scan) and every stage's kernel reuses them.
 
     Returns:
       attention output before W_o, `[batch, seq, heads, head_dim]` in natural head order, sharded like x;
@@ -499,17 +512,26 @@ def upipe_attention(
     fused = norm_scale is not None
     weights = ((norm_scale,) if fused else ()) + (wq, wk, wv) + (() if out_weight is None else (out_weight,))
 
-    def local(x, *weights):
+    tok, whole = P(BATCH_AXES, CONTEXT_AXIS), P(BATCH_AXES, None)
+    extra = tuple(a.astype(jnp.int32) for a in (positions, segment_ids) if a is not None)
+    extra_specs = (() if positions is None else (tok,)) + (() if segment_ids is None else (whole,))
+
+    n_weights = len(weights)
+
+    def local(x, *args):
+        weights, extra_local = args[:n_weights], list(args[n_weights:])
+        pos = extra_local.pop(0) if positions is not None else None
+        seg = extra_local.pop(0) if segment_ids is not None else None
         # Weights enter replicated (unvarying); marking them varying makes the shard_map transpose sum the
         # per-device weight gradients (psum), so the custom backward must not sum them itself.
         weights = [_varying(w) for w in weights]
         if not fused:
-            return _upipe_local(x, *weights, sch, opts)
+            return _upipe_local(x, *weights, pos, seg, sch, opts)
         scale, wq, wk, wv, *wo = weights
-        return _upipe_norm_local(x, scale, wq, wk, wv, wo[0] if wo else None, sch, opts)
+        return _upipe_norm_local(x, scale, wq, wk, wv, wo[0] if wo else None, pos, seg, sch, opts)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(act, *(rep,) * len(weights)), out_specs=out_spec,
-                         check_vma=True)(x, *weights)
+    return jax.shard_map(local, mesh=mesh, in_specs=(act, *(rep,) * len(weights), *extra_specs),
+                         out_specs=out_spec, check_vma=True)(x, *weights, *extra)
 
 
 def attention_layer(impl: str, mesh: jax.sharding.Mesh, *, heads_per_stage: int | None = None,
