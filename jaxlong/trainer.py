@@ -3,7 +3,8 @@
 The trainer knows no model internals: it builds the mesh, the state and the jitted step from `jaxlong.step`,
 feeds batches already sharded on the mesh, and writes TensorBoard scalars under `<run_dir>/<run_name>/`:
 `loss`, `lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `mfu` (when the device's peak is known) and
-`device_memory/*` (where the backend reports it).
+`device_memory/*` (where the backend reports it), and `packing_efficiency` (the fraction of tokens that are not
+padding).
 """
 
 from __future__ import annotations
@@ -83,11 +84,10 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
     run_dir = Path(cfg.run_dir) / cfg.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer!r} tokenizer's "
-            f"{tokenizer.vocab_size}; use at least {tokenizer.vocab_size}"
-        )
+    try:
+        data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     print(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
           f"mesh {dict(mesh.shape)} on {len(jax.devices())} x {jax.devices()[0].device_kind}, "
           f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
@@ -107,10 +107,7 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
               f"pass steps=N with N > {start} to train further")
         return {"metrics": {}, "run_dir": str(run_dir)}
     # Data first: a bad corpus fails before the (possibly long) compile.
-    tokens = data_lib.load_corpus(cfg.data.path, tokenizer, cfg.data.max_tokens)
-    batches = data_lib.make_batch_iterator(
-        tokens, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed, start_step=start
-    )
+    batches = data_lib.batch_iterator(cfg, tokenizer)
 
     t0 = time.perf_counter()
     compiled = step_lib.compile_train_step(cfg, mesh)
@@ -121,6 +118,12 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
     ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
     if resume:
         start, state = ckpt.restore(step_lib.abstract_state(cfg, mesh))
+        data_state = ckpt.restore_data(start)
+        if data_state is not None:
+            batches.set_state(data_state)
+        else:  # a checkpoint without the data iterator's state: replay the batches it consumed
+            for _ in range(start):
+                next(batches)
         print(f"resumed from {ckpt.directory / str(start)}")
     else:
         state = step_lib.init_state(cfg, mesh)
@@ -134,19 +137,22 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
     tokens_per_step = cfg.seq_len * cfg.global_batch
     flops, peak = flops_per_token(cfg), peak_flops()
     metrics: dict = {}
+    packed: list[float] = []
     last_saved = start
     profiling = False
     profile_start = start + 1  # skip the first step (allocation, warm-up)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)  # preemption: save, then stop
-    done = start
+    done, data_state_done = start, batches.get_state()
     try:
         t_last = time.perf_counter()
         for step in range(start, cfg.steps):
             if profile and step == profile_start:
                 jax.profiler.start_trace(str(run_dir))
                 profiling = True
-            batch = data_lib.put_on_mesh(next(batches), batch_sharding)
+            host_batch = next(batches)
+            packed.append(data_lib.packing_efficiency(host_batch))
+            batch = data_lib.put_on_mesh(host_batch, batch_sharding)
             state, m = compiled(state, batch)
             if profiling and step == profile_start + cfg.profile_steps - 1:
                 jax.block_until_ready(m)
@@ -155,6 +161,7 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
                 print(f"profile of {cfg.profile_steps} steps written under {run_dir}/plugins/profile")
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                 metrics = {k: float(v) for k, v in jax.device_get(m).items()}
+                metrics["packing_efficiency"], packed = sum(packed) / len(packed), []
                 now = time.perf_counter()
                 n_steps = cfg.log_every if step + 1 - start >= cfg.log_every else step + 1 - start
                 metrics["step_time_s"] = (now - t_last) / n_steps
@@ -165,18 +172,19 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
                     metrics[f"device_memory/{k}"] = v
                 for k, v in metrics.items():
                     writer.add_scalar(k, v, step + 1)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
+                                packed=f"{metrics['packing_efficiency']:.2f}")
                 t_last = now
             bar.update(1)
-            done = step + 1
-            if ckpt.save(step + 1, state, to_dict(cfg)):
+            done, data_state_done = step + 1, batches.get_state()
+            if ckpt.save(step + 1, state, to_dict(cfg), data_state=batches.get_state()):
                 last_saved = step + 1
         if last_saved != cfg.steps and start < cfg.steps:
-            ckpt.save(cfg.steps, state, to_dict(cfg), force=True)
+            ckpt.save(cfg.steps, state, to_dict(cfg), force=True, data_state=batches.get_state())
     except KeyboardInterrupt:
         if done > last_saved:
             try:
-                ckpt.save(done, state, to_dict(cfg), force=True)
+                ckpt.save(done, state, to_dict(cfg), force=True, data_state=data_state_done)
                 last_saved = done
             except Exception as e:  # noqa: BLE001 (the state of an interrupted step may be gone)
                 print(f"could not save step {done}: {e}")
