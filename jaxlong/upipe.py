@@ -3,7 +3,8 @@
 Plain Ulysses projects Q, K, V for all H heads, all-to-alls them and runs attention on H/C heads per device at
 once, so every head-sized intermediate is live together. U-Pipe runs the heads in H/U *stages* of U heads
 (U = `heads_per_stage`, a multiple of the context degree C): each stage projects only its heads from the
-layer input x, applies RoPE with global positions, all-to-alls to `[b, S, U/C, d]`, runs attention, all-to-alls
+layer input x, applies RoPE (global positions, or the batch's per-document positions for packed documents),
+all-to-alls to `[b, S, U/C, d]`, runs attention (with the whole sequence's segment ids, if any), all-to-alls
 back and writes its slice into one output buffer allocated before the stages. Only one stage's tensors are
 live at a time, so head-proportional memory scales with U/C instead of H/C.
 
