@@ -1,6 +1,7 @@
 """Checkpoints with orbax: asynchronous, atomic (written to a temporary directory, then renamed), keeping
-the last K. A checkpoint holds the train state and the config it was written with; the data position is the
-step itself (the batch iterator is a pure function of seed and step), so `--resume` continues exactly.
+the last K. A checkpoint holds the train state, the config it was written with and the input pipeline's
+iterator state (`data`, Grain's JSON state, see `jaxlong.data.pipeline`), so `--resume` continues with exactly
+the next batch.
 """
 
 from __future__ import annotations
@@ -32,15 +33,15 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state: dict, config: dict, *, force: bool = False) -> bool:
-        """Start an asynchronous save of `state` at `step` (if due, or `force`). Returns whether it saved."""
+    def save(self, step: int, state: dict, config: dict, *, force: bool = False, data_state: dict | None = None) -> bool:
+        """Start an asynchronous save of `state` at `step` (if due, or `force`), with the data iterator's state
+        `data_state` (a JSON-serializable dict) when given. Returns whether it saved."""
         if not force and step % self.every:
             return False
-        return self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config)),
-            force=True,
-        )
+        items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config))
+        if data_state is not None:
+            items["data"] = ocp.args.JsonSave(data_state)
+        return self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def restore(self, abstract_state: dict, step: int | None = None) -> tuple[int, dict]:
         """Restore the state at `step` (default: latest) into the shardings of `abstract_state`.
@@ -55,6 +56,12 @@ class Checkpointer:
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
         )
         return step, restored["state"]
+
+    def restore_data(self, step: int) -> dict | None:
+        """The data iterator state saved at `step`, or None when that checkpoint has none."""
+        if not (self.directory / str(step) / "data").exists():
+            return None
+        return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
 
     def wait(self) -> None:
         """Block until pending asynchronous saves are committed to disk."""

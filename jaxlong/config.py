@@ -132,8 +132,12 @@ class DataConfig:
     """Training text. `path: null` is the embedded corpus: the Python standard library's source files."""
 
     path: str | None = None
-    tokenizer: str = "byte"
+    tokenizer: str = "byte"  # "byte", or a path to a Hugging Face tokenizer.json
     max_tokens: int | None = None  # cap on corpus tokens read (None: all)
+    text_field: str = "text"  # the field of each .jsonl / .parquet record that holds the document
+    packing: str = "documents"  # "documents" (whole documents, segment ids) or "concat" (concatenate and cut)
+    split_positions: str = "restart"  # pieces of a document longer than seq_len: "restart" at 0 or "continue"
+    shuffle: bool = True  # shuffle the documents each epoch (seeded by `seed` and the epoch)
 
 
 @dataclass
@@ -192,8 +196,10 @@ UPIPE_INTERNAL_NAMES = (
 )
 ATTENTION_BACKENDS = ("auto", "blockwise", "cudnn", "reference")
 REMAT_POLICIES = ("none", "full", "save_dots", "offload", "custom")
-TOKENIZERS = ("byte",)  # names accepted by jaxlong.data.get_tokenizer
+TOKENIZERS = ("byte",)  # names accepted by jaxlong.data.get_tokenizer (besides a tokenizer.json path)
 ROPE_SCALING_TYPES = ("none", "linear", "llama3", "yarn")
+PACKINGS = ("documents", "concat")
+SPLIT_POSITIONS = ("restart", "continue")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,8 +433,16 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"seed={cfg.seed} must be >= 0")
     if cfg.data.path is not None and not str(cfg.data.path).strip():
         raise ConfigError("data.path is empty; give a .txt/.jsonl file or directory, or null for the embedded corpus")
-    if cfg.data.tokenizer not in TOKENIZERS:
-        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} is not allowed; choose one of: {', '.join(TOKENIZERS)}")
+    if cfg.data.tokenizer not in TOKENIZERS and not str(cfg.data.tokenizer).endswith(".json"):
+        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} is not allowed; choose one of: "
+                          f"{', '.join(TOKENIZERS)}, or the path of a Hugging Face tokenizer.json")
+    _choice("data.packing", cfg.data.packing, PACKINGS)
+    _choice("data.split_positions", cfg.data.split_positions, SPLIT_POSITIONS)
+    if cfg.data.packing == "documents" and cfg.attention.backend == "cudnn":
+        raise ConfigError("attention.backend=cudnn cannot mask packed documents (jax.nn.dot_product_attention has "
+                          "no segment ids); use attention.backend=auto or blockwise, or data.packing=concat")
+    if not str(cfg.data.text_field).strip():
+        raise ConfigError("data.text_field is empty; give the name of the field that holds each document's text")
     if cfg.data.max_tokens is not None and cfg.data.max_tokens <= 0:
         raise ConfigError(f"data.max_tokens={cfg.data.max_tokens} must be positive, or null for the whole corpus")
     for key in ("seq_len", "global_batch", "steps", "log_every", "checkpoint_every", "keep_checkpoints",
@@ -449,6 +463,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         )
     if ring > 1:
         check_ring(cfg.seq_len, ring, context, cfg.attention.block_q, cfg.attention.block_k)
+        if cfg.data.packing == "documents":
+            raise ConfigError(f"mesh.ring={ring}: ring attention does not mask packed documents; use "
+                              f"data.packing=concat (one causal stream per row), or mesh.ring=1")
     if cfg.global_batch % (data * fsdp):
         raise ConfigError(
             f"global_batch={cfg.global_batch} is not divisible by mesh.data*mesh.fsdp={data * fsdp} "

@@ -120,12 +120,15 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     validate(cfg, num_devices=len(jax.devices()))
     mesh = build_mesh(cfg.mesh)
     tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
-    tokens = data_lib.load_corpus(cfg.data.path, tokenizer, cfg.data.max_tokens)
-    validator = ev.Validator(cfg, mesh, tokens, tokenizer.eod_id)  # the trainer's held-out split
+    source = data_lib.DocumentSource(cfg.data.path, cfg.data.text_field)
+    need = ev.Validator.tokens_needed(cfg)
+    if args.batches:  # more batches than the trainer's may need more held-out documents than it held out
+        need = max(need, args.batches * ev.eval_batch_size(cfg) * cfg.seq_len + 1)
+    _, tokens = ev.held_out_documents(source, tokenizer, cfg.eval_fraction, cfg.seed, need)
+    validator = ev.Validator(cfg, mesh, tokens, tokenizer.eod_id, held_out=True)  # the trainer's held-out split
     batches = validator.batches if not args.batches else ev.eval_batches(
-        ev.held_out_split(tokens, tokenizer.eod_id, cfg.eval_fraction, cfg.seed,
-                          cfg.eval_batches * ev.eval_batch_size(cfg) * cfg.seq_len + 1)[1],
-        seq_len=cfg.seq_len, batch_size=ev.eval_batch_size(cfg), n_batches=args.batches)
+        tokens, seq_len=cfg.seq_len, batch_size=ev.eval_batch_size(cfg), n_batches=args.batches,
+        eod_id=tokenizer.eod_id)
     compiled = ev.compile_eval_step(cfg, mesh)
     print(format_compiled(compiled, "eval step"))
     ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=10**9)

@@ -74,15 +74,51 @@ def held_out_split(tokens: np.ndarray, eod_id: int, fraction: float, seed: int,
     return gather(~held), gather(held)
 
 
-def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, n_batches: int) -> list[dict]:
-    """The first `n_batches` batches of consecutive `seq_len + 1` windows (stride `seq_len`) of the held-out
-    stream, as host arrays `inputs`, `targets` (int32 `[batch_size, seq_len]`) and `mask` (float32, ones).
-    Always the same batches for the same stream.
+def held_out_documents(source, tokenizer, fraction: float, seed: int, min_tokens: int = 0) -> tuple[list, np.ndarray]:
+    """Hold out whole documents of a corpus (`jaxlong.data.DocumentSource` or any sequence of texts) for
+    validation: taken in the order of `np.random.default_rng([seed, 1]).permutation(n_docs)`, at least
+    `max(1, round(fraction * n_docs))` and more until their tokens reach `min_tokens`, never all of them.
+
+    Only the held-out documents are tokenized. Returns `(indices, tokens)`: the held-out document indices
+    (sorted; the training pipeline skips them) and their token stream in corpus order (each document
+    `[BOS] ids [EOS]`, as `jaxlong.data.document_tokens` makes it).
 
     Raises:
-      ValueError: the stream holds fewer than `n_batches * batch_size` windows (options `eval_fraction`,
-        `eval_batches`).
+      ValueError: the corpus has fewer than two documents (option `eval_fraction`, or `eval_every=0`).
     """
+    from jaxlong.data import document_tokens  # noqa: PLC0415
+
+    n_docs = len(source)
+    if n_docs < 2:
+        raise ValueError(
+            f"eval_fraction={fraction}: the corpus has {n_docs} document(s); a held-out split needs at least 2 "
+            f"(use a corpus of several documents, or eval_every=0 to train without validation)"
+        )
+    order = np.random.default_rng([seed, 1]).permutation(n_docs)
+    want, held, total = max(1, round(fraction * n_docs)), {}, 0
+    for i in order[: n_docs - 1]:
+        if len(held) >= want and total >= min_tokens:
+            break
+        held[int(i)] = document_tokens(source[int(i)], tokenizer)
+        total += held[int(i)].size
+    indices = sorted(held)
+    return indices, np.concatenate([held[i] for i in indices]).astype(np.int32)
+
+
+def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, n_batches: int,
+                 eod_id: int | None = None) -> list[dict]:
+    """The first `n_batches` batches of consecutive `seq_len + 1` windows (stride `seq_len`) of the held-out
+    stream, as host arrays `inputs`, `targets` (int32 `[batch_size, seq_len]`), `mask` (float32, ones),
+    `positions` and `segment_ids` (int32). With `eod_id`, a window's documents are told apart as in packed
+    training batches: the segment id grows after each `eod_id` and positions restart at each document (so
+    with `data.packing=documents` no token attends across a document boundary; a target that starts a new
+    document is masked); without it, one segment and positions `0..seq_len-1`. Always the same batches for
+    the same stream.
+
+    Raises:
+      ValueError: the stream cannot fill the batches (names `eval_batches`, `eval_fraction`).
+    """
+    tokens = np.asarray(tokens)
     n_windows = max(0, (tokens.size - 1) // seq_len)
     need = n_batches * batch_size
     if n_windows < need:
@@ -95,7 +131,19 @@ def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, n_batches
     out = []
     for i in range(n_batches):
         w = tokens[(np.arange(batch_size) + i * batch_size)[:, None] * seq_len + offsets].astype(np.int32)
-        out.append({"inputs": w[:, :-1], "targets": w[:, 1:], "mask": np.ones((batch_size, seq_len), np.float32)})
+        inputs, targets = w[:, :-1], w[:, 1:]
+        mask = np.ones((batch_size, seq_len), np.float32)
+        if eod_id is None:
+            seg = np.ones((batch_size, seq_len), np.int32)
+        else:
+            starts = np.concatenate([np.zeros((batch_size, 1), bool), inputs[:, :-1] == eod_id], axis=1)
+            seg = (1 + np.cumsum(starts, axis=1)).astype(np.int32)
+            mask[inputs == eod_id] = 0.0  # the next document's first token is not predicted from the last one
+        pos = np.zeros((batch_size, seq_len), np.int32)
+        for r in range(batch_size):  # position within each document of the window
+            first = np.flatnonzero(np.diff(seg[r], prepend=0))
+            pos[r] = np.arange(seq_len) - np.repeat(first, np.diff(np.append(first, seq_len)))
+        out.append({"inputs": inputs, "targets": targets, "mask": mask, "positions": pos, "segment_ids": seg})
     return out
 
 
@@ -359,19 +407,29 @@ class Validator:
     """Validation in the train loop: the held-out split, its fixed batches and the AOT-compiled eval step.
 
     `Validator(cfg, mesh, tokens, eod_id)` splits the packed corpus stream (`held_out_split`, documents fixed by
-    `seed`; at least `eval_fraction` of them, more if their tokens cannot fill the validation batches), builds `eval_batches` batches of `eval_batch_size(cfg)` sequences (raising `ValueError` before any
+    `seed`; at least `eval_fraction` of them, more if their tokens cannot fill the validation batches), or with
+    `held_out=True` takes `tokens` as the held-out stream (`held_out_documents`, what the trainer does), builds `eval_batches` batches of `eval_batch_size(cfg)` sequences (raising `ValueError` before any
     compile if the held-out documents are too few), and `compile()` compiles the eval step ahead of time.
     `train_tokens` is the stream left for training; `due(step)` says whether to validate after `step` (every
     `eval_every` steps and after the last); `run(params)` returns `{'loss', 'perplexity', 'tokens'}`.
     """
 
-    def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, tokens: np.ndarray, eod_id: int):
+    def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, tokens: np.ndarray, eod_id: int,
+                 held_out: bool = False):
         self.cfg, self.mesh = cfg, mesh
-        need = cfg.eval_batches * eval_batch_size(cfg) * cfg.seq_len + 1
-        self.train_tokens, eval_tokens = held_out_split(tokens, eod_id, cfg.eval_fraction, cfg.seed, need)
+        if held_out:  # `tokens` is the held-out stream already (`held_out_documents`)
+            self.train_tokens, eval_tokens = None, tokens
+        else:
+            self.train_tokens, eval_tokens = held_out_split(tokens, eod_id, cfg.eval_fraction, cfg.seed,
+                                                            self.tokens_needed(cfg))
         self.batches = eval_batches(eval_tokens, seq_len=cfg.seq_len, batch_size=eval_batch_size(cfg),
-                                    n_batches=cfg.eval_batches)
+                                    n_batches=cfg.eval_batches, eod_id=eod_id)
         self.compiled = None
+
+    @staticmethod
+    def tokens_needed(cfg: Config) -> int:
+        """Held-out tokens that fill the validation batches."""
+        return cfg.eval_batches * eval_batch_size(cfg) * cfg.seq_len + 1
 
     def compile(self):
         """AOT-compile the eval step; returns the `jax.stages.Compiled` (for its `memory_analysis`)."""

@@ -13,6 +13,11 @@ The decoder layers' parameters are stacked on a leading `[layers]` axis and run 
 time does not grow with depth. Inside the scan body each layer's FSDP-sharded weights are cast to the compute
 dtype and gathered (a replicated sharding constraint), so only one layer's full weights are live at a time;
 the transpose of that gather reduce-scatters the gradients.
+
+Packed documents (`positions`, `segment_ids` `[batch, seq]` from the batch): RoPE rotates by each token's
+position within its document, and attention masks across documents. The segment ids are gathered whole onto
+every context device once, before the layer scan (`jaxlong.ulysses.gather_segment_ids`), and every layer
+reuses them.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from jaxlong.mesh import (BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, activat
                           seq_shards, tree_shardings)
 from jaxlong.ring import zigzag_positions
 from jaxlong.tiled import default_mlp_tiles, tiled_mlp
-from jaxlong.ulysses import ulysses_attention
+from jaxlong.ulysses import gather_segment_ids, ulysses_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +53,14 @@ class Runtime:
 
     @property
     def attention_backend(self) -> str:
-        """`attention.backend` with `auto` resolved for the mesh's devices (GPU compile-only devices included)."""
+        """`attention.backend` with `auto` resolved for the mesh's devices (GPU compile-only devices included) and
+        the batches (`data.packing=documents` carries segment ids, which only the blockwise kernel masks)."""
         from jaxlong.attention.kernels import resolve_backend  # noqa: PLC0415
 
         probe = jax.ShapeDtypeStruct((self.cfg.model.head_dim,), self.compute_dtype)
-        return resolve_backend(self.cfg.attention.backend, probe, platform=self.mesh.devices.flat[0].platform)
+        packed = self.cfg.data.packing == "documents"  # batches carry segment ids: document masking
+        return resolve_backend(self.cfg.attention.backend, probe, segment_ids=True if packed else None,
+                               platform=self.mesh.devices.flat[0].platform)
 
     def constrain(self, x: jax.Array, spec: P) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -86,7 +94,8 @@ class DecoderLayer(nnx.Module):
             self.q_norm = nnx.Param(jnp.ones((d,), param_dtype))
             self.k_norm = nnx.Param(jnp.ones((d,), param_dtype))
 
-    def attention_block(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
+    def attention_block(self, x: jax.Array, positions: jax.Array, rt: Runtime,
+                        segment_ids: jax.Array | None = None) -> jax.Array:
         """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))`.
 
         U-Pipe runs the whole sublayer as one op (norm, stages, W_o and the residual; see
@@ -102,6 +111,7 @@ class DecoderLayer(nnx.Module):
                 rope_theta=mc.rope_theta, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k,
                 norm_scale=self.attn_norm[...], norm_eps=mc.norm_eps, out_weight=rt.gather(self.wo[...]),
                 rope_scaling=mc.rope_scaling, qk_norm=self._qk_norm_scales(),
+                positions=positions, segment_ids=segment_ids,
             )
         qkv_spec = P(BATCH_AXES, SEQ_AXES, None, None)
         cos, sin = L.rope_tables(positions, mc.head_dim, mc.rope_theta, mc.rope_scaling)
@@ -124,7 +134,8 @@ class DecoderLayer(nnx.Module):
             project = jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable)
         weights = (rt.gather(self.wq[...]), rt.gather(self.wk[...]), rt.gather(self.wv[...]))
         q, k, v = project(x, self.attn_norm[...], *weights, *(self._qk_norm_scales() if mc.qk_norm else ()))
-        attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k)
+        attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=rt.attention_backend, block_q=ac.block_q,
+                                 block_k=ac.block_k, segment_ids=segment_ids)
         attn = checkpoint_name(attn, "attn_out")
         return x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(self.wo[...]))
 
@@ -132,10 +143,11 @@ class DecoderLayer(nnx.Module):
         """(q_norm, k_norm) scales `[head_dim]` (Qwen3), or None."""
         return (self.q_norm[...], self.k_norm[...]) if hasattr(self, "q_norm") else None
 
-    def __call__(self, x: jax.Array, positions: jax.Array, rt: Runtime) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, rt: Runtime,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
         eps = rt.cfg.model.norm_eps
         x = checkpoint_name(rt.constrain(x, activation_spec()), R.LAYER_INPUT)
-        x = self.attention_block(x, positions, rt)
+        x = self.attention_block(x, positions, rt, segment_ids)
         h = checkpoint_name(L.rms_norm(x, self.mlp_norm[...], eps), "mlp_norm_out")
         x = x + mlp(h, rt.gather(self.w_gate[...]), rt.gather(self.w_up[...]), rt.gather(self.w_down[...]), rt)
         return rt.constrain(x, activation_spec())
@@ -184,16 +196,23 @@ class Llama(nnx.Module):
         w = self.embed[...].T if self.tie_embeddings else self.lm_head[...]
         return rt.gather(w)
 
-    def __call__(self, tokens: jax.Array, rt: Runtime) -> jax.Array:
+    def __call__(self, tokens: jax.Array, rt: Runtime, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """`positions` int32 `[b, s]` (RoPE; default the global index) and `segment_ids` int32 `[b, s]`
+        (document masking, 0 = padding; default none) come from packed batches."""
         b, s = tokens.shape
         x = jnp.take(rt.gather(self.embed[...]), tokens, axis=0)
         x = rt.constrain(x, activation_spec())
-        pos = zigzag_positions(jnp.arange(s, dtype=jnp.int32), s, axis_size(rt.mesh, RING_AXIS))
-        positions = rt.constrain(jnp.broadcast_to(pos, (b, s)), batch_spec())
+        if positions is None:  # the global index (in ring attention's zigzag layout when ring > 1)
+            pos = zigzag_positions(jnp.arange(s, dtype=jnp.int32), s, axis_size(rt.mesh, RING_AXIS))
+            positions = jnp.broadcast_to(pos, (b, s))
+        positions = rt.constrain(positions.astype(jnp.int32), batch_spec())
+        if segment_ids is not None:  # whole sequences on every context device, once for all layers
+            segment_ids = gather_segment_ids(segment_ids, rt.mesh)
         layer_def, layer_state = nnx.split(self.layers)
 
         def body(carry, state):
-            return nnx.merge(layer_def, state)(carry, positions, rt), None
+            return nnx.merge(layer_def, state)(carry, positions, rt, segment_ids), None
 
         x, _ = jax.lax.scan(R.remat(body, rt.cfg.remat), x, layer_state)
         return L.rms_norm(x, self.final_norm[...], self.norm_eps)
@@ -237,7 +256,9 @@ def init_params(cfg: Config, mesh: jax.sharding.Mesh, seed: int | None = None) -
     return jax.jit(create, out_shardings=shardings)(jax.random.key(seed))
 
 
-def forward(graphdef, params: dict, tokens: jax.Array, rt: Runtime) -> tuple[jax.Array, jax.Array]:
-    """`tokens [b, s]` -> (final hidden states `[b, s, hidden]`, output head `[hidden, vocab]`)."""
+def forward(graphdef, params: dict, tokens: jax.Array, rt: Runtime, positions: jax.Array | None = None,
+            segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`tokens [b, s]` -> (final hidden states `[b, s, hidden]`, output head `[hidden, vocab]`); `positions` and
+    `segment_ids` `[b, s]` for packed documents (see `Llama.__call__`)."""
     model = nnx.merge(graphdef, params)
-    return model(tokens, rt), model.head_weight(rt)
+    return model(tokens, rt, positions, segment_ids), model.head_weight(rt)

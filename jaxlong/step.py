@@ -42,11 +42,17 @@ def loss_sum_fn(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> t
     With `mesh.ring` > 1 the batch is first permuted into ring attention's zigzag layout (all of its
     `[batch, seq]` arrays alike, so the loss is unchanged).
 
+    Packed documents: `positions` `[batch, seq]` (RoPE) and `segment_ids` `[batch, seq]` (document masking,
+    0 = padding), when present; the segment ids are used only with `data.packing=documents` (with `concat` the
+    sequence is one causal stream). Targets never cross a document boundary and padding is masked: the data
+    pipeline builds them per document (`jaxlong.data`).
+
     Sums, not means, so that several batches (micro-batches, validation batches) combine exactly:
     mean = total sum / total count."""
     ring = axis_size(rt.mesh, RING_AXIS)
     batch = {k: zigzag(v, ring) for k, v in batch.items()}
-    hidden, head = model_lib.forward(graphdef, params, batch["inputs"], rt)
+    segment_ids = batch.get("segment_ids") if rt.cfg.data.packing == "documents" else None
+    hidden, head = model_lib.forward(graphdef, params, batch["inputs"], rt, batch.get("positions"), segment_ids)
     tiling = rt.cfg.tiling
     if tiling.loss:
         b, s = batch["targets"].shape
@@ -138,13 +144,16 @@ def state_shardings(mesh: jax.sharding.Mesh, state: dict) -> dict:
 
 def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh, batch_size: int | None = None) -> dict:
     """`ShapeDtypeStruct`s of one global batch (`batch_size` sequences, default `global_batch`), sharded batch
-    over data x fsdp and sequence over context."""
+    over data x fsdp and sequence over context: `inputs`, `targets` int32, `mask` float32, `positions` int32
+    (within each document) and `segment_ids` int32 (0 = padding), each `[batch_size, seq_len]`."""
     sh = NamedSharding(mesh, batch_spec())
     shape = (batch_size or cfg.global_batch, cfg.seq_len)
     return {
         "inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
         "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
         "mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh),
+        "positions": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
+        "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
     }
 
 

@@ -3,8 +3,9 @@
 The trainer knows no model internals: it builds the mesh, the state and the jitted step from `jaxlong.step`,
 feeds batches already sharded on the mesh, and writes TensorBoard scalars under `<run_dir>/<run_name>/`:
 `loss`, `lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `mfu` (when the device's peak is known) and
-`device_memory/*` (where the backend reports it), and every `eval_every` steps `eval/loss` and `eval/perplexity`
-on held-out documents (`jaxlong.evaluate.Validator`).
+`device_memory/*` (where the backend reports it), `packing_efficiency` (the fraction of tokens that are not
+padding), and every `eval_every` steps `eval/loss` and `eval/perplexity` on held-out documents
+(`jaxlong.evaluate.Validator`).
 """
 
 from __future__ import annotations
@@ -98,11 +99,10 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
         tokenizer = hf.HFTokenizer(cfg.model.from_hf)
     else:
         tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer!r} tokenizer's "
-            f"{tokenizer.vocab_size}; use at least {tokenizer.vocab_size}"
-        )
+    try:
+        data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     say(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
           f"mesh {dict(mesh.shape)} on {len(jax.devices())} x {jax.devices()[0].device_kind}, "
           f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
@@ -122,12 +122,13 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
               f"pass steps=N with N > {start} to train further")
         return {"metrics": {}, "run_dir": str(run_dir)}
     # Data first: a bad corpus fails before the (possibly long) compile.
-    tokens = data_lib.load_corpus(cfg.data.path, tokenizer, cfg.data.max_tokens)
-    validator = eval_lib.Validator(cfg, mesh, tokens, tokenizer.eod_id) if cfg.eval_every else None
-    tokens = validator.train_tokens if validator else tokens
-    batches = data_lib.make_batch_iterator(
-        tokens, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed, start_step=start
-    )
+    source = data_lib.DocumentSource(cfg.data.path, cfg.data.text_field)
+    validator, held_out = None, ()
+    if cfg.eval_every:  # whole documents held out for validation, left out of training
+        held_out, eval_tokens = eval_lib.held_out_documents(source, tokenizer, cfg.eval_fraction, cfg.seed,
+                                                            eval_lib.Validator.tokens_needed(cfg))
+        validator = eval_lib.Validator(cfg, mesh, eval_tokens, tokenizer.eod_id, held_out=True)
+    batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out)
 
     t0 = time.perf_counter()
     compiled = step_lib.compile_train_step(cfg, mesh)
@@ -135,11 +136,17 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
     say(format_compiled(compiled))
     check_fits(compiled)
     if validator:
-        print(format_compiled(validator.compile(), "eval step"))
+        say(format_compiled(validator.compile(), "eval step"))
 
     ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
     if resume:
         start, state = ckpt.restore(step_lib.abstract_state(cfg, mesh))
+        data_state = ckpt.restore_data(start)
+        if data_state is not None:
+            batches.set_state(data_state)
+        else:  # a checkpoint without the data iterator's state: replay the batches it consumed
+            for _ in range(start):
+                next(batches)
         say(f"resumed from {ckpt.directory / str(start)}")
     elif cfg.model.from_hf:
         state = step_lib.init_state(cfg, mesh, hf.load_params(cfg.model.from_hf, cfg, mesh))
@@ -156,19 +163,22 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
     tokens_per_step = cfg.seq_len * cfg.global_batch
     flops, peak = flops_per_token(cfg), peak_flops()
     metrics: dict = {}
+    packed: list[float] = []
     last_saved = start
     profiling = False
     profile_start = start + 1  # skip the first step (allocation, warm-up)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=not main)
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)  # preemption: save, then stop
-    done = start
+    done, data_state_done = start, batches.get_state()
     try:
         t_last = time.perf_counter()
         for step in range(start, cfg.steps):
             if profile and step == profile_start:
                 jax.profiler.start_trace(str(run_dir))
                 profiling = True
-            batch = data_lib.put_on_mesh(next(batches), batch_sharding)
+            host_batch = next(batches)
+            packed.append(data_lib.packing_efficiency(host_batch))
+            batch = data_lib.put_on_mesh(host_batch, batch_sharding)
             state, m = compiled(state, batch)
             if profiling and step == profile_start + cfg.profile_steps - 1:
                 jax.block_until_ready(m)
@@ -179,6 +189,7 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
                 # replicated scalars: every process reads its own copy (multi-process arrays are not
                 # fully addressable, so no device_get of the global array)
                 metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in m.items()}
+                metrics["packing_efficiency"], packed = sum(packed) / len(packed), []
                 now = time.perf_counter()
                 n_steps = cfg.log_every if step + 1 - start >= cfg.log_every else step + 1 - start
                 metrics["step_time_s"] = (now - t_last) / n_steps
@@ -190,24 +201,26 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
                 for k, v in metrics.items():
                     if writer is not None:
                         writer.add_scalar(k, v, step + 1)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
+                                packed=f"{metrics['packing_efficiency']:.2f}")
                 t_last = now
             if validator and validator.due(step + 1):
                 ev = validator.run(state["params"])
-                writer.add_scalar("eval/loss", ev["loss"], step + 1)
-                writer.add_scalar("eval/perplexity", ev["perplexity"], step + 1)
+                if writer is not None:
+                    writer.add_scalar("eval/loss", ev["loss"], step + 1)
+                    writer.add_scalar("eval/perplexity", ev["perplexity"], step + 1)
                 bar.write(f"step {step + 1}: eval loss {ev['loss']:.4f} (perplexity {ev['perplexity']:.2f}, "
                           f"{ev['tokens']:.0f} held-out tokens)")
             bar.update(1)
-            done = step + 1
-            if ckpt.save(step + 1, state, to_dict(cfg)):
+            done, data_state_done = step + 1, batches.get_state()
+            if ckpt.save(step + 1, state, to_dict(cfg), data_state=batches.get_state()):
                 last_saved = step + 1
         if last_saved != cfg.steps and start < cfg.steps:
-            ckpt.save(cfg.steps, state, to_dict(cfg), force=True)
+            ckpt.save(cfg.steps, state, to_dict(cfg), force=True, data_state=batches.get_state())
     except KeyboardInterrupt:
         if done > last_saved:
             try:
-                ckpt.save(done, state, to_dict(cfg), force=True)
+                ckpt.save(done, state, to_dict(cfg), force=True, data_state=data_state_done)
                 last_saved = done
             except Exception as e:  # noqa: BLE001 (the state of an interrupted step may be gone)
                 say(f"could not save step {done}: {e}")

@@ -18,6 +18,11 @@ R > 1, the sequence is split over `ring` x `context` (zigzag layout, `jaxlong.ri
 `context` only, giving each device `[b, S/R, H/C, d]`, and ring attention over `ring` (K/V blocks passed
 around the R ring ranks) replaces the single-device kernel. The all-to-alls stay inside a node and only the
 ring's point-to-point sends cross nodes.
+
+Packed documents (design brief §10): after the all-to-all every device attends over the whole sequence, so it
+needs the segment ids `[batch, S]` of the whole sequence, not its `S/C` shard. `ulysses_attention` takes them
+already gathered (`gather_segment_ids`, an int32 all-gather over `context` that the model does once per step,
+outside its layer scan) and hands them to the kernel unchanged: no per-layer communication is added.
 """
 
 from __future__ import annotations
@@ -50,6 +55,15 @@ def replicate_kv_heads(k: jax.Array, context: int) -> jax.Array:
     return jnp.repeat(k, context // kv_heads, axis=2)
 
 
+def gather_segment_ids(segment_ids: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
+    """Segment ids `[batch, S]` (int32) laid out whole on every context device: `P(('data', 'fsdp'), None)`.
+
+    From the usual `P(('data', 'fsdp'), 'context')` this is one all-gather of `S * 4` bytes per sequence over the
+    `context` axis; call it once per step, outside the layer scan, and pass the result to every layer."""
+    sharding = jax.sharding.NamedSharding(mesh, P(BATCH_AXES, None))
+    return jax.lax.with_sharding_constraint(segment_ids.astype(jnp.int32), sharding)
+
+
 def ulysses_attention(
     q: jax.Array,
     k: jax.Array,
@@ -60,6 +74,7 @@ def ulysses_attention(
     causal: bool = True,
     block_q: int = 512,
     block_k: int = 512,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention with Ulysses context parallelism over the mesh's `context` axis (and ring attention
     over its `ring` axis when that has size > 1: the Ulysses x ring hybrid).
@@ -71,6 +86,9 @@ def ulysses_attention(
       mesh: the `data x fsdp x ring x context` mesh (or `data x fsdp x context`).
       backend, block_q, block_k: the single-device kernel (see `jaxlong.attention.kernels.attention`); with
         ring > 1 the per-block kernel is the blockwise one whatever `backend` says.
+      segment_ids: int32 `[batch, seq]` (0 = padding) or None: document masking. Whole sequences per device,
+        as `gather_segment_ids` lays them out (passing them sharded over context gathers them on every call).
+        Not with ring > 1.
 
     Returns:
       `[batch, seq, heads, head_dim]`, sharded like q.
@@ -84,13 +102,25 @@ def ulysses_attention(
     v = replicate_kv_heads(v, context)
     spec = P(BATCH_AXES, seq_axes(mesh), None, None)
     ring = axis_size(mesh, RING_AXIS)
+    kernel = dict(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
+    if ring > 1 and segment_ids is not None:
+        raise ValueError("ring attention does not mask packed documents: with mesh.ring > 1 use data.packing=concat")
 
-    def local(q, k, v):
+    if segment_ids is None:
+        def local(q, k, v):
+            q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
+            if ring > 1:
+                out = ring_attention_local(q, k, v, causal=causal, block_q=block_q, block_k=block_k)
+            else:
+                out = attention(q, k, v, **kernel)
+            return heads_to_seq(out)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=True)(q, k, v)
+
+    def local_packed(q, k, v, seg):
         q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
-        if ring > 1:
-            out = ring_attention_local(q, k, v, causal=causal, block_q=block_q, block_k=block_k)
-        else:
-            out = attention(q, k, v, backend=backend, causal=causal, block_q=block_q, block_k=block_k)
-        return heads_to_seq(out)
+        return heads_to_seq(attention(q, k, v, segment_ids=seg, **kernel))
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=True)(q, k, v)
+    seg_spec = P(BATCH_AXES, None)
+    return jax.shard_map(local_packed, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
+                         check_vma=True)(q, k, v, segment_ids.astype(jnp.int32))

@@ -3,7 +3,8 @@
 Plain Ulysses projects Q, K, V for all H heads, all-to-alls them and runs attention on H/C heads per device at
 once, so every head-sized intermediate is live together. U-Pipe runs the heads in H/U *stages* of U heads
 (U = `heads_per_stage`, a multiple of the context degree C): each stage projects only its heads from the
-layer input x, applies RoPE with global positions, all-to-alls to `[b, S, U/C, d]`, runs attention, all-to-alls
+layer input x, applies RoPE (global positions, or the batch's per-document positions for packed documents),
+all-to-alls to `[b, S, U/C, d]`, runs attention (with the whole sequence's segment ids, if any), all-to-alls
 back and writes its slice into one output buffer allocated before the stages. Only one stage's tensors are
 live at a time, so head-proportional memory scales with U/C instead of H/C.
 
@@ -104,19 +105,23 @@ def _ring_size() -> int:
     return int(mesh.shape[RING_AXIS]) if RING_AXIS in mesh.axis_names else 1
 
 
-def _attention_fwd(q, k, v, kernel: dict):
-    """The stage's attention on `[b, S/R, U/C, d]`: ring attention over `ring` (U-Pipe x ring) when R > 1."""
+def _attention_fwd(q, k, v, kernel: dict, seg=None):
+    """The stage's attention on `[b, S/R, U/C, d]`: ring attention over `ring` (U-Pipe x ring) when R > 1;
+    `seg`: segment ids of the whole sequence (document masking; not with ring attention)."""
     if _ring_size() > 1:
+        if seg is not None:
+            raise ValueError("ring attention does not mask packed documents: with mesh.ring > 1 use "
+                             "data.packing=concat")
         return ring_attention_fwd(q, k, v, causal=kernel["causal"], block_q=kernel["block_q"],
                                   block_k=kernel["block_k"])
-    return attention_fwd_with_lse(q, k, v, **kernel)
+    return attention_fwd_with_lse(q, k, v, segment_ids=seg, **kernel)
 
 
-def _attention_bwd(q, k, v, o, lse, do, kernel: dict):
+def _attention_bwd(q, k, v, o, lse, do, kernel: dict, seg=None):
     if _ring_size() > 1:
         return ring_attention_bwd(q, k, v, o, lse, do, causal=kernel["causal"], block_q=kernel["block_q"],
                                   block_k=kernel["block_k"])
-    return attention_bwd(q, k, v, o, lse, do, **kernel)
+    return attention_bwd(q, k, v, o, lse, do, segment_ids=seg, **kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,14 +330,21 @@ def _weight_grad(x, g):
     return jnp.einsum("bsnd,bsh->ndh", g, x, preferred_element_type=jnp.float32).transpose(2, 0, 1)
 
 
-def _forward(x, wq, wk, wv, sch: Schedule, opts: dict, qk=None):
+def _rope_positions(x, pos):
+    """RoPE positions of this device's shard: the batch's `pos` `[b, S/C]` (per-document positions of packed
+    documents), or the global token indices when None."""
+    return _positions(*x.shape[:2]) if pos is None else pos
+
+
+def _forward(x, wq, wk, wv, pos, seg, sch: Schedule, opts: dict, qk=None):
     """Stage scan. Returns the output `[b, S/C, H, d]` and lse `[groups, stages_per_group, b, m, S]`.
+    `pos`: RoPE positions `[b, S/C]` or None; `seg`: segment ids of the whole sequence `[b, S]` or None;
     `qk`: None, or the (q_norm, k_norm) scales `[d]` normalizing each stage's query and key heads."""
     qn, kn = (None, None) if qk is None else qk
     eps = opts["eps"]
     b, s_local, _ = x.shape
     d = wq.shape[-1]
-    cos, sin = L.rope_tables(_positions(b, s_local), d, opts["theta"], opts.get("scaling"))
+    cos, sin = L.rope_tables(_rope_positions(x, pos), d, opts["theta"], opts.get("scaling"))
     out = zeros_after(x, (b, s_local, sch.heads, d), x.dtype, _all_axes())
 
     def group(out, t):
@@ -341,7 +353,7 @@ def _forward(x, wq, wk, wv, sch: Schedule, opts: dict, qk=None):
 
         def stage(out, u):
             q = _seq_to_heads(_project(x, _stage_get(wq, t, u, 1, sch), cos, sin, True, qn, eps))
-            o, lse = _attention_fwd(q, k, v, opts["kernel"])
+            o, lse = _attention_fwd(q, k, v, opts["kernel"], seg)
             return _stage_set(out, _heads_to_seq(o), t, u, 2, sch), lse
 
         return jax.lax.scan(stage, out, jnp.arange(sch.stages_per_group))
@@ -349,9 +361,9 @@ def _forward(x, wq, wk, wv, sch: Schedule, opts: dict, qk=None):
     return jax.lax.scan(group, out, jnp.arange(sch.groups))
 
 
-def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None, qk=None):
+def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict, wo=None, qk=None):
     """Stage scan of the backward; returns dx, dWq, dWk, dWv, dWo, d(q_norm, k_norm) (this device's partial
-    weight gradients; dWo None without `wo`, the last None without `qk`).
+    weight gradients; dWo None without `wo`, the last None without `qk`). `pos`, `seg` as for `_forward`.
 
     With `qk` (the q/k RMSNorm scales `[d]`, Qwen3) each recomputed projection `rope(norm(x @ w))` is a
     `jax.vjp` whose pullback takes the un-all-to-all'd dQ (dK) to dx, the weight rows and the norm scale.
@@ -366,9 +378,8 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None,
     with the forward's projections (its CPU pipeline runs common subexpression elimination again after
     expanding optimization barriers) or schedules them during the forward, and Q, K, V stay alive from the
     forward to the backward, which is what U-Pipe avoids."""
-    b, s_local, _ = x.shape
     d = wq.shape[-1]
-    cos, sin = L.rope_tables(_positions(b, s_local), d, opts["theta"], opts.get("scaling"))
+    cos, sin = L.rope_tables(_rope_positions(x, pos), d, opts["theta"], opts.get("scaling"))
     f32 = jnp.float32
     n_kv = sch.context * sch.kc
     # Sequence-sized accumulators (dx `[b, S/C, hidden]`, dK/dV `[b, S, kc, d]`) are kept in the activation
@@ -415,7 +426,7 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None,
                 dwo_s = jnp.einsum("bsnd,bsh->ndh", o_s, dout, preferred_element_type=f32)
                 dwo = _stage_set(dwo, dwo_s, t, u, 0, sch)
             o, do = _seq_to_heads(o_s), _seq_to_heads(do_s)
-            dq, dk, dv = _attention_bwd(q, k, v, o, lse_s, do, opts["kernel"])
+            dq, dk, dv = _attention_bwd(q, k, v, o, lse_s, do, opts["kernel"], seg)
             if qk is None:
                 dq = _rope(_heads_to_seq(dq), cos, -sin)  # transpose of the rotation
                 dx = add(dx, jnp.einsum("bsnd,hnd->bsh", dq, wq_s, preferred_element_type=acc))
@@ -462,52 +473,52 @@ def _backward(x, wq, wk, wv, out, lse, dout, sch: Schedule, opts: dict, wo=None,
     return dx.astype(x.dtype), dwq.astype(wq.dtype), dwk.astype(wk.dtype), dwv.astype(wv.dtype), dwo, dqk
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _upipe_local(x, wq, wk, wv, qk, sch, opts):
-    return _forward(x, wq, wk, wv, sch, opts, qk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _upipe_local(x, wq, wk, wv, qk, pos, seg, sch, opts):
+    return _forward(x, wq, wk, wv, pos, seg, sch, opts, qk)[0]
 
 
-def _upipe_local_fwd(x, wq, wk, wv, qk, sch, opts):
-    out, lse = _forward(x, wq, wk, wv, sch, opts, qk)
-    return out, (x, wq, wk, wv, qk, out, lse)
+def _upipe_local_fwd(x, wq, wk, wv, qk, pos, seg, sch, opts):
+    out, lse = _forward(x, wq, wk, wv, pos, seg, sch, opts, qk)
+    return out, (x, wq, wk, wv, qk, pos, seg, out, lse)
 
 
 def _upipe_local_bwd(sch, opts, res, dout):
     # The barrier marks the recomputation as distinct from the forward for passes that respect it (see also
     # `opaque_one`, which the CPU pipeline needs because it runs CSE again after expanding barriers).
-    x, wq, wk, wv, qk, out, lse = jax.lax.optimization_barrier(res)
-    dx, dwq, dwk, dwv, _, dqk = _backward(x, wq, wk, wv, out, lse, dout, sch, opts, qk=qk)
-    return dx, dwq, dwk, dwv, dqk
+    x, wq, wk, wv, qk, pos, seg, out, lse = jax.lax.optimization_barrier(res)
+    dx, dwq, dwk, dwv, _, dqk = _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch, opts, qk=qk)
+    return dx, dwq, dwk, dwv, dqk, None, None
 
 
 _upipe_local.defvjp(_upipe_local_fwd, _upipe_local_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _upipe_norm_local(x, scale, wq, wk, wv, wo, qk, sch, opts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def _upipe_norm_local(x, scale, wq, wk, wv, wo, qk, pos, seg, sch, opts):
     """U-Pipe on `rms_norm(x, scale)`, with the norm inside the op (see `upipe_attention(norm_scale=...)`);
     with `wo` (not None) the attention sublayer's output `x + out @ W_o` instead of `out`; `qk`: None or the
-    q/k norm scales."""
-    return _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, sch, opts)[0]
+    q/k norm scales; `pos`, `seg`: RoPE positions and segment ids (or None)."""
+    return _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, pos, seg, sch, opts)[0]
 
 
-def _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, sch, opts):
+def _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, pos, seg, sch, opts):
     h, (_, _, r) = L.rms_norm_fwd(x, scale, opts["eps"])
-    out, lse = _forward(h, wq, wk, wv, sch, opts, qk)
+    out, lse = _forward(h, wq, wk, wv, pos, seg, sch, opts, qk)
     y = out if wo is None else x + jnp.einsum("bsnd,ndh->bsh", out, wo).astype(x.dtype)
-    return y, (x, scale, r, wq, wk, wv, wo, qk, out, lse)  # the layer input x, not the normalized h
+    return y, (x, scale, r, wq, wk, wv, wo, qk, pos, seg, out, lse)  # the layer input x, not the normalized h
 
 
 def _upipe_norm_local_bwd(sch, opts, res, dy):
-    x, scale, r, wq, wk, wv, wo, qk, out, lse = jax.lax.optimization_barrier(res)
+    x, scale, r, wq, wk, wv, wo, qk, pos, seg, out, lse = jax.lax.optimization_barrier(res)
     # Recompute the normalized input only now (after dy), so it is not live through the rest of the
     # layer's backward; the opaque 1 keeps the compiler from reusing the forward's copy instead.
     h = L.rms_norm_apply(x, r, scale.astype(jnp.float32) * opaque_one(dy, jnp.float32, _all_axes()))
-    dh, dwq, dwk, dwv, dwo, dqk = _backward(h, wq, wk, wv, out, lse, dy, sch, opts, wo=wo, qk=qk)
+    dh, dwq, dwk, dwv, dwo, dqk = _backward(h, wq, wk, wv, pos, seg, out, lse, dy, sch, opts, wo=wo, qk=qk)
     dx, d_scale = L.rms_norm_bwd(opts["eps"], (x, scale, r), dh)
     if wo is not None:  # the residual connection
         dx = (dy.astype(jnp.float32) + dx.astype(jnp.float32)).astype(x.dtype)
-    return dx, d_scale, dwq, dwk, dwv, dwo, dqk
+    return dx, d_scale, dwq, dwk, dwv, dwo, dqk, None, None
 
 
 _upipe_norm_local.defvjp(_upipe_norm_local_fwd, _upipe_norm_local_bwd)
@@ -538,6 +549,8 @@ def upipe_attention(
     out_weight: jax.Array | None = None,
     rope_scaling=None,
     qk_norm: tuple[jax.Array, jax.Array] | None = None,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Head-chunked Ulysses attention from the layer input (projection, RoPE, all-to-alls, attention).
 
@@ -561,6 +574,11 @@ def upipe_attention(
       qk_norm: None, or Qwen3's (q_norm, k_norm) RMSNorm scales `[head_dim]` (replicated): each stage normalizes
         its query heads and its KV group's key heads over head_dim (epsilon `norm_eps`) before RoPE, and the
         backward pulls dQ, dK back through the norms (the scales' gradients included).
+      positions: int32 `[batch, seq]` RoPE positions (per-document positions of packed documents), sharded like
+        the tokens; None: global token indices.
+      segment_ids: int32 `[batch, seq]` (0 = padding) or None: document masking. Every device attends over the
+        whole sequence, so they enter whole (`jaxlong.ulysses.gather_segment_ids`: gathered once per step,
+        outside the layer scan) and every stage's kernel reuses them. Not with mesh.ring > 1.
 
     Returns:
       attention output before W_o, `[batch, seq, heads, head_dim]` in natural head order, sharded like x;
@@ -593,19 +611,28 @@ def upipe_attention(
     weights += () if qk_norm is None else tuple(qk_norm)
     n_qk = 0 if qk_norm is None else 2
 
-    def local(x, *weights):
+    tok, whole = P(BATCH_AXES, seq_axes(mesh)), P(BATCH_AXES, None)
+    extra = tuple(a.astype(jnp.int32) for a in (positions, segment_ids) if a is not None)
+    extra_specs = (() if positions is None else (tok,)) + (() if segment_ids is None else (whole,))
+
+    n_weights = len(weights)
+
+    def local(x, *args):
+        weights, extra_local = args[:n_weights], list(args[n_weights:])
+        pos = extra_local.pop(0) if positions is not None else None
+        seg = extra_local.pop(0) if segment_ids is not None else None
         # Weights enter replicated (unvarying); marking them varying makes the shard_map transpose sum the
         # per-device weight gradients (psum), so the custom backward must not sum them itself.
         weights = [_varying(w) for w in weights]
         qk = tuple(weights[len(weights) - n_qk:]) if n_qk else None
         weights = weights[: len(weights) - n_qk]
         if not fused:
-            return _upipe_local(x, *weights, qk, sch, opts)
+            return _upipe_local(x, *weights, qk, pos, seg, sch, opts)
         scale, wq, wk, wv, *wo = weights
-        return _upipe_norm_local(x, scale, wq, wk, wv, wo[0] if wo else None, qk, sch, opts)
+        return _upipe_norm_local(x, scale, wq, wk, wv, wo[0] if wo else None, qk, pos, seg, sch, opts)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(act, *(rep,) * len(weights)), out_specs=out_spec,
-                         check_vma=True)(x, *weights)
+    return jax.shard_map(local, mesh=mesh, in_specs=(act, *(rep,) * len(weights), *extra_specs),
+                         out_specs=out_spec, check_vma=True)(x, *weights, *extra)
 
 
 def attention_layer(impl: str, mesh: jax.sharding.Mesh, *, heads_per_stage: int | None = None,

@@ -13,6 +13,17 @@ Layout (everywhere in this module):
 Queries and keys share one sequence length and, for ``causal=True``, one origin (query ``t``
 sees keys ``0..t``). Scores are ``q . k / sqrt(head_dim)``.
 
+Packed documents (``segment_ids``, int32 ``[batch, seq]``, 0 = padding): a query attends only to
+the earlier keys of its own *run* of equal segment ids (document masking, block-diagonal causal).
+Packed documents are contiguous, so a run is a document; an id that reappears after another id
+starts a new run. Every query sees at least itself, so no softmax row is empty (padding tokens
+attend to earlier padding; their outputs are meant to be masked out of the loss). Segment ids
+require ``causal=True``. The blockwise kernels compute each token's run start
+(:func:`segment_starts`, ``[batch, seq]`` int32, O(seq)) and from it loop bounds per tile: kv tiles
+before the first run that a query tile touches (forward) and query tiles past the last run that
+touches a kv tile (backward) are not visited, so ``n`` equal documents cost about ``1/n`` of full
+causal attention. Nothing ``[seq, seq]``-shaped and nothing per head is added.
+
 The blockwise kernels follow FlashAttention-2 (T. Dao, "FlashAttention-2: Faster Attention
 with Better Parallelism and Work Partitioning", 2023): Algorithm 1 (forward, online softmax
 over kv tiles per query tile, saving only ``out`` and ``lse``) and Algorithm 2 (backward,
@@ -37,6 +48,7 @@ from jaxlong.ordering import varying_axes, zeros_after
 
 __all__ = [
     "BACKENDS",
+    "segment_starts",
     "reference_attention",
     "blockwise_attention_fwd",
     "blockwise_attention_bwd",
@@ -110,25 +122,59 @@ def _split_heads(x, kv_heads):
     return x.reshape(b, s, kv_heads, h // kv_heads, d)
 
 
+def segment_starts(segment_ids):
+    """Index of the first token of each token's run of equal segment ids, int32 ``[batch, seq]``.
+
+    ``segment_ids``: int ``[batch, seq]``. For packed (contiguous) documents this is where each
+    token's document starts in the row. Non-decreasing along the sequence. O(seq) work and memory.
+    """
+    seg = jnp.asarray(segment_ids)
+    if seg.ndim != 2:
+        raise ValueError(f"segment_ids must be [batch, seq]; got shape {seg.shape}")
+    pos = lax.broadcasted_iota(jnp.int32, seg.shape, 1)
+    new_run = jnp.concatenate(
+        [jnp.ones_like(seg[:, :1], dtype=bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    return lax.cummax(jnp.where(new_run, pos, 0), axis=1)
+
+
+def _check_segments(segment_ids, q, causal):
+    """Validate ``segment_ids`` against q's ``[batch, seq]``; return them as int32 (or None)."""
+    if segment_ids is None:
+        return None
+    if not causal:
+        raise ValueError("segment_ids (document masking) requires causal=True")
+    b, s = q.shape[:2]
+    if tuple(segment_ids.shape) != (b, s):
+        raise ValueError(f"segment_ids must be [batch, seq] = {[b, s]}; got {tuple(segment_ids.shape)}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"segment_ids must be an integer array; got {segment_ids.dtype}")
+    return segment_ids.astype(jnp.int32)
+
+
 # ------------------------------------------------------------------------- reference
 
 
-def reference_attention(q, k, v, *, causal: bool = True):
+def reference_attention(q, k, v, *, causal: bool = True, segment_ids=None):
     """Materialized ``softmax(q k^T / sqrt(d)) v`` computed in float32 (tests only).
 
-    Shapes as in the module docstring; returns ``[batch, seq, heads, head_dim]`` in
-    ``q.dtype``. Uses O(seq^2) memory. Raises ValueError on malformed shapes.
+    Shapes as in the module docstring; ``segment_ids`` int ``[batch, seq]`` or None (document
+    masking, see the module docstring). Returns ``[batch, seq, heads, head_dim]`` in ``q.dtype``.
+    Uses O(seq^2) memory. Raises ValueError on malformed shapes or segment ids.
     """
-    return _reference_with_lse(q, k, v, causal=causal)[0]
+    return _reference_with_lse(q, k, v, causal=causal, segment_ids=segment_ids)[0]
 
 
-def _reference_with_lse(q, k, v, *, causal: bool):
+def _reference_with_lse(q, k, v, *, causal: bool, segment_ids=None):
     b, s, h, kvh, d = _check_shapes(q, k, v)
+    segment_ids = _check_segments(segment_ids, q, causal)
     q5 = _split_heads(q.astype(_F32), kvh)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q5, k.astype(_F32)) / math.sqrt(d)
     if causal:
-        mask = jnp.tril(jnp.ones((s, s), dtype=bool))
-        scores = jnp.where(mask, scores, _NEG)
+        mask = jnp.tril(jnp.ones((s, s), dtype=bool))[None]
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            mask = mask & (jnp.arange(s)[None, None, :] >= segment_starts(segment_ids)[:, :, None])
+        scores = jnp.where(mask[:, None, None], scores, _NEG)
     lse = jax.nn.logsumexp(scores, axis=-1)  # [b, kvh, g, s]
     probs = jnp.exp(scores - lse[..., None])
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(_F32))
@@ -138,8 +184,13 @@ def _reference_with_lse(q, k, v, *, causal: bool):
 # ------------------------------------------------------------------ blockwise forward
 
 
+def _tile_starts(starts, bq):
+    """Run start of each query tile's first token, ``[batch, n_q_tiles]`` (the tile's minimum)."""
+    return starts[:, ::bq]
+
+
 def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
-                            block_k: int = 512):
+                            block_k: int = 512, segment_ids=None):
     """FlashAttention-2 forward (Dao 2023, Alg. 1) in pure JAX; returns ``(out, lse)``.
 
     Args:
@@ -147,27 +198,37 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
       causal: mask keys after the query position.
       block_q, block_k: query / key tile lengths (may differ). Each is clamped to ``seq``
         and must then divide ``seq``.
+      segment_ids: int ``[batch, seq]`` or None: document masking (module docstring).
 
     Returns:
       ``out`` with the shape and dtype of ``q``; ``lse`` float32 ``[batch, heads, seq]``.
 
     Raises:
-      ValueError: malformed shapes, or a block size that does not divide ``seq``.
+      ValueError: malformed shapes, a block size that does not divide ``seq``, or segment ids
+        that are not ``[batch, seq]`` integers (or come with ``causal=False``).
 
     Query tiles are processed by ``lax.map``; each runs an online softmax over kv tiles in a
     ``lax.fori_loop`` whose upper bound (for ``causal``) is the last kv tile that touches
-    the diagonal, so tiles fully above it are skipped. Peak extra memory is O(tile^2).
+    the diagonal, so tiles fully above it are skipped; with segment ids the lower bound is the
+    kv tile holding the earliest run start of the query tile (over the batch), so tiles of
+    earlier documents are skipped too. Peak extra memory is O(tile^2).
     """
     b, s, h, kvh, d = _check_shapes(q, k, v)
     bq = _check_block("block_q", block_q, s)
     bk = _check_block("block_k", block_k, s)
+    segment_ids = _check_segments(segment_ids, q, causal)
     g, nq, nk = h // kvh, s // bq, s // bk
     scale = 1.0 / math.sqrt(d)
     q5 = _split_heads(q, kvh)
+    if segment_ids is not None:
+        starts = segment_starts(segment_ids)  # [b, s]
+        lo_tiles = _tile_starts(starts, bq).min(axis=0) // bk  # [nq]
 
     def q_tile(i):
         q_i = lax.dynamic_slice_in_dim(q5, i * bq, bq, axis=1)  # [b, bq, kvh, g, d]
         q_pos = i * bq + jnp.arange(bq)
+        if segment_ids is not None:
+            st_i = lax.dynamic_slice_in_dim(starts, i * bq, bq, axis=1)  # [b, bq]
 
         def kv_step(j, carry):
             m, l, acc = carry  # m, l: [b, kvh, g, bq]; acc: [b, kvh, g, bq, d] (float32)
@@ -175,13 +236,20 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
             v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
             sc = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, k_j, preferred_element_type=_F32)
             sc = sc * scale
+            mask = None
             if causal:
-                mask = q_pos[:, None] >= (j * bk + jnp.arange(bk))[None, :]
+                k_pos = j * bk + jnp.arange(bk)
+                mask = (q_pos[:, None] >= k_pos[None, :])[None]  # [1, bq, bk]
+                if segment_ids is not None:
+                    mask = mask & (k_pos[None, None, :] >= st_i[:, :, None])  # [b, bq, bk]
+                mask = mask[:, None, None]
                 sc = jnp.where(mask, sc, _NEG)
-            # kv tile 0 is always visited first and key 0 is visible to every query, so m
-            # is a real score from then on and masked entries give exp(_NEG - m) == 0.
+            # A row may have no visible key in this tile (all _NEG, so m_new == _NEG too): the
+            # explicit where keeps its exp(_NEG - _NEG) = 1 out of l and acc.
             m_new = jnp.maximum(m, sc.max(axis=-1))
             p = jnp.exp(sc - m_new[..., None])
+            if mask is not None:
+                p = jnp.where(mask, p, 0.0)
             corr = jnp.exp(m - m_new)
             l = l * corr + p.sum(axis=-1)
             pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v_j,
@@ -191,7 +259,8 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
         init = (_full((b, kvh, g, bq), _NEG, q, k, v), _full((b, kvh, g, bq), 0, q, k, v),
                 _full((b, kvh, g, bq, d), 0, q, k, v))
         hi = jnp.minimum(nk, ((i + 1) * bq + bk - 1) // bk) if causal else nk
-        m, l, acc = lax.fori_loop(0, hi, kv_step, init)
+        lo = lo_tiles[i] if segment_ids is not None else 0
+        m, l, acc = lax.fori_loop(lo, hi, kv_step, init)
         out_i = jnp.transpose(acc / l[..., None], (0, 3, 1, 2, 4))  # [b, bq, kvh, g, d]
         return out_i.astype(q.dtype), m + jnp.log(l)
 
@@ -205,31 +274,33 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
 
 
 def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
-                            block_q: int = 512, block_k: int = 512):
+                            block_q: int = 512, block_k: int = 512, segment_ids=None):
     """FlashAttention-2 backward (Dao 2023, Alg. 2) in pure JAX; returns ``(dq, dk, dv)``.
 
     Args:
       q, k, v: as for :func:`blockwise_attention_fwd`.
       out: forward output, shape/dtype of ``q``; lse: float32 ``[batch, heads, seq]`` from
         the forward; dout: cotangent of ``out`` (shape of ``q``).
-      causal, block_q, block_k: must match the forward call (same clamping and checks).
+      causal, block_q, block_k, segment_ids: must match the forward call (same checks).
 
     Returns:
       ``dq``, ``dk``, ``dv`` with the shapes and dtypes of ``q``, ``k``, ``v``; ``dk`` and
       ``dv`` are summed over the query heads of each GQA group.
 
     Raises:
-      ValueError: malformed shapes or a block size that does not divide ``seq``.
+      ValueError: as :func:`blockwise_attention_fwd`.
 
     An outer ``lax.scan`` walks kv tiles, accumulating that tile's ``dk``/``dv`` in float32;
     an inner ``lax.fori_loop`` walks the query tiles (for ``causal`` starting at the first
-    one that reaches the tile), recomputing ``P = exp(q k^T * scale - lse)`` per tile and
-    adding into a float32 ``dq`` buffer carried through the scan. No ``[seq, seq]`` array is
-    formed.
+    one that reaches the tile; with segment ids ending after the last query tile whose run
+    starts at or before the kv tile's end), recomputing ``P = exp(q k^T * scale - lse)`` per
+    tile and adding into a float32 ``dq`` buffer carried through the scan. No ``[seq, seq]``
+    array is formed.
     """
     b, s, h, kvh, d = _check_shapes(q, k, v)
     bq = _check_block("block_q", block_q, s)
     bk = _check_block("block_k", block_k, s)
+    segment_ids = _check_segments(segment_ids, q, causal)
     g, nq, nk = h // kvh, s // bq, s // bk
     scale = 1.0 / math.sqrt(d)
     q5, do5 = _split_heads(q, kvh), _split_heads(dout.astype(q.dtype), kvh)
@@ -237,6 +308,12 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
     # D_i = rowsum(dO_i * O_i), [b, kvh, g, s]
     delta = jnp.einsum("bshgd,bshgd->bhgs", do5.astype(_F32),
                        _split_heads(out, kvh).astype(_F32))
+    if segment_ids is not None:
+        starts = segment_starts(segment_ids)  # [b, s]
+        # q tiles whose first run start is <= the kv tile's last key: a prefix (starts grow).
+        last_key = (jnp.arange(nk, dtype=jnp.int32) + 1) * bk - 1
+        hi_tiles = jax.vmap(lambda t: jnp.searchsorted(t, last_key, side="right"))(
+            _tile_starts(starts, bq)).max(axis=0).astype(jnp.int32)  # [nk]
 
     refs = (q, k, v, out, lse, dout)  # for the shard_map varying axes of the carries
 
@@ -254,8 +331,11 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
             sc = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, k_j, preferred_element_type=_F32)
             sc = sc * scale
             if causal:
-                mask = (i * bq + jnp.arange(bq))[:, None] >= k_pos[None, :]
-                sc = jnp.where(mask, sc, _NEG)
+                mask = ((i * bq + jnp.arange(bq))[:, None] >= k_pos[None, :])[None]
+                if segment_ids is not None:
+                    st_i = lax.dynamic_slice_in_dim(starts, i * bq, bq, axis=1)  # [b, bq]
+                    mask = mask & (k_pos[None, None, :] >= st_i[:, :, None])
+                sc = jnp.where(mask[:, None, None], sc, _NEG)
             p = jnp.exp(sc - lse_i[..., None])  # masked entries -> 0
             dv_j = dv_j + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do_i.dtype), do_i,
                                      preferred_element_type=_F32)
@@ -269,8 +349,9 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
             return dq_acc, dk_j, dv_j
 
         lo = (j * bk) // bq if causal else 0
+        hi = hi_tiles[j] if segment_ids is not None else nq
         zeros = _full((b, bk, kvh, d), 0, *refs)
-        dq_acc, dk_j, dv_j = lax.fori_loop(lo, nq, q_step, (dq_acc, zeros, zeros))
+        dq_acc, dk_j, dv_j = lax.fori_loop(lo, hi, q_step, (dq_acc, zeros, zeros))
         return dq_acc, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))
 
     dq_acc = _full((b, s, kvh, g, d), 0, *refs)
@@ -284,40 +365,43 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
 # ------------------------------------------------------------------------ custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _blockwise(q, k, v, causal, block_q, block_k):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _blockwise(q, k, v, segment_ids, causal, block_q, block_k):
     return blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
-                                   block_k=block_k)[0]
+                                   block_k=block_k, segment_ids=segment_ids)[0]
 
 
-def _blockwise_vjp_fwd(q, k, v, causal, block_q, block_k):
+def _blockwise_vjp_fwd(q, k, v, segment_ids, causal, block_q, block_k):
     out, lse = blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
-                                       block_k=block_k)
-    return out, (q, k, v, out, lse)  # O(seq) residuals only: no score tiles
+                                       block_k=block_k, segment_ids=segment_ids)
+    return out, (q, k, v, segment_ids, out, lse)  # O(seq) residuals only: no score tiles
 
 
 def _blockwise_vjp_bwd(causal, block_q, block_k, res, dout):
-    q, k, v, out, lse = res
-    return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal,
-                                   block_q=block_q, block_k=block_k)
+    q, k, v, segment_ids, out, lse = res
+    dq, dk, dv = blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal,
+                                         block_q=block_q, block_k=block_k,
+                                         segment_ids=segment_ids)
+    return dq, dk, dv, None
 
 
 _blockwise.defvjp(_blockwise_vjp_fwd, _blockwise_vjp_bwd)
 
 
 def blockwise_attention(q, k, v, *, causal: bool = True, block_q: int = 512,
-                        block_k: int = 512):
+                        block_k: int = 512, segment_ids=None):
     """Differentiable blockwise attention (``jax.custom_vjp``); returns ``out``.
 
     Forward is :func:`blockwise_attention_fwd`, backward :func:`blockwise_attention_bwd`;
-    the saved residuals are exactly ``(q, k, v, out, lse)``. Works under ``jit``,
+    the saved residuals are exactly ``(q, k, v, segment_ids, out, lse)``. Works under ``jit``,
     ``lax.scan``, ``shard_map`` and ``jax.checkpoint``. Shapes, dtypes and errors as for
     :func:`blockwise_attention_fwd` (checked eagerly, before tracing the custom_vjp).
     """
     _, s, _, _, _ = _check_shapes(q, k, v)
     bq = _check_block("block_q", block_q, s)
     bk = _check_block("block_k", block_k, s)
-    return _blockwise(q, k, v, bool(causal), bq, bk)
+    segment_ids = _check_segments(segment_ids, q, causal)
+    return _blockwise(q, k, v, segment_ids, bool(causal), bq, bk)
 
 
 # ------------------------------------------------------------------------------ cuDNN
@@ -328,6 +412,8 @@ def cudnn_attention(q, k, v, *, causal: bool = True):
     ``(q, k, v, out, lse)`` whose backward does not rerun the forward).
 
     Same layout (GQA handled natively). GPU only; bf16/fp16 inputs, head_dim a multiple of 8 and <= 256.
+    It takes no segment ids: packed documents go to the blockwise kernel (``backend='auto'``) or raise
+    (``backend='cudnn'``, see :func:`resolve_backend`).
     Raises ValueError/ConfigError as :func:`jaxlong.attention.cudnn.cudnn_attention_fwd`.
     """
     return _cudnn.cudnn_attention(q, k, v, causal=causal)
@@ -336,63 +422,73 @@ def cudnn_attention(q, k, v, *, causal: bool = True):
 # --------------------------------------------------------------------------- dispatch
 
 
-def resolve_backend(backend: str, q, platform: str | None = None) -> str:
+def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = None) -> str:
     """Map ``backend`` (one of :data:`BACKENDS`) to a concrete one for query array ``q``.
 
     ``'auto'`` picks ``'cudnn'`` when the devices are GPUs (``platform``: the mesh's device platform, e.g.
     ``mesh.devices.flat[0].platform``; default ``jax.default_backend()``), ``head_dim % 8 == 0``,
-    ``head_dim <= 256`` and ``q.dtype`` is bf16/fp16; otherwise ``'blockwise'``. Compile-only GPU devices
-    (planning without a GPU) report ``'gpu'`` while ``jax.default_backend()`` is ``'cpu'``: pass ``platform``.
-    Raises ValueError for an unknown backend.
+    ``head_dim <= 256``, ``q.dtype`` is bf16/fp16 and there are no ``segment_ids``; otherwise
+    ``'blockwise'`` (the only fast kernel with document masking). Compile-only GPU devices (planning without
+    a GPU) report ``'gpu'`` while ``jax.default_backend()`` is ``'cpu'``: pass ``platform``.
+
+    Raises:
+      ValueError: unknown backend, or ``'cudnn'`` with segment ids (``attention.backend``).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "cudnn" and segment_ids is not None:
+        raise ValueError(
+            "attention.backend=cudnn cannot mask packed documents (cuDNN's packed layout is not usable at long "
+            "context, see jaxlong.attention.cudnn); use attention.backend=auto or blockwise, or data.packing=concat")
     if backend != "auto":
         return backend
     platform = jax.default_backend() if platform is None else platform
     d = q.shape[-1]
-    if (platform in ("gpu", "cuda") and d % 8 == 0 and d <= 256
+    if (segment_ids is None and platform in ("gpu", "cuda") and d % 8 == 0 and d <= 256
             and jnp.dtype(q.dtype) in (jnp.bfloat16, jnp.float16)):
         return "cudnn"
     return "blockwise"
 
 
 def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: int = 512,
-              block_k: int = 512):
+              block_k: int = 512, segment_ids=None):
     """Differentiable attention with backend dispatch; returns ``out`` (shape/dtype of q).
 
     backend: ``'auto'`` (see :func:`resolve_backend`), ``'blockwise'``, ``'cudnn'`` or
     ``'reference'``. ``block_q``/``block_k`` are used only by ``'blockwise'``.
-    Raises ValueError for an unknown backend (and as the chosen kernel does).
+    ``segment_ids``: int ``[batch, seq]`` or None, document masking (module docstring).
+    Raises ValueError for an unknown backend, cuDNN with segment ids (and as the kernel does).
     """
-    backend = resolve_backend(backend, q)
+    backend = resolve_backend(backend, q, segment_ids)
     if backend == "blockwise":
-        return blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k)
+        return blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
+                                   segment_ids=segment_ids)
     if backend == "cudnn":
         return cudnn_attention(q, k, v, causal=causal)
-    return reference_attention(q, k, v, causal=causal)
+    return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
 
 
 def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = True,
-                           block_q: int = 512, block_k: int = 512):
+                           block_q: int = 512, block_k: int = 512, segment_ids=None):
     """Forward returning ``(out, lse)``, for ops with their own custom_vjp.
 
     * ``'blockwise'``: :func:`blockwise_attention_fwd` (real lse).
     * ``'reference'``: exact lse from the materialized scores.
     * ``'cudnn'``: :func:`jaxlong.attention.cudnn.cudnn_attention_fwd`, cuDNN's softmax statistic,
       which is the same natural-log lse.
+    ``segment_ids`` as for :func:`attention`.
     """
-    backend = resolve_backend(backend, q)
+    backend = resolve_backend(backend, q, segment_ids)
     if backend == "blockwise":
         return blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
-                                       block_k=block_k)
+                                       block_k=block_k, segment_ids=segment_ids)
     if backend == "reference":
-        return _reference_with_lse(q, k, v, causal=causal)
+        return _reference_with_lse(q, k, v, causal=causal, segment_ids=segment_ids)
     return _cudnn.cudnn_attention_fwd(q, k, v, causal=causal)
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: bool = True,
-                  block_q: int = 512, block_k: int = 512):
+                  block_q: int = 512, block_k: int = 512, segment_ids=None):
     """Backward matching :func:`attention_fwd_with_lse`; returns ``(dq, dk, dv)``.
 
     ``'blockwise'`` uses :func:`blockwise_attention_bwd` and ``'cudnn'``
@@ -400,11 +496,11 @@ def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: boo
     forward is rerun). ``'reference'`` (tests only) ignores ``out``/``lse`` and recomputes the
     forward under ``jax.vjp``. Dtypes follow q, k, v.
     """
-    backend = resolve_backend(backend, q)
+    backend = resolve_backend(backend, q, segment_ids)
     if backend == "blockwise":
         return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal,
-                                       block_q=block_q, block_k=block_k)
+                                       block_q=block_q, block_k=block_k, segment_ids=segment_ids)
     if backend == "cudnn":
         return _cudnn.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=causal)
-    _, vjp = jax.vjp(functools.partial(reference_attention, causal=causal), q, k, v)
+    _, vjp = jax.vjp(functools.partial(reference_attention, causal=causal, segment_ids=segment_ids), q, k, v)
     return vjp(dout.astype(q.dtype))

@@ -53,6 +53,13 @@ class HFTokenizer:
     def eod_id(self) -> int:
         return self._eod
 
+    name = "hf"
+    bos_id = None  # the data pipeline's interface (`jaxlong.data.Tokenizer`): documents end with eos_id only
+
+    @property
+    def eos_id(self) -> int:
+        return self._eod
+
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 

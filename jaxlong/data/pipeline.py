@@ -1,0 +1,206 @@
+"""The input pipeline on Grain: documents -> shuffle -> tokenize -> pack -> batch, deterministic and resumable.
+
+Stages (``grain.MapDataset`` until packing, then ``grain.IterDataset``):
+
+1. ``MapDataset.source(DocumentSource)`` (``jaxlong.data.sources``), cut to ``data.max_tokens`` tokens if set,
+   and sharded per process (``[process_index::process_count]``: each process packs its own rows).
+2. ``shuffle(seed)`` then ``repeat()``: a new permutation every epoch (Grain reseeds per epoch), endless.
+3. ``map``: tokenize one document to ``[BOS] ids [EOS]`` (``jaxlong.data.tokenizer``) and turn it into
+   next-token pairs ``inputs = x[:-1]``, ``targets = x[1:]``, ``positions = 0..n-1``. Targets are built inside
+   a document, so no target ever crosses a document boundary, whatever the packing.
+4. ``data.packing=documents`` (default): documents longer than ``seq_len`` are split into pieces of
+   ``seq_len`` pairs whose positions restart at 0 (``data.split_positions=restart``) or continue from the
+   previous piece (``continue``); then Grain's first-fit packing (``grain.experimental.FirstFitPackIterDataset``)
+   puts whole pieces into rows of ``seq_len``, padding the rest. Its ``inputs_segment_ids`` (1, 2, ... per row,
+   0 = padding) become ``segment_ids``.
+   ``data.packing=concat``: Grain's ``ConcatThenSplitIterDataset`` concatenates the pairs and cuts rows of
+   exactly ``seq_len`` (no padding); ``positions`` are the index in the row, and the model treats the row as
+   one causal stream (it ignores the segment ids).
+5. ``batch(global_batch / process_count)`` and a final map to the batch dict.
+
+A batch is ``{'inputs', 'targets', 'positions', 'segment_ids': int32 [B, L], 'mask': float32 [B, L]}`` with
+``mask = segment_ids > 0`` (no loss on padding). The iterator's ``get_state()`` is a small JSON-serializable
+dict (Grain's: the source index of the packing group in progress and the rows already emitted from it); the
+trainer saves it in every checkpoint and ``set_state`` continues with exactly the next batch, without reading
+the corpus from the start.
+"""
+
+from __future__ import annotations
+
+import grain
+import numpy as np
+from grain.experimental import (
+    ConcatThenSplitIterDataset,
+    FirstFitPackIterDataset,
+    FlatMapIterDataset,
+    FlatMapTransform,
+)
+
+from jaxlong.data.sources import DocumentSource
+from jaxlong.data.tokenizer import Tokenizer
+
+__all__ = ["document_tokens", "document_pairs", "SplitLongDocuments", "token_limit", "make_dataset",
+           "batch_iterator", "packing_efficiency", "PACKING_BINS"]
+
+PACKING_BINS = 16  # rows first-fit packing fills at once (more bins: less padding)
+_FEATURES = ("inputs", "targets", "positions")
+
+
+def document_tokens(text: str, tokenizer: Tokenizer) -> np.ndarray:
+    """``[BOS] ids [EOS]`` int32 (BOS only if the tokenizer has one)."""
+    ids = tokenizer.encode(text)
+    head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    return np.concatenate([np.asarray(head, np.int32), ids.astype(np.int32), np.asarray([tokenizer.eos_id], np.int32)])
+
+
+def document_pairs(tokens: np.ndarray) -> dict:
+    """Next-token pairs of one document: ``inputs``, ``targets``, ``positions`` int32 ``[n - 1]``."""
+    n = max(tokens.size - 1, 0)
+    return {"inputs": tokens[:-1], "targets": tokens[1:], "positions": np.arange(n, dtype=np.int32)}
+
+
+class SplitLongDocuments(FlatMapTransform):
+    """A document longer than ``seq_len`` pairs becomes pieces of at most ``seq_len``, positions restarting at 0
+    (``continue_positions=False``) or continuing; shorter documents pass through unchanged."""
+
+    def __init__(self, seq_len: int, continue_positions: bool):
+        self.seq_len, self.continue_positions = seq_len, continue_positions
+        self.max_fan_out = 1 << 30
+
+    def flat_map(self, element):
+        n, L = element["inputs"].size, self.seq_len
+        if n <= L:
+            return [element]
+        pieces = []
+        for start in range(0, n, L):
+            piece = {k: element[k][start:start + L] for k in ("inputs", "targets")}
+            m = piece["inputs"].size
+            piece["positions"] = np.arange(m, dtype=np.int32) + (start if self.continue_positions else 0)
+            pieces.append(piece)
+        return pieces
+
+
+def token_limit(source: DocumentSource, tokenizer: Tokenizer, max_tokens: int) -> tuple[int, int]:
+    """How much of the corpus ``data.max_tokens`` keeps, in corpus order: ``(documents, tokens of the last one)``.
+
+    Tokenizes documents from the start until ``max_tokens`` tokens (BOS/EOS included) are reached."""
+    total = 0
+    for i in range(len(source)):
+        n = document_tokens(source[i], tokenizer).size
+        if total + n >= max_tokens:
+            return i + 1, max_tokens - total
+        total += n
+    return len(source), n
+
+
+def _finalize(row: dict) -> dict:
+    seg = row["inputs_segment_ids"].astype(np.int32)
+    return {"inputs": row["inputs"].astype(np.int32), "targets": row["targets"].astype(np.int32),
+            "positions": row["positions"].astype(np.int32), "segment_ids": seg,
+            "mask": (seg > 0).astype(np.float32)}
+
+
+def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, global_batch: int, seed: int,
+                 packing: str = "documents", split_positions: str = "restart", shuffle: bool = True,
+                 max_tokens: int | None = None, process_index: int = 0,
+                 process_count: int = 1, exclude=()) -> grain.IterDataset:
+    """The Grain pipeline of the module docstring; iterating it yields this process's batches.
+
+    Args:
+      source: the documents (``DocumentSource``).
+      tokenizer: ``jaxlong.data.tokenizer`` tokenizer.
+      seq_len, global_batch: row length in tokens and rows per step over all processes.
+      seed: shuffle seed (``seed``); packing: ``data.packing``; split_positions: ``data.split_positions``;
+      shuffle: ``data.shuffle``; max_tokens: ``data.max_tokens`` (None: the whole corpus).
+      process_index, process_count: this process and the number of processes (``jax.process_index/count``).
+      exclude: indices of documents to leave out (the held-out validation documents).
+
+    Returns:
+      ``grain.IterDataset`` of batch dicts with ``[global_batch / process_count, seq_len]`` arrays.
+
+    Raises:
+      ValueError: ``global_batch`` not divisible by ``process_count``, a bad option value, ``max_tokens < 1``,
+        or fewer documents than processes.
+    """
+    if packing not in ("documents", "concat"):
+        raise ValueError(f"data.packing={packing!r} is not allowed; choose documents or concat")
+    if split_positions not in ("restart", "continue"):
+        raise ValueError(f"data.split_positions={split_positions!r} is not allowed; choose restart or continue")
+    if global_batch % process_count:
+        raise ValueError(f"global_batch={global_batch} must be divisible by the {process_count} processes")
+    if exclude:
+        source = _Without(source, exclude)
+    ds = grain.MapDataset.source(source)
+    cut = None
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise ValueError(f"data.max_tokens={max_tokens} must be >= 1 or null")
+        n_docs, cut = token_limit(source, tokenizer, max_tokens)
+        ds = ds[:n_docs]
+    if len(ds) < process_count:
+        raise ValueError(f"the corpus has {len(ds)} documents, fewer than the {process_count} processes")
+    last = len(ds) - 1
+
+    def tokenize(index, text):
+        tokens = document_tokens(text, tokenizer)
+        return document_pairs(tokens[:cut] if cut is not None and index == last else tokens)
+
+    ds = ds.map_with_index(tokenize).filter(lambda d: d["inputs"].size > 0)
+    ds = ds[process_index::process_count]
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    it = ds.repeat().to_iter_dataset()
+    lengths = {k: seq_len for k in _FEATURES}
+    if packing == "documents":
+        it = FlatMapIterDataset(it, SplitLongDocuments(seq_len, split_positions == "continue"))
+        it = FirstFitPackIterDataset(it, length_struct=lengths, num_packing_bins=PACKING_BINS, seed=seed,
+                                     shuffle_bins=False, meta_features=("positions",))
+    else:
+        it = ConcatThenSplitIterDataset(it.map(lambda d: {k: d[k] for k in ("inputs", "targets")}),
+                                        length_struct={"inputs": seq_len, "targets": seq_len})
+        it = it.map(lambda r: {**r, "positions": np.arange(seq_len, dtype=np.int32)})
+    return it.batch(global_batch // process_count, drop_remainder=True).map(_finalize)
+
+
+class _Without:
+    """A random-access source without the documents at `exclude`."""
+
+    def __init__(self, source, exclude):
+        skip = set(int(i) for i in exclude)
+        self.source, self.keep = source, [i for i in range(len(source)) if i not in skip]
+
+    def __len__(self) -> int:
+        return len(self.keep)
+
+    def __getitem__(self, index: int):
+        return self.source[self.keep[index]]
+
+
+def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source: DocumentSource | None = None,
+                   exclude=()):
+    """This process's batch iterator for a run's ``Config`` (``grain.DatasetIterator``), at ``state`` if given
+    (from ``get_state()`` of an earlier iterator: the next batch is the one that iterator would have yielded).
+    ``source``: the corpus (default: ``DocumentSource`` of ``data.path``); ``exclude``: document indices left
+    out (validation).
+
+    Raises:
+      ValueError: see ``DocumentSource`` and ``make_dataset``.
+    """
+    import jax  # noqa: PLC0415
+
+    d = cfg.data
+    source = DocumentSource(d.path, d.text_field) if source is None else source
+    ds = make_dataset(source, tokenizer, seq_len=cfg.seq_len,
+                      global_batch=cfg.global_batch, seed=cfg.seed, packing=d.packing,
+                      split_positions=d.split_positions, shuffle=d.shuffle, max_tokens=d.max_tokens,
+                      process_index=jax.process_index(), process_count=jax.process_count(), exclude=exclude)
+    it = iter(ds)
+    if state is not None:
+        it.set_state(state)
+    return it
+
+
+def packing_efficiency(batch: dict) -> float:
+    """Fraction of the batch's tokens that belong to a document (not padding)."""
+    return float(np.mean(np.asarray(batch["segment_ids"]) > 0))
+

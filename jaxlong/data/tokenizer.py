@@ -1,0 +1,162 @@
+"""Tokenizers: the byte-level default and Hugging Face ``tokenizer.json`` files (the ``tokenizers`` library).
+
+``data.tokenizer=byte`` (default): id = UTF-8 byte value, plus one special id 256 that ends a document and
+also starts the next one (BOS = EOS = 256, like GPT-2's ``<|endoftext|>``); vocabulary 257.
+
+``data.tokenizer=/path/to/tokenizer.json``: loaded with ``tokenizers.Tokenizer.from_file``. BOS and EOS come
+from the tokenizer's own files: ``bos_token`` / ``eos_token`` of ``tokenizer_config.json`` (or
+``special_tokens_map.json``) in the same directory, else the first of the usual names (``<|begin_of_text|>``,
+``<s>``, ...; ``<|end_of_text|>``, ``<|endoftext|>``, ``</s>``, ...) among the tokenizer's added tokens. A
+tokenizer without an EOS token is refused (documents must end with one); BOS is optional. Text is encoded
+without the tokenizer's post-processor (``add_special_tokens=False``): the pipeline adds BOS and EOS itself,
+exactly once per document.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "TOKENIZERS"]
+
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>")
+_EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|im_end|>")
+
+
+class Tokenizer(Protocol):
+    """What the pipeline needs of a tokenizer.
+
+    Attributes:
+      name: ``data.tokenizer`` as given (part of cache keys and messages).
+      vocab_size: number of ids; every id is in ``[0, vocab_size)``.
+      bos_id: id put before every document, or None.
+      eos_id: id put after every document (also ``eod_id``).
+    """
+
+    name: str
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids) -> str: ...
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: id = UTF-8 byte value (0..255); 256 ends (and starts) a document; vocab 257.
+
+    ``encode(str) -> int32 [n_bytes]`` (no BOS/EOS); ``decode(ids)`` drops ids outside 0..255 and decodes with
+    ``errors='replace'``, so decoding any slice (e.g. one cutting a multi-byte character) never raises.
+    """
+
+    name = "byte"
+    vocab_size = 257
+    eos_id = 256
+    bos_id = 256
+    eod_id = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        ids = np.asarray(ids).reshape(-1)
+        ids = ids[(ids >= 0) & (ids < 256)]
+        return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def _token_content(value) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _special_from_files(directory: Path) -> dict[str, str]:
+    """``bos_token`` / ``eos_token`` strings from tokenizer_config.json or special_tokens_map.json."""
+    found: dict[str, str] = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        f = directory / name
+        if not f.is_file():
+            continue
+        try:
+            cfg = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"data.tokenizer: {f} cannot be read as JSON ({e})") from e
+        for key in ("bos_token", "eos_token"):
+            content = _token_content(cfg.get(key))
+            if content is not None:
+                found.setdefault(key, content)
+    return found
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (see the module docstring for BOS/EOS).
+
+    Raises:
+      ValueError: the file is missing or cannot be parsed, a special token named in the config files is not in
+        the vocabulary, or no EOS token is found (each message names the file).
+    """
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as _HF  # noqa: PLC0415 (only needed for this tokenizer)
+
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"data.tokenizer={path!r}: no such file; give 'byte' or the path of a Hugging Face "
+                             f"tokenizer.json")
+        try:
+            self._tok = _HF.from_file(str(p))
+        except Exception as e:  # noqa: BLE001 (the library raises a bare Exception on bad files)
+            raise ValueError(f"data.tokenizer={path!r} cannot be read as a Hugging Face tokenizer.json ({e})") from e
+        self.name = str(path)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        special = _special_from_files(p.parent)
+        self.bos_id = self._find(special.get("bos_token"), _BOS_NAMES, p)
+        self.eos_id = self._find(special.get("eos_token"), _EOS_NAMES, p)
+        if self.eos_id is None:
+            raise ValueError(f"data.tokenizer={path!r} has no EOS token: add 'eos_token' to "
+                             f"{p.parent / 'tokenizer_config.json'} (or one of {list(_EOS_NAMES)} to the tokenizer)")
+        self.eod_id = self.eos_id
+
+    def _find(self, named: str | None, usual: tuple[str, ...], path: Path) -> int | None:
+        if named is not None:
+            i = self._tok.token_to_id(named)
+            if i is None:
+                raise ValueError(f"data.tokenizer={str(path)!r}: special token {named!r} from the tokenizer's config "
+                                 f"files is not in its vocabulary")
+            return int(i)
+        return next((int(i) for i in map(self._tok.token_to_id, usual) if i is not None), None)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=True)
+
+
+TOKENIZERS = {"byte": ByteTokenizer}
+
+
+def get_tokenizer(name: str) -> Tokenizer:
+    """``data.tokenizer``: ``'byte'``, or the path of a Hugging Face ``tokenizer.json``.
+
+    Raises:
+      ValueError: an unknown name, or a tokenizer file that cannot be used (see :class:`HFTokenizer`).
+    """
+    if name in TOKENIZERS:
+        return TOKENIZERS[name]()
+    if str(name).endswith(".json"):
+        return HFTokenizer(name)
+    raise ValueError(f"data.tokenizer={name!r} is not supported; give one of {sorted(TOKENIZERS)} or the path of a "
+                     f"Hugging Face tokenizer.json")
+
+
+def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """Raise ValueError when the tokenizer has more ids than ``model.vocab_size`` (checked before compiling)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of data.tokenizer="
+                         f"{tokenizer.name!r} ({tokenizer.vocab_size} ids); use model.vocab_size >= "
+                         f"{tokenizer.vocab_size}")
