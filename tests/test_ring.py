@@ -158,4 +158,4 @@ from helpers import assert_matches_single_device, tiny_cfg  # noqa: E402
 def test_model_with_ring_matches_single_device(overrides):
     """Zigzag layout of the batch, RoPE positions and the hybrids: the loss and every gradient equal the
     single-device model on the natural token order."""
-    assert_matches_single_device(tiny_cfg(*overrides))
+    assert_matches_single_device(tiny_cfg(*overrides, "data.packing=concat"))  # ring: one causal stream
