@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 from jaxlong import data as data_lib
 from jaxlong import step as step_lib
-from jaxlong.checkpoint import Checkpointer
+from jaxlong.checkpoint import CheckpointError, Checkpointer, config_changes, saved_config
 from jaxlong.config import Config, ConfigError, to_dict, validate
 from jaxlong.memstats import compiled_bytes, device_memory, fmt_bytes, format_compiled
 from jaxlong.mesh import batch_spec, build_mesh, describe_param_sharding
@@ -46,10 +47,6 @@ def peak_flops() -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def check_fits(compiled) -> None:
     """Raise ConfigError before allocating anything when the compiled step cannot fit device memory.
 
@@ -69,29 +66,101 @@ def check_fits(compiled) -> None:
         )
 
 
-def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
+class Preempted(KeyboardInterrupt):
+    """The run stopped on SIGTERM or SIGINT (`signum`) after saving its last finished step."""
+
+    def __init__(self, signum: int, message: str = ""):
+        super().__init__(message or f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class _Signals:
+    """SIGTERM/SIGINT while training: before the train state exists a signal stops the run at once (nothing is
+    lost); once the loop runs (`deferred`), the handler only records the signal, and the loop stops between
+    steps, when the state of the last finished step is bound, and saves it. Installed only in the main thread.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int | None = None
+        self.deferred = False
+        self._previous: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum, frame):
+        if not self.deferred:
+            raise Preempted(signum)
+        if self.received is None:
+            print(f"\nreceived {signal.Signals(signum).name}: stopping after the current step, then saving it",
+                  flush=True)
+        self.received = signum
+
+
+# Testing hook (fault injection): JAXLONG_FAULT="<point>@<step>:<SIGNAL>", e.g. "after_step@4:SIGTERM", makes
+# the trainer send SIGNAL to its own process when it reaches the named point of `run` while computing `step`
+# (1-based). The points are the names passed to `_fault` below; tests/test_faults.py kills the trainer at each.
+FAULT_ENV = "JAXLONG_FAULT"
+
+
+def _fault_plan() -> tuple[str, int, int] | None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    where, sig = spec.rsplit(":", 1)
+    point, step = where.split("@")
+    return point, int(step), int(getattr(signal, sig))
+
+
+def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_changes: bool = False) -> dict:
     """Train for `cfg.steps` steps. Returns the last step's metrics and the run directory.
 
+    `resume` continues the run's latest checkpoint; its saved config must equal `cfg` except for the keys in
+    `jaxlong.checkpoint.RESUMABLE_KEYS`, unless `allow_changes` (`--resume-with-changes`).
+
     Raises:
-      ConfigError: the config does not fit the devices present (checked before compiling).
+      ConfigError: the config is invalid for the devices present, or differs from the checkpoint's (checked
+        before loading data and compiling).
       FileNotFoundError: `resume` with no checkpoint in the run directory.
       ValueError: the corpus cannot be read or is too small (before compiling).
-      KeyboardInterrupt: on SIGINT/SIGTERM, after saving the last finished step.
+      CheckpointError: a checkpoint could not be written (no partial checkpoint is left).
+      Preempted: (a KeyboardInterrupt) on SIGTERM/SIGINT, after saving the last finished step.
     """
+    plan = _fault_plan()
+
+    def fault(point: str, step: int) -> None:
+        nonlocal plan
+        if plan is not None and plan[:2] == (point, step):
+            signum, plan = plan[2], None
+            os.kill(os.getpid(), signum)
+
+    with _Signals() as signals:
+        return _run(cfg, resume, profile, allow_changes, signals, fault)
+
+
+def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals: _Signals, fault) -> dict:
     validate(cfg, num_devices=len(jax.devices()))
+    if cfg.attention.backend == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(
+            f"attention.backend=cudnn needs an NVIDIA GPU, but jax runs on {jax.default_backend()}; "
+            f"use attention.backend=auto (cuDNN where available) or blockwise"
+        )
     mesh = build_mesh(cfg.mesh)
     run_dir = Path(cfg.run_dir) / cfg.run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer!r} tokenizer's "
             f"{tokenizer.vocab_size}; use at least {tokenizer.vocab_size}"
         )
-    print(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
-          f"mesh {dict(mesh.shape)} on {len(jax.devices())} x {jax.devices()[0].device_kind}, "
-          f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
-
     ckpt_dir = run_dir / "checkpoints"
     latest = Checkpointer.latest_in(ckpt_dir)
     if resume and latest is None:
@@ -101,11 +170,17 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
             f"run_name={cfg.run_name!r}: {ckpt_dir} already holds checkpoints (up to step {latest}); "
             f"pass --resume to continue it, or choose a new run_name"
         )
+    if resume:
+        _check_resume_config(cfg, ckpt_dir, latest, allow_changes)
     start = latest or 0
     if start >= cfg.steps:
         print(f"nothing to do: the latest checkpoint is step {start} and steps={cfg.steps}; "
               f"pass steps=N with N > {start} to train further")
         return {"metrics": {}, "run_dir": str(run_dir)}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
+          f"mesh {dict(mesh.shape)} on {len(jax.devices())} x {jax.devices()[0].device_kind}, "
+          f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
     # Data first: a bad corpus fails before the (possibly long) compile.
     tokens = data_lib.load_corpus(cfg.data.path, tokenizer, cfg.data.max_tokens)
     batches = data_lib.make_batch_iterator(
@@ -117,79 +192,142 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
     print(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     print(format_compiled(compiled))
     check_fits(compiled)
+    fault("after_compile", start + 1)
 
-    ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
-    if resume:
-        start, state = ckpt.restore(step_lib.abstract_state(cfg, mesh))
-        print(f"resumed from {ckpt.directory / str(start)}")
-    else:
-        state = step_lib.init_state(cfg, mesh)
+    ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, final_step=cfg.steps)
+    try:
+        if resume:
+            state = _restore(ckpt, step_lib.abstract_state(cfg, mesh), start)
+            print(f"resumed from {ckpt.directory / str(start)}")
+        else:
+            state = step_lib.init_state(cfg, mesh)
+        fault("after_state", start + 1)
+        return _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, signals, fault)
+    finally:
+        signals.deferred = False
+        ckpt.manager.close()  # idempotent; `_loop` has waited for its saves
+
+
+def _check_resume_config(cfg: Config, ckpt_dir: Path, step: int, allow_changes: bool) -> None:
+    saved = saved_config(ckpt_dir, step)
+    if saved is None:
+        print(f"note: checkpoint {step} holds no config; resuming without comparing configs")
+        return
+    changes = config_changes(saved, to_dict(cfg), to_dict(Config()))
+    if changes and not allow_changes:
+        raise ConfigError(
+            f"--resume: this config differs from checkpoint {step}'s in keys that change the model, the data "
+            f"stream or the schedule: {'; '.join(changes)}; set them back, or pass --resume-with-changes"
+        )
+    if changes:
+        print(f"--resume-with-changes: resuming checkpoint {step} with {'; '.join(changes)}")
+
+
+def _restore(ckpt: Checkpointer, abstract: dict, step: int) -> dict:
+    try:
+        return ckpt.restore(abstract, step)[1]
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 (orbax reports shape mismatches with long tracebacks)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"--resume: checkpoint {step} does not fit this config's train state ({type(e).__name__}: {first[:300]}); "
+            f"the model or optimizer shapes differ from the checkpoint's"
+        ) from e
+
+
+def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, signals, fault) -> dict:
     sharded = describe_param_sharding(mesh, state["params"])
     replicated = [line for line in sharded if "replicated" in line]
     print(f"FSDP: {len(sharded) - len(replicated)} of {len(sharded)} parameter leaves sharded over fsdp x context"
           + (f"; replicated: {', '.join(r.split()[0] for r in replicated)}" if replicated else ""))
 
     batch_sharding = NamedSharding(mesh, batch_spec())
+    cfg_dict = to_dict(cfg)
     writer = SummaryWriter(str(run_dir))
     tokens_per_step = cfg.seq_len * cfg.global_batch
     flops, peak = flops_per_token(cfg), peak_flops()
     metrics: dict = {}
-    last_saved = start
     profiling = False
     profile_start = start + 1  # skip the first step (allocation, warm-up)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)  # preemption: save, then stop
-    done = start
+    # `done` is the step counter of the bound `state` (int(state['step'])): a signal cannot interrupt between
+    # the two assignments below, since the handler only records it.
+    done, started = start, None
+    signals.deferred = True
     try:
         t_last = time.perf_counter()
-        for step in range(start, cfg.steps):
-            if profile and step == profile_start:
+        while done < cfg.steps and signals.received is None:
+            step = done + 1
+            fault("before_batch", step)
+            if profile and step == profile_start + 1:
                 jax.profiler.start_trace(str(run_dir))
                 profiling = True
-            batch = data_lib.put_on_mesh(next(batches), batch_sharding)
-            state, m = compiled(state, batch)
-            if profiling and step == profile_start + cfg.profile_steps - 1:
+            host_batch = next(batches)
+            fault("before_put", step)
+            batch = data_lib.put_on_mesh(host_batch, batch_sharding)
+            fault("before_dispatch", step)
+            if signals.received is not None:
+                break
+            new_state, m = compiled(state, batch)  # donates `state`
+            fault("after_step", step)
+            state, done = new_state, step
+            fault("after_bind", step)
+            if profiling and step == profile_start + cfg.profile_steps:
                 jax.block_until_ready(m)
                 jax.profiler.stop_trace()
                 profiling = False
                 print(f"profile of {cfg.profile_steps} steps written under {run_dir}/plugins/profile")
-            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-                metrics = {k: float(v) for k, v in jax.device_get(m).items()}
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                fault("before_metrics", step)
+                fetched = jax.device_get(m)
+                fault("during_metrics", step)
+                metrics = {k: float(v) for k, v in fetched.items()}
                 now = time.perf_counter()
-                n_steps = cfg.log_every if step + 1 - start >= cfg.log_every else step + 1 - start
+                n_steps = min(cfg.log_every, done - start)
                 metrics["step_time_s"] = (now - t_last) / n_steps
                 metrics["tokens_per_s"] = tokens_per_step / metrics["step_time_s"]
                 if peak:
                     metrics["mfu"] = metrics["tokens_per_s"] * flops / (peak * len(jax.devices()))
                 for k, v in device_memory().items():
                     metrics[f"device_memory/{k}"] = v
-                for k, v in metrics.items():
-                    writer.add_scalar(k, v, step + 1)
+                for i, (k, v) in enumerate(metrics.items()):
+                    writer.add_scalar(k, v, done)
+                    if i == 0:
+                        fault("during_log", step)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 t_last = now
             bar.update(1)
-            done = step + 1
-            if ckpt.save(step + 1, state, to_dict(cfg)):
-                last_saved = step + 1
-        if last_saved != cfg.steps and start < cfg.steps:
-            ckpt.save(cfg.steps, state, to_dict(cfg), force=True)
-    except KeyboardInterrupt:
-        if done > last_saved:
-            try:
-                ckpt.save(done, state, to_dict(cfg), force=True)
-                last_saved = done
-            except Exception as e:  # noqa: BLE001 (the state of an interrupted step may be gone)
-                print(f"could not save step {done}: {e}")
-        ckpt.wait()  # commit it before reporting; `finally` closes the manager
-        print(f"interrupted after step {done}; latest checkpoint: step {last_saved}; continue with --resume")
-        raise
+            fault("before_save", step)
+            if ckpt.should_save(done):
+                started = ckpt.save(state, cfg_dict) or started
+                fault("during_save", step)  # the asynchronous commit may still be running
+            fault("end_of_step", step)
+        fault("after_loop", done)
+        try:
+            if done > start and started != done:  # interrupted between saves, or a final step the policy skipped
+                started = ckpt.save(state, cfg_dict, force=True) or started
+                fault("during_final_save", done)
+            latest = ckpt.wait()
+            fault("after_commit", done)
+        except CheckpointError as e:
+            if signals.received is None:
+                raise
+            latest = Checkpointer.latest_in(ckpt.directory)
+            print(f"{e}; steps {(latest or 0) + 1}..{done} are lost")
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; latest committed checkpoint: step {Checkpointer.latest_in(ckpt.directory)}") from e
     finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
+        signals.deferred = False
         if profiling:
             jax.profiler.stop_trace()
         bar.close()
         writer.close()
-        ckpt.close()  # waits for pending asynchronous saves: a finished save is never lost
+    if signals.received is not None:
+        name = signal.Signals(signals.received).name
+        print(f"stopped by {name} after step {done}; latest committed checkpoint: step {latest}; "
+              f"continue with --resume")
+        raise Preempted(signals.received, f"stopped by {name} after step {done}")
     print(f"done: step {cfg.steps}, loss {metrics.get('loss', float('nan')):.4f}; "
           f"TensorBoard: tensorboard --logdir {cfg.run_dir}; checkpoints in {ckpt.directory}")
     return {"metrics": metrics, "run_dir": str(run_dir)}
