@@ -102,22 +102,28 @@ class _Signals:
         if self.received is None:
             print(f"\nreceived {signal.Signals(signum).name}: stopping after the current step, then saving it",
                   flush=True)
-        self.received = signum
+        self.received = self.received or signum  # the first signal names the stop
 
 
-# Testing hook (fault injection): JAXLONG_FAULT="<point>@<step>:<SIGNAL>", e.g. "after_step@4:SIGTERM", makes
-# the trainer send SIGNAL to its own process when it reaches the named point of `run` while computing `step`
-# (1-based). The points are the names passed to `_fault` below; tests/test_faults.py kills the trainer at each.
+# Testing hook (fault injection): JAXLONG_FAULT="<point>@<step>:<SIGNAL>[,...]", e.g. "after_step@4:SIGTERM",
+# makes the trainer send SIGNAL to its own process when it reaches the named point of `run` while computing
+# `step` (1-based), once per entry. The points are the names passed to `fault` below (FAULT_POINTS);
+# tests/test_faults.py kills the trainer at each of them.
 FAULT_ENV = "JAXLONG_FAULT"
+FAULT_POINTS = ("after_compile", "after_state", "before_batch", "before_put", "before_dispatch", "after_step",
+                "after_bind", "before_metrics", "during_metrics", "during_log", "before_save", "during_save",
+                "end_of_step", "after_loop", "during_final_save", "after_commit")
 
 
-def _fault_plan() -> tuple[str, int, int] | None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return None
-    where, sig = spec.rsplit(":", 1)
-    point, step = where.split("@")
-    return point, int(step), int(getattr(signal, sig))
+def _fault_plan() -> list[tuple[str, int, int]]:
+    plan = []
+    for entry in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        where, sig = entry.strip().rsplit(":", 1)
+        point, step = where.split("@")
+        if point not in FAULT_POINTS:
+            raise ValueError(f"{FAULT_ENV}: unknown point {point!r}; points: {', '.join(FAULT_POINTS)}")
+        plan.append((point, int(step), int(getattr(signal, sig))))
+    return plan
 
 
 def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_changes: bool = False) -> dict:
@@ -137,10 +143,9 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_chang
     plan = _fault_plan()
 
     def fault(point: str, step: int) -> None:
-        nonlocal plan
-        if plan is not None and plan[:2] == (point, step):
-            signum, plan = plan[2], None
-            os.kill(os.getpid(), signum)
+        for entry in [e for e in plan if e[:2] == (point, step)]:
+            plan.remove(entry)
+            os.kill(os.getpid(), entry[2])
 
     with _Signals() as signals:
         return _run(cfg, resume, profile, allow_changes, signals, fault)
@@ -244,7 +249,7 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
 
     batch_sharding = NamedSharding(mesh, batch_spec())
     cfg_dict = to_dict(cfg)
-    writer = SummaryWriter(str(run_dir))
+    writer = SummaryWriter(str(run_dir), filename_suffix=f".{os.getpid()}.{time.time_ns()}")  # one file per run
     tokens_per_step = cfg.seq_len * cfg.global_batch
     flops, peak = flops_per_token(cfg), peak_flops()
     metrics: dict = {}
