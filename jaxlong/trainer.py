@@ -206,6 +206,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
             print(f"resumed from {ckpt.directory / str(start)}")
         else:
             state = step_lib.init_state(cfg, mesh)
+        signals.deferred = True  # from here on a signal stops the loop between steps
         fault("after_state", start + 1)
         return _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, signals, fault)
     finally:
@@ -259,7 +260,6 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
     # `done` is the step counter of the bound `state` (int(state['step'])): a signal cannot interrupt between
     # the two assignments below, since the handler only records it.
     done, started = start, None
-    signals.deferred = True
     try:
         t_last = time.perf_counter()
         while done < cfg.steps and signals.received is None:

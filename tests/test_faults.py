@@ -11,7 +11,6 @@ with the train step compiled once per config.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import tiny_cfg
+from helpers import TINY, tiny_cfg
 from jaxlong import step as step_lib
 from jaxlong.checkpoint import TMP_MARK, Checkpointer, committed_steps
 from jaxlong.config import to_dict
@@ -72,7 +71,7 @@ import jax
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-from helpers import tiny_cfg
+from helpers import TINY, tiny_cfg
 from jaxlong.trainer import run
 run(tiny_cfg(*sys.argv[2:]))
 """
@@ -87,9 +86,9 @@ def _overrides(tmp_path: Path, *extra: str) -> list[str]:
     return [*TRAIN, f"run_dir={tmp_path}", "run_name=run", f"checkpoint_every={EVERY}", *extra]
 
 
-def _compile_key(cfg) -> str:
+def _compile_key(cfg, *also: str) -> str:
     d = to_dict(cfg)
-    for k in ("run_dir", "run_name", "checkpoint_every", "keep_checkpoints"):
+    for k in ("run_dir", "run_name", "checkpoint_every", "keep_checkpoints", *also):
         d.pop(k)
     return json.dumps(d, sort_keys=True)
 
@@ -102,7 +101,7 @@ def compile_once():
     real_compile, real_init = step_lib.compile_train_step, step_lib.init_state
 
     def compile_train_step(cfg, mesh):
-        key = _compile_key(cfg)
+        key = _compile_key(cfg, "seed")  # the seed changes the initial state and the data, not the step
         if key not in steps:
             steps[key] = real_compile(cfg, mesh)
         return steps[key]
@@ -165,8 +164,8 @@ def _assert_same_state(a: dict, b: dict, what: str) -> None:
 
 
 def _kill(spec: str, overrides: list[str], cache: str, monkeypatch) -> None:
-    first_signal = getattr(signal, spec.split(",")[0].rsplit(":", 1)[1])
-    if first_signal == signal.SIGKILL:
+    signals = [getattr(signal, entry.rsplit(":", 1)[1]) for entry in spec.split(",")]
+    if signal.SIGKILL in signals:  # in a child process
         env = {**os.environ, FAULT_ENV: spec, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
         proc = subprocess.run([sys.executable, "-c", CHILD, cache, *overrides], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=600)
@@ -176,7 +175,7 @@ def _kill(spec: str, overrides: list[str], cache: str, monkeypatch) -> None:
     with pytest.raises(Preempted) as stop:
         run(tiny_cfg(*overrides))
     monkeypatch.delenv(FAULT_ENV)
-    assert stop.value.signum == first_signal
+    assert stop.value.signum == signals[0]  # the first signal names the stop
 
 
 @pytest.mark.parametrize("sig", SIGNALS)
@@ -206,3 +205,109 @@ def test_killed_run_resumes_bit_for_bit(point, finished, sig, reference, tmp_pat
     assert committed_steps(ckpt_dir)[-1] == STEPS
     assert not [p.name for p in ckpt_dir.glob(f"*{TMP_MARK}*")]
     _assert_same_state(_restore(cfg, ckpt_dir, STEPS), reference["states"][STEPS], "final state")
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume checks what it resumes; a failed save says so and leaves nothing behind.
+
+
+@pytest.fixture
+def two_steps(tmp_path, compile_once):
+    """A run of STEPS with a checkpoint at step 2 (stopped there by SIGTERM)."""
+    overrides = _overrides(tmp_path)
+    os.environ[FAULT_ENV] = "end_of_step@2:SIGTERM"
+    try:
+        with pytest.raises(Preempted):
+            run(tiny_cfg(*overrides))
+    finally:
+        del os.environ[FAULT_ENV]
+    assert committed_steps(tmp_path / "run" / "checkpoints") == [2]
+    return overrides
+
+
+@pytest.mark.parametrize(
+    "change, listed",
+    [
+        (["seed=1"], "seed: 0 -> 1"),
+        (["seq_len=128"], "seq_len: 64 -> 128"),
+        (["model.hidden=128"], "model.hidden: 64 -> 128"),
+        (["optim.lr=0.02", "data.max_tokens=30000"], "data.max_tokens: 20000 -> 30000; optim.lr: 0.01 -> 0.02"),
+        (["steps=8"], "optim.decay_steps: 6 -> 8"),
+    ],
+)
+def test_resume_refuses_changes_of_model_data_or_schedule(two_steps, change, listed, capsys):
+    from jaxlong.train import main
+
+    assert main(["--resume", *TINY, *two_steps, *change]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("config error: --resume: this config differs from checkpoint 2's")
+    assert f"{listed}; set them back, or pass --resume-with-changes" in err
+
+
+def test_resume_with_changes_overrides_the_check(two_steps, capsys):
+    out = run(tiny_cfg(*two_steps, "seed=1"), resume=True, allow_changes=True)
+    assert "--resume-with-changes: resuming checkpoint 2 with seed: 0 -> 1\n" in capsys.readouterr().out
+    assert np.isfinite(out["metrics"]["loss"]) and committed_steps(Path(out["run_dir"]) / "checkpoints")[-1] == STEPS
+
+
+def test_a_checkpoint_that_does_not_fit_the_state_is_one_line(two_steps):
+    from jaxlong.config import ConfigError
+    from jaxlong.trainer import _restore
+
+    other = tiny_cfg(*two_steps, "model.hidden=128")
+    ckpt = Checkpointer(Path(other.run_dir) / "run" / "checkpoints", every=1, keep=10)
+    try:
+        with pytest.raises(ConfigError, match="checkpoint 2 does not fit this config's train state") as e:
+            _restore(ckpt, step_lib.abstract_state(other, build_mesh(other.mesh)), 2)
+    finally:
+        ckpt.manager.close()
+    assert "\n" not in str(e.value)
+
+
+def test_resume_on_another_mesh_continues_the_run(two_steps, reference):
+    """Mesh axes may change on resume: the state is resharded on restore; the losses equal up to float
+    reassociation."""
+    cfg = tiny_cfg(*two_steps, "mesh.fsdp=1", "mesh.context=8")
+    run_dir = Path(cfg.run_dir) / "run"
+    before = _event_files(run_dir)
+    run(cfg, resume=True)
+    losses = _losses(_event_files(run_dir) - before)
+    assert losses == pytest.approx({s: reference["losses"][s] for s in range(3, STEPS + 1)}, rel=1e-4)
+
+
+def _failing_save(monkeypatch, fail_at: int):
+    """orbax's save creates its temporary directory, then the storage fails (e.g. disk full) at `fail_at`."""
+    import orbax.checkpoint as ocp
+
+    real = ocp.CheckpointManager.save
+
+    def save(self, step, *args, **kwargs):
+        if step == fail_at:
+            (Path(self.directory) / f"{step}.orbax-checkpoint-tmp-123").mkdir()
+            raise OSError(28, "No space left on device")
+        return real(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+
+
+def test_a_failed_save_stops_the_run_and_leaves_no_partial_checkpoint(tmp_path, compile_once, monkeypatch):
+    from jaxlong.checkpoint import CheckpointError
+
+    _failing_save(monkeypatch, fail_at=4)
+    with pytest.raises(CheckpointError, match="could not save step 4: OSError: .*No space left on device.*; "
+                                              "latest committed checkpoint: step 2"):
+        run(tiny_cfg(*_overrides(tmp_path)))
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    assert committed_steps(ckpt_dir) == [2] and not list(ckpt_dir.glob(f"*{TMP_MARK}*"))
+
+
+def test_a_failed_save_on_stop_is_reported_not_claimed(tmp_path, compile_once, monkeypatch, capsys):
+    _failing_save(monkeypatch, fail_at=3)
+    monkeypatch.setenv(FAULT_ENV, "after_step@3:SIGTERM")
+    with pytest.raises(Preempted):
+        run(tiny_cfg(*_overrides(tmp_path)))
+    out = capsys.readouterr().out
+    assert "could not save step 3: OSError" in out and "steps 3..3 are lost" in out
+    assert "latest committed checkpoint: step 2;" in out
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    assert committed_steps(ckpt_dir) == [2] and not list(ckpt_dir.glob(f"*{TMP_MARK}*"))
