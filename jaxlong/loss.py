@@ -34,7 +34,7 @@ def token_losses(hidden: jax.Array, head: jax.Array, targets: jax.Array) -> jax.
 def masked_mean(losses: jax.Array, mask: jax.Array) -> jax.Array:
     """`sum(losses * mask) / max(sum(mask), 1)` over the whole (global) batch."""
     mask = mask.astype(jnp.float32)
-    return jnp.sum(jnp.where(mask != 0, losses * mask, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 def cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
