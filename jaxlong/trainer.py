@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from jaxlong import data as data_lib
 from jaxlong import step as step_lib
-from jaxlong.checkpoint import CheckpointError, Checkpointer, config_changes, saved_config
+from jaxlong.checkpoint import CheckpointError, Checkpointer, config_changes, remove_tmp_dirs, saved_config
 from jaxlong.config import Config, ConfigError, to_dict, validate
 from jaxlong.memstats import compiled_bytes, device_memory, fmt_bytes, format_compiled
 from jaxlong.mesh import batch_spec, build_mesh, describe_param_sharding
@@ -211,7 +211,11 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
         return _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, signals, fault)
     finally:
         signals.deferred = False
-        ckpt.manager.close()  # idempotent; `_loop` has waited for its saves
+        try:
+            ckpt.manager.close()  # `_loop` has waited for its saves and reported their failures
+        except Exception as e:  # noqa: BLE001 (a failure already reported; never hide the original error)
+            remove_tmp_dirs(ckpt.directory)
+            print(f"closing the checkpoint manager: {type(e).__name__}: {e}")
 
 
 def _check_resume_config(cfg: Config, ckpt_dir: Path, step: int, allow_changes: bool) -> None:

@@ -175,3 +175,42 @@ def test_minus_100_targets_are_ignored_like_masked_positions():
     np.testing.assert_allclose([float(loss), float(loss_t)], [float(ref), float(ref_t)], rtol=1e-6)
     for g, r in zip((*grads, *grads_t), (*ref_g, *ref_tg)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpointer: labels from the state, failures reported, no temporary directory left.
+
+
+def _tiny_state(step: int) -> dict:
+    return {"step": jnp.asarray(step, jnp.int32), "w": jnp.arange(8.0)}
+
+
+def test_checkpoint_label_is_the_state_step_and_leftovers_are_removed(tmp_path):
+    from jaxlong.checkpoint import Checkpointer, committed_steps, saved_config
+
+    (tmp_path / "5.orbax-checkpoint-tmp-1").mkdir(parents=True)  # left by a killed process
+    ckpt = Checkpointer(tmp_path, every=2, keep=5, final_step=7)
+    assert not list(tmp_path.glob("*orbax-checkpoint-tmp*"))
+    assert ckpt.save(_tiny_state(3), {"seed": 0}) is None  # not due: neither every 2 nor the final step
+    assert ckpt.save(_tiny_state(7), {"seed": 0}) == 7  # the final step
+    assert ckpt.save(_tiny_state(3), {"seed": 0}, force=True) == 3
+    ckpt.close()
+    assert committed_steps(tmp_path) == [3, 7] and saved_config(tmp_path, 7) == {"seed": 0}
+
+
+def test_a_failed_commit_is_reported_and_cleaned(tmp_path, monkeypatch):
+    from jaxlong.checkpoint import CheckpointError, Checkpointer, committed_steps
+
+    ckpt = Checkpointer(tmp_path, every=1, keep=5)
+    ckpt.save(_tiny_state(1), {})
+    ckpt.manager.wait_until_finished()
+    (tmp_path / "2.orbax-checkpoint-tmp-9").mkdir()  # the background write of step 2 ...
+
+    def fail():
+        raise OSError(5, "Input/output error")  # ... fails
+
+    ckpt.pending = 2
+    monkeypatch.setattr(ckpt.manager, "wait_until_finished", fail)
+    with pytest.raises(CheckpointError, match="could not commit step 2: OSError: .*Input/output error"):
+        ckpt.wait()
+    assert committed_steps(tmp_path) == [1] and not list(tmp_path.glob("*orbax-checkpoint-tmp*"))
