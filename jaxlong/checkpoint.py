@@ -1,61 +1,157 @@
-"""Checkpoints with orbax: asynchronous, atomic (written to a temporary directory, then renamed), keeping
-the last K. A checkpoint holds the train state, the config it was written with and the input pipeline's
-iterator state (`data`, Grain's JSON state, see `jaxlong.data.pipeline`), so `--resume` continues with exactly
-the next batch.
+"""Checkpoints with orbax: asynchronous, atomic (written to `<step>.orbax-checkpoint-tmp`, then renamed to
+`<step>/`), keeping the last K. A checkpoint holds the train state, the config it was written with and the
+input pipeline's iterator state (`data`, Grain's JSON state, see `jaxlong.data.pipeline`), so `--resume`
+continues with exactly the next batch.
+
+A checkpoint's label is always the `step` counter of the state it holds (`int(state['step'])`), never a loop
+variable. When to save is orbax's save-decision policy: every `every` steps, the final step, and orbax's own
+preemption sync point (multi-host runs with `jax.distributed`'s preemption service). A save that fails (while
+starting, or while committing in the background) raises `CheckpointError` and leaves no temporary directory;
+temporary directories left by a killed process are removed when the next `Checkpointer` opens the directory.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as ocp_policy
+
+TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a checkpoint still being written
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or committed (the message says which step and why)."""
+
+
+def committed_steps(directory: str | Path) -> list[int]:
+    """Sorted steps of the committed checkpoints in `directory` (renamed from their temporary name); creates
+    nothing."""
+    path = Path(directory)
+    if not path.is_dir():
+        return []
+    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / "_CHECKPOINT_METADATA").exists())
+
+
+def remove_tmp_dirs(directory: str | Path) -> list[str]:
+    """Delete the temporary directories of unfinished saves in `directory`; returns their names."""
+    path = Path(directory)
+    if not path.is_dir():
+        return []
+    names = []
+    for p in path.iterdir():
+        if TMP_MARK in p.name:
+            shutil.rmtree(p, ignore_errors=True)
+            names.append(p.name)
+    return names
+
+
+def saved_config(directory: str | Path, step: int) -> dict | None:
+    """The config (a nested dict, as written by `jaxlong.config.to_dict`) saved with checkpoint `step`; None when
+    the checkpoint has none."""
+    path = Path(directory) / str(step) / "config" / "metadata"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
 
 
 class Checkpointer:
-    """Saves `state` every `every` steps under `directory/<step>/`, keeping the last `keep`."""
+    """Saves the train state under `directory/<state step>/` every `every` steps and at `final_step`, keeping
+    the last `keep`."""
 
-    def __init__(self, directory: str | Path, *, every: int, keep: int):
+    def __init__(self, directory: str | Path, *, every: int, keep: int, final_step: int | None = None):
         self.directory = Path(directory).absolute()
         self.every = every
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True)
+        policies = [ocp_policy.FixedIntervalPolicy(every), ocp_policy.PreemptionCheckpointingPolicy()]
+        if final_step is not None:
+            policies.append(ocp_policy.SpecificStepsPolicy((final_step,)))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=True, create=True, cleanup_tmp_directories=True,
+            save_decision_policy=ocp_policy.AnySavePolicy(policies),
+        )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.pending: int | None = None  # step of the save started last, until it is known committed
 
     @staticmethod
     def latest_in(directory: str | Path) -> int | None:
         """Latest committed checkpoint step in `directory` (None if there is none); creates nothing."""
-        path = Path(directory)
-        if not path.is_dir():
-            return None
-        steps = [int(p.name) for p in path.iterdir() if p.name.isdigit() and (p / "_CHECKPOINT_METADATA").exists()]
-        return max(steps, default=None)
+        return max(committed_steps(directory), default=None)
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        return self.latest_in(self.directory)
 
-    def save(self, step: int, state: dict, config: dict, *, force: bool = False, data_state: dict | None = None) -> bool:
-        """Start an asynchronous save of `state` at `step` (if due, or `force`), with the data iterator's state
-        `data_state` (a JSON-serializable dict) when given. Returns whether it saved."""
-        if not force and step % self.every:
-            return False
-        items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config))
-        if data_state is not None:
-            items["data"] = ocp.args.JsonSave(data_state)
-        return self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    def should_save(self, step: int) -> bool:
+        """Whether orbax's policy saves `step` (interval, final step, or a reached preemption sync point)."""
+        return self.manager.should_save(step)
+
+    def save(self, state: dict, config: dict, *, force: bool = False, data_state: dict | None = None) -> int | None:
+        """Start an asynchronous save of `state` (if the policy saves its step, or `force`) under the label
+        `int(state['step'])`, with the data iterator's state `data_state` (a JSON-serializable dict) when given.
+        Returns that step, or None when nothing was saved (not due, or already saved).
+
+        The device-to-host copy happens before this returns, so `state` may then be donated to the next step.
+
+        Raises:
+          CheckpointError: the save could not start; the temporary directory is removed.
+        """
+        step = int(state["step"])
+        if step in committed_steps(self.directory) or (not force and not self.should_save(step)):
+            return None
+        self.wait()  # one save in flight at a time: its failure is reported before the next starts
+        try:
+            items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config))
+            if data_state is not None:
+                items["data"] = ocp.args.JsonSave(data_state)
+            if not self.manager.save(step, args=ocp.args.Composite(**items), force=True):
+                raise CheckpointError(f"orbax declined to save step {step}")
+        except CheckpointError:
+            remove_tmp_dirs(self.directory)
+            raise
+        except Exception as e:  # noqa: BLE001 (any failure of the storage layer)
+            remove_tmp_dirs(self.directory)
+            raise CheckpointError(f"could not save step {step}: {type(e).__name__}: {e}") from e
+        self.pending = step
+        return step
+
+    def wait(self) -> int | None:
+        """Block until the pending asynchronous save is committed; returns the latest committed step.
+
+        Raises:
+          CheckpointError: the background commit failed (its temporary directory is removed).
+        """
+        pending, self.pending = self.pending, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            remove_tmp_dirs(self.directory)
+            raise CheckpointError(f"could not commit step {pending}: {type(e).__name__}: {e}") from e
+        latest = self.latest_step()
+        if pending is not None and pending not in committed_steps(self.directory):
+            remove_tmp_dirs(self.directory)
+            raise CheckpointError(f"step {pending} was not committed (no {self.directory / str(pending)})")
+        return latest
 
     def restore(self, abstract_state: dict, step: int | None = None) -> tuple[int, dict]:
         """Restore the state at `step` (default: latest) into the shardings of `abstract_state`.
 
         Raises:
           FileNotFoundError: there is no checkpoint in the directory.
+          CheckpointError: the checkpoint's `state['step']` differs from its label.
         """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"--resume: no checkpoint found in {self.directory}")
         restored = self.manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
-        )
-        return step, restored["state"]
+        )["state"]
+        if int(restored["step"]) != step:
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} holds state step {int(restored['step'])}, not {step}"
+            )
+        return step, restored
 
     def restore_data(self, step: int) -> dict | None:
         """The data iterator state saved at `step`, or None when that checkpoint has none."""
@@ -63,14 +159,67 @@ class Checkpointer:
             return None
         return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
 
-    def wait(self) -> None:
-        """Block until pending asynchronous saves are committed to disk."""
-        self.manager.wait_until_finished()
-
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the pending save and close the manager (also when the wait fails).
+
+        Raises:
+          CheckpointError: as `wait`.
+        """
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def abstract_like(state: dict) -> dict:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+
+# ----------------------------------------------------------------------------------------------
+# What a resume may change.
+
+# Config keys a resume may change freely: the layout of the computation (mesh axes, remat, tiling, attention
+# method; the state is resharded on restore), logging and checkpointing, and `steps` (extending a run). Every
+# other key, including keys added later, must equal the checkpoint's (deny by default).
+RESUMABLE_KEYS = ("mesh.*", "remat.*", "tiling.*", "attention.*", "run_name", "run_dir", "log_every",
+                  "checkpoint_every", "keep_checkpoints", "profile_steps", "steps")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _resumable(key: str) -> bool:
+    return any(key == p or (p.endswith(".*") and key.startswith(p[:-1])) for p in RESUMABLE_KEYS)
+
+
+def config_changes(saved: dict, new: dict, defaults: dict) -> list[str]:
+    """`key: old -> new` for every config key that differs between a checkpoint's config and the resuming run's
+    and may not change on resume (anything outside `RESUMABLE_KEYS`).
+
+    `saved`, `new`, `defaults`: nested dicts as written by `jaxlong.config.to_dict`; a key missing from `saved`
+    (a checkpoint written before the option existed) compares as its default. `optim.decay_steps` compares as
+    the schedule's effective length (`decay_steps or steps`), so extending `steps` of a run whose decay length
+    was `steps` is a schedule change, while extending one with an explicit `optim.decay_steps` is not.
+    """
+    flat_defaults = _flatten(defaults)
+    old = {**flat_defaults, **_flatten(saved)}
+    cur = {**flat_defaults, **_flatten(new)}
+    for d in (old, cur):
+        if "optim.decay_steps" in d:
+            d["optim.decay_steps"] = d["optim.decay_steps"] or d.get("steps")
+    missing = object()
+    changes = []
+    for key in sorted(set(old) | set(cur)):
+        a, b = old.get(key, missing), cur.get(key, missing)
+        if a != b and not _resumable(key):
+            show = lambda v: "(absent)" if v is missing else json.dumps(v)  # noqa: E731
+            changes.append(f"{key}: {show(a)} -> {show(b)}")
+    return changes

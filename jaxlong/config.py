@@ -152,7 +152,7 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    clip_norm: float = 1.0
+    clip_norm: float | None = 1.0  # global-norm gradient clipping; null disables it
 
 
 @dataclass
@@ -285,15 +285,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Build a `Config` from defaults, then the YAML file at `path`, then `key=value` overrides; validate it.
 
     Raises:
-      ConfigError: unknown key, wrong type, or impossible combination (see `validate`).
-      FileNotFoundError: `path` does not exist.
+      ConfigError: `path` missing, unreadable or not valid YAML (with line and column); unknown key, wrong
+        type, or impossible combination (see `validate`).
     """
     cfg = Config()
     settings: list[tuple] = []
     if path is not None:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = read_yaml(path)
         if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
+            raise ConfigError(f"--config {path} must hold a mapping of keys, got {type(data).__name__}")
         settings += [(k, v) for k, v in data.items()]
     settings += [parse_override(text) for text in overrides]
     for s in settings:
@@ -342,6 +342,29 @@ def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config
         _apply(cfg, *parse_override(text))
     validate(cfg)
     return cfg
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The YAML document at `path` (`--config`).
+
+    Raises:
+      ConfigError: one line: the file does not exist or cannot be read, or is not valid YAML (line and column).
+    """
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path} is a directory; give a YAML file, e.g. configs/default.yaml") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path} cannot be read: {e}") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+        what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+        raise ConfigError(f"--config {path} is not valid YAML at {where}: {what}") from None
 
 
 def to_dict(cfg: Config) -> dict:
@@ -446,13 +469,21 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if cfg.data.max_tokens is not None and cfg.data.max_tokens <= 0:
         raise ConfigError(f"data.max_tokens={cfg.data.max_tokens} must be positive, or null for the whole corpus")
     for key in ("seq_len", "global_batch", "steps", "log_every", "checkpoint_every", "keep_checkpoints",
-                "grad_accum", "eval_batches"):
+                "grad_accum", "eval_batches", "profile_steps"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be positive")
     if cfg.eval_every < 0:
         raise ConfigError(f"eval_every={cfg.eval_every} must be >= 0 (0 disables validation)")
     if not 0.0 < cfg.eval_fraction < 1.0:
         raise ConfigError(f"eval_fraction={cfg.eval_fraction} must be in (0, 1), e.g. 0.01 (1% of the documents)")
+    for key in ("rope_theta", "norm_eps", "init_std"):
+        if not getattr(m, key) > 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be positive")
+    validate_optim(cfg.optim)
+    if cfg.attention.heads_per_stage < 0:
+        raise ConfigError(f"attention.heads_per_stage={cfg.attention.heads_per_stage} must be >= 0 (0: U = mesh.context)")
+    if cfg.mesh.num_devices <= 0:
+        raise ConfigError(f"mesh.num_devices={cfg.mesh.num_devices} must be a positive device count, e.g. 8")
 
     n = cfg.mesh.num_devices if num_devices is None else num_devices
     data, fsdp, ring, context = resolve_mesh_shape(cfg.mesh, n)
@@ -479,6 +510,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             f"or a grad_accum dividing {cfg.global_batch // (data * fsdp)}"
         )
     check_heads(m.heads, m.kv_heads, context)
+    for key in ("block_q", "block_k"):
+        check_attention_block(f"attention.{key}", getattr(cfg.attention, key), cfg.seq_len)
     s_local = cfg.seq_len // (ring * context)
     for key, value in (("tiling.loss_tile", cfg.tiling.loss_tile), ("tiling.mlp_tiles", cfg.tiling.mlp_tiles)):
         if value and s_local % value:
@@ -517,6 +550,56 @@ def check_ring(seq_len: int, ring: int, context: int, block_q: int, block_k: int
                 f"{key}={value} must divide ring attention's block of seq_len/(2*mesh.ring) = {block} tokens; "
                 f"use one of {divisors[-4:]} or a value >= {block}"
             )
+
+
+def validate_optim(o: OptimConfig) -> None:
+    """AdamW, warmup and cosine-decay ranges.
+
+    Raises:
+      ConfigError: lr <= 0; clip_norm <= 0 (use null to disable clipping); warmup_steps < 0; decay_steps < 0
+        or (when set) < warmup_steps; min_lr_ratio outside [0, 1]; weight_decay < 0; b1 or b2 outside [0, 1);
+        eps <= 0.
+    """
+    if not o.lr > 0:
+        raise ConfigError(f"optim.lr={o.lr} must be positive, e.g. 3e-4")
+    if o.clip_norm is not None and not o.clip_norm > 0:
+        raise ConfigError(
+            f"optim.clip_norm={o.clip_norm} must be a positive global gradient norm (e.g. 1.0), or null to disable clipping"
+        )
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0 (0: no warmup)")
+    if o.decay_steps < 0 or (o.decay_steps and o.decay_steps < o.warmup_steps):
+        raise ConfigError(
+            f"optim.decay_steps={o.decay_steps} must be >= optim.warmup_steps={o.warmup_steps} "
+            f"(it counts the warmup), or 0 for `steps`"
+        )
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1] (final lr / peak lr)")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay={o.weight_decay} must be >= 0")
+    for key in ("b1", "b2"):
+        if not 0.0 <= getattr(o, key) < 1.0:
+            raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1), e.g. 0.9 / 0.95")
+    if not o.eps > 0:
+        raise ConfigError(f"optim.eps={o.eps} must be positive, e.g. 1e-8")
+
+
+def check_attention_block(key: str, block: int, seq: int) -> None:
+    """The blockwise attention kernel's tile along the sequence: it sees the whole sequence after Ulysses'
+    all-to-all, clamps the tile to it, and needs the tile to divide it (`jaxlong.attention.kernels`).
+
+    Raises:
+      ConfigError: `block` <= 0, or min(block, seq) does not divide `seq` (`key` names the option).
+    """
+    if block <= 0:
+        raise ConfigError(f"{key}={block} must be a positive tile length, e.g. {min(256, seq)}")
+    b = min(block, seq)
+    if seq % b:
+        best = max(c for c in range(1, b + 1) if seq % c == 0)
+        raise ConfigError(
+            f"{key}={block} must divide seq_len={seq} (attention sees the whole sequence after the all-to-all); "
+            f"use a divisor such as {best}, or a value >= {seq}"
+        )
 
 
 def check_upipe_schedule(heads: int, kv_heads: int, context: int, heads_per_stage: int) -> None:

@@ -30,7 +30,7 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
         end_value=o.lr * o.min_lr_ratio,
     )
     tx = optax.chain(
-        optax.clip_by_global_norm(o.clip_norm),
+        optax.clip_by_global_norm(o.clip_norm) if o.clip_norm is not None else optax.identity(),
         optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay),
     )
     return tx, schedule

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxlong.loss import IGNORE_INDEX
 from jaxlong.mesh import BATCH_AXES, seq_axes, seq_shards
 from jaxlong.ordering import zeros_after
 
@@ -212,8 +213,8 @@ def tiled_loss_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask:
       hidden: final hidden states `[batch, seq, hidden]` (any float dtype); with `mesh`, global and laid out
         `P(('data', 'fsdp'), 'context', None)`.
       head: output projection `[hidden, vocab]`, replicated.
-      targets: next-token ids `[batch, seq]` int32 in `[0, vocab)` (ids outside that range are allowed only
-        where mask is 0: they contribute nothing).
+      targets: next-token ids `[batch, seq]` int32 in `[0, vocab)`; `IGNORE_INDEX` (-100) is ignored (its mask
+        is zeroed), and other ids outside that range are allowed where mask is 0: they contribute nothing.
       mask: loss weights `[batch, seq]` (bool, int or float; 1 = count the token).
       tile: tokens per tile along the (local) sequence: it must divide seq (mesh None) or seq / mesh.context.
         `default_loss_tile` picks one from a byte budget.
@@ -233,7 +234,7 @@ def tiled_loss_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask:
       ValueError: `tile` does not divide the local sequence length (option `tiling.loss_tile`), or seq is not
         divisible by mesh.context.
     """
-    mask = mask.astype(jnp.float32)
+    mask = jnp.where(targets == IGNORE_INDEX, 0.0, mask.astype(jnp.float32))
     if mesh is None:
         validate_loss_tile(hidden.shape[1], tile)
         return _ce_sum(hidden, head, targets, mask, int(tile), ()), jnp.sum(mask)

@@ -1,4 +1,5 @@
-"""Command line trainer: `python -m jaxlong.train [--config FILE] [--resume] [--profile] [key=value ...]`.
+"""Command line trainer: `python -m jaxlong.train [--config FILE] [--resume | --resume-with-changes] [--profile]
+[key=value ...]`.
 
 With no arguments it trains the default tiny Llama on the Python standard library's source over 8 devices
 (simulated on the CPU). Examples:
@@ -7,6 +8,7 @@ With no arguments it trains the default tiny Llama on the Python standard librar
     python -m jaxlong.train steps=100 seq_len=16384 mesh.context=8 model.heads=8
     python -m jaxlong.train --config configs/llama3_1_8b.yaml seq_len=1048576 mesh.context=8
     python -m jaxlong.train --resume            # continue runs/<run_name> from its latest checkpoint
+    python -m jaxlong.train --resume-with-changes optim.lr=1e-3   # resume although the config changed
 
 The config is validated before jax is imported; on the CPU, `mesh.num_devices` simulated devices are created
 (`--xla_force_host_platform_device_count`), which must happen before jax is imported.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from jaxlong import distributed
@@ -44,7 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m jaxlong.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", default=None, help="YAML config (default: built-in defaults = configs/default.yaml)")
-    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the run's latest checkpoint; the config must equal the checkpoint's "
+                             "except mesh/remat/tiling/attention, logging, checkpointing and steps")
+    parser.add_argument("--resume-with-changes", action="store_true",
+                        help="--resume even where the config changes the model, data stream or schedule")
     parser.add_argument("--profile", action="store_true", help="trace a few steps with jax.profiler into the run dir")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. mesh.context=8 seq_len=16384")
     return parser.parse_intermixed_args(argv)
@@ -69,16 +76,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from jaxlong.trainer import run  # noqa: PLC0415 (jax must be imported after XLA_FLAGS is set)
 
+    from jaxlong.checkpoint import CheckpointError  # noqa: PLC0415
+
+    resume = args.resume or args.resume_with_changes
     try:
-        run(cfg, resume=args.resume, profile=args.profile)
+        run(cfg, resume=resume, profile=args.profile, allow_changes=args.resume_with_changes)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as e:  # a corpus that cannot be read, no checkpoint to resume
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except CheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as e:  # SIGINT/SIGTERM: 128 + the signal's number, as a shell reports it
+        return 128 + getattr(e, "signum", signal.SIGINT)
     return 0
 
 

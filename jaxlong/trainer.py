@@ -2,16 +2,18 @@
 
 The trainer knows no model internals: it builds the mesh, the state and the jitted step from `jaxlong.step`,
 feeds batches already sharded on the mesh, and writes TensorBoard scalars under `<run_dir>/<run_name>/`:
-`loss`, `lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `mfu` (when the device's peak is known) and
+`loss`, `lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `mfu` (when the device's peak is known),
 `device_memory/*` (where the backend reports it), `packing_efficiency` (the fraction of tokens that are not
 padding), and every `eval_every` steps `eval/loss` and `eval/perplexity` on held-out documents
-(`jaxlong.evaluate.Validator`).
+(`jaxlong.evaluate.Validator`). In a multi-process run only process 0 prints, writes TensorBoard and shows the
+progress bar.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from tqdm import tqdm
 from jaxlong import data as data_lib
 from jaxlong import evaluate as eval_lib
 from jaxlong import step as step_lib
-from jaxlong.checkpoint import Checkpointer
+from jaxlong.checkpoint import CheckpointError, Checkpointer, config_changes, remove_tmp_dirs, saved_config
 from jaxlong.config import Config, ConfigError, to_dict, validate
 from jaxlong.memstats import compiled_bytes, device_memory, fmt_bytes, format_compiled
 from jaxlong.mesh import batch_spec, build_mesh, describe_param_sharding
@@ -50,8 +52,10 @@ def peak_flops() -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+def _say(*args, **kwargs) -> None:
+    """`print` on process 0 only (the other processes of a multi-process run stay quiet)."""
+    if jax.process_index() == 0:
+        print(*args, **kwargs)
 
 
 def check_fits(compiled) -> None:
@@ -62,7 +66,7 @@ def check_fits(compiled) -> None:
     limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
     need = compiled_bytes(compiled)["peak"]
     if limit is None and jax.default_backend() == "cpu":  # simulated devices share the host's memory
-        need *= len(jax.local_devices())
+        need *= len(jax.devices())
         limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if limit and need > limit:
         raise ConfigError(
@@ -73,25 +77,100 @@ def check_fits(compiled) -> None:
         )
 
 
-def _silent(*args, **kwargs) -> None:
-    """`print` on the processes other than process 0."""
+class Preempted(KeyboardInterrupt):
+    """The run stopped on SIGTERM or SIGINT (`signum`) after saving its last finished step."""
+
+    def __init__(self, signum: int, message: str = ""):
+        super().__init__(message or f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
-def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
+class _Signals:
+    """SIGTERM/SIGINT while training: before the train state exists a signal stops the run at once (nothing is
+    lost); once the loop runs (`deferred`), the handler only records the signal, and the loop stops between
+    steps, when the state of the last finished step is bound, and saves it. Installed only in the main thread.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int | None = None
+        self.deferred = False
+        self._previous: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum, frame):
+        if not self.deferred:
+            raise Preempted(signum)
+        if self.received is None:
+            print(f"\nreceived {signal.Signals(signum).name}: stopping after the current step, then saving it",
+                  flush=True)
+        self.received = self.received or signum  # the first signal names the stop
+
+
+# Testing hook (fault injection): JAXLONG_FAULT="<point>@<step>:<SIGNAL>[,...]", e.g. "after_step@4:SIGTERM",
+# makes the trainer send SIGNAL to its own process when it reaches the named point of `run` while computing
+# `step` (1-based), once per entry. The points are the names passed to `fault` below (FAULT_POINTS);
+# tests/test_faults.py kills the trainer at each of them.
+FAULT_ENV = "JAXLONG_FAULT"
+FAULT_POINTS = ("after_compile", "after_state", "before_batch", "before_put", "before_dispatch", "after_step",
+                "after_bind", "before_metrics", "during_metrics", "during_log", "before_save", "during_save",
+                "end_of_step", "after_loop", "during_final_save", "after_commit")
+
+
+def _fault_plan() -> list[tuple[str, int, int]]:
+    plan = []
+    for entry in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        where, sig = entry.strip().rsplit(":", 1)
+        point, step = where.split("@")
+        if point not in FAULT_POINTS:
+            raise ValueError(f"{FAULT_ENV}: unknown point {point!r}; points: {', '.join(FAULT_POINTS)}")
+        plan.append((point, int(step), int(getattr(signal, sig))))
+    return plan
+
+
+def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_changes: bool = False) -> dict:
     """Train for `cfg.steps` steps. Returns the last step's metrics and the run directory.
 
+    `resume` continues the run's latest checkpoint; its saved config must equal `cfg` except for the keys in
+    `jaxlong.checkpoint.RESUMABLE_KEYS`, unless `allow_changes` (`--resume-with-changes`).
+
     Raises:
-      ConfigError: the config does not fit the devices present (checked before compiling).
+      ConfigError: the config is invalid for the devices present, or differs from the checkpoint's (checked
+        before loading data and compiling).
       FileNotFoundError: `resume` with no checkpoint in the run directory.
       ValueError: the corpus cannot be read or is too small (before compiling).
-      KeyboardInterrupt: on SIGINT/SIGTERM, after saving the last finished step.
+      CheckpointError: a checkpoint could not be written (no partial checkpoint is left).
+      Preempted: (a KeyboardInterrupt) on SIGTERM/SIGINT, after saving the last finished step.
     """
+    plan = _fault_plan()
+
+    def fault(point: str, step: int) -> None:
+        for entry in [e for e in plan if e[:2] == (point, step)]:
+            plan.remove(entry)
+            os.kill(os.getpid(), entry[2])
+
+    with _Signals() as signals:
+        return _run(cfg, resume, profile, allow_changes, signals, fault)
+
+
+def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals: _Signals, fault) -> dict:
     validate(cfg, num_devices=len(jax.devices()))
-    main = jax.process_index() == 0  # process 0 logs, writes TensorBoard and shows the progress bar
-    say = print if main else _silent
+    if cfg.attention.backend == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(
+            f"attention.backend=cudnn needs an NVIDIA GPU, but jax runs on {jax.default_backend()}; "
+            f"use attention.backend=auto (cuDNN where available) or blockwise"
+        )
     mesh = build_mesh(cfg.mesh)
     run_dir = Path(cfg.run_dir) / cfg.run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.model.from_hf:  # the checkpoint's tokenizer.json; its tensors are checked before compiling
         from jaxlong.models import hf  # noqa: PLC0415
 
@@ -103,10 +182,6 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
         data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    say(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
-          f"mesh {dict(mesh.shape)} on {len(jax.devices())} x {jax.devices()[0].device_kind}, "
-          f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
-
     ckpt_dir = run_dir / "checkpoints"
     latest = Checkpointer.latest_in(ckpt_dir)
     if resume and latest is None:
@@ -116,11 +191,17 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
             f"run_name={cfg.run_name!r}: {ckpt_dir} already holds checkpoints (up to step {latest}); "
             f"pass --resume to continue it, or choose a new run_name"
         )
+    if resume:
+        _check_resume_config(cfg, ckpt_dir, latest, allow_changes)
     start = latest or 0
     if start >= cfg.steps:
-        say(f"nothing to do: the latest checkpoint is step {start} and steps={cfg.steps}; "
+        _say(f"nothing to do: the latest checkpoint is step {start} and steps={cfg.steps}; "
               f"pass steps=N with N > {start} to train further")
         return {"metrics": {}, "run_dir": str(run_dir)}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _say(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
+          f"mesh {dict(mesh.shape)} on {len(jax.devices())} x {jax.devices()[0].device_kind}, "
+          f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
     # Data first: a bad corpus fails before the (possibly long) compile.
     source = data_lib.DocumentSource(cfg.data.path, cfg.data.text_field)
     validator, held_out = None, ()
@@ -132,109 +213,178 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False) -> dict:
 
     t0 = time.perf_counter()
     compiled = step_lib.compile_train_step(cfg, mesh)
-    say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
-    say(format_compiled(compiled))
+    _say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+    _say(format_compiled(compiled))
     check_fits(compiled)
     if validator:
-        say(format_compiled(validator.compile(), "eval step"))
+        _say(format_compiled(validator.compile(), "eval step"))
+    fault("after_compile", start + 1)
 
-    ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints)
-    if resume:
-        start, state = ckpt.restore(step_lib.abstract_state(cfg, mesh))
-        data_state = ckpt.restore_data(start)
-        if data_state is not None:
-            batches.set_state(data_state)
-        else:  # a checkpoint without the data iterator's state: replay the batches it consumed
-            for _ in range(start):
-                next(batches)
-        say(f"resumed from {ckpt.directory / str(start)}")
-    elif cfg.model.from_hf:
-        state = step_lib.init_state(cfg, mesh, hf.load_params(cfg.model.from_hf, cfg, mesh))
-        say(f"loaded the weights of {cfg.model.from_hf}")
-    else:
-        state = step_lib.init_state(cfg, mesh)
+    ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, final_step=cfg.steps)
+    try:
+        if resume:
+            state = _restore(ckpt, step_lib.abstract_state(cfg, mesh), start)
+            data_state = ckpt.restore_data(start)
+            if data_state is not None:
+                batches.set_state(data_state)
+            else:  # a checkpoint without the data iterator's state: replay the batches it consumed
+                for _ in range(start):
+                    next(batches)
+            _say(f"resumed from {ckpt.directory / str(start)}")
+        elif cfg.model.from_hf:
+            state = step_lib.init_state(cfg, mesh, hf.load_params(cfg.model.from_hf, cfg, mesh))
+            _say(f"loaded the weights of {cfg.model.from_hf}")
+        else:
+            state = step_lib.init_state(cfg, mesh)
+        signals.deferred = True  # from here on a signal stops the loop between steps
+        fault("after_state", start + 1)
+        return _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, signals, fault, validator)
+    finally:
+        signals.deferred = False
+        try:
+            ckpt.manager.close()  # `_loop` has waited for its saves and reported their failures
+        except Exception as e:  # noqa: BLE001 (a failure already reported; never hide the original error)
+            remove_tmp_dirs(ckpt.directory)
+            _say(f"closing the checkpoint manager: {type(e).__name__}: {e}")
+
+
+def _check_resume_config(cfg: Config, ckpt_dir: Path, step: int, allow_changes: bool) -> None:
+    saved = saved_config(ckpt_dir, step)
+    if saved is None:
+        _say(f"note: checkpoint {step} holds no config; resuming without comparing configs")
+        return
+    changes = config_changes(saved, to_dict(cfg), to_dict(Config()))
+    if changes and not allow_changes:
+        raise ConfigError(
+            f"--resume: this config differs from checkpoint {step}'s in keys that change the model, the data "
+            f"stream or the schedule: {'; '.join(changes)}; set them back, or pass --resume-with-changes"
+        )
+    if changes:
+        _say(f"--resume-with-changes: resuming checkpoint {step} with {'; '.join(changes)}")
+
+
+def _restore(ckpt: Checkpointer, abstract: dict, step: int) -> dict:
+    try:
+        return ckpt.restore(abstract, step)[1]
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 (orbax reports shape mismatches with long tracebacks)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"--resume: checkpoint {step} does not fit this config's train state ({type(e).__name__}: {first[:300]}); "
+            f"the model or optimizer shapes differ from the checkpoint's"
+        ) from e
+
+
+def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, signals, fault, validator) -> dict:
     sharded = describe_param_sharding(mesh, state["params"])
     replicated = [line for line in sharded if "replicated" in line]
-    say(f"FSDP: {len(sharded) - len(replicated)} of {len(sharded)} parameter leaves sharded over fsdp x ring x context"
+    _say(f"FSDP: {len(sharded) - len(replicated)} of {len(sharded)} parameter leaves sharded over fsdp x ring x context"
           + (f"; replicated: {', '.join(r.split()[0] for r in replicated)}" if replicated else ""))
 
     batch_sharding = NamedSharding(mesh, batch_spec())
-    writer = SummaryWriter(str(run_dir)) if main else None
+    cfg_dict = to_dict(cfg)
+    main = jax.process_index() == 0
+    writer = SummaryWriter(str(run_dir), filename_suffix=f".{os.getpid()}.{time.time_ns()}") if main else None
     tokens_per_step = cfg.seq_len * cfg.global_batch
     flops, peak = flops_per_token(cfg), peak_flops()
     metrics: dict = {}
     packed: list[float] = []
-    last_saved = start
     profiling = False
     profile_start = start + 1  # skip the first step (allocation, warm-up)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=not main)
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)  # preemption: save, then stop
-    done, data_state_done = start, batches.get_state()
+    # `done` is the step counter of the bound `state` (int(state['step'])): a signal cannot interrupt between
+    # the two assignments below, since the handler only records it.
+    # `data_state` is the input pipeline's state after the batch of step `done`: saved with that state.
+    done, started, data_state = start, None, batches.get_state()
     try:
         t_last = time.perf_counter()
-        for step in range(start, cfg.steps):
-            if profile and step == profile_start:
+        while done < cfg.steps and signals.received is None:
+            step = done + 1
+            fault("before_batch", step)
+            if profile and step == profile_start + 1:
                 jax.profiler.start_trace(str(run_dir))
                 profiling = True
             host_batch = next(batches)
             packed.append(data_lib.packing_efficiency(host_batch))
+            fault("before_put", step)
             batch = data_lib.put_on_mesh(host_batch, batch_sharding)
-            state, m = compiled(state, batch)
-            if profiling and step == profile_start + cfg.profile_steps - 1:
+            fault("before_dispatch", step)
+            if signals.received is not None:
+                break
+            new_state, m = compiled(state, batch)  # donates `state`
+            fault("after_step", step)
+            state, done, data_state = new_state, step, batches.get_state()
+            fault("after_bind", step)
+            if profiling and step == profile_start + cfg.profile_steps:
                 jax.block_until_ready(m)
                 jax.profiler.stop_trace()
                 profiling = False
-                say(f"profile of {cfg.profile_steps} steps written under {run_dir}/plugins/profile")
-            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-                # replicated scalars: every process reads its own copy (multi-process arrays are not
-                # fully addressable, so no device_get of the global array)
-                metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in m.items()}
-                metrics["packing_efficiency"], packed = sum(packed) / len(packed), []
+                _say(f"profile of {cfg.profile_steps} steps written under {run_dir}/plugins/profile")
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                fault("before_metrics", step)
+                # replicated scalars: every process reads its own copy (multi-process arrays are not fully
+                # addressable, so no device_get of the global array)
+                fetched = {k: np.asarray(v.addressable_data(0)) for k, v in m.items()}
+                fault("during_metrics", step)
+                metrics = {k: float(v) for k, v in fetched.items()}
+                metrics["packing_efficiency"], packed = sum(packed) / max(len(packed), 1), []
                 now = time.perf_counter()
-                n_steps = cfg.log_every if step + 1 - start >= cfg.log_every else step + 1 - start
+                n_steps = min(cfg.log_every, done - start)
                 metrics["step_time_s"] = (now - t_last) / n_steps
                 metrics["tokens_per_s"] = tokens_per_step / metrics["step_time_s"]
                 if peak:
                     metrics["mfu"] = metrics["tokens_per_s"] * flops / (peak * len(jax.devices()))
                 for k, v in device_memory().items():
                     metrics[f"device_memory/{k}"] = v
-                for k, v in metrics.items():
+                for i, (k, v) in enumerate(metrics.items()):
                     if writer is not None:
-                        writer.add_scalar(k, v, step + 1)
+                        writer.add_scalar(k, v, done)
+                    if i == 0:
+                        fault("during_log", step)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
                                 packed=f"{metrics['packing_efficiency']:.2f}")
                 t_last = now
-            if validator and validator.due(step + 1):
+            if validator and validator.due(done):
                 ev = validator.run(state["params"])
                 if writer is not None:
-                    writer.add_scalar("eval/loss", ev["loss"], step + 1)
-                    writer.add_scalar("eval/perplexity", ev["perplexity"], step + 1)
-                bar.write(f"step {step + 1}: eval loss {ev['loss']:.4f} (perplexity {ev['perplexity']:.2f}, "
-                          f"{ev['tokens']:.0f} held-out tokens)")
+                    writer.add_scalar("eval/loss", ev["loss"], done)
+                    writer.add_scalar("eval/perplexity", ev["perplexity"], done)
+                if main:
+                    bar.write(f"step {done}: eval loss {ev['loss']:.4f} (perplexity {ev['perplexity']:.2f}, "
+                              f"{ev['tokens']:.0f} held-out tokens)")
             bar.update(1)
-            done, data_state_done = step + 1, batches.get_state()
-            if ckpt.save(step + 1, state, to_dict(cfg), data_state=batches.get_state()):
-                last_saved = step + 1
-        if last_saved != cfg.steps and start < cfg.steps:
-            ckpt.save(cfg.steps, state, to_dict(cfg), force=True, data_state=batches.get_state())
-    except KeyboardInterrupt:
-        if done > last_saved:
-            try:
-                ckpt.save(done, state, to_dict(cfg), force=True, data_state=data_state_done)
-                last_saved = done
-            except Exception as e:  # noqa: BLE001 (the state of an interrupted step may be gone)
-                say(f"could not save step {done}: {e}")
-        ckpt.wait()  # commit it before reporting; `finally` closes the manager
-        say(f"interrupted after step {done}; latest checkpoint: step {last_saved}; continue with --resume")
-        raise
+            fault("before_save", step)
+            if ckpt.should_save(done):
+                started = ckpt.save(state, cfg_dict, data_state=data_state) or started
+                fault("during_save", step)  # the asynchronous commit may still be running
+            fault("end_of_step", step)
+        fault("after_loop", done)
+        try:
+            if done > start and started != done:  # interrupted between saves, or a final step the policy skipped
+                started = ckpt.save(state, cfg_dict, force=True, data_state=data_state) or started
+                fault("during_final_save", done)
+            latest = ckpt.wait()
+            fault("after_commit", done)
+        except CheckpointError as e:
+            if signals.received is None:
+                raise
+            latest = Checkpointer.latest_in(ckpt.directory)
+            _say(f"{e}; steps {(latest or 0) + 1}..{done} are lost")
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; latest committed checkpoint: step {Checkpointer.latest_in(ckpt.directory)}") from e
     finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
+        signals.deferred = False
         if profiling:
             jax.profiler.stop_trace()
         bar.close()
         if writer is not None:
             writer.close()
-        ckpt.close()  # waits for pending asynchronous saves: a finished save is never lost
-    say(f"done: step {cfg.steps}, loss {metrics.get('loss', float('nan')):.4f}; "
+    if signals.received is not None:
+        name = signal.Signals(signals.received).name
+        _say(f"stopped by {name} after step {done}; latest committed checkpoint: step {latest}; "
+              f"continue with --resume")
+        raise Preempted(signals.received, f"stopped by {name} after step {done}")
+    _say(f"done: step {cfg.steps}, loss {metrics.get('loss', float('nan')):.4f}; "
           f"TensorBoard: tensorboard --logdir {cfg.run_dir}; checkpoints in {ckpt.directory}")
     return {"metrics": metrics, "run_dir": str(run_dir)}
