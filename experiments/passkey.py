@@ -87,7 +87,6 @@ def main(argv=None):
         *args.overrides])
     mesh = build_mesh(cfg.mesh)
     tok = data_lib.get_tokenizer("byte")
-    corpus, _ = ev.held_out_split(data_lib.load_corpus(None, tok, 4_000_000), tok.eod_id, 0.01, cfg.seed)
     rng = np.random.default_rng([cfg.seed, 7])
     sharding = NamedSharding(mesh, batch_spec())
     # Phases (seq_len, batch, budget in minutes of 2 cores): an optional short warm-up phase, then the full length.
@@ -108,7 +107,8 @@ def main(argv=None):
 
     for seq, batch_size, minutes_budget, wall_budget in phases:
         pcfg = dataclasses.replace(cfg, seq_len=seq, global_batch=batch_size)
-        corpus_batches = data_lib.make_batch_iterator(corpus, seq_len=seq, global_batch=batch_size, seed=cfg.seed)
+        corpus_batches = data_lib.batch_iterator(dataclasses.replace(
+            pcfg, data=dataclasses.replace(pcfg.data, max_tokens=4_000_000)), tok)
         t0 = time.perf_counter()
         train_step = step_lib.compile_train_step(pcfg, mesh)
         stats = ev.make_token_stats_step(pcfg, mesh)

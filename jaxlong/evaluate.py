@@ -253,7 +253,8 @@ def make_token_stats_step(cfg: Config, mesh: jax.sharding.Mesh):
     tok = NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXIS))
 
     def stats(params, batch):
-        hidden, head = model_lib.forward(graphdef, params, batch["inputs"], rt)
+        segment_ids = batch.get("segment_ids") if cfg.data.packing == "documents" else None
+        hidden, head = model_lib.forward(graphdef, params, batch["inputs"], rt, batch.get("positions"), segment_ids)
         b, s = batch["targets"].shape
         s_local = s // mesh.shape[CONTEXT_AXIS]
         b_local = max(b // (mesh.shape["data"] * mesh.shape["fsdp"]), 1)
@@ -354,13 +355,16 @@ def random_key(rng: np.random.Generator, digits: int) -> str:
 
 
 def passkey_batch(examples: list[PasskeyExample]) -> dict:
-    """Host batch `{'inputs', 'targets', 'mask'}` `[len(examples), S]` of same-length passkey examples; the mask
-    covers the answer positions only."""
+    """Host batch `{'inputs', 'targets', 'mask', 'positions', 'segment_ids'}` `[len(examples), S]` of same-length
+    passkey examples (one document per row); the mask covers the answer positions only."""
     tokens = np.stack([e.tokens for e in examples])
     mask = np.zeros(tokens[:, 1:].shape, np.float32)
     for i, e in enumerate(examples):
         mask[i, e.answer] = 1.0
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+    b, s = mask.shape
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask,
+            "positions": np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy(),
+            "segment_ids": np.ones((b, s), np.int32)}  # one document per row
 
 
 def score_passkey(predict: Callable[[dict], np.ndarray], encode: Callable[[str], np.ndarray], *,

@@ -77,12 +77,15 @@ def prompt_ids(tok) -> np.ndarray:
 
 
 def first_batch(directory: Path) -> dict:
-    """The first batch jaxlong.train draws from corpus.txt (seq_len 64, global_batch 2, seed 0)."""
-    from jaxlong.data import load_corpus, make_batch_iterator  # noqa: PLC0415
+    """A batch of corpus.txt (the test checks the model's loss on it against transformers'): its documents
+    tokenized and concatenated, the first two windows of SEQ + 1 tokens (stride SEQ)."""
+    from jaxlong.data import DocumentSource, document_tokens  # noqa: PLC0415
     from jaxlong.models.hf_tokenizer import HFTokenizer  # noqa: PLC0415
 
-    tokens = load_corpus(ROOT / "corpus.txt", HFTokenizer(directory))
-    return next(make_batch_iterator(tokens, seq_len=SEQ, global_batch=2, seed=0))
+    tok, source = HFTokenizer(directory), DocumentSource(ROOT / "corpus.txt")
+    tokens = np.concatenate([document_tokens(source[i], tok) for i in range(len(source))])
+    w = np.stack([tokens[i * SEQ:i * SEQ + SEQ + 1] for i in range(2)]).astype(np.int32)
+    return {"inputs": w[:, :-1], "targets": w[:, 1:]}
 
 
 def build(name: str, config: transformers.PretrainedConfig, cls, dtype: torch.dtype, shard: bool) -> None:

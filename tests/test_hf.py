@@ -36,17 +36,19 @@ def golden(name: str) -> dict:
     return dict(np.load(FIX / name / "golden.npz"))
 
 
-def jax_logits(cfg, n_devices: int, tokens: np.ndarray, params=None) -> np.ndarray:
-    """Float32 logits `[b, s, vocab]` of `tokens` under `cfg` on the first `n_devices` devices."""
+def jax_logits(cfg, n_devices: int, tokens: np.ndarray, params=None, positions=None, segment_ids=None) -> np.ndarray:
+    """Float32 logits `[b, s, vocab]` of `tokens` under `cfg` on the first `n_devices` devices (with the packed
+    batch's `positions` and `segment_ids` when given)."""
     mesh = mesh_for(cfg, n_devices)
     params = hf.load_params(cfg.model.from_hf, cfg, mesh) if params is None else params
     rt = Runtime(mesh=mesh, cfg=cfg)
     graphdef = model_graphdef(cfg)
-    x = put_on_mesh({"t": tokens}, NamedSharding(mesh, batch_spec()))["t"]
+    extra = {k: v for k, v in (("positions", positions), ("segment_ids", segment_ids)) if v is not None}
+    x = put_on_mesh({"t": tokens, **extra}, NamedSharding(mesh, batch_spec()))
 
     @jax.jit
     def run(p, x):
-        hidden, head = forward(graphdef, p, x, rt)
+        hidden, head = forward(graphdef, p, x["t"], rt, x.get("positions"), x.get("segment_ids"))
         return jnp.einsum("bsh,hv->bsv", hidden, head)
 
     return np.asarray(run(params, x))
@@ -314,20 +316,32 @@ def test_import_export_import_is_bit_exact(tmp_path, param_dtype):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_fine_tune_starts_at_transformers_loss_and_exports(tmp_path, name):
-    """`python -m jaxlong.train model.from_hf=...` on corpus.txt: the first step's loss equals the loss
-    transformers computes on that batch (golden.npz); `python -m jaxlong.export` writes a checkpoint whose
-    logits (read back by jaxlong, and by transformers when it is installed) equal the trained model's."""
+    """`python -m jaxlong.train model.from_hf=...` on corpus.txt: the model's loss on the fixture's batch equals
+    the loss transformers computed on it (golden.npz), and the trainer's first step reports the model's loss on
+    its own first batch (the Grain pipeline's, packed documents); `python -m jaxlong.export` writes a checkpoint
+    whose logits (read back by jaxlong, and by transformers when it is installed) equal the trained model's."""
+    from jaxlong import data as data_lib  # noqa: PLC0415
     from jaxlong import export as export_lib  # noqa: PLC0415
-    from jaxlong.data import load_corpus, make_batch_iterator  # noqa: PLC0415
     from jaxlong.trainer import run  # noqa: PLC0415
 
     g = golden(name)
-    tokens = load_corpus(FIX / "corpus.txt", hf.HFTokenizer(FIX / name))
-    batch = next(make_batch_iterator(tokens, seq_len=64, global_batch=2, seed=0))
-    assert np.array_equal(batch["inputs"], g["batch_inputs"]) and np.array_equal(batch["targets"], g["batch_targets"])
-    common = [f"data.path={FIX / 'corpus.txt'}", f"run_dir={tmp_path}", "checkpoint_every=2"]
-    first = run(hf_cfg(name, *common, "steps=1", "run_name=first"))["metrics"]["loss"]
-    assert abs(first - float(g["batch_loss"])) <= 1e-4, (first, float(g["batch_loss"]))
+
+    def model_loss(cfg, batch):
+        logits = jax_logits(cfg, 1, np.asarray(batch["inputs"]), positions=batch.get("positions"),
+                            segment_ids=batch.get("segment_ids")).astype(np.float64)
+        lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        target = np.take_along_axis(logits, np.asarray(batch["targets"])[..., None], -1)[..., 0]
+        mask = np.asarray(batch.get("mask", np.ones(target.shape)), np.float64)
+        return float(((lse - target) * mask).sum() / mask.sum())
+
+    one = ("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1")
+    assert abs(model_loss(hf_cfg(name, *one), {"inputs": g["batch_inputs"], "targets": g["batch_targets"]})
+               - float(g["batch_loss"])) <= 1e-4
+    common = [f"data.path={FIX / 'corpus.txt'}", f"run_dir={tmp_path}", "checkpoint_every=2", "eval_every=0"]
+    cfg = hf_cfg(name, *common, "steps=1", "run_name=first")
+    batch = next(data_lib.batch_iterator(cfg, hf.HFTokenizer(FIX / name)))
+    first = run(cfg)["metrics"]["loss"]
+    assert abs(first - model_loss(hf_cfg(name, *one), batch)) <= 1e-4, first
     run(hf_cfg(name, *common, "steps=2", "run_name=ft"))
     assert export_lib.main([str(tmp_path / "ft"), "--out", str(tmp_path / "hf")]) == 0
     _, cfg, trained = export_lib.restore_params(tmp_path / "ft")
