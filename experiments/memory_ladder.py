@@ -89,7 +89,7 @@ def main() -> int:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    source = rows[0]["source"]
+    source = rows[-1]["source"]  # the full mesh (the first rung runs on one device)
     plot_ladder(rows[:n_ladder], budget, stem + ".png", f"{cfg.model.name}, {args.seq:,} tokens, {source}")
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     with open(stem + ".md", "w") as f:

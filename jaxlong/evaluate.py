@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxlong import model as model_lib
 from jaxlong import step as step_lib
 from jaxlong.config import Config
-from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, replicated
+from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, batch_spec, replicated
 from jaxlong.tiled import default_loss_tile, validate_loss_tile
 
 # ----------------------------------------------------------------------------------------------
@@ -172,7 +172,7 @@ def make_eval_step(cfg: Config, mesh: jax.sharding.Mesh):
     def eval_step(params, batch):
         return step_lib.loss_sum_fn(params, batch, graphdef, rt)
 
-    batch_sh = jax.tree.map(lambda x: x.sharding, step_lib.abstract_batch(cfg, mesh, eval_batch_size(cfg)))
+    batch_sh = NamedSharding(mesh, batch_spec())  # every `[batch, seq]` entry alike, whatever the keys
     return jax.jit(eval_step, in_shardings=(_param_shardings(cfg, mesh), batch_sh),
                    out_shardings=(replicated(mesh), replicated(mesh)))
 
@@ -445,6 +445,6 @@ class Validator:
         return bool(every) and (step % every == 0 or step == self.cfg.steps)
 
     def run(self, params: dict) -> dict:
-        from jaxlong.mesh import batch_spec  # noqa: PLC0415
+
 
         return evaluate_loss(self.compiled, params, self.batches, NamedSharding(self.mesh, batch_spec()))

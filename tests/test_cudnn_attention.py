@@ -138,7 +138,7 @@ def test_8b_train_step_upipe_calls_no_more_attention_kernels_than_ulysses():
     for impl in ("ulysses", "upipe"):
         cfg = load_config("configs/llama3_1_8b.yaml", [
             "model.layers=2", "seq_len=1048576", "remat.policy=offload", "tiling.loss=true", "tiling.mlp=true",
-            f"attention.impl={impl}", "attention.backend=auto"])
+            f"attention.impl={impl}", "attention.backend=auto", "data.packing=concat"])  # no segment ids: cuDNN
         mesh = build_mesh(cfg.mesh, devices=_devices())
         counts[impl] = cudnn_calls(step_lib.compile_train_step(cfg, mesh))
     assert counts["ulysses"][0] >= 1 and counts["ulysses"][1] >= 1, counts  # auto resolved to cuDNN
