@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_context:
         table = "| rung | max context (tokens) | total at it (GiB) |\n|---|---:|---:|\n" + "\n".join(
             f"| {r['name']} | {_ctx(r['max_context'], start)} | {_gib(r['total'])} |" for r in rows)
-    source = next((r["source"] for r in rows if "source" in r), "")
+    source = next((r["source"] for r in reversed(rows) if "source" in r), "")  # the full mesh, not rung 1's
     print(f"source: {source}")
     print(table)
     if cpu:
