@@ -235,7 +235,9 @@ def child_train(spec: dict, smoke: bool, steps: int, profile_dir: str | None) ->
     sh = NamedSharding(mesh, batch_spec())
     tokens = jax.random.randint(jax.random.key(1), (1, cfg.seq_len + 1), 0, cfg.model.vocab_size, jnp.int32)
     batch = {"inputs": jax.device_put(tokens[:, :-1], sh), "targets": jax.device_put(tokens[:, 1:], sh),
-             "mask": jax.device_put(jnp.ones((1, cfg.seq_len), jnp.float32), sh)}
+             "mask": jax.device_put(jnp.ones((1, cfg.seq_len), jnp.float32), sh),
+             "positions": jax.device_put(jnp.arange(cfg.seq_len, dtype=jnp.int32)[None], sh),
+             "segment_ids": jax.device_put(jnp.ones((1, cfg.seq_len), jnp.int32), sh)}  # one document
     times, losses = [], []
     for i in range(steps):
         if profile_dir and i == 1:

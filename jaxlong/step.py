@@ -176,7 +176,7 @@ def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
 
     abstract = abstract_state(cfg, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    batch_sh = jax.tree.map(lambda x: x.sharding, abstract_batch(cfg, mesh))
+    batch_sh = NamedSharding(mesh, batch_spec())  # every `[batch, seq]` entry alike, whatever keys a batch has
     return jax.jit(
         train_step,
         in_shardings=(shardings, batch_sh),
