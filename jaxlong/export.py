@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default 2GiB)")
     args = parser.parse_args(argv)
     try:
-        from jaxlong.memory import parse_bytes  # noqa: PLC0415
+        from jaxlong.plan import parse_bytes  # noqa: PLC0415
         from jaxlong.models.hf import save_hf  # noqa: PLC0415
 
         out = Path(args.out)

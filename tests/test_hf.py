@@ -202,7 +202,7 @@ def test_loading_reads_one_tensor_at_a_time_into_the_planned_shardings(name):
     """Reads come tensor by tensor (no tensor is read again after another one started), the bytes read for
     one tensor never exceed its size (each device reads only its slice; identical slices are read once), and
     every parameter lands in its FSDP sharding with the per-device bytes of the plan."""
-    from jaxlong.memory import _shard_bytes  # noqa: PLC0415
+    from jaxlong.plan.planner import _shard_bytes  # noqa: PLC0415
     from jaxlong.step import abstract_state  # noqa: PLC0415
 
     cfg = hf_cfg(name, "mesh.fsdp=8", "mesh.context=1", "global_batch=8")
