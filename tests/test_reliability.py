@@ -100,8 +100,8 @@ def test_cudnn_without_a_gpu_is_refused_before_loading_data(tmp_path, capsys, mo
     def no_data(*args, **kwargs):
         raise AssertionError("the corpus was loaded")
 
-    monkeypatch.setattr(data_lib, "load_corpus", no_data)
-    code, err = _cli(capsys, ["attention.backend=cudnn", f"run_dir={tmp_path}"])
+    monkeypatch.setattr(data_lib, "DocumentSource", no_data)
+    code, err = _cli(capsys, ["attention.backend=cudnn", "data.packing=concat", f"run_dir={tmp_path}"])
     assert code == 2 and "\n" not in err
     assert err.startswith("config error: attention.backend=cudnn needs an NVIDIA GPU, but jax runs on cpu"), err
 
@@ -127,12 +127,13 @@ def test_resume_config_changes_are_deny_by_default():
 
 
 def test_keys_unknown_to_an_old_checkpoint_compare_as_defaults_and_new_keys_are_denied():
-    defaults = {**to_dict(Config()), "data": {**to_dict(Config())["data"], "packing": "concat"}}
-    old = to_dict(Config())  # written before data.packing existed
-    new = {**defaults, "data": {**defaults["data"], "packing": "concat"}}
+    defaults = to_dict(Config())
+    old = to_dict(Config())
+    del old["data"]["packing"]  # a checkpoint written before data.packing existed
+    new = to_dict(Config())  # the option at its default
     assert config_changes(old, new, defaults) == []
-    new["data"]["packing"] = "documents"
-    assert config_changes(old, new, defaults) == ['data.packing: "concat" -> "documents"']
+    new["data"]["packing"] = "concat"
+    assert config_changes(old, new, defaults) == ['data.packing: "documents" -> "concat"']
 
 
 # ----------------------------------------------------------------------------------------------
