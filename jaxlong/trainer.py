@@ -175,7 +175,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
         from jaxlong.models import hf  # noqa: PLC0415
 
         hf.check_checkpoint(cfg.model.from_hf, cfg)
-        tokenizer = hf.HFTokenizer(cfg.model.from_hf)
+        tokenizer = data_lib.HFTokenizer(cfg.model.from_hf, option="model.from_hf")
     else:
         tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
     try:

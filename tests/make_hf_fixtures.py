@@ -80,7 +80,7 @@ def first_batch(directory: Path) -> dict:
     """A batch of corpus.txt (the test checks the model's loss on it against transformers'): its documents
     tokenized and concatenated, the first two windows of SEQ + 1 tokens (stride SEQ)."""
     from jaxlong.data import DocumentSource, document_tokens  # noqa: PLC0415
-    from jaxlong.models.hf_tokenizer import HFTokenizer  # noqa: PLC0415
+    from jaxlong.data import HFTokenizer  # noqa: PLC0415
 
     tok, source = HFTokenizer(directory), DocumentSource(ROOT / "corpus.txt")
     tokens = np.concatenate([document_tokens(source[i], tok) for i in range(len(source))])

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "TOKENIZERS"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "TOKENIZERS", "TOKENIZER_FILES"]
 
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>")
 _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|im_end|>")
@@ -92,40 +92,56 @@ def _special_from_files(directory: Path) -> dict[str, str]:
     return found
 
 
+# The files of a Hugging Face checkpoint's tokenizer (copied by `jaxlong.export`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` (see the module docstring for BOS/EOS).
+    """A Hugging Face ``tokenizer.json`` (see the module docstring for BOS/EOS), given as the file or as the
+    checkpoint directory holding it (``model.from_hf=DIR``). In a checkpoint directory, ``config.json``'s
+    ``eos_token_id`` (the first if a list) is the EOS when the tokenizer's config files name none.
+
+    Args:
+      path: ``tokenizer.json`` or a directory containing it.
+      option: the config key the path came from, used in error messages.
 
     Raises:
       ValueError: the file is missing or cannot be parsed, a special token named in the config files is not in
-        the vocabulary, or no EOS token is found (each message names the file).
+        the vocabulary, or no EOS token is found (each message names the option and the file).
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str | Path, option: str = "data.tokenizer"):
         from tokenizers import Tokenizer as _HF  # noqa: PLC0415 (only needed for this tokenizer)
 
         p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
         if not p.is_file():
-            raise ValueError(f"data.tokenizer={path!r}: no such file; give 'byte' or the path of a Hugging Face "
-                             f"tokenizer.json")
+            raise ValueError(f"{option}={str(path)!r}: no such file {p}; give 'byte' or the path of a Hugging Face "
+                             f"tokenizer.json (or its checkpoint directory)")
         try:
             self._tok = _HF.from_file(str(p))
         except Exception as e:  # noqa: BLE001 (the library raises a bare Exception on bad files)
-            raise ValueError(f"data.tokenizer={path!r} cannot be read as a Hugging Face tokenizer.json ({e})") from e
+            raise ValueError(f"{option}={str(path)!r} cannot be read as a Hugging Face tokenizer.json ({e})") from e
         self.name = str(path)
-        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         special = _special_from_files(p.parent)
         self.bos_id = self._find(special.get("bos_token"), _BOS_NAMES, p)
-        self.eos_id = self._find(special.get("eos_token"), _EOS_NAMES, p)
+        self.eos_id = self._find(special.get("eos_token"), (), p)
         if self.eos_id is None:
-            raise ValueError(f"data.tokenizer={path!r} has no EOS token: add 'eos_token' to "
+            self.eos_id = _config_eos(p.parent)
+        if self.eos_id is None:
+            self.eos_id = self._find(None, _EOS_NAMES, p)
+        if self.eos_id is None:
+            raise ValueError(f"{option}={str(path)!r} has no EOS token: add 'eos_token' to "
                              f"{p.parent / 'tokenizer_config.json'} (or one of {list(_EOS_NAMES)} to the tokenizer)")
         self.eod_id = self.eos_id
+        self.vocab_size = max(int(self._tok.get_vocab_size(with_added_tokens=True)), self.eos_id + 1)
 
     def _find(self, named: str | None, usual: tuple[str, ...], path: Path) -> int | None:
         if named is not None:
             i = self._tok.token_to_id(named)
             if i is None:
-                raise ValueError(f"data.tokenizer={str(path)!r}: special token {named!r} from the tokenizer's config "
+                raise ValueError(f"tokenizer {str(path)!r}: special token {named!r} from the tokenizer's config "
                                  f"files is not in its vocabulary")
             return int(i)
         return next((int(i) for i in map(self._tok.token_to_id, usual) if i is not None), None)
@@ -135,6 +151,19 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=True)
+
+
+def _config_eos(directory: Path) -> int | None:
+    """``eos_token_id`` of a checkpoint's ``config.json`` (the first if a list), or None."""
+    f = directory / "config.json"
+    if not f.is_file():
+        return None
+    try:
+        eos = json.loads(f.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return None
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return int(eos) if isinstance(eos, int) else None
 
 
 TOKENIZERS = {"byte": ByteTokenizer}

@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxlong.config import Config, ConfigError, ModelConfig
 from jaxlong.mesh import tree_shardings
 from jaxlong.models.hf_config import hf_config_dict, read_config_json
-from jaxlong.models.hf_tokenizer import TOKENIZER_FILES, HFTokenizer
+from jaxlong.data.tokenizer import TOKENIZER_FILES, HFTokenizer
 
 # jaxlong leaf -> (HF name, layout). Layer leaves use "{i}" in the name.
 LAYER = "model.layers.{i}."
@@ -161,7 +161,7 @@ def check_checkpoint(directory: str | Path, cfg: Config, reader: SafetensorsRead
         if got != shape:
             raise ConfigError(f"{where}: tensor {name} has shape {list(got)} but config.json implies {list(shape)}")
     if (Path(directory) / "tokenizer.json").is_file():
-        vocab = HFTokenizer(directory).vocab_size
+        vocab = HFTokenizer(directory, option="model.from_hf").vocab_size
         if vocab > cfg.model.vocab_size:
             raise ConfigError(f"{where}: tokenizer.json has {vocab} tokens but the embedding has "
                               f"{cfg.model.vocab_size} rows (vocab_size in config.json)")
