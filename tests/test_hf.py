@@ -79,6 +79,26 @@ def test_logits_equal_transformers(name, setup):
         assert diff <= 1e-4, f"{name} {setup}: max |jaxlong - transformers| = {diff}"
 
 
+@pytest.mark.parametrize("setup", ["one-device", "fsdp2-ulysses4", "fsdp2-upipe4-U=C", "fsdp2-upipe4-U=2C"])
+@pytest.mark.parametrize("name", MODELS)
+def test_packed_logits_equal_transformers(name, setup):
+    """Two documents packed in one row (segment ids 1 and 2, positions restarting at 0) give each document the
+    logits transformers gives it alone: the recorded prompt's logits cut to each document's length."""
+    overrides, n = SETUPS[setup]
+    g = golden(name)
+    a = 40  # the first document's length; the second takes the rest of the row
+    b = g["prompt"].shape[1] - a
+    tokens = np.concatenate([g["prompt"][:, :a], g["prompt"][:, :b]], axis=1)
+    seg = np.concatenate([np.ones((1, a)), np.full((1, b), 2)], axis=1).astype(np.int32)
+    pos = np.concatenate([np.arange(a), np.arange(b)])[None].astype(np.int32)
+    rows = [np.concatenate([tokens, tokens]), np.concatenate([seg, seg]), np.concatenate([pos, pos])]
+    got = jax_logits(hf_cfg(name, *overrides), n, rows[0], positions=rows[2], segment_ids=rows[1])
+    want = np.concatenate([g["logits"][0, :a], g["logits"][0, :b]])
+    for row in got:
+        diff = float(np.abs(row - want).max())
+        assert diff <= 1e-4, f"{name} {setup}: max |jaxlong - transformers| = {diff}"
+
+
 def test_scaling_matters_and_rope_theta_overrides_the_checkpoint():
     """The llama3 scaling of the Llama-3.1 fixture changes its logits (so the match above tests it), and
     `model.rope_theta` / `model.rope_scaling.*` override config.json's values."""
@@ -339,7 +359,7 @@ def test_fine_tune_starts_at_transformers_loss_and_exports(tmp_path, name):
                - float(g["batch_loss"])) <= 1e-4
     common = [f"data.path={FIX / 'corpus.txt'}", f"run_dir={tmp_path}", "checkpoint_every=2", "eval_every=0"]
     cfg = hf_cfg(name, *common, "steps=1", "run_name=first")
-    batch = next(data_lib.batch_iterator(cfg, hf.HFTokenizer(FIX / name)))
+    batch = next(data_lib.batch_iterator(cfg, data_lib.HFTokenizer(FIX / name)))
     first = run(cfg)["metrics"]["loss"]
     assert abs(first - model_loss(hf_cfg(name, *one), batch)) <= 1e-4, first
     run(hf_cfg(name, *common, "steps=2", "run_name=ft"))
