@@ -150,13 +150,13 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     bar.update(len(batches) * ev.eval_batch_size(cfg))
     by_pos = ev.PositionLoss(cfg.seq_len)
     for batch in batches:
-        loss, _ = stats(params, data_lib.put_on_mesh(batch, sharding))
+        loss, _ = stats(params, data_lib.put_on_mesh(batch, sharding, process_local=False))
         by_pos.add(jax.device_get(loss), batch["mask"])
         bar.update(len(batch["inputs"]))
     acc = None
     if args.passkey:
         def predict(batch):
-            return jax.device_get(stats(params, data_lib.put_on_mesh(batch, sharding))[1])
+            return jax.device_get(stats(params, data_lib.put_on_mesh(batch, sharding, process_local=False))[1])
 
         acc = ev.score_passkey(predict, tokenizer.encode, lengths=args.lengths_list, depths=args.depths_list,
                                per_cell=args.per_cell, batch_size=ev.eval_batch_size(cfg), digits=args.digits,

@@ -191,7 +191,7 @@ def evaluate_loss(eval_step, params: dict, batches, sharding) -> dict:
 
     total, count = 0.0, 0.0
     for batch in batches:
-        s, c = eval_step(params, put_on_mesh(batch, sharding))
+        s, c = eval_step(params, put_on_mesh(batch, sharding, process_local=False))
         total, count = total + float(s), count + float(c)
     loss = total / max(count, 1.0)
     return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "tokens": count}

@@ -30,17 +30,20 @@ __all__ = [
 ]
 
 
-def put_on_mesh(batch: dict, sharding) -> dict:
-    """Place this process's rows of a batch onto the mesh, already sharded (no host gather).
+def put_on_mesh(batch: dict, sharding, *, process_local: bool = True) -> dict:
+    """Place a host batch onto the mesh, already sharded (no host gather).
 
-    Uses `jax.make_array_from_process_local_data`: each process passes the rows its pipeline produced
-    (`[global_batch / process_count, seq_len]`, see `jaxlong.data.pipeline`); with one process they are the
-    global batch.
+    With `process_local=True` (training) each process passes the rows its pipeline produced
+    (`[global_batch / process_count, seq_len]`, see `jaxlong.data.pipeline`), placed with
+    `jax.make_array_from_process_local_data`. With `process_local=False` every process holds the same global
+    batch (evaluation's fixed batches) and each device takes its block of it (`jax.make_array_from_callback`).
+    With one process both are the same.
 
     Args:
-      batch: dict of numpy arrays `[local_batch, seq_len]`.
+      batch: dict of numpy arrays `[local_batch, seq_len]` (`[global_batch, seq_len]` when not process-local).
       sharding: a `jax.sharding.Sharding` used for every entry, typically
         `NamedSharding(mesh, P(('data', 'fsdp'), 'context'))`.
+      process_local: whether `batch` holds this process's rows only.
 
     Returns:
       dict of global `jax.Array`s with the same keys and dtypes.
@@ -53,10 +56,13 @@ def put_on_mesh(batch: dict, sharding) -> dict:
     out = {}
     for k, v in batch.items():
         arr = np.asarray(v)
-        global_shape = (arr.shape[0] * jax.process_count(), *arr.shape[1:])
+        global_shape = (arr.shape[0] * (jax.process_count() if process_local else 1), *arr.shape[1:])
         try:
             sharding.shard_shape(global_shape)
         except Exception as e:  # noqa: BLE001 - re-raise with the key for context
             raise ValueError(f"batch[{k!r}] of shape {global_shape} cannot be sharded by {sharding}: {e}") from e
-        out[k] = jax.make_array_from_process_local_data(sharding, arr, global_shape)
+        if process_local:
+            out[k] = jax.make_array_from_process_local_data(sharding, arr, global_shape)
+        else:
+            out[k] = jax.make_array_from_callback(global_shape, sharding, lambda index, a=arr: a[index])
     return out

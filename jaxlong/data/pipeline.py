@@ -2,9 +2,13 @@
 
 Stages (``grain.MapDataset`` until packing, then ``grain.IterDataset``):
 
-1. ``MapDataset.source(DocumentSource)`` (``jaxlong.data.sources``), cut to ``data.max_tokens`` tokens if set,
-   and sharded per process (``[process_index::process_count]``: each process packs its own rows).
-2. ``shuffle(seed)`` then ``repeat()``: a new permutation every epoch (Grain reseeds per epoch), endless.
+1. ``MapDataset.source(DocumentSource)`` (``jaxlong.data.sources``), cut to ``data.max_tokens`` tokens if set.
+   The documents are dealt to ``n`` streams (``[s::n]``; ``n`` is the largest divisor of ``global_batch`` not
+   above the number of documents, so one stream per row for any real corpus), each packed on its own and
+   giving ``global_batch / n`` consecutive rows of every batch. A process builds only the streams of its rows
+   and reads only their documents; the global batch is the same whatever the number of processes (two
+   processes of four devices train exactly like one of eight).
+2. ``shuffle(seed + s)`` then ``repeat()``: a new permutation every epoch (Grain reseeds per epoch), endless.
 3. ``map``: tokenize one document to ``[BOS] ids [EOS]`` (``jaxlong.data.tokenizer``) and turn it into
    next-token pairs ``inputs = x[:-1]``, ``targets = x[1:]``, ``positions = 0..n-1``. Targets are built inside
    a document, so no target ever crosses a document boundary, whatever the packing.
@@ -16,11 +20,13 @@ Stages (``grain.MapDataset`` until packing, then ``grain.IterDataset``):
    ``data.packing=concat``: Grain's ``ConcatThenSplitIterDataset`` concatenates the pairs and cuts rows of
    exactly ``seq_len`` (no padding); ``positions`` are the index in the row, and the model treats the row as
    one causal stream (it ignores the segment ids).
-5. ``batch(global_batch / process_count)`` and a final map to the batch dict.
+5. Each stream batched to its rows, the process's streams zipped (``grain.experimental.ZipIterDataset``) and
+   concatenated into the batch dict.
 
 A batch is ``{'inputs', 'targets', 'positions', 'segment_ids': int32 [B, L], 'mask': float32 [B, L]}`` with
 ``mask = segment_ids > 0`` (no loss on padding). The iterator's ``get_state()`` is a small JSON-serializable
-dict (Grain's: the source index of the packing group in progress and the rows already emitted from it); the
+dict (Grain's, per row stream: the source index of the packing group in progress and the rows already
+emitted from it); the
 trainer saves it in every checkpoint and ``set_state`` continues with exactly the next batch, without reading
 the corpus from the start.
 """
@@ -34,6 +40,7 @@ from grain.experimental import (
     FirstFitPackIterDataset,
     FlatMapIterDataset,
     FlatMapTransform,
+    ZipIterDataset,
 )
 
 from jaxlong.data.sources import DocumentSource
@@ -120,7 +127,7 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
 
     Raises:
       ValueError: ``global_batch`` not divisible by ``process_count``, a bad option value, ``max_tokens < 1``,
-        or fewer documents than processes.
+        or too few documents for the processes (each process needs its own streams).
     """
     if packing not in ("documents", "concat"):
         raise ValueError(f"data.packing={packing!r} is not allowed; choose documents or concat")
@@ -137,8 +144,11 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
             raise ValueError(f"data.max_tokens={max_tokens} must be >= 1 or null")
         n_docs, cut = token_limit(source, tokenizer, max_tokens)
         ds = ds[:n_docs]
-    if len(ds) < process_count:
-        raise ValueError(f"the corpus has {len(ds)} documents, fewer than the {process_count} processes")
+    n = max(d for d in range(1, global_batch + 1) if global_batch % d == 0 and d <= max(len(ds), 1))
+    if n % process_count:
+        raise ValueError(f"the corpus has {len(ds)} documents: they form {n} packing streams (the largest divisor of "
+                         f"global_batch={global_batch} not above the document count), which the {process_count} "
+                         f"processes cannot share; use at least {process_count} documents")
     last = len(ds) - 1
 
     def tokenize(index, text):
@@ -146,20 +156,35 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
         return document_pairs(tokens[:cut] if cut is not None and index == last else tokens)
 
     ds = ds.map_with_index(tokenize).filter(lambda d: d["inputs"].size > 0)
-    ds = ds[process_index::process_count]
+    mine = range(process_index * n // process_count, (process_index + 1) * n // process_count)
+    streams = [_row_stream(ds[s::n], seed + s, seq_len, packing, split_positions, shuffle, _bins(n))
+               .batch(global_batch // n, drop_remainder=True) for s in mine]
+    return streams[0] if len(streams) == 1 else ZipIterDataset(streams).map(_concat)
+
+
+def _bins(streams: int) -> int:
+    """First-fit packing bins per stream: fewer when many streams pack at once (bounded host memory)."""
+    return PACKING_BINS if streams <= 16 else max(2, 256 // streams)
+
+
+def _row_stream(ds: grain.MapDataset, seed: int, seq_len: int, packing: str, split_positions: str, shuffle: bool,
+                bins: int) -> grain.IterDataset:
+    """One stream's documents shuffled, repeated and packed into rows of ``seq_len`` (stages 2-4)."""
     if shuffle:
         ds = ds.shuffle(seed=seed)
     it = ds.repeat().to_iter_dataset()
     lengths = {k: seq_len for k in _FEATURES}
     if packing == "documents":
         it = FlatMapIterDataset(it, SplitLongDocuments(seq_len, split_positions == "continue"))
-        it = FirstFitPackIterDataset(it, length_struct=lengths, num_packing_bins=PACKING_BINS, seed=seed,
-                                     shuffle_bins=False, meta_features=("positions",))
-    else:
-        it = ConcatThenSplitIterDataset(it.map(lambda d: {k: d[k] for k in ("inputs", "targets")}),
-                                        length_struct={"inputs": seq_len, "targets": seq_len})
-        it = it.map(lambda r: {**r, "positions": np.arange(seq_len, dtype=np.int32)})
-    return it.batch(global_batch // process_count, drop_remainder=True).map(_finalize)
+        return FirstFitPackIterDataset(it, length_struct=lengths, num_packing_bins=bins, seed=seed,
+                                       shuffle_bins=False, meta_features=("positions",)).map(_finalize)
+    it = ConcatThenSplitIterDataset(it.map(lambda d: {k: d[k] for k in ("inputs", "targets")}),
+                                    length_struct={"inputs": seq_len, "targets": seq_len})
+    return it.map(lambda r: _finalize({**r, "positions": np.arange(seq_len, dtype=np.int32)}))
+
+
+def _concat(parts: tuple) -> dict:
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 class _Without:
