@@ -157,7 +157,9 @@ class Cost:
     hbm_bytes: float = 0.0  # approximation, see the module docstring
     collective_bytes: dict = dataclasses.field(default_factory=dict)  # kind -> bytes (larger buffer)
     collective_wire_bytes: dict = dataclasses.field(default_factory=dict)  # kind -> bytes sent per device
+    network_wire_bytes: dict = dataclasses.field(default_factory=dict)  # the part over groups wider than a node
     attention_calls: dict = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> executions
+    attention_head_calls: dict = dataclasses.field(default_factory=dict)  # executions x (batch x heads) per call
     warnings: list = dataclasses.field(default_factory=list)
 
     def add(self, other: "Cost", times: float = 1.0) -> None:
@@ -166,7 +168,9 @@ class Cost:
         self.hbm_bytes += other.hbm_bytes * times
         for mine, theirs in ((self.collective_bytes, other.collective_bytes),
                              (self.collective_wire_bytes, other.collective_wire_bytes),
-                             (self.attention_calls, other.attention_calls)):
+                             (self.network_wire_bytes, other.network_wire_bytes),
+                             (self.attention_calls, other.attention_calls),
+                             (self.attention_head_calls, other.attention_head_calls)):
             for k, v in theirs.items():
                 mine[k] = mine.get(k, 0) + v * times
         self.warnings += [w for w in other.warnings if w not in self.warnings]
@@ -190,8 +194,8 @@ def _group_size(ins: Instr, default: int) -> int:
 
 
 class _Walker:
-    def __init__(self, comps: dict[str, list[Instr]], devices: int):
-        self.comps, self.devices, self.memo = comps, devices, {}
+    def __init__(self, comps: dict[str, list[Instr]], devices: int, node_size: int | None):
+        self.comps, self.devices, self.node_size, self.memo = comps, devices, node_size or devices, {}
         self.by_name = {c: {i.name: i for i in body} for c, body in comps.items()}
 
     def shape_of(self, comp: str, name: str) -> list:
@@ -284,6 +288,8 @@ class _Walker:
                 factor = 1.0 if kind == "collective-permute" else (n - 1) / n * (2 if kind == "all-reduce" else 1)
                 c.collective_bytes[kind] = c.collective_bytes.get(kind, 0) + size
                 c.collective_wire_bytes[kind] = c.collective_wire_bytes.get(kind, 0) + size * factor
+                if n > self.node_size:
+                    c.network_wire_bytes[kind] = c.network_wire_bytes.get(kind, 0) + size * factor
             if top and op not in NO_TRAFFIC and not op.endswith("-done"):
                 if op in ("dynamic-slice", "slice"):
                     c.hbm_bytes += 2 * _bytes(_shapes(ins.shape))
@@ -339,25 +345,132 @@ class _Walker:
             fwd = 4.0 * math.prod(inter) * d * (0.5 if "CAUSAL" in str(cfg.get("mask_type", "")) else 1.0)
             kind = "backward" if "Backward" in target else "forward"
             c.attention_calls[kind] = c.attention_calls.get(kind, 0) + 1
+            c.attention_head_calls[kind] = c.attention_head_calls.get(kind, 0) + inter[0] * inter[1]
             flops = fwd * (2.5 if kind == "backward" else 1.0)
             c.attention_flops += flops
             return flops
         return 0.0
 
 
-def hlo_cost(text: str, devices: int = 1) -> Cost:
+def hlo_cost(text: str, devices: int = 1, node_size: int | None = None) -> Cost:
     """Per-device cost of one execution of the compiled HLO module `text` (`compiled.as_text()`).
 
     Args:
       text: the optimized HLO module text.
       devices: the default collective group size, for collectives whose replica groups are not written out.
+      node_size: devices per node; collectives over wider groups are counted in `network_wire_bytes`
+        (default: one node of `devices`).
 
     Returns:
       `Cost`: FLOPs, attention FLOPs, HBM bytes (approximation), collective bytes and wire bytes by kind,
-      attention kernel executions by kind ("forward", "backward"), and warnings (uncounted loops).
+      attention kernel executions by kind ("forward", "backward") and the same weighted by the (batch x heads)
+      of each call, and warnings (uncounted loops).
 
     Raises:
       ValueError: the text has no ENTRY computation.
     """
     comps, entry = parse_module(text)
-    return _Walker(comps, devices).cost(entry)
+    return _Walker(comps, devices, node_size).cost(entry)
+
+
+EFFICIENCY = 0.6  # fraction of peak FLOP/s that matmuls and flash attention sustain at long sequences
+EXPOSED = ("all-to-all", "collective-permute")  # on the critical path: attention waits for its operands
+OVERLAPPED = ("all-gather", "reduce-scatter", "all-reduce")  # FSDP: asynchronous, prefetched across layers
+
+
+def roofline(cost: Cost, *, peak_flops: float, hbm_bandwidth: float, link_bandwidth: float,
+             network_bandwidth: float | None, model_flops: float, tokens: int, devices: int,
+             efficiency: float = EFFICIENCY) -> dict:
+    """Roofline estimate of one step's time from its compiled cost (all per device). An estimate, not a
+    measurement: the assumptions are returned with it.
+
+    time = max(FLOPs / (peak_flops x efficiency), HBM bytes / hbm_bandwidth)
+           + all-to-all and collective-permute wire bytes / link bandwidth       (exposed: not overlapped)
+           + max(0, FSDP all-gather/reduce-scatter/all-reduce time - the compute time above)   (overlapped)
+
+    Args:
+      cost: `hlo_cost` of the compiled step (per device).
+      peak_flops: dense bf16 FLOP/s per device. hbm_bandwidth: bytes/s per device.
+      link_bandwidth: NVLink bytes/s per direction per device; network_bandwidth: inter-node bytes/s per device
+        (collectives over groups wider than a node; None: the link bandwidth).
+      model_flops: the step's model FLOPs per device (`trainer.flops_per_token` x tokens / devices).
+      tokens: tokens per step (global batch x sequence length). devices: devices of the step.
+      efficiency: the fraction of `peak_flops` sustained (default `EFFICIENCY`).
+
+    Returns:
+      dict: `flops`, `attention_flops`, `model_flops` (FLOPs per device per step), `recompute_factor` (compiled
+      / model FLOPs), `hbm_bytes`, `collective_bytes` (bytes per device per step, all kinds; by kind in
+      `collective_bytes_by_kind`), `attention_calls`, `attention_head_calls` (per step), `compute_seconds`,
+      `memory_seconds`, `collective_seconds` (exposed), `step_seconds`, `tokens_per_s_per_gpu`, `mfu` (model
+      FLOPs / step time / peak), `bound` ("compute" or "memory"), `assumptions` (text), `warnings`.
+
+    Raises:
+      ValueError: a bandwidth or peak is missing or not positive.
+    """
+    if not (peak_flops and hbm_bandwidth and link_bandwidth and peak_flops > 0 and efficiency > 0):
+        raise ValueError("the estimate needs the target's peak FLOP/s, HBM and link bandwidth")
+    network = network_bandwidth or link_bandwidth
+
+    def seconds(kinds):
+        return sum((cost.collective_wire_bytes.get(k, 0) - cost.network_wire_bytes.get(k, 0)) / link_bandwidth
+                   + cost.network_wire_bytes.get(k, 0) / network for k in kinds)
+
+    compute = cost.flops / (peak_flops * efficiency)
+    memory = cost.hbm_bytes / hbm_bandwidth
+    busy = max(compute, memory)
+    exposed = seconds(EXPOSED) + max(0.0, seconds(OVERLAPPED) - busy)
+    step = busy + exposed
+    return {
+        "flops": cost.flops, "attention_flops": cost.attention_flops, "model_flops": model_flops,
+        "recompute_factor": cost.flops / model_flops if model_flops else float("nan"),
+        "hbm_bytes": cost.hbm_bytes, "collective_bytes": sum(cost.collective_bytes.values()),
+        "collective_bytes_by_kind": dict(cost.collective_bytes),
+        "attention_calls": dict(cost.attention_calls), "attention_head_calls": dict(cost.attention_head_calls),
+        "compute_seconds": compute, "memory_seconds": memory, "collective_seconds": exposed,
+        "step_seconds": step, "tokens_per_s_per_gpu": tokens / step / devices,
+        "mfu": model_flops / step / peak_flops, "bound": "compute" if compute >= memory else "memory",
+        "assumptions": assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, efficiency),
+        "warnings": list(cost.warnings),
+    }
+
+
+def assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, efficiency) -> str:
+    """The estimate's assumptions, one per line, for printing under its table."""
+    net = f"{network_bandwidth / 1e9:.0f} GB/s" if network_bandwidth else "the link bandwidth"
+    return "\n".join([
+        "Estimate, not a measurement: roofline of the compiled step (XLA's GPU compile, its HLO counted).",
+        f"Compute: matmul + cuDNN attention FLOPs at {efficiency:.0%} of {peak_flops / 1e12:.0f} TFLOP/s dense bf16 "
+        "(attention backward = 2.5x forward, causal = half); elementwise work is left to the memory term.",
+        f"Memory: operand + output bytes of each top-level kernel at {hbm_bandwidth / 1e12:.2f} TB/s (approximation: "
+        "no cache reuse); step = max(compute, memory) + exposed collectives.",
+        f"Collectives: ring/pairwise wire bytes at {link_bandwidth / 1e9:.0f} GB/s NVLink per direction inside a node, "
+        f"{net} between nodes; all-to-all and collective-permute exposed (attention waits for them), FSDP "
+        "all-gather/reduce-scatter/all-reduce hidden behind compute (only their excess counts).",
+        "Not modelled: kernel launch and host-offload (PCIe) time, load imbalance, the data pipeline.",
+        "Model FLOPs: trainer.flops_per_token (6 x matmul params + causal attention 6 x layers x S x heads x "
+        "head_dim) x tokens; MFU = model FLOPs / step time / peak.",
+    ])
+
+
+def format_estimate_table(rows: list[dict]) -> str:
+    """Markdown table of the `estimate` of each row (a plan with `name`, `seq_len` and `estimate`), per device
+    and per step; the assumptions of the first row under it."""
+    head = ("| rung | seq_len | step FLOPs (T) | model FLOPs (T) | recompute | HBM bytes (GB) | collective bytes (GB) "
+            "| attention calls fwd / bwd | est. step (s) | est. tokens/s per GPU | est. MFU |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in rows:
+        e = r.get("estimate")
+        if not e:
+            continue
+        calls = e["attention_calls"]
+        lines.append(
+            f"| {r['name']} | {r.get('seq_len', 0):,} | {e['flops'] / 1e12:,.0f} | {e['model_flops'] / 1e12:,.0f} | "
+            f"{e['recompute_factor']:.2f} | {e['hbm_bytes'] / 1e9:,.0f} | {e['collective_bytes'] / 1e9:,.1f} | "
+            f"{calls.get('forward', 0):.0f} / {calls.get('backward', 0):.0f} | {e['step_seconds']:,.2f} | "
+            f"{e['tokens_per_s_per_gpu']:,.0f} | {e['mfu']:.1%} |")
+    first = next((r["estimate"] for r in rows if r.get("estimate")), None)
+    notes = "" if first is None else "\n\nEstimate, per device per step. Assumptions:\n" + "\n".join(
+        f"- {line}" for line in first["assumptions"].splitlines())
+    warn = sorted({w for r in rows if r.get("estimate") for w in r["estimate"]["warnings"]})
+    return "\n".join(lines) + notes + ("\n- warnings: " + "; ".join(warn) if warn else "")
