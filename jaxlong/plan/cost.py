@@ -263,8 +263,8 @@ class _Walker:
                 c.add(self.cost(ins.attr("body"), top), n)
                 continue
             if op == "conditional":
-                names = re.findall(r"%([\w.\-]+)", (re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
-                                                    or re.search(r"()", "")).group(1))
+                m = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+                names = re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
                 names += [n for n in (ins.attr("true_computation"), ins.attr("false_computation")) if n]
                 branches = [self.cost(b, top) for b in names]
                 if branches:
@@ -274,9 +274,7 @@ class _Walker:
                 c.add(self.cost(ins.attr("to_apply") or ins.attr("calls"), top))
                 continue
             if op == "fusion":
-                inner = self.cost(ins.attr("calls"), top=False)
-                c.flops += inner.flops
-                c.attention_flops += inner.attention_flops
+                c.add(self.cost(ins.attr("calls"), top=False))  # FLOPs (matmuls in GEMM fusions), no bytes
                 if top:
                     c.hbm_bytes += self.fused_traffic(comp, ins)
                 continue
