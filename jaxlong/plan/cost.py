@@ -19,7 +19,8 @@ None), and XLA's CPU `cost_analysis()` does not see cuDNN attention. So the comp
     the operand + output bytes of every top-level op (fusions, custom calls, copies, collectives) of the entry
     computation and of loop bodies, i.e. each kernel reads its inputs from and writes its outputs to HBM once.
     Slicing fusions count the slice, in-place dynamic-update-slice fusions the update, not the whole buffer.
-    Caches, re-reads inside a kernel and host transfers are not modelled.
+    Caches and re-reads inside a kernel are not modelled. Copies to or from host memory (offloaded residuals,
+    layouts in memory space S(5)) count half as HBM bytes, half as `host_transfer_bytes`.
   Collective bytes (per device, per step), by kind
     the larger of the input and output buffer of each all-to-all, all-gather, reduce-scatter, all-reduce and
     collective-permute (`bytes`), and the bytes a device sends over its links for a ring/pairwise algorithm
@@ -49,6 +50,7 @@ NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", 
               "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency", "domain",
               "async-start", "async-update", "async-done", "copy-done", "send-done", "recv-done"}
 
+HOST_SPACE = ":S(5)"  # XLA's memory-space annotation of host memory in a layout
 _SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -155,6 +157,7 @@ class Cost:
     flops: float = 0.0  # matmul + attention FLOPs
     attention_flops: float = 0.0  # the cuDNN attention part of `flops`
     hbm_bytes: float = 0.0  # approximation, see the module docstring
+    host_transfer_bytes: float = 0.0  # bytes copied between device and host memory (offload), one way each
     collective_bytes: dict = dataclasses.field(default_factory=dict)  # kind -> bytes (larger buffer)
     collective_wire_bytes: dict = dataclasses.field(default_factory=dict)  # kind -> bytes sent per device
     network_wire_bytes: dict = dataclasses.field(default_factory=dict)  # the part over groups wider than a node
@@ -166,6 +169,7 @@ class Cost:
         self.flops += other.flops * times
         self.attention_flops += other.attention_flops * times
         self.hbm_bytes += other.hbm_bytes * times
+        self.host_transfer_bytes += other.host_transfer_bytes * times
         for mine, theirs in ((self.collective_bytes, other.collective_bytes),
                              (self.collective_wire_bytes, other.collective_wire_bytes),
                              (self.network_wire_bytes, other.network_wire_bytes),
@@ -273,9 +277,13 @@ class _Walker:
             if op in ("call", "async-start"):
                 c.add(self.cost(ins.attr("to_apply") or ins.attr("calls"), top))
                 continue
-            if op == "fusion":
+            if op in ("fusion", "fusion-start"):
                 c.add(self.cost(ins.attr("calls"), top=False))  # FLOPs (matmuls in GEMM fusions), no bytes
-                if top:
+                if top and HOST_SPACE in ins.shape:  # a slice to / an update from host memory: half each way
+                    traffic = self.fused_traffic(comp, ins)
+                    c.hbm_bytes += traffic / 2
+                    c.host_transfer_bytes += traffic / 2
+                elif top:
                     c.hbm_bytes += self.fused_traffic(comp, ins)
                 continue
             c.flops += self.instr_flops(comp, ins, c)
@@ -288,6 +296,8 @@ class _Walker:
                 c.collective_wire_bytes[kind] = c.collective_wire_bytes.get(kind, 0) + size * factor
                 if n > self.node_size:
                     c.network_wire_bytes[kind] = c.network_wire_bytes.get(kind, 0) + size * factor
+            if top and op == "copy-start" and HOST_SPACE in ins.shape:
+                c.host_transfer_bytes += sum(_bytes(self.shape_of(comp, o)) for o in ins.operands)
             if top and op not in NO_TRAFFIC and not op.endswith("-done"):
                 if op in ("dynamic-slice", "slice"):
                     c.hbm_bytes += 2 * _bytes(_shapes(ins.shape))
@@ -378,13 +388,14 @@ OVERLAPPED = ("all-gather", "reduce-scatter", "all-reduce")  # FSDP: asynchronou
 
 def roofline(cost: Cost, *, peak_flops: float, hbm_bandwidth: float, link_bandwidth: float,
              network_bandwidth: float | None, model_flops: float, tokens: int, devices: int,
-             efficiency: float = EFFICIENCY) -> dict:
+             efficiency: float = EFFICIENCY, pcie_bandwidth: float | None = None) -> dict:
     """Roofline estimate of one step's time from its compiled cost (all per device). An estimate, not a
     measurement: the assumptions are returned with it.
 
     time = max(FLOPs / (peak_flops x efficiency), HBM bytes / hbm_bandwidth)
            + all-to-all and collective-permute wire bytes / link bandwidth       (exposed: not overlapped)
            + max(0, FSDP all-gather/reduce-scatter/all-reduce time - the compute time above)   (overlapped)
+           + max(0, host offload transfer bytes / pcie_bandwidth - the compute time above)      (overlapped)
 
     Args:
       cost: `hlo_cost` of the compiled step (per device).
@@ -394,12 +405,14 @@ def roofline(cost: Cost, *, peak_flops: float, hbm_bandwidth: float, link_bandwi
       model_flops: the step's model FLOPs per device (`trainer.flops_per_token` x tokens / devices).
       tokens: tokens per step (global batch x sequence length). devices: devices of the step.
       efficiency: the fraction of `peak_flops` sustained (default `EFFICIENCY`).
+      pcie_bandwidth: host <-> device bytes/s per device for offloaded residuals (None: not timed).
 
     Returns:
       dict: `flops`, `attention_flops`, `model_flops` (FLOPs per device per step), `recompute_factor` (compiled
       / model FLOPs), `hbm_bytes`, `collective_bytes` (bytes per device per step, all kinds; by kind in
       `collective_bytes_by_kind`), `attention_calls`, `attention_head_calls` (per step), `compute_seconds`,
-      `memory_seconds`, `collective_seconds` (exposed), `step_seconds`, `tokens_per_s_per_gpu`, `mfu` (model
+      `memory_seconds`, `host_seconds` (offload transfers), `exposed_seconds` (collectives and transfers not
+      hidden), `step_seconds`, `tokens_per_s_per_gpu`, `mfu` (model
       FLOPs / step time / peak), `bound` ("compute" or "memory"), `assumptions` (text), `warnings`.
 
     Raises:
@@ -417,22 +430,27 @@ def roofline(cost: Cost, *, peak_flops: float, hbm_bandwidth: float, link_bandwi
     memory = cost.hbm_bytes / hbm_bandwidth
     busy = max(compute, memory)
     exposed = seconds(EXPOSED) + max(0.0, seconds(OVERLAPPED) - busy)
+    host = cost.host_transfer_bytes / pcie_bandwidth if pcie_bandwidth else 0.0
+    exposed += max(0.0, host - busy)
     step = busy + exposed
     return {
         "flops": cost.flops, "attention_flops": cost.attention_flops, "model_flops": model_flops,
         "recompute_factor": cost.flops / model_flops if model_flops else float("nan"),
-        "hbm_bytes": cost.hbm_bytes, "collective_bytes": sum(cost.collective_bytes.values()),
+        "hbm_bytes": cost.hbm_bytes, "host_transfer_bytes": cost.host_transfer_bytes,
+        "collective_bytes": sum(cost.collective_bytes.values()),
         "collective_bytes_by_kind": dict(cost.collective_bytes),
         "attention_calls": dict(cost.attention_calls), "attention_head_calls": dict(cost.attention_head_calls),
-        "compute_seconds": compute, "memory_seconds": memory, "collective_seconds": exposed,
+        "compute_seconds": compute, "memory_seconds": memory, "host_seconds": host, "exposed_seconds": exposed,
         "step_seconds": step, "tokens_per_s_per_gpu": tokens / step / devices,
         "mfu": model_flops / step / peak_flops, "bound": "compute" if compute >= memory else "memory",
-        "assumptions": assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, efficiency),
+        "assumptions": assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, efficiency,
+                                   pcie_bandwidth),
         "warnings": list(cost.warnings),
     }
 
 
-def assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, efficiency) -> str:
+def assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, efficiency,
+                pcie_bandwidth=None) -> str:
     """The estimate's assumptions, one per line, for printing under its table."""
     net = f"{network_bandwidth / 1e9:.0f} GB/s" if network_bandwidth else "the link bandwidth"
     return "\n".join([
@@ -444,7 +462,9 @@ def assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, ef
         f"Collectives: ring/pairwise wire bytes at {link_bandwidth / 1e9:.0f} GB/s NVLink per direction inside a node, "
         f"{net} between nodes; all-to-all and collective-permute exposed (attention waits for them), FSDP "
         "all-gather/reduce-scatter/all-reduce hidden behind compute (only their excess counts).",
-        "Not modelled: kernel launch and host-offload (PCIe) time, load imbalance, the data pipeline.",
+        (f"Offload: residual copies to/from host memory at {pcie_bandwidth / 1e9:.0f} GB/s (PCIe) hidden behind "
+         "compute (only their excess counts)." if pcie_bandwidth else "Offload transfers: not timed."),
+        "Not modelled: kernel launch gaps, load imbalance, the data pipeline.",
         "Model FLOPs: trainer.flops_per_token (6 x matmul params + causal attention 6 x layers x S x heads x "
         "head_dim) x tokens; MFU = model FLOPs / step time / peak.",
     ])

@@ -146,7 +146,8 @@ def _estimate(cfg: Config, compiled, target, devices: list) -> dict:
     est = roofline(cost, peak_flops=target.peak_flops, hbm_bandwidth=target.hbm_bandwidth,
                    link_bandwidth=target.link_bandwidth or target.hbm_bandwidth,
                    network_bandwidth=target.network_bandwidth if target.nodes > 1 else None,
-                   model_flops=flops_per_token(cfg) * tokens / n, tokens=tokens, devices=n)
+                   model_flops=flops_per_token(cfg) * tokens / n, tokens=tokens, devices=n,
+                   pcie_bandwidth=target.pcie_bandwidth or 32e9)  # else PCIe 4.0 x16
     return {"basis": f"estimate: roofline of the GPU compile's HLO, {target.device_name} peaks", **est}
 
 

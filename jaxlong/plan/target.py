@@ -78,6 +78,7 @@ class Target:
       hbm_bandwidth: bytes/s per GPU.
       link_bandwidth: NVLink bytes/s per direction per GPU, inside a node (None when unknown).
       network_bandwidth: inter-node bytes/s per direction per GPU (None when unknown).
+      pcie_bandwidth: host <-> GPU bytes/s (the spec's `pcie_bandwidth`; None when absent).
     """
 
     name: str
@@ -90,6 +91,7 @@ class Target:
     hbm_bandwidth: float | None = None
     link_bandwidth: float | None = None
     network_bandwidth: float | None = None
+    pcie_bandwidth: float | None = None
 
     @property
     def devices(self) -> int:
@@ -160,7 +162,9 @@ def parse_target(text: str) -> Target:
     device_name = _field(spec, "device_description_str") or _field(spec, "name") or name
     if bandwidth is None:
         bandwidth = float(_field(spec, "memory_bandwidth"))
-    return Target(name, spec, per_node, nodes, memory, device_name, flops, bandwidth, link, network)
+    pcie = _field(spec, "pcie_bandwidth")
+    return Target(name, spec, per_node, nodes, memory, device_name, flops, bandwidth, link, network,
+                  float(pcie) if pcie else None)
 
 
 def cuda_plugin_available() -> bool:
