@@ -113,3 +113,13 @@ def test_upipe_does_the_attention_work_and_flops_of_ulysses_on_the_gpu_target():
     for e in (ul, up):
         assert e["step_seconds"] > 0 and 0 < e["mfu"] < 1 and e["recompute_factor"] > 1
         assert e["hbm_bytes"] > 0 and e["collective_bytes"] > 0 and e["model_flops"] > 0
+
+
+def test_cli_estimate_without_a_gpu_target_is_a_one_line_error(capsys, monkeypatch):
+    from jaxlong import memory
+
+    monkeypatch.setattr(memory, "_gpu_present", lambda: False)
+    assert memory.main(["--estimate", "model.layers=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --estimate needs a GPU target") and "\n" not in err
+    assert memory.main(["--target", "h100", "--estimate", "--max-context"]) == 2
