@@ -452,7 +452,7 @@ def roofline(cost: Cost, *, peak_flops: float, hbm_bandwidth: float, link_bandwi
 def assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, efficiency,
                 pcie_bandwidth=None) -> str:
     """The estimate's assumptions, one per line, for printing under its table."""
-    net = f"{network_bandwidth / 1e9:.0f} GB/s" if network_bandwidth else "the link bandwidth"
+    net = f"{network_bandwidth / 1e9:.0f} GB/s between nodes" if network_bandwidth else "one node"
     return "\n".join([
         "Estimate, not a measurement: roofline of the compiled step (XLA's GPU compile, its HLO counted).",
         f"Compute: matmul + cuDNN attention FLOPs at {efficiency:.0%} of {peak_flops / 1e12:.0f} TFLOP/s dense bf16 "
@@ -460,7 +460,7 @@ def assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, ef
         f"Memory: operand + output bytes of each top-level kernel at {hbm_bandwidth / 1e12:.2f} TB/s (approximation: "
         "no cache reuse); step = max(compute, memory) + exposed collectives.",
         f"Collectives: ring/pairwise wire bytes at {link_bandwidth / 1e9:.0f} GB/s NVLink per direction inside a node, "
-        f"{net} between nodes; all-to-all and collective-permute exposed (attention waits for them), FSDP "
+        f"{net}; all-to-all and collective-permute exposed (attention waits for them), FSDP "
         "all-gather/reduce-scatter/all-reduce hidden behind compute (only their excess counts).",
         (f"Offload: residual copies to/from host memory at {pcie_bandwidth / 1e9:.0f} GB/s (PCIe) hidden behind "
          "compute (only their excess counts)." if pcie_bandwidth else "Offload transfers: not timed."),
