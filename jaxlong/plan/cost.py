@@ -1,7 +1,9 @@
 """Cost of a compiled train step, counted from its HLO text, and a roofline estimate of its time.
 
-    cost = hlo_cost(compiled.as_text())        # FLOPs, HBM bytes, collective bytes, attention calls per step
-    est = roofline(cost, target, model_flops=..., tokens=...)   # estimated step seconds, tokens/s, MFU
+    cost = hlo_cost(compiled.as_text(), devices)   # FLOPs, HBM bytes, collective bytes, attention calls per step
+    est = roofline(cost, peak_flops=..., hbm_bandwidth=..., link_bandwidth=..., network_bandwidth=...,
+                   model_flops=..., tokens=..., devices=...)   # estimated step seconds, tokens/s per GPU, MFU
+    jaxlong.plan.plan(cfg, target, estimate=True)["estimate"]   # both, for a config and a GPU target
 
 Why count from the text: a deviceless GPU compile (`jaxlong.plan.target`) has no `cost_analysis()` (it returns
 None), and XLA's CPU `cost_analysis()` does not see cuDNN attention. So the compiled HLO module
@@ -26,7 +28,8 @@ None), and XLA's CPU `cost_analysis()` does not see cuDNN attention. So the comp
     collective-permute (`bytes`), and the bytes a device sends over its links for a ring/pairwise algorithm
     over a group of n (`wire_bytes`: (n-1)/n of the larger buffer; all-reduce 2(n-1)/n; permute 1x).
   Attention calls (per step)
-    executions of the cuDNN forward and backward custom calls.
+    executions of the cuDNN forward and backward custom calls (`attention_calls`), and the same weighted by the
+    batch x heads of each call (`attention_head_calls`: the attention work, comparable across head chunkings).
 
 Everything inside a `while` loop counts `known_trip_count` times (XLA writes it in the loop's backend config;
 else the constant bound of the loop condition's compare; else once, listed in `warnings`), called computations
