@@ -16,6 +16,7 @@ import sys
 
 from jaxlong.config import ConfigError, load_config, validate
 from jaxlong.plan.planner import __doc__ as _PLAN_DOC
+from jaxlong.plan.cost import _sig
 from jaxlong.plan.planner import _ctx, _gib, format_table, ladder, max_context, parse_bytes, plan, plot_ladder
 
 TiB = 1024**4
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"activations {_gib(row['activations'])}, host {_gib(row['host'])})", flush=True)
                 if "estimate" in row:
                     e = row["estimate"]
-                    print(f"{'':18s} estimate: {e['step_seconds']:,.2f} s/step, {e['tokens_per_s_per_gpu']:,.0f} "
+                    print(f"{'':18s} estimate: {_sig(e['step_seconds'])} s/step, {e['tokens_per_s_per_gpu']:,.0f} "
                           f"tokens/s per GPU, MFU {e['mfu']:.1%}, recompute {e['recompute_factor']:.2f}", flush=True)
         except ConfigError as e:  # e.g. a ladder rung's context degree that the model's heads cannot split
             print(f"{name:18s} invalid for this model: {e}", file=sys.stderr, flush=True)

@@ -473,6 +473,11 @@ def assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, ef
     ])
 
 
+def _sig(x: float) -> str:
+    """Three significant digits below 100, whole numbers with thousands separators above."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
 def format_estimate_table(rows: list[dict]) -> str:
     """Markdown table of the `estimate` of each row (a plan with `name`, `seq_len` and `estimate`), per device
     and per step; the assumptions of the first row under it."""
@@ -486,10 +491,10 @@ def format_estimate_table(rows: list[dict]) -> str:
             continue
         calls = e["attention_calls"]
         lines.append(
-            f"| {r['name']} | {r.get('seq_len', 0):,} | {e['flops'] / 1e12:,.0f} | {e['model_flops'] / 1e12:,.0f} | "
-            f"{e['recompute_factor']:.2f} | {e['hbm_bytes'] / 1e9:,.0f} | {e['collective_bytes'] / 1e9:,.1f} | "
-            f"{calls.get('forward', 0):.0f} / {calls.get('backward', 0):.0f} | {e['step_seconds']:,.2f} | "
-            f"{e['tokens_per_s_per_gpu']:,.0f} | {e['mfu']:.1%} |")
+            f"| {r['name']} | {r.get('seq_len', 0):,} | {_sig(e['flops'] / 1e12)} | {_sig(e['model_flops'] / 1e12)} | "
+            f"{e['recompute_factor']:.2f} | {_sig(e['hbm_bytes'] / 1e9)} | {_sig(e['collective_bytes'] / 1e9)} | "
+            f"{calls.get('forward', 0):.0f} / {calls.get('backward', 0):.0f} | {_sig(e['step_seconds'])} | "
+            f"{_sig(e['tokens_per_s_per_gpu'])} | {e['mfu']:.1%} |")
     first = next((r["estimate"] for r in rows if r.get("estimate")), None)
     notes = "" if first is None else "\n\nEstimate, per device per step. Assumptions:\n" + "\n".join(
         f"- {line}" for line in first["assumptions"].splitlines())
