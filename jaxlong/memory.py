@@ -1,5 +1,8 @@
 """Command line of the memory planner: `python -m jaxlong.memory [--target GPU] [--config FILE] [--ladder]
-[--max-context] [key=value ...]`.
+[--max-context] [--estimate] [key=value ...]`.
+
+`--estimate` (GPU targets) adds, per rung, the compiled step's FLOPs, HBM and collective bytes and a roofline
+estimate of step time, tokens/s per GPU and MFU (`jaxlong.plan.cost`), with its assumptions under the table.
 
 The planning itself is in `jaxlong.plan`; this module parses arguments, picks where to compile (a GPU target,
 the GPUs present, or the CPU approximation) and prints tables.
@@ -13,6 +16,7 @@ import sys
 
 from jaxlong.config import ConfigError, load_config, validate
 from jaxlong.plan.planner import __doc__ as _PLAN_DOC
+from jaxlong.plan.cost import _sig
 from jaxlong.plan.planner import _ctx, _gib, format_table, ladder, max_context, parse_bytes, plan, plot_ladder
 
 TiB = 1024**4
@@ -41,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ladder", action="store_true", help="add the techniques one at a time (paper Fig. 1)")
     p.add_argument("--max-context", action="store_true",
                    help="largest seq_len that fits (for the config, or per rung with --ladder)")
+    p.add_argument("--estimate", action="store_true",
+                   help="also count the compiled step's FLOPs, HBM and collective bytes and estimate step time, "
+                        "tokens/s per GPU and MFU (roofline; needs a GPU target)")
     p.add_argument("--out", default=None, help="directory for ladder .md/.csv/.png")
     p.add_argument("--dump", default=None, help="XLA dump directory (buffer assignment, memory-usage report)")
     p.add_argument("overrides", nargs="*")
@@ -62,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"note: --target {args.target} needs the CUDA plugin (pip install 'jax[cuda12]'); "
                       f"planning on the CPU instead", file=sys.stderr)
+        if args.estimate and (target is None and not _gpu_present()):
+            raise ConfigError("--estimate needs a GPU target (--target h100, h200 or a100, with the CUDA plugin): "
+                              "the CPU compile's blockwise attention loops cannot be counted")
+        if args.estimate and args.max_context:
+            raise ConfigError("--estimate and --max-context together are not supported; estimate at a seq_len")
         budget = parse_bytes(args.budget) if args.budget else (target.device_memory if target else 80 * 1024**3)
         host_budget = parse_bytes(args.host_budget, option="--host-budget")
         per_node = target.devices_per_node if target else min(cfg.mesh.num_devices, 8)
@@ -96,9 +108,13 @@ def main(argv: list[str] | None = None) -> int:
                 row["max_context"] = s
                 print(f"{name:18s} max context {_ctx(s, start):>11s} tokens", flush=True)
             else:
-                row.update(plan(c, target, **kw))
+                row.update(plan(c, target, estimate=args.estimate, **kw), seq_len=c.seq_len)
                 print(f"{name:18s} total {_gib(row['total']):>8s} GiB  (compiled peak {_gib(row['peak'])}, "
                       f"activations {_gib(row['activations'])}, host {_gib(row['host'])})", flush=True)
+                if "estimate" in row:
+                    e = row["estimate"]
+                    print(f"{'':18s} estimate: {_sig(e['step_seconds'])} s/step, {e['tokens_per_s_per_gpu']:,.0f} "
+                          f"tokens/s per GPU, MFU {e['mfu']:.1%}, recompute {e['recompute_factor']:.2f}", flush=True)
         except ConfigError as e:  # e.g. a ladder rung's context degree that the model's heads cannot split
             print(f"{name:18s} invalid for this model: {e}", file=sys.stderr, flush=True)
             if len(rungs) == 1:
@@ -116,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     source = next((r["source"] for r in reversed(rows) if "source" in r), "")  # the full mesh, not rung 1's
     print(f"source: {source}")
     print(table)
+    if args.estimate:
+        from jaxlong.plan.cost import format_estimate_table  # noqa: PLC0415
+
+        table += "\n\n" + format_estimate_table(rows)
+        print(format_estimate_table(rows))
     if cpu:
         print(CPU_NOTICE)
     if args.out:
@@ -137,10 +158,12 @@ def _write(args, argv, cfg, rows, table, source, budget) -> None:
     tag = f"_{args.target.replace(':', '-')}" if args.target else "_cpu"
     stem = os.path.join(args.out, f"memory_{kind}_{cfg.model.name}{tag}")
     with open(stem + ".csv", "w", newline="") as f:
-        keys = [k for k in rows[0] if k != "compiled"]
-        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        flat = [{**{k: v for k, v in r.items() if k not in ("compiled", "estimate")},
+                 **{f"est_{k}": v for k, v in r.get("estimate", {}).items() if k not in ("assumptions", "warnings")}}
+                for r in rows]
+        w = csv.DictWriter(f, fieldnames=list(flat[0]), extrasaction="ignore")
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(flat)
     with open(stem + ".md", "w") as f:
         f.write(f"python -m jaxlong.memory {' '.join(argv if argv is not None else sys.argv[1:])}\n\n"
                 f"source: {source}\n\n{table}\n")

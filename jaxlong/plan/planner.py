@@ -125,7 +125,34 @@ def _target_for(target, n: int):
     return dataclasses.replace(target, devices_per_node=per_node, nodes=n // per_node)
 
 
-def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: int | None = None) -> dict:
+def _estimate(cfg: Config, compiled, target, devices: list) -> dict:
+    """Roofline estimate of the compiled step (`jaxlong.plan.cost`) against `target`'s peaks, or, without a
+    target, against the shipped target whose GPU the devices are."""
+    from jaxlong.plan.cost import hlo_cost, roofline  # noqa: PLC0415
+    from jaxlong.plan.target import parse_target  # noqa: PLC0415
+    from jaxlong.trainer import flops_per_token  # noqa: PLC0415
+
+    n = cfg.mesh.num_devices
+    if target is None:
+        kind = devices[0].device_kind
+        name = next((k for k in ("h100", "h200", "a100") if k in kind.lower()), None)
+        if name is None:
+            raise ConfigError(f"--estimate: no peak FLOP/s known for {kind!r}; give --target h100, h200 or a100")
+        target = _target_for(parse_target(name), n)
+    if target.peak_flops is None:
+        raise ConfigError(f"--estimate: target {target.name} has no peak FLOP/s (a spec file); use a shipped target")
+    cost = hlo_cost(compiled.as_text(), n, target.devices_per_node)
+    tokens = cfg.global_batch * cfg.seq_len
+    est = roofline(cost, peak_flops=target.peak_flops, hbm_bandwidth=target.hbm_bandwidth,
+                   link_bandwidth=target.link_bandwidth or target.hbm_bandwidth,
+                   network_bandwidth=target.network_bandwidth if target.nodes > 1 else None,
+                   model_flops=flops_per_token(cfg) * tokens / n, tokens=tokens, devices=n,
+                   pcie_bandwidth=target.pcie_bandwidth or 32e9)  # else PCIe 4.0 x16
+    return {"basis": f"estimate: roofline of the GPU compile's HLO, {target.device_name} peaks", **est}
+
+
+def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: int | None = None,
+         estimate: bool = False) -> dict:
     """Compile the train step of `cfg` ahead of time and return per-device bytes by category.
 
     Args:
@@ -134,6 +161,11 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
         (GPUs, else the CPU approximation). See the module docstring.
       headroom: `--headroom` text (`'2%'` of device memory or a size); GPU plans only.
       collective_buffers: bytes of NCCL buffers per device, overriding the model; GPU plans only.
+      estimate: also count the compiled step's cost and estimate its time (`jaxlong.plan.cost`): adds
+        `estimate`, a dict with `flops`, `model_flops`, `hbm_bytes`, `collective_bytes` (per device per step),
+        `recompute_factor`, `attention_calls`, `step_seconds`, `tokens_per_s_per_gpu`, `mfu`, `assumptions`
+        (see `jaxlong.plan.cost.roofline`). GPU plans only: the CPU compile runs blockwise attention in loops
+        of data-dependent length, whose FLOPs cannot be counted.
 
     Returns:
       dict with `params`, `optimizer`, `gradients`, `activations`, `host`, `peak`, `workspace`, `collectives`,
@@ -141,7 +173,8 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
       on the CPU), `source` (where the compile came from) and `compiled` (raw memory_analysis numbers).
 
     Raises:
-      ConfigError: the config is invalid for its own `mesh.num_devices`, or the target cannot be compiled for.
+      ConfigError: the config is invalid for its own `mesh.num_devices`, or the target cannot be compiled for,
+        or `estimate` without a GPU (target) or without the target's peak FLOP/s.
     """
     import jax  # noqa: PLC0415
 
@@ -172,6 +205,9 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
             scale = {"bfloat16": 2, "float16": 2}[cfg.compute_dtype] / 4
     if len(devices) < n:
         raise ConfigError(f"mesh.num_devices={n} but only {len(devices)} devices exist")
+    if estimate and not gpu:
+        raise ConfigError("--estimate needs a GPU target (--target h100, h200 or a100): the CPU compile runs "
+                          "blockwise attention in loops of data-dependent length, whose FLOPs cannot be counted")
     mesh = build_mesh(measured.mesh, devices=devices)
     state = step_lib.abstract_state(measured, mesh)
     compiled = step_lib.compile_train_step(measured, mesh)
@@ -195,9 +231,12 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
         rows["collectives"] = ws.collective_buffer_bytes(n, collective_buffers)
         rows["headroom"] = ws.parse_headroom(headroom, device_memory) if device_memory else 0
     total = peak + sum(rows.values())
-    return {"params": params, "optimizer": optimizer, "gradients": gradients, "activations": activations,
-            "host": host, "peak": peak, **rows, "total": total, "host_per_node": host * per_node,
-            "device_memory": device_memory, "source": source, "compiled": raw}
+    out = {"params": params, "optimizer": optimizer, "gradients": gradients, "activations": activations,
+           "host": host, "peak": peak, **rows, "total": total, "host_per_node": host * per_node,
+           "device_memory": device_memory, "source": source, "compiled": raw}
+    if estimate:
+        out["estimate"] = _estimate(cfg, compiled, t if target is not None else None, devices)
+    return out
 
 
 def fits(p: dict, budget: int, host_budget: int | None = None) -> bool:

@@ -9,9 +9,10 @@ topology="1x<nodes>x<devices per node>")`.
 
 Shipped targets (`specs/*.txtpb`, each file names its source):
 
-  h100   NVIDIA H100 80GB HBM3 (SXM), 84,942,979,072 bytes, sm_90a, 989 TFLOP/s dense bf16, 3.35 TB/s
-  h200   NVIDIA H200 141GB HBM3e,     151,397,597,184 bytes, sm_90a, 989 TFLOP/s dense bf16, 4.8 TB/s
-  a100   NVIDIA A100-SXM4-80GB,       85,100,068,864 bytes, sm_80,  312 TFLOP/s dense bf16, 2.04 TB/s
+  h100   NVIDIA H100 80GB HBM3 (SXM), 84,942,979,072 bytes, sm_90a, 989 TFLOP/s dense bf16, 3.35 TB/s, NVLink 450 GB/s
+  h200   NVIDIA H200 141GB HBM3e,     151,397,597,184 bytes, sm_90a, 989 TFLOP/s dense bf16, 4.8 TB/s,  NVLink 450 GB/s
+  a100   NVIDIA A100-SXM4-80GB,       85,100,068,864 bytes, sm_80,  312 TFLOP/s dense bf16, 2.04 TB/s, NVLink 300 GB/s
+  (NVLink per direction per GPU; between nodes 50 GB/s per H100/H200, 25 GB/s per A100: one NIC per GPU.)
 
 The protos are XLA's own (openxla/xla `xla/backends/gpu/target_config/specs/`), with the one field jaxlib 0.10's
 proto rejects (`collective_memory_granularity`) removed; it is also dropped from user-given files. Peak FLOP/s
@@ -40,11 +41,16 @@ from jaxlong.config import ConfigError
 
 SPEC_DIR = Path(__file__).parent / "specs"
 
-# name -> (spec file, dense bf16 peak FLOP/s per device, HBM bandwidth bytes/s)
+# name -> (spec file, dense bf16 peak FLOP/s per device, HBM bandwidth bytes/s, NVLink bytes/s per direction per
+# device, inter-node network bytes/s per device). Sources: NVIDIA H100 datasheet (SXM5: 989.4 TFLOP/s dense bf16
+# [1979 with sparsity], 3.35 TB/s HBM3, NVLink 900 GB/s bidirectional); H200 datasheet (SXM: 989 TFLOP/s,
+# 4.8 TB/s HBM3e, NVLink 900 GB/s); A100 datasheet (SXM4 80GB: 312 TFLOP/s, 2,039 GB/s, NVLink 600 GB/s);
+# inter-node: one NDR InfiniBand NIC (400 Gb/s) per H100/H200 as in DGX H100/H200, one HDR NIC (200 Gb/s) per
+# A100 as in DGX A100.
 TARGETS = {
-    "h100": ("h100_sxm_80gb.txtpb", 989e12, 3.35e12),
-    "h200": ("h200_141gb.txtpb", 989e12, 4.8e12),
-    "a100": ("a100_sxm_80gb.txtpb", 312e12, 2.04e12),
+    "h100": ("h100_sxm_80gb.txtpb", 989e12, 3.35e12, 450e9, 50e9),
+    "h200": ("h200_141gb.txtpb", 989e12, 4.8e12, 450e9, 50e9),
+    "a100": ("a100_sxm_80gb.txtpb", 312e12, 2.04e12, 300e9, 25e9),
 }
 
 # gpu_device_info fields without which XLA's GPU compiler crashes or plans wrongly (present in every XLA spec).
@@ -70,6 +76,9 @@ class Target:
       device_name: the GPU's name from the spec.
       peak_flops: dense bf16 FLOP/s per GPU (None when unknown, e.g. a user's spec file).
       hbm_bandwidth: bytes/s per GPU.
+      link_bandwidth: NVLink bytes/s per direction per GPU, inside a node (None when unknown).
+      network_bandwidth: inter-node bytes/s per direction per GPU (None when unknown).
+      pcie_bandwidth: host <-> GPU bytes/s (the spec's `pcie_bandwidth`; None when absent).
     """
 
     name: str
@@ -80,6 +89,9 @@ class Target:
     device_name: str
     peak_flops: float | None = None
     hbm_bandwidth: float | None = None
+    link_bandwidth: float | None = None
+    network_bandwidth: float | None = None
+    pcie_bandwidth: float | None = None
 
     @property
     def devices(self) -> int:
@@ -135,11 +147,11 @@ def parse_target(text: str) -> Target:
     if per_node < 1 or nodes < 1:
         raise ConfigError(f"--target {text!r}: devices per node and nodes must be positive")
     if name.lower() in TARGETS:
-        file, flops, bandwidth = TARGETS[name.lower()]
+        file, flops, bandwidth, link, network = TARGETS[name.lower()]
         path = SPEC_DIR / file
         name = name.lower()
     elif name.endswith((".txtpb", ".pbtxt", ".txt")):
-        path, flops, bandwidth = Path(name), None, None
+        path, flops, bandwidth, link, network = Path(name), None, None, None, None
         if not path.is_file():
             raise ConfigError(f"--target {text!r}: spec file {path} does not exist")
     else:
@@ -150,7 +162,9 @@ def parse_target(text: str) -> Target:
     device_name = _field(spec, "device_description_str") or _field(spec, "name") or name
     if bandwidth is None:
         bandwidth = float(_field(spec, "memory_bandwidth"))
-    return Target(name, spec, per_node, nodes, memory, device_name, flops, bandwidth)
+    pcie = _field(spec, "pcie_bandwidth")
+    return Target(name, spec, per_node, nodes, memory, device_name, flops, bandwidth, link, network,
+                  float(pcie) if pcie else None)
 
 
 def cuda_plugin_available() -> bool:
