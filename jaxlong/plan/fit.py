@@ -1,0 +1,627 @@
+"""Fit a context to your GPUs: the fastest configuration of a run that fits the memory budget.
+
+    python -m jaxlong.memory --fit --target h100 --config configs/llama3_1_8b.yaml seq_len=131072
+    python -m jaxlong.train  --fit --target h100 --config configs/llama3_1_8b.yaml seq_len=131072
+
+Memory is a currency (design brief §1-3): add memory techniques one at a time, stop as soon as the context
+fits, and spend the memory left over on speed. The search covers the options that change memory and speed but
+not the model's result (the loss and gradients are the same up to floating-point order):
+
+  mesh        the split of the devices over `mesh.fsdp` x `mesh.ring` x `mesh.context` (`mesh.data` and
+              `global_batch` are kept; ring > 1 only across nodes). Categorical: each split is its own space.
+  attention   Ulysses, then U-Pipe with heads per stage U from H down to C (the values `check_upipe_schedule`
+              allows): fewer heads per stage, less attention memory, more stages.
+  remat       none, save_dots, full, offload (layer inputs in pinned host memory).
+  tiled loss  off, on (`tiling.loss_tile` derived from its byte budget).
+  tiled MLP   off, ALST's tile count, 4x as many tiles.
+
+Within one mesh split every dimension is ordered from the fastest expected level (index 0) to the most
+memory-saving one, and the search assumes both orders are monotone: a candidate whose every level is at least
+another's needs no more device memory and runs no faster. Hence, without compiling:
+  - if a candidate does not fit the device budget, no candidate with every level at most its levels fits
+    (e.g. if full remat does not fit, no remat will not; a larger U needs at least the memory of a smaller);
+  - if a candidate fits, every candidate with every level at least its levels is dominated (it needs no
+    more memory and is slower) and is not compiled;
+  - with a cost model known before compiling (`analytic_cost`), a candidate estimated slower than the best
+    fitting one is not compiled.
+Host memory (offload) is not monotone in the remat order, so a candidate that fails only the host budget
+prunes nothing. The next candidate compiled is the unresolved one that settles the most others whichever way
+it goes (it bisects the space), ties broken by expected speed; the most memory-saving candidate of each mesh
+split is compiled first, so a run that can fit gets an answer even within a small `--max-compiles`.
+
+Candidates are ranked by `cost_model(cfg, plan) -> seconds per step`; the default (`estimated_cost`) reads
+`plan["estimate"]["step_seconds"]`, the roofline estimate of the compiled GPU program from
+`plan(cfg, target, estimate=True)`. `analytic_cost` is a closed-form FLOP count (no compile needed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import sys
+from typing import Callable
+
+from jaxlong.config import Config, ConfigError, check_upipe_schedule, validate
+from jaxlong.plan import planner
+
+GiB = 1024**3
+REMAT_LEVELS = ("none", "save_dots", "full", "offload")
+DIM_NAMES = ("attention", "remat", "tiled loss", "tiled MLP")
+
+
+class FitError(ConfigError):
+    """The fit cannot run: no candidate is valid, or the cost model has nothing to rank by."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One point of the search space: its mesh split (index into the splits) and a level per dimension."""
+
+    mesh: int
+    levels: tuple[int, ...]
+    overrides: tuple[str, ...]  # key=value, applied on top of the base config
+
+    @property
+    def key(self) -> str:
+        return " ".join(self.overrides)
+
+    def below(self, other: Candidate) -> bool:
+        """Every level of self is at most other's (self needs at least other's memory, runs no slower)."""
+        return self.mesh == other.mesh and all(a <= b for a, b in zip(self.levels, other.levels))
+
+
+# ----------------------------------------------------------------------------------------------
+# The space.
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_splits(cfg: Config, devices_per_node: int, nodes: int) -> list[tuple[str, ...]]:
+    """Overrides of every `fsdp x ring x context` split of `devices_per_node * nodes` devices (the config's own
+    split first), keeping `mesh.data`; context stays inside a node, ring > 1 only across nodes."""
+    n, data = devices_per_node * nodes, max(cfg.mesh.data, 1)
+    out = []
+    for ring in _divisors(nodes):
+        for context in _divisors(devices_per_node):
+            if n % (data * ring * context):
+                continue
+            fsdp = n // (data * ring * context)
+            out.append((f"mesh.num_devices={n}", f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.ring={ring}",
+                        f"mesh.context={context}"))
+    own = planner.apply_rung(cfg, [], n)
+    own.mesh.num_devices = n
+    try:
+        from jaxlong.config import resolve_mesh_shape  # noqa: PLC0415
+
+        d, f, r, c = resolve_mesh_shape(own.mesh, n)
+        mine = (f"mesh.num_devices={n}", f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.ring={r}", f"mesh.context={c}")
+        if mine in out:
+            out.remove(mine)
+            out.insert(0, mine)
+    except ConfigError:
+        pass
+    return out
+
+
+def dimension_levels(cfg: Config) -> list[list[tuple[str, ...]]]:
+    """Per dimension (`DIM_NAMES`), the overrides of each level, fastest expected first, for `cfg`'s mesh."""
+    from jaxlong.config import resolve_mesh_shape  # noqa: PLC0415
+    from jaxlong.tiled import default_mlp_tiles  # noqa: PLC0415
+
+    m = cfg.model
+    _, _, ring, context = resolve_mesh_shape(cfg.mesh, cfg.mesh.num_devices)
+    attention = [("attention.impl=ulysses", "attention.heads_per_stage=0")]
+    for u in range(m.heads, context - 1, -context):
+        try:
+            check_upipe_schedule(m.heads, m.kv_heads, context, u)
+        except ConfigError:
+            continue
+        attention.append(("attention.impl=upipe", f"attention.heads_per_stage={u}"))
+    remat = [(f"remat.policy={p}",) for p in REMAT_LEVELS]
+    loss = [("tiling.loss=false", "tiling.loss_tile=0"), ("tiling.loss=true", "tiling.loss_tile=0")]
+    mlp = [("tiling.mlp=false", "tiling.mlp_tiles=0"), ("tiling.mlp=true", "tiling.mlp_tiles=0")]
+    s_local = cfg.seq_len // (ring * context)
+    if s_local > 0:
+        base = default_mlp_tiles(s_local, m.hidden)
+        more = next((d for d in _divisors(s_local) if d >= 4 * base), None)
+        if more is not None and more > base:
+            mlp.append(("tiling.mlp=true", f"tiling.mlp_tiles={more}"))
+    return [attention, remat, loss, mlp]
+
+
+def candidate_space(cfg: Config, devices_per_node: int, nodes: int) -> tuple[list[tuple[str, ...]], list[Candidate],
+                                                                             list[dict]]:
+    """(mesh splits, valid candidates in expected-speed order, invalid ones as `{"overrides", "reason"}`).
+
+    A split whose fastest candidate `validate` rejects (e.g. `global_batch` not divisible by `mesh.fsdp`) is
+    reported once; other invalid candidates one by one."""
+    import itertools  # noqa: PLC0415
+
+    splits = mesh_splits(cfg, devices_per_node, nodes)
+    cands, invalid = [], []
+    for i, split in enumerate(splits):
+        base = planner.apply_rung(cfg, list(split), 0)
+        try:
+            validate(base)
+        except ConfigError as e:
+            invalid.append({"overrides": " ".join(split), "reason": f"invalid: {e}"})
+            continue
+        dims = dimension_levels(base)
+        for levels in itertools.product(*(range(len(d)) for d in dims)):
+            ov = tuple(split) + tuple(o for d, lv in zip(dims, levels) for o in d[lv])
+            c = Candidate(i, tuple(levels), ov)
+            try:
+                validate(planner.apply_rung(cfg, list(ov), 0))
+            except ConfigError as e:
+                invalid.append({"overrides": c.key, "reason": f"invalid: {e}"})
+                continue
+            cands.append(c)
+    cands.sort(key=lambda c: (_prior(c), c.mesh))
+    return splits, cands, invalid
+
+
+def _prior(c: Candidate) -> float:
+    """Expected slowness used only to order the search: remat costs most, then U-Pipe stages, then tiling."""
+    attention, remat, loss, mlp = c.levels
+    return 10 * remat + 3 * attention + loss + 2 * mlp
+
+
+# ----------------------------------------------------------------------------------------------
+# Cost models: cost_model(cfg, plan) -> seconds per step (lower is better).
+
+
+def estimated_cost(cfg: Config, p: dict) -> float:
+    """Seconds per step from the compiled program's roofline estimate, `plan(..., estimate=True)["estimate"]`.
+
+    Raises:
+      FitError: the plan carries no `estimate` (a planner without step-time estimates).
+    """
+    est = p.get("estimate")
+    if not est or "step_seconds" not in est:
+        raise FitError("the plan has no step-time estimate (plan(..., estimate=True)['estimate']['step_seconds']); "
+                       "rank with --cost-model analytic instead")
+    return float(est["step_seconds"])
+
+
+estimated_cost.needs_estimate = True
+
+
+def analytic_flops(cfg: Config) -> tuple[float, float]:
+    """(model FLOPs per step, recompute factor) in closed form, for ranking without a compile.
+
+    Model FLOPs: 6 x matmul parameters x tokens plus causal attention, 3 x 2 x 2 x S^2/2 x H x d per layer and
+    sequence (forward + backward = 3 forwards). Recomputed FLOPs (factor = executed / model): save_dots
+    recomputes attention's forward, full and offload the whole layer's forward, U-Pipe attention's forward once
+    more (its backward recomputes it), tiled loss the logits' forward, tiled MLP the MLP's forward.
+    """
+    m, s, b = cfg.model, cfg.seq_len, cfg.global_batch
+    tokens = s * b
+    attn_w = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
+    mlp_w = 3 * m.hidden * m.mlp_hidden
+    head_w = m.hidden * m.vocab_size
+    attn_fwd = 2 * 2 * (s * s / 2) * m.heads * m.head_dim * b  # per layer, causal
+    layer_fwd = 2 * (attn_w + mlp_w) * tokens + attn_fwd
+    model = 3 * (m.layers * layer_fwd + 2 * head_w * tokens)
+    extra = 0.0
+    policy = cfg.remat.policy
+    if policy == "save_dots":
+        extra += m.layers * attn_fwd
+    elif policy in ("full", "offload", "custom"):
+        extra += m.layers * layer_fwd
+    if cfg.attention.impl == "upipe":
+        extra += m.layers * attn_fwd
+    if cfg.tiling.loss:
+        extra += 2 * head_w * tokens
+    if cfg.tiling.mlp:
+        extra += m.layers * 2 * mlp_w * tokens
+    return model, (model + extra) / model
+
+
+def analytic_cost(cfg: Config, p: dict | None = None, *, peak_flops: float = 989e12, mfu: float = 0.4) -> float:
+    """Seconds per step from `analytic_flops` at `mfu` of `peak_flops` per device (H100 dense bf16 by default),
+    plus small penalties that keep the orders of the search monotone: offload's host transfers (2%), one
+    kernel launch per U-Pipe stage per layer and pass, and per tile of the tiled loss and MLP."""
+    model, factor = analytic_flops(cfg)
+    seconds = model * factor / (peak_flops * mfu * cfg.mesh.num_devices)
+    if cfg.remat.policy == "offload":
+        seconds *= 1.02
+    from jaxlong.config import resolve_mesh_shape  # noqa: PLC0415
+
+    _, _, ring, context = resolve_mesh_shape(cfg.mesh, cfg.mesh.num_devices)
+    launch = 20e-6 * cfg.model.layers * 3
+    if cfg.attention.impl == "upipe":
+        seconds += launch * (cfg.model.heads // (cfg.attention.heads_per_stage or context))
+    if cfg.tiling.mlp:
+        from jaxlong.tiled import default_mlp_tiles  # noqa: PLC0415
+
+        s_local = cfg.seq_len // (ring * context)
+        seconds += launch * (cfg.tiling.mlp_tiles or default_mlp_tiles(s_local, cfg.model.hidden))
+    return seconds
+
+
+analytic_cost.static = True  # known before compiling: the search may prune by it
+
+
+COST_MODELS = {"estimate": estimated_cost, "analytic": analytic_cost}
+
+
+# ----------------------------------------------------------------------------------------------
+# The search.
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What `fit` found. `rows`: one dict per compiled candidate, in compile order (`overrides`, `fits`,
+    `peak`, `total`, `host_per_node` in bytes, `step_seconds`, `tokens_per_s_per_gpu`, `recompute_factor`,
+    `cached`); `pruned`: `{"overrides", "reason"}` for every candidate not compiled; `winner`: the fastest
+    fitting row or None; `closest`: the row nearest to fitting when nothing fits."""
+
+    rows: list[dict]
+    pruned: list[dict]
+    winner: dict | None
+    closest: dict | None
+    compiles: int
+    candidates: int
+
+
+def _plan_call(plan_fn, cost_model):
+    """plan_fn with `estimate=True` when the cost model reads the estimate; checked before any compile."""
+    if not getattr(cost_model, "needs_estimate", False):
+        return plan_fn
+    try:
+        takes = "estimate" in inspect.signature(plan_fn).parameters
+    except (TypeError, ValueError):
+        takes = True
+    if not takes:
+        raise FitError("--cost-model estimate needs plan(..., estimate=True), which this planner does not offer; "
+                       "use --cost-model analytic")
+    return lambda *a, **k: plan_fn(*a, estimate=True, **k)
+
+
+def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None, max_compiles: int = 12,
+        cost_model: Callable[[Config, dict], float] = estimated_cost, plan_fn=None, cache: dict | None = None,
+        headroom: str = "2%", collective_buffers: int | None = None, progress: bool = True) -> FitResult:
+    """The fastest configuration of `cfg` (same model, sequence length and batch) that fits `budget` bytes per
+    device and `host_budget` bytes of host memory per node, searched as the module docstring describes.
+
+    Args:
+      cfg: the run; its mesh is re-split over `target.devices` (or `cfg.mesh.num_devices` without a target).
+      target: `jaxlong.plan.target.Target` or None (the devices present, or the CPU approximation).
+      budget, host_budget: bytes per device / per node (`planner.fits`).
+      max_compiles: at most this many compiles (cache hits are free).
+      cost_model: `(cfg, plan) -> seconds per step`; an attribute `static = True` means it ignores the plan,
+        so candidates can be ranked (and pruned) before compiling.
+      plan_fn: the planner (default `planner.plan`), called `plan_fn(cfg, target, headroom=, collective_buffers=)`.
+      cache: dict from a candidate's overrides (with the sequence length and target) to its plan, shared between
+        calls; a hit costs no compile.
+
+    Returns:
+      FitResult.
+
+    Raises:
+      FitError: no candidate is valid for this model and device count, or the cost model cannot rank.
+    """
+    plan_fn = _plan_call(plan_fn or planner.plan, cost_model)
+    cache = {} if cache is None else cache
+    per_node, nodes = (target.devices_per_node, target.nodes) if target is not None else \
+        (min(cfg.mesh.num_devices, 8), max(cfg.mesh.num_devices // 8, 1))
+    if per_node * nodes != (target.devices if target is not None else cfg.mesh.num_devices):
+        per_node, nodes = cfg.mesh.num_devices, 1
+    _, cands, pruned = candidate_space(cfg, per_node, nodes)
+    if not cands:
+        reasons = "; ".join(sorted({p["reason"] for p in pruned}))[:600]
+        raise FitError(f"no candidate configuration is valid for {cfg.model.name} at seq_len={cfg.seq_len} on "
+                       f"{per_node * nodes} devices: {reasons}")
+    static = getattr(cost_model, "static", False)
+    tag = (cfg.seq_len, cfg.global_batch, getattr(target, "name", None), per_node, nodes, headroom, collective_buffers)
+    unresolved = list(cands)  # expected-speed order
+    rows, probed = [], set()
+    compiles, best = 0, None
+
+    def settle(c: Candidate, reason: str) -> None:
+        unresolved.remove(c)
+        pruned.append({"overrides": c.key, "reason": reason})
+
+    bar = _bar(min(max_compiles, len(cands)), progress)
+    try:
+        while unresolved:
+            if static and best is not None:
+                for c in list(unresolved):
+                    if cost_model(planner.apply_rung(cfg, list(c.overrides), 0), {}) >= best["step_seconds"]:
+                        settle(c, f"estimated slower than fitting [{best['overrides']}]")
+                if not unresolved:
+                    break
+            c = _next(unresolved, probed)
+            ck = (tag, c.key)
+            if ck not in cache and compiles >= max_compiles:
+                for rest in list(unresolved):
+                    settle(rest, f"not compiled: --max-compiles {max_compiles} reached")
+                break
+            unresolved.remove(c)
+            probed.add(c.mesh)
+            c_cfg = planner.apply_rung(cfg, list(c.overrides), 0)
+            hit = ck in cache
+            if not hit:
+                bar.set_postfix_str(c.key.split("mesh.context=")[-1][:60], refresh=False)
+                try:
+                    cache[ck] = plan_fn(c_cfg, target, headroom=headroom, collective_buffers=collective_buffers)
+                except ConfigError as e:
+                    cache[ck] = {"error": str(e)}
+                compiles += 1
+                bar.update(1)
+            p = cache[ck]
+            if "error" in p:
+                pruned.append({"overrides": c.key, "reason": f"does not compile: {p['error']}"})
+                continue
+            row = _row(c, c_cfg, p, budget, host_budget, cost_model, hit)
+            rows.append(row)
+            device_ok = p["total"] <= budget
+            if row["fits"]:
+                if best is None or row["step_seconds"] < best["step_seconds"]:
+                    best = row
+                for o in [o for o in unresolved if c.below(o)]:
+                    settle(o, f"dominated: [{c.key}] fits with no more memory-saving levels (expected faster)")
+            elif not device_ok:
+                for o in [o for o in unresolved if o.below(c)]:
+                    settle(o, f"needs at least the device memory of [{c.key}], which does not fit "
+                              f"({_g(p['total'])} > {_g(budget)} GiB)")
+    finally:
+        bar.close()
+    closest = None
+    if best is None and rows:
+        def excess(r):
+            return max(r["total"] / budget, r["host_per_node"] / host_budget if host_budget else 0)
+        closest = min(rows, key=excess)
+    return FitResult(rows, pruned, best, closest, compiles, len(cands))
+
+
+def _next(unresolved: list[Candidate], probed: set[int]) -> Candidate:
+    """The most memory-saving candidate of a mesh split not yet probed, else the one that settles the most
+    others whichever way it goes (min of the candidates it would prune if it fits and if it does not)."""
+    fresh = [c for c in unresolved if c.mesh not in probed]
+    if fresh:
+        mesh = fresh[0].mesh
+        return max((c for c in fresh if c.mesh == mesh), key=lambda c: sum(c.levels))
+
+    def score(c: Candidate) -> int:
+        up = sum(1 for o in unresolved if c.below(o))
+        down = sum(1 for o in unresolved if o.below(c))
+        return min(up, down)
+
+    return max(unresolved, key=lambda c: (score(c), -unresolved.index(c)))
+
+
+def _row(c: Candidate, cfg: Config, p: dict, budget, host_budget, cost_model, cached: bool) -> dict:
+    seconds = float(cost_model(cfg, p))
+    est = p.get("estimate") or {}
+    factor = est.get("recompute_factor")
+    if factor is None:
+        factor = analytic_flops(cfg)[1]
+    n = cfg.mesh.num_devices
+    return {"overrides": c.key, "levels": list(c.levels), "fits": planner.fits(p, budget, host_budget),
+            "peak": p["peak"], "total": p["total"], "host_per_node": p["host_per_node"], "step_seconds": seconds,
+            "tokens_per_s_per_gpu": cfg.seq_len * cfg.global_batch / seconds / n if seconds > 0 else float("inf"),
+            "recompute_factor": factor, "source": p.get("source", ""), "cached": cached}
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s, refresh=True):
+        pass
+
+    def close(self):
+        pass
+
+
+def _bar(total: int, on: bool):
+    if not on:
+        return _NoBar()
+    from tqdm import tqdm  # noqa: PLC0415
+
+    return tqdm(total=total, desc="compiles", unit="compile", file=sys.stderr, dynamic_ncols=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reporting.
+
+
+def _g(x: float) -> str:
+    return f"{x / GiB:.1f}"
+
+
+def _strip_mesh(key: str) -> str:
+    return key.replace("attention.heads_per_stage=0", "").replace("tiling.loss_tile=0", "") \
+        .replace("tiling.mlp_tiles=0", "").replace("  ", " ").strip()
+
+
+def format_report(res: FitResult, budget: int, host_budget: int | None) -> str:
+    """Markdown: the compiled candidates (GiB per device, host GiB per node), the pruned list, the verdict."""
+    lines = ["| # | overrides | peak (compiled) | total | host / node | est. tokens/s/GPU | recompute | fits |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for i, r in enumerate(res.rows, 1):
+        mark = " (cached)" if r["cached"] else ""
+        win = " **winner**" if res.winner is r else ""
+        lines.append(f"| {i}{mark} | {_strip_mesh(r['overrides'])} | {_g(r['peak'])} | {_g(r['total'])} | "
+                     f"{_g(r['host_per_node'])} | {r['tokens_per_s_per_gpu']:,.0f} | {r['recompute_factor']:.2f} | "
+                     f"{'yes' if r['fits'] else 'no'}{win} |")
+    lines.append(f"\n{res.compiles} compiles for {res.candidates} candidates; {len(res.pruned)} not compiled:")
+    for p in res.pruned:
+        lines.append(f"- {_strip_mesh(p['overrides'])}: {p['reason']}")
+    lines.append("")
+    if res.winner is not None:
+        w = res.winner
+        lines.append(f"winner: {_strip_mesh(w['overrides'])} -- total {_g(w['total'])} of {_g(budget)} GiB, "
+                     f"host {_g(w['host_per_node'])} GiB per node, {w['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+                     f"(estimated)")
+    elif res.closest is not None:
+        c = res.closest
+        host = f", host {_g(c['host_per_node'])} of {_g(host_budget)} GiB per node" if host_budget else ""
+        lines.append(f"nothing fits: the closest candidate is [{_strip_mesh(c['overrides'])}] with peak "
+                     f"{_g(c['peak'])} GiB, total {_g(c['total'])} GiB against the budget of {_g(budget)} GiB{host}")
+    else:
+        lines.append("nothing fits: no candidate was compiled (raise --max-compiles)")
+    return "\n".join(lines)
+
+
+def winner_overrides(res: FitResult) -> list[str]:
+    """The winner's overrides without the ones that restate defaults of the search (U = C, derived tiles)."""
+    return _strip_mesh(res.winner["overrides"]).split() if res.winner else []
+
+
+def train_command(config_path: str | None, user_overrides: list[str], res: FitResult) -> str:
+    """`python -m jaxlong.train --config FILE k=v ...`: the user's overrides the winner does not set, then the
+    winner's."""
+    win = winner_overrides(res)
+    keys = {o.split("=", 1)[0] for o in win}
+    keep = [o for o in user_overrides if o.split("=", 1)[0].strip() not in keys]
+    parts = ["python -m jaxlong.train"] + ([f"--config {config_path}"] if config_path else []) + keep + win
+    return " ".join(parts)
+
+
+def to_json(res: FitResult, *, cfg: Config, target, budget, host_budget, command: str | None) -> dict:
+    return {"model": cfg.model.name, "seq_len": cfg.seq_len, "global_batch": cfg.global_batch,
+            "target": target.describe() if target is not None else None, "budget": budget, "host_budget": host_budget,
+            "compiles": res.compiles, "candidates": res.candidates, "compiled": res.rows, "pruned": res.pruned,
+            "winner": res.winner, "closest": res.closest, "command": command}
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line (`python -m jaxlong.memory --fit`, `python -m jaxlong.train --fit`).
+
+
+def add_arguments(parser, *, planner_options: bool) -> None:
+    """The `--fit` flags; `planner_options` also adds `--target`, `--budget`, `--host-budget`, `--headroom`, `--out`
+    (which `jaxlong.memory` already has)."""
+    parser.add_argument("--fit", action="store_true",
+                        help="search the fastest attention / remat / tiling / mesh split that fits the budget")
+    parser.add_argument("--max-compiles", type=int, default=12, help="--fit: compile budget (default 12)")
+    parser.add_argument("--cost-model", default="estimate", choices=sorted(COST_MODELS),
+                        help="--fit: rank by the compiled program's step-time estimate, or a closed-form FLOP count")
+    if planner_options:
+        parser.add_argument("--target", default=None, help="--fit: plan for a GPU without one, e.g. h100:8x2")
+        parser.add_argument("--budget", default=None, help="--fit: device memory budget (default: the target's)")
+        parser.add_argument("--host-budget", default="2TiB", help="--fit: host memory per node (default 2TiB)")
+        parser.add_argument("--headroom", default="2%", help="--fit: fragmentation headroom")
+        parser.add_argument("--out", default=None, help="--fit: JSON file (or directory) for the result")
+
+
+def resolve(args, cfg: Config):
+    """(target, budget, host_budget, collective buffers) from the flags; sets `mesh.num_devices` from the target.
+
+    Raises:
+      ConfigError / ValueError: a bad flag, named.
+    """
+    from jaxlong.plan.target import cuda_plugin_available, parse_target  # noqa: PLC0415
+
+    if args.max_compiles < 1:
+        raise ConfigError(f"--max-compiles {args.max_compiles}: must be at least 1")
+    target = None
+    if args.target:
+        target = parse_target(args.target)
+        if not cuda_plugin_available():
+            raise ConfigError(f"--target {args.target} needs the CUDA plugin: pip install 'jax[cuda12]'")
+        cfg.mesh.num_devices = target.devices
+    budget = planner.parse_bytes(args.budget) if args.budget else (target.device_memory if target else 80 * GiB)
+    host_budget = planner.parse_bytes(args.host_budget, option="--host-budget")
+    per_node = target.devices_per_node if target else min(cfg.mesh.num_devices, 8)
+    host_budget = host_budget * per_node // 8 if per_node < 8 else host_budget
+    cb = getattr(args, "collective_buffers", None)
+    collectives = planner.parse_bytes(cb, option="--collective-buffers") if cb else None
+    if budget <= 0:
+        raise ConfigError(f"--budget {args.budget}: must be positive")
+    return target, budget, host_budget, collectives
+
+
+def prepare_jax(cfg: Config, target) -> None:
+    """Environment before jax is imported: no CUDA initialization for a deviceless target, simulated CPU devices."""
+    import os  # noqa: PLC0415
+
+    from jaxlong.train import set_host_device_count  # noqa: PLC0415
+
+    if target is not None and not os.path.exists("/dev/nvidiactl"):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    set_host_device_count(cfg.mesh.num_devices)
+
+
+def run_cli(args, cfg: Config, target, budget: int, host_budget: int, collectives, argv_overrides: list[str]):
+    """Run the search, print the table, the verdict and the train command, write `--out`. Returns the result.
+
+    Raises:
+      FitError: see `fit`.
+    """
+    import os  # noqa: PLC0415
+
+    where = target.describe() if target else f"{cfg.mesh.num_devices} devices"
+    print(f"fit {cfg.model.name}: seq_len {cfg.seq_len:,}, global_batch {cfg.global_batch}, {where}, budget "
+          f"{_g(budget)} GiB per device, host {_g(host_budget)} GiB per node, ranked by --cost-model {args.cost_model}",
+          flush=True)
+    cost = COST_MODELS[args.cost_model]
+    if args.cost_model == "analytic" and target is not None and target.peak_flops:
+        import functools  # noqa: PLC0415
+
+        cost = functools.wraps(analytic_cost)(functools.partial(analytic_cost, peak_flops=target.peak_flops))
+    res = fit(cfg, target, budget=budget, host_budget=host_budget, max_compiles=args.max_compiles, cost_model=cost,
+              headroom=args.headroom, collective_buffers=collectives)
+    source = next((r["source"] for r in res.rows), "")
+    print(f"source: {source}")
+    print(format_report(res, budget, host_budget))
+    command = train_command(args.config, argv_overrides, res) if res.winner else None
+    if command:
+        print(f"\n{command}")
+    if args.out:
+        path = args.out
+        if not path.endswith(".json"):
+            os.makedirs(path, exist_ok=True)
+            tag = args.target.replace(":", "-") if args.target else "cpu"
+            path = os.path.join(path, f"fit_{cfg.model.name}_{tag}_{cfg.seq_len}.json")
+        with open(path, "w") as f:
+            json.dump(to_json(res, cfg=cfg, target=target, budget=budget, host_budget=host_budget, command=command),
+                      f, indent=1, default=str)
+        print(f"wrote {path}")
+    return res
+
+
+def main(args, argv_overrides: list[str]) -> int:
+    """`python -m jaxlong.memory --fit ...`: 0 when something fits, 1 when nothing does, 2 on bad input."""
+    from jaxlong.config import load_config  # noqa: PLC0415
+
+    try:
+        cfg = load_config(args.config, argv_overrides)
+        target, budget, host_budget, collectives = resolve(args, cfg)
+        validate(cfg)
+        prepare_jax(cfg, target)
+        res = run_cli(args, cfg, target, budget, host_budget, collectives, argv_overrides)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0 if res.winner else 1
+
+
+def fit_for_training(args, cfg: Config, argv_overrides: list[str]) -> Config:
+    """`python -m jaxlong.train --fit`: search, then `cfg` with the winner's overrides, printed one per line.
+
+    Raises:
+      ConfigError: bad flags, or nothing fits (the message names the closest candidate).
+    """
+    target, budget, host_budget, collectives = resolve(args, cfg)
+    validate(cfg)
+    prepare_jax(cfg, target)
+    res = run_cli(args, cfg, target, budget, host_budget, collectives, argv_overrides)
+    if res.winner is None:
+        raise FitError("--fit: nothing fits the budget; see the table above")
+    out = planner.apply_rung(cfg, winner_overrides(res), 0)
+    if target is not None:
+        out.mesh.num_devices = target.devices
+    validate(out)
+    for o in winner_overrides(res):
+        print(f"fit: {o}")
+    return out
+
+
+__all__ = ["Candidate", "FitError", "FitResult", "analytic_cost", "analytic_flops", "candidate_space",
+           "estimated_cost", "fit", "format_report", "train_command"]
