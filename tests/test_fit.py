@@ -9,7 +9,6 @@ import pytest
 
 from jaxlong.config import load_config
 from jaxlong.plan import fit as fit_lib
-from jaxlong.plan.planner import apply_rung
 
 GiB = 1024**3
 TINY = ["model.hidden=64", "model.layers=1", "model.heads=4", "model.kv_heads=2", "model.head_dim=16",
@@ -52,7 +51,7 @@ def _brute_force(cfg, model, budget, host_budget):
     _, cands, _ = fit_lib.candidate_space(cfg, 8, 1)
     best = None
     for c in cands:
-        cc = apply_rung(cfg, list(c.overrides), 0)
+        cc = fit_lib.configure(cfg, c.overrides)
         p = model.plan(cc)
         if p["total"] <= budget and p["host_per_node"] <= host_budget:
             if best is None or model.cost(cc) < best[1]:
@@ -80,7 +79,7 @@ def test_pruned_search_finds_the_brute_force_winner_and_skips_nothing_better(see
     for p in res.pruned:
         if p["reason"].startswith("invalid"):
             continue
-        cc = apply_rung(cfg, p["overrides"].split(), 0)
+        cc = fit_lib.configure(cfg, p["overrides"].split())
         q = model.plan(cc)
         fits = q["total"] <= budget and q["host_per_node"] <= host_budget
         assert not (fits and (res.winner is None or model.cost(cc) < res.winner["step_seconds"])), p
@@ -143,7 +142,7 @@ def test_estimate_cost_model_needs_a_planner_with_estimates():
 def test_analytic_cost_is_monotone_along_every_dimension():
     cfg = load_config(None, TINY)
     _, cands, _ = fit_lib.candidate_space(cfg, 8, 1)
-    cost = {c: fit_lib.analytic_cost(apply_rung(cfg, list(c.overrides), 0)) for c in cands}
+    cost = {c: fit_lib.analytic_cost(fit_lib.configure(cfg, c.overrides)) for c in cands}
     for a in cands:
         for b in cands:
             if a != b and a.below(b):
@@ -180,4 +179,4 @@ def test_fit_end_to_end_on_a_real_cpu_compile(tmp_path, capsys):
     win = data["winner"]["overrides"].split()
     # the ready-to-paste command gives back the winner's config
     cfg = load_config(None, data["command"].split()[3:])
-    assert cfg.remat.policy == apply_rung(load_config(None, TINY), win, 0).remat.policy
+    assert cfg.remat.policy == fit_lib.configure(load_config(None, TINY), win).remat.policy

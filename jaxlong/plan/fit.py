@@ -36,7 +36,9 @@ Candidates are ranked by `cost_model(cfg, plan) -> seconds per step`; the defaul
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import inspect
 import json
 import sys
@@ -75,6 +77,37 @@ class Candidate:
 # The space.
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed(text: str) -> tuple[list[str], object]:
+    """`key=value` -> (key path, value as the config stores it), type-checked once by `config._apply`."""
+    from jaxlong.config import _apply, parse_override  # noqa: PLC0415
+
+    key, value, raw = parse_override(text)
+    probe = Config()
+    _apply(probe, key, value, raw)
+    path = key.split(".")
+    for part in path:
+        probe = getattr(probe, part)
+    return path, probe
+
+
+def configure(cfg: Config, overrides) -> Config:
+    """A copy of `cfg` with `key=value` overrides applied (not validated; `planner.apply_rung` without the
+    per-call parsing, since the search applies the same few overrides to hundreds of candidates).
+
+    Raises:
+      ConfigError: unknown key or wrong type.
+    """
+    out = copy.deepcopy(cfg)
+    for text in overrides:
+        path, value = _parsed(text)
+        obj = out
+        for part in path[:-1]:
+            obj = getattr(obj, part)
+        setattr(obj, path[-1], copy.copy(value))
+    return out
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -91,7 +124,7 @@ def mesh_splits(cfg: Config, devices_per_node: int, nodes: int) -> list[tuple[st
             fsdp = n // (data * ring * context)
             out.append((f"mesh.num_devices={n}", f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.ring={ring}",
                         f"mesh.context={context}"))
-    own = planner.apply_rung(cfg, [], n)
+    own = copy.deepcopy(cfg)
     own.mesh.num_devices = n
     try:
         from jaxlong.config import resolve_mesh_shape  # noqa: PLC0415
@@ -143,7 +176,7 @@ def candidate_space(cfg: Config, devices_per_node: int, nodes: int) -> tuple[lis
     splits = mesh_splits(cfg, devices_per_node, nodes)
     cands, invalid = [], []
     for i, split in enumerate(splits):
-        base = planner.apply_rung(cfg, list(split), 0)
+        base = configure(cfg, split)
         try:
             validate(base)
         except ConfigError as e:
@@ -154,7 +187,7 @@ def candidate_space(cfg: Config, devices_per_node: int, nodes: int) -> tuple[lis
             ov = tuple(split) + tuple(o for d, lv in zip(dims, levels) for o in d[lv])
             c = Candidate(i, tuple(levels), ov)
             try:
-                validate(planner.apply_rung(cfg, list(ov), 0))
+                validate(configure(cfg, ov))
             except ConfigError as e:
                 invalid.append({"overrides": c.key, "reason": f"invalid: {e}"})
                 continue
@@ -330,7 +363,7 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
         while unresolved:
             if static and best is not None:
                 for c in list(unresolved):
-                    if cost_model(planner.apply_rung(cfg, list(c.overrides), 0), {}) >= best["step_seconds"]:
+                    if cost_model(configure(cfg, c.overrides), {}) >= best["step_seconds"]:
                         settle(c, f"estimated slower than fitting [{best['overrides']}]")
                 if not unresolved:
                     break
@@ -342,7 +375,7 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
                 break
             unresolved.remove(c)
             probed.add(c.mesh)
-            c_cfg = planner.apply_rung(cfg, list(c.overrides), 0)
+            c_cfg = configure(cfg, c.overrides)
             hit = ck in cache
             if not hit:
                 bar.set_postfix_str(c.key.split("mesh.context=")[-1][:60], refresh=False)
@@ -614,7 +647,7 @@ def fit_for_training(args, cfg: Config, argv_overrides: list[str]) -> Config:
     res = run_cli(args, cfg, target, budget, host_budget, collectives, argv_overrides)
     if res.winner is None:
         raise FitError("--fit: nothing fits the budget; see the table above")
-    out = planner.apply_rung(cfg, winner_overrides(res), 0)
+    out = configure(cfg, winner_overrides(res))
     if target is not None:
         out.mesh.num_devices = target.devices
     validate(out)
