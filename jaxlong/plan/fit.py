@@ -42,6 +42,7 @@ import functools
 import inspect
 import json
 import sys
+import time
 from typing import Callable
 
 from jaxlong.config import Config, ConfigError, check_upipe_schedule, validate
@@ -289,7 +290,7 @@ COST_MODELS = {"estimate": estimated_cost, "analytic": analytic_cost}
 class FitResult:
     """What `fit` found. `rows`: one dict per compiled candidate, in compile order (`overrides`, `fits`,
     `peak`, `total`, `host_per_node` in bytes, `step_seconds`, `tokens_per_s_per_gpu`, `recompute_factor`,
-    `cached`); `pruned`: `{"overrides", "reason"}` for every candidate not compiled; `winner`: the fastest
+    `cached`, `compile_seconds`); `pruned`: `{"overrides", "reason"}` for every candidate not compiled; `winner`: the fastest
     fitting row or None; `closest`: the row nearest to fitting when nothing fits."""
 
     rows: list[dict]
@@ -378,11 +379,13 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
             c_cfg = configure(cfg, c.overrides)
             hit = ck in cache
             if not hit:
-                bar.set_postfix_str(c.key.split("mesh.context=")[-1][:60], refresh=False)
+                bar.set_postfix_str(_strip_mesh(c.key).split("mesh.context=")[-1][:70], refresh=False)
+                t0 = time.perf_counter()
                 try:
                     cache[ck] = plan_fn(c_cfg, target, headroom=headroom, collective_buffers=collective_buffers)
                 except ConfigError as e:
                     cache[ck] = {"error": str(e)}
+                cache[ck] = {**cache[ck], "compile_seconds": time.perf_counter() - t0}
                 compiles += 1
                 bar.update(1)
             p = cache[ck]
@@ -437,7 +440,8 @@ def _row(c: Candidate, cfg: Config, p: dict, budget, host_budget, cost_model, ca
     return {"overrides": c.key, "levels": list(c.levels), "fits": planner.fits(p, budget, host_budget),
             "peak": p["peak"], "total": p["total"], "host_per_node": p["host_per_node"], "step_seconds": seconds,
             "tokens_per_s_per_gpu": cfg.seq_len * cfg.global_batch / seconds / n if seconds > 0 else float("inf"),
-            "recompute_factor": factor, "source": p.get("source", ""), "cached": cached}
+            "recompute_factor": factor, "source": p.get("source", ""), "cached": cached,
+            "compile_seconds": p.get("compile_seconds")}
 
 
 class _NoBar:
