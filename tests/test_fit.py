@@ -118,7 +118,7 @@ def test_nothing_fits_names_the_closest_candidate_with_its_peak():
     closest = min(res.rows, key=lambda r: r["total"])
     assert res.closest is closest
     text = fit_lib.format_report(res, 1 * GiB, None)
-    assert f"nothing fits: the closest candidate is [{fit_lib._strip_mesh(closest['overrides'])}] with peak " \
+    assert f"the closest candidate is #{closest['index']} [{fit_lib._strip_mesh(closest['overrides'])}] with peak " \
            f"{closest['peak'] / GiB:.1f} GiB" in text
     # the most memory-saving candidate of each mesh split is compiled first, and settles its whole split
     assert res.compiles == 3

@@ -181,7 +181,7 @@ def candidate_space(cfg: Config, devices_per_node: int, nodes: int) -> tuple[lis
         try:
             validate(base)
         except ConfigError as e:
-            invalid.append({"overrides": " ".join(split), "reason": f"invalid: {e}"})
+            invalid.append({"overrides": " ".join(split), "reason": f"invalid: {e}", "by": None})
             continue
         dims = dimension_levels(base)
         for levels in itertools.product(*(range(len(d)) for d in dims)):
@@ -190,7 +190,7 @@ def candidate_space(cfg: Config, devices_per_node: int, nodes: int) -> tuple[lis
             try:
                 validate(configure(cfg, ov))
             except ConfigError as e:
-                invalid.append({"overrides": c.key, "reason": f"invalid: {e}"})
+                invalid.append({"overrides": c.key, "reason": f"invalid: {e}", "by": None})
                 continue
             cands.append(c)
     cands.sort(key=lambda c: (_prior(c), c.mesh))
@@ -355,9 +355,9 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
     rows, probed = [], set()
     compiles, best = 0, None
 
-    def settle(c: Candidate, reason: str) -> None:
+    def settle(c: Candidate, reason: str, by: dict | None = None) -> None:
         unresolved.remove(c)
-        pruned.append({"overrides": c.key, "reason": reason})
+        pruned.append({"overrides": c.key, "reason": reason, "by": by["overrides"] if by else None})
 
     bar = _bar(min(max_compiles, len(cands)), progress)
     try:
@@ -365,7 +365,7 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
             if static and best is not None:
                 for c in list(unresolved):
                     if cost_model(configure(cfg, c.overrides), {}) >= best["step_seconds"]:
-                        settle(c, f"estimated slower than fitting [{best['overrides']}]")
+                        settle(c, f"estimated slower than #{best['index']}, which fits", best)
                 if not unresolved:
                     break
             c = _next(unresolved, probed)
@@ -390,20 +390,22 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
                 bar.update(1)
             p = cache[ck]
             if "error" in p:
-                pruned.append({"overrides": c.key, "reason": f"does not compile: {p['error']}"})
+                pruned.append({"overrides": c.key, "reason": f"does not compile: {p['error']}", "by": None})
                 continue
             row = _row(c, c_cfg, p, budget, host_budget, cost_model, hit)
             rows.append(row)
+            row["index"] = len(rows)
             device_ok = p["total"] <= budget
             if row["fits"]:
                 if best is None or row["step_seconds"] < best["step_seconds"]:
                     best = row
                 for o in [o for o in unresolved if c.below(o)]:
-                    settle(o, f"dominated: [{c.key}] fits with no more memory-saving levels (expected faster)")
+                    settle(o, f"dominated by #{row['index']}: it fits with no level more memory-saving "
+                              f"(expected faster)", row)
             elif not device_ok:
                 for o in [o for o in unresolved if o.below(c)]:
-                    settle(o, f"needs at least the device memory of [{c.key}], which does not fit "
-                              f"({_g(p['total'])} > {_g(budget)} GiB)")
+                    settle(o, f"needs at least the device memory of #{row['index']} ({_g(p['total'])} > "
+                              f"{_g(budget)} GiB)", row)
     finally:
         bar.close()
     closest = None
@@ -471,34 +473,48 @@ def _g(x: float) -> str:
     return f"{x / GiB:.1f}"
 
 
+_IMPLIED = ("attention.heads_per_stage=0", "tiling.loss_tile=0", "tiling.mlp_tiles=0")
+
+
 def _strip_mesh(key: str) -> str:
-    return key.replace("attention.heads_per_stage=0", "").replace("tiling.loss_tile=0", "") \
-        .replace("tiling.mlp_tiles=0", "").replace("  ", " ").strip()
+    """Overrides without those that restate the search's defaults (U = C, derived tile sizes)."""
+    return " ".join(o for o in key.split() if o not in _IMPLIED)
 
 
-def format_report(res: FitResult, budget: int, host_budget: int | None) -> str:
-    """Markdown: the compiled candidates (GiB per device, host GiB per node), the pruned list, the verdict."""
+def _short(key: str) -> str:
+    """For tables: also without the device count, `mesh.data` and a ring of 1."""
+    return " ".join(o for o in _strip_mesh(key).split()
+                    if not o.startswith(("mesh.num_devices=", "mesh.data=")) and o != "mesh.ring=1")
+
+
+def format_report(res: FitResult, budget: int, host_budget: int | None, *, per_reason: int = 6) -> str:
+    """Markdown: the compiled candidates (GiB per device, host GiB per node), the candidates not compiled grouped
+    by reason (at most `per_reason` named per group; all are in the JSON), the verdict."""
     lines = ["| # | overrides | peak (compiled) | total | host / node | est. tokens/s/GPU | recompute | fits |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
-    for i, r in enumerate(res.rows, 1):
+    for r in res.rows:
         mark = " (cached)" if r["cached"] else ""
         win = " **winner**" if res.winner is r else ""
-        lines.append(f"| {i}{mark} | {_strip_mesh(r['overrides'])} | {_g(r['peak'])} | {_g(r['total'])} | "
+        lines.append(f"| {r['index']}{mark} | {_short(r['overrides'])} | {_g(r['peak'])} | {_g(r['total'])} | "
                      f"{_g(r['host_per_node'])} | {r['tokens_per_s_per_gpu']:,.0f} | {r['recompute_factor']:.2f} | "
                      f"{'yes' if r['fits'] else 'no'}{win} |")
     lines.append(f"\n{res.compiles} compiles for {res.candidates} candidates; {len(res.pruned)} not compiled:")
+    groups: dict[str, list[str]] = {}
     for p in res.pruned:
-        lines.append(f"- {_strip_mesh(p['overrides'])}: {p['reason']}")
+        groups.setdefault(p["reason"], []).append(_short(p["overrides"]))
+    for reason, keys in groups.items():
+        more = f" ... and {len(keys) - per_reason} more" if len(keys) > per_reason else ""
+        lines.append(f"- {reason} ({len(keys)}): " + "; ".join(keys[:per_reason]) + more)
     lines.append("")
     if res.winner is not None:
         w = res.winner
-        lines.append(f"winner: {_strip_mesh(w['overrides'])} -- total {_g(w['total'])} of {_g(budget)} GiB, "
+        lines.append(f"winner: #{w['index']} {_short(w['overrides'])} -- total {_g(w['total'])} of {_g(budget)} GiB, "
                      f"host {_g(w['host_per_node'])} GiB per node, {w['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
                      f"(estimated)")
     elif res.closest is not None:
         c = res.closest
         host = f", host {_g(c['host_per_node'])} of {_g(host_budget)} GiB per node" if host_budget else ""
-        lines.append(f"nothing fits: the closest candidate is [{_strip_mesh(c['overrides'])}] with peak "
+        lines.append(f"nothing fits: the closest candidate is #{c['index']} [{_strip_mesh(c['overrides'])}] with peak "
                      f"{_g(c['peak'])} GiB, total {_g(c['total'])} GiB against the budget of {_g(budget)} GiB{host}")
     else:
         lines.append("nothing fits: no candidate was compiled (raise --max-compiles)")
