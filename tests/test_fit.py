@@ -180,3 +180,21 @@ def test_fit_end_to_end_on_a_real_cpu_compile(tmp_path, capsys):
     # the ready-to-paste command gives back the winner's config
     cfg = load_config(None, data["command"].split()[3:])
     assert cfg.remat.policy == fit_lib.configure(load_config(None, TINY), win).remat.policy
+
+
+def test_train_fit_applies_and_prints_the_winners_overrides(monkeypatch, capsys):
+    """`python -m jaxlong.train --fit`: the config it trains is the winner's; the default cost model reads the
+    plan's step-time estimate (here from a fake planner)."""
+    from jaxlong import train
+    from jaxlong.plan import planner
+
+    model = FakeModel(11)
+    monkeypatch.setattr(planner, "plan", model.plan)
+    args = train.parse_args(["--fit", "--budget", "50GiB", "--max-compiles", "40", *TINY])
+    cfg = fit_lib.fit_for_training(args, load_config(None, args.overrides), args.overrides)
+    out = capsys.readouterr().out
+    assert model.calls <= 40
+    expected, _ = _brute_force(load_config(None, TINY), model, 50 * GiB, 2048 * GiB)
+    win = fit_lib._strip_mesh(expected[0]).split()
+    assert [line[5:] for line in out.splitlines() if line.startswith("fit: ")] == win
+    assert cfg == fit_lib.configure(load_config(None, TINY), win)

@@ -306,7 +306,8 @@ def _plan_call(plan_fn, cost_model):
     if not getattr(cost_model, "needs_estimate", False):
         return plan_fn
     try:
-        takes = "estimate" in inspect.signature(plan_fn).parameters
+        params = inspect.signature(plan_fn).parameters
+        takes = "estimate" in params or any(q.kind is q.VAR_KEYWORD for q in params.values())
     except (TypeError, ValueError):
         takes = True
     if not takes:
