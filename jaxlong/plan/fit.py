@@ -574,12 +574,20 @@ def resolve(args, cfg: Config):
 
     if args.max_compiles < 1:
         raise ConfigError(f"--max-compiles {args.max_compiles}: must be at least 1")
+    _plan_call(planner.plan, COST_MODELS[args.cost_model])  # a cost model the planner cannot feed fails here
     target = None
     if args.target:
         target = parse_target(args.target)
         if not cuda_plugin_available():
             raise ConfigError(f"--target {args.target} needs the CUDA plugin: pip install 'jax[cuda12]'")
         cfg.mesh.num_devices = target.devices
+    from jaxlong.config import resolve_mesh_shape  # noqa: PLC0415
+
+    try:  # the search re-splits the mesh; a split made for another device count only loses its first place
+        resolve_mesh_shape(cfg.mesh, cfg.mesh.num_devices)
+    except ConfigError:
+        cfg.mesh.data = cfg.mesh.data if cfg.mesh.data > 0 and cfg.mesh.num_devices % cfg.mesh.data == 0 else 1
+        cfg.mesh.fsdp, cfg.mesh.ring, cfg.mesh.context = -1, 1, 1
     budget = planner.parse_bytes(args.budget) if args.budget else (target.device_memory if target else 80 * GiB)
     host_budget = planner.parse_bytes(args.host_budget, option="--host-budget")
     per_node = target.devices_per_node if target else min(cfg.mesh.num_devices, 8)
@@ -647,7 +655,6 @@ def main(args, argv_overrides: list[str]) -> int:
     try:
         cfg = load_config(args.config, argv_overrides)
         target, budget, host_budget, collectives = resolve(args, cfg)
-        validate(cfg)
         prepare_jax(cfg, target)
         res = run_cli(args, cfg, target, budget, host_budget, collectives, argv_overrides)
     except (ConfigError, ValueError) as e:
@@ -663,7 +670,6 @@ def fit_for_training(args, cfg: Config, argv_overrides: list[str]) -> Config:
       ConfigError: bad flags, or nothing fits (the message names the closest candidate).
     """
     target, budget, host_budget, collectives = resolve(args, cfg)
-    validate(cfg)
     prepare_jax(cfg, target)
     res = run_cli(args, cfg, target, budget, host_budget, collectives, argv_overrides)
     if res.winner is None:
