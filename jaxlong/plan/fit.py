@@ -522,15 +522,25 @@ def format_report(res: FitResult, budget: int, host_budget: int | None, *, per_r
     return "\n".join(lines)
 
 
-def winner_overrides(res: FitResult) -> list[str]:
-    """The winner's overrides without the ones that restate defaults of the search (U = C, derived tiles)."""
-    return _strip_mesh(res.winner["overrides"]).split() if res.winner else []
+def winner_overrides(res: FitResult, base: Config) -> list[str]:
+    """The winner's overrides that change `base` (the config as loaded, before the search), in search order."""
+    if res.winner is None:
+        return []
+    out = []
+    for text in res.winner["overrides"].split():
+        path, value = _parsed(text)
+        cur = base
+        for part in path:
+            cur = getattr(cur, part)
+        if cur != value:
+            out.append(text)
+    return out
 
 
-def train_command(config_path: str | None, user_overrides: list[str], res: FitResult) -> str:
+def train_command(config_path: str | None, user_overrides: list[str], res: FitResult, base: Config) -> str:
     """`python -m jaxlong.train --config FILE k=v ...`: the user's overrides the winner does not set, then the
-    winner's."""
-    win = winner_overrides(res)
+    winner's changes to `base`."""
+    win = winner_overrides(res, base)
     keys = {o.split("=", 1)[0] for o in win}
     keep = [o for o in user_overrides if o.split("=", 1)[0].strip() not in keys]
     parts = ["python -m jaxlong.train"] + ([f"--config {config_path}"] if config_path else []) + keep + win
@@ -610,8 +620,10 @@ def prepare_jax(cfg: Config, target) -> None:
     set_host_device_count(cfg.mesh.num_devices)
 
 
-def run_cli(args, cfg: Config, target, budget: int, host_budget: int, collectives, argv_overrides: list[str]):
-    """Run the search, print the table, the verdict and the train command, write `--out`. Returns the result.
+def run_cli(args, cfg: Config, target, budget: int, host_budget: int, collectives, argv_overrides: list[str],
+            base: Config):
+    """Run the search, print the table, the verdict and the train command (the winner's changes to `base`, the
+    config as loaded), write `--out`. Returns the result.
 
     Raises:
       FitError: see `fit`.
@@ -632,7 +644,7 @@ def run_cli(args, cfg: Config, target, budget: int, host_budget: int, collective
     source = next((r["source"] for r in res.rows), "")
     print(f"source: {source}")
     print(format_report(res, budget, host_budget))
-    command = train_command(args.config, argv_overrides, res) if res.winner else None
+    command = train_command(args.config, argv_overrides, res, base) if res.winner else None
     if command:
         print(f"\n{command}")
     if args.out:
@@ -654,9 +666,10 @@ def main(args, argv_overrides: list[str]) -> int:
 
     try:
         cfg = load_config(args.config, argv_overrides)
+        base = copy.deepcopy(cfg)
         target, budget, host_budget, collectives = resolve(args, cfg)
         prepare_jax(cfg, target)
-        res = run_cli(args, cfg, target, budget, host_budget, collectives, argv_overrides)
+        res = run_cli(args, cfg, target, budget, host_budget, collectives, argv_overrides, base)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -669,16 +682,15 @@ def fit_for_training(args, cfg: Config, argv_overrides: list[str]) -> Config:
     Raises:
       ConfigError: bad flags, or nothing fits (the message names the closest candidate).
     """
+    base = copy.deepcopy(cfg)
     target, budget, host_budget, collectives = resolve(args, cfg)
     prepare_jax(cfg, target)
-    res = run_cli(args, cfg, target, budget, host_budget, collectives, argv_overrides)
+    res = run_cli(args, cfg, target, budget, host_budget, collectives, argv_overrides, base)
     if res.winner is None:
         raise FitError("--fit: nothing fits the budget; see the table above")
-    out = configure(cfg, winner_overrides(res))
-    if target is not None:
-        out.mesh.num_devices = target.devices
+    out = configure(cfg, res.winner["overrides"].split())
     validate(out)
-    for o in winner_overrides(res):
+    for o in winner_overrides(res, base):
         print(f"fit: {o}")
     return out
 
