@@ -408,6 +408,8 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
                     settle(o, f"needs at least the device memory of #{row['index']} ({_g(p['total'])} > "
                               f"{_g(budget)} GiB)", row)
     finally:
+        bar.total = compiles  # the search may settle everything before the compile budget
+        bar.refresh()
         bar.close()
     closest = None
     if best is None and rows:
@@ -442,13 +444,20 @@ def _row(c: Candidate, cfg: Config, p: dict, budget, host_budget, cost_model, ca
     n = cfg.mesh.num_devices
     return {"overrides": c.key, "levels": list(c.levels), "fits": planner.fits(p, budget, host_budget),
             "peak": p["peak"], "total": p["total"], "host_per_node": p["host_per_node"], "step_seconds": seconds,
-            "tokens_per_s_per_gpu": cfg.seq_len * cfg.global_batch / seconds / n if seconds > 0 else float("inf"),
+            "tokens_per_s_per_gpu": est["tokens_per_s_per_gpu"]
+            if est.get("step_seconds") == seconds and est.get("tokens_per_s_per_gpu") is not None
+            else (cfg.seq_len * cfg.global_batch / seconds / n if seconds > 0 else float("inf")),
             "recompute_factor": factor, "source": p.get("source", ""), "cached": cached,
             "compile_seconds": p.get("compile_seconds")}
 
 
 class _NoBar:
+    total = 0
+
     def update(self, n=1):
+        pass
+
+    def refresh(self):
         pass
 
     def set_postfix_str(self, s, refresh=True):
