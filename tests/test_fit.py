@@ -199,3 +199,17 @@ def test_train_fit_applies_and_prints_the_winners_overrides(monkeypatch, capsys)
     printed = [line[5:] for line in out.splitlines() if line.startswith("fit: ")]
     assert printed and set(printed) <= set(expected[0].split())
     assert fit_lib.configure(base, printed) == cfg  # the printed lines are exactly the changes
+
+
+def test_two_nodes_add_ring_splits_and_packed_documents_rule_them_out():
+    """Across nodes the sequence may also be split over `mesh.ring` (hybrid Ulysses x ring); ring attention does
+    not mask packed documents, so with `data.packing=documents` those splits are reported invalid, not searched."""
+    concat = load_config(None, [*TINY, "data.packing=concat", "seq_len=2048"])
+    splits, cands, _ = fit_lib.candidate_space(concat, 8, 2)
+    assert any("mesh.ring=2" in " ".join(s) for s in splits)
+    assert any("mesh.ring=2" in c.key for c in cands)
+    assert all("mesh.num_devices=16" in c.key for c in cands)
+    docs = load_config(None, [*TINY, "data.packing=documents", "seq_len=2048"])
+    _, cands, invalid = fit_lib.candidate_space(docs, 8, 2)
+    assert cands and not any("mesh.ring=2" in c.key for c in cands)
+    assert any("mesh.ring=2" in p["overrides"] and "data.packing=concat" in p["reason"] for p in invalid)
