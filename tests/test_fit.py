@@ -213,3 +213,19 @@ def test_two_nodes_add_ring_splits_and_packed_documents_rule_them_out():
     _, cands, invalid = fit_lib.candidate_space(docs, 8, 2)
     assert cands and not any("mesh.ring=2" in c.key for c in cands)
     assert any("mesh.ring=2" in p["overrides"] and "data.packing=concat" in p["reason"] for p in invalid)
+
+
+def test_a_candidate_that_fails_to_compile_is_listed_and_the_search_goes_on():
+    cfg = load_config(None, TINY)
+    model = FakeModel(2)
+
+    def flaky(c, target=None, **kw):
+        if c.remat.policy == "offload":
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while compiling")
+        return model.plan(c, target, **kw)
+
+    res = fit_lib.fit(cfg, None, budget=50 * GiB, max_compiles=100, cost_model=model.cost, plan_fn=flaky,
+                      progress=False)
+    failed = [p for p in res.pruned if p["reason"].startswith("does not compile: RuntimeError: RESOURCE_EXHAUSTED")]
+    assert failed and all("remat.policy=offload" in p["overrides"] for p in failed)
+    assert res.winner is not None and "remat.policy=offload" not in res.winner["overrides"]

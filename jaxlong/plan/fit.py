@@ -351,7 +351,8 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
         raise FitError(f"no candidate configuration is valid for {cfg.model.name} at seq_len={cfg.seq_len} on "
                        f"{per_node * nodes} devices: {reasons}")
     static = getattr(cost_model, "static", False)
-    tag = (cfg.seq_len, cfg.global_batch, getattr(target, "name", None), per_node, nodes, headroom, collective_buffers)
+    fingerprint = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)  # the model, length, batch, ...
+    tag = (fingerprint, getattr(target, "name", None), per_node, nodes, headroom, collective_buffers)
     unresolved = list(cands)  # expected-speed order
     rows, probed = [], set()
     compiles, best = 0, None
@@ -384,8 +385,8 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
                 t0 = time.perf_counter()
                 try:
                     cache[ck] = plan_fn(c_cfg, target, headroom=headroom, collective_buffers=collective_buffers)
-                except ConfigError as e:
-                    cache[ck] = {"error": str(e)}
+                except Exception as e:  # noqa: BLE001 (a compiler error rules out this candidate, not the search)
+                    cache[ck] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
                 cache[ck] = {**cache[ck], "compile_seconds": time.perf_counter() - t0}
                 compiles += 1
                 bar.update(1)
@@ -401,7 +402,7 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
                 if best is None or row["step_seconds"] < best["step_seconds"]:
                     best = row
                 for o in [o for o in unresolved if c.below(o)]:
-                    settle(o, f"dominated by #{row['index']}: it fits with no level more memory-saving "
+                    settle(o, f"dominated by #{row['index']}, which fits and is lighter in every dimension "
                               f"(expected faster)", row)
             elif not device_ok:
                 for o in [o for o in unresolved if o.below(c)]:
