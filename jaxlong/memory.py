@@ -12,7 +12,7 @@ import os
 import sys
 
 from jaxlong.config import ConfigError, load_config, validate
-from jaxlong.plan import fit as fit_lib
+from jaxlong.plan import fit_cli
 from jaxlong.plan.planner import __doc__ as _PLAN_DOC
 from jaxlong.plan.planner import _ctx, _gib, format_table, ladder, max_context, parse_bytes, plan, plot_ladder
 
@@ -45,14 +45,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for ladder .md/.csv/.png")
     p.add_argument("--dump", default=None, help="XLA dump directory (buffer assignment, memory-usage report)")
     p.add_argument("overrides", nargs="*")
-    fit_lib.add_arguments(p, planner_options=False)
+    fit_cli.add_arguments(p, planner_options=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.fit:  # the fastest configuration that fits (`jaxlong.plan.fit`)
-        return fit_lib.main(args, args.overrides)
+        return fit_cli.main(args, args.overrides)
     try:
         cfg = load_config(args.config, args.overrides)
         target = None

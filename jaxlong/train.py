@@ -55,9 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--resume even where the config changes the model, data stream or schedule")
     parser.add_argument("--profile", action="store_true", help="trace a few steps with jax.profiler into the run dir")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. mesh.context=8 seq_len=16384")
-    from jaxlong.plan import fit as fit_lib  # noqa: PLC0415
+    from jaxlong.plan import fit_cli  # noqa: PLC0415
 
-    fit_lib.add_arguments(parser, planner_options=True)
+    fit_cli.add_arguments(parser, planner_options=True)
     return parser.parse_intermixed_args(argv)
 
 
@@ -69,13 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if args.fit:  # search the fastest configuration that fits, then train with it
-        from jaxlong.plan import fit as fit_lib  # noqa: PLC0415
+        from jaxlong.plan import fit_cli  # noqa: PLC0415
 
         try:
             if distributed.process_count_from_env() > 1:
                 raise ConfigError("--fit runs in one process; run python -m jaxlong.memory --fit first and launch "
                                   "with the overrides it prints")
-            cfg = fit_lib.fit_for_training(args, cfg, args.overrides)
+            cfg = fit_cli.fit_for_training(args, cfg, args.overrides)
         except (ConfigError, ValueError) as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2

@@ -1,4 +1,4 @@
-"""`jaxlong.plan.fit`: the pruned search finds the brute-force winner under a monotone memory and cost model,
+"""`jaxlong.plan.fit` and its command line: the pruned search finds the brute-force winner under a monotone memory and cost model,
 respects its compile budget and cache, names the closest candidate when nothing fits, and runs end to end on a
 real CPU compile through `python -m jaxlong.memory --fit`."""
 
@@ -9,6 +9,7 @@ import pytest
 
 from jaxlong.config import load_config
 from jaxlong.plan import fit as fit_lib
+from jaxlong.plan import fit_cli
 
 GiB = 1024**3
 TINY = ["model.hidden=64", "model.layers=1", "model.heads=4", "model.kv_heads=2", "model.head_dim=16",
@@ -117,7 +118,7 @@ def test_nothing_fits_names_the_closest_candidate_with_its_peak():
     assert res.winner is None
     closest = min(res.rows, key=lambda r: r["total"])
     assert res.closest is closest
-    text = fit_lib.format_report(res, 1 * GiB, None)
+    text = fit_cli.format_report(res, 1 * GiB, None)
     assert f"the closest candidate is #{closest['index']} [{fit_lib._strip_mesh(closest['overrides'])}] with peak " \
            f"{closest['peak'] / GiB:.1f} GiB" in text
     # the most memory-saving candidate of each mesh split is compiled first, and settles its whole split
@@ -190,7 +191,7 @@ def test_train_fit_applies_and_prints_the_winners_overrides(monkeypatch, capsys)
     model = FakeModel(11)
     monkeypatch.setattr(planner, "plan", model.plan)
     args = train.parse_args(["--fit", "--budget", "50GiB", "--max-compiles", "40", *TINY])
-    cfg = fit_lib.fit_for_training(args, load_config(None, args.overrides), args.overrides)
+    cfg = fit_cli.fit_for_training(args, load_config(None, args.overrides), args.overrides)
     out = capsys.readouterr().out
     assert model.calls <= 40
     expected, _ = _brute_force(load_config(None, TINY), model, 50 * GiB, 2048 * GiB)
