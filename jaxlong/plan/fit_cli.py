@@ -37,7 +37,9 @@ def format_report(res: FitResult, budget: int, host_budget: int | None, *, per_r
         lines.append(f"| {r['index']}{mark} | {_short(r['overrides'])} | {_g(r['peak'])} | {_g(r['total'])} | "
                      f"{_g(r['host_per_node'])} | {r['tokens_per_s_per_gpu']:,.0f} | {r['recompute_factor']:.2f} | "
                      f"{'yes' if r['fits'] else 'no'}{win} |")
-    lines.append(f"\n{res.compiles} compiles for {res.candidates} candidates; {len(res.pruned)} not compiled:")
+    invalid = sum(p["reason"].startswith("invalid") for p in res.pruned)
+    lines.append(f"\n{res.compiles} compile{'s' * (res.compiles != 1)} for {res.candidates} valid candidates "
+                 f"({invalid} invalid); {len(res.pruned) - invalid} settled without a compile:")
     groups: dict[str, list[str]] = {}
     for p in res.pruned:
         groups.setdefault(p["reason"], []).append(_short(p["overrides"]))
