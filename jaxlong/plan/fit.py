@@ -4,8 +4,9 @@
     python -m jaxlong.train  --fit --target h100 --config configs/llama3_1_8b.yaml seq_len=131072
 
 The flags, tables and JSON are in `jaxlong.plan.fit_cli`. Memory is a currency: add memory techniques one at
-a time, stop as soon as the context fits, and spend the memory left over on speed. The search covers the options that change memory and speed but
-not the model's result (the loss and gradients are the same up to floating-point order):
+a time, stop as soon as the context fits, and spend the memory left over on speed. The search covers the
+options that change memory and speed but not the model's result (the loss and gradients are the same up to
+floating-point order):
 
   mesh        the split of the devices over `mesh.fsdp` x `mesh.ring` x `mesh.context` (`mesh.data` and
               `global_batch` are kept; ring > 1 only across nodes). Categorical: each split is its own space.
