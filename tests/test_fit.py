@@ -1,6 +1,6 @@
-"""`jaxlong.plan.fit` and its command line: the pruned search finds the brute-force winner under a monotone memory and cost model,
-respects its compile budget and cache, names the closest candidate when nothing fits, and runs end to end on a
-real CPU compile through `python -m jaxlong.memory --fit`."""
+"""`jaxlong.plan.fit` and its command line: the pruned search finds the brute-force winner under a monotone
+memory and cost model, respects its compile budget and cache, names the closest candidate when nothing fits, and
+runs end to end on a real CPU compile through `python -m jaxlong.memory --fit`."""
 
 import json
 import random

@@ -291,7 +291,8 @@ COST_MODELS = {"estimate": estimated_cost, "analytic": analytic_cost}
 class FitResult:
     """What `fit` found. `rows`: one dict per compiled candidate, in compile order (`overrides`, `fits`,
     `peak`, `total`, `host_per_node` in bytes, `step_seconds`, `tokens_per_s_per_gpu`, `recompute_factor`,
-    `cached`, `compile_seconds`); `pruned`: `{"overrides", "reason"}` for every candidate not compiled; `winner`: the fastest
+    `cached`, `compile_seconds`, `index`); `pruned`: `{"overrides", "reason", "by"}` for every candidate not
+    compiled (`by`: the compiled candidate that settled it); `winner`: the fastest
     fitting row or None; `closest`: the row nearest to fitting when nothing fits."""
 
     rows: list[dict]
