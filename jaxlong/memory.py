@@ -1,8 +1,9 @@
 """Command line of the memory planner: `python -m jaxlong.memory [--target GPU] [--config FILE] [--ladder]
-[--max-context] [--estimate] [key=value ...]`.
+[--max-context] [--estimate] [--fit [--max-compiles K]] [key=value ...]`.
 
 `--estimate` (GPU targets) adds, per rung, the compiled step's FLOPs, HBM and collective bytes and a roofline
 estimate of step time, tokens/s per GPU and MFU (`jaxlong.plan.cost`), with its assumptions under the table.
+`--fit` searches the memory/speed options for the fastest configuration that fits (`jaxlong.plan.fit`).
 
 The planning itself is in `jaxlong.plan`; this module parses arguments, picks where to compile (a GPU target,
 the GPUs present, or the CPU approximation) and prints tables.
@@ -15,6 +16,7 @@ import os
 import sys
 
 from jaxlong.config import ConfigError, load_config, validate
+from jaxlong.plan import fit_cli
 from jaxlong.plan.planner import __doc__ as _PLAN_DOC
 from jaxlong.plan.cost import _sig
 from jaxlong.plan.planner import _ctx, _gib, format_table, ladder, max_context, parse_bytes, plan, plot_ladder
@@ -51,11 +53,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for ladder .md/.csv/.png")
     p.add_argument("--dump", default=None, help="XLA dump directory (buffer assignment, memory-usage report)")
     p.add_argument("overrides", nargs="*")
+    fit_cli.add_arguments(p, planner_options=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.fit:  # the fastest configuration that fits (`jaxlong.plan.fit`)
+        return fit_cli.main(args, args.overrides)
     try:
         cfg = load_config(args.config, args.overrides)
         target = None

@@ -9,6 +9,7 @@ With no arguments it trains the default tiny Llama on the Python standard librar
     python -m jaxlong.train --config configs/llama3_1_8b.yaml seq_len=1048576 mesh.context=8
     python -m jaxlong.train --resume            # continue runs/<run_name> from its latest checkpoint
     python -m jaxlong.train --resume-with-changes optim.lr=1e-3   # resume although the config changed
+    python -m jaxlong.train --fit --config configs/llama3_1_8b.yaml seq_len=131072   # fastest setup that fits
 
 The config is validated before jax is imported; on the CPU, `mesh.num_devices` simulated devices are created
 (`--xla_force_host_platform_device_count`), which must happen before jax is imported.
@@ -54,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--resume even where the config changes the model, data stream or schedule")
     parser.add_argument("--profile", action="store_true", help="trace a few steps with jax.profiler into the run dir")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. mesh.context=8 seq_len=16384")
+    from jaxlong.plan import fit_cli  # noqa: PLC0415
+
+    fit_cli.add_arguments(parser, planner_options=True)
     return parser.parse_intermixed_args(argv)
 
 
@@ -64,6 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.fit:  # search the fastest configuration that fits, then train with it
+        from jaxlong.plan import fit_cli  # noqa: PLC0415
+
+        try:
+            if distributed.process_count_from_env() > 1:
+                raise ConfigError("--fit runs in one process; run python -m jaxlong.memory --fit first and launch "
+                                  "with the overrides it prints")
+            cfg = fit_cli.fit_for_training(args, cfg, args.overrides)
+        except (ConfigError, ValueError) as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
     try:
         processes = distributed.process_count_from_env()
         if cfg.mesh.num_devices % processes:

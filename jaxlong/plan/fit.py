@@ -1,0 +1,498 @@
+"""Fit a context to your GPUs: the fastest configuration of a run that fits the memory budget.
+
+    python -m jaxlong.memory --fit --target h100 --config configs/llama3_1_8b.yaml seq_len=131072
+    python -m jaxlong.train  --fit --target h100 --config configs/llama3_1_8b.yaml seq_len=131072
+
+The flags, tables and JSON are in `jaxlong.plan.fit_cli`. Memory is a currency: add memory techniques one at
+a time, stop as soon as the context fits, and spend the memory left over on speed. The search covers the
+options that change memory and speed but not the model's result (the loss and gradients are the same up to
+floating-point order):
+
+  mesh        the split of the devices over `mesh.fsdp` x `mesh.ring` x `mesh.context` (`mesh.data` and
+              `global_batch` are kept; ring > 1 only across nodes). Categorical: each split is its own space.
+  attention   Ulysses, then U-Pipe with heads per stage U from H down to C (the values `check_upipe_schedule`
+              allows): fewer heads per stage, less attention memory, more stages.
+  remat       none, save_dots, full, offload (layer inputs in pinned host memory).
+  tiled loss  off, on (`tiling.loss_tile` derived from its byte budget).
+  tiled MLP   off, ALST's tile count, 4x as many tiles.
+
+Within one mesh split every dimension is ordered from the fastest expected level (index 0) to the most
+memory-saving one, and the search assumes both orders are monotone: a candidate whose every level is at least
+another's needs no more device memory and runs no faster. Hence, without compiling:
+  - if a candidate does not fit the device budget, no candidate with every level at most its levels fits
+    (e.g. if full remat does not fit, no remat will not; a larger U needs at least the memory of a smaller);
+  - if a candidate fits, every candidate with every level at least its levels is dominated (it needs no
+    more memory and is slower) and is not compiled;
+  - with a cost model known before compiling (`analytic_cost`), a candidate estimated slower than the best
+    fitting one is not compiled.
+Host memory (offload) is not monotone in the remat order, so a candidate that fails only the host budget
+prunes nothing. The next candidate compiled is the unresolved one that settles the most others whichever way
+it goes (it bisects the space), ties broken by expected speed; the most memory-saving candidate of each mesh
+split is compiled first, so a run that can fit gets an answer even within a small `--max-compiles`.
+
+Candidates are ranked by `cost_model(cfg, plan) -> seconds per step`; the default (`estimated_cost`) reads
+`plan["estimate"]["step_seconds"]`, the roofline estimate of the compiled GPU program from
+`plan(cfg, target, estimate=True)`. `analytic_cost` is a closed-form FLOP count (no compile needed).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+import json
+import sys
+import time
+from typing import Callable
+
+from jaxlong.config import Config, ConfigError, check_upipe_schedule, validate
+from jaxlong.plan import planner
+
+GiB = 1024**3
+REMAT_LEVELS = ("none", "save_dots", "full", "offload")
+DIM_NAMES = ("attention", "remat", "tiled loss", "tiled MLP")
+
+
+class FitError(ConfigError):
+    """The fit cannot run: no candidate is valid, or the cost model has nothing to rank by."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One point of the search space: its mesh split (index into the splits) and a level per dimension."""
+
+    mesh: int
+    levels: tuple[int, ...]
+    overrides: tuple[str, ...]  # key=value, applied on top of the base config
+
+    @property
+    def key(self) -> str:
+        return " ".join(self.overrides)
+
+    def below(self, other: Candidate) -> bool:
+        """Every level of self is at most other's (self needs at least other's memory, runs no slower)."""
+        return self.mesh == other.mesh and all(a <= b for a, b in zip(self.levels, other.levels))
+
+
+# ----------------------------------------------------------------------------------------------
+# The space.
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(text: str) -> tuple[list[str], object]:
+    """`key=value` -> (key path, value as the config stores it), type-checked once by `config._apply`."""
+    from jaxlong.config import _apply, parse_override  # noqa: PLC0415
+
+    key, value, raw = parse_override(text)
+    probe = Config()
+    _apply(probe, key, value, raw)
+    path = key.split(".")
+    for part in path:
+        probe = getattr(probe, part)
+    return path, probe
+
+
+def configure(cfg: Config, overrides) -> Config:
+    """A copy of `cfg` with `key=value` overrides applied (not validated; `planner.apply_rung` without the
+    per-call parsing, since the search applies the same few overrides to hundreds of candidates).
+
+    Raises:
+      ConfigError: unknown key or wrong type.
+    """
+    out = copy.deepcopy(cfg)
+    for text in overrides:
+        path, value = _parsed(text)
+        obj = out
+        for part in path[:-1]:
+            obj = getattr(obj, part)
+        setattr(obj, path[-1], copy.copy(value))
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_splits(cfg: Config, devices_per_node: int, nodes: int) -> list[tuple[str, ...]]:
+    """Overrides of every `fsdp x ring x context` split of `devices_per_node * nodes` devices (the config's own
+    split first), keeping `mesh.data`; context stays inside a node, ring > 1 only across nodes."""
+    n, data = devices_per_node * nodes, max(cfg.mesh.data, 1)
+    out = []
+    for ring in _divisors(nodes):
+        for context in _divisors(devices_per_node):
+            if n % (data * ring * context):
+                continue
+            fsdp = n // (data * ring * context)
+            out.append((f"mesh.num_devices={n}", f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.ring={ring}",
+                        f"mesh.context={context}"))
+    own = copy.deepcopy(cfg)
+    own.mesh.num_devices = n
+    try:
+        from jaxlong.config import resolve_mesh_shape  # noqa: PLC0415
+
+        d, f, r, c = resolve_mesh_shape(own.mesh, n)
+        mine = (f"mesh.num_devices={n}", f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.ring={r}", f"mesh.context={c}")
+        if mine in out:
+            out.remove(mine)
+            out.insert(0, mine)
+    except ConfigError:
+        pass
+    return out
+
+
+def dimension_levels(cfg: Config) -> list[list[tuple[str, ...]]]:
+    """Per dimension (`DIM_NAMES`), the overrides of each level, fastest expected first, for `cfg`'s mesh."""
+    from jaxlong.config import resolve_mesh_shape  # noqa: PLC0415
+    from jaxlong.tiled import default_mlp_tiles  # noqa: PLC0415
+
+    m = cfg.model
+    _, _, ring, context = resolve_mesh_shape(cfg.mesh, cfg.mesh.num_devices)
+    attention = [("attention.impl=ulysses", "attention.heads_per_stage=0")]
+    for u in range(m.heads, context - 1, -context):
+        try:
+            check_upipe_schedule(m.heads, m.kv_heads, context, u)
+        except ConfigError:
+            continue
+        attention.append(("attention.impl=upipe", f"attention.heads_per_stage={u}"))
+    remat = [(f"remat.policy={p}",) for p in REMAT_LEVELS]
+    loss = [("tiling.loss=false", "tiling.loss_tile=0"), ("tiling.loss=true", "tiling.loss_tile=0")]
+    mlp = [("tiling.mlp=false", "tiling.mlp_tiles=0"), ("tiling.mlp=true", "tiling.mlp_tiles=0")]
+    s_local = cfg.seq_len // (ring * context)
+    if s_local > 0:
+        base = default_mlp_tiles(s_local, m.hidden)
+        more = next((d for d in _divisors(s_local) if d >= 4 * base), None)
+        if more is not None and more > base:
+            mlp.append(("tiling.mlp=true", f"tiling.mlp_tiles={more}"))
+    return [attention, remat, loss, mlp]
+
+
+def candidate_space(cfg: Config, devices_per_node: int, nodes: int) -> tuple[list[tuple[str, ...]], list[Candidate],
+                                                                             list[dict]]:
+    """(mesh splits, valid candidates in expected-speed order, invalid ones as `{"overrides", "reason"}`).
+
+    A split whose fastest candidate `validate` rejects (e.g. `global_batch` not divisible by `mesh.fsdp`) is
+    reported once; other invalid candidates one by one."""
+    import itertools  # noqa: PLC0415
+
+    splits = mesh_splits(cfg, devices_per_node, nodes)
+    cands, invalid = [], []
+    for i, split in enumerate(splits):
+        base = configure(cfg, split)
+        try:
+            validate(base)
+        except ConfigError as e:
+            invalid.append({"overrides": " ".join(split), "reason": f"invalid: {e}", "by": None})
+            continue
+        dims = dimension_levels(base)
+        for levels in itertools.product(*(range(len(d)) for d in dims)):
+            ov = tuple(split) + tuple(o for d, lv in zip(dims, levels) for o in d[lv])
+            c = Candidate(i, tuple(levels), ov)
+            try:
+                validate(configure(cfg, ov))
+            except ConfigError as e:
+                invalid.append({"overrides": c.key, "reason": f"invalid: {e}", "by": None})
+                continue
+            cands.append(c)
+    cands.sort(key=lambda c: (_prior(c), c.mesh))
+    return splits, cands, invalid
+
+
+def _prior(c: Candidate) -> float:
+    """Expected slowness used only to order the search: remat costs most, then U-Pipe stages, then tiling."""
+    attention, remat, loss, mlp = c.levels
+    return 10 * remat + 3 * attention + loss + 2 * mlp
+
+
+# ----------------------------------------------------------------------------------------------
+# Cost models: cost_model(cfg, plan) -> seconds per step (lower is better).
+
+
+def estimated_cost(cfg: Config, p: dict) -> float:
+    """Seconds per step from the compiled program's roofline estimate, `plan(..., estimate=True)["estimate"]`.
+
+    Raises:
+      FitError: the plan carries no `estimate` (a planner without step-time estimates).
+    """
+    est = p.get("estimate")
+    if not est or "step_seconds" not in est:
+        raise FitError("the plan has no step-time estimate (plan(..., estimate=True)['estimate']['step_seconds']); "
+                       "rank with --cost-model analytic instead")
+    return float(est["step_seconds"])
+
+
+estimated_cost.needs_estimate = True
+
+
+def analytic_flops(cfg: Config) -> tuple[float, float]:
+    """(model FLOPs per step, recompute factor) in closed form, for ranking without a compile.
+
+    Model FLOPs: 6 x matmul parameters x tokens plus causal attention, 3 x 2 x 2 x S^2/2 x H x d per layer and
+    sequence (forward + backward = 3 forwards). Recomputed FLOPs (factor = executed / model): save_dots
+    recomputes attention's forward, full and offload the whole layer's forward, U-Pipe attention's forward once
+    more (its backward recomputes it), tiled loss the logits' forward, tiled MLP the MLP's forward.
+    """
+    m, s, b = cfg.model, cfg.seq_len, cfg.global_batch
+    tokens = s * b
+    attn_w = m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
+    mlp_w = 3 * m.hidden * m.mlp_hidden
+    head_w = m.hidden * m.vocab_size
+    attn_fwd = 2 * 2 * (s * s / 2) * m.heads * m.head_dim * b  # per layer, causal
+    layer_fwd = 2 * (attn_w + mlp_w) * tokens + attn_fwd
+    model = 3 * (m.layers * layer_fwd + 2 * head_w * tokens)
+    extra = 0.0
+    policy = cfg.remat.policy
+    if policy == "save_dots":
+        extra += m.layers * attn_fwd
+    elif policy in ("full", "offload", "custom"):
+        extra += m.layers * layer_fwd
+    if cfg.attention.impl == "upipe":
+        extra += m.layers * attn_fwd
+    if cfg.tiling.loss:
+        extra += 2 * head_w * tokens
+    if cfg.tiling.mlp:
+        extra += m.layers * 2 * mlp_w * tokens
+    return model, (model + extra) / model
+
+
+def analytic_cost(cfg: Config, p: dict | None = None, *, peak_flops: float = 989e12, mfu: float = 0.4) -> float:
+    """Seconds per step from `analytic_flops` at `mfu` of `peak_flops` per device (H100 dense bf16 by default),
+    plus small penalties that keep the orders of the search monotone: offload's host transfers (2%), one
+    kernel launch per U-Pipe stage per layer and pass, and per tile of the tiled loss and MLP."""
+    model, factor = analytic_flops(cfg)
+    seconds = model * factor / (peak_flops * mfu * cfg.mesh.num_devices)
+    if cfg.remat.policy == "offload":
+        seconds *= 1.02
+    from jaxlong.config import resolve_mesh_shape  # noqa: PLC0415
+
+    _, _, ring, context = resolve_mesh_shape(cfg.mesh, cfg.mesh.num_devices)
+    launch = 20e-6 * cfg.model.layers * 3
+    if cfg.attention.impl == "upipe":
+        seconds += launch * (cfg.model.heads // (cfg.attention.heads_per_stage or context))
+    if cfg.tiling.mlp:
+        from jaxlong.tiled import default_mlp_tiles  # noqa: PLC0415
+
+        s_local = cfg.seq_len // (ring * context)
+        seconds += launch * (cfg.tiling.mlp_tiles or default_mlp_tiles(s_local, cfg.model.hidden))
+    return seconds
+
+
+analytic_cost.static = True  # known before compiling: the search may prune by it
+
+
+COST_MODELS = {"estimate": estimated_cost, "analytic": analytic_cost}
+
+
+# ----------------------------------------------------------------------------------------------
+# The search.
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What `fit` found. `rows`: one dict per compiled candidate, in compile order (`overrides`, `fits`,
+    `peak`, `total`, `host_per_node` in bytes, `step_seconds`, `tokens_per_s_per_gpu`, `recompute_factor`,
+    `cached`, `compile_seconds`, `index`); `pruned`: `{"overrides", "reason", "by"}` for every candidate not
+    compiled (`by`: the compiled candidate that settled it); `winner`: the fastest
+    fitting row or None; `closest`: the row nearest to fitting when nothing fits."""
+
+    rows: list[dict]
+    pruned: list[dict]
+    winner: dict | None
+    closest: dict | None
+    compiles: int
+    candidates: int
+
+
+def _plan_call(plan_fn, cost_model):
+    """plan_fn with `estimate=True` when the cost model reads the estimate; checked before any compile."""
+    if not getattr(cost_model, "needs_estimate", False):
+        return plan_fn
+    try:
+        params = inspect.signature(plan_fn).parameters
+        takes = "estimate" in params or any(q.kind is q.VAR_KEYWORD for q in params.values())
+    except (TypeError, ValueError):
+        takes = True
+    if not takes:
+        raise FitError("--cost-model estimate needs plan(..., estimate=True), which this planner does not offer; "
+                       "use --cost-model analytic")
+    return lambda *a, **k: plan_fn(*a, estimate=True, **k)
+
+
+def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None, max_compiles: int = 12,
+        cost_model: Callable[[Config, dict], float] = estimated_cost, plan_fn=None, cache: dict | None = None,
+        headroom: str = "2%", collective_buffers: int | None = None, progress: bool = True) -> FitResult:
+    """The fastest configuration of `cfg` (same model, sequence length and batch) that fits `budget` bytes per
+    device and `host_budget` bytes of host memory per node, searched as the module docstring describes.
+
+    Args:
+      cfg: the run; its mesh is re-split over `target.devices` (or `cfg.mesh.num_devices` without a target).
+      target: `jaxlong.plan.target.Target` or None (the devices present, or the CPU approximation).
+      budget, host_budget: bytes per device / per node (`planner.fits`).
+      max_compiles: at most this many compiles (cache hits are free).
+      cost_model: `(cfg, plan) -> seconds per step`; an attribute `static = True` means it ignores the plan,
+        so candidates can be ranked (and pruned) before compiling.
+      plan_fn: the planner (default `planner.plan`), called `plan_fn(cfg, target, headroom=, collective_buffers=)`.
+      cache: dict from a candidate's overrides (with the sequence length and target) to its plan, shared between
+        calls; a hit costs no compile.
+
+    Returns:
+      FitResult.
+
+    Raises:
+      FitError: no candidate is valid for this model and device count, or the cost model cannot rank.
+    """
+    plan_fn = _plan_call(plan_fn or planner.plan, cost_model)
+    cache = {} if cache is None else cache
+    per_node, nodes = (target.devices_per_node, target.nodes) if target is not None else \
+        (min(cfg.mesh.num_devices, 8), max(cfg.mesh.num_devices // 8, 1))
+    if per_node * nodes != (target.devices if target is not None else cfg.mesh.num_devices):
+        per_node, nodes = cfg.mesh.num_devices, 1
+    _, cands, pruned = candidate_space(cfg, per_node, nodes)
+    if not cands:
+        reasons = "; ".join(sorted({p["reason"] for p in pruned}))[:600]
+        raise FitError(f"no candidate configuration is valid for {cfg.model.name} at seq_len={cfg.seq_len} on "
+                       f"{per_node * nodes} devices: {reasons}")
+    static = getattr(cost_model, "static", False)
+    fingerprint = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)  # the model, length, batch, ...
+    tag = (fingerprint, getattr(target, "name", None), per_node, nodes, headroom, collective_buffers)
+    unresolved = list(cands)  # expected-speed order
+    rows, probed = [], set()
+    compiles, best = 0, None
+
+    def settle(c: Candidate, reason: str, by: dict | None = None) -> None:
+        unresolved.remove(c)
+        pruned.append({"overrides": c.key, "reason": reason, "by": by["overrides"] if by else None})
+
+    bar = _bar(min(max_compiles, len(cands)), progress)
+    try:
+        while unresolved:
+            if static and best is not None:
+                for c in list(unresolved):
+                    if cost_model(configure(cfg, c.overrides), {}) >= best["step_seconds"]:
+                        settle(c, f"estimated slower than #{best['index']}, which fits", best)
+                if not unresolved:
+                    break
+            c = _next(unresolved, probed)
+            ck = (tag, c.key)
+            if ck not in cache and compiles >= max_compiles:
+                for rest in list(unresolved):
+                    settle(rest, f"not compiled: --max-compiles {max_compiles} reached")
+                break
+            unresolved.remove(c)
+            probed.add(c.mesh)
+            c_cfg = configure(cfg, c.overrides)
+            hit = ck in cache
+            if not hit:
+                bar.set_postfix_str(_strip_mesh(c.key).split("mesh.context=")[-1][:70], refresh=False)
+                t0 = time.perf_counter()
+                try:
+                    cache[ck] = plan_fn(c_cfg, target, headroom=headroom, collective_buffers=collective_buffers)
+                except Exception as e:  # noqa: BLE001 (a compiler error rules out this candidate, not the search)
+                    cache[ck] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+                cache[ck] = {**cache[ck], "compile_seconds": time.perf_counter() - t0}
+                compiles += 1
+                bar.update(1)
+            p = cache[ck]
+            if "error" in p:
+                pruned.append({"overrides": c.key, "reason": f"does not compile: {p['error']}", "by": None})
+                continue
+            row = _row(c, c_cfg, p, budget, host_budget, cost_model, hit)
+            rows.append(row)
+            row["index"] = len(rows)
+            device_ok = p["total"] <= budget
+            if row["fits"]:
+                if best is None or row["step_seconds"] < best["step_seconds"]:
+                    best = row
+                for o in [o for o in unresolved if c.below(o)]:
+                    settle(o, f"dominated by #{row['index']}, which fits and is lighter in every dimension "
+                              f"(expected faster)", row)
+            elif not device_ok:
+                for o in [o for o in unresolved if o.below(c)]:
+                    settle(o, f"needs at least the device memory of #{row['index']} ({_g(p['total'])} > "
+                              f"{_g(budget)} GiB)", row)
+    finally:
+        bar.total = compiles  # the search may settle everything before the compile budget
+        bar.refresh()
+        bar.close()
+    closest = None
+    if best is None and rows:
+        def excess(r):
+            return max(r["total"] / budget, r["host_per_node"] / host_budget if host_budget else 0)
+        closest = min(rows, key=excess)
+    return FitResult(rows, pruned, best, closest, compiles, len(cands))
+
+
+def _next(unresolved: list[Candidate], probed: set[int]) -> Candidate:
+    """The most memory-saving candidate of a mesh split not yet probed, else the one that settles the most
+    others whichever way it goes (min of the candidates it would prune if it fits and if it does not)."""
+    fresh = [c for c in unresolved if c.mesh not in probed]
+    if fresh:
+        mesh = fresh[0].mesh
+        return max((c for c in fresh if c.mesh == mesh), key=lambda c: sum(c.levels))
+
+    def score(c: Candidate) -> int:
+        up = sum(1 for o in unresolved if c.below(o))
+        down = sum(1 for o in unresolved if o.below(c))
+        return min(up, down)
+
+    return max(unresolved, key=lambda c: (score(c), -unresolved.index(c)))
+
+
+def _row(c: Candidate, cfg: Config, p: dict, budget, host_budget, cost_model, cached: bool) -> dict:
+    seconds = float(cost_model(cfg, p))
+    est = p.get("estimate") or {}
+    factor = est.get("recompute_factor")
+    if factor is None:
+        factor = analytic_flops(cfg)[1]
+    n = cfg.mesh.num_devices
+    return {"overrides": c.key, "levels": list(c.levels), "fits": planner.fits(p, budget, host_budget),
+            "peak": p["peak"], "total": p["total"], "host_per_node": p["host_per_node"], "step_seconds": seconds,
+            "tokens_per_s_per_gpu": est["tokens_per_s_per_gpu"]
+            if est.get("step_seconds") == seconds and est.get("tokens_per_s_per_gpu") is not None
+            else (cfg.seq_len * cfg.global_batch / seconds / n if seconds > 0 else float("inf")),
+            "recompute_factor": factor, "source": p.get("source", ""), "cached": cached,
+            "compile_seconds": p.get("compile_seconds")}
+
+
+class _NoBar:
+    total = 0
+
+    def update(self, n=1):
+        pass
+
+    def refresh(self):
+        pass
+
+    def set_postfix_str(self, s, refresh=True):
+        pass
+
+    def close(self):
+        pass
+
+
+def _bar(total: int, on: bool):
+    if not on:
+        return _NoBar()
+    from tqdm import tqdm  # noqa: PLC0415
+
+    return tqdm(total=total, desc="compiles", unit="compile", file=sys.stderr, dynamic_ncols=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Display of overrides.
+
+
+def _g(x: float) -> str:
+    return f"{x / GiB:.1f}"
+
+
+_IMPLIED = ("attention.heads_per_stage=0", "tiling.loss_tile=0", "tiling.mlp_tiles=0")
+
+
+def _strip_mesh(key: str) -> str:
+    """Overrides without those that restate the search's defaults (U = C, derived tile sizes)."""
+    return " ".join(o for o in key.split() if o not in _IMPLIED)
+
+
+__all__ = ["Candidate", "FitError", "FitResult", "analytic_cost", "analytic_flops", "candidate_space", "configure",
+           "estimated_cost", "fit"]
