@@ -286,3 +286,121 @@ def test_put_on_mesh(tmp_path):
 def test_put_on_mesh_indivisible():
     with pytest.raises(ValueError, match="inputs"):
         data.put_on_mesh({"inputs": np.zeros((3, 8), np.int32)}, _mesh_sharding())
+
+
+# --------------------------------------------------------------------------- .parquet / .array_record sources
+
+
+def _parquet(path, texts, *, row_group_size=7, field="text", **columns):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({field: pa.array(texts, pa.string()), **columns}), path, row_group_size=row_group_size)
+    return path
+
+
+def test_parquet_reads_the_jsonl_documents_across_row_groups(tmp_path):
+    path, docs = _jsonl(tmp_path, [1 + 3 * i for i in range(30)])
+    docs[4] = ""  # an empty string is an empty document in both formats
+    path.write_text("".join(json.dumps({"text": d}) + "\n\n" for d in docs), encoding="utf-8")  # blank lines: none
+    texts = [t for d in docs for t in (d, None)]  # nulls: no document, like the blank lines
+    pq_path = _parquet(tmp_path / "c.parquet", texts, row_group_size=7, id=list(range(len(texts))))
+    import pyarrow.parquet as pq
+
+    assert pq.ParquetFile(pq_path).metadata.num_row_groups == 9
+    js, pqs = data.DocumentSource(path), data.DocumentSource(pq_path)
+    assert len(pqs) == len(js) == 30
+    assert [pqs[i] for i in range(30)] == [js[i] for i in range(30)] == docs
+    a, _ = _batches(path, 3, seed=3)
+    b, _ = _batches(pq_path, 3, seed=3)
+    assert all(_same(x, y) for x, y in zip(a, b))
+
+
+def test_parquet_random_access_reads_one_row_group_at_a_time(tmp_path):
+    import pickle
+
+    docs = [f"document {i} " + "x" * i for i in range(40)]
+    src = data.DocumentSource(_parquet(tmp_path / "c.parquet", docs, row_group_size=6))
+    part = src.parts[0]
+    assert isinstance(part, data.sources.ParquetDocuments) and len(part.rows) == 7
+    reads = []
+    read = part._file.read_row_group
+    part._file.read_row_group = lambda g, **kw: reads.append(g) or read(g, **kw)
+    assert [src[i] for i in range(40)] == docs
+    assert reads == list(range(7))  # in order: each row group decoded once
+    order = np.random.default_rng(0).permutation(40)
+    assert [src[int(i)] for i in order] == [docs[i] for i in order]
+    assert src[-1] == docs[-1]
+    with pytest.raises(IndexError):
+        src[40]
+    copy = pickle.loads(pickle.dumps(src))  # Grain workers get a pickled source
+    assert [copy[int(i)] for i in order[:10]] == [docs[i] for i in order[:10]]
+
+
+def test_directory_mixing_parquet_jsonl_and_txt(tmp_path):
+    d = tmp_path / "d"
+    (d / "sub").mkdir(parents=True)
+    _, jdocs = _jsonl(d, [3, 4], name="a.jsonl")
+    _parquet(d / "b.parquet", ["p0", None, "p1", "p2"], row_group_size=2)
+    (d / "sub" / "c.txt").write_text("a text file")
+    src = data.DocumentSource(d)
+    assert [src[i] for i in range(len(src))] == [*jdocs, "p0", "p1", "p2", "a text file"]
+
+
+@pytest.mark.parametrize("case", ["no_column", "not_string", "not_parquet", "all_null", "no_pyarrow"])
+def test_bad_parquet_names_the_file_and_option(tmp_path, case, monkeypatch):
+    f = tmp_path / "x.parquet"
+    if case == "not_parquet":
+        f.write_text("not parquet at all")
+        match = r"x.parquet is not a readable Parquet file"
+    elif case == "all_null":
+        _parquet(f, [None, None])
+        match = r"x.parquet'.*corpus is empty"
+    else:
+        _parquet(f, ["a", "b"], field="body", title=["t", "u"], n=[1, 2])
+        match = {"no_column": r"x.parquet has no column 'text' \(data.text_field='text'\); its string columns: "
+                              r"\['body', 'title'\]",
+                 "not_string": r"x.parquet column 'n' has type int64, not a string \(data.text_field='n'\)",
+                 "no_pyarrow": r"x.parquet needs the pyarrow package.*pip install 'jaxlong\[parquet\]'"}[case]
+    if case == "no_pyarrow":
+        import importlib.util
+
+        find = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyarrow" else find(name, *a))
+    with pytest.raises(ValueError, match=match):
+        data.DocumentSource(f, text_field="n" if case == "not_string" else "text")
+
+
+def test_array_record_documents(tmp_path):
+    pytest.importorskip("array_record")
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    docs = ["first document", "", "third — unicode ✓", "x" * 5000]
+    w = ArrayRecordWriter(str(tmp_path / "c.array_record"), "group_size:1")
+    for d in docs:
+        w.write(d.encode("utf-8"))
+    w.close()
+    src = data.DocumentSource(tmp_path / "c.array_record")
+    assert [src[i] for i in (3, 0, 2, 1)] == [docs[i] for i in (3, 0, 2, 1)]
+    w = ArrayRecordWriter(str(tmp_path / "bin.array_record"), "group_size:1")
+    w.write(b"\x00\x01binary")
+    w.close()
+    with pytest.raises(ValueError, match="bin.array_record is not a text file"):
+        data.DocumentSource(tmp_path / "bin.array_record")
+
+
+def test_train_cli_on_a_parquet_corpus(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from helpers import TINY
+    from jaxlong.train import main
+
+    docs = [f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 4) for i in range(60)]
+    path = _parquet(tmp_path / "c.parquet", docs, row_group_size=8)
+    args = [*TINY, "mesh.fsdp=2", "mesh.context=4", "seq_len=128", "global_batch=4", "model.vocab_size=257",
+            "steps=2", "eval_every=0", f"run_dir={tmp_path}", "run_name=pq", f"data.path={path}"]
+    assert main(args) == 0
+    losses = [e.value for e in EventAccumulator(str(tmp_path / "pq")).Reload().Scalars("loss")]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    capsys.readouterr()
+    assert main([*args, "run_name=bad", "data.text_field=body"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "c.parquet has no column 'body' (data.text_field='body')" in err

@@ -1,7 +1,7 @@
 """Training data: corpus sources, tokenizers, packed documents, a resumable Grain pipeline, sharded batches.
 
-* `jaxlong.data.sources` — the documents of `data.path` (stdlib sources, .txt, .jsonl) as a Grain data source,
-  with every file checked before anything compiles.
+* `jaxlong.data.sources` — the documents of `data.path` (stdlib sources, .txt, .jsonl, .parquet, .array_record)
+  as a Grain data source, with every file checked before anything compiles.
 * `jaxlong.data.tokenizer` — the byte tokenizer and Hugging Face `tokenizer.json` files (BOS/EOS from the
   tokenizer's own config files).
 * `jaxlong.data.pipeline` — shuffle, tokenize, pack (`data.packing=documents|concat`) and batch with Grain;
