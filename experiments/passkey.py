@@ -43,13 +43,13 @@ MODEL = ("model.hidden=128", "model.layers=2", "model.heads=4", "model.kv_heads=
          "model.mlp_hidden=384", "model.vocab_size=257")
 
 
-def parse_phases(text: str) -> list[tuple[int, int, float]]:
-    """"SEQ:BATCH:MINUTES,..." -> [(seq_len, global batch, budget in CPU minutes / 2 cores)]; the last is the full
-    length."""
+def parse_phases(text: str) -> list[tuple[int, int, float, float]]:
+    """"SEQ:BATCH:MINUTES[:WALL],..." -> [(seq_len, global batch, budget in CPU minutes / 2 cores, wall-clock
+    minutes cap or inf)]; the last is the full length."""
     phases = []
     for part in text.split(","):
-        seq, batch, minutes = part.split(":")
-        phases.append((int(seq), int(batch), float(minutes)))
+        seq, batch, minutes, *wall = part.split(":")
+        phases.append((int(seq), int(batch), float(minutes), float(wall[0]) if wall else float("inf")))
     return phases
 
 
@@ -57,12 +57,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phases", default="256:16:3,1024:4:4,8192:2:20",
-                   help="curriculum SEQ:BATCH:MINUTES,... (MINUTES = CPU minutes / 2 cores); the last phase is the "
-                        "full length, scored at the end")
+                   help="curriculum SEQ:BATCH:MINUTES[:WALL],... (MINUTES = CPU minutes / 2 cores, WALL = a wall-clock "
+                        "cap in minutes); the last phase is the full length, scored at the end")
     p.add_argument("--context", type=int, default=4, help="Ulysses degree (FSDP takes the other devices)")
     p.add_argument("--corpus-every", type=int, default=8,
                    help="every N-th step is a batch of corpus windows (0: passkey documents only)")
-    p.add_argument("--digits", type=int, default=3)
+    p.add_argument("--digits", type=int, default=3, help="digits of the scored keys")
+    p.add_argument("--train-digits", default="3-8",
+                   help="digits of the training keys, a range LO-HI drawn uniformly per example (longer keys give "
+                        "more copy targets per sequence)")
     p.add_argument("--copy-weight", type=float, default=10.0,
                    help="loss weight of the key's copies (the needle's repeat and the answer); other tokens 1")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -108,7 +111,8 @@ def main(argv=None):
     from jaxlong.mesh import batch_spec, build_mesh  # noqa: PLC0415
 
     phases = parse_phases(args.phases)
-    full_seq, full_batch, _ = phases[-1]
+    lo_digits, hi_digits = (int(x) for x in args.train_digits.split("-"))
+    full_seq, full_batch = phases[-1][:2]
     cfg = load_config(None, [
         *MODEL, f"seq_len={full_seq}", f"global_batch={full_batch}", f"mesh.context={args.context}", "mesh.fsdp=-1",
         f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup}", f"steps={args.max_steps * len(phases)}",
@@ -125,13 +129,19 @@ def main(argv=None):
     step = 0
 
     def score(stats, seq, batch, depths, per_depth, seed):
+        """Key accuracy per depth (`score_passkey`) and, as a diagnostic, the fraction of answer digits right."""
+        digit_hits = []
+
         def predict(b):
-            return jax.device_get(stats(state["params"], data_lib.put_on_mesh(b, sharding))[1])
+            argmax = jax.device_get(stats(state["params"], data_lib.put_on_mesh(b, sharding))[1])
+            digit_hits.append(np.mean(argmax[:, -args.digits:] == b["targets"][:, -args.digits:]))
+            return argmax
 
-        return ev.score_passkey(predict, tok.encode, lengths=[seq], depths=depths, per_cell=per_depth,
-                                batch_size=batch, digits=args.digits, seed=seed)[:, 0]
+        acc = ev.score_passkey(predict, tok.encode, lengths=[seq], depths=depths, per_cell=per_depth,
+                               batch_size=batch, digits=args.digits, seed=seed)[:, 0]
+        return acc, float(np.mean(digit_hits))
 
-    for seq, batch_size, minutes_budget in phases:
+    for seq, batch_size, minutes_budget, wall_budget in phases:
         pcfg = dataclasses.replace(cfg, seq_len=seq, global_batch=batch_size, attention=dataclasses.replace(
             cfg.attention, block_q=min(512, seq // args.context), block_k=min(512, seq // args.context)))
         corpus_batches = data_lib.batch_iterator(dataclasses.replace(
@@ -141,12 +151,13 @@ def main(argv=None):
         stats = ev.make_token_stats_step(pcfg, mesh)
         print(f"phase {seq} tokens x {batch_size}: compiled in {time.perf_counter() - t0:.1f} s; mesh "
               f"{dict(mesh.shape)}", flush=True)
-        phase_cpu0 = time.process_time()
+        phase_cpu0, phase_t0 = time.process_time(), time.perf_counter()
 
         def train_batch(i):
             if args.corpus_every and i % args.corpus_every == 0:
                 return next(corpus_batches)
-            examples = [ev.passkey_example(tok.encode, seq, float(rng.random()), ev.random_key(rng, args.digits))
+            examples = [ev.passkey_example(tok.encode, seq, float(rng.random()),
+                                           ev.random_key(rng, int(rng.integers(lo_digits, hi_digits + 1))))
                         for _ in range(batch_size)]
             b = ev.passkey_batch(examples)
             b["mask"] = np.stack([copy_weights(e, args.copy_weight) for e in examples])
@@ -158,17 +169,19 @@ def main(argv=None):
             state, m = jax.block_until_ready(train_step(state, batch))  # one program in flight at a time
             step += 1
             phase_steps += 1
+            now = time.perf_counter()
             spent = (time.process_time() - phase_cpu0) / 120 > minutes_budget or \
-                (time.perf_counter() - start) / 60 > args.wall_minutes
+                (now - phase_t0) / 60 > wall_budget or (now - start) / 60 > args.wall_minutes
             if step % args.eval_every == 0 or spent:
                 loss = float(m["loss"])
-                acc = score(stats, seq, batch_size, depths, args.eval_per_depth, 10_000 + step)
+                acc, digit_acc = score(stats, seq, batch_size, depths, args.eval_per_depth, 10_000 + step)
                 minutes, cpu_minutes = (time.perf_counter() - start) / 60, (time.process_time() - cpu0) / 120
                 load.append(os.getloadavg()[0])
-                history.append((step, seq, minutes, cpu_minutes, loss, acc.tolist()))
+                history.append((step, seq, minutes, cpu_minutes, loss, acc.tolist(), digit_acc))
                 print(f"step {step} at {seq} tokens ({minutes:.1f} min wall, {cpu_minutes:.1f} min of 2 cores, load "
                       f"{load[-1]:.1f}): loss {loss:.3f}, passkey accuracy by depth "
-                      f"{' '.join(f'{a:.2f}' for a in acc)} (mean {acc.mean():.2f})", flush=True)
+                      f"{' '.join(f'{a:.2f}' for a in acc)} (mean {acc.mean():.2f}; answer digits right {digit_acc:.2f})",
+                      flush=True)
                 hits = hits + 1 if acc.min() >= args.target else 0
                 if spent or (hits >= args.patience and seq != full_seq):
                     break
@@ -176,15 +189,15 @@ def main(argv=None):
             break
     minutes, cpu_minutes = (time.perf_counter() - start) / 60, (time.process_time() - cpu0) / 120
     final_depths = [float(d) for d in args.final_depths.split(",")]
-    final = score(stats, seq, batch_size, final_depths, args.final_per_depth, 99_999)
+    final, final_digits = score(stats, seq, batch_size, final_depths, args.final_per_depth, 99_999)
     total_minutes, total_cpu = (time.perf_counter() - start) / 60, (time.process_time() - cpu0) / 120
     print(f"final ({step} steps, {minutes:.1f} min wall, {cpu_minutes:.1f} min of 2 cores; with the final scoring "
-          f"{total_minutes:.1f} / {total_cpu:.1f}): {' '.join(f'{a:.2f}' for a in final)} (mean {final.mean():.3f})")
-    write(args, cfg, phases, seq, depths, final_depths, history, final, step, (minutes, cpu_minutes),
+          f"{total_minutes:.1f} / {total_cpu:.1f}): {' '.join(f'{a:.2f}' for a in final)} (mean {final.mean():.3f}; answer digits right {final_digits:.3f})")
+    write(args, cfg, phases, seq, depths, final_depths, history, final, final_digits, step, (minutes, cpu_minutes),
           (total_minutes, total_cpu), load)
 
 
-def write(args, cfg, phases, seq, depths, final_depths, history, final, steps, spent, total, load):
+def write(args, cfg, phases, seq, depths, final_depths, history, final, final_digits, steps, spent, total, load):
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -195,13 +208,14 @@ def write(args, cfg, phases, seq, depths, final_depths, history, final, steps, s
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", "seq_len", "wall_minutes", "cpu_minutes_of_2_cores", "train_loss",
-                    *[f"depth_{d}" for d in depths], "mean"])
-        for s, q, mins, cpu, loss, acc in history:
+                    *[f"depth_{d}" for d in depths], "mean", "answer_digits_right"])
+        for s, q, mins, cpu, loss, acc, dig in history:
             w.writerow([s, q, f"{mins:.2f}", f"{cpu:.2f}", f"{loss:.4f}", *[f"{a:.3f}" for a in acc],
-                        f"{sum(acc) / len(acc):.3f}"])
+                        f"{sum(acc) / len(acc):.3f}", f"{dig:.3f}"])
         w.writerow([])
-        w.writerow(["final", seq, f"{spent[0]:.2f}", f"{spent[1]:.2f}", "", *[f"depth_{d}" for d in final_depths]])
-        w.writerow(["final", seq, "", "", "", *[f"{a:.3f}" for a in final]])
+        w.writerow(["final", seq, f"{spent[0]:.2f}", f"{spent[1]:.2f}", "", *[f"depth_{d}" for d in final_depths],
+                    "mean", "answer_digits_right"])
+        w.writerow(["final", seq, "", "", "", *[f"{a:.3f}" for a in final], f"{final.mean():.3f}", f"{final_digits:.3f}"])
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
     for q in sorted({h[1] for h in history}):
         hs = [h for h in history if h[1] == q]
@@ -220,7 +234,8 @@ def write(args, cfg, phases, seq, depths, final_depths, history, final, steps, s
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=110)
     cmd = "python experiments/passkey.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    phase_text = "; ".join(f"{q} tokens x {b} sequences for at most {m:g} min of 2 cores" for q, b, m in phases)
+    phase_text = "; ".join(f"{q} tokens x {b} sequences for at most {m:g} min of 2 cores"
+                           + (f" or {w:g} min wall" if w != float("inf") else "") for q, b, m, w in phases)
     lines = [
         "# Passkey retrieval under context-parallel training from scratch",
         "",
@@ -234,7 +249,7 @@ def write(args, cfg, phases, seq, depths, final_depths, history, final, steps, s
         f"context = 1 x {8 // args.context} x {args.context} (Ulysses all-to-alls over the context axis). Curriculum: "
         f"{phase_text}; a phase before the last ends early once every depth reaches {args.target:.0%} "
         f"{args.patience} evaluations in a row. Batches: passkey documents (`jaxlong.evaluate.passkey_example`, "
-        f"{args.digits}-digit keys, a uniformly random depth), "
+        f"{args.train_digits}-digit keys, a uniformly random depth), "
         + (f"every {args.corpus_every}th step a batch of corpus windows (Python stdlib, bytes); "
            if args.corpus_every else "")
         + f"loss on every token, the key's copies (its repeat in the needle and the answer) weighted "
@@ -244,19 +259,22 @@ def write(args, cfg, phases, seq, depths, final_depths, history, final, steps, s
         f"scoring {total[1]:.1f} / {total[0]:.1f} min.",
         "",
         f"Final retrieval at {seq} tokens, teacher-forced (`jaxlong.evaluate.score_passkey`: every answer byte the "
-        f"argmax), {-(-args.final_per_depth // phases[-1][1]) * phases[-1][1]} new keys per depth:",
+        f"argmax), {-(-args.final_per_depth // phases[-1][1]) * phases[-1][1]} new {args.digits}-digit keys per depth:",
         "",
         "| depth | " + " | ".join(f"{d:.1f}" for d in final_depths) + " | mean |",
         "|---|" + "---|" * (len(final_depths) + 1),
         "| accuracy | " + " | ".join(f"{a:.2f}" for a in final) + f" | {sum(final) / len(final):.3f} |",
         "",
+        f"Answer digits right (each digit teacher-forced on the right previous ones): {final_digits:.3f} "
+        f"(chance 0.1).",
+        "",
         f"During training (accuracy per depth, {args.eval_per_depth} held-out keys each, at the phase's length):",
         "",
         "| step | seq_len | CPU min / 2 | wall min | train loss | " + " | ".join(f"depth {d}" for d in depths)
-        + " | mean |",
-        "|---|---|---|---|---|" + "---|" * (len(depths) + 1),
+        + " | mean | digits right |",
+        "|---|---|---|---|---|" + "---|" * (len(depths) + 2),
         *[f"| {s} | {q} | {c:.1f} | {m:.1f} | {l:.3f} | " + " | ".join(f"{x:.2f}" for x in a)
-          + f" | {sum(a) / len(a):.2f} |" for s, q, m, c, l, a in history],
+          + f" | {sum(a) / len(a):.2f} | {g:.2f} |" for s, q, m, c, l, a, g in history],
         "",
         f"![curve]({out.with_suffix('.png').name})",
     ]
