@@ -82,7 +82,8 @@ def parse_args(argv=None):
                    help="a phase ends once every depth reaches --target this many evaluations in a row")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "experiments/results/passkey"))
-    p.add_argument("overrides", nargs="*", help="extra config key=value (after the small model: " + " ".join(MODEL) + ")")
+    p.add_argument("overrides", nargs="*",
+                   help="extra config key=value (after the small model: " + " ".join(MODEL) + ")")
     return p.parse_args(argv)
 
 
@@ -180,7 +181,8 @@ def main(argv=None):
                 history.append((step, seq, minutes, cpu_minutes, loss, acc.tolist(), digit_acc))
                 print(f"step {step} at {seq} tokens ({minutes:.1f} min wall, {cpu_minutes:.1f} min of 2 cores, load "
                       f"{load[-1]:.1f}): loss {loss:.3f}, passkey accuracy by depth "
-                      f"{' '.join(f'{a:.2f}' for a in acc)} (mean {acc.mean():.2f}; answer digits right {digit_acc:.2f})",
+                      f"{' '.join(f'{a:.2f}' for a in acc)} (mean {acc.mean():.2f}; answer digits right "
+                      f"{digit_acc:.2f})",
                       flush=True)
                 hits = hits + 1 if acc.min() >= args.target else 0
                 if spent or (hits >= args.patience and seq != full_seq):
@@ -192,7 +194,8 @@ def main(argv=None):
     final, final_digits = score(stats, seq, batch_size, final_depths, args.final_per_depth, 99_999)
     total_minutes, total_cpu = (time.perf_counter() - start) / 60, (time.process_time() - cpu0) / 120
     print(f"final ({step} steps, {minutes:.1f} min wall, {cpu_minutes:.1f} min of 2 cores; with the final scoring "
-          f"{total_minutes:.1f} / {total_cpu:.1f}): {' '.join(f'{a:.2f}' for a in final)} (mean {final.mean():.3f}; answer digits right {final_digits:.3f})")
+          f"{total_minutes:.1f} / {total_cpu:.1f}): {' '.join(f'{a:.2f}' for a in final)} (mean {final.mean():.3f}; "
+          f"answer digits right {final_digits:.3f})")
     write(args, cfg, phases, seq, depths, final_depths, history, final, final_digits, step, (minutes, cpu_minutes),
           (total_minutes, total_cpu), load)
 
@@ -215,7 +218,8 @@ def write(args, cfg, phases, seq, depths, final_depths, history, final, final_di
         w.writerow([])
         w.writerow(["final", seq, f"{spent[0]:.2f}", f"{spent[1]:.2f}", "", *[f"depth_{d}" for d in final_depths],
                     "mean", "answer_digits_right"])
-        w.writerow(["final", seq, "", "", "", *[f"{a:.3f}" for a in final], f"{final.mean():.3f}", f"{final_digits:.3f}"])
+        w.writerow(["final", seq, "", "", "", *[f"{a:.3f}" for a in final], f"{final.mean():.3f}",
+                    f"{final_digits:.3f}"])
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
     for q in sorted({h[1] for h in history}):
         hs = [h for h in history if h[1] == q]
