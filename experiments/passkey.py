@@ -10,8 +10,7 @@ sequence (its repeat inside the needle and the answer) are weighted `--copy-weig
 are the only tokens that need the context. The curriculum `--phases` (length, batch, budget in CPU minutes / 2
 cores) trains short first, where retrieval (an induction circuit: find the key's digits, copy the next one) is
 learned in a few hundred steps, then longer; a phase before the last ends once every depth reaches `--target`
-`--patience` evaluations in a row. Phases run on the 8-device mesh with context parallelism, except those shorter
-than `--single-device-below` tokens, which run on one device (tiny shapes train faster there).
+`--patience` evaluations in a row. Every phase runs on the same 8-device mesh, so all training is context parallel.
 Retrieval is scored teacher-forced (`jaxlong.evaluate.score_passkey`) on held-out keys at `--depths` during
 training and at `--final-depths` at the end.
 
@@ -61,9 +60,6 @@ def parse_args(argv=None):
                    help="curriculum SEQ:BATCH:MINUTES[:WALL],... (MINUTES = CPU minutes / 2 cores, WALL = a wall-clock "
                         "cap in minutes); the last phase is the full length, scored at the end")
     p.add_argument("--context", type=int, default=4, help="Ulysses degree (FSDP takes the other devices)")
-    p.add_argument("--single-device-below", type=int, default=0,
-                   help="phases shorter than this run on one device without context parallelism (cheaper for "
-                        "tiny shapes); the others on the 8-device mesh")
     p.add_argument("--corpus-every", type=int, default=8,
                    help="every N-th step is a batch of corpus windows (0: passkey documents only)")
     p.add_argument("--digits", type=int, default=3, help="digits of the scored keys")
@@ -122,13 +118,12 @@ def main(argv=None):
         *MODEL, f"seq_len={full_seq}", f"global_batch={full_batch}", f"mesh.context={args.context}", "mesh.fsdp=-1",
         f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup}", f"steps={args.max_steps * len(phases)}",
         "optim.min_lr_ratio=1.0", f"seed={args.seed}", *args.overrides])
-    mesh_cp = build_mesh(cfg.mesh)
-    mesh_one = build_mesh(dataclasses.replace(cfg.mesh, data=1, fsdp=1, ring=1, context=1, num_devices=1),
-                          devices=jax.devices()[:1])
+    mesh = build_mesh(cfg.mesh)
     tok = data_lib.get_tokenizer("byte")
     rng = np.random.default_rng([cfg.seed, 7])
+    sharding = NamedSharding(mesh, batch_spec())
     depths = [float(d) for d in args.depths.split(",")]
-    state = step_lib.init_state(cfg, mesh_cp)
+    state = step_lib.init_state(cfg, mesh)
     history = []  # (step, seq_len, wall minutes, CPU minutes / 2, train loss, [accuracy per depth])
     start, cpu0 = time.perf_counter(), time.process_time()
     load = [os.getloadavg()[0]]
@@ -148,12 +143,8 @@ def main(argv=None):
         return acc, float(np.mean(digit_hits))
 
     for seq, batch_size, minutes_budget, wall_budget in phases:
-        mesh = mesh_one if seq < args.single_device_below else mesh_cp
-        context = mesh.shape["context"]
-        sharding = NamedSharding(mesh, batch_spec())
-        state = jax.device_put(state, step_lib.state_shardings(mesh, state))
         pcfg = dataclasses.replace(cfg, seq_len=seq, global_batch=batch_size, attention=dataclasses.replace(
-            cfg.attention, block_q=min(512, seq // context), block_k=min(512, seq // context)))
+            cfg.attention, block_q=min(512, seq // args.context), block_k=min(512, seq // args.context)))
         corpus_batches = data_lib.batch_iterator(dataclasses.replace(
             pcfg, data=dataclasses.replace(pcfg.data, max_tokens=4_000_000)), tok) if args.corpus_every else None
         t0 = time.perf_counter()
@@ -258,11 +249,8 @@ def write(args, cfg, phases, seq, depths, final_depths, history, final, final_di
         f"average {min(load):.1f}-{max(load):.1f} during the run), 8 simulated CPU devices; finished "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
         "",
-        f"Model: {', '.join(MODEL + tuple(args.overrides))} (RoPE). "
-        + (f"Phases shorter than {args.single_device_below} tokens run on one device (no context parallelism); the "
-           f"others on " if args.single_device_below else "Every phase runs on ")
-        + f"the 8-device mesh data x fsdp x context = 1 x {8 // args.context} x {args.context} (Ulysses all-to-alls "
-        f"over the context axis). Curriculum: "
+        f"Model: {', '.join(MODEL + tuple(args.overrides))} (RoPE). Every phase runs on the same mesh data x fsdp x "
+        f"context = 1 x {8 // args.context} x {args.context} (Ulysses all-to-alls over the context axis). Curriculum: "
         f"{phase_text}; a phase before the last ends early once every depth reaches {args.target:.0%} "
         f"{args.patience} evaluations in a row. Batches: passkey documents (`jaxlong.evaluate.passkey_example`, "
         f"{args.train_digits}-digit keys, a uniformly random depth), "
