@@ -272,7 +272,8 @@ def write(args, cfg, phases, seq, depths, final_depths, history, final, final_di
         f"Answer digits right (each digit teacher-forced on the right previous ones): {final_digits:.3f} "
         f"(chance 0.1).",
         "",
-        f"During training (accuracy per depth, {args.eval_per_depth} held-out keys each, at the phase's length):",
+        f"During training (accuracy per depth at the phase's length, {args.eval_per_depth} held-out keys each, rounded "
+        f"up to a multiple of the phase's batch):",
         "",
         "| step | seq_len | CPU min / 2 | wall min | train loss | " + " | ".join(f"depth {d}" for d in depths)
         + " | mean | digits right |",
