@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODEL = ("model.hidden=128", "model.layers=2", "model.heads=4", "model.kv_heads=4", "model.head_dim=32",
-         "model.mlp_hidden=384", "model.vocab_size=257")
+         "model.mlp_hidden=384", "model.vocab_size=257", "model.rope_theta=10000")
 
 
 def parse_phases(text: str) -> list[tuple[int, int, float, float]]:
@@ -56,7 +56,7 @@ def parse_phases(text: str) -> list[tuple[int, int, float, float]]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phases", default="256:16:3,1024:4:4,8192:2:20",
+    p.add_argument("--phases", default="256:16:8:22,1024:4:3:8,8192:2:20:20",
                    help="curriculum SEQ:BATCH:MINUTES[:WALL],... (MINUTES = CPU minutes / 2 cores, WALL = a wall-clock "
                         "cap in minutes); the last phase is the full length, scored at the end")
     p.add_argument("--context", type=int, default=4, help="Ulysses degree (FSDP takes the other devices)")
@@ -66,17 +66,17 @@ def parse_args(argv=None):
     p.add_argument("--train-digits", default="3-8",
                    help="digits of the training keys, a range LO-HI drawn uniformly per example (longer keys give "
                         "more copy targets per sequence)")
-    p.add_argument("--copy-weight", type=float, default=10.0,
+    p.add_argument("--copy-weight", type=float, default=30.0,
                    help="loss weight of the key's copies (the needle's repeat and the answer); other tokens 1")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--max-steps", type=int, default=3000, help="step cap per phase")
-    p.add_argument("--wall-minutes", type=float, default=45.0, help="wall-clock cap of the whole run")
+    p.add_argument("--wall-minutes", type=float, default=52.0, help="wall-clock cap of the whole run")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-per-depth", type=int, default=4)
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="depths scored during training")
     p.add_argument("--final-depths", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1")
-    p.add_argument("--final-per-depth", type=int, default=10)
+    p.add_argument("--final-per-depth", type=int, default=4)
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--patience", type=int, default=2,
                    help="a phase ends once every depth reaches --target this many evaluations in a row")
