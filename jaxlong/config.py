@@ -83,7 +83,7 @@ class MeshConfig:
     """Device mesh `data x fsdp x ring x context`. -1 on one axis means "all remaining devices".
 
     The sequence is split over `ring` x `context`: Ulysses all-to-alls over `context` (inside a node), ring
-    attention over `ring` (across nodes; `jaxlong.ring`). With ring > 1 both `attention.impl`s run as hybrids.
+    attention over `ring` (across nodes; `jaxlong.parallel.ring`). With ring > 1 both `attention.impl`s run as hybrids.
 
     `num_devices` is the number of simulated devices when the platform is the CPU (the entry point sets
     `--xla_force_host_platform_device_count` before importing jax); on GPUs the real device count is used.
@@ -530,7 +530,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
 
 
 def check_ring(seq_len: int, ring: int, context: int, block_q: int, block_k: int) -> None:
-    """Ring attention's zigzag layout (`jaxlong.ring`) cuts the sequence into 2*ring chunks, each split over
+    """Ring attention's zigzag layout (`jaxlong.parallel.ring`) cuts the sequence into 2*ring chunks, each split over
     `context`, and runs the kernel on blocks of seq_len/(2*ring) tokens.
 
     Raises:
@@ -603,7 +603,7 @@ def check_attention_block(key: str, block: int, seq: int) -> None:
 
 
 def check_upipe_schedule(heads: int, kv_heads: int, context: int, heads_per_stage: int) -> None:
-    """U-Pipe's stage schedule exists (`jaxlong.upipe.Schedule`, Untied Ulysses §3.3 with GQA).
+    """U-Pipe's stage schedule exists (`jaxlong.parallel.upipe.Schedule`, Untied Ulysses §3.3 with GQA).
 
     Raises:
       ConfigError: heads/KV heads not splittable over `context` (`check_heads`); `heads_per_stage` (U) not a

@@ -16,7 +16,7 @@ the transpose of that gather reduce-scatters the gradients.
 
 Packed documents (`positions`, `segment_ids` `[batch, seq]` from the batch): RoPE rotates by each token's
 position within its document, and attention masks across documents. The segment ids are gathered whole onto
-every context device once, before the layer scan (`jaxlong.ulysses.gather_segment_ids`), and every layer
+every context device once, before the layer scan (`jaxlong.parallel.ulysses.gather_segment_ids`), and every layer
 reuses them.
 """
 
@@ -35,9 +35,9 @@ from jaxlong import remat as R
 from jaxlong.config import Config, ModelConfig
 from jaxlong.mesh import (BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, activation_spec, axis_size, batch_spec,
                           seq_shards, tree_shardings)
-from jaxlong.ring import zigzag_positions
+from jaxlong.parallel.ring import zigzag_positions
 from jaxlong.tiled import default_mlp_tiles, tiled_mlp
-from jaxlong.ulysses import gather_segment_ids, ulysses_attention
+from jaxlong.parallel.ulysses import gather_segment_ids, ulysses_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +99,11 @@ class DecoderLayer(nnx.Module):
         """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))`.
 
         U-Pipe runs the whole sublayer as one op (norm, stages, W_o and the residual; see
-        `jaxlong.upipe.upipe_attention`), so the tensors named `attn_norm_out`, `query_proj`, `key_proj`,
+        `jaxlong.parallel.upipe.upipe_attention`), so the tensors named `attn_norm_out`, `query_proj`, `key_proj`,
         `value_proj` and `attn_out` exist only on the Ulysses path."""
         mc, ac = rt.cfg.model, rt.cfg.attention
         if ac.impl == "upipe":
-            from jaxlong.upipe import upipe_attention  # noqa: PLC0415 (optional op, imported on use)
+            from jaxlong.parallel.upipe import upipe_attention  # noqa: PLC0415 (optional op, imported on use)
 
             return upipe_attention(
                 x, rt.gather(self.wq[...]), rt.gather(self.wk[...]), rt.gather(self.wv[...]),
@@ -170,7 +170,7 @@ class Llama(nnx.Module):
     """Llama-3 decoder-only model. `__call__(tokens [b, s] int32, rt)` -> final hidden states `[b, s, hidden]`.
 
     With `mesh.ring` > 1 the tokens (and the hidden states returned) are in ring attention's zigzag layout
-    (`jaxlong.ring.zigzag`; `jaxlong.step.loss_fn` permutes the batch) and RoPE uses their original positions.
+    (`jaxlong.parallel.ring.zigzag`; `jaxlong.step.loss_fn` permutes the batch) and RoPE uses their original positions.
 
     The output head is separate (`head_weight`) so the loss can be computed over sequence tiles without
     materializing `[b, s, vocab]` logits.

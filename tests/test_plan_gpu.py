@@ -96,7 +96,7 @@ S, C = 65536, 8
 def _upipe_layer_temp(u: int) -> int:
     """Compiled temp bytes of one attention layer's forward + backward (Llama-3-8B head shapes, bf16) on 8
     compile-only H100s."""
-    from jaxlong.upipe import attention_layer
+    from jaxlong.parallel.upipe import attention_layer
 
     devices = compile_only_devices(parse_target("h100"))
     mesh = jax.make_mesh((1, 1, C), ("data", "fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 3,

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxlong.ring import ring_attention
+from jaxlong.parallel.ring import ring_attention
 
 
 def _attention_temp_bytes(ring: int, seq: int, heads: int = 4, head_dim: int = 64, block: int = 512) -> int:

@@ -27,8 +27,8 @@ loss, a mean over tokens, is unchanged when inputs, targets and mask are permute
 The per-block math is `jaxlong.attention.kernels.blockwise_attention_fwd/bwd` (FlashAttention-2), whose
 backward takes the *global* output and lse, so the per-block gradients of the ring are exact.
 
-Hybrids: with a `context` axis as well, `jaxlong.ulysses.ulysses_attention` all-to-alls heads over `context`
-and runs `ring_attention_local` over `ring` (USP, Fang & Zhao 2024, arXiv 2405.07719); `jaxlong.upipe` runs it
+Hybrids: with a `context` axis as well, `jaxlong.parallel.ulysses.ulysses_attention` all-to-alls heads over `context`
+and runs `ring_attention_local` over `ring` (USP, Fang & Zhao 2024, arXiv 2405.07719); `jaxlong.parallel.upipe` runs it
 for each stage's heads.
 
 Memory per device: q, k, v, out (`[b, S/R, h, d]` each, h the heads this device holds), the lse, one extra
@@ -280,7 +280,7 @@ def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, causal: bool = True, blo
       q: `[batch, seq, heads, head_dim]`, k, v: `[batch, seq, kv_heads, head_dim]`, global, sequence in the
         zigzag layout (`zigzag`) when `causal`; batch over the mesh's `data`/`fsdp` axes if it has them.
       mesh: a mesh with a `ring` axis; any `context` axis must have size 1 (with context > 1 use the
-        Ulysses x ring hybrid, `jaxlong.ulysses.ulysses_attention`).
+        Ulysses x ring hybrid, `jaxlong.parallel.ulysses.ulysses_attention`).
 
     Returns:
       `[batch, seq, heads, head_dim]` in the same layout as q.

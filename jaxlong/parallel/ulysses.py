@@ -14,7 +14,7 @@ Grouped-query attention (H query heads, H_kv key/value heads, C context devices)
   - anything else raises `ConfigError` before tracing.
 
 Ulysses x ring hybrid (USP, Fang & Zhao 2024, arXiv 2405.07719): when the mesh has a `ring` axis of size
-R > 1, the sequence is split over `ring` x `context` (zigzag layout, `jaxlong.ring`); the all-to-alls run over
+R > 1, the sequence is split over `ring` x `context` (zigzag layout, `jaxlong.parallel.ring`); the all-to-alls run over
 `context` only, giving each device `[b, S/R, H/C, d]`, and ring attention over `ring` (K/V blocks passed
 around the R ring ranks) replaces the single-device kernel. The all-to-alls stay inside a node and only the
 ring's point-to-point sends cross nodes.
@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlong.attention.kernels import attention
 from jaxlong.config import check_heads
 from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, axis_size, seq_axes
-from jaxlong.ring import ring_attention_local
+from jaxlong.parallel.ring import ring_attention_local
 
 
 def seq_to_heads(x: jax.Array, axis_name: str = CONTEXT_AXIS) -> jax.Array:
@@ -81,7 +81,7 @@ def ulysses_attention(
 
     Args:
       q: `[batch, seq, heads, head_dim]`, global array; sharded batch over data x fsdp, seq over
-        ring x context (in the zigzag layout when ring > 1, `jaxlong.ring.zigzag`).
+        ring x context (in the zigzag layout when ring > 1, `jaxlong.parallel.ring.zigzag`).
       k, v: `[batch, seq, kv_heads, head_dim]`, same sharding.
       mesh: the `data x fsdp x ring x context` mesh (or `data x fsdp x context`).
       backend, block_q, block_k: the single-device kernel (see `jaxlong.attention.kernels.attention`); with

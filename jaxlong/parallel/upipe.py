@@ -90,9 +90,9 @@ from jaxlong import layers as L
 from jaxlong.attention.kernels import attention_bwd, attention_fwd_with_lse
 from jaxlong.config import check_upipe_schedule
 from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, seq_axes
-from jaxlong.ring import ring_attention_bwd, ring_attention_fwd, zigzag_positions
+from jaxlong.parallel.ring import ring_attention_bwd, ring_attention_fwd, zigzag_positions
 from jaxlong.ordering import opaque_one, zeros_after
-from jaxlong.ulysses import ulysses_attention
+from jaxlong.parallel.ulysses import ulysses_attention
 
 
 def _all_axes() -> tuple[str, ...]:
@@ -283,7 +283,7 @@ def _stage_set(a: jax.Array, val: jax.Array, t, u, axis: int, sch: Schedule) -> 
 
 
 def _seq_to_heads(x: jax.Array) -> jax.Array:
-    """`[b, S/C, U, d]` -> `[b, S, U/C, d]`, as `jaxlong.ulysses.seq_to_heads`, but all-to-all'd along a leading
+    """`[b, S/C, U, d]` -> `[b, S, U/C, d]`, as `jaxlong.parallel.ulysses.seq_to_heads`, but all-to-all'd along a leading
     device axis (split = concat = 0) so each peer's chunk is contiguous and the received chunks are already in
     sequence order: no transposition after the exchange (for b = 1)."""
     b, s, u, d = x.shape
@@ -577,7 +577,7 @@ def upipe_attention(
       positions: int32 `[batch, seq]` RoPE positions (per-document positions of packed documents), sharded like
         the tokens; None: global token indices.
       segment_ids: int32 `[batch, seq]` (0 = padding) or None: document masking. Every device attends over the
-        whole sequence, so they enter whole (`jaxlong.ulysses.gather_segment_ids`: gathered once per step,
+        whole sequence, so they enter whole (`jaxlong.parallel.ulysses.gather_segment_ids`: gathered once per step,
         outside the layer scan) and every stage's kernel reuses them. Not with mesh.ring > 1.
 
     Returns:

@@ -1,0 +1,1 @@
+"""Context-parallel attention: Ulysses (`ulysses`), U-Pipe (`upipe`) and ring attention (`ring`)."""
