@@ -33,11 +33,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxlong import layers as L
 from jaxlong import remat as R
 from jaxlong.config import Config, ModelConfig
-from jaxlong.mesh import (BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, activation_spec, axis_size, batch_spec,
-                          seq_shards, tree_shardings)
+from jaxlong.mesh import RING_AXIS, activation_spec, axis_size, batch_spec, seq_shards, tree_shardings
+from jaxlong.parallel.dispatch import SublayerWeights, attention_sublayer
 from jaxlong.parallel.ring import zigzag_positions
+from jaxlong.parallel.ulysses import gather_segment_ids
 from jaxlong.tiled import default_mlp_tiles, tiled_mlp
-from jaxlong.parallel.ulysses import gather_segment_ids, ulysses_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,48 +96,11 @@ class DecoderLayer(nnx.Module):
 
     def attention_block(self, x: jax.Array, positions: jax.Array, rt: Runtime,
                         segment_ids: jax.Array | None = None) -> jax.Array:
-        """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))`.
-
-        U-Pipe runs the whole sublayer as one op (norm, stages, W_o and the residual; see
-        `jaxlong.parallel.upipe.upipe_attention`), so the tensors named `attn_norm_out`, `query_proj`, `key_proj`,
-        `value_proj` and `attn_out` exist only on the Ulysses path."""
-        mc, ac = rt.cfg.model, rt.cfg.attention
-        if ac.impl == "upipe":
-            from jaxlong.parallel.upipe import upipe_attention  # noqa: PLC0415 (optional op, imported on use)
-
-            return upipe_attention(
-                x, rt.gather(self.wq[...]), rt.gather(self.wk[...]), rt.gather(self.wv[...]),
-                mesh=rt.mesh, heads_per_stage=ac.heads_per_stage or rt.mesh.shape[CONTEXT_AXIS],
-                rope_theta=mc.rope_theta, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k,
-                norm_scale=self.attn_norm[...], norm_eps=mc.norm_eps, out_weight=rt.gather(self.wo[...]),
-                rope_scaling=mc.rope_scaling, qk_norm=self._qk_norm_scales(),
-                positions=positions, segment_ids=segment_ids,
-            )
-        qkv_spec = P(BATCH_AXES, SEQ_AXES, None, None)
-        cos, sin = L.rope_tables(positions, mc.head_dim, mc.rope_theta, mc.rope_scaling)
-
-        def project(x, scale, wq, wk, wv, *qk_scales):
-            h = checkpoint_name(L.rms_norm(x, scale, mc.norm_eps), "attn_norm_out")
-            q = jnp.einsum("bsh,hnd->bsnd", h, wq)
-            k = jnp.einsum("bsh,hnd->bsnd", h, wk)
-            v = jnp.einsum("bsh,hnd->bsnd", h, wv)
-            if qk_scales:  # Qwen3: RMSNorm over head_dim of each query and key head, before RoPE
-                q, k = L.rms_norm(q, qk_scales[0], mc.norm_eps), L.rms_norm(k, qk_scales[1], mc.norm_eps)
-            q = checkpoint_name(rt.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
-            k = checkpoint_name(rt.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
-            return q, k, checkpoint_name(rt.constrain(v, qkv_spec), "value_proj")
-
-        if rt.cfg.remat.policy in ("full", "offload"):
-            # The layer is recomputed in its backward anyway; checkpointing the projection as well makes the
-            # normalized input `[b, S/C, hidden]` a recomputation at the weight-gradient step instead of a
-            # buffer held from the layer's recompute through the whole attention backward (its peak).
-            project = jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable)
-        weights = (rt.gather(self.wq[...]), rt.gather(self.wk[...]), rt.gather(self.wv[...]))
-        q, k, v = project(x, self.attn_norm[...], *weights, *(self._qk_norm_scales() if mc.qk_norm else ()))
-        attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=rt.attention_backend, block_q=ac.block_q,
-                                 block_k=ac.block_k, segment_ids=segment_ids)
-        attn = checkpoint_name(attn, "attn_out")
-        return x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(self.wo[...]))
+        """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))`, by the
+        method `attention.impl` names (`jaxlong.parallel.dispatch`)."""
+        weights = SublayerWeights(self.attn_norm[...], self.wq[...], self.wk[...], self.wv[...], self.wo[...],
+                                  self._qk_norm_scales())
+        return attention_sublayer(x, weights, positions, segment_ids, rt)
 
     def _qk_norm_scales(self):
         """(q_norm, k_norm) scales `[head_dim]` (Qwen3), or None."""

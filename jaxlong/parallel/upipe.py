@@ -635,6 +635,25 @@ def upipe_attention(
                          out_specs=out_spec, check_vma=True)(x, *weights, *extra)
 
 
+def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | None, rt) -> jax.Array:
+    """The attention sublayer run by U-Pipe as one op: RMSNorm, the head stages, W_o and the residual
+    (`upipe_attention` with `norm_scale=` and `out_weight=`), U = `attention.heads_per_stage` (0: C).
+
+    Args and returns as `jaxlong.parallel.ulysses.sublayer` (`w`: `SublayerWeights`, gathered here). The
+    tensors named `attn_norm_out`, `query_proj`, `key_proj`, `value_proj` and `attn_out` do not exist on
+    this path: the op saves only the layer input and its output buffer.
+    """
+    mc, ac = rt.cfg.model, rt.cfg.attention
+    return upipe_attention(
+        x, rt.gather(w.wq), rt.gather(w.wk), rt.gather(w.wv),
+        mesh=rt.mesh, heads_per_stage=ac.heads_per_stage or rt.mesh.shape[CONTEXT_AXIS],
+        rope_theta=mc.rope_theta, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k,
+        norm_scale=w.norm, norm_eps=mc.norm_eps, out_weight=rt.gather(w.wo),
+        rope_scaling=mc.rope_scaling, qk_norm=w.qk_norm,
+        positions=positions, segment_ids=segment_ids,
+    )
+
+
 def attention_layer(impl: str, mesh: jax.sharding.Mesh, *, heads_per_stage: int | None = None,
                     rope_theta: float = 500000.0, backend: str = "auto", block_q: int = 512, block_k: int = 512):
     """One attention layer from its normalized input, as `jaxlong.model` runs it: `(x, wq, wk, wv) -> out`
