@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from jaxlong.config import ConfigError, load_config, validate
+from jaxlong.config import ConfigError, load_config
 from jaxlong.plan.planner import __doc__ as _PLAN_DOC
 from jaxlong.plan.planner import _ctx, _gib, format_table, ladder, max_context, parse_bytes, plan, plot_ladder
 
@@ -50,18 +50,18 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
         target = None
         if args.target:
             if _target_usable():
                 from jaxlong.plan.target import parse_target  # noqa: PLC0415
 
                 target = parse_target(args.target)
-                cfg.mesh.num_devices = target.devices
-                validate(cfg)
             else:
                 print(f"note: --target {args.target} needs the CUDA plugin (pip install 'jax[cuda12]'); "
                       f"planning on the CPU instead", file=sys.stderr)
+        # The target's devices are the mesh's: the config is validated for them (e.g. mesh.ring=2 on h100:8x2).
+        devices = [f"mesh.num_devices={target.devices}"] if target else []
+        cfg = load_config(args.config, [*args.overrides, *devices])
         budget = parse_bytes(args.budget) if args.budget else (target.device_memory if target else 80 * 1024**3)
         host_budget = parse_bytes(args.host_budget, option="--host-budget")
         per_node = target.devices_per_node if target else min(cfg.mesh.num_devices, 8)
