@@ -630,19 +630,29 @@ def check_upipe_schedule(heads: int, kv_heads: int, context: int, heads_per_stag
         )
 
 
+def context_degrees(heads: int, kv_heads: int) -> list[int]:
+    """The `mesh.context` degrees Ulysses (and U-Pipe) can split `heads` query and `kv_heads` KV heads over:
+    C divides `heads`, and KV heads are split (C divides kv_heads) or replicated (kv_heads divides C)."""
+    return [c for c in range(1, heads + 1) if heads % c == 0 and (kv_heads % c == 0 or c % kv_heads == 0)]
+
+
 def check_heads(heads: int, kv_heads: int, context: int) -> None:
     """Ulysses splits heads over the context axis.
 
     Raises:
-      ConfigError: `heads` is not divisible by `context`, or neither of kv_heads and context divides the other.
+      ConfigError: `heads` is not divisible by `context`, or neither of kv_heads and context divides the other;
+        the message lists the context degrees that work (`context_degrees`).
     """
+    valid = context_degrees(heads, kv_heads)
     if heads % context:
         raise ConfigError(
             f"model.heads={heads} is not divisible by mesh.context={context}: Ulysses gives each device "
-            f"heads/context whole heads; use a context degree that divides {heads}"
+            f"heads/context whole heads; use a context degree that divides {heads}: mesh.context in {valid} "
+            f"(put the rest of the sequence split on mesh.ring)"
         )
     if kv_heads % context and context % kv_heads:
         raise ConfigError(
             f"model.kv_heads={kv_heads} and mesh.context={context}: KV heads are split when kv_heads is "
-            f"divisible by context and replicated when context is divisible by kv_heads; neither holds"
+            f"divisible by context and replicated when context is divisible by kv_heads; neither holds; "
+            f"mesh.context in {valid} works"
         )

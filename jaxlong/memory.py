@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ladder", action="store_true", help="add the techniques one at a time (paper Fig. 1)")
     p.add_argument("--max-context", action="store_true",
                    help="largest seq_len that fits (for the config, or per rung with --ladder)")
+    p.add_argument("--start", type=int, default=None,
+                   help="first length the max-context search tries, tokens (default 262144 on a GPU target, "
+                        "else 65536); the search doubles from it")
     p.add_argument("--out", default=None, help="directory for ladder .md/.csv/.png")
     p.add_argument("--dump", default=None, help="XLA dump directory (buffer assignment, memory-usage report)")
     p.add_argument("overrides", nargs="*")
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
           f"host {_gib(host_budget)} GiB per node, compute {cfg.compute_dtype}")
     rungs = ladder(cfg) if args.ladder else [("config", "as given", cfg)]
     kw = dict(headroom=args.headroom, collective_buffers=collectives)
-    start = 262144 if target else 65536  # first length the max-context search tries
+    start = args.start or (262144 if target else 65536)  # first length the max-context search tries
     rows, cpu = [], False
     for name, what, c in rungs:
         row = {"name": name, "what": what}
