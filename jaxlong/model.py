@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlong import layers as L
 from jaxlong import remat as R
+from jaxlong.attention.kernels import resolve_backend
 from jaxlong.config import Config, ModelConfig
 from jaxlong.mesh import RING_AXIS, activation_spec, axis_size, batch_spec, seq_shards, tree_shardings
 from jaxlong.parallel.dispatch import SublayerWeights, attention_sublayer
@@ -55,8 +56,6 @@ class Runtime:
     def attention_backend(self) -> str:
         """`attention.backend` with `auto` resolved for the mesh's devices (GPU compile-only devices included) and
         the batches (`data.packing=documents` carries segment ids, which only the blockwise kernel masks)."""
-        from jaxlong.attention.kernels import resolve_backend  # noqa: PLC0415
-
         probe = jax.ShapeDtypeStruct((self.cfg.model.head_dim,), self.compute_dtype)
         packed = self.cfg.data.packing == "documents"  # batches carry segment ids: document masking
         return resolve_backend(self.cfg.attention.backend, probe, segment_ids=True if packed else None,

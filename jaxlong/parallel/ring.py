@@ -264,6 +264,17 @@ def _ring_vjp_bwd(axis_name, causal, block_q, block_k, res, dout):
 _ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
 
 
+def check_no_segments(segment_ids) -> None:
+    """Ring attention has no document masking (the zigzag blocks assume one causal stream per row).
+
+    Raises:
+      ValueError: `segment_ids` is not None (`jaxlong.config.validate` rejects `mesh.ring` > 1 with
+        `data.packing=documents` first).
+    """
+    if segment_ids is not None:
+        raise ValueError("ring attention does not mask packed documents: with mesh.ring > 1 use data.packing=concat")
+
+
 def ring_attention_local(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = True, block_q: int = 512,
                          block_k: int = 512) -> jax.Array:
     """Differentiable ring attention on local shards inside `jax.shard_map` (`custom_vjp`: forward

@@ -36,7 +36,7 @@ from jaxlong import layers as L
 from jaxlong.attention.kernels import attention
 from jaxlong.config import check_heads
 from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, axis_size, seq_axes
-from jaxlong.parallel.ring import ring_attention_local
+from jaxlong.parallel.ring import check_no_segments, ring_attention_local
 
 
 def seq_to_heads(x: jax.Array, axis_name: str = CONTEXT_AXIS) -> jax.Array:
@@ -105,8 +105,8 @@ def ulysses_attention(
     spec = P(BATCH_AXES, seq_axes(mesh), None, None)
     ring = axis_size(mesh, RING_AXIS)
     kernel = dict(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
-    if ring > 1 and segment_ids is not None:
-        raise ValueError("ring attention does not mask packed documents: with mesh.ring > 1 use data.packing=concat")
+    if ring > 1:
+        check_no_segments(segment_ids)
 
     if segment_ids is None:
         def local(q, k, v):

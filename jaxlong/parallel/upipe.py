@@ -90,7 +90,7 @@ from jaxlong import layers as L
 from jaxlong.attention.kernels import attention_bwd, attention_fwd_with_lse
 from jaxlong.config import check_upipe_schedule
 from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, seq_axes
-from jaxlong.parallel.ring import ring_attention_bwd, ring_attention_fwd, zigzag_positions
+from jaxlong.parallel.ring import check_no_segments, ring_attention_bwd, ring_attention_fwd, zigzag_positions
 from jaxlong.ordering import opaque_one, zeros_after
 from jaxlong.parallel.ulysses import ulysses_attention
 
@@ -109,9 +109,7 @@ def _attention_fwd(q, k, v, kernel: dict, seg=None):
     """The stage's attention on `[b, S/R, U/C, d]`: ring attention over `ring` (U-Pipe x ring) when R > 1;
     `seg`: segment ids of the whole sequence (document masking; not with ring attention)."""
     if _ring_size() > 1:
-        if seg is not None:
-            raise ValueError("ring attention does not mask packed documents: with mesh.ring > 1 use "
-                             "data.packing=concat")
+        check_no_segments(seg)
         return ring_attention_fwd(q, k, v, causal=kernel["causal"], block_q=kernel["block_q"],
                                   block_k=kernel["block_k"])
     return attention_fwd_with_lse(q, k, v, segment_ids=seg, **kernel)
