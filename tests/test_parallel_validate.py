@@ -91,3 +91,20 @@ def test_memory_cli_validates_for_the_target_topology(capsys):
     assert main(["--target", "h100:8x2", "--config", LLAMA_8B, "mesh.ring=2", "mesh.context=8",
                  "data.packing=concat", "seq_len=1048592"]) == 2
     assert "2*mesh.ring*mesh.context = 2*2*8 = 32" in capsys.readouterr().err
+
+
+def test_ring_meshes_resolve_the_blockwise_kernel_on_gpu_targets():
+    """Ring attention runs the blockwise kernel per block whatever `attention.backend` says, so on a GPU
+    target a ring mesh resolves `auto` to `blockwise` (no cuDNN workspace is planned for it); one node of
+    Ulysses resolves to cuDNN. Mesh construction only, nothing compiles."""
+    from helpers import tiny_cfg
+    from jaxlong.mesh import build_mesh
+    from jaxlong.model import Runtime
+    from jaxlong.plan.target import compile_only_devices, cuda_plugin_available, parse_target
+
+    if not cuda_plugin_available():
+        pytest.skip("GPU targets need the CUDA plugin (jax[cuda12])")
+    devices = compile_only_devices(parse_target("h100:4x2"))
+    for overrides, backend in ((["mesh.ring=2", "mesh.context=4"], "blockwise"), (["mesh.context=8"], "cudnn")):
+        cfg = tiny_cfg("compute_dtype=bfloat16", "mesh.fsdp=1", "data.packing=concat", *overrides)
+        assert Runtime(mesh=build_mesh(cfg.mesh, devices=devices), cfg=cfg).attention_backend == backend
