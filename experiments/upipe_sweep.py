@@ -1,5 +1,5 @@
 """U-Pipe vs Ulysses: compiled per-device memory of one attention layer and of the train step, next to the
-analytic model (`jaxlong.upipe.attention_memory_model`), and tokens/s of each variant measured side by side.
+analytic model (`jaxlong.parallel.upipe.attention_memory_model`), and tokens/s of each variant measured side by side.
 
 For each model shape, at `--seq` tokens on the `--mesh` (data,fsdp,context), with simulated CPU devices:
   * one attention layer (normalized input -> output before W_o), forward and forward + backward (a `jax.vjp`
@@ -76,7 +76,7 @@ def shapes_of(spec: str) -> dict[str, tuple]:
 
 def valid_us(heads: int, kv_heads: int, context: int) -> list[int]:
     from jaxlong.config import ConfigError  # noqa: PLC0415
-    from jaxlong.upipe import Schedule  # noqa: PLC0415
+    from jaxlong.parallel.upipe import Schedule  # noqa: PLC0415
 
     out = []
     for u in range(heads, context - 1, -context):
@@ -128,7 +128,7 @@ def fwd_bwd(layer):
 
 def memory_sweep(args, mesh, name, shape, us):
     import jax  # noqa: PLC0415
-    from jaxlong.upipe import attention_layer, attention_memory_model  # noqa: PLC0415
+    from jaxlong.parallel.upipe import attention_layer, attention_memory_model  # noqa: PLC0415
 
     heads, kv_heads, d, hidden, _ = shape
     data, fsdp, context = mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["context"]
@@ -181,7 +181,7 @@ def speed_sweep(args, mesh):
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
     from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
-    from jaxlong.upipe import attention_layer  # noqa: PLC0415
+    from jaxlong.parallel.upipe import attention_layer  # noqa: PLC0415
 
     heads, kv_heads, d, hidden = (int(v) for v in args.time_shape.split(","))
     context = mesh.shape["context"]
@@ -245,8 +245,8 @@ def markdown(args, command, shapes, mem_rows, speed_rows, png_name):
            f"({args.mesh}); written {datetime.datetime.now().isoformat(timespec='seconds')}.", "",
            "All tensors float32 (XLA's CPU backend computes bf16 matmuls and all-to-alls in float32, so bf16 "
            "figures would not be what a GPU uses). Bytes are per device, MiB, from `Compiled.memory_analysis()` "
-           "(compile only, nothing allocated). `model` is `jaxlong.upipe.attention_memory_model` (per-tensor, see "
-           "the module docstring of `jaxlong/upipe.py`); error = (model - measured) / measured.", "",
+           "(compile only, nothing allocated). `model` is `jaxlong.parallel.upipe.attention_memory_model` (per-tensor, see "
+           "the module docstring of `jaxlong/parallel/upipe.py`); error = (model - measured) / measured.", "",
            f"![memory]({png_name})", ""]
     for name, shape in shapes.items():
         heads, kv_heads, d, hidden, _ = shape

@@ -83,7 +83,7 @@ class MeshConfig:
     """Device mesh `data x fsdp x ring x context`. -1 on one axis means "all remaining devices".
 
     The sequence is split over `ring` x `context`: Ulysses all-to-alls over `context` (inside a node), ring
-    attention over `ring` (across nodes; `jaxlong.ring`). With ring > 1 both `attention.impl`s run as hybrids.
+    attention over `ring` (across nodes; `jaxlong.parallel.ring`). With ring > 1 both `attention.impl`s run as hybrids.
 
     `num_devices` is the number of simulated devices when the platform is the CPU (the entry point sets
     `--xla_force_host_platform_device_count` before importing jax); on GPUs the real device count is used.
@@ -530,7 +530,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
 
 
 def check_ring(seq_len: int, ring: int, context: int, block_q: int, block_k: int) -> None:
-    """Ring attention's zigzag layout (`jaxlong.ring`) cuts the sequence into 2*ring chunks, each split over
+    """Ring attention's zigzag layout (`jaxlong.parallel.ring`) cuts the sequence into 2*ring chunks, each split over
     `context`, and runs the kernel on blocks of seq_len/(2*ring) tokens.
 
     Raises:
@@ -603,7 +603,7 @@ def check_attention_block(key: str, block: int, seq: int) -> None:
 
 
 def check_upipe_schedule(heads: int, kv_heads: int, context: int, heads_per_stage: int) -> None:
-    """U-Pipe's stage schedule exists (`jaxlong.upipe.Schedule`, Untied Ulysses §3.3 with GQA).
+    """U-Pipe's stage schedule exists (`jaxlong.parallel.upipe.Schedule`, Untied Ulysses §3.3 with GQA).
 
     Raises:
       ConfigError: heads/KV heads not splittable over `context` (`check_heads`); `heads_per_stage` (U) not a
@@ -630,19 +630,29 @@ def check_upipe_schedule(heads: int, kv_heads: int, context: int, heads_per_stag
         )
 
 
+def context_degrees(heads: int, kv_heads: int) -> list[int]:
+    """The `mesh.context` degrees Ulysses (and U-Pipe) can split `heads` query and `kv_heads` KV heads over:
+    C divides `heads`, and KV heads are split (C divides kv_heads) or replicated (kv_heads divides C)."""
+    return [c for c in range(1, heads + 1) if heads % c == 0 and (kv_heads % c == 0 or c % kv_heads == 0)]
+
+
 def check_heads(heads: int, kv_heads: int, context: int) -> None:
     """Ulysses splits heads over the context axis.
 
     Raises:
-      ConfigError: `heads` is not divisible by `context`, or neither of kv_heads and context divides the other.
+      ConfigError: `heads` is not divisible by `context`, or neither of kv_heads and context divides the other;
+        the message lists the context degrees that work (`context_degrees`).
     """
+    valid = context_degrees(heads, kv_heads)
     if heads % context:
         raise ConfigError(
             f"model.heads={heads} is not divisible by mesh.context={context}: Ulysses gives each device "
-            f"heads/context whole heads; use a context degree that divides {heads}"
+            f"heads/context whole heads; use a context degree that divides {heads}: mesh.context in {valid} "
+            f"(put the rest of the sequence split on mesh.ring)"
         )
     if kv_heads % context and context % kv_heads:
         raise ConfigError(
             f"model.kv_heads={kv_heads} and mesh.context={context}: KV heads are split when kv_heads is "
-            f"divisible by context and replicated when context is divisible by kv_heads; neither holds"
+            f"divisible by context and replicated when context is divisible by kv_heads; neither holds; "
+            f"mesh.context in {valid} works"
         )

@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from jaxlong.config import ConfigError, load_config, validate
+from jaxlong.config import ConfigError, load_config
 from jaxlong.plan import fit_cli
 from jaxlong.plan.planner import __doc__ as _PLAN_DOC
 from jaxlong.plan.cost import _sig
@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--estimate", action="store_true",
                    help="also count the compiled step's FLOPs, HBM and collective bytes and estimate step time, "
                         "tokens/s per GPU and MFU (roofline; needs a GPU target)")
+    p.add_argument("--start", type=int, default=None,
+                   help="first length the max-context search tries, tokens (default 262144 on a GPU target, "
+                        "else 65536); the search doubles from it")
     p.add_argument("--out", default=None, help="directory for ladder .md/.csv/.png")
     p.add_argument("--dump", default=None, help="XLA dump directory (buffer assignment, memory-usage report)")
     p.add_argument("overrides", nargs="*")
@@ -62,18 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.fit:  # the fastest configuration that fits (`jaxlong.plan.fit`)
         return fit_cli.main(args, args.overrides)
     try:
-        cfg = load_config(args.config, args.overrides)
         target = None
         if args.target:
             if _target_usable():
                 from jaxlong.plan.target import parse_target  # noqa: PLC0415
 
                 target = parse_target(args.target)
-                cfg.mesh.num_devices = target.devices
-                validate(cfg)
             else:
                 print(f"note: --target {args.target} needs the CUDA plugin (pip install 'jax[cuda12]'); "
                       f"planning on the CPU instead", file=sys.stderr)
+        # The target's devices are the mesh's: the config is validated for them (e.g. mesh.ring=2 on h100:8x2).
+        devices = [f"mesh.num_devices={target.devices}"] if target else []
+        cfg = load_config(args.config, [*args.overrides, *devices])
         if args.estimate and (target is None and not _gpu_present()):
             raise ConfigError("--estimate needs a GPU target (--target h100, h200 or a100, with the CUDA plugin): "
                               "the CPU compile's blockwise attention loops cannot be counted")
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
           f"host {_gib(host_budget)} GiB per node, compute {cfg.compute_dtype}")
     rungs = ladder(cfg) if args.ladder else [("config", "as given", cfg)]
     kw = dict(headroom=args.headroom, collective_buffers=collectives)
-    start = 262144 if target else 65536  # first length the max-context search tries
+    start = args.start or (262144 if target else 65536)  # first length the max-context search tries
     rows, cpu = [], False
     for name, what, c in rungs:
         row = {"name": name, "what": what}

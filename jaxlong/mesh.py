@@ -1,10 +1,10 @@
 """The device mesh and how parameters, optimizer state and activations are laid out on it.
 
 Mesh axes (in this order): `data` (pure data parallelism), `fsdp` (ZeRO-3 parameter sharding; the batch is
-also split over it), `ring` (ring attention, `jaxlong.ring`: the across-node part of context parallelism) and
+also split over it), `ring` (ring attention, `jaxlong.parallel.ring`: the across-node part of context parallelism) and
 `context` (Ulysses context parallelism: attention re-splits heads over it with an all-to-all). The sequence
 axis of activations is split over `ring` x `context` (`SEQ_AXES`, ring-major); with ring > 1 the sequence is
-in the zigzag layout (`jaxlong.ring.zigzag`), so ring rank r's `S/R` tokens are chunks r and 2R-1-r.
+in the zigzag layout (`jaxlong.parallel.ring.zigzag`), so ring rank r's `S/R` tokens are chunks r and 2R-1-r.
 
 FSDP (ZeRO-3, design brief §2): every parameter, its gradient and its optimizer state are sharded over all
 devices of `fsdp` x `ring` x `context` together (`FSDP_AXES`). The rule is per leaf: the most major dimension

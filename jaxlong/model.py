@@ -16,7 +16,7 @@ the transpose of that gather reduce-scatters the gradients.
 
 Packed documents (`positions`, `segment_ids` `[batch, seq]` from the batch): RoPE rotates by each token's
 position within its document, and attention masks across documents. The segment ids are gathered whole onto
-every context device once, before the layer scan (`jaxlong.ulysses.gather_segment_ids`), and every layer
+every context device once, before the layer scan (`jaxlong.parallel.ulysses.gather_segment_ids`), and every layer
 reuses them.
 """
 
@@ -32,12 +32,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlong import layers as L
 from jaxlong import remat as R
+from jaxlong.attention.kernels import resolve_backend
 from jaxlong.config import Config, ModelConfig
-from jaxlong.mesh import (BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, activation_spec, axis_size, batch_spec,
-                          seq_shards, tree_shardings)
-from jaxlong.ring import zigzag_positions
+from jaxlong.mesh import RING_AXIS, activation_spec, axis_size, batch_spec, seq_shards, tree_shardings
+from jaxlong.parallel.dispatch import SublayerWeights, attention_sublayer
+from jaxlong.parallel.ring import zigzag_positions
+from jaxlong.parallel.ulysses import gather_segment_ids
 from jaxlong.tiled import default_mlp_tiles, tiled_mlp
-from jaxlong.ulysses import gather_segment_ids, ulysses_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +55,10 @@ class Runtime:
     @property
     def attention_backend(self) -> str:
         """`attention.backend` with `auto` resolved for the mesh's devices (GPU compile-only devices included) and
-        the batches (`data.packing=documents` carries segment ids, which only the blockwise kernel masks)."""
-        from jaxlong.attention.kernels import resolve_backend  # noqa: PLC0415
-
+        the batches (`data.packing=documents` carries segment ids, which only the blockwise kernel masks). With
+        `mesh.ring` > 1 it is `blockwise`: ring attention's per-block kernel (`jaxlong.parallel.ring`)."""
+        if axis_size(self.mesh, RING_AXIS) > 1:
+            return "blockwise"
         probe = jax.ShapeDtypeStruct((self.cfg.model.head_dim,), self.compute_dtype)
         packed = self.cfg.data.packing == "documents"  # batches carry segment ids: document masking
         return resolve_backend(self.cfg.attention.backend, probe, segment_ids=True if packed else None,
@@ -96,48 +98,11 @@ class DecoderLayer(nnx.Module):
 
     def attention_block(self, x: jax.Array, positions: jax.Array, rt: Runtime,
                         segment_ids: jax.Array | None = None) -> jax.Array:
-        """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))`.
-
-        U-Pipe runs the whole sublayer as one op (norm, stages, W_o and the residual; see
-        `jaxlong.upipe.upipe_attention`), so the tensors named `attn_norm_out`, `query_proj`, `key_proj`,
-        `value_proj` and `attn_out` exist only on the Ulysses path."""
-        mc, ac = rt.cfg.model, rt.cfg.attention
-        if ac.impl == "upipe":
-            from jaxlong.upipe import upipe_attention  # noqa: PLC0415 (optional op, imported on use)
-
-            return upipe_attention(
-                x, rt.gather(self.wq[...]), rt.gather(self.wk[...]), rt.gather(self.wv[...]),
-                mesh=rt.mesh, heads_per_stage=ac.heads_per_stage or rt.mesh.shape[CONTEXT_AXIS],
-                rope_theta=mc.rope_theta, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k,
-                norm_scale=self.attn_norm[...], norm_eps=mc.norm_eps, out_weight=rt.gather(self.wo[...]),
-                rope_scaling=mc.rope_scaling, qk_norm=self._qk_norm_scales(),
-                positions=positions, segment_ids=segment_ids,
-            )
-        qkv_spec = P(BATCH_AXES, SEQ_AXES, None, None)
-        cos, sin = L.rope_tables(positions, mc.head_dim, mc.rope_theta, mc.rope_scaling)
-
-        def project(x, scale, wq, wk, wv, *qk_scales):
-            h = checkpoint_name(L.rms_norm(x, scale, mc.norm_eps), "attn_norm_out")
-            q = jnp.einsum("bsh,hnd->bsnd", h, wq)
-            k = jnp.einsum("bsh,hnd->bsnd", h, wk)
-            v = jnp.einsum("bsh,hnd->bsnd", h, wv)
-            if qk_scales:  # Qwen3: RMSNorm over head_dim of each query and key head, before RoPE
-                q, k = L.rms_norm(q, qk_scales[0], mc.norm_eps), L.rms_norm(k, qk_scales[1], mc.norm_eps)
-            q = checkpoint_name(rt.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
-            k = checkpoint_name(rt.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
-            return q, k, checkpoint_name(rt.constrain(v, qkv_spec), "value_proj")
-
-        if rt.cfg.remat.policy in ("full", "offload"):
-            # The layer is recomputed in its backward anyway; checkpointing the projection as well makes the
-            # normalized input `[b, S/C, hidden]` a recomputation at the weight-gradient step instead of a
-            # buffer held from the layer's recompute through the whole attention backward (its peak).
-            project = jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable)
-        weights = (rt.gather(self.wq[...]), rt.gather(self.wk[...]), rt.gather(self.wv[...]))
-        q, k, v = project(x, self.attn_norm[...], *weights, *(self._qk_norm_scales() if mc.qk_norm else ()))
-        attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=rt.attention_backend, block_q=ac.block_q,
-                                 block_k=ac.block_k, segment_ids=segment_ids)
-        attn = checkpoint_name(attn, "attn_out")
-        return x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(self.wo[...]))
+        """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))`, by the
+        method `attention.impl` names (`jaxlong.parallel.dispatch`)."""
+        weights = SublayerWeights(self.attn_norm[...], self.wq[...], self.wk[...], self.wv[...], self.wo[...],
+                                  self._qk_norm_scales())
+        return attention_sublayer(x, weights, positions, segment_ids, rt)
 
     def _qk_norm_scales(self):
         """(q_norm, k_norm) scales `[head_dim]` (Qwen3), or None."""
@@ -170,7 +135,7 @@ class Llama(nnx.Module):
     """Llama-3 decoder-only model. `__call__(tokens [b, s] int32, rt)` -> final hidden states `[b, s, hidden]`.
 
     With `mesh.ring` > 1 the tokens (and the hidden states returned) are in ring attention's zigzag layout
-    (`jaxlong.ring.zigzag`; `jaxlong.step.loss_fn` permutes the batch) and RoPE uses their original positions.
+    (`jaxlong.parallel.ring.zigzag`; `jaxlong.step.loss_fn` permutes the batch) and RoPE uses their original positions.
 
     The output head is separate (`head_weight`) so the loss can be computed over sequence tiles without
     materializing `[b, s, vocab]` logits.

@@ -14,7 +14,7 @@ they should. Two compiler habits do that to the ops in this package:
 always false at run time. The compiler can prove neither, so the buffer is created after `dep`, inside the
 loop that computes `dep`, and its values are exactly zero (NaN or Inf in `dep` cannot leak: `where`
 selects, it does not multiply). `opaque_one` is the same trick for a multiplicative 1 (see
-`jaxlong.upipe._backward`). Both need the mesh axes of the enclosing `jax.shard_map` (by default the axes
+`jaxlong.parallel.upipe._backward`). Both need the mesh axes of the enclosing `jax.shard_map` (by default the axes
 `dep` varies over); outside `shard_map` they return plain constants.
 """
 

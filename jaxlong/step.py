@@ -15,7 +15,7 @@ from jaxlong import loss as loss_lib
 from jaxlong import model as model_lib
 from jaxlong.config import Config
 from jaxlong.mesh import BATCH_AXES, RING_AXIS, axis_size, batch_spec, replicated, seq_axes, seq_shards, tree_shardings
-from jaxlong.ring import zigzag
+from jaxlong.parallel.ring import zigzag
 from jaxlong.tiled import default_loss_tile, tiled_loss_sum
 
 

@@ -98,7 +98,7 @@ def test_custom_vjp_saves_only_q_k_v_out_lse():
 
 def _layer_calls(impl: str, u: int | None = None) -> tuple[int, int]:
     """cuDNN calls of one attention layer's forward + backward (Llama-3.1-8B head shapes, bf16, C = 8)."""
-    from jaxlong.upipe import attention_layer
+    from jaxlong.parallel.upipe import attention_layer
 
     mesh, s = _mesh(), 8192
     heads, kv_heads, d, hidden = 32, 8, 128, 4096

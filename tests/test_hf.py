@@ -155,7 +155,7 @@ def test_upipe_qk_norm_and_yarn_match_dense(case):
     """U-Pipe normalizes each stage's query heads and its KV group's key heads inside the op; the loss and the
     gradients of x, the attention norm, W_q, W_k, W_v, W_o, q_norm and k_norm equal autodiff of the dense
     sublayer (q/k norm, YaRN-scaled RoPE with its attention factor, reference attention)."""
-    from jaxlong.upipe import upipe_attention  # noqa: PLC0415
+    from jaxlong.parallel.upipe import upipe_attention  # noqa: PLC0415
 
     heads, kv, context, u, fsdp = UPIPE_CASES[case]
     mesh = jax.make_mesh((1, fsdp, context), ("data", "fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 3)

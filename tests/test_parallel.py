@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import assert_matches_single_device, loss_and_grads, random_batch, reference_cfg, tiny_cfg
 from jaxlong.layers import apply_rope, rope_tables
-from jaxlong.ulysses import ulysses_attention
+from jaxlong.parallel.ulysses import ulysses_attention
 from jaxlong.attention.kernels import reference_attention
 
 

@@ -97,7 +97,7 @@ def _upipe_layer_memory(u: int, dump_root: str) -> tuple[int, int]:
     """(allocated temp bytes, live bytes at the device peak from XLA's buffer assignment) of one attention
     layer's forward + backward (Llama-3-8B head shapes, bf16) on 8 compile-only H100s."""
     from jaxlong.plan.peak import device_peak
-    from jaxlong.upipe import attention_layer
+    from jaxlong.parallel.upipe import attention_layer
 
     devices = compile_only_devices(parse_target("h100"))
     mesh = jax.make_mesh((1, 1, C), ("data", "fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 3,

@@ -10,8 +10,8 @@ from helpers import assert_matches_single_device, tiny_cfg
 from jaxlong.attention.kernels import reference_attention
 from jaxlong.config import ConfigError
 from jaxlong.layers import apply_rope, rms_norm, rope_tables
-from jaxlong.upipe import Schedule, upipe_attention
-from jaxlong.ulysses import ulysses_attention
+from jaxlong.parallel.upipe import Schedule, upipe_attention
+from jaxlong.parallel.ulysses import ulysses_attention
 
 CASES = {
     # name: (heads, kv_heads, context, U, fsdp, batch)

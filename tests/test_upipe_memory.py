@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlong.attention.kernels import blockwise_attention
 from jaxlong.layers import apply_rope, rope_tables
-from jaxlong.ulysses import heads_to_seq, seq_to_heads
-from jaxlong.upipe import attention_layer, attention_memory_model
+from jaxlong.parallel.ulysses import heads_to_seq, seq_to_heads
+from jaxlong.parallel.upipe import attention_layer, attention_memory_model
 
 S, C, BLOCK = 262144, 8, 1024
 SHAPES = {  # heads, kv_heads, head_dim, hidden

@@ -47,7 +47,7 @@ GiB = 1024**3
 # The paper's Figure 1 order (design brief §2): each rung adds one technique to the one before.
 LADDER = [
     ("default", "1 device: whole model, optimizer and sequence",
-     ["mesh.num_devices=1", "mesh.data=1", "mesh.fsdp=1", "mesh.context=1", "remat.policy=none",
+     ["mesh.num_devices=1", "mesh.data=1", "mesh.fsdp=1", "mesh.ring=1", "mesh.context=1", "remat.policy=none",
       "tiling.loss=false", "tiling.mlp=false", "attention.impl=ulysses"]),
     ("fsdp", "ZeRO-3 over N devices, one sequence per device",
      ["mesh.data=1", "mesh.fsdp=-1", "mesh.context=1", "global_batch={n}"]),
@@ -57,6 +57,14 @@ LADDER = [
     ("+offload", "layer inputs offloaded to pinned host memory", ["remat.policy=offload"]),
     ("+tiled loss & MLP", "ALST sequence tiling", ["tiling.loss=true", "tiling.mlp=true"]),
     ("+U-Pipe", "head-chunked Ulysses, U = C", ["attention.impl=upipe", "attention.heads_per_stage=0"]),
+]
+# With mesh.ring = R > 1 (several nodes), the ladder goes on across nodes: Ulysses over C = N/R devices inside
+# a node, ring attention over the R nodes (USP hybrid), then U-Pipe's stages each running the ring.
+HYBRID_LADDER = [
+    ("+ulysses x ring", "Ulysses over {c} devices x ring attention over {r} (USP hybrid)",
+     ["mesh.ring={r}", "mesh.context={c}", "attention.impl=ulysses", "data.packing=concat"]),
+    ("+U-Pipe x ring", "U-Pipe stages over {c} devices, each stage a ring over {r}",
+     ["attention.impl=upipe", "attention.heads_per_stage=0"]),
 ]
 
 
@@ -245,18 +253,20 @@ def fits(p: dict, budget: int, host_budget: int | None = None) -> bool:
     return p["total"] <= budget and (host_budget is None or p["host_per_node"] <= host_budget)
 
 
-def apply_rung(cfg: Config, overrides: list[str], n: int) -> Config:
+def apply_rung(cfg: Config, overrides: list[str], n: int, **sizes: int) -> Config:
     from jaxlong.config import _apply, parse_override  # noqa: PLC0415
 
     out = copy.deepcopy(cfg)
     for text in overrides:
-        _apply(out, *parse_override(text.format(n=n)))
+        _apply(out, *parse_override(text.format(n=n, **sizes)))
     return out
 
 
 def ladder(cfg: Config) -> list[tuple[str, str, Config]]:
-    """The configs of the ladder rungs for `cfg`'s model and sequence length, cumulative, in paper order."""
-    n = cfg.mesh.num_devices
+    """The configs of the ladder rungs for `cfg`'s model and sequence length, cumulative, in paper order;
+    with `mesh.ring` = R > 1, then the hybrid rungs (`HYBRID_LADDER`: Ulysses x ring, U-Pipe x ring, with
+    context N/R)."""
+    n, r = cfg.mesh.num_devices, cfg.mesh.ring
     rungs, cur = [], copy.deepcopy(cfg)
     cur.mesh.num_devices = n
     for i, (name, what, overrides) in enumerate(LADDER):
@@ -264,6 +274,10 @@ def ladder(cfg: Config) -> list[tuple[str, str, Config]]:
         if i == 1:
             cur.mesh.num_devices = n
         rungs.append((name, what, copy.deepcopy(cur)))
+    if r > 1 and n % r == 0:
+        for name, what, overrides in HYBRID_LADDER:
+            cur = apply_rung(cur, overrides, n, r=r, c=n // r)
+            rungs.append((name, what.format(r=r, c=n // r), copy.deepcopy(cur)))
     return rungs
 
 

@@ -90,9 +90,9 @@ from jaxlong import layers as L
 from jaxlong.attention.kernels import attention_bwd, attention_fwd_with_lse
 from jaxlong.config import check_upipe_schedule
 from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, seq_axes
-from jaxlong.ring import ring_attention_bwd, ring_attention_fwd, zigzag_positions
+from jaxlong.parallel.ring import check_no_segments, ring_attention_bwd, ring_attention_fwd, zigzag_positions
 from jaxlong.ordering import opaque_one, zeros_after
-from jaxlong.ulysses import ulysses_attention
+from jaxlong.parallel.ulysses import ulysses_attention
 
 
 def _all_axes() -> tuple[str, ...]:
@@ -109,9 +109,7 @@ def _attention_fwd(q, k, v, kernel: dict, seg=None):
     """The stage's attention on `[b, S/R, U/C, d]`: ring attention over `ring` (U-Pipe x ring) when R > 1;
     `seg`: segment ids of the whole sequence (document masking; not with ring attention)."""
     if _ring_size() > 1:
-        if seg is not None:
-            raise ValueError("ring attention does not mask packed documents: with mesh.ring > 1 use "
-                             "data.packing=concat")
+        check_no_segments(seg)
         return ring_attention_fwd(q, k, v, causal=kernel["causal"], block_q=kernel["block_q"],
                                   block_k=kernel["block_k"])
     return attention_fwd_with_lse(q, k, v, segment_ids=seg, **kernel)
@@ -283,7 +281,7 @@ def _stage_set(a: jax.Array, val: jax.Array, t, u, axis: int, sch: Schedule) -> 
 
 
 def _seq_to_heads(x: jax.Array) -> jax.Array:
-    """`[b, S/C, U, d]` -> `[b, S, U/C, d]`, as `jaxlong.ulysses.seq_to_heads`, but all-to-all'd along a leading
+    """`[b, S/C, U, d]` -> `[b, S, U/C, d]`, as `jaxlong.parallel.ulysses.seq_to_heads`, but all-to-all'd along a leading
     device axis (split = concat = 0) so each peer's chunk is contiguous and the received chunks are already in
     sequence order: no transposition after the exchange (for b = 1)."""
     b, s, u, d = x.shape
@@ -577,7 +575,7 @@ def upipe_attention(
       positions: int32 `[batch, seq]` RoPE positions (per-document positions of packed documents), sharded like
         the tokens; None: global token indices.
       segment_ids: int32 `[batch, seq]` (0 = padding) or None: document masking. Every device attends over the
-        whole sequence, so they enter whole (`jaxlong.ulysses.gather_segment_ids`: gathered once per step,
+        whole sequence, so they enter whole (`jaxlong.parallel.ulysses.gather_segment_ids`: gathered once per step,
         outside the layer scan) and every stage's kernel reuses them. Not with mesh.ring > 1.
 
     Returns:
@@ -633,6 +631,25 @@ def upipe_attention(
 
     return jax.shard_map(local, mesh=mesh, in_specs=(act, *(rep,) * len(weights), *extra_specs),
                          out_specs=out_spec, check_vma=True)(x, *weights, *extra)
+
+
+def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | None, rt) -> jax.Array:
+    """The attention sublayer run by U-Pipe as one op: RMSNorm, the head stages, W_o and the residual
+    (`upipe_attention` with `norm_scale=` and `out_weight=`), U = `attention.heads_per_stage` (0: C).
+
+    Args and returns as `jaxlong.parallel.ulysses.sublayer` (`w`: `SublayerWeights`, gathered here). The
+    tensors named `attn_norm_out`, `query_proj`, `key_proj`, `value_proj` and `attn_out` do not exist on
+    this path: the op saves only the layer input and its output buffer.
+    """
+    mc, ac = rt.cfg.model, rt.cfg.attention
+    return upipe_attention(
+        x, rt.gather(w.wq), rt.gather(w.wk), rt.gather(w.wv),
+        mesh=rt.mesh, heads_per_stage=ac.heads_per_stage or rt.mesh.shape[CONTEXT_AXIS],
+        rope_theta=mc.rope_theta, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k,
+        norm_scale=w.norm, norm_eps=mc.norm_eps, out_weight=rt.gather(w.wo),
+        rope_scaling=mc.rope_scaling, qk_norm=w.qk_norm,
+        positions=positions, segment_ids=segment_ids,
+    )
 
 
 def attention_layer(impl: str, mesh: jax.sharding.Mesh, *, heads_per_stage: int | None = None,

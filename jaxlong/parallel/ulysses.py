@@ -14,7 +14,7 @@ Grouped-query attention (H query heads, H_kv key/value heads, C context devices)
   - anything else raises `ConfigError` before tracing.
 
 Ulysses x ring hybrid (USP, Fang & Zhao 2024, arXiv 2405.07719): when the mesh has a `ring` axis of size
-R > 1, the sequence is split over `ring` x `context` (zigzag layout, `jaxlong.ring`); the all-to-alls run over
+R > 1, the sequence is split over `ring` x `context` (zigzag layout, `jaxlong.parallel.ring`); the all-to-alls run over
 `context` only, giving each device `[b, S/R, H/C, d]`, and ring attention over `ring` (K/V blocks passed
 around the R ring ranks) replaces the single-device kernel. The all-to-alls stay inside a node and only the
 ring's point-to-point sends cross nodes.
@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from jaxlong import layers as L
 from jaxlong.attention.kernels import attention
 from jaxlong.config import check_heads
-from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, axis_size, seq_axes
-from jaxlong.ring import ring_attention_local
+from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, axis_size, seq_axes
+from jaxlong.parallel.ring import check_no_segments, ring_attention_local
 
 
 def seq_to_heads(x: jax.Array, axis_name: str = CONTEXT_AXIS) -> jax.Array:
@@ -81,7 +83,7 @@ def ulysses_attention(
 
     Args:
       q: `[batch, seq, heads, head_dim]`, global array; sharded batch over data x fsdp, seq over
-        ring x context (in the zigzag layout when ring > 1, `jaxlong.ring.zigzag`).
+        ring x context (in the zigzag layout when ring > 1, `jaxlong.parallel.ring.zigzag`).
       k, v: `[batch, seq, kv_heads, head_dim]`, same sharding.
       mesh: the `data x fsdp x ring x context` mesh (or `data x fsdp x context`).
       backend, block_q, block_k: the single-device kernel (see `jaxlong.attention.kernels.attention`); with
@@ -103,8 +105,8 @@ def ulysses_attention(
     spec = P(BATCH_AXES, seq_axes(mesh), None, None)
     ring = axis_size(mesh, RING_AXIS)
     kernel = dict(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
-    if ring > 1 and segment_ids is not None:
-        raise ValueError("ring attention does not mask packed documents: with mesh.ring > 1 use data.packing=concat")
+    if ring > 1:
+        check_no_segments(segment_ids)
 
     if segment_ids is None:
         def local(q, k, v):
@@ -124,3 +126,49 @@ def ulysses_attention(
     seg_spec = P(BATCH_AXES, None)
     return jax.shard_map(local_packed, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
                          check_vma=True)(q, k, v, segment_ids.astype(jnp.int32))
+
+
+def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | None, rt) -> jax.Array:
+    """The attention sublayer with Ulysses (x ring) attention: `x + W_o attention(RoPE(W_q n(x)), ...)`.
+
+    Projects Q, K, V for all heads from the normalized layer input (sequence-sharded), applies RoPE and
+    Qwen3's q/k norms, runs `ulysses_attention` and the output projection. The tensors `attn_norm_out`,
+    `query_proj`, `key_proj`, `value_proj` and `attn_out` are named for remat policies
+    (`jaxlong.remat`).
+
+    Args:
+      x: layer input `[batch, seq, hidden]`, sequence over ring x context.
+      w: the layer's `jaxlong.parallel.dispatch.SublayerWeights` (FSDP-sharded; gathered here one by one).
+      positions: int32 `[batch, seq]` RoPE positions. segment_ids: int32 `[batch, seq]` whole on every
+        device (`gather_segment_ids`) or None.
+      rt: the model's `Runtime` (mesh, config, weight gather, sharding constraints).
+
+    Returns:
+      `[batch, seq, hidden]`, sharded like x.
+    """
+    mc, ac = rt.cfg.model, rt.cfg.attention
+    qkv_spec = P(BATCH_AXES, SEQ_AXES, None, None)
+    cos, sin = L.rope_tables(positions, mc.head_dim, mc.rope_theta, mc.rope_scaling)
+
+    def project(x, scale, wq, wk, wv, *qk_scales):
+        h = checkpoint_name(L.rms_norm(x, scale, mc.norm_eps), "attn_norm_out")
+        q = jnp.einsum("bsh,hnd->bsnd", h, wq)
+        k = jnp.einsum("bsh,hnd->bsnd", h, wk)
+        v = jnp.einsum("bsh,hnd->bsnd", h, wv)
+        if qk_scales:  # Qwen3: RMSNorm over head_dim of each query and key head, before RoPE
+            q, k = L.rms_norm(q, qk_scales[0], mc.norm_eps), L.rms_norm(k, qk_scales[1], mc.norm_eps)
+        q = checkpoint_name(rt.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
+        k = checkpoint_name(rt.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
+        return q, k, checkpoint_name(rt.constrain(v, qkv_spec), "value_proj")
+
+    if rt.cfg.remat.policy in ("full", "offload"):
+        # The layer is recomputed in its backward anyway; checkpointing the projection as well makes the
+        # normalized input `[b, S/C, hidden]` a recomputation at the weight-gradient step instead of a
+        # buffer held from the layer's recompute through the whole attention backward (its peak).
+        project = jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable)
+    weights = (rt.gather(w.wq), rt.gather(w.wk), rt.gather(w.wv))
+    q, k, v = project(x, w.norm, *weights, *(w.qk_norm or ()))
+    attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=rt.attention_backend, block_q=ac.block_q,
+                             block_k=ac.block_k, segment_ids=segment_ids)
+    attn = checkpoint_name(attn, "attn_out")
+    return x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(w.wo))

@@ -27,8 +27,8 @@ loss, a mean over tokens, is unchanged when inputs, targets and mask are permute
 The per-block math is `jaxlong.attention.kernels.blockwise_attention_fwd/bwd` (FlashAttention-2), whose
 backward takes the *global* output and lse, so the per-block gradients of the ring are exact.
 
-Hybrids: with a `context` axis as well, `jaxlong.ulysses.ulysses_attention` all-to-alls heads over `context`
-and runs `ring_attention_local` over `ring` (USP, Fang & Zhao 2024, arXiv 2405.07719); `jaxlong.upipe` runs it
+Hybrids: with a `context` axis as well, `jaxlong.parallel.ulysses.ulysses_attention` all-to-alls heads over `context`
+and runs `ring_attention_local` over `ring` (USP, Fang & Zhao 2024, arXiv 2405.07719); `jaxlong.parallel.upipe` runs it
 for each stage's heads.
 
 Memory per device: q, k, v, out (`[b, S/R, h, d]` each, h the heads this device holds), the lse, one extra
@@ -264,6 +264,17 @@ def _ring_vjp_bwd(axis_name, causal, block_q, block_k, res, dout):
 _ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
 
 
+def check_no_segments(segment_ids) -> None:
+    """Ring attention has no document masking (the zigzag blocks assume one causal stream per row).
+
+    Raises:
+      ValueError: `segment_ids` is not None (`jaxlong.config.validate` rejects `mesh.ring` > 1 with
+        `data.packing=documents` first).
+    """
+    if segment_ids is not None:
+        raise ValueError("ring attention does not mask packed documents: with mesh.ring > 1 use data.packing=concat")
+
+
 def ring_attention_local(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = True, block_q: int = 512,
                          block_k: int = 512) -> jax.Array:
     """Differentiable ring attention on local shards inside `jax.shard_map` (`custom_vjp`: forward
@@ -280,7 +291,7 @@ def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, causal: bool = True, blo
       q: `[batch, seq, heads, head_dim]`, k, v: `[batch, seq, kv_heads, head_dim]`, global, sequence in the
         zigzag layout (`zigzag`) when `causal`; batch over the mesh's `data`/`fsdp` axes if it has them.
       mesh: a mesh with a `ring` axis; any `context` axis must have size 1 (with context > 1 use the
-        Ulysses x ring hybrid, `jaxlong.ulysses.ulysses_attention`).
+        Ulysses x ring hybrid, `jaxlong.parallel.ulysses.ulysses_attention`).
 
     Returns:
       `[batch, seq, heads, head_dim]` in the same layout as q.
