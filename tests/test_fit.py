@@ -230,3 +230,23 @@ def test_a_candidate_that_fails_to_compile_is_listed_and_the_search_goes_on():
     failed = [p for p in res.pruned if p["reason"].startswith("does not compile: RuntimeError: RESOURCE_EXHAUSTED")]
     assert failed and all("remat.policy=offload" in p["overrides"] for p in failed)
     assert res.winner is not None and "remat.policy=offload" not in res.winner["overrides"]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_equal_estimates_go_to_the_lighter_candidate(seed):
+    """A roofline estimate does not see tile or stage launches, so candidates that differ only in the MLP tile
+    count can tie exactly; the tie goes to the candidate expected faster (fewer tiles, stages, remat), whatever
+    the compile order, as in the brute-force search over the expected-speed order."""
+    cfg = load_config(None, TINY)
+    model = FakeModel(seed)
+    model.cost_w[3] = 0.0  # MLP tiling: no cost, so its levels tie
+    budget = random.Random(200 + seed).uniform(35, 65) * GiB
+    expected, _ = _brute_force(cfg, model, budget, 2048 * GiB)
+    res = fit_lib.fit(cfg, None, budget=budget, host_budget=2048 * GiB, max_compiles=10**6, cost_model=model.cost,
+                      plan_fn=model.plan, progress=False)
+    if expected is None:
+        assert res.winner is None
+    else:
+        assert res.winner["overrides"] == expected[0]
+        ties = [r for r in res.rows if r["fits"] and r["step_seconds"] == res.winner["step_seconds"]]
+        assert min(r["levels"][3] for r in ties) == res.winner["levels"][3]

@@ -32,7 +32,9 @@ split is compiled first, so a run that can fit gets an answer even within a smal
 
 Candidates are ranked by `cost_model(cfg, plan) -> seconds per step`; the default (`estimated_cost`) reads
 `plan["estimate"]["step_seconds"]`, the roofline estimate of the compiled GPU program from
-`plan(cfg, target, estimate=True)`. `analytic_cost` is a closed-form FLOP count (no compile needed).
+`plan(cfg, target, estimate=True)`. `analytic_cost` is a closed-form FLOP count (no compile needed). Equal
+estimates (the roofline sees no tile or stage launches, so tile counts can tie exactly) go to the candidate
+earlier in the expected-speed order.
 """
 
 from __future__ import annotations
@@ -356,8 +358,14 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
     fingerprint = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)  # the model, length, batch, ...
     tag = (fingerprint, getattr(target, "name", None), per_node, nodes, headroom, collective_buffers)
     unresolved = list(cands)  # expected-speed order
+    rank = {c: i for i, c in enumerate(cands)}
     rows, probed = [], set()
-    compiles, best = 0, None
+    compiles, best, best_rank = 0, None, None
+
+    def faster(seconds: float, c: Candidate) -> bool:
+        """Faster than the best fitting row; an equal estimate (a roofline does not see tile or stage launches)
+        goes to the candidate expected faster (earlier in the expected-speed order)."""
+        return best is None or (seconds, rank[c]) < (best["step_seconds"], best_rank)
 
     def settle(c: Candidate, reason: str, by: dict | None = None) -> None:
         unresolved.remove(c)
@@ -368,8 +376,8 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
         while unresolved:
             if static and best is not None:
                 for c in list(unresolved):
-                    if cost_model(configure(cfg, c.overrides), {}) >= best["step_seconds"]:
-                        settle(c, f"estimated slower than #{best['index']}, which fits", best)
+                    if not faster(cost_model(configure(cfg, c.overrides), {}), c):
+                        settle(c, f"estimated no faster than #{best['index']}, which fits", best)
                 if not unresolved:
                     break
             c = _next(unresolved, probed)
@@ -401,8 +409,8 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
             row["index"] = len(rows)
             device_ok = p["total"] <= budget
             if row["fits"]:
-                if best is None or row["step_seconds"] < best["step_seconds"]:
-                    best = row
+                if faster(row["step_seconds"], c):
+                    best, best_rank = row, rank[c]
                 for o in [o for o in unresolved if c.below(o)]:
                     settle(o, f"dominated by #{row['index']}, which fits and is lighter in every dimension "
                               f"(expected faster)", row)
