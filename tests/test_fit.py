@@ -250,3 +250,30 @@ def test_equal_estimates_go_to_the_lighter_candidate(seed):
         assert res.winner["overrides"] == expected[0]
         ties = [r for r in res.rows if r["fits"] and r["step_seconds"] == res.winner["step_seconds"]]
         assert min(r["levels"][3] for r in ties) == res.winner["levels"][3]
+
+
+class UlyssesLightModel(FakeModel):
+    """U-Pipe's stage buffers cost memory that Ulysses does not pay: U-Pipe with U = H needs more than Ulysses
+    (as the GPU compile of Llama-3.1-8B shows), so memory is monotone along U but not from Ulysses to U-Pipe."""
+
+    def plan(self, cfg, target=None, **kw):
+        p = super().plan(cfg, target, **kw)
+        if cfg.attention.impl == "ulysses":
+            # as light as U-Pipe at its smallest U (levels 1 + heads / 2 of `_levels`), less 6 GiB of stage buffers
+            total = p["total"] - (self.mem_w[0] * (1 + cfg.model.heads // 2) + 6) * GiB
+            p = {**p, "total": total, "peak": total * 0.9}
+        return p
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_upipe_candidate_that_does_not_fit_does_not_rule_out_ulysses(seed):
+    cfg = load_config(None, TINY)
+    model = UlyssesLightModel(seed)
+    budget = random.Random(300 + seed).uniform(30, 60) * GiB
+    expected, _ = _brute_force(cfg, model, budget, 2048 * GiB)
+    res = fit_lib.fit(cfg, None, budget=budget, host_budget=2048 * GiB, max_compiles=10**6, cost_model=model.cost,
+                      plan_fn=model.plan, progress=False)
+    assert (res.winner and res.winner["overrides"]) == (expected and expected[0])
+    for p in res.pruned:
+        if p["reason"].startswith("needs at least") and "attention.impl=ulysses" in p["overrides"]:
+            assert "attention.impl=ulysses" in p["by"]
