@@ -19,14 +19,15 @@ floating-point order):
 Within one mesh split every dimension is ordered from the fastest expected level (index 0) to the most
 memory-saving one, and the search assumes both orders are monotone: a candidate whose every level is at least
 another's needs no more device memory and runs no faster. Hence, without compiling:
-  - if a candidate does not fit the device budget, no candidate with every level at most its levels fits
-    (e.g. if full remat does not fit, no remat will not; a larger U needs at least the memory of a smaller);
+  - if a candidate does not fit the device budget, no candidate with the same attention setting and every
+    other level at most its levels fits (e.g. if full remat does not fit, no remat will not);
   - if a candidate fits, every candidate with every level at least its levels is dominated (it needs no
     more memory and is slower) and is not compiled;
   - with a cost model known before compiling (`analytic_cost`), a candidate estimated slower than the best
     fitting one is not compiled.
-The memory order has one exception: Ulysses is not compared with U-Pipe (U-Pipe with U = H can need more
-memory than Ulysses), so a U-Pipe candidate that does not fit prunes no Ulysses one. Host memory (offload) is
+The memory order does not cross attention settings: the compiled memory is not monotone in them (U-Pipe with
+U = H can need more than Ulysses, U = 16 more than U = 32), so a candidate that does not fit prunes only
+candidates with its own attention setting. Host memory (offload) is
 not monotone in the remat order, so a candidate that fails only the host budget prunes nothing. The next candidate compiled is the unresolved one that settles the most others whichever way
 it goes (it bisects the space), ties broken by expected speed; the most memory-saving candidate of each mesh
 split is compiled first, so a run that can fit gets an answer even within a small `--max-compiles`.
@@ -78,11 +79,12 @@ class Candidate:
         return self.mesh == other.mesh and all(a <= b for a, b in zip(self.levels, other.levels))
 
     def needs_more_memory(self, other: Candidate) -> bool:
-        """`below`, for the device-memory order: Ulysses is only compared with Ulysses. U-Pipe with U = H heads
-        per stage is not lighter than Ulysses (its stage buffers and gathered outputs can need more: 48.0 against
-        46.7 GiB for Llama-3.1-8B at 3M tokens on 8xH100), so a U-Pipe candidate that does not fit says nothing
-        about Ulysses."""
-        return self.below(other) and (self.levels[0] == other.levels[0] or self.levels[0] > 0)
+        """`below`, for the device-memory order, within one attention setting only. The compiled memory is not
+        monotone in the attention method: U-Pipe with U = H heads per stage can need more than Ulysses (48.0
+        against 46.7 GiB for Llama-3.1-8B at 3M tokens on 8xH100), and U = 16 more than U = 32 (82.1 against
+        79.3 GiB at 6.5M: XLA's buffer packing), so a candidate that does not fit says nothing about another
+        attention setting."""
+        return self.below(other) and self.levels[0] == other.levels[0]
 
 
 # ----------------------------------------------------------------------------------------------
