@@ -39,6 +39,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing (`python experiments/gpu_check.py`)
 GiB = 1024**3
 
 # --------------------------------------------------------------------------------------------- run matrix
