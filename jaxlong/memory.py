@@ -19,7 +19,7 @@ from jaxlong.config import ConfigError, load_config
 from jaxlong.plan import fit_cli
 from jaxlong.plan.planner import __doc__ as _PLAN_DOC
 from jaxlong.plan.cost import _sig
-from jaxlong.plan.planner import _ctx, _gib, format_table, ladder, max_context, parse_bytes, plan, plot_ladder
+from jaxlong.plan.planner import _ctx, _gib, budgets, format_table, ladder, max_context, plan, plot_ladder
 
 TiB = 1024**4
 CPU_NOTICE = ("note: CPU approximation (XLA's CPU compiler, float32 compile scaled to the compute dtype; no "
@@ -82,12 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                               "the CPU compile's blockwise attention loops cannot be counted")
         if args.estimate and args.max_context:
             raise ConfigError("--estimate and --max-context together are not supported; estimate at a seq_len")
-        budget = parse_bytes(args.budget) if args.budget else (target.device_memory if target else 80 * 1024**3)
-        host_budget = parse_bytes(args.host_budget, option="--host-budget")
-        per_node = target.devices_per_node if target else min(cfg.mesh.num_devices, 8)
-        host_budget = host_budget * per_node // 8 if per_node < 8 else host_budget
-        collectives = parse_bytes(args.collective_buffers, option="--collective-buffers") \
-            if args.collective_buffers else None
+        budget, host_budget, collectives = budgets(args.budget, args.host_budget, args.collective_buffers, target,
+                                                   cfg.mesh.num_devices)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

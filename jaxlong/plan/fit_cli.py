@@ -138,14 +138,9 @@ def resolve(args, cfg: Config):
     except ConfigError:
         cfg.mesh.data = cfg.mesh.data if cfg.mesh.data > 0 and cfg.mesh.num_devices % cfg.mesh.data == 0 else 1
         cfg.mesh.fsdp, cfg.mesh.ring, cfg.mesh.context = -1, 1, 1
-    budget = planner.parse_bytes(args.budget) if args.budget else (target.device_memory if target else 80 * GiB)
-    host_budget = planner.parse_bytes(args.host_budget, option="--host-budget")
-    per_node = target.devices_per_node if target else min(cfg.mesh.num_devices, 8)
-    host_budget = host_budget * per_node // 8 if per_node < 8 else host_budget
-    cb = getattr(args, "collective_buffers", None)
-    collectives = planner.parse_bytes(cb, option="--collective-buffers") if cb else None
-    if budget <= 0:
-        raise ConfigError(f"--budget {args.budget}: must be positive")
+    budget, host_budget, collectives = planner.budgets(args.budget, args.host_budget,
+                                                       getattr(args, "collective_buffers", None), target,
+                                                       cfg.mesh.num_devices)
     return target, budget, host_budget, collectives
 
 

@@ -83,6 +83,25 @@ def parse_bytes(text: str, option: str = "--budget") -> int:
     return int(value * base ** powers[unit[0]])
 
 
+def budgets(budget: str | None, host_budget: str, collective_buffers: str | None, target, num_devices: int):
+    """(device budget, host budget per node, NCCL buffer override) in bytes from the planner's flags.
+
+    `budget` defaults to the target's device memory (80 GiB without a target); `host_budget` is given per node
+    of 8 devices and scaled down for smaller nodes; `collective_buffers` None keeps the model.
+
+    Raises:
+      ValueError: a size that cannot be parsed, or a budget that is not positive (the message names the flag).
+    """
+    device = parse_bytes(budget) if budget else (target.device_memory if target else 80 * 1024**3)
+    if device <= 0:
+        raise ValueError(f"--budget {budget}: must be positive")
+    host = parse_bytes(host_budget, option="--host-budget")
+    per_node = target.devices_per_node if target else min(num_devices, 8)
+    host = host * per_node // 8 if per_node < 8 else host
+    collectives = parse_bytes(collective_buffers, option="--collective-buffers") if collective_buffers else None
+    return device, host, collectives
+
+
 def _shard_bytes(tree) -> int:
     import jax  # noqa: PLC0415
 
