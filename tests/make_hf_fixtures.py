@@ -16,6 +16,10 @@ Writes, for `llama31` (Llama-3.1 layout: GQA, `llama3` rope scaling, untied head
 rope.npz with transformers' inverse frequencies and attention factor for the RoPE scalings in ROPE_CASES,
 and RECORD.md with the command and package versions. All weights are random (std 0.1, norms 1 +- 0.1),
 so every tensor, its layout and its position in the model matter.
+
+Head counts cover the context-parallel cases of tests/test_hf.py: llama31 has 8 query / 2 KV heads (KV heads
+replicated at context C = 4 and 8), qwen3 16 query / 4 KV heads (KV heads split at C = 4, replicated at C = 8;
+its 16 query heads allow U-Pipe with U = C and U = 2C at both C = 4 and C = 8).
 """
 
 from __future__ import annotations
@@ -165,7 +169,7 @@ def main() -> None:
     )
     build("llama31", llama, transformers.LlamaForCausalLM, torch.bfloat16, shard=True)
     qwen = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=16,
         num_key_value_heads=4, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
         tie_word_embeddings=True, rope_theta=1000000.0, bos_token_id=None, eos_token_id=1, pad_token_id=None,
     )
@@ -175,7 +179,7 @@ def main() -> None:
                 f"{tokenizers.__version__}, numpy {np.__version__}")
     (ROOT / "RECORD.md").write_text(
         "# Hugging Face fixtures\n\nTiny random Llama-3.1 (`llama31/`: GQA 8/2 heads, `llama3` rope scaling, "
-        "bf16 weights in two shards) and Qwen3 (`qwen3/`: q/k norms, head_dim 16 with hidden 32 and 8 heads, "
+        "bf16 weights in two shards) and Qwen3 (`qwen3/`: q/k norms, GQA 16/4 heads of head_dim 16 with hidden 32, "
         "tied head, float32) checkpoints with `transformers`' float32 logits on a fixed prompt and its loss on "
         "jaxlong's first training batch from `corpus.txt` (`golden.npz`).\n\n"
         f"Made by `python tests/make_hf_fixtures.py` with {versions}.\n")

@@ -54,20 +54,57 @@ def jax_logits(cfg, n_devices: int, tokens: np.ndarray, params=None, positions=N
     return np.asarray(run(params, x))
 
 
+def _upipe(fsdp: int, context: int, u: int) -> list[str]:
+    return [f"mesh.fsdp={fsdp}", f"mesh.context={context}", "attention.impl=upipe", f"attention.heads_per_stage={u}"]
+
+
 SETUPS = {
     # name: (overrides, devices)
     "one-device": (["mesh.fsdp=1", "mesh.context=1", "mesh.num_devices=1", "attention.backend=reference"], 1),
     "fsdp2-ulysses4": (["mesh.fsdp=2", "mesh.context=4"], 8),
     "ulysses8": (["mesh.fsdp=1", "mesh.context=8"], 8),
-    "fsdp2-upipe4-U=C": (["mesh.fsdp=2", "mesh.context=4", "attention.impl=upipe", "attention.heads_per_stage=4"], 8),
-    "fsdp2-upipe4-U=2C": (["mesh.fsdp=2", "mesh.context=4", "attention.impl=upipe",
-                           "attention.heads_per_stage=8"], 8),
-    "upipe8-U=C": (["mesh.fsdp=1", "mesh.context=8", "attention.impl=upipe", "attention.heads_per_stage=8"], 8),
+    "fsdp2-upipe4-U=C": (_upipe(2, 4, 4), 8),
+    "fsdp2-upipe4-U=2C": (_upipe(2, 4, 8), 8),
+    "upipe8-U=C": (_upipe(1, 8, 8), 8),
+    "upipe8-U=2C": (_upipe(1, 8, 16), 8),
 }
+PACKED_SETUPS = ["one-device", "fsdp2-ulysses4", "fsdp2-upipe4-U=C", "fsdp2-upipe4-U=2C", "upipe8-U=C", "upipe8-U=2C"]
 
 
-@pytest.mark.parametrize("setup", list(SETUPS))
-@pytest.mark.parametrize("name", MODELS)
+def _heads(name: str) -> tuple[int, int]:
+    """(query heads, KV heads) of fixture `name` (its config.json)."""
+    c = json.loads((FIX / name / "config.json").read_text())
+    return c["num_attention_heads"], c["num_key_value_heads"]
+
+
+def _fits(name: str, setup: str) -> bool:
+    """Whether fixture `name` has enough query heads for `setup`'s U-Pipe stages (U = heads_per_stage divides
+    the heads): the Llama fixture's 8 heads cannot make a stage of U = 2C = 16 heads at C = 8; the Qwen3
+    fixture's 16 can, so every setup runs on at least one fixture (test_fixtures_cover_every_setup)."""
+    u = [int(o.split("=")[1]) for o in SETUPS[setup][0] if o.startswith("attention.heads_per_stage=")]
+    return not u or _heads(name)[0] % u[0] == 0
+
+
+def _cases(setups) -> list:
+    return [pytest.param(name, s, id=f"{name}-{s}") for s in setups for name in MODELS if _fits(name, s)]
+
+
+LOGIT_CASES, PACKED_CASES = _cases(SETUPS), _cases(PACKED_SETUPS)
+
+
+def test_fixtures_cover_every_setup():
+    """Every setup (U-Pipe with U = C and U = 2C at C = 4 and C = 8 included) runs on at least one fixture, for
+    the logits and for the packed logits, and the fixtures' KV heads are split over the context axis (H_kv >= C)
+    in some context-parallel setup and replicated (H_kv < C) in another."""
+    for cases, setups in ((LOGIT_CASES, SETUPS), (PACKED_CASES, PACKED_SETUPS)):
+        assert {c.values[1] for c in cases} == set(setups)
+    assert ("qwen3", "upipe8-U=2C") in [c.values for c in PACKED_CASES]
+    contexts = {4, 8}
+    kv = {_heads(name)[1] >= c for name in MODELS for c in contexts}
+    assert kv == {True, False}, {name: _heads(name) for name in MODELS}
+
+
+@pytest.mark.parametrize("name, setup", LOGIT_CASES)
 def test_logits_equal_transformers(name, setup):
     overrides, n = SETUPS[setup]
     cfg = hf_cfg(name, *overrides)
@@ -79,8 +116,7 @@ def test_logits_equal_transformers(name, setup):
         assert diff <= 1e-4, f"{name} {setup}: max |jaxlong - transformers| = {diff}"
 
 
-@pytest.mark.parametrize("setup", ["one-device", "fsdp2-ulysses4", "fsdp2-upipe4-U=C", "fsdp2-upipe4-U=2C"])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name, setup", PACKED_CASES)
 def test_packed_logits_equal_transformers(name, setup):
     """Two documents packed in one row (segment ids 1 and 2, positions restarting at 0) give each document the
     logits transformers gives it alone: the recorded prompt's logits cut to each document's length."""
