@@ -1,9 +1,10 @@
 """Create the tiny Hugging Face checkpoints under tests/fixtures/hf/ and their golden `transformers` outputs.
 
-Needs torch, transformers, safetensors, tokenizers and numpy (the tests themselves need only safetensors,
-tokenizers and numpy), e.g. in a separate virtual environment:
+Needs torch, transformers, safetensors, tokenizers, numpy and grain (jaxlong.data, which cuts the training batch,
+imports it; the tests themselves need only safetensors, tokenizers and numpy), e.g. in a separate virtual
+environment, run from the repository root:
 
-    python -m venv /tmp/venv-hf && /tmp/venv-hf/bin/pip install torch transformers safetensors tokenizers numpy
+    python -m venv /tmp/venv-hf && /tmp/venv-hf/bin/pip install torch transformers safetensors tokenizers numpy grain
     /tmp/venv-hf/bin/python tests/make_hf_fixtures.py
 
 Writes, for `llama31` (Llama-3.1 layout: GQA, `llama3` rope scaling, untied head, bf16 weights) and `qwen3`
@@ -24,6 +25,7 @@ its 16 query heads allow U-Pipe with U = C and U = 2C at both C = 4 and C = 8).
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import platform
 import sys
@@ -37,7 +39,7 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
 
 ROOT = Path(__file__).resolve().parent / "fixtures" / "hf"
-sys.path.insert(0, str(ROOT.parents[2]))  # the repository: jaxlong.data's batches (numpy only)
+sys.path.insert(0, str(ROOT.parents[2]))  # the repository: jaxlong.data's batches (numpy and grain, no jax)
 
 SENTENCES = [
     "Long context training splits the sequence over devices and the heads over stages.",
@@ -176,7 +178,7 @@ def main() -> None:
     build("qwen3", qwen, transformers.Qwen3ForCausalLM, torch.float32, shard=False)
     versions = (f"python {platform.python_version()}, torch {torch.__version__}, transformers "
                 f"{transformers.__version__}, safetensors {safetensors.__version__}, tokenizers "
-                f"{tokenizers.__version__}, numpy {np.__version__}")
+                f"{tokenizers.__version__}, numpy {np.__version__}, grain {importlib.metadata.version('grain')}")
     (ROOT / "RECORD.md").write_text(
         "# Hugging Face fixtures\n\nTiny random Llama-3.1 (`llama31/`: GQA 8/2 heads, `llama3` rope scaling, "
         "bf16 weights in two shards) and Qwen3 (`qwen3/`: q/k norms, GQA 16/4 heads of head_dim 16 with hidden 32, "
