@@ -28,9 +28,12 @@ residuals and give the saving back (`tests/test_upipe_memory.py` checks the comp
 
 Fused attention sublayer (`norm_scale=`, `out_weight=`, what `jaxlong.model` uses). The op can take the raw
 layer input and the attention RMSNorm's scale and normalize inside: the forward then saves the layer input
-(alive anyway under layer remat) instead of the normalized copy, and the backward recomputes the norm only
-after the incoming gradient arrives. Otherwise the normalized input is a residual alive through the whole
-backward of the layer's MLP. With W_o as well, the op returns `x + out @ W_o` and its backward takes the
+(alive anyway under layer remat) instead of the normalized copy. The norm is folded into the projections
+(`_linear`): with h = x * (r * scale), r the per-token 1/rms, each stage computes `h @ W = r * (x @ (scale * W))`
+and the weight gradients `h^T dY = scale * (x^T (r * dY))`, so no normalized `[b, S/C, hidden]` copy of x
+exists in the forward or the backward (at 3M tokens on Llama-3.1-8B, C = 8, that is 3 GiB per device at the
+backward's peak); the backward pulls the accumulated dh back through the norm (`jaxlong.layers.rms_norm_bwd`).
+Otherwise the normalized input is a residual alive through the whole backward of the layer's MLP. With W_o as well, the op returns `x + out @ W_o` and its backward takes the
 `[b, S/C, hidden]` gradient of the sublayer: each stage projects it onto its own heads (`dy @ W_o[s]^T`,
 `[b, S/C, U, d]`) and accumulates its rows of dW_o, so the full-width output gradient `[b, S/C, H, d]` that
 autodiff of `out @ W_o` would hand the op never exists, and the residual branch's gradient goes straight
@@ -314,18 +317,36 @@ def _rope(x, cos, sin):
     return (xf * c + jax.lax.rev(xf, (xf.ndim - 2,)) * s).reshape(x.shape).astype(x.dtype)
 
 
-def _project(x, w, cos, sin, rope: bool, norm=None, eps: float = 0.0):
-    """`x @ w` `[b, S/C, n, d]`; with `norm` (a `[d]` scale, Qwen3's q/k norm) RMSNorm over d per head, then
-    RoPE when `rope`."""
-    y = jnp.einsum("bsh,hnd->bsnd", x, w)
+def _linear(x, w, fold=None):
+    """`h @ w` `[b, S/C, n, d]` for `w` `[hidden, n, d]`, where h is x, or, with `fold` = (r, scale), the
+    RMSNorm'd input `h = x * (r * scale)` (r: per-token `1/rms` `[b, S/C, 1]` float32, scale `[hidden]`)
+    computed without forming h: `h @ w = r * (x @ (scale * w))` (scale folded into the weight rows, r applied to
+    the `[b, S/C, n, d]` product). So no normalized `[b, S/C, hidden]` copy of the layer input exists."""
+    if fold is None:
+        return jnp.einsum("bsh,hnd->bsnd", x, w)
+    r, scale = fold
+    ws = (w.astype(jnp.float32) * scale.astype(jnp.float32)[:, None, None]).astype(w.dtype)
+    y = jnp.einsum("bsh,hnd->bsnd", x, ws, preferred_element_type=jnp.float32)
+    return (y * r[..., None]).astype(x.dtype)
+
+
+def _project(x, w, cos, sin, rope: bool, norm=None, eps: float = 0.0, fold=None):
+    """`h @ w` `[b, S/C, n, d]` (`_linear`; h = x, or RMSNorm(x) with `fold`); with `norm` (a `[d]` scale,
+    Qwen3's q/k norm) RMSNorm over d per head, then RoPE when `rope`."""
+    y = _linear(x, w, fold)
     if norm is not None:
         y = L.rms_norm(y, norm, eps)
     return _rope(y, cos, sin) if rope else y
 
 
-def _weight_grad(x, g):
-    """`sum_bs x[b,s,h] g[b,s,n,d]` -> `[h, n, d]` (float32), with x as the un-transposed right operand."""
-    return jnp.einsum("bsnd,bsh->ndh", g, x, preferred_element_type=jnp.float32).transpose(2, 0, 1)
+def _weight_grad(x, g, fold=None):
+    """`sum_bs h[b,s,k] g[b,s,n,d]` -> `[hidden, n, d]` (float32), with x as the un-transposed right operand;
+    h = x, or with `fold` = (r, scale) the normalized `x * (r * scale)`: `scale * (x^T (r * g))`."""
+    if fold is not None:
+        r, scale = fold
+        g = (g.astype(jnp.float32) * r[..., None]).astype(g.dtype)
+    dw = jnp.einsum("bsnd,bsh->ndh", g, x, preferred_element_type=jnp.float32).transpose(2, 0, 1)
+    return dw if fold is None else dw * fold[1].astype(jnp.float32)[:, None, None]
 
 
 def _rope_positions(x, pos):
@@ -334,10 +355,12 @@ def _rope_positions(x, pos):
     return _positions(*x.shape[:2]) if pos is None else pos
 
 
-def _forward(x, wq, wk, wv, pos, seg, sch: Schedule, opts: dict, qk=None):
+def _forward(x, wq, wk, wv, pos, seg, sch: Schedule, opts: dict, qk=None, fold=None):
     """Stage scan. Returns the output `[b, S/C, H, d]` and lse `[groups, stages_per_group, b, m, S]`.
     `pos`: RoPE positions `[b, S/C]` or None; `seg`: segment ids of the whole sequence `[b, S]` or None;
-    `qk`: None, or the (q_norm, k_norm) scales `[d]` normalizing each stage's query and key heads."""
+    `qk`: None, or the (q_norm, k_norm) scales `[d]` normalizing each stage's query and key heads;
+    `fold`: None (x is the attention's input), or (1/rms `[b, S/C, 1]`, the RMSNorm scale `[hidden]`) of the
+    raw layer input x, folded into every projection (`_linear`)."""
     qn, kn = (None, None) if qk is None else qk
     eps = opts["eps"]
     b, s_local, _ = x.shape
@@ -346,11 +369,11 @@ def _forward(x, wq, wk, wv, pos, seg, sch: Schedule, opts: dict, qk=None):
     out = zeros_after(x, (b, s_local, sch.heads, d), x.dtype, _all_axes())
 
     def group(out, t):
-        k = _seq_to_heads(_project(x, _kv_weight(wk, t, sch), cos, sin, True, kn, eps))
-        v = _seq_to_heads(_project(x, _kv_weight(wv, t, sch), cos, sin, False))
+        k = _seq_to_heads(_project(x, _kv_weight(wk, t, sch), cos, sin, True, kn, eps, fold))
+        v = _seq_to_heads(_project(x, _kv_weight(wv, t, sch), cos, sin, False, fold=fold))
 
         def stage(out, u):
-            q = _seq_to_heads(_project(x, _stage_get(wq, t, u, 1, sch), cos, sin, True, qn, eps))
+            q = _seq_to_heads(_project(x, _stage_get(wq, t, u, 1, sch), cos, sin, True, qn, eps, fold))
             o, lse = _attention_fwd(q, k, v, opts["kernel"], seg)
             return _stage_set(out, _heads_to_seq(o), t, u, 2, sch), lse
 
@@ -359,12 +382,16 @@ def _forward(x, wq, wk, wv, pos, seg, sch: Schedule, opts: dict, qk=None):
     return jax.lax.scan(group, out, jnp.arange(sch.groups))
 
 
-def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict, wo=None, qk=None):
-    """Stage scan of the backward; returns dx, dWq, dWk, dWv, dWo, d(q_norm, k_norm) (this device's partial
-    weight gradients; dWo None without `wo`, the last None without `qk`). `pos`, `seg` as for `_forward`.
+def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict, wo=None, qk=None, fold=None):
+    """Stage scan of the backward; returns dh, dWq, dWk, dWv, dWo, d(q_norm, k_norm) (this device's partial
+    weight gradients; dWo None without `wo`, the last None without `qk`). `pos`, `seg`, `fold` as for
+    `_forward`; dh is the gradient of the attention's input h (h = x, or RMSNorm(x) with `fold`: the caller
+    pulls dh back through the norm). With `fold` the weight gradients `h^T dY` are formed as
+    `scale * (x^T (r * dY))`, so the normalized input is never recomputed as a `[b, S/C, hidden]` tensor.
 
-    With `qk` (the q/k RMSNorm scales `[d]`, Qwen3) each recomputed projection `rope(norm(x @ w))` is a
-    `jax.vjp` whose pullback takes the un-all-to-all'd dQ (dK) to dx, the weight rows and the norm scale.
+    With `qk` (the q/k RMSNorm scales `[d]`, Qwen3) each recomputed projection's `rope(norm(y))` is a
+    `jax.vjp` of the projection y `[b, S/C, n, d]`, whose pullback gives dY (and the norm scale's gradient);
+    dY then gives dh and the weight rows as without `qk`.
 
     `dout` is the gradient of the output `[b, S/C, H, d]`; with `wo` (W_o `[H, d, hidden]`) it is instead the
     gradient `[b, S/C, hidden]` of `out @ W_o`: each stage then forms its own slice of the output gradient,
@@ -391,8 +418,12 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
     def add(total, part):
         return (total.astype(f32) + part.astype(f32)).astype(total.dtype)
 
-    def normed_projection(x_, w_, scale):  # rope(norm(x @ w)), differentiated with jax.vjp
-        return _project(x_, w_, cos, sin, True, scale, eps)
+    def rope_norm(y, scale):  # rope(norm(y)) of a projection y, differentiated with jax.vjp
+        return _rope(L.rms_norm(y, scale, eps), cos, sin)
+
+    def pull(w_, dy):  # dY of a projection y = h @ w_ -> (its dh term, its weight gradient)
+        return (jnp.einsum("bsnd,hnd->bsh", dy, w_, preferred_element_type=acc),
+                _weight_grad(x, dy, fold))
 
     def group(carry, xs):
         dx, dwq, dwk, dwv, dwo, dqk = carry
@@ -400,20 +431,20 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
         one = opaque_one(lse, wk.dtype, _all_axes())
         wk_t, wv_t = _kv_weight(wk, t, sch) * one, _kv_weight(wv, t, sch) * one
         if qk is None:
-            k = _seq_to_heads(_project(x, wk_t, cos, sin, True))
+            k = _seq_to_heads(_project(x, wk_t, cos, sin, True, fold=fold))
         else:
-            k_loc, k_vjp = jax.vjp(normed_projection, x, wk_t, qk[1])
+            k_loc, k_vjp = jax.vjp(rope_norm, _linear(x, wk_t, fold), qk[1])
             k = _seq_to_heads(k_loc)
-        v = _seq_to_heads(_project(x, wv_t, cos, sin, False))
+        v = _seq_to_heads(_project(x, wv_t, cos, sin, False, fold=fold))
 
         def stage(carry, xs):
             dx, dwq, dwo, dk_acc, dv_acc, dqk = carry
             u, lse_s = xs
             wq_s = _stage_get(wq, t, u, 1, sch) * one
             if qk is None:
-                q = _seq_to_heads(_project(x, wq_s, cos, sin, True))
+                q = _seq_to_heads(_project(x, wq_s, cos, sin, True, fold=fold))
             else:
-                q_loc, q_vjp = jax.vjp(normed_projection, x, wq_s, qk[0])
+                q_loc, q_vjp = jax.vjp(rope_norm, _linear(x, wq_s, fold), qk[0])
                 q = _seq_to_heads(q_loc)
             o_s = _stage_get(out, t, u, 2, sch)
             if wo is None:
@@ -427,13 +458,12 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
             dq, dk, dv = _attention_bwd(q, k, v, o, lse_s, do, opts["kernel"], seg)
             if qk is None:
                 dq = _rope(_heads_to_seq(dq), cos, -sin)  # transpose of the rotation
-                dx = add(dx, jnp.einsum("bsnd,hnd->bsh", dq, wq_s, preferred_element_type=acc))
-                dwq = _stage_set(dwq, _weight_grad(x, dq), t, u, 1, sch)
-            else:  # through RoPE and the q norm: the projection's pullback
-                dx_s, dwq_s, dqn = q_vjp(_heads_to_seq(dq).astype(q_loc.dtype))
-                dx = add(dx, dx_s)
-                dwq = _stage_set(dwq, dwq_s.astype(f32), t, u, 1, sch)
+            else:  # through RoPE and the q norm
+                dq, dqn = q_vjp(_heads_to_seq(dq).astype(q_loc.dtype))
                 dqk = (dqk[0] + dqn.astype(f32), dqk[1])
+            dx_s, dwq_s = pull(wq_s, dq)
+            dx = add(dx, dx_s)
+            dwq = _stage_set(dwq, dwq_s, t, u, 1, sch)
             return (dx, dwq, dwo, add(dk_acc, dk), add(dv_acc, dv), dqk), None
 
         zeros_kv = zeros_after(k, k.shape, acc, _all_axes())
@@ -443,16 +473,13 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
         dv = _heads_to_seq(dv.astype(x.dtype))
         if qk is None:
             dk = _rope(_heads_to_seq(dk.astype(x.dtype)), cos, -sin)
-            dkv = jnp.concatenate([dk, dv], axis=2)  # one [S/C, hidden] product for both
-            wkv = jnp.concatenate([wk_t, wv_t], axis=1)
-            dx = add(dx, jnp.einsum("bsnd,hnd->bsh", dkv, wkv, preferred_element_type=acc))
-            dwkv = _weight_grad(x, dkv)
-            dwk_t, dwv_t = dwkv[:, :n_kv], dwkv[:, n_kv:]
-        else:
-            dx_k, dwk_t, dkn = k_vjp(_heads_to_seq(dk.astype(x.dtype)).astype(k_loc.dtype))
-            dx = add(dx, dx_k.astype(f32) + jnp.einsum("bsnd,hnd->bsh", dv, wv_t, preferred_element_type=f32))
-            dwk_t, dwv_t = dwk_t.astype(f32), _weight_grad(x, dv)
+        else:  # through RoPE and the k norm
+            dk, dkn = k_vjp(_heads_to_seq(dk.astype(x.dtype)).astype(k_loc.dtype))
             dqk = (dqk[0], dqk[1] + dkn.astype(f32))
+        dkv = jnp.concatenate([dk.astype(dv.dtype), dv], axis=2)  # one [S/C, hidden] product for both
+        dx_kv, dwkv = pull(jnp.concatenate([wk_t, wv_t], axis=1), dkv)
+        dx = add(dx, dx_kv)
+        dwk_t, dwv_t = dwkv[:, :n_kv], dwkv[:, n_kv:]
         if sch.kv_rep > 1:  # replicas' gradients sum into the real KV head
             dwk = dwk + dwk_t.reshape(dwk_t.shape[0], sch.kv_heads, sch.kv_rep, d).sum(2)
             dwv = dwv + dwv_t.reshape(dwv_t.shape[0], sch.kv_heads, sch.kv_rep, d).sum(2)
@@ -501,18 +528,19 @@ def _upipe_norm_local(x, scale, wq, wk, wv, wo, qk, pos, seg, sch, opts):
 
 
 def _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, pos, seg, sch, opts):
-    h, (_, _, r) = L.rms_norm_fwd(x, scale, opts["eps"])
-    out, lse = _forward(h, wq, wk, wv, pos, seg, sch, opts, qk)
+    _, (_, _, r) = L.rms_norm_fwd(x, scale, opts["eps"])  # only 1/rms: the norm is folded into the projections
+    out, lse = _forward(x, wq, wk, wv, pos, seg, sch, opts, qk, fold=(r, scale))
     y = out if wo is None else x + jnp.einsum("bsnd,ndh->bsh", out, wo).astype(x.dtype)
     return y, (x, scale, r, wq, wk, wv, wo, qk, pos, seg, out, lse)  # the layer input x, not the normalized h
 
 
 def _upipe_norm_local_bwd(sch, opts, res, dy):
     x, scale, r, wq, wk, wv, wo, qk, pos, seg, out, lse = jax.lax.optimization_barrier(res)
-    # Recompute the normalized input only now (after dy), so it is not live through the rest of the
-    # layer's backward; the opaque 1 keeps the compiler from reusing the forward's copy instead.
-    h = L.rms_norm_apply(x, r, scale.astype(jnp.float32) * opaque_one(dy, jnp.float32, _all_axes()))
-    dh, dwq, dwk, dwv, dwo, dqk = _backward(h, wq, wk, wv, pos, seg, out, lse, dy, sch, opts, wo=wo, qk=qk)
+    # The norm stays folded into the recomputed projections (no normalized `[b, S/C, hidden]` copy of x); the
+    # opaque 1 keeps the compiler from reusing the forward's folded weights and products instead.
+    fold = (r, scale.astype(jnp.float32) * opaque_one(dy, jnp.float32, _all_axes()))
+    dh, dwq, dwk, dwv, dwo, dqk = _backward(x, wq, wk, wv, pos, seg, out, lse, dy, sch, opts, wo=wo, qk=qk,
+                                            fold=fold)
     dx, d_scale = L.rms_norm_bwd(opts["eps"], (x, scale, r), dh)
     if wo is not None:  # the residual connection
         dx = (dy.astype(jnp.float32) + dx.astype(jnp.float32)).astype(x.dtype)
