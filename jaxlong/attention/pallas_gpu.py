@@ -50,6 +50,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxlong.ordering import varying_axes
+
 __all__ = ["pallas_attention", "pallas_attention_bwd", "pallas_attention_fwd"]
 
 _F32 = jnp.float32
@@ -159,6 +161,20 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk,
     lse_ref[...] = m + jnp.log(l)
 
 
+def _vary_alike(*xs):
+    """`xs` cast to vary over the same `jax.shard_map` axes (their union), and the output type to match.
+
+    A `pallas_call` inside `shard_map(check_vma=True)` (Ulysses, U-Pipe) must declare how its outputs vary
+    over the mesh; they vary as the inputs together do. Outside `shard_map` this changes nothing."""
+    axes = varying_axes(*xs)
+    out = []
+    for x in xs:
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        out.append(lax.pcast(x, missing, to="varying") if missing else x)
+    mat = getattr(jax.typeof(out[0]), "manual_axis_type", None)
+    return out, lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+
 def _pad_seq(x, padded: int, axis: int = 1):
     extra = padded - x.shape[axis]
     if not extra:
@@ -203,10 +219,11 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
     if segments:
         in_specs.append(pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)))
         args.append(_runs(segment_ids, sp)[0])
+    args, sds = _vary_alike(*args)
     out, lse = pl.pallas_call(
         kernel, grid=(sp // bq, b, h), in_specs=in_specs,
         out_specs=[tile, pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i))],
-        out_shape=[jax.ShapeDtypeStruct((b, sp, h, d), q.dtype), jax.ShapeDtypeStruct((b, h, sp), _F32)],
+        out_shape=[sds((b, sp, h, d), q.dtype), sds((b, h, sp), _F32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="jaxlong_flash_fwd")(*args)
     return out[:, :s], lse[:, :, :s]
@@ -315,10 +332,11 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
         in_specs += [pl.BlockSpec((None, sp), lambda j, bb, kh: (bb, 0)),
                      pl.BlockSpec((None, bk), lambda j, bb, kh: (bb, j))]
         args += list(runs)
+    args, sds = _vary_alike(*args)
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, nq=sp // bq, g=g, **common), grid=(sp // bk, b, kvh),
         in_specs=in_specs, out_specs=[kv_tile, kv_tile],
-        out_shape=[jax.ShapeDtypeStruct((b, sp, kvh, d), k.dtype), jax.ShapeDtypeStruct((b, sp, kvh, d), v.dtype)],
+        out_shape=[sds((b, sp, kvh, d), k.dtype), sds((b, sp, kvh, d), v.dtype)],
         compiler_params=params, interpret=interpret, name="jaxlong_flash_bwd_dkdv")(*args)
 
     # dQ: grid (query tile, batch, head); k, v of the head's kv head, whole sequence.
@@ -329,9 +347,10 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
     if segments:
         in_specs.append(pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)))
         args.append(runs[0])
+    args, sds = _vary_alike(*args)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, nk=sp // bk, **common), grid=(sp // bq, b, h), in_specs=in_specs,
-        out_specs=q_tile, out_shape=jax.ShapeDtypeStruct((b, sp, h, d), q.dtype),
+        out_specs=q_tile, out_shape=sds((b, sp, h, d), q.dtype),
         compiler_params=params, interpret=interpret, name="jaxlong_flash_bwd_dq")(*args)
     return dq[:, :s], dk[:, :s], dv[:, :s]
 
