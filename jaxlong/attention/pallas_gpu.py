@@ -42,6 +42,7 @@ interpreter (CPU tests); otherwise they lower through Triton and need a GPU (or 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import jax
@@ -171,17 +172,21 @@ def _vary_alike(*xs):
     for x in xs:
         missing = tuple(a for a in axes if a not in varying_axes(x))
         out.append(lax.pcast(x, missing, to="varying") if missing else x)
-    mat = getattr(jax.typeof(out[0]), "manual_axis_type", None)
-    return out, lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+    params = inspect.signature(jax.ShapeDtypeStruct).parameters
+    if "manual_axis_type" in params:  # JAX 0.10
+        kw = {"manual_axis_type": getattr(jax.typeof(out[0]), "manual_axis_type", None)}
+    else:  # JAX versions that spell it `vma`
+        kw = {"vma": frozenset(axes)} if "vma" in params else {}
+    return out, lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, **kw)
 
 
-def _pad_seq(x, padded: int, axis: int = 1):
+def _pad_seq(x, padded: int, axis: int = 1, value=0):
     extra = padded - x.shape[axis]
     if not extra:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
+    return jnp.pad(x, widths, constant_values=value)
 
 
 def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, block_q: int = DEFAULT_BLOCK,
@@ -315,7 +320,8 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
     # D_i = rowsum(dO_i * O_i) (Algorithm 2, line 4), float32 [b, h, s]
     delta = jnp.einsum("bshd,bshd->bhs", dout.astype(_F32), out.astype(_F32))
     q_, k_, v_, do_ = (_pad_seq(x, sp) for x in (q, k, v, dout.astype(q.dtype)))
-    lse_, delta_ = _pad_seq(lse.astype(_F32), sp, 2), _pad_seq(delta, sp, 2)
+    # padded rows: lse = +max keeps their P = exp(S - lse) at 0 (their dout is 0; exp(S) could overflow)
+    lse_, delta_ = _pad_seq(lse.astype(_F32), sp, 2, -_NEG), _pad_seq(delta, sp, 2)
     segments = segment_ids is not None
     runs = _runs(segment_ids, sp) if segments else None
     common = dict(scale=1.0 / math.sqrt(d), causal=bool(causal), segments=segments, bq=bq, bk=bk, seq=s,
