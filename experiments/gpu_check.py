@@ -11,8 +11,9 @@ parent never touches the GPU, and every child starts with a clean `peak_bytes_in
           statistic's convention); segment ids (cuDNN: a clear error expected; a backend with segment ids:
           compared with attention run per document); the Pallas kernel with segment ids
           (`jaxlong.attention.pallas_gpu`, what `auto` runs for packed documents) against the blockwise kernel,
-          forward, lse and gradients, both against float32 blockwise; and a large-tensor probe: a cuDNN call on tensors of more
-          than 2**31 elements compared head by head with small calls (does `MAX_ELEMENTS` need to stay?).
+          forward, lse and gradients, both against float32 blockwise; and a large-tensor probe: a cuDNN call on
+          tensors of more than 2**31 elements compared head by head with small calls (does `MAX_ELEMENTS` need
+          to stay?).
   train   Llama-3.2-1B shapes on one GPU (mesh.context=1): Ulysses (C = 1) and U-Pipe at several U, a few steps
           at 64K (all 16 layers), 256K and a long length (fewer layers, so a step fits the time budget; the
           layer count is in the table): tokens/s, MFU (flops_per_token, dense bf16 peak) and
