@@ -34,8 +34,9 @@ Algorithm (T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism a
 
 Statistics, accumulators and the softmax are float32; matmuls take the input dtype (bf16/fp16/fp32) with
 float32 accumulation (fp32 inputs without TF32). head_dim must be a power of two in [16, 256] (Triton tile
-shapes), block sizes powers of two >= 16. A sequence that is not a multiple of the blocks is padded inside
-the call (padded keys are masked, padded rows dropped). `interpret=True` runs the kernels with Pallas'
+shapes), block sizes powers of two >= 16, every operand under 2**31 elements (`MAX_ELEMENTS`: the kernels'
+pointer offsets are not shown to be 64-bit, as for `jaxlong.attention.cudnn`). A sequence that is not a
+multiple of the blocks is padded inside the call (padded keys are masked, padded rows dropped). `interpret=True` runs the kernels with Pallas'
 interpreter (CPU tests); otherwise they lower through Triton and need a GPU (or the deviceless GPU compile).
 """
 
@@ -53,11 +54,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxlong.ordering import varying_axes
 
-__all__ = ["pallas_attention", "pallas_attention_bwd", "pallas_attention_fwd"]
+__all__ = ["MAX_ELEMENTS", "pallas_attention", "pallas_attention_bwd", "pallas_attention_fwd"]
 
 _F32 = jnp.float32
 _NEG = float(jnp.finfo(jnp.float32).min)  # finite "minus infinity": no inf - inf NaNs
 DEFAULT_BLOCK = 64
+MAX_ELEMENTS = 2**31 - 1  # per operand: Triton pointer offsets are 32-bit unless proven otherwise
 
 
 def _pow2(n: int) -> bool:
@@ -82,7 +84,7 @@ def _check(q, k, v, segment_ids, causal, block_q, block_k):
                          f"got {d}; use attention.backend=blockwise")
     for name, blk in (("block_q", block_q), ("block_k", block_k)):
         if int(blk) != blk or not _pow2(int(blk)) or blk < 16:
-            raise ValueError(f"pallas attention: {name}={blk!r} must be a power of two >= 16 (attention.{name})")
+            raise ValueError(f"pallas attention: {name}={blk!r} must be a power of two >= 16")
     if segment_ids is not None:
         if not causal:
             raise ValueError("segment_ids (document masking) requires causal=True")
@@ -92,7 +94,13 @@ def _check(q, k, v, segment_ids, causal, block_q, block_k):
         segment_ids = segment_ids.astype(jnp.int32)
     # Blocks larger than the (power-of-two-padded) sequence only add padding.
     cap = max(16, 1 << (s - 1).bit_length())
-    return segment_ids, min(int(block_q), cap), min(int(block_k), cap)
+    block_q, block_k = min(int(block_q), cap), min(int(block_k), cap)
+    padded = -(-s // max(block_q, block_k)) * max(block_q, block_k)
+    if b * padded * h * d > MAX_ELEMENTS:
+        raise ValueError(f"attention.backend=pallas: q {tuple(q.shape)} (seq padded to {padded}) has more than "
+                         f"{MAX_ELEMENTS:,} elements, beyond the kernels' int32 offsets; use a larger "
+                         f"mesh.context, U-Pipe with fewer attention.heads_per_stage, or attention.backend=blockwise")
+    return segment_ids, block_q, block_k
 
 
 def _runs(segment_ids, padded: int):
@@ -208,7 +216,8 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
       of ``blockwise_attention_fwd`` and ``cudnn_attention_fwd``.
 
     Raises:
-      ValueError: malformed shapes, dtypes, head_dim, block sizes or segment ids (before tracing a kernel).
+      ValueError: malformed shapes, dtypes, head_dim, block sizes or segment ids, or q with more than
+        ``MAX_ELEMENTS`` elements (before tracing a kernel).
     """
     segment_ids, bq, bk = _check(q, k, v, segment_ids, causal, block_q, block_k)
     b, s, h, d = q.shape
@@ -320,7 +329,7 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
     # D_i = rowsum(dO_i * O_i) (Algorithm 2, line 4), float32 [b, h, s]
     delta = jnp.einsum("bshd,bshd->bhs", dout.astype(_F32), out.astype(_F32))
     q_, k_, v_, do_ = (_pad_seq(x, sp) for x in (q, k, v, dout.astype(q.dtype)))
-    # padded rows: lse = +max keeps their P = exp(S - lse) at 0 (their dout is 0; exp(S) could overflow)
+    # padded rows (q = 0, dout = 0): lse = +max keeps their P = exp(S - lse) at 0, so they add nothing
     lse_, delta_ = _pad_seq(lse.astype(_F32), sp, 2, -_NEG), _pad_seq(delta, sp, 2)
     segments = segment_ids is not None
     runs = _runs(segment_ids, sp) if segments else None
