@@ -3,7 +3,8 @@
 On the CPU the kernels run in Pallas' interpreter (`interpret=True`): forward, lse and gradients (both the
 backward from a saved (out, lse) and the custom_vjp) equal the blockwise kernel's in float32 -- causal and not,
 GQA (heads 4 over kv_heads 2 and 1), packed documents with trailing padding whose boundaries cut through tiles
-(so the skipped tiles matter), and a sequence that is not a multiple of the blocks. Where the CUDA plugin is
+(so the skipped tiles matter), and a sequence that is not a multiple of the blocks; NaN planted in tiles that
+must be skipped shows they are not read. Where the CUDA plugin is
 installed the kernels compile through Triton for compile-only H100s (sm_90, `jaxlong.plan.target`), alone and
 inside the train step that `attention.backend=auto` builds for packed documents (Ulysses and U-Pipe).
 """
@@ -88,6 +89,26 @@ def test_custom_vjp_gradients_equal_the_blockwise_kernel_with_documents_and_gqa(
     res = jax.eval_shape(lambda *a: jax.tree.leaves(jax.vjp(
         lambda q, k, v: PG.pallas_attention(q, k, v, segment_ids=DOCS_96, interpret=True), *a)[1]), q, k, v)
     assert sorted(r.size for r in res) == sorted([q.size, k.size, v.size, DOCS_96.size, q.size, 2 * 4 * 96])
+
+
+def test_tiles_of_other_documents_and_above_the_diagonal_are_not_visited():
+    """NaN planted where only a visited tile could read it (0 * NaN is NaN in a matmul, masked or not): two
+    tile-aligned documents of 32 tokens, blocks of 32. Forward and dQ skip the kv tile of the earlier document
+    and the kv tile above the diagonal; dK/dV skip the query tile of the later document."""
+    q, k, v, do = _inputs(1, 64, 2, 1, 16, seed=7)
+    seg = _segments([(1, 32), (2, 32)])
+    run = functools.partial(PG.pallas_attention_fwd, segment_ids=seg, block_q=32, block_k=32, interpret=True)
+    nan_first, nan_second = (jnp.zeros((1, 64, 1, 1)).at[:, sl].set(jnp.nan) for sl in (slice(0, 32), slice(32, 64)))
+    out, lse = run(q, k, v + nan_first)
+    assert bool(jnp.isfinite(out[:, 32:]).all()) and not bool(jnp.isfinite(out[:, :32]).any())
+    out, _ = run(q, k, v + nan_second)
+    assert bool(jnp.isfinite(out[:, :32]).all())
+    out, lse = run(q, k, v)
+    bwd = functools.partial(PG.pallas_attention_bwd, segment_ids=seg, block_q=32, block_k=32, interpret=True)
+    _, dk, dv = bwd(q, k, v, out, lse, do + nan_second.reshape(1, 64, 1, 1))
+    assert bool(jnp.isfinite(dk[:, :32]).all() and jnp.isfinite(dv[:, :32]).all())
+    dq, _, _ = bwd(q, k + nan_first, v + nan_first, out, lse, do)
+    assert bool(jnp.isfinite(dq[:, 32:]).all()) and not bool(jnp.isfinite(dq[:, :32]).any())
 
 
 def test_bf16_forward_is_close_to_the_blockwise_kernel():
