@@ -111,6 +111,30 @@ def test_tiles_of_other_documents_and_above_the_diagonal_are_not_visited():
     assert bool(jnp.isfinite(dq[:, 32:]).all()) and not bool(jnp.isfinite(dq[:, :32]).any())
 
 
+def test_inside_shard_map_as_ulysses_calls_it():
+    """Heads split over a 4-device `context` axis (as after Ulysses' all-to-all), segment ids replicated, in
+    `jax.shard_map`: the gradients equal the blockwise kernel's run the same way. `check_vma=False` here only:
+    JAX 0.10.2's Pallas interpreter evaluates the kernel body with mesh-invariant constants against varying
+    loads and fails ("Primitive div requires varying manual axes to match"); the Triton lowering has no such
+    step, and `check_vma=True` (as Ulysses and U-Pipe run) is compiled by the sm_90 tests below."""
+    mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])
+    q, k, v, w = _inputs(1, 64, 8, 4, 16, seed=11)
+    seg = _segments([(1, 24), (2, 30), (0, 10)])
+    spec = P(None, None, "context", None)
+
+    def grads(fn):
+        def local(q, k, v, w, sg):
+            return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, segment_ids=sg) * w), argnums=(0, 1, 2))(q, k, v)
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4 + (P(),), out_specs=(spec,) * 3,
+                                     check_vma=False))(q, k, v, w, seg)
+
+    got = grads(functools.partial(PG.pallas_attention, block_q=16, block_k=32, interpret=True))
+    want = grads(functools.partial(K.blockwise_attention, block_q=16, block_k=16))
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, **TOL)
+
+
 def test_bf16_forward_is_close_to_the_blockwise_kernel():
     q, k, v, _ = _inputs(1, 64, 4, 2, 16, seed=5)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
