@@ -36,8 +36,12 @@ Statistics, accumulators and the softmax are float32; matmuls take the input dty
 float32 accumulation (fp32 inputs without TF32). head_dim must be a power of two in [16, 256] (Triton tile
 shapes), block sizes powers of two >= 16, every operand under 2**31 elements (`MAX_ELEMENTS`: the kernels'
 pointer offsets are not shown to be 64-bit, as for `jaxlong.attention.cudnn`). A sequence that is not a
-multiple of the blocks is padded inside the call (padded keys are masked, padded rows dropped). `interpret=True` runs the kernels with Pallas'
-interpreter (CPU tests); otherwise they lower through Triton and need a GPU (or the deviceless GPU compile).
+multiple of the blocks is padded inside the call (padded keys are masked, padded rows dropped).
+
+`interpret=True` runs the kernels in Pallas' interpreter (CPU tests; JAX 0.10.2's interpreter fails inside
+`shard_map(check_vma=True)`, so interpreted tests run with `check_vma=False`); otherwise they lower through
+Triton and need a GPU, or the deviceless GPU compile (`jaxlong.plan.target`), where XLA compiles them to sm_90
+PTX. Inside `shard_map(check_vma=True)` (Ulysses, U-Pipe) the outputs vary over the mesh axes the inputs do.
 """
 
 from __future__ import annotations
