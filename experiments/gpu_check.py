@@ -9,8 +9,11 @@ parent never touches the GPU, and every child starts with a clean `peak_bytes_in
           lse and gradients (dq, dk, dv) in bf16, causal and not, GQA, head_dim 64 and 128, an uneven length,
           both against a float32 blockwise run; the cuDNN backward fed the blockwise kernel's (out, lse) (the
           statistic's convention); segment ids (cuDNN: a clear error expected; a backend with segment ids:
-          compared with attention run per document); and a large-tensor probe: a cuDNN call on tensors of more
-          than 2**31 elements compared head by head with small calls (does `MAX_ELEMENTS` need to stay?).
+          compared with attention run per document); the Pallas kernel with segment ids
+          (`jaxlong.attention.pallas_gpu`, what `auto` runs for packed documents) against the blockwise kernel,
+          forward, lse and gradients, both against float32 blockwise; and a large-tensor probe: a cuDNN call on
+          tensors of more than 2**31 elements compared head by head with small calls (does `MAX_ELEMENTS` need
+          to stay?).
   train   Llama-3.2-1B shapes on one GPU (mesh.context=1): Ulysses (C = 1) and U-Pipe at several U, a few steps
           at 64K (all 16 layers), 256K and a long length (fewer layers, so a step fits the time budget; the
           layer count is in the table): tokens/s, MFU (flops_per_token, dense bf16 peak) and
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import os
 import subprocess
@@ -144,6 +148,7 @@ def child_kernel(smoke: bool, large: bool) -> list[dict]:
         rows.append(row)
     for backend in dict.fromkeys((cand, "blockwise")):  # the GPU backend, and the blockwise one where it differs
         rows.append(_segment_row(K, backend, smoke, inspect))
+    rows.append(_pallas_row(K, smoke, gpu))
     if large and gpu:
         rows.append(_large_tensor_row())
     return rows
@@ -171,6 +176,51 @@ def _segment_row(K, cand, smoke, inspect) -> dict:
              for a, b in zip(bounds, bounds[1:])]
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - jnp.concatenate(parts, 1).astype(jnp.float32))))
     return {**row, "out_err": err, "pass": err <= 3e-2}
+
+
+def _pallas_row(K, smoke: bool, gpu: bool) -> dict:
+    """The Pallas kernel with segment ids (what `attention.backend=auto` runs for packed documents on GPUs)
+    against the blockwise kernel, both bf16, errors relative to a float32 blockwise run: forward, lse and the
+    backward from each kernel's own (out, lse). GQA, three documents cut through tiles, trailing padding.
+    Smoke: Pallas' interpreter on the CPU at tiny shapes."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    try:
+        from jaxlong.attention import pallas_gpu as PG  # noqa: PLC0415
+    except ImportError as e:
+        return {"case": "pallas segment ids", "candidate": "pallas", "pass": False, "error": str(e)[:300]}
+    b, s, h, kv, d = (1, 64, 4, 2, 16) if smoke else (2, 4096, 16, 4, 128)
+    name = f"pallas segment ids b={b} S={s} H={h} KV={kv} d={d}"
+    row = {"case": name, "candidate": "pallas", "baseline": "blockwise"}
+    lens = [s * 3 // 16, s * 7 // 16, s // 4]
+    seg = jnp.asarray(sum(([i + 1] * n for i, n in enumerate(lens)), []) + [0] * (s - sum(lens)), jnp.int32)
+    seg = jnp.broadcast_to(seg[None], (b, s))
+    blk = 16 if smoke else 512
+    try:
+        q, k, v, do = (_np_inputs((b, s, n, d), i, jnp.bfloat16) for i, n in enumerate((h, kv, kv, h)))
+
+        def run(fwd, bwd, q, k, v, do):
+            out, lse = jax.jit(lambda q, k, v, g: fwd(q, k, v, segment_ids=g))(q, k, v, seg)
+            grads = jax.jit(lambda *a: bwd(*a, segment_ids=seg))(q, k, v, out, lse, do)
+            return [x.astype(jnp.float32) for x in (out, lse, *grads)]
+
+        pf = functools.partial(PG.pallas_attention_fwd, interpret=not gpu)
+        pb = functools.partial(PG.pallas_attention_bwd, interpret=not gpu)
+        bf = functools.partial(K.blockwise_attention_fwd, block_q=blk, block_k=blk)
+        bb = functools.partial(K.blockwise_attention_bwd, block_q=blk, block_k=blk)
+        truth = run(bf, bb, *(x.astype(jnp.float32) for x in (q, k, v, do)))
+        got, ref = run(pf, pb, q, k, v, do), run(bf, bb, q, k, v, do)
+        ok = True
+        for j, t in enumerate(("out", "lse", "dq", "dk", "dv")):
+            scale = 1.0 if t == "lse" else float(jnp.max(jnp.abs(truth[j]))) + 1e-6
+            row[f"{t}_err"] = float(jnp.max(jnp.abs(got[j] - truth[j]))) / scale
+            row[f"{t}_err_baseline"] = float(jnp.max(jnp.abs(ref[j] - truth[j]))) / scale
+            ok &= row[f"{t}_err"] <= max(2 * row[f"{t}_err_baseline"], 2e-2)
+        row["pass"] = bool(ok)
+    except Exception as e:  # noqa: BLE001
+        row.update({"pass": False, "error": f"{type(e).__name__}: {e}"[:400]})
+    return row
 
 
 def _large_tensor_row(b: int = 1, s: int = 65536, h: int = 264, d: int = 128) -> dict:

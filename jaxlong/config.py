@@ -101,7 +101,7 @@ class AttentionConfig:
     """How attention is parallelized (`impl`) and which kernel runs it (`backend`)."""
 
     impl: str = "ulysses"  # ulysses | upipe
-    backend: str = "auto"  # auto | blockwise | cudnn | reference
+    backend: str = "auto"  # auto | blockwise | cudnn | pallas | reference
     block_q: int = 256
     block_k: int = 256
     heads_per_stage: int = 0  # U-Pipe heads per stage U; 0 means U = context degree C
@@ -194,7 +194,7 @@ UPIPE_INTERNAL_NAMES = (
     "value_proj",  # [b, s, kv_heads, head_dim]
     "attn_out",  # [b, s, heads, head_dim], before W_o
 )
-ATTENTION_BACKENDS = ("auto", "blockwise", "cudnn", "reference")
+ATTENTION_BACKENDS = ("auto", "blockwise", "cudnn", "pallas", "reference")
 REMAT_POLICIES = ("none", "full", "save_dots", "offload", "custom")
 TOKENIZERS = ("byte",)  # names accepted by jaxlong.data.get_tokenizer (besides a tokenizer.json path)
 ROPE_SCALING_TYPES = ("none", "linear", "llama3", "yarn")
@@ -462,8 +462,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _choice("data.packing", cfg.data.packing, PACKINGS)
     _choice("data.split_positions", cfg.data.split_positions, SPLIT_POSITIONS)
     if cfg.data.packing == "documents" and cfg.attention.backend == "cudnn":
-        raise ConfigError("attention.backend=cudnn cannot mask packed documents (jax.nn.dot_product_attention has "
-                          "no segment ids); use attention.backend=auto or blockwise, or data.packing=concat")
+        raise ConfigError("attention.backend=cudnn cannot mask packed documents (cuDNN's packed layout is not usable "
+                          "at long context); use attention.backend=auto or pallas (GPUs) or blockwise, or "
+                          "data.packing=concat")
     if not str(cfg.data.text_field).strip():
         raise ConfigError("data.text_field is empty; give the name of the field that holds each document's text")
     if cfg.data.max_tokens is not None and cfg.data.max_tokens <= 0:

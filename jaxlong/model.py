@@ -55,7 +55,8 @@ class Runtime:
     @property
     def attention_backend(self) -> str:
         """`attention.backend` with `auto` resolved for the mesh's devices (GPU compile-only devices included) and
-        the batches (`data.packing=documents` carries segment ids, which only the blockwise kernel masks). With
+        the batches (`data.packing=documents` carries segment ids, which cuDNN cannot mask: the Pallas kernel on
+        GPUs, the blockwise one elsewhere). With
         `mesh.ring` > 1 it is `blockwise`: ring attention's per-block kernel (`jaxlong.parallel.ring`)."""
         if axis_size(self.mesh, RING_AXIS) > 1:
             return "blockwise"

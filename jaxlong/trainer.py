@@ -164,9 +164,9 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_chang
 
 def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals: _Signals, fault) -> dict:
     validate(cfg, num_devices=len(jax.devices()))
-    if cfg.attention.backend == "cudnn" and jax.default_backend() != "gpu":
+    if cfg.attention.backend in ("cudnn", "pallas") and jax.default_backend() != "gpu":
         raise ConfigError(
-            f"attention.backend=cudnn needs an NVIDIA GPU, but jax runs on {jax.default_backend()}; "
+            f"attention.backend={cfg.attention.backend} needs an NVIDIA GPU, but jax runs on {jax.default_backend()}; "
             f"use attention.backend=auto (cuDNN where available) or blockwise"
         )
     mesh = build_mesh(cfg.mesh)

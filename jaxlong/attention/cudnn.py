@@ -24,10 +24,10 @@ Why this kernel (survey, December 2026):
   - Tokamax (openxla/tokamax): wraps the same cuDNN call and Pallas/Mosaic GPU kernels behind an autotuning
     API; not installed with JAX, and its lse-returning entry points are internal too, so it adds a dependency
     without removing the private-API risk.
-  - A Pallas GPU (Triton) kernel of our own, e.g. from `jax.experimental.pallas.ops.gpu.attention`: testable on
-    the CPU in interpret mode and supports segment ids, but on H100 the Triton lowering reaches well under
-    cuDNN's throughput (no warp specialization / TMA pipelining), and a faster Mosaic GPU kernel is a project of
-    its own. Kept as the route for document masking if cuDNN's packed layout stays impractical (below).
+  - A Pallas GPU (Triton) kernel of our own (`jaxlong.attention.pallas_gpu`): testable on the CPU in interpret
+    mode and supports segment ids, but on H100 the Triton lowering reaches well under cuDNN's throughput (no
+    warp specialization / TMA pipelining), and a faster Mosaic GPU kernel is a project of its own. It is the
+    route for document masking, since cuDNN's packed layout is impractical at long context (below).
   - FlashAttention-3 bindings: PyTorch/CUDA extensions with no maintained XLA custom-call binding for JAX
     (and a CUDA build step per machine); they would not compile in a deviceless plan.
 
@@ -49,7 +49,10 @@ Segment ids (document masking) are not supported here and raise a clear error: J
 statistic with shape `[batch * M, heads, seq]` (M times the memory of the lse: gigabytes per call at a million
 tokens and hundreds of documents, in a per-segment layout unlike the blockwise kernel's), and its checks
 reject the packed layout unless the process's default backend is a Hopper GPU, so it cannot be planned on a
-machine without one. Use `attention.backend=blockwise` with segment ids.
+machine without one. With segment ids, `attention.backend=auto` on GPUs runs the Pallas (Triton) kernel pair
+`jaxlong.attention.pallas_gpu` instead: the same signatures, layout and lse convention, the blockwise kernel's
+masking, tiles of other documents skipped, and it compiles in the deviceless sm_90 compile too
+(`attention.backend=pallas` selects it explicitly; `blockwise` runs anywhere).
 
 Sizes: each operand of a call (`q`, `out`, `dout`, `dq`, the backward's float32 dQ accumulator, `k`, `v`) must
 have fewer than 2**31 elements (`MAX_ELEMENTS`). cuDNN's public descriptors are 64-bit, but whether every

@@ -1,5 +1,6 @@
-"""Attention kernels: exact blockwise (flash-style) attention in pure JAX, cuDNN dispatch
-(the cuDNN kernel pair with lse in and out is :mod:`jaxlong.attention.cudnn`).
+"""Attention kernels: exact blockwise (flash-style) attention in pure JAX, backend dispatch
+(the cuDNN kernel pair with lse in and out is :mod:`jaxlong.attention.cudnn`; the Pallas GPU kernel pair
+with segment ids is :mod:`jaxlong.attention.pallas_gpu`).
 
 Layout (everywhere in this module):
 
@@ -44,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlong.attention import cudnn as _cudnn
+from jaxlong.attention import pallas_gpu as _pallas
 from jaxlong.ordering import varying_axes, zeros_after
 
 __all__ = [
@@ -60,7 +62,7 @@ __all__ = [
     "attention_bwd",
 ]
 
-BACKENDS = ("auto", "blockwise", "cudnn", "reference")
+BACKENDS = ("auto", "blockwise", "cudnn", "pallas", "reference")
 
 _F32 = jnp.float32
 # Finite "minus infinity" for masked scores: exp(_NEG - finite) == 0 and no inf - inf NaNs.
@@ -412,7 +414,7 @@ def cudnn_attention(q, k, v, *, causal: bool = True):
     ``(q, k, v, out, lse)`` whose backward does not rerun the forward).
 
     Same layout (GQA handled natively). GPU only; bf16/fp16 inputs, head_dim a multiple of 8 and <= 256.
-    It takes no segment ids: packed documents go to the blockwise kernel (``backend='auto'``) or raise
+    It takes no segment ids: packed documents go to the Pallas GPU kernel (``backend='auto'``) or raise
     (``backend='cudnn'``, see :func:`resolve_backend`).
     Raises ValueError/ConfigError as :func:`jaxlong.attention.cudnn.cudnn_attention_fwd`.
     """
@@ -425,11 +427,11 @@ def cudnn_attention(q, k, v, *, causal: bool = True):
 def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = None) -> str:
     """Map ``backend`` (one of :data:`BACKENDS`) to a concrete one for query array ``q``.
 
-    ``'auto'`` picks ``'cudnn'`` when the devices are GPUs (``platform``: the mesh's device platform, e.g.
-    ``mesh.devices.flat[0].platform``; default ``jax.default_backend()``), ``head_dim % 8 == 0``,
-    ``head_dim <= 256``, ``q.dtype`` is bf16/fp16 and there are no ``segment_ids``; otherwise
-    ``'blockwise'`` (the only fast kernel with document masking). Compile-only GPU devices (planning without
-    a GPU) report ``'gpu'`` while ``jax.default_backend()`` is ``'cpu'``: pass ``platform``.
+    ``'auto'`` on GPUs (``platform``: the mesh's device platform, e.g. ``mesh.devices.flat[0].platform``;
+    default ``jax.default_backend()``) with ``q.dtype`` bf16/fp16 picks ``'cudnn'`` without ``segment_ids``
+    (``head_dim % 8 == 0`` and ``<= 256``) and ``'pallas'`` with them (document masking;
+    ``head_dim`` a power of two in [16, 256]); otherwise ``'blockwise'``. Compile-only GPU devices (planning
+    without a GPU) report ``'gpu'`` while ``jax.default_backend()`` is ``'cpu'``: pass ``platform``.
 
     Raises:
       ValueError: unknown backend, or ``'cudnn'`` with segment ids (``attention.backend``).
@@ -439,14 +441,18 @@ def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = No
     if backend == "cudnn" and segment_ids is not None:
         raise ValueError(
             "attention.backend=cudnn cannot mask packed documents (cuDNN's packed layout is not usable at long "
-            "context, see jaxlong.attention.cudnn); use attention.backend=auto or blockwise, or data.packing=concat")
+            "context, see jaxlong.attention.cudnn); use attention.backend=auto or pallas (GPUs) or blockwise, or "
+            "data.packing=concat")
     if backend != "auto":
         return backend
     platform = jax.default_backend() if platform is None else platform
     d = q.shape[-1]
-    if (segment_ids is None and platform in ("gpu", "cuda") and d % 8 == 0 and d <= 256
-            and jnp.dtype(q.dtype) in (jnp.bfloat16, jnp.float16)):
+    if platform not in ("gpu", "cuda") or jnp.dtype(q.dtype) not in (jnp.bfloat16, jnp.float16):
+        return "blockwise"
+    if segment_ids is None and d % 8 == 0 and d <= 256:
         return "cudnn"
+    if segment_ids is not None and 16 <= d <= 256 and d & (d - 1) == 0:
+        return "pallas"
     return "blockwise"
 
 
@@ -454,8 +460,9 @@ def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: i
               block_k: int = 512, segment_ids=None):
     """Differentiable attention with backend dispatch; returns ``out`` (shape/dtype of q).
 
-    backend: ``'auto'`` (see :func:`resolve_backend`), ``'blockwise'``, ``'cudnn'`` or
-    ``'reference'``. ``block_q``/``block_k`` are used only by ``'blockwise'``.
+    backend: ``'auto'`` (see :func:`resolve_backend`), ``'blockwise'``, ``'cudnn'``, ``'pallas'`` or
+    ``'reference'``. ``block_q``/``block_k`` are used only by ``'blockwise'`` (the Pallas kernel keeps its
+    own Triton tile sizes).
     ``segment_ids``: int ``[batch, seq]`` or None, document masking (module docstring).
     Raises ValueError for an unknown backend, cuDNN with segment ids (and as the kernel does).
     """
@@ -465,6 +472,8 @@ def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: i
                                    segment_ids=segment_ids)
     if backend == "cudnn":
         return cudnn_attention(q, k, v, causal=causal)
+    if backend == "pallas":
+        return _pallas.pallas_attention(q, k, v, causal=causal, segment_ids=segment_ids)
     return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
 
 
@@ -476,6 +485,7 @@ def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = Tru
     * ``'reference'``: exact lse from the materialized scores.
     * ``'cudnn'``: :func:`jaxlong.attention.cudnn.cudnn_attention_fwd`, cuDNN's softmax statistic,
       which is the same natural-log lse.
+    * ``'pallas'``: :func:`jaxlong.attention.pallas_gpu.pallas_attention_fwd` (real lse, segment ids).
     ``segment_ids`` as for :func:`attention`.
     """
     backend = resolve_backend(backend, q, segment_ids)
@@ -484,6 +494,8 @@ def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = Tru
                                        block_k=block_k, segment_ids=segment_ids)
     if backend == "reference":
         return _reference_with_lse(q, k, v, causal=causal, segment_ids=segment_ids)
+    if backend == "pallas":
+        return _pallas.pallas_attention_fwd(q, k, v, causal=causal, segment_ids=segment_ids)
     return _cudnn.cudnn_attention_fwd(q, k, v, causal=causal)
 
 
@@ -491,8 +503,9 @@ def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: boo
                   block_q: int = 512, block_k: int = 512, segment_ids=None):
     """Backward matching :func:`attention_fwd_with_lse`; returns ``(dq, dk, dv)``.
 
-    ``'blockwise'`` uses :func:`blockwise_attention_bwd` and ``'cudnn'``
-    :func:`jaxlong.attention.cudnn.cudnn_attention_bwd`, both from the saved ``out``/``lse`` (no
+    ``'blockwise'`` uses :func:`blockwise_attention_bwd`, ``'cudnn'``
+    :func:`jaxlong.attention.cudnn.cudnn_attention_bwd` and ``'pallas'``
+    :func:`jaxlong.attention.pallas_gpu.pallas_attention_bwd`, all from the saved ``out``/``lse`` (no
     forward is rerun). ``'reference'`` (tests only) ignores ``out``/``lse`` and recomputes the
     forward under ``jax.vjp``. Dtypes follow q, k, v.
     """
@@ -502,5 +515,7 @@ def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: boo
                                        block_q=block_q, block_k=block_k, segment_ids=segment_ids)
     if backend == "cudnn":
         return _cudnn.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=causal)
+    if backend == "pallas":
+        return _pallas.pallas_attention_bwd(q, k, v, out, lse, dout, causal=causal, segment_ids=segment_ids)
     _, vjp = jax.vjp(functools.partial(reference_attention, causal=causal, segment_ids=segment_ids), q, k, v)
     return vjp(dout.astype(q.dtype))
