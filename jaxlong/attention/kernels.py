@@ -151,6 +151,16 @@ def _check_segments(segment_ids, q, causal):
     return segment_ids.astype(jnp.int32)
 
 
+def _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal):
+    """Validate a (query ids, key ids) pair for ``causal=False``; return both as int32."""
+    if causal or segment_ids is None:
+        raise ValueError("kv_segment_ids (separate key segment ids) requires causal=False and segment_ids")
+    for name, ids, x in (("segment_ids", segment_ids, q), ("kv_segment_ids", kv_segment_ids, k)):
+        if tuple(ids.shape) != tuple(x.shape[:2]) or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer [batch, seq] = {list(x.shape[:2])}; got {ids.dtype}{list(ids.shape)}")
+    return segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+
+
 # ------------------------------------------------------------------------- reference
 
 
@@ -190,7 +200,7 @@ def _tile_starts(starts, bq):
 
 
 def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
-                            block_k: int = 512, segment_ids=None):
+                            block_k: int = 512, segment_ids=None, kv_segment_ids=None):
     """FlashAttention-2 forward (Dao 2023, Alg. 1) in pure JAX; returns ``(out, lse)``.
 
     Args:
@@ -199,6 +209,10 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
       block_q, block_k: query / key tile lengths (may differ). Each is clamped to ``seq``
         and must then divide ``seq``.
       segment_ids: int ``[batch, seq]`` or None: document masking (module docstring).
+      kv_segment_ids: int ``[batch, seq]`` or None: the keys' ids when q and k are different
+        blocks of a sequence (ring attention's off-diagonal blocks); then ``causal=False`` and
+        query ``i`` sees key ``j`` iff ``segment_ids[i] == kv_segment_ids[j]``. A query that sees
+        no key gets output 0 and lse ``-inf``. No tile skipping in this mode.
 
     Returns:
       ``out`` with the shape and dtype of ``q``; ``lse`` float32 ``[batch, heads, seq]``.
@@ -216,6 +230,10 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
     b, s, h, kvh, d = _check_shapes(q, k, v)
     bq = _check_block("block_q", block_q, s)
     bk = _check_block("block_k", block_k, s)
+    pair = kv_segment_ids is not None
+    if pair:
+        q_ids, kv_ids = _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal)
+        segment_ids = None
     segment_ids = _check_segments(segment_ids, q, causal)
     g, nq, nk = h // kvh, s // bq, s // bk
     scale = 1.0 / math.sqrt(d)
@@ -244,6 +262,11 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
                     mask = mask & (k_pos[None, None, :] >= st_i[:, :, None])  # [b, bq, bk]
                 mask = mask[:, None, None]
                 sc = jnp.where(mask, sc, _NEG)
+            if pair:
+                kv_j = lax.dynamic_slice_in_dim(kv_ids, j * bk, bk, axis=1)
+                mask = (lax.dynamic_slice_in_dim(q_ids, i * bq, bq, axis=1)[:, :, None]
+                        == kv_j[:, None, :])[:, None, None]  # [b, 1, 1, bq, bk]
+                sc = jnp.where(mask, sc, _NEG)
             # A row may have no visible key in this tile (all _NEG, so m_new == _NEG too): the
             # explicit where keeps its exp(_NEG - _NEG) = 1 out of l and acc.
             m_new = jnp.maximum(m, sc.max(axis=-1))
@@ -261,8 +284,12 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
         hi = jnp.minimum(nk, ((i + 1) * bq + bk - 1) // bk) if causal else nk
         lo = lo_tiles[i] if segment_ids is not None else 0
         m, l, acc = lax.fori_loop(lo, hi, kv_step, init)
+        lse_i = m + jnp.log(l)
+        if pair:  # rows that see no key: out 0, lse -inf
+            lse_i = jnp.where(l > 0, lse_i, -jnp.inf)
+            l = jnp.where(l > 0, l, 1.0)
         out_i = jnp.transpose(acc / l[..., None], (0, 3, 1, 2, 4))  # [b, bq, kvh, g, d]
-        return out_i.astype(q.dtype), m + jnp.log(l)
+        return out_i.astype(q.dtype), lse_i
 
     outs, lses = lax.map(q_tile, jnp.arange(nq))  # [nq, b, bq, kvh, g, d], [nq, b, kvh, g, bq]
     out = jnp.moveaxis(outs, 0, 1).reshape(b, s, h, d)
@@ -274,14 +301,16 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
 
 
 def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
-                            block_q: int = 512, block_k: int = 512, segment_ids=None):
+                            block_q: int = 512, block_k: int = 512, segment_ids=None,
+                            kv_segment_ids=None):
     """FlashAttention-2 backward (Dao 2023, Alg. 2) in pure JAX; returns ``(dq, dk, dv)``.
 
     Args:
       q, k, v: as for :func:`blockwise_attention_fwd`.
       out: forward output, shape/dtype of ``q``; lse: float32 ``[batch, heads, seq]`` from
         the forward; dout: cotangent of ``out`` (shape of ``q``).
-      causal, block_q, block_k, segment_ids: must match the forward call (same checks).
+      causal, block_q, block_k, segment_ids, kv_segment_ids: must match the forward call
+        (same checks); ``lse`` may be of more keys than ``k`` (ring attention's global lse).
 
     Returns:
       ``dq``, ``dk``, ``dv`` with the shapes and dtypes of ``q``, ``k``, ``v``; ``dk`` and
@@ -300,6 +329,10 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
     b, s, h, kvh, d = _check_shapes(q, k, v)
     bq = _check_block("block_q", block_q, s)
     bk = _check_block("block_k", block_k, s)
+    pair = kv_segment_ids is not None
+    if pair:
+        q_ids, kv_ids = _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal)
+        segment_ids = None
     segment_ids = _check_segments(segment_ids, q, causal)
     g, nq, nk = h // kvh, s // bq, s // bk
     scale = 1.0 / math.sqrt(d)
@@ -335,6 +368,10 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
                 if segment_ids is not None:
                     st_i = lax.dynamic_slice_in_dim(starts, i * bq, bq, axis=1)  # [b, bq]
                     mask = mask & (k_pos[None, None, :] >= st_i[:, :, None])
+                sc = jnp.where(mask[:, None, None], sc, _NEG)
+            if pair:
+                mask = (lax.dynamic_slice_in_dim(q_ids, i * bq, bq, axis=1)[:, :, None]
+                        == lax.dynamic_slice_in_dim(kv_ids, j * bk, bk, axis=1)[:, None, :])
                 sc = jnp.where(mask[:, None, None], sc, _NEG)
             p = jnp.exp(sc - lse_i[..., None])  # masked entries -> 0
             dv_j = dv_j + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do_i.dtype), do_i,
