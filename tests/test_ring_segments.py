@@ -75,8 +75,8 @@ def test_ring_attention_with_segments_matches_reference(ring, heads, kv_heads):
 
 
 def test_ring_blocks_of_other_documents_are_skipped():
-    """Two documents of 8 tokens each on a ring of 2 (chunks of 4): the blocks pairing one document's queries with
-    the other's keys are never computed, forward (NaN keys/values of document 1 never reach document 2's outputs;
+    """Two documents of 8 tokens each on a ring of 2 (chunks and tiles of 4): the tiles pairing one document's
+    queries with the other's keys are never computed, forward (NaN keys/values of document 1 never reach document 2's outputs;
     masking alone would give 0 * NaN) or backward (NaN queries of document 2 never reach document 1's dK, dV)."""
     ring, s = 2, 16
     mesh = jax.make_mesh((ring,), ("ring",), axis_types=(AxisType.Auto,))
@@ -198,3 +198,23 @@ def test_packed_train_step_with_ring_matches_ring_1(overrides):
     loss, grads, _ = loss_and_grads(cfg, 8, batch, params_host=params)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", ["ulysses", "upipe"])
+def test_packed_ring_step_adds_no_sequence_squared_memory(impl):
+    """The compiled train step under mesh.ring=2 with document masking needs no more temporary memory than the
+    unpacked one (up to a few O(seq) int32 arrays): nothing [S, S]-shaped or per head is added."""
+    from jaxlong import step as step_lib
+    from jaxlong.memstats import compiled_bytes
+
+    from helpers import mesh_for
+
+    def temp(packing):
+        cfg = tiny_cfg("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "seq_len=4096", "global_batch=1",
+                       "attention.block_q=256", "attention.block_k=256", "remat.policy=full",
+                       f"attention.impl={impl}", f"data.packing={packing}")
+        return compiled_bytes(step_lib.compile_train_step(cfg, mesh_for(cfg, 8)))["temp"]
+
+    packed, unpacked = temp("documents"), temp("concat")
+    seq_bytes = 4096 * 4  # one [batch, seq] int32 array, whole
+    assert packed <= unpacked * 1.02 + 8 * seq_bytes, (packed, unpacked)

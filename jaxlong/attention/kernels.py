@@ -151,6 +151,21 @@ def _check_segments(segment_ids, q, causal):
     return segment_ids.astype(jnp.int32)
 
 
+def _tile_ends(ids, block):
+    """First and last id of each tile, ``[batch, n_tiles]`` each (its range, for non-decreasing ids)."""
+    return ids[:, ::block], ids[:, block - 1::block]
+
+
+def _overlapping(firsts, lasts, other_first, other_last):
+    """For each tile with id range ``[other_first, other_last]`` (``[batch, n]``), the range ``[lo, hi)`` of
+    the tiles with ranges ``[firsts, lasts]`` (``[batch, m]``, non-decreasing) that it overlaps in some batch
+    row: int32 ``[n]`` each."""
+    search = jax.vmap(jnp.searchsorted, in_axes=(0, 0, None))
+    lo = search(lasts, other_first, "left").min(axis=0)
+    hi = search(firsts, other_last, "right").max(axis=0)
+    return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
 def _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal):
     """Validate a (query ids, key ids) pair for ``causal=False``; return both as int32."""
     if causal or segment_ids is None:
@@ -211,8 +226,10 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
       segment_ids: int ``[batch, seq]`` or None: document masking (module docstring).
       kv_segment_ids: int ``[batch, seq]`` or None: the keys' ids when q and k are different
         blocks of a sequence (ring attention's off-diagonal blocks); then ``causal=False`` and
-        query ``i`` sees key ``j`` iff ``segment_ids[i] == kv_segment_ids[j]``. A query that sees
-        no key gets output 0 and lse ``-inf``. No tile skipping in this mode.
+        query ``i`` sees key ``j`` iff ``segment_ids[i] == kv_segment_ids[j]``. Both must be
+        non-decreasing along the sequence (e.g. each token's document start): kv tiles whose id
+        range misses the query tile's are skipped. A query that sees no key gets output 0 and
+        lse ``-inf``.
 
     Returns:
       ``out`` with the shape and dtype of ``q``; ``lse`` float32 ``[batch, heads, seq]``.
@@ -241,6 +258,8 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
     if segment_ids is not None:
         starts = segment_starts(segment_ids)  # [b, s]
         lo_tiles = _tile_starts(starts, bq).min(axis=0) // bk  # [nq]
+    if pair:  # kv tiles [lo, hi) share ids with query tile i
+        lo_tiles, hi_tiles = _overlapping(*_tile_ends(kv_ids, bk), *_tile_ends(q_ids, bq))
 
     def q_tile(i):
         q_i = lax.dynamic_slice_in_dim(q5, i * bq, bq, axis=1)  # [b, bq, kvh, g, d]
@@ -281,8 +300,8 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
 
         init = (_full((b, kvh, g, bq), _NEG, q, k, v), _full((b, kvh, g, bq), 0, q, k, v),
                 _full((b, kvh, g, bq, d), 0, q, k, v))
-        hi = jnp.minimum(nk, ((i + 1) * bq + bk - 1) // bk) if causal else nk
-        lo = lo_tiles[i] if segment_ids is not None else 0
+        hi = jnp.minimum(nk, ((i + 1) * bq + bk - 1) // bk) if causal else (hi_tiles[i] if pair else nk)
+        lo = lo_tiles[i] if segment_ids is not None or pair else 0
         m, l, acc = lax.fori_loop(lo, hi, kv_step, init)
         lse_i = m + jnp.log(l)
         if pair:  # rows that see no key: out 0, lse -inf
@@ -347,6 +366,8 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
         last_key = (jnp.arange(nk, dtype=jnp.int32) + 1) * bk - 1
         hi_tiles = jax.vmap(lambda t: jnp.searchsorted(t, last_key, side="right"))(
             _tile_starts(starts, bq)).max(axis=0).astype(jnp.int32)  # [nk]
+    if pair:  # query tiles [lo, hi) share ids with kv tile j
+        lo_tiles, hi_tiles = _overlapping(*_tile_ends(q_ids, bq), *_tile_ends(kv_ids, bk))
 
     refs = (q, k, v, out, lse, dout)  # for the shard_map varying axes of the carries
 
@@ -385,8 +406,8 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
             dq_acc = lax.dynamic_update_slice_in_dim(dq_acc, dq_old + dq_i, i * bq, axis=1)
             return dq_acc, dk_j, dv_j
 
-        lo = (j * bk) // bq if causal else 0
-        hi = hi_tiles[j] if segment_ids is not None else nq
+        lo = (j * bk) // bq if causal else (lo_tiles[j] if pair else 0)
+        hi = hi_tiles[j] if segment_ids is not None or pair else nq
         zeros = _full((b, bk, kvh, d), 0, *refs)
         dq_acc, dk_j, dv_j = lax.fori_loop(lo, hi, q_step, (dq_acc, zeros, zeros))
         return dq_acc, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))

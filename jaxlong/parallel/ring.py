@@ -33,9 +33,9 @@ Packed documents (segment ids, the kernels' document masking): every rank holds 
 them, so no ids travel around the ring. The diagonal block is the kernel's causal document mask; an
 off-diagonal block (all its keys before all its queries) masks query i from key j unless their run ids are
 equal (`kv_segment_ids` of the kernel). A query may then see no key of a block: that block's lse is -inf and
-its merge weight 0. As run ids never decrease along a chunk, a block whose first query's run differs from its
-last key's run (in every batch row) is masked entirely and skipped (`lax.cond`), forward and backward: with
-many short documents most remote blocks cost nothing. Nothing `[S, S]`-shaped or per head is added.
+its merge weight 0. Run ids never decrease along a chunk, so the kernel skips the tiles whose id ranges do not
+meet, forward and backward: with many short documents most remote blocks cost next to nothing. Nothing
+`[S, S]`-shaped or per head is added.
 
 Hybrids: with a `context` axis as well, `jaxlong.parallel.ulysses.ulysses_attention` all-to-alls heads over `context`
 and runs `ring_attention_local` over `ring` (USP, Fang & Zhao 2024, arXiv 2405.07719); `jaxlong.parallel.upipe` runs it
@@ -57,7 +57,6 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxlong.attention.kernels import blockwise_attention_bwd, blockwise_attention_fwd, segment_starts
-from jaxlong.ordering import varying_axes, zeros_after
 
 RING_AXIS = "ring"
 _F32 = jnp.float32
@@ -153,25 +152,11 @@ def _where(c, a, b):
     return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
 
 
-def _sees(q_ids, k_ids):
-    """Whether any query of an off-diagonal block (all its keys before all its queries) sees any key: run ids
-    never decrease, so the only keys a query can see are the block's last run, and the first query's run id
-    is the smallest. A scalar bool; None without segment ids (always)."""
-    if q_ids is None:
-        return None
-    return jnp.any(q_ids[:, 0] == k_ids[:, -1])
-
-
 def _fwd_block(q, k, v, out, lse, q_ids, k_ids, kw):
-    """Merge the unmasked (or, with run ids, same-run) attention of q to one K/V block into `(out, lse)`;
-    skipped (`lax.cond`) when no query sees a key of the block."""
+    """Merge the attention of q to one K/V block (unmasked, or with run ids only same-run pairs) into
+    `(out, lse)`."""
     ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
-
-    def attend():
-        return _merge(out, lse, *blockwise_attention_fwd(q, k, v, causal=False, **ids, **kw))
-
-    sees = _sees(q_ids, k_ids)
-    return attend() if sees is None else lax.cond(sees, attend, lambda: (out, lse))
+    return _merge(out, lse, *blockwise_attention_fwd(q, k, v, causal=False, **ids, **kw))
 
 
 def _fwd_step(q, k, v, out, lse, before, causal, kw, q_ids=None, k_ids=None):
@@ -195,17 +180,9 @@ def _fwd_step(q, k, v, out, lse, before, causal, kw, q_ids=None, k_ids=None):
 
 
 def _bwd_block(q, k, v, o, l, do, q_ids, k_ids, kw):
-    """float32 `(dq, dk, dv)` of one block (see `_fwd_block`); zeros when it is skipped."""
+    """float32 `(dq, dk, dv)` of one block (see `_fwd_block`)."""
     ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
-
-    def grads():
-        return tuple(g.astype(_F32) for g in blockwise_attention_bwd(q, k, v, o, l, do, causal=False, **ids, **kw))
-
-    sees = _sees(q_ids, k_ids)
-    if sees is None:
-        return grads()
-    zeros = lambda x: zeros_after(x, x.shape, _F32, varying_axes(q, k, v, o, l, do))
-    return lax.cond(sees, grads, lambda: (zeros(q), zeros(k), zeros(v)))
+    return tuple(g.astype(_F32) for g in blockwise_attention_bwd(q, k, v, o, l, do, causal=False, **ids, **kw))
 
 
 def _bwd_step(q, k, v, out, lse, dout, before, causal, kw, q_ids=None, k_ids=None):
