@@ -57,7 +57,8 @@ def test_run_ids():
     np.testing.assert_array_equal(run_ids(zigzag(seg, 2), 2), zigzag(want, 2))
 
 
-@pytest.mark.parametrize("ring,heads,kv_heads", [(2, 4, 4), (4, 8, 2), (8, 8, 2)], ids=["r2-mha", "r4-gqa4", "r8-gqa4"])
+@pytest.mark.parametrize("ring,heads,kv_heads", [(2, 4, 4), (4, 8, 2), (8, 8, 2)],
+                         ids=["r2-mha", "r4-gqa4", "r8-gqa4"])
 def test_ring_attention_with_segments_matches_reference(ring, heads, kv_heads):
     mesh = jax.make_mesh((8 // ring, ring), ("fsdp", "ring"), axis_types=(AxisType.Auto,) * 2)
     b = 8 // ring

@@ -172,7 +172,8 @@ def _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal):
         raise ValueError("kv_segment_ids (separate key segment ids) requires causal=False and segment_ids")
     for name, ids, x in (("segment_ids", segment_ids, q), ("kv_segment_ids", kv_segment_ids, k)):
         if tuple(ids.shape) != tuple(x.shape[:2]) or not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"{name} must be integer [batch, seq] = {list(x.shape[:2])}; got {ids.dtype}{list(ids.shape)}")
+            raise ValueError(f"{name} must be integer [batch, seq] = {list(x.shape[:2])}; "
+                             f"got {ids.dtype}{list(ids.shape)}")
     return segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
 
 
