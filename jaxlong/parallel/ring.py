@@ -124,7 +124,8 @@ def zigzag_positions(slot: jax.Array, seq_len: int, ring: int) -> jax.Array:
 
 def run_ids(segment_ids: jax.Array, ring: int) -> jax.Array:
     """Each token's run id: the original position of the first token of its run of equal segment ids (its
-    document's start), int32 `[batch, S]`, in the zigzag layout like `segment_ids` (`[batch, S]`, zigzag layout).
+    document's start), int32 `[batch, S]`. `segment_ids` (int `[batch, S]`) and the result are in the zigzag
+    layout for `ring`.
 
     Two tokens share a run id iff they are in the same run of the natural order, so for a key before a query
     "same run id" is exactly the kernel's document mask (`jaxlong.attention.kernels`, module docstring), and run
