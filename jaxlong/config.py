@@ -495,9 +495,6 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         )
     if ring > 1:
         check_ring(cfg.seq_len, ring, context, cfg.attention.block_q, cfg.attention.block_k)
-        if cfg.data.packing == "documents":
-            raise ConfigError(f"mesh.ring={ring}: ring attention does not mask packed documents; use "
-                              f"data.packing=concat (one causal stream per row), or mesh.ring=1")
     if cfg.global_batch % (data * fsdp):
         raise ConfigError(
             f"global_batch={cfg.global_batch} is not divisible by mesh.data*mesh.fsdp={data * fsdp} "

@@ -46,7 +46,6 @@ def test_string_options_keep_their_text():
         (["seq_len=8190"], "seq_len=8190 is not divisible by mesh.context=4.*8192"),
         (["global_batch=3"], "global_batch=3 is not divisible by mesh.data\\*mesh.fsdp=2"),
         (["mesh.fsdp=3"], "data\\*fsdp\\*ring\\*context = 1\\*3\\*1\\*4 = 12, but there are 8 devices"),
-        (["mesh.ring=2", "mesh.fsdp=1", "seq_len=8192"], "mesh.ring=2: ring attention does not mask packed documents"),
         (["mesh.ring=2", "mesh.fsdp=1", "seq_len=8200", "data.packing=concat"],
          "seq_len=8200 is not divisible by 2\\*mesh.ring\\*mesh.context = 2\\*2\\*4 = 16.*8208"),
         (["mesh.ring=2", "mesh.fsdp=1", "seq_len=96", "attention.block_q=16", "data.packing=concat"],

@@ -31,9 +31,6 @@ def test_context_degrees_split_or_replicate_kv_heads():
     # zigzag: seq % (2 * ring * context), with the next length that works
     (["mesh.ring=2", "mesh.context=8", "seq_len=1048592"],
      r"seq_len=1048592 is not divisible by 2\*mesh.ring\*mesh.context = 2\*2\*8 = 32.*1048608"),
-    # ring attention has no document masking
-    (["mesh.ring=2", "mesh.context=8", "data.packing=documents"],
-     r"mesh.ring=2: ring attention does not mask packed documents; use data.packing=concat"),
     # the ring's per-block kernel tile divides seq/(2*ring)
     (["mesh.ring=2", "mesh.context=8", "seq_len=12288", "attention.block_q=2048"],
      r"attention.block_q=2048 must divide ring attention's block of seq_len/\(2\*mesh.ring\) = 3072 tokens"),

@@ -153,6 +153,32 @@ def _check_segments(segment_ids, q, causal):
     return segment_ids.astype(jnp.int32)
 
 
+def _tile_ends(ids, block):
+    """First and last id of each tile, ``[batch, n_tiles]`` each (its range, for non-decreasing ids)."""
+    return ids[:, ::block], ids[:, block - 1::block]
+
+
+def _overlapping(firsts, lasts, other_first, other_last):
+    """For each tile with id range ``[other_first, other_last]`` (``[batch, n]``), the range ``[lo, hi)`` of
+    the tiles with ranges ``[firsts, lasts]`` (``[batch, m]``, non-decreasing) that it overlaps in some batch
+    row: int32 ``[n]`` each."""
+    search = jax.vmap(jnp.searchsorted, in_axes=(0, 0, None))
+    lo = search(lasts, other_first, "left").min(axis=0)
+    hi = search(firsts, other_last, "right").max(axis=0)
+    return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal):
+    """Validate a (query ids, key ids) pair for ``causal=False``; return both as int32."""
+    if causal or segment_ids is None:
+        raise ValueError("kv_segment_ids (separate key segment ids) requires causal=False and segment_ids")
+    for name, ids, x in (("segment_ids", segment_ids, q), ("kv_segment_ids", kv_segment_ids, k)):
+        if tuple(ids.shape) != tuple(x.shape[:2]) or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer [batch, seq] = {list(x.shape[:2])}; "
+                             f"got {ids.dtype}{list(ids.shape)}")
+    return segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+
+
 # ------------------------------------------------------------------------- reference
 
 
@@ -192,7 +218,7 @@ def _tile_starts(starts, bq):
 
 
 def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
-                            block_k: int = 512, segment_ids=None):
+                            block_k: int = 512, segment_ids=None, kv_segment_ids=None):
     """FlashAttention-2 forward (Dao 2023, Alg. 1) in pure JAX; returns ``(out, lse)``.
 
     Args:
@@ -201,6 +227,12 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
       block_q, block_k: query / key tile lengths (may differ). Each is clamped to ``seq``
         and must then divide ``seq``.
       segment_ids: int ``[batch, seq]`` or None: document masking (module docstring).
+      kv_segment_ids: int ``[batch, seq]`` or None: the keys' ids when q and k are different
+        blocks of a sequence (ring attention's off-diagonal blocks); then ``causal=False`` and
+        query ``i`` sees key ``j`` iff ``segment_ids[i] == kv_segment_ids[j]``. Both must be
+        non-decreasing along the sequence (e.g. each token's document start): kv tiles whose id
+        range misses the query tile's are skipped. A query that sees no key gets output 0 and
+        lse ``-inf``.
 
     Returns:
       ``out`` with the shape and dtype of ``q``; ``lse`` float32 ``[batch, heads, seq]``.
@@ -218,6 +250,10 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
     b, s, h, kvh, d = _check_shapes(q, k, v)
     bq = _check_block("block_q", block_q, s)
     bk = _check_block("block_k", block_k, s)
+    pair = kv_segment_ids is not None
+    if pair:
+        q_ids, kv_ids = _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal)
+        segment_ids = None
     segment_ids = _check_segments(segment_ids, q, causal)
     g, nq, nk = h // kvh, s // bq, s // bk
     scale = 1.0 / math.sqrt(d)
@@ -225,6 +261,8 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
     if segment_ids is not None:
         starts = segment_starts(segment_ids)  # [b, s]
         lo_tiles = _tile_starts(starts, bq).min(axis=0) // bk  # [nq]
+    if pair:  # kv tiles [lo, hi) share ids with query tile i
+        lo_tiles, hi_tiles = _overlapping(*_tile_ends(kv_ids, bk), *_tile_ends(q_ids, bq))
 
     def q_tile(i):
         q_i = lax.dynamic_slice_in_dim(q5, i * bq, bq, axis=1)  # [b, bq, kvh, g, d]
@@ -246,6 +284,11 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
                     mask = mask & (k_pos[None, None, :] >= st_i[:, :, None])  # [b, bq, bk]
                 mask = mask[:, None, None]
                 sc = jnp.where(mask, sc, _NEG)
+            if pair:
+                kv_j = lax.dynamic_slice_in_dim(kv_ids, j * bk, bk, axis=1)
+                mask = (lax.dynamic_slice_in_dim(q_ids, i * bq, bq, axis=1)[:, :, None]
+                        == kv_j[:, None, :])[:, None, None]  # [b, 1, 1, bq, bk]
+                sc = jnp.where(mask, sc, _NEG)
             # A row may have no visible key in this tile (all _NEG, so m_new == _NEG too): the
             # explicit where keeps its exp(_NEG - _NEG) = 1 out of l and acc.
             m_new = jnp.maximum(m, sc.max(axis=-1))
@@ -260,11 +303,15 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
 
         init = (_full((b, kvh, g, bq), _NEG, q, k, v), _full((b, kvh, g, bq), 0, q, k, v),
                 _full((b, kvh, g, bq, d), 0, q, k, v))
-        hi = jnp.minimum(nk, ((i + 1) * bq + bk - 1) // bk) if causal else nk
-        lo = lo_tiles[i] if segment_ids is not None else 0
+        hi = jnp.minimum(nk, ((i + 1) * bq + bk - 1) // bk) if causal else (hi_tiles[i] if pair else nk)
+        lo = lo_tiles[i] if segment_ids is not None or pair else 0
         m, l, acc = lax.fori_loop(lo, hi, kv_step, init)
+        lse_i = m + jnp.log(l)
+        if pair:  # rows that see no key: out 0, lse -inf
+            lse_i = jnp.where(l > 0, lse_i, -jnp.inf)
+            l = jnp.where(l > 0, l, 1.0)
         out_i = jnp.transpose(acc / l[..., None], (0, 3, 1, 2, 4))  # [b, bq, kvh, g, d]
-        return out_i.astype(q.dtype), m + jnp.log(l)
+        return out_i.astype(q.dtype), lse_i
 
     outs, lses = lax.map(q_tile, jnp.arange(nq))  # [nq, b, bq, kvh, g, d], [nq, b, kvh, g, bq]
     out = jnp.moveaxis(outs, 0, 1).reshape(b, s, h, d)
@@ -276,14 +323,16 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
 
 
 def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
-                            block_q: int = 512, block_k: int = 512, segment_ids=None):
+                            block_q: int = 512, block_k: int = 512, segment_ids=None,
+                            kv_segment_ids=None):
     """FlashAttention-2 backward (Dao 2023, Alg. 2) in pure JAX; returns ``(dq, dk, dv)``.
 
     Args:
       q, k, v: as for :func:`blockwise_attention_fwd`.
       out: forward output, shape/dtype of ``q``; lse: float32 ``[batch, heads, seq]`` from
         the forward; dout: cotangent of ``out`` (shape of ``q``).
-      causal, block_q, block_k, segment_ids: must match the forward call (same checks).
+      causal, block_q, block_k, segment_ids, kv_segment_ids: must match the forward call
+        (same checks); ``lse`` may be of more keys than ``k`` (ring attention's global lse).
 
     Returns:
       ``dq``, ``dk``, ``dv`` with the shapes and dtypes of ``q``, ``k``, ``v``; ``dk`` and
@@ -302,6 +351,10 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
     b, s, h, kvh, d = _check_shapes(q, k, v)
     bq = _check_block("block_q", block_q, s)
     bk = _check_block("block_k", block_k, s)
+    pair = kv_segment_ids is not None
+    if pair:
+        q_ids, kv_ids = _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal)
+        segment_ids = None
     segment_ids = _check_segments(segment_ids, q, causal)
     g, nq, nk = h // kvh, s // bq, s // bk
     scale = 1.0 / math.sqrt(d)
@@ -316,6 +369,8 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
         last_key = (jnp.arange(nk, dtype=jnp.int32) + 1) * bk - 1
         hi_tiles = jax.vmap(lambda t: jnp.searchsorted(t, last_key, side="right"))(
             _tile_starts(starts, bq)).max(axis=0).astype(jnp.int32)  # [nk]
+    if pair:  # query tiles [lo, hi) share ids with kv tile j
+        lo_tiles, hi_tiles = _overlapping(*_tile_ends(q_ids, bq), *_tile_ends(kv_ids, bk))
 
     refs = (q, k, v, out, lse, dout)  # for the shard_map varying axes of the carries
 
@@ -338,6 +393,10 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
                     st_i = lax.dynamic_slice_in_dim(starts, i * bq, bq, axis=1)  # [b, bq]
                     mask = mask & (k_pos[None, None, :] >= st_i[:, :, None])
                 sc = jnp.where(mask[:, None, None], sc, _NEG)
+            if pair:
+                mask = (lax.dynamic_slice_in_dim(q_ids, i * bq, bq, axis=1)[:, :, None]
+                        == lax.dynamic_slice_in_dim(kv_ids, j * bk, bk, axis=1)[:, None, :])
+                sc = jnp.where(mask[:, None, None], sc, _NEG)
             p = jnp.exp(sc - lse_i[..., None])  # masked entries -> 0
             dv_j = dv_j + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do_i.dtype), do_i,
                                      preferred_element_type=_F32)
@@ -350,8 +409,8 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
             dq_acc = lax.dynamic_update_slice_in_dim(dq_acc, dq_old + dq_i, i * bq, axis=1)
             return dq_acc, dk_j, dv_j
 
-        lo = (j * bk) // bq if causal else 0
-        hi = hi_tiles[j] if segment_ids is not None else nq
+        lo = (j * bk) // bq if causal else (lo_tiles[j] if pair else 0)
+        hi = hi_tiles[j] if segment_ids is not None or pair else nq
         zeros = _full((b, bk, kvh, d), 0, *refs)
         dq_acc, dk_j, dv_j = lax.fori_loop(lo, hi, q_step, (dq_acc, zeros, zeros))
         return dq_acc, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))

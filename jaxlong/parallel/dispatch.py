@@ -56,7 +56,7 @@ def attention_sublayer(x: jax.Array, weights: SublayerWeights, positions: jax.Ar
       weights: `SublayerWeights` of the layer.
       positions: int32 `[batch, seq]` RoPE positions, sharded like x.
       segment_ids: int32 `[batch, seq]` whole on every device (`jaxlong.parallel.ulysses.gather_segment_ids`),
-        or None (one causal stream per row). Not with `mesh.ring` > 1.
+        or None (one causal stream per row); with `mesh.ring` > 1 in the zigzag layout like x.
       rt: the model's `Runtime` (`mesh`, `cfg`, `gather`, `constrain`, `attention_backend`).
 
     Returns:

@@ -27,6 +27,16 @@ loss, a mean over tokens, is unchanged when inputs, targets and mask are permute
 The per-block math is `jaxlong.attention.kernels.blockwise_attention_fwd/bwd` (FlashAttention-2), whose
 backward takes the *global* output and lse, so the per-block gradients of the ring are exact.
 
+Packed documents (segment ids, the kernels' document masking): every rank holds the whole sequence's int32 ids
+`[batch, S]` (zigzag layout; Ulysses and U-Pipe gather them once per step anyway), turns them into run ids
+(`run_ids`: each token's document start in natural order, O(S)) and slices each step's K/V block's ids from
+them, so no ids travel around the ring. The diagonal block is the kernel's causal document mask; an
+off-diagonal block (all its keys before all its queries) masks query i from key j unless their run ids are
+equal (`kv_segment_ids` of the kernel). A query may then see no key of a block: that block's lse is -inf and
+its merge weight 0. Run ids never decrease along a chunk, so the kernel skips the tiles whose id ranges do not
+meet, forward and backward: with many short documents most remote blocks cost next to nothing. Nothing
+`[S, S]`-shaped or per head is added.
+
 Hybrids: with a `context` axis as well, `jaxlong.parallel.ulysses.ulysses_attention` all-to-alls heads over `context`
 and runs `ring_attention_local` over `ring` (USP, Fang & Zhao 2024, arXiv 2405.07719); `jaxlong.parallel.upipe` runs it
 for each stage's heads.
@@ -46,7 +56,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.attention.kernels import blockwise_attention_bwd, blockwise_attention_fwd
+from jaxlong.attention.kernels import blockwise_attention_bwd, blockwise_attention_fwd, segment_starts
 
 RING_AXIS = "ring"
 _F32 = jnp.float32
@@ -112,6 +122,17 @@ def zigzag_positions(slot: jax.Array, seq_len: int, ring: int) -> jax.Array:
 # ----------------------------------------------------------------------------- per-step math
 
 
+def run_ids(segment_ids: jax.Array, ring: int) -> jax.Array:
+    """Each token's run id: the original position of the first token of its run of equal segment ids (its
+    document's start), int32 `[batch, S]`. `segment_ids` (int `[batch, S]`) and the result are in the zigzag
+    layout for `ring`.
+
+    Two tokens share a run id iff they are in the same run of the natural order, so for a key before a query
+    "same run id" is exactly the kernel's document mask (`jaxlong.attention.kernels`, module docstring), and run
+    ids never decrease along either of a rank's two chunks. O(S) work and memory."""
+    return zigzag(segment_starts(unzigzag(segment_ids.astype(jnp.int32), ring)), ring)
+
+
 def _halves(x: jax.Array, axis: int):
     n = x.shape[axis] // 2
     return lax.slice_in_dim(x, 0, n, axis=axis), lax.slice_in_dim(x, n, 2 * n, axis=axis)
@@ -120,7 +141,8 @@ def _halves(x: jax.Array, axis: int):
 def _merge(out_a, lse_a, out_b, lse_b):
     """Log-sum-exp merge of two partial attentions over disjoint key sets.
 
-    out: float32 `[b, s, h, d]`; lse: float32 `[b, h, s]`."""
+    out: float32 `[b, s, h, d]`; lse: float32 `[b, h, s]`. `lse_a` is finite (the diagonal block's: every
+    query sees itself); `lse_b` may be -inf (a query that sees no key of block b), whose weight is then 0."""
     lse = jnp.logaddexp(lse_a, lse_b)
     wa = jnp.swapaxes(jnp.exp(lse_a - lse), 1, 2)[..., None]
     wb = jnp.swapaxes(jnp.exp(lse_b - lse), 1, 2)[..., None]
@@ -131,41 +153,54 @@ def _where(c, a, b):
     return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
 
 
-def _fwd_step(q, k, v, out, lse, before, causal, kw):
+def _fwd_block(q, k, v, out, lse, q_ids, k_ids, kw):
+    """Merge the attention of q to one K/V block (unmasked, or with run ids only same-run pairs) into
+    `(out, lse)`."""
+    ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
+    return _merge(out, lse, *blockwise_attention_fwd(q, k, v, causal=False, **ids, **kw))
+
+
+def _fwd_step(q, k, v, out, lse, before, causal, kw, q_ids=None, k_ids=None):
     """Merge the attention of local queries to one remote K/V block (`before`: the block's owner precedes
-    this rank in the ring) into `(out, lse)`."""
+    this rank in the ring) into `(out, lse)`. `q_ids`, `k_ids`: run ids `[b, S/R]` of the queries and of the
+    block (`run_ids`), or None."""
     if not causal:
-        o, l = blockwise_attention_fwd(q, k, v, causal=False, **kw)
-        return _merge(out, lse, o, l)
+        return _fwd_block(q, k, v, out, lse, None, None, kw)
     q0, q1 = _halves(q, 1)
     k0, k1 = _halves(k, 1)
     v0, v1 = _halves(v, 1)
     (out0, out1), (lse0, lse1) = _halves(out, 1), _halves(lse, 2)
-    ox, lx = blockwise_attention_fwd(q1, k0, v0, causal=False, **kw)  # block X, every step
-    out1, lse1 = _merge(out1, lse1, ox, lx)
-    qy, ky, vy = _where(before, (q0, k0, v0), (q1, k1, v1))
-    oy, ly = blockwise_attention_fwd(qy, ky, vy, causal=False, **kw)  # block Y
+    (qi0, qi1), (ki0, ki1) = ((None, None), (None, None)) if q_ids is None else (_halves(q_ids, 1), _halves(k_ids, 1))
+    out1, lse1 = _fwd_block(q1, k0, v0, out1, lse1, qi1, ki0, kw)  # block X, every step
+    qy, ky, vy, qiy, kiy = _where(before, (q0, k0, v0, qi0, ki0), (q1, k1, v1, qi1, ki1))  # block Y
     ta, tl = _where(before, (out0, lse0), (out1, lse1))
-    m, ml = _merge(ta, tl, oy, ly)
+    m, ml = _fwd_block(qy, ky, vy, ta, tl, qiy, kiy, kw)
     out0, lse0 = _where(before, (m, ml), (out0, lse0))
     out1, lse1 = _where(before, (out1, lse1), (m, ml))
     return jnp.concatenate([out0, out1], 1), jnp.concatenate([lse0, lse1], 2)
 
 
-def _bwd_step(q, k, v, out, lse, dout, before, causal, kw):
+def _bwd_block(q, k, v, o, l, do, q_ids, k_ids, kw):
+    """float32 `(dq, dk, dv)` of one block (see `_fwd_block`)."""
+    ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
+    return tuple(g.astype(_F32) for g in blockwise_attention_bwd(q, k, v, o, l, do, causal=False, **ids, **kw))
+
+
+def _bwd_step(q, k, v, out, lse, dout, before, causal, kw, q_ids=None, k_ids=None):
     """Gradient contributions `(dq, dk, dv)` (float32) of one remote K/V block; see `_fwd_step`."""
     if not causal:
-        return tuple(g.astype(_F32) for g in blockwise_attention_bwd(q, k, v, out, lse, dout, causal=False, **kw))
+        return _bwd_block(q, k, v, out, lse, dout, None, None, kw)
     halves = [_halves(a, 1) for a in (q, k, v, out, dout)] + [_halves(lse, 2)]
     (q0, q1), (k0, k1), (v0, v1), (o0, o1), (do0, do1), (l0, l1) = halves
-    dqx, dkx, dvx = blockwise_attention_bwd(q1, k0, v0, o1, l1, do1, causal=False, **kw)
-    ys = _where(before, (q0, k0, v0, o0, l0, do0), (q1, k1, v1, o1, l1, do1))
-    dqy, dky, dvy = (g.astype(_F32) for g in blockwise_attention_bwd(*ys, causal=False, **kw))
+    (qi0, qi1), (ki0, ki1) = ((None, None), (None, None)) if q_ids is None else (_halves(q_ids, 1), _halves(k_ids, 1))
+    dqx, dkx, dvx = _bwd_block(q1, k0, v0, o1, l1, do1, qi1, ki0, kw)
+    ys = _where(before, (q0, k0, v0, o0, l0, do0, qi0, ki0), (q1, k1, v1, o1, l1, do1, qi1, ki1))
+    dqy, dky, dvy = _bwd_block(*ys, kw)
     zero = jnp.zeros_like(dqy)
-    dq = jnp.concatenate([jnp.where(before, dqy, zero), dqx.astype(_F32) + jnp.where(before, zero, dqy)], 1)
+    dq = jnp.concatenate([jnp.where(before, dqy, zero), dqx + jnp.where(before, zero, dqy)], 1)
     zk = jnp.zeros_like(dky)
-    dk = jnp.concatenate([dkx.astype(_F32) + jnp.where(before, dky, zk), jnp.where(before, zk, dky)], 1)
-    dv = jnp.concatenate([dvx.astype(_F32) + jnp.where(before, dvy, zk), jnp.where(before, zk, dvy)], 1)
+    dk = jnp.concatenate([dkx + jnp.where(before, dky, zk), jnp.where(before, zk, dky)], 1)
+    dv = jnp.concatenate([dvx + jnp.where(before, dvy, zk), jnp.where(before, zk, dvy)], 1)
     return dq, dk, dv
 
 
@@ -173,11 +208,30 @@ def _ring_perm(n: int):
     return [(i, (i + 1) % n) for i in range(n)]  # rank i sends to i+1, receives from i-1
 
 
+def _block_ids(segment_ids, q, n: int, axis_name: str, causal: bool):
+    """`(ids_of(rank), q_ids)`: run ids `[b, S/R]` of any ring rank's block, sliced from the whole sequence's
+    (nothing is communicated); `(None, None)` without segment ids.
+
+    Raises:
+      ValueError: segment ids with `causal=False`, or not `[batch, R * S/R]` integers."""
+    if segment_ids is None:
+        return (lambda rank: None), None
+    b, s_loc = q.shape[:2]
+    if not causal:
+        raise ValueError("ring attention: segment_ids (document masking) requires causal=True")
+    if tuple(segment_ids.shape) != (b, n * s_loc) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"ring attention: segment_ids must be the whole sequence's integer ids [batch, S] = "
+                         f"{[b, n * s_loc]} (zigzag layout); got {segment_ids.dtype}{list(segment_ids.shape)}")
+    runs = run_ids(segment_ids, n)
+    ids_of = lambda rank: lax.dynamic_slice_in_dim(runs, rank * s_loc, s_loc, axis=1)
+    return ids_of, ids_of(lax.axis_index(axis_name))
+
+
 # ----------------------------------------------------------------------------- forward / backward
 
 
 def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = True, block_q: int = 512,
-                       block_k: int = 512):
+                       block_k: int = 512, segment_ids=None):
     """Ring attention forward inside `jax.shard_map`; returns `(out, lse)` like
     `jaxlong.attention.kernels.attention_fwd_with_lse`.
 
@@ -187,20 +241,25 @@ def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = Tr
       axis_name: the mesh axis of the ring (size R).
       causal: causal mask in original token order (zigzag layout required).
       block_q, block_k: kernel tiles; with `causal` they must divide S/(2R) (after clamping).
+      segment_ids: int `[batch, S]` (0 = padding) or None: document masking (as the kernels'). The *whole*
+        sequence's ids in the zigzag layout, on every rank (`jaxlong.parallel.ulysses.gather_segment_ids`): each
+        step slices its K/V block's ids from them, so no ids travel around the ring. Requires `causal`.
 
     Returns:
       out `[batch, S/R, heads, head_dim]` (dtype of q), lse float32 `[batch, heads, S/R]`.
 
     Raises:
-      ValueError: an odd local length with `causal`, or tiles not dividing the blocks.
+      ValueError: an odd local length with `causal`, tiles not dividing the blocks, or segment ids without
+        `causal` or not of shape `[batch, S]`.
     """
     kw = dict(block_q=block_q, block_k=block_k)
     n = lax.axis_size(axis_name)
     if causal and q.shape[1] % 2:
         raise ValueError(f"ring attention (zigzag): local sequence length {q.shape[1]} must be even")
+    ids_of, q_ids = _block_ids(segment_ids, q, n, axis_name, causal)
     if n > 1:
         nxt = lax.ppermute((k, v), axis_name, _ring_perm(n))  # issued before the diagonal block
-    out, lse = blockwise_attention_fwd(q, k, v, causal=causal, **kw)
+    out, lse = blockwise_attention_fwd(q, k, v, causal=causal, segment_ids=q_ids, **kw)
     out = out.astype(_F32)
     if n == 1:
         return out.astype(q.dtype), lse
@@ -209,8 +268,8 @@ def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = Tr
     def step(i, carry, last=False):
         out, lse, k_i, v_i = carry
         nxt = (k_i, v_i) if last else lax.ppermute((k_i, v_i), axis_name, _ring_perm(n))
-        before = (r - i) % n < r
-        out, lse = _fwd_step(q, k_i, v_i, out, lse, before, causal, kw)
+        src = (r - i) % n
+        out, lse = _fwd_step(q, k_i, v_i, out, lse, src < r, causal, kw, q_ids, ids_of(src))
         return (out, lse, *nxt)
 
     carry = lax.fori_loop(1, n - 1, step, (out, lse, *nxt))
@@ -219,16 +278,19 @@ def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = Tr
 
 
 def ring_attention_bwd(q, k, v, out, lse, dout, *, axis_name: str = RING_AXIS, causal: bool = True,
-                       block_q: int = 512, block_k: int = 512):
+                       block_q: int = 512, block_k: int = 512, segment_ids=None):
     """Ring attention backward inside `jax.shard_map`; returns `(dq, dk, dv)` (dtypes of q, k, v).
 
-    `out` and `lse` are `ring_attention_fwd`'s; K/V travel around the ring again and each block's dK/dV
-    accumulator (float32) travels with it, arriving back at its owner after R sends."""
+    `out` and `lse` are `ring_attention_fwd`'s, `segment_ids` the same as its; K/V travel around the ring
+    again and each block's dK/dV accumulator (float32) travels with it, arriving back at its owner after R
+    sends. Raises as `ring_attention_fwd`."""
     kw = dict(block_q=block_q, block_k=block_k)
     n = lax.axis_size(axis_name)
+    ids_of, q_ids = _block_ids(segment_ids, q, n, axis_name, causal)
     if n > 1:
         nxt = lax.ppermute((k, v), axis_name, _ring_perm(n))
-    dq, dk, dv = (g.astype(_F32) for g in blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal, **kw))
+    dq, dk, dv = (g.astype(_F32) for g in blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal,
+                                                                    segment_ids=q_ids, **kw))
     if n == 1:
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
     r = lax.axis_index(axis_name)
@@ -237,8 +299,8 @@ def ring_attention_bwd(q, k, v, out, lse, dout, *, axis_name: str = RING_AXIS, c
     def step(i, carry, last=False):
         dq, k_i, v_i, dk_i, dv_i = carry
         nxt = (k_i, v_i) if last else lax.ppermute((k_i, v_i), axis_name, _ring_perm(n))
-        before = (r - i) % n < r
-        gq, gk, gv = _bwd_step(q, k_i, v_i, out, lse, dout, before, causal, kw)
+        src = (r - i) % n
+        gq, gk, gv = _bwd_step(q, k_i, v_i, out, lse, dout, src < r, causal, kw, q_ids, ids_of(src))
         dkv = lax.ppermute((dk_i + gk, dv_i + gv), axis_name, _ring_perm(n))  # on to the next rank / owner
         return (dq + gq, *nxt, *dkv)
 
@@ -247,44 +309,38 @@ def ring_attention_bwd(q, k, v, out, lse, dout, *, axis_name: str = RING_AXIS, c
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _ring(q, k, v, axis_name, causal, block_q, block_k):
-    return ring_attention_fwd(q, k, v, axis_name=axis_name, causal=causal, block_q=block_q, block_k=block_k)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ring(q, k, v, segment_ids, axis_name, causal, block_q, block_k):
+    return ring_attention_fwd(q, k, v, axis_name=axis_name, causal=causal, block_q=block_q, block_k=block_k,
+                              segment_ids=segment_ids)[0]
 
 
-def _ring_vjp_fwd(q, k, v, axis_name, causal, block_q, block_k):
-    out, lse = ring_attention_fwd(q, k, v, axis_name=axis_name, causal=causal, block_q=block_q, block_k=block_k)
-    return out, (q, k, v, out, lse)  # nothing per ring step
+def _ring_vjp_fwd(q, k, v, segment_ids, axis_name, causal, block_q, block_k):
+    out, lse = ring_attention_fwd(q, k, v, axis_name=axis_name, causal=causal, block_q=block_q, block_k=block_k,
+                                  segment_ids=segment_ids)
+    return out, (q, k, v, segment_ids, out, lse)  # nothing per ring step
 
 
 def _ring_vjp_bwd(axis_name, causal, block_q, block_k, res, dout):
-    return ring_attention_bwd(*res, dout, axis_name=axis_name, causal=causal, block_q=block_q, block_k=block_k)
+    q, k, v, segment_ids, out, lse = res
+    return (*ring_attention_bwd(q, k, v, out, lse, dout, axis_name=axis_name, causal=causal, block_q=block_q,
+                                block_k=block_k, segment_ids=segment_ids), None)
 
 
 _ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
 
 
-def check_no_segments(segment_ids) -> None:
-    """Ring attention has no document masking (the zigzag blocks assume one causal stream per row).
-
-    Raises:
-      ValueError: `segment_ids` is not None (`jaxlong.config.validate` rejects `mesh.ring` > 1 with
-        `data.packing=documents` first).
-    """
-    if segment_ids is not None:
-        raise ValueError("ring attention does not mask packed documents: with mesh.ring > 1 use data.packing=concat")
-
-
 def ring_attention_local(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = True, block_q: int = 512,
-                         block_k: int = 512) -> jax.Array:
+                         block_k: int = 512, segment_ids=None) -> jax.Array:
     """Differentiable ring attention on local shards inside `jax.shard_map` (`custom_vjp`: forward
-    `ring_attention_fwd`, backward `ring_attention_bwd`, residuals q, k, v, out, lse). Shapes and errors as
-    `ring_attention_fwd`; returns out `[batch, S/R, heads, head_dim]`."""
-    return _ring(q, k, v, axis_name, bool(causal), int(block_q), int(block_k))
+    `ring_attention_fwd`, backward `ring_attention_bwd`, residuals q, k, v, segment ids, out, lse). Shapes
+    (`segment_ids`: the whole sequence's, `[batch, S]`) and errors as `ring_attention_fwd`; returns out
+    `[batch, S/R, heads, head_dim]`."""
+    return _ring(q, k, v, segment_ids, axis_name, bool(causal), int(block_q), int(block_k))
 
 
 def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, causal: bool = True, block_q: int = 512,
-                   block_k: int = 512) -> jax.Array:
+                   block_k: int = 512, segment_ids=None) -> jax.Array:
     """Ring attention on global arrays whose sequence is split over the mesh axis `ring` only.
 
     Args:
@@ -292,12 +348,15 @@ def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, causal: bool = True, blo
         zigzag layout (`zigzag`) when `causal`; batch over the mesh's `data`/`fsdp` axes if it has them.
       mesh: a mesh with a `ring` axis; any `context` axis must have size 1 (with context > 1 use the
         Ulysses x ring hybrid, `jaxlong.parallel.ulysses.ulysses_attention`).
+      segment_ids: int `[batch, seq]` (0 = padding) in the same layout as q, or None: document masking
+        (requires `causal`); every ring rank gets them whole (`S * 4` bytes per sequence).
 
     Returns:
       `[batch, seq, heads, head_dim]` in the same layout as q.
 
     Raises:
-      ValueError: no `ring` axis, a `context` axis of size > 1, or seq not divisible by 2 * ring (causal).
+      ValueError: no `ring` axis, a `context` axis of size > 1, seq not divisible by 2 * ring (causal), or
+        segment ids not `[batch, seq]` integers or without `causal`.
     """
     if RING_AXIS not in mesh.axis_names:
         raise ValueError(f"ring_attention needs a mesh axis {RING_AXIS!r}; mesh axes are {mesh.axis_names}")
@@ -309,4 +368,10 @@ def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, causal: bool = True, blo
     batch = tuple(a for a in mesh.axis_names if a in ("data", "fsdp")) or None
     spec = P(batch, RING_AXIS, None, None)
     fn = functools.partial(ring_attention_local, causal=causal, block_q=block_q, block_k=block_k)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=True)(q, k, v)
+    if segment_ids is None:
+        return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=True)(q, k, v)
+    if not causal:
+        raise ValueError("ring attention: segment_ids (document masking) requires causal=True")
+    seg = lambda q, k, v, ids: fn(q, k, v, segment_ids=ids)
+    return jax.shard_map(seg, mesh=mesh, in_specs=(spec,) * 3 + (P(batch, None),), out_specs=spec,
+                         check_vma=True)(q, k, v, segment_ids)

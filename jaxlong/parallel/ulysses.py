@@ -36,7 +36,7 @@ from jaxlong import layers as L
 from jaxlong.attention.kernels import attention
 from jaxlong.config import check_heads
 from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, axis_size, seq_axes
-from jaxlong.parallel.ring import check_no_segments, ring_attention_local
+from jaxlong.parallel.ring import ring_attention_local
 
 
 def seq_to_heads(x: jax.Array, axis_name: str = CONTEXT_AXIS) -> jax.Array:
@@ -89,8 +89,8 @@ def ulysses_attention(
       backend, block_q, block_k: the single-device kernel (see `jaxlong.attention.kernels.attention`); with
         ring > 1 the per-block kernel is the blockwise one whatever `backend` says.
       segment_ids: int32 `[batch, seq]` (0 = padding) or None: document masking. Whole sequences per device,
-        as `gather_segment_ids` lays them out (passing them sharded over context gathers them on every call).
-        Not with ring > 1.
+        as `gather_segment_ids` lays them out (passing them sharded over context gathers them on every call);
+        with ring > 1 in the zigzag layout like q, and ring attention slices each K/V block's ids from them.
 
     Returns:
       `[batch, seq, heads, head_dim]`, sharded like q.
@@ -105,26 +105,19 @@ def ulysses_attention(
     spec = P(BATCH_AXES, seq_axes(mesh), None, None)
     ring = axis_size(mesh, RING_AXIS)
     kernel = dict(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
-    if ring > 1:
-        check_no_segments(segment_ids)
+
+    def local(q, k, v, seg=None):
+        q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
+        if ring > 1:
+            out = ring_attention_local(q, k, v, causal=causal, block_q=block_q, block_k=block_k, segment_ids=seg)
+        else:
+            out = attention(q, k, v, segment_ids=seg, **kernel)
+        return heads_to_seq(out)
 
     if segment_ids is None:
-        def local(q, k, v):
-            q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
-            if ring > 1:
-                out = ring_attention_local(q, k, v, causal=causal, block_q=block_q, block_k=block_k)
-            else:
-                out = attention(q, k, v, **kernel)
-            return heads_to_seq(out)
-
         return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=True)(q, k, v)
-
-    def local_packed(q, k, v, seg):
-        q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
-        return heads_to_seq(attention(q, k, v, segment_ids=seg, **kernel))
-
     seg_spec = P(BATCH_AXES, None)
-    return jax.shard_map(local_packed, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
                          check_vma=True)(q, k, v, segment_ids.astype(jnp.int32))
 
 

@@ -93,7 +93,7 @@ from jaxlong import layers as L
 from jaxlong.attention.kernels import attention_bwd, attention_fwd_with_lse
 from jaxlong.config import check_upipe_schedule
 from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, seq_axes
-from jaxlong.parallel.ring import check_no_segments, ring_attention_bwd, ring_attention_fwd, zigzag_positions
+from jaxlong.parallel.ring import ring_attention_bwd, ring_attention_fwd, zigzag_positions
 from jaxlong.ordering import opaque_one, zeros_after
 from jaxlong.parallel.ulysses import ulysses_attention
 
@@ -110,18 +110,17 @@ def _ring_size() -> int:
 
 def _attention_fwd(q, k, v, kernel: dict, seg=None):
     """The stage's attention on `[b, S/R, U/C, d]`: ring attention over `ring` (U-Pipe x ring) when R > 1;
-    `seg`: segment ids of the whole sequence (document masking; not with ring attention)."""
+    `seg`: segment ids of the whole sequence `[b, S]` (document masking; zigzag layout with ring attention)."""
     if _ring_size() > 1:
-        check_no_segments(seg)
         return ring_attention_fwd(q, k, v, causal=kernel["causal"], block_q=kernel["block_q"],
-                                  block_k=kernel["block_k"])
+                                  block_k=kernel["block_k"], segment_ids=seg)
     return attention_fwd_with_lse(q, k, v, segment_ids=seg, **kernel)
 
 
 def _attention_bwd(q, k, v, o, lse, do, kernel: dict, seg=None):
     if _ring_size() > 1:
         return ring_attention_bwd(q, k, v, o, lse, do, causal=kernel["causal"], block_q=kernel["block_q"],
-                                  block_k=kernel["block_k"])
+                                  block_k=kernel["block_k"], segment_ids=seg)
     return attention_bwd(q, k, v, o, lse, do, segment_ids=seg, **kernel)
 
 
@@ -604,7 +603,8 @@ def upipe_attention(
         the tokens; None: global token indices.
       segment_ids: int32 `[batch, seq]` (0 = padding) or None: document masking. Every device attends over the
         whole sequence, so they enter whole (`jaxlong.parallel.ulysses.gather_segment_ids`: gathered once per step,
-        outside the layer scan) and every stage's kernel reuses them. Not with mesh.ring > 1.
+        outside the layer scan) and every stage's kernel reuses them; with mesh.ring > 1 in the zigzag layout like
+        x, and each ring step slices its K/V block's ids from them (nothing extra is communicated).
 
     Returns:
       attention output before W_o, `[batch, seq, heads, head_dim]` in natural head order, sharded like x;
