@@ -413,6 +413,26 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
 
 
+def _check_kernel(cfg: Config) -> None:
+    """An explicit `attention.backend` that the run's shapes or mesh cannot use (the kernels' own checks,
+    `jaxlong.attention.cudnn` and `jaxlong.attention.pallas_gpu`, moved before compiling). `auto` always works:
+    it falls back to the blockwise kernel."""
+    b, d = cfg.attention.backend, cfg.model.head_dim
+    if b in ("cudnn", "pallas") and cfg.mesh.ring > 1:
+        raise ConfigError(f"attention.backend={b} does not run ring attention's per-block steps (mesh.ring="
+                          f"{cfg.mesh.ring}: they use the blockwise kernel); use attention.backend=auto or blockwise")
+    if b == "cudnn":
+        if cfg.compute_dtype not in ("bfloat16", "float16"):
+            raise ConfigError(f"attention.backend=cudnn needs compute_dtype=bfloat16 or float16, got "
+                              f"{cfg.compute_dtype}; or use attention.backend=auto")
+        if d % 8 or d > 256:
+            raise ConfigError(f"attention.backend=cudnn needs model.head_dim a multiple of 8 and <= 256, got {d}; "
+                              f"use attention.backend=auto or blockwise")
+    if b == "pallas" and (d < 16 or d > 256 or d & (d - 1)):
+        raise ConfigError(f"attention.backend=pallas needs model.head_dim a power of two in [16, 256], got {d}; "
+                          f"use attention.backend=auto or blockwise")
+
+
 def validate(cfg: Config, num_devices: int | None = None) -> None:
     """Check every combination that can be checked before compiling.
 
@@ -465,6 +485,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError("attention.backend=cudnn cannot mask packed documents (cuDNN's packed layout is not usable "
                           "at long context); use attention.backend=auto or pallas (GPUs) or blockwise, or "
                           "data.packing=concat")
+    _check_kernel(cfg)
     if not str(cfg.data.text_field).strip():
         raise ConfigError("data.text_field is empty; give the name of the field that holds each document's text")
     if cfg.data.max_tokens is not None and cfg.data.max_tokens <= 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from jaxlong.config import ConfigError, load_config
@@ -84,6 +85,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--estimate and --max-context together are not supported; estimate at a seq_len")
         budget, host_budget, collectives = budgets(args.budget, args.host_budget, args.collective_buffers, target,
                                                    cfg.mesh.num_devices)
+        if re.fullmatch(r"\s*[0-9.]+\s*", args.headroom):
+            raise ConfigError(f"--headroom {args.headroom!r} has no unit; give a percentage of device memory "
+                              f"('2%') or a size ('1GiB')")
+        from jaxlong.plan.workspace import parse_headroom  # noqa: PLC0415
+
+        parse_headroom(args.headroom, budget)  # checked here, used per plan
+        if cfg.attention.backend in ("cudnn", "pallas") and target is None and not _gpu_present():
+            raise ConfigError(f"attention.backend={cfg.attention.backend} compiles only for NVIDIA GPUs; plan it with "
+                              f"--target h100 (or h200, a100), or use attention.backend=auto")
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

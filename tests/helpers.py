@@ -7,7 +7,7 @@ import copy
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxlong import step as step_lib
 from jaxlong.config import AttentionConfig, MeshConfig, RematConfig, TilingConfig, load_config, validate
@@ -81,3 +81,13 @@ def assert_matches_single_device(cfg, seed: int = 1, rtol: float = 1e-5):
     loss, grads, _ = loss_and_grads(cfg, 8, batch, params_host=params)
     np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
     assert_trees_close(grads, ref_grads, rtol=rtol, atol=1e-7)
+
+
+# The sequence split of the ring tests: over ring x context (zigzag over ring), batch over data x fsdp.
+RING_SEQ = P(("data", "fsdp"), ("ring", "context"))
+
+
+def ring_mesh(ring: int, context: int):
+    """8 simulated devices as `data 1 x fsdp 8/(ring*context) x ring x context` (Auto axes)."""
+    return jax.make_mesh((1, 8 // (ring * context), ring, context), ("data", "fsdp", "ring", "context"),
+                         axis_types=(AxisType.Auto,) * 4)

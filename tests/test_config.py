@@ -74,3 +74,16 @@ def test_bad_configs_raise_clear_errors(overrides, match):
 def test_cli_reports_config_errors_without_compiling(capsys):
     assert main(["model.kv_heads=3"]) == 2
     assert "config error: model.heads=4 must be a multiple" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["attention.backend=cudnn", "data.packing=concat"], r"attention.backend=cudnn needs compute_dtype=bfloat16"),
+    (["attention.backend=cudnn", "data.packing=concat", "compute_dtype=bfloat16", "model.head_dim=12"],
+     r"cudnn needs model.head_dim a multiple of 8 and <= 256, got 12"),
+    (["attention.backend=pallas", "model.head_dim=48"], r"pallas needs model.head_dim a power of two .*got 48"),
+    (["attention.backend=pallas", "mesh.ring=2", "mesh.context=4", "mesh.fsdp=1"],
+     r"attention.backend=pallas does not run ring attention's per-block steps"),
+])
+def test_explicit_attention_kernel_the_config_cannot_use_is_an_error_before_compiling(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)

@@ -101,7 +101,8 @@ def test_cudnn_without_a_gpu_is_refused_before_loading_data(tmp_path, capsys, mo
         raise AssertionError("the corpus was loaded")
 
     monkeypatch.setattr(data_lib, "DocumentSource", no_data)
-    code, err = _cli(capsys, ["attention.backend=cudnn", "data.packing=concat", f"run_dir={tmp_path}"])
+    code, err = _cli(capsys, ["attention.backend=cudnn", "data.packing=concat", "compute_dtype=bfloat16",
+                              f"run_dir={tmp_path}"])
     assert code == 2 and "\n" not in err
     assert err.startswith("config error: attention.backend=cudnn needs an NVIDIA GPU, but jax runs on cpu"), err
 

@@ -65,15 +65,10 @@ def test_ring_attention_matches_reference(ring, heads, kv_heads, causal):
 from jaxlong.layers import apply_rope, rope_tables  # noqa: E402
 from jaxlong.parallel.ulysses import ulysses_attention  # noqa: E402
 from jaxlong.parallel.upipe import upipe_attention  # noqa: E402
+from helpers import RING_SEQ, ring_mesh  # noqa: E402
 
 
-def _mesh(ring, context):
-    fsdp = 8 // (ring * context)
-    return jax.make_mesh((1, fsdp, ring, context), ("data", "fsdp", "ring", "context"),
-                         axis_types=(AxisType.Auto,) * 4)
-
-
-SEQ = P(("data", "fsdp"), ("ring", "context"))
+_mesh, SEQ = ring_mesh, RING_SEQ
 
 
 @pytest.mark.parametrize(

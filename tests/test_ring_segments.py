@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from helpers import assert_trees_close, loss_and_grads, reference_cfg, tiny_cfg
+from helpers import RING_SEQ, assert_trees_close, loss_and_grads, reference_cfg, ring_mesh, tiny_cfg
 from jaxlong.attention.kernels import reference_attention
 from jaxlong.layers import apply_rope, rope_tables
 from jaxlong.parallel.ring import ring_attention, run_ids, unzigzag, zigzag
@@ -109,12 +109,7 @@ def test_ring_segment_errors():
 # ----------------------------------------------------------------------------- hybrids
 
 
-def _mesh(ring, context):
-    return jax.make_mesh((1, 8 // (ring * context), ring, context), ("data", "fsdp", "ring", "context"),
-                         axis_types=(AxisType.Auto,) * 4)
-
-
-SEQ = P(("data", "fsdp"), ("ring", "context"))
+_mesh, SEQ = ring_mesh, RING_SEQ
 
 
 @pytest.mark.parametrize(

@@ -79,6 +79,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxlong.attention.layout import check_qkv
 from jaxlong.config import ConfigError
 
 __all__ = ["CHECKED_JAX", "MAX_ELEMENTS", "cudnn_attention", "cudnn_attention_bwd", "cudnn_attention_fwd"]
@@ -112,14 +113,8 @@ def _check(q, k, v, segment_ids):
     if segment_ids is not None:
         raise ValueError("attention.backend=cudnn does not support segment ids (document masking): cuDNN's packed "
                          "layout is not usable at long context (see jaxlong.attention.cudnn); use "
-                         "attention.backend=blockwise")
-    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise ValueError(f"cudnn attention: q must be [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, "
-                         f"head_dim] of one shape; got {q.shape}, {k.shape}, {v.shape}")
-    b, s, h, d = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (b, s, d) or h % k.shape[2]:
-        raise ValueError(f"cudnn attention: k/v shape {k.shape} does not fit q shape {q.shape} (same batch, seq and "
-                         f"head_dim; heads a multiple of kv_heads)")
+                         "attention.backend=pallas (GPUs) or attention.backend=blockwise")
+    b, s, h, d = check_qkv(q, k, v, "cudnn attention")
     if not (jnp.dtype(q.dtype) == jnp.dtype(k.dtype) == jnp.dtype(v.dtype)) or \
             jnp.dtype(q.dtype) not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"attention.backend=cudnn needs bfloat16 or float16 q, k, v (compute_dtype); got "

@@ -56,6 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxlong.attention.layout import check_qkv
 from jaxlong.ordering import varying_axes
 
 __all__ = ["MAX_ELEMENTS", "pallas_attention", "pallas_attention_bwd", "pallas_attention_fwd"]
@@ -72,13 +73,7 @@ def _pow2(n: int) -> bool:
 
 def _check(q, k, v, segment_ids, causal, block_q, block_k):
     """Validate before tracing; return (segment_ids as int32 or None, block_q, block_k)."""
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(f"pallas attention: q must be [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, "
-                         f"head_dim] of one shape; got {q.shape}, {k.shape}, {v.shape}")
-    b, s, h, d = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (b, s, d) or h % k.shape[2]:
-        raise ValueError(f"pallas attention: k/v shape {k.shape} does not fit q shape {q.shape} (same batch, seq and "
-                         f"head_dim; heads a multiple of kv_heads)")
+    b, s, h, d = check_qkv(q, k, v, "pallas attention")
     if not (jnp.dtype(q.dtype) == jnp.dtype(k.dtype) == jnp.dtype(v.dtype)) or \
             jnp.dtype(q.dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"attention.backend=pallas needs q, k, v of one dtype among bfloat16, float16, float32; got "

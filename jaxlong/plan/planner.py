@@ -7,8 +7,9 @@
 Where the compile comes from (the `source` of a plan):
   GPU compile   `--target NAME` (`jaxlong.plan.target`): XLA's GPU compiler for compile-only devices of that
                 GPU, no GPU needed (needs the CUDA plugin, `pip install 'jax[cuda12]'`). The program is compiled
-                as it will run: the run's compute dtype, cuDNN attention for `attention.backend=auto`, XLA's GPU
-                fusion, scheduling and rematerialization against the target's memory size.
+                as it will run: the run's compute dtype, the kernel `attention.backend=auto` picks there (cuDNN;
+                the Pallas kernel for packed documents), XLA's GPU fusion, scheduling and rematerialization
+                against the target's memory size.
   GPU           no `--target`, on a machine whose devices are GPUs: the same, for the real devices.
   CPU approx.   no `--target`, no GPU: simulated CPU devices (`--xla_force_host_platform_device_count`).
                 XLA's CPU backend computes bf16 matmuls and all-to-alls in float32 (its buffer assignment holds

@@ -1,0 +1,20 @@
+"""The attention kernels' shared operand layout check (cuDNN and Pallas backends)."""
+
+from __future__ import annotations
+
+
+def check_qkv(q, k, v, name: str) -> tuple[int, int, int, int]:
+    """Check q `[batch, seq, heads, head_dim]`, k, v `[batch, seq, kv_heads, head_dim]` (grouped-query attention:
+    heads a multiple of kv_heads) before anything is traced into a kernel; return `(batch, seq, heads, head_dim)`.
+
+    Raises:
+      ValueError: naming the kernel `name` ("cudnn attention", "pallas attention") and the shapes given.
+    """
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"{name}: q must be [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, "
+                         f"head_dim] of one shape; got {q.shape}, {k.shape}, {v.shape}")
+    b, s, h, d = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (b, s, d) or h % k.shape[2]:
+        raise ValueError(f"{name}: k/v shape {k.shape} does not fit q shape {q.shape} (same batch, seq and "
+                         f"head_dim; heads a multiple of kv_heads)")
+    return b, s, h, d
