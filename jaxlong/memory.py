@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         if re.fullmatch(r"\s*[0-9.]+\s*", args.headroom):
             raise ConfigError(f"--headroom {args.headroom!r} has no unit; give a percentage of device memory "
                               f"('2%') or a size ('1GiB')")
+        if args.start is not None and args.start <= 0:
+            raise ConfigError(f"--start {args.start}: the first length the max-context search tries must be a "
+                              f"positive number of tokens (default 262144 with --target, else 65536)")
         from jaxlong.plan.workspace import parse_headroom  # noqa: PLC0415
 
         parse_headroom(args.headroom, budget)  # checked here, used per plan
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
           f"host {_gib(host_budget)} GiB per node, compute {cfg.compute_dtype}")
     rungs = ladder(cfg) if args.ladder else [("config", "as given", cfg)]
     kw = dict(headroom=args.headroom, collective_buffers=collectives)
-    start = args.start or (262144 if target else 65536)  # first length the max-context search tries
+    start = args.start if args.start is not None else (262144 if target else 65536)  # first length the max-context search tries
     rows, cpu = [], False
     for name, what, c in rungs:
         row = {"name": name, "what": what}

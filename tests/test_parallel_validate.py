@@ -105,3 +105,18 @@ def test_ring_meshes_resolve_the_blockwise_kernel_on_gpu_targets():
     for overrides, backend in ((["mesh.ring=2", "mesh.context=4"], "blockwise"), (["mesh.context=8"], "cudnn")):
         cfg = tiny_cfg("compute_dtype=bfloat16", "mesh.fsdp=1", "data.packing=concat", *overrides)
         assert Runtime(mesh=build_mesh(cfg.mesh, devices=devices), cfg=cfg).attention_backend == backend
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--headroom", "5"], "--headroom '5' has no unit"),
+    (["--headroom", "150%"], "a percentage must be between 0 and 50"),
+    (["--max-context", "--start", "0"], "--start 0: the first length"),
+    (["attention.backend=pallas"], "attention.backend=pallas compiles only for NVIDIA GPUs"),
+])
+def test_memory_cli_bad_flags_are_one_line_errors(capsys, argv, message):
+    """Planner flags and GPU-only kernels on a CPU plan are refused before anything compiles (exit 2)."""
+    from jaxlong.memory import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
