@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from jaxlong.attention.layout import cudnn_head_dim_ok, pallas_head_dim_ok
+
 
 class ConfigError(ValueError):
     """A config key is unknown, has the wrong type, or the combination of values is impossible."""
@@ -425,10 +427,10 @@ def _check_kernel(cfg: Config) -> None:
         if cfg.compute_dtype not in ("bfloat16", "float16"):
             raise ConfigError(f"attention.backend=cudnn needs compute_dtype=bfloat16 or float16, got "
                               f"{cfg.compute_dtype}; or use attention.backend=auto")
-        if d % 8 or d > 256:
+        if not cudnn_head_dim_ok(d):
             raise ConfigError(f"attention.backend=cudnn needs model.head_dim a multiple of 8 and <= 256, got {d}; "
                               f"use attention.backend=auto or blockwise")
-    if b == "pallas" and (d < 16 or d > 256 or d & (d - 1)):
+    if b == "pallas" and not pallas_head_dim_ok(d):
         raise ConfigError(f"attention.backend=pallas needs model.head_dim a power of two in [16, 256], got {d}; "
                           f"use attention.backend=auto or blockwise")
 

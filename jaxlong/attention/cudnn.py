@@ -79,7 +79,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxlong.attention.layout import check_qkv
+from jaxlong.attention.layout import check_qkv, cudnn_head_dim_ok
 from jaxlong.config import ConfigError
 
 __all__ = ["CHECKED_JAX", "MAX_ELEMENTS", "cudnn_attention", "cudnn_attention_bwd", "cudnn_attention_fwd"]
@@ -119,7 +119,7 @@ def _check(q, k, v, segment_ids):
             jnp.dtype(q.dtype) not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"attention.backend=cudnn needs bfloat16 or float16 q, k, v (compute_dtype); got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
-    if d % 8 or d > 256:
+    if not cudnn_head_dim_ok(d):
         raise ValueError(f"attention.backend=cudnn needs head_dim a multiple of 8 and <= 256 (model.head_dim), "
                          f"got {d}")
     if b * s * d > MAX_ELEMENTS:

@@ -46,6 +46,7 @@ from jax import lax
 
 from jaxlong.attention import cudnn as _cudnn
 from jaxlong.attention import pallas_gpu as _pallas
+from jaxlong.attention.layout import cudnn_head_dim_ok, pallas_head_dim_ok
 from jaxlong.ordering import varying_axes, zeros_after
 
 __all__ = [
@@ -508,9 +509,9 @@ def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = No
     d = q.shape[-1]
     if platform not in ("gpu", "cuda") or jnp.dtype(q.dtype) not in (jnp.bfloat16, jnp.float16):
         return "blockwise"
-    if segment_ids is None and d % 8 == 0 and d <= 256:
+    if segment_ids is None and cudnn_head_dim_ok(d):
         return "cudnn"
-    if segment_ids is not None and 16 <= d <= 256 and d & (d - 1) == 0:
+    if segment_ids is not None and pallas_head_dim_ok(d):
         return "pallas"
     return "blockwise"
 

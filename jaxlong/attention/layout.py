@@ -1,4 +1,5 @@
-"""The attention kernels' shared operand layout check (cuDNN and Pallas backends)."""
+"""What the GPU attention kernels accept, in one place: the q/k/v layout check and the head_dim each kernel
+supports (used by the kernels, by `attention.backend=auto` and by `jaxlong.config.validate`)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,13 @@ def check_qkv(q, k, v, name: str) -> tuple[int, int, int, int]:
         raise ValueError(f"{name}: k/v shape {k.shape} does not fit q shape {q.shape} (same batch, seq and "
                          f"head_dim; heads a multiple of kv_heads)")
     return b, s, h, d
+
+
+def cudnn_head_dim_ok(d: int) -> bool:
+    """cuDNN flash attention: head_dim a multiple of 8 and at most 256 (Hopper)."""
+    return d % 8 == 0 and 0 < d <= 256
+
+
+def pallas_head_dim_ok(d: int) -> bool:
+    """The Pallas (Triton) kernel: head_dim a power of two in [16, 256] (Triton block shapes)."""
+    return 16 <= d <= 256 and d & (d - 1) == 0

@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxlong.attention.layout import check_qkv
+from jaxlong.attention.layout import check_qkv, pallas_head_dim_ok
 from jaxlong.ordering import varying_axes
 
 __all__ = ["MAX_ELEMENTS", "pallas_attention", "pallas_attention_bwd", "pallas_attention_fwd"]
@@ -78,7 +78,7 @@ def _check(q, k, v, segment_ids, causal, block_q, block_k):
             jnp.dtype(q.dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"attention.backend=pallas needs q, k, v of one dtype among bfloat16, float16, float32; got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
-    if not _pow2(d) or not 16 <= d <= 256:
+    if not pallas_head_dim_ok(d):
         raise ValueError(f"attention.backend=pallas needs head_dim a power of two in [16, 256] (model.head_dim), "
                          f"got {d}; use attention.backend=blockwise")
     for name, blk in (("block_q", block_q), ("block_k", block_k)):
