@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _rms(xf: jax.Array, eps: float) -> jax.Array:
-    """Per-token `1 / sqrt(mean(x^2) + eps)`, `[..., 1]` float32."""
+def inv_rms(x: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm's per-token `1 / sqrt(mean(x^2) + eps)` of x `[..., hidden]`: float32 `[..., 1]`."""
+    xf = x.astype(jnp.float32)
     return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
 
@@ -32,7 +33,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 def rms_norm_fwd(x, scale, eps):
     """RMSNorm forward and its residuals `(x, scale, 1/rms)` (for ops that fuse the norm, e.g. U-Pipe)."""
-    r = _rms(x.astype(jnp.float32), eps)
+    r = inv_rms(x, eps)
     return rms_norm_apply(x, r, scale), (x, scale, r)
 
 

@@ -527,7 +527,7 @@ def _upipe_norm_local(x, scale, wq, wk, wv, wo, qk, pos, seg, sch, opts):
 
 
 def _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, pos, seg, sch, opts):
-    _, (_, _, r) = L.rms_norm_fwd(x, scale, opts["eps"])  # only 1/rms: the norm is folded into the projections
+    r = L.inv_rms(x, opts["eps"])  # the norm itself is folded into the projections
     out, lse = _forward(x, wq, wk, wv, pos, seg, sch, opts, qk, fold=(r, scale))
     y = out if wo is None else x + jnp.einsum("bsnd,ndh->bsh", out, wo).astype(x.dtype)
     return y, (x, scale, r, wq, wk, wv, wo, qk, pos, seg, out, lse)  # the layer input x, not the normalized h
