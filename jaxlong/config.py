@@ -168,10 +168,10 @@ class Config:
     tiling: TilingConfig = field(default_factory=TilingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    seq_len: int = 8192  # tokens per sequence
+    seq_len: int = 4096  # tokens per sequence
     global_batch: int = 2  # sequences per optimizer step, over all data-parallel replicas and micro-batches
     grad_accum: int = 1  # micro-batches per step (gradient accumulation); each has global_batch / grad_accum
-    steps: int = 30
+    steps: int = 20
     seed: int = 0
     param_dtype: str = "float32"  # master weights, gradients, optimizer state
     compute_dtype: str = "float32"  # matmuls and activations

@@ -15,7 +15,7 @@ the run's TensorBoard events (`eval/loss`, `eval/perplexity`, `eval/passkey_accu
 `eval/loss_by_position/<start>`). Examples:
 
     python -m jaxlong.eval runs/default
-    python -m jaxlong.eval runs/default --step 20 --lengths 1024,4096,8192 --depths 0,0.5,1 --per-cell 8
+    python -m jaxlong.eval runs/default --step 20 --lengths 512,1024,2048,4096 --depths 0,0.5,1 --per-cell 8
 """
 
 from __future__ import annotations

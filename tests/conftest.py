@@ -1,13 +1,39 @@
-"""Test setup: 8 simulated CPU devices, float32 matmuls at full precision.
+"""Test setup: 8 simulated CPU devices, float32 matmuls at full precision, one persistent compilation cache.
 
 XLA_FLAGS must be set before jax is imported anywhere, so this file does it at import time.
-"""
-import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+The two tiers (README, "Tests"): `python -m pytest` runs the fast tier (every test not marked `slow`);
+`python -m pytest -m slow` runs the slow tier. Markers are registered in `pyproject.toml` (`--strict-markers`).
+
+Compiled programs are shared through JAX's persistent compilation cache: the first conftest to be imported in a
+test run (the pytest process, before pytest-xdist starts its workers) makes a temporary directory and exports it
+as `JAX_COMPILATION_CACHE_DIR`, so the workers and every child process a test starts (trainer runs, the
+multi-process tests) read and write the same cache; the directory is removed when that first process exits.
+An explicit `JAX_COMPILATION_CACHE_DIR` is kept (and never removed).
+"""
+import atexit
+import os
+import shutil
+import tempfile
+
+# LLVM's optimization level 0 for the CPU code: the suite's programs are tiny, so compiling them costs far more
+# than running them, and level 0 halves the compile. It changes no HLO pass: the buffer assignment, and so
+# every compiled memory figure the tests assert on, is the same as at the default level.
+_flags = os.environ.get("XLA_FLAGS", "")
+for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
+    if _flag.split("=")[0] not in _flags:
+        _flags += " " + _flag
+os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="jaxlong-test-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+# Cache every program, small ones too: most of the suite's programs compile in well under a second each, and
+# the same ones recur across test files, workers and child processes.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 

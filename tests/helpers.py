@@ -91,3 +91,62 @@ def ring_mesh(ring: int, context: int):
     """8 simulated devices as `data 1 x fsdp 8/(ring*context) x ring x context` (Auto axes)."""
     return jax.make_mesh((1, 8 // (ring * context), ring, context), ("data", "fsdp", "ring", "context"),
                          axis_types=(AxisType.Auto,) * 4)
+
+
+def tiered(argnames: str, cases, fast, ids=None):
+    """A parametrization whose cases not in `fast` are marked `slow`: `pytest.mark.parametrize(*tiered(...))`.
+
+    The fast tier runs the cases of `fast` (chosen so that each parametrized dimension is covered: pairwise, not
+    the full product); the slow tier (`pytest -m slow`) runs the rest. `cases` are argument tuples when
+    `argnames` names several arguments, plain values otherwise; `ids` their test ids (default: pytest's);
+    `fast` holds ids, or case indexes when `ids` is None.
+
+    Raises ValueError: a fast case that is not among the cases.
+    """
+    import pytest  # noqa: PLC0415 (helpers is imported by test modules only)
+
+    cases = list(cases)
+    keys = list(ids) if ids is not None else list(range(len(cases)))
+    unknown = set(fast) - set(keys)
+    if unknown:
+        raise ValueError(f"tiered: fast cases {sorted(map(str, unknown))} are not among {keys}")
+    several = "," in argnames
+    params = [pytest.param(*(case if several else (case,)), marks=() if key in fast else (pytest.mark.slow,),
+                           id=None if ids is None else str(key))
+              for case, key in zip(cases, keys)]
+    return argnames, params
+
+
+def pairwise(dims: dict, fast: list[tuple], ids: dict | None = None, cover: bool = True):
+    """The full product of parametrized dimensions as one parametrization: the cases of `fast` in the fast tier,
+    the rest marked `slow`. `dims` maps a dimension's argument name(s) to its values: `{"ring": [2, 4, 8],
+    "heads,kv_heads": [(4, 4), (8, 2)]}` (a key naming several arguments takes tuples). `fast` lists whole
+    cases (tuples in the order of `dims`) and must use every value of every dimension at least once, so that
+    the fast tier covers each dimension and the slow tier the rest of the product. `ids` maps a dimension to
+    the id of each of its values (default `str(value)`). `cover=False` lets the fast cases leave values out
+    (a matrix whose fast tier is a sample, such as the kill points).
+
+    Returns `(argnames, params)` for `pytest.mark.parametrize(*pairwise(...))`.
+    Raises ValueError: a fast case outside the product, or a value that no fast case uses.
+    """
+    import itertools  # noqa: PLC0415
+
+    import pytest  # noqa: PLC0415
+
+    ids = ids or {}
+    for d, (dim, vals) in enumerate(dims.items()):
+        missing = [v for v in vals if v not in {case[d] for case in fast}]
+        if missing and cover:
+            raise ValueError(f"pairwise: the fast cases leave {dim}={missing} untested")
+    product = list(itertools.product(*dims.values()))
+    stray = [c for c in fast if c not in product]
+    if stray:
+        raise ValueError(f"pairwise: fast cases {stray} are not in the product of {list(dims)}")
+    params = []
+    for case in product:
+        args, names = [], []
+        for dim, v in zip(dims, case):
+            args.extend(v if "," in dim else (v,))
+            names.append(ids[dim][list(dims[dim]).index(v)] if dim in ids else str(v))
+        params.append(pytest.param(*args, marks=() if case in fast else (pytest.mark.slow,), id="-".join(names)))
+    return ",".join(dims), params

@@ -87,6 +87,8 @@ def test_estimate_on_the_cpu_is_a_clear_error():
         plan(tiny_cfg(), None, estimate=True)
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 @needs_plugin
 def test_upipe_does_the_attention_work_and_flops_of_ulysses_on_the_gpu_target():
     """Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128) at 8-way context parallelism, full

@@ -47,6 +47,8 @@ def _sds(shape, mesh, spec, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 @needs_plugin
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(32, 8), (16, 16)])
@@ -82,6 +84,8 @@ def test_kernel_pair_compiles_for_sm90_inside_shard_map(d, heads, kv_heads):
     assert cudnn_calls(jax.jit(grad).lower(q, k, k, q).compile()) == (1, local // CU.BWD_HEADS_PER_CALL)
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 @needs_plugin
 def test_custom_vjp_saves_only_q_k_v_out_lse():
     """The residuals of `attention(backend='cudnn')` are q, k, v, out (bf16) and the float32 lse: no score
@@ -115,6 +119,8 @@ def _layer_calls(impl: str, u: int | None = None) -> tuple[int, int]:
     return cudnn_calls(jax.jit(fwd_bwd).lower(x, *ws, ct).compile())
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 @needs_plugin
 @pytest.mark.parametrize("u", [8, 32])
 def test_upipe_layer_backward_does_not_rerun_the_forward(u):
@@ -126,6 +132,8 @@ def test_upipe_layer_backward_does_not_rerun_the_forward(u):
     assert _layer_calls("upipe", u) == (1, u // C)
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 @needs_plugin
 def test_8b_train_step_upipe_calls_no_more_attention_kernels_than_ulysses():
     """The whole Llama-3.1-8B train step (2 layers to keep the compile short) at 1M tokens on 8 compile-only

@@ -219,6 +219,7 @@ def test_determinism_and_seed(tmp_path):
     assert not all(_same(x, y) for x, y in zip(a, c))
 
 
+@pytest.mark.slow
 def test_resume_from_state_past_epoch_boundary_shuffled(tmp_path):
     """`get_state` after k batches, restored into a fresh iterator, gives exactly the batches the uninterrupted
     iterator gives next, across several epochs of a small shuffled corpus."""
@@ -387,6 +388,7 @@ def test_array_record_documents(tmp_path):
         data.DocumentSource(tmp_path / "bin.array_record")
 
 
+@pytest.mark.slow
 def test_train_cli_on_a_parquet_corpus(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import mesh_for, random_batch, reference_cfg, tiny_cfg
+from helpers import mesh_for, random_batch, reference_cfg, tiered, tiny_cfg
 from jaxlong import evaluate as ev
 from jaxlong import loss as loss_lib
 from jaxlong import step as step_lib
@@ -51,10 +51,10 @@ def _eval_loss(cfg, n_devices, batch, params_host=None):
     return float(s) / float(c), jax.tree.map(np.asarray, params)
 
 
-@pytest.mark.parametrize("extra", [
+@pytest.mark.parametrize(*tiered("extra", [
     ("attention.impl=ulysses", "tiling.loss=true", "tiling.loss_tile=8", "tiling.mlp=true"),
     ("attention.impl=upipe", "attention.heads_per_stage=4", "remat.policy=full"),
-], ids=["fsdp_ulysses_tiled", "fsdp_upipe"])
+], ids=["fsdp_ulysses_tiled", "fsdp_upipe"], fast={"fsdp_upipe"}))
 def test_eval_loss_on_the_mesh_equals_single_device(extra):
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "global_batch=2", *extra)
     batch = random_batch(cfg, seed=4)
@@ -63,6 +63,7 @@ def test_eval_loss_on_the_mesh_equals_single_device(extra):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_step_needs_less_memory_than_the_train_step():
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "seq_len=256", "tiling.loss=true")
     mesh = mesh_for(cfg, 8)
@@ -179,6 +180,7 @@ def test_passkey_score_counts_each_example():
 # The train-loop hook and the CLI.
 
 
+@pytest.mark.slow
 def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
     from jaxlong import eval as eval_cli
     from jaxlong.trainer import run

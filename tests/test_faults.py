@@ -1,11 +1,11 @@
 """Fault injection: the trainer killed by SIGTERM, SIGINT or SIGKILL at many points of `run`, then resumed,
 equals an uninterrupted run bit for bit from its last committed checkpoint; every committed checkpoint holds
 exactly the uninterrupted run's state at its label; SIGTERM/SIGINT lose no finished step; after the resume no
-temporary checkpoint directory is left.
+temporary checkpoint directory is left. The fast tier kills at two points, the slow tier at all of them.
 
 The kill is sent by the trainer's testing hook (`JAXLONG_FAULT="<point>@<step>:<SIGNAL>"`, see
 `jaxlong/trainer.py`). SIGTERM and SIGINT are delivered to this process (the trainer's handlers are installed
-while `run` runs); SIGKILL kills a child process sharing a persistent compilation cache. The resumes run here,
+while `run` runs); SIGKILL kills a child process, which shares the test run's persistent compilation cache (tests/conftest.py). The resumes run here,
 with the train step compiled once per config.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import TINY, tiny_cfg
+from helpers import TINY, pairwise, tiered, tiny_cfg
 from jaxlong import step as step_lib
 from jaxlong.checkpoint import TMP_MARK, Checkpointer, committed_steps
 from jaxlong.config import to_dict
@@ -69,11 +69,9 @@ CHILD = """
 import sys
 import jax
 jax.config.update("jax_default_matmul_precision", "highest")
-jax.config.update("jax_compilation_cache_dir", sys.argv[1])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 from helpers import TINY, tiny_cfg
 from jaxlong.trainer import run
-run(tiny_cfg(*sys.argv[2:]))
+run(tiny_cfg(*sys.argv[1:]))
 """
 
 
@@ -153,7 +151,7 @@ def reference(tmp_path_factory, compile_once):
     states = {s: _restore(cfg, ckpt_dir, s) for s in range(1, STEPS + 1)}
     losses = _losses(_event_files(tmp / "run"))
     assert sorted(losses) == list(range(1, STEPS + 1))
-    return {"states": states, "losses": losses, "cache": str(tmp_path_factory.mktemp("jax_cache"))}
+    return {"states": states, "losses": losses}
 
 
 def _assert_same_state(a: dict, b: dict, what: str) -> None:
@@ -163,11 +161,11 @@ def _assert_same_state(a: dict, b: dict, what: str) -> None:
         assert np.array_equal(x, y), f"{what}: {jax.tree_util.keystr(path)} differs"
 
 
-def _kill(spec: str, overrides: list[str], cache: str, monkeypatch) -> None:
+def _kill(spec: str, overrides: list[str], monkeypatch) -> None:
     signals = [getattr(signal, entry.rsplit(":", 1)[1]) for entry in spec.split(",")]
     if signal.SIGKILL in signals:  # in a child process
         env = {**os.environ, FAULT_ENV: spec, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-        proc = subprocess.run([sys.executable, "-c", CHILD, cache, *overrides], env=env, cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-c", CHILD, *overrides], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
         return
@@ -178,13 +176,21 @@ def _kill(spec: str, overrides: list[str], cache: str, monkeypatch) -> None:
     assert stop.value.signum == signals[0]  # the first signal names the stop
 
 
-@pytest.mark.parametrize("sig", SIGNALS)
-@pytest.mark.parametrize("point, finished", KILL_POINTS, ids=[p.replace(":SIGTERM,", "+") for p, _ in KILL_POINTS])
+# The fast tier kills at one point with each kind of delivery: SIGTERM in this process during an asynchronous
+# save, SIGKILL in a child process after a committed save (one compile, from the persistent cache); the slow
+# tier runs the whole matrix.
+FAST_KILLS = [("during_save@4", 4, "SIGTERM"), ("before_batch@3", 2, "SIGKILL")]
+
+
+@pytest.mark.parametrize(*pairwise(
+    {"point,finished": KILL_POINTS, "sig": list(SIGNALS)},
+    fast=[((p, f), s) for p, f, s in FAST_KILLS],
+    ids={"point,finished": [p.replace(":SIGTERM,", "+") for p, _ in KILL_POINTS]}, cover=False))
 def test_killed_run_resumes_bit_for_bit(point, finished, sig, reference, tmp_path, monkeypatch):
     overrides = _overrides(tmp_path)
     cfg = tiny_cfg(*overrides)
     run_dir, ckpt_dir = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    _kill(f"{point}:{sig}", overrides, reference["cache"], monkeypatch)
+    _kill(f"{point}:{sig}", overrides, monkeypatch)
 
     committed = committed_steps(ckpt_dir)
     if sig == "SIGKILL":  # may lose the steps since the last committed save, never a committed one
@@ -225,7 +231,7 @@ def two_steps(tmp_path, compile_once):
     return overrides
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(*tiered(
     "change, listed",
     [
         (["seed=1"], "seed: 0 -> 1"),
@@ -234,7 +240,7 @@ def two_steps(tmp_path, compile_once):
         (["optim.lr=0.02", "data.max_tokens=30000"], "data.max_tokens: 20000 -> 30000; optim.lr: 0.01 -> 0.02"),
         (["steps=8"], "optim.decay_steps: 6 -> 8"),
     ],
-)
+    fast={2, 3}))
 def test_resume_refuses_changes_of_model_data_or_schedule(two_steps, change, listed, capsys):
     from jaxlong.train import main
 
@@ -264,6 +270,7 @@ def test_a_checkpoint_that_does_not_fit_the_state_is_one_line(two_steps):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_resume_on_another_mesh_continues_the_run(two_steps, reference):
     """Mesh axes may change on resume: the state is resharded on restore; the losses equal up to float
     reassociation."""

@@ -10,6 +10,7 @@ import pytest
 from jaxlong.config import load_config
 from jaxlong.plan import fit as fit_lib
 from jaxlong.plan import fit_cli
+from helpers import tiered
 
 GiB = 1024**3
 TINY = ["model.hidden=64", "model.layers=1", "model.heads=4", "model.kv_heads=2", "model.head_dim=16",
@@ -60,7 +61,7 @@ def _brute_force(cfg, model, budget, host_budget):
     return best, len(cands)
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize(*tiered("seed", range(12), fast={0, 1}))
 def test_pruned_search_finds_the_brute_force_winner_and_skips_nothing_better(seed):
     cfg = load_config(None, TINY)
     model = FakeModel(seed)
@@ -173,6 +174,7 @@ def test_bad_fit_inputs_are_one_line_errors_before_compiling(capsys):
     assert "--budget 'lots'" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_fit_end_to_end_on_a_real_cpu_compile(tmp_path, capsys):
     """Two real compiles of the train step (CPU approximation), ranked by the closed-form cost."""
     from jaxlong import memory
@@ -240,7 +242,7 @@ def test_a_candidate_that_fails_to_compile_is_listed_and_the_search_goes_on():
     assert res.winner is not None and "remat.policy=offload" not in res.winner["overrides"]
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize(*tiered("seed", range(8), fast={0, 1}))
 def test_equal_estimates_go_to_the_lighter_candidate(seed):
     """A roofline estimate does not see tile or stage launches, so candidates that differ only in the MLP tile
     count can tie exactly; the tie goes to the candidate expected faster (fewer tiles, stages, remat), whatever
@@ -273,7 +275,7 @@ class UlyssesLightModel(FakeModel):
         return p
 
 
-@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize(*tiered("seed", range(10), fast={0, 1}))
 def test_a_upipe_candidate_that_does_not_fit_does_not_rule_out_ulysses(seed):
     cfg = load_config(None, TINY)
     model = UlyssesLightModel(seed)
@@ -306,7 +308,7 @@ class PackingHoleModel(FakeModel):
         return {**p, "total": total, "peak": total * 0.9}
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(*tiered("seed", range(6), fast={0, 1}))
 def test_a_candidate_that_does_not_fit_says_nothing_about_another_heads_per_stage(seed):
     cfg = load_config(None, TINY)
     model = PackingHoleModel(seed)

@@ -10,11 +10,14 @@ import csv
 import json
 import subprocess
 import sys
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_gpu_check_smoke_runs_every_section(tmp_path):
     out = tmp_path / "gc"
     p = subprocess.run([sys.executable, str(ROOT / "experiments" / "gpu_check.py"), "--smoke", "--out", str(out),

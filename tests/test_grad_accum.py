@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from helpers import assert_trees_close, mesh_for, random_batch, tiny_cfg
+from helpers import assert_trees_close, mesh_for, random_batch, tiered, tiny_cfg
 from jaxlong import step as step_lib
 from jaxlong.config import ConfigError
 from jaxlong.data import put_on_mesh
@@ -34,7 +34,8 @@ def _loss_grads_update(cfg, batch):
     return float(loss), grads, jax.tree.map(np.asarray, new_state["params"]), float(metrics["loss"])
 
 
-@pytest.mark.parametrize("extra", [(), ("tiling.loss=true", "tiling.loss_tile=8")], ids=["dense_loss", "tiled_loss"])
+@pytest.mark.parametrize(*tiered("extra", [(), ("tiling.loss=true", "tiling.loss_tile=8")], ids=["dense_loss", "tiled_loss"],
+                                 fast={"tiled_loss"}))
 def test_two_micro_batches_equal_one_double_batch(extra):
     # Adam's first update is g / (|g| + eps) ~ sign(g): for entries with |g| near 1e-8 it amplifies float32
     # rounding of the gradient sum into O(lr) differences, whatever the accumulation. eps=1e-4 keeps the

@@ -224,6 +224,7 @@ def test_upipe_qk_norm_and_yarn_match_dense(case):
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", [["attention.impl=ulysses"], ["attention.impl=upipe", "attention.heads_per_stage=8"]])
 def test_qk_norm_and_rope_scaling_model_matches_single_device(impl):
     """A Qwen3-style model (q/k norms, head_dim 16 != hidden/heads) with llama3 RoPE scaling: loss and every
@@ -370,6 +371,7 @@ def test_import_export_import_is_bit_exact(tmp_path, param_dtype):
     assert config["rope_scaling"]["rope_type"] == "llama3" and config["max_position_embeddings"] == 2048
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_fine_tune_starts_at_transformers_loss_and_exports(tmp_path, name):
     """`python -m jaxlong.train model.from_hf=...` on corpus.txt: the model's loss on the fixture's batch equals

@@ -28,6 +28,7 @@ def test_plan_counts_sharded_params_and_adam_state_exactly():
     assert p["peak"] > p["params"] + p["optimizer"]
 
 
+@pytest.mark.slow
 def test_offload_moves_bytes_to_host_and_bf16_is_scaled():
     base = ("mesh.fsdp=1", "mesh.context=8", "global_batch=1", "seq_len=4096", "model.layers=4",
             "model.hidden=256", "model.kv_heads=8")
@@ -40,6 +41,7 @@ def test_offload_moves_bytes_to_host_and_bf16_is_scaled():
     assert bf16["activations"] == pytest.approx(full["activations"] / 2)
 
 
+@pytest.mark.slow
 def test_ladder_is_monotone_and_ends_below_the_default():
     cfg = tiny_cfg("seq_len=16384", "global_batch=1", "mesh.fsdp=1", "mesh.context=8", "model.vocab_size=512", "model.hidden=128",
                    "model.mlp_hidden=512", "model.layers=4", "model.heads=32", "model.kv_heads=8",
@@ -50,6 +52,7 @@ def test_ladder_is_monotone_and_ends_below_the_default():
     assert peaks[-1] < peaks[0] / 8
 
 
+@pytest.mark.slow
 def test_max_context_bisects_over_compiled_sizes():
     cfg = tiny_cfg("mesh.fsdp=1", "mesh.context=8", "global_batch=1", "remat.policy=full")
     small = plan(tiny_cfg("mesh.fsdp=1", "mesh.context=8", "global_batch=1", "remat.policy=full",
@@ -78,6 +81,7 @@ def test_llama3_8b_full_stack_fits_3m_tokens_on_8x80gib():
     assert p["host"] == 32 * (3145728 // 8) * 4096 * 2
 
 
+@pytest.mark.slow
 def test_upipe_train_step_needs_well_below_the_alst_stack():
     """Whole train step, Llama-3.1-8B widths (2 layers), 1M tokens over 8 devices, offload + tiled loss and MLP:
     U-Pipe's activations are at most 0.8x those of the same stack with plain Ulysses (measured: 0.77). Guards

@@ -66,6 +66,8 @@ def _losses(run_dir: Path) -> list[float]:
     return [by_step[k] for k in sorted(by_step)]
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_two_processes_train_and_resume_like_one(tmp_path):
     """Losses of 2 x 4 devices equal those of 1 x 8; a two-process run stopped at a checkpoint and resumed by
     both processes (orbax restores each process's shards) continues with the same losses."""
@@ -85,13 +87,20 @@ def test_two_processes_train_and_resume_like_one(tmp_path):
     assert (tmp_path / "two" / "checkpoints" / "6").is_dir()
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
 def test_a_killed_process_loses_no_checkpoint_and_both_resume_like_one(tmp_path):
-    """Process 1 is killed (SIGKILL) after step 5 of 6, the job's other process is killed with it; resuming both
-    continues from the step-3 checkpoint with the losses of an uninterrupted single-process run."""
+    """Process 1 is killed (SIGKILL) just after it starts the step-6 save, the job's other process is killed with
+    it; resuming both continues from the step-3 checkpoint with the losses of an uninterrupted single-process run.
+
+    The kill waits for the event the test relies on, not for a number of steps: a save starts only after the
+    previous one has committed (`Checkpointer.save` waits for it), so at `during_save@6` the step-3 checkpoint is
+    committed whatever the machine's load, and the step-6 save, started an instant before, cannot commit without
+    the killed process's shards."""
     args = [*TINY, *TRAIN, "checkpoint_every=3", "optim.decay_steps=6", f"run_dir={tmp_path}", "steps=6"]
     one = _launch([*args, "run_name=one"], 1)
     assert one[0].returncode == 0, one[0].stdout[-3000:]
-    killed = _launch([*args, "run_name=two"], 2, faults={1: "after_step@5:SIGKILL"}, kill_all_when_one_dies=True)
+    killed = _launch([*args, "run_name=two"], 2, faults={1: "during_save@6:SIGKILL"}, kill_all_when_one_dies=True)
     assert killed[1].returncode == -9, killed[1].stdout[-3000:]
     assert killed[0].returncode != 0  # the job ended with it
     ckpts = sorted(int(d.name) for d in (tmp_path / "two" / "checkpoints").iterdir() if d.name.isdigit())

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from helpers import assert_trees_close, loss_and_grads, mesh_for, reference_cfg, tiny_cfg
+from helpers import assert_trees_close, loss_and_grads, mesh_for, pairwise, reference_cfg, tiered, tiny_cfg
 from jaxlong import model as model_lib
 from jaxlong import step as step_lib
 from jaxlong.attention import kernels as K
@@ -38,8 +38,9 @@ def _segments(lengths_per_row, s):
 ROWS = [[30, 40, 20], [10, 86]]  # row 0 ends with 6 padding tokens
 
 
-@pytest.mark.parametrize("bq,bk", [(32, 32), (16, 48), (48, 16), (96, 96), (8, 8)])
-@pytest.mark.parametrize("h,kvh", [(4, 4), (4, 2)])
+@pytest.mark.parametrize(*pairwise(
+    {"bq,bk": [(32, 32), (16, 48), (48, 16), (96, 96), (8, 8)], "h,kvh": [(4, 4), (4, 2)]},
+    fast=[((32, 32), (4, 2)), ((16, 48), (4, 4)), ((48, 16), (4, 2)), ((96, 96), (4, 4)), ((8, 8), (4, 2))]))
 def test_blockwise_segments_match_documents_alone(bq, bk, h, kvh):
     """Blockwise attention on packed rows = plain causal attention of each document alone (out and grads)."""
     s = 96
@@ -175,12 +176,13 @@ def _check_packed(*overrides, kv_heads=4, n_devices=8):
         np.testing.assert_allclose(hidden[r, start:start + n], ref_hidden[a, :n], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_packed_model_one_device():
     _check_packed("mesh.fsdp=1", "mesh.context=1", "mesh.num_devices=1", "attention.backend=blockwise",
                   n_devices=1)
 
 
-@pytest.mark.parametrize("overrides,kv_heads", [
+@pytest.mark.parametrize(*tiered("overrides,kv_heads", [
     (("mesh.fsdp=2", "mesh.context=4"), 4),  # Ulysses, KV heads split
     (("mesh.fsdp=1", "mesh.context=8", "remat.policy=full", "tiling.loss=true"), 2),  # KV replicated
     (("mesh.fsdp=2", "mesh.context=4", "attention.impl=upipe", "attention.heads_per_stage=4"), 4),
@@ -188,7 +190,8 @@ def test_packed_model_one_device():
       "tiling.mlp=true"), 2),
     (("mesh.fsdp=2", "mesh.context=4", "attention.impl=upipe", "attention.heads_per_stage=8", "model.kv_heads=2"),
      2),
-])
+], ids=["ulysses-c4", "ulysses-c8-kvrep-remat-tiled", "upipe-c4-U=C", "upipe-c8-U=C-kvrep-tiled", "upipe-c4-U=2C-gqa"],
+    fast={"ulysses-c4", "upipe-c8-U=C-kvrep-tiled"}))
 def test_packed_model_parallel(overrides, kv_heads):
     """FSDP x Ulysses and U-Pipe (context 4 and 8, KV heads split and replicated, remat, tiled loss and MLP)."""
     _check_packed(*overrides, kv_heads=kv_heads)
@@ -198,7 +201,7 @@ def test_packed_model_parallel(overrides, kv_heads):
 # Memory and resume.
 
 
-@pytest.mark.parametrize("impl", ["ulysses", "upipe"])
+@pytest.mark.parametrize(*tiered("impl", ["ulysses", "upipe"], ids=["ulysses", "upipe"], fast={"ulysses"}))
 def test_packed_step_adds_no_sequence_squared_memory(impl):
     """The compiled train step with document masking needs no more temporary memory than the unpacked step
     (up to a few O(seq) int32 arrays): nothing [S, S]-shaped or per head is added."""
@@ -215,6 +218,7 @@ def test_packed_step_adds_no_sequence_squared_memory(impl):
     assert packed <= unpacked * 1.02 + 4 * seq_bytes, (packed, unpacked)
 
 
+@pytest.mark.slow
 def test_resume_reproduces_next_batches_and_loss(tmp_path):
     """packing=documents, shuffled, over several epochs of a small corpus: 3 steps + --resume 5 steps gives the
     uninterrupted 8-step run's losses exactly (same batches in the same order)."""
@@ -241,6 +245,7 @@ def test_resume_reproduces_next_batches_and_loss(tmp_path):
     assert split == full  # bitwise: the same batches, in the same order, after the resume
 
 
+@pytest.mark.slow
 def test_segment_ids_are_gathered_once_per_step():
     """The int32 segment ids reach the head-sharded devices by one all-gather per step (before the layer scan),
     not one per layer or U-Pipe stage: the compiled step of a 3-layer model has exactly one int32 all-gather."""

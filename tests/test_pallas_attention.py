@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import tiny_cfg
+from helpers import tiered, tiny_cfg
 from jaxlong.attention import kernels as K
 from jaxlong.attention import pallas_gpu as PG
 from jaxlong.config import ConfigError
@@ -55,7 +55,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(*tiered("name", list(CASES), ids=list(CASES), fast={"causal-gqa2", "docs-gqa1-uneven"}))
 def test_forward_lse_and_backward_equal_the_blockwise_kernel(name):
     case = CASES[name]
     q, k, v, do = _inputs(*case["shape"])
@@ -91,6 +91,7 @@ def test_custom_vjp_gradients_equal_the_blockwise_kernel_with_documents_and_gqa(
     assert sorted(r.size for r in res) == sorted([q.size, k.size, v.size, DOCS_96.size, q.size, 2 * 4 * 96])
 
 
+@pytest.mark.slow
 def test_tiles_of_other_documents_and_above_the_diagonal_are_not_visited():
     """NaN planted where only a visited tile could read it (0 * NaN is NaN in a matmul, masked or not): two
     tile-aligned documents of 32 tokens, blocks of 32. Forward and dQ skip the kv tile of the earlier document
@@ -135,6 +136,7 @@ def test_inside_shard_map_as_ulysses_calls_it():
         np.testing.assert_allclose(g, r, **TOL)
 
 
+@pytest.mark.slow
 def test_bf16_forward_is_close_to_the_blockwise_kernel():
     q, k, v, _ = _inputs(1, 64, 4, 2, 16, seed=5)
     q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
@@ -211,6 +213,8 @@ def _triton_kernels(compiled) -> list[str]:
     return sorted(re.findall(r'name = \\?"(jaxlong_flash_[a-z_]+)', text))
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 @needs_plugin
 def test_kernels_compile_for_sm90_inside_shard_map():
     """bf16, GQA, head_dim 128, segment ids, heads split over 8 devices as after Ulysses' all-to-all: the
@@ -245,6 +249,8 @@ def test_kernels_compile_for_sm90_inside_shard_map():
         "jaxlong_flash_bwd_dkdv", "jaxlong_flash_bwd_dq", "jaxlong_flash_fwd"]
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 @needs_plugin
 @pytest.mark.parametrize("impl", ["ulysses", "upipe"])
 def test_auto_train_step_with_packed_documents_uses_the_pallas_kernel_on_sm90(impl):

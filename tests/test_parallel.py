@@ -5,21 +5,20 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import assert_matches_single_device, loss_and_grads, random_batch, reference_cfg, tiny_cfg
+from helpers import assert_matches_single_device, loss_and_grads, random_batch, reference_cfg, tiered, tiny_cfg
 from jaxlong.layers import apply_rope, rope_tables
 from jaxlong.parallel.ulysses import ulysses_attention
 from jaxlong.attention.kernels import reference_attention
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(*tiered(
     "mesh_overrides",
     [
         ("mesh.fsdp=2", "mesh.context=4"),  # kv_heads 4 = C: KV heads split
         ("mesh.fsdp=1", "mesh.context=8", "global_batch=1", "model.kv_heads=2"),  # H_kv < C: replicated
         ("mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "global_batch=4"),  # data parallel too
     ],
-    ids=["fsdp2-cp4-kvsplit", "cp8-kvreplicated", "dp2-fsdp2-cp2"],
-)
+    ids=["fsdp2-cp4-kvsplit", "cp8-kvreplicated", "dp2-fsdp2-cp2"], fast={"cp8-kvreplicated", "dp2-fsdp2-cp2"}))
 def test_fsdp_ulysses_matches_single_device(mesh_overrides):
     cfg = tiny_cfg(*mesh_overrides)
     assert_matches_single_device(cfg)
@@ -56,6 +55,7 @@ def test_tiled_loss_and_mlp_match_single_device():
     assert_matches_single_device(cfg, seed=11)
 
 
+@pytest.mark.slow
 def test_bf16_compute_keeps_fp32_master_weights_and_tracks_fp32_loss():
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "compute_dtype=bfloat16")
     batch = random_batch(cfg, seed=13)

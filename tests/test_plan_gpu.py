@@ -54,6 +54,7 @@ def test_unsupported_field_is_dropped():
     assert "collective_memory_granularity:" not in load_spec(text)
 
 
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_deviceless_gpu_compile_of_a_small_config():
     """The train step compiles for 8 compile-only H100s; `auto` attention resolves to cuDNN from the mesh's
@@ -74,6 +75,8 @@ def test_deviceless_gpu_compile_of_a_small_config():
     assert p["activations"] > 0 and p["host"] == 0
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 @needs_plugin
 def test_offload_puts_exactly_the_layer_inputs_in_host_memory_on_the_gpu_target():
     from jaxlong.plan import plan
@@ -119,6 +122,8 @@ def _upipe_layer_memory(u: int, dump_root: str) -> tuple[int, int]:
     return compiled.memory_analysis().temp_size_in_bytes, device_peak(dump)["bytes"]
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
 @needs_plugin
 def test_upipe_attention_memory_falls_with_heads_per_stage_on_the_gpu_target(tmp_path_factory):
     """Fewer heads per stage hold less at the peak (live bytes, 0.54 / 0.43 / 0.43 GiB at U = 32 / 16 / 8; at U <= 16 the peak is

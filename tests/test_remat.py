@@ -3,7 +3,7 @@ equality of loss and gradients with the single-device model."""
 
 import pytest
 
-from helpers import assert_matches_single_device, mesh_for, random_batch, tiny_cfg
+from helpers import assert_matches_single_device, mesh_for, random_batch, tiered, tiny_cfg
 from jaxlong import model as model_lib
 from jaxlong import step as step_lib
 from jaxlong.config import ConfigError, RematConfig
@@ -75,7 +75,8 @@ def test_custom_policy_rejects_unknown_names():
         make_policy(RematConfig(policy="custom", save=["qproj"]))
 
 
-@pytest.mark.parametrize("policy", ["save_dots", "offload", "custom"])
+@pytest.mark.parametrize(*tiered("policy", ["save_dots", "offload", "custom"], ids=["save_dots", "offload", "custom"],
+                                 fast={"offload"}))
 def test_policies_leave_loss_and_gradients_unchanged(policy):
     extra = ("remat.save=[attn_out]", "remat.offload=[mlp_hidden]") if policy == "custom" else ()
     cfg = tiny_cfg(*BASE, f"remat.policy={policy}", *extra)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from helpers import pairwise, tiered
 from jaxlong.attention.kernels import reference_attention
 from jaxlong.parallel.ring import ring_attention, unzigzag, zigzag, zigzag_order, zigzag_positions
 
@@ -36,9 +37,10 @@ def test_zigzag_layout():
     np.testing.assert_array_equal(zigzag_positions(jnp.arange(48), 48, 3), zigzag_order(48, 3))
 
 
-@pytest.mark.parametrize("ring", [2, 4, 8])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize(*pairwise(
+    {"ring": [2, 4, 8], "heads,kv_heads": [(4, 4), (8, 2)], "causal": [True, False]},
+    fast=[(2, (4, 4), True), (8, (8, 2), True), (4, (8, 2), False)],
+    ids={"heads,kv_heads": ["mha", "gqa4"], "causal": ["causal", "full"]}))
 def test_ring_attention_matches_reference(ring, heads, kv_heads, causal):
     if not causal and (ring, heads) != (4, 8):
         pytest.skip("non-causal: one case")
@@ -71,11 +73,9 @@ from helpers import RING_SEQ, ring_mesh  # noqa: E402
 _mesh, SEQ = ring_mesh, RING_SEQ
 
 
-@pytest.mark.parametrize(
-    "ring,context,heads,kv_heads",
-    [(2, 4, 8, 4), (4, 2, 8, 1), (8, 1, 8, 2)],
-    ids=["r2c4-kvsplit", "r4c2-kvreplicated", "r8c1-gqa"],
-)
+@pytest.mark.parametrize(*tiered(
+    "ring,context,heads,kv_heads", [(2, 4, 8, 4), (4, 2, 8, 1), (8, 1, 8, 2)],
+    ids=["r2c4-kvsplit", "r4c2-kvreplicated", "r8c1-gqa"], fast={"r4c2-kvreplicated"}))
 def test_ulysses_ring_hybrid_matches_reference(ring, context, heads, kv_heads):
     mesh = _mesh(ring, context)
     b, s, d = 8 // (ring * context), 64, 8
@@ -100,11 +100,10 @@ def _dense_layer(x, wq, wk, wv, theta=10000.0):
     return reference_attention(q, k, jnp.einsum("bsh,hnd->bsnd", x, wv))
 
 
-@pytest.mark.parametrize(
-    "ring,context,u_per_c,kv_heads",
-    [(2, 4, 1, 2), (2, 4, 2, 4), (4, 2, 1, 2), (4, 2, 2, 1), (8, 1, 1, 4), (8, 1, 2, 2)],
+@pytest.mark.parametrize(*tiered(
+    "ring,context,u_per_c,kv_heads", [(2, 4, 1, 2), (2, 4, 2, 4), (4, 2, 1, 2), (4, 2, 2, 1), (8, 1, 1, 4), (8, 1, 2, 2)],
     ids=["r2c4-U=C-kvrep", "r2c4-U=2C-kvsplit", "r4c2-U=C-kvsplit", "r4c2-U=2C-kvrep", "r8c1-U=C", "r8c1-U=2C"],
-)
+    fast={"r4c2-U=C-kvsplit", "r4c2-U=2C-kvrep"}))
 def test_upipe_ring_hybrid_matches_reference(ring, context, u_per_c, kv_heads):
     """U-Pipe x ring: each stage runs ring attention for its heads; RoPE positions follow the zigzag layout."""
     mesh = _mesh(ring, context)
@@ -138,7 +137,7 @@ def test_upipe_ring_hybrid_matches_reference(ring, context, u_per_c, kv_heads):
 from helpers import assert_matches_single_device, tiny_cfg  # noqa: E402
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(*tiered(
     "overrides",
     [
         ("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4"),
@@ -147,9 +146,8 @@ from helpers import assert_matches_single_device, tiny_cfg  # noqa: E402
         ("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "attention.impl=upipe"),
         ("mesh.fsdp=1", "mesh.ring=4", "mesh.context=2", "attention.impl=upipe", "attention.heads_per_stage=4",
          "model.kv_heads=1"),
-    ],
-    ids=["ulysses-r2c4", "ring4-fsdp2-remat-tiled", "upipe-fsdp2-r2c2", "upipe-r4c2-U=2C-kvrep"],
-)
+    ], ids=["ulysses-r2c4", "ring4-fsdp2-remat-tiled", "upipe-fsdp2-r2c2", "upipe-r4c2-U=2C-kvrep"],
+        fast={"upipe-r4c2-U=2C-kvrep"}))
 def test_model_with_ring_matches_single_device(overrides):
     """Zigzag layout of the batch, RoPE positions and the hybrids: the loss and every gradient equal the
     single-device model on the natural token order."""

@@ -3,6 +3,7 @@ is stacked per ring step."""
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxlong.parallel.ring import ring_attention
@@ -53,6 +54,7 @@ def _hybrid_temp_bytes(ring: int, context: int, seq: int, heads: int = 8, head_d
     return _fwd_bwd_temp_bytes(attn, sharding, seq, heads, head_dim)
 
 
+@pytest.mark.slow
 def test_hybrid_attention_memory_is_sequence_over_ring_times_context():
     """Per-device attention bytes of Ulysses x ring are O(S / (R * C)): with the ring fixed, doubling the
     context degree halves them, and R x C = 4 x 2 at S costs what 4 x 1 costs at S/2 (the context split trades

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from helpers import RING_SEQ, assert_trees_close, loss_and_grads, reference_cfg, ring_mesh, tiny_cfg
+from helpers import RING_SEQ, assert_trees_close, loss_and_grads, reference_cfg, ring_mesh, tiered, tiny_cfg
 from jaxlong.attention.kernels import reference_attention
 from jaxlong.layers import apply_rope, rope_tables
 from jaxlong.parallel.ring import ring_attention, run_ids, unzigzag, zigzag
@@ -57,8 +57,8 @@ def test_run_ids():
     np.testing.assert_array_equal(run_ids(zigzag(seg, 2), 2), zigzag(want, 2))
 
 
-@pytest.mark.parametrize("ring,heads,kv_heads", [(2, 4, 4), (4, 8, 2), (8, 8, 2)],
-                         ids=["r2-mha", "r4-gqa4", "r8-gqa4"])
+@pytest.mark.parametrize(*tiered("ring,heads,kv_heads", [(2, 4, 4), (4, 8, 2), (8, 8, 2)],
+                                 ids=["r2-mha", "r4-gqa4", "r8-gqa4"], fast={"r2-mha"}))
 def test_ring_attention_with_segments_matches_reference(ring, heads, kv_heads):
     mesh = jax.make_mesh((8 // ring, ring), ("fsdp", "ring"), axis_types=(AxisType.Auto,) * 2)
     b = 8 // ring
@@ -112,11 +112,9 @@ def test_ring_segment_errors():
 _mesh, SEQ = ring_mesh, RING_SEQ
 
 
-@pytest.mark.parametrize(
-    "ring,context,heads,kv_heads",
-    [(2, 4, 8, 4), (4, 2, 8, 1), (8, 1, 8, 2)],
-    ids=["r2c4-kvsplit", "r4c2-kvreplicated", "r8c1-gqa"],
-)
+@pytest.mark.parametrize(*tiered(
+    "ring,context,heads,kv_heads", [(2, 4, 8, 4), (4, 2, 8, 1), (8, 1, 8, 2)],
+    ids=["r2c4-kvsplit", "r4c2-kvreplicated", "r8c1-gqa"], fast={"r2c4-kvsplit"}))
 def test_ulysses_ring_with_segments_matches_reference(ring, context, heads, kv_heads):
     mesh = _mesh(ring, context)
     b = 8 // (ring * context)
@@ -133,11 +131,9 @@ def test_ulysses_ring_with_segments_matches_reference(ring, context, heads, kv_h
     _check(hybrid, lambda q, k, v: reference_attention(q, k, v, segment_ids=seg), (q, k, v), ct, ("dq", "dk", "dv"))
 
 
-@pytest.mark.parametrize(
-    "ring,context,u_per_c,kv_heads",
-    [(2, 4, 1, 2), (2, 4, 2, 4), (4, 2, 2, 1), (8, 1, 1, 4)],
-    ids=["r2c4-U=C-kvrep", "r2c4-U=2C-kvsplit", "r4c2-U=2C-kvrep", "r8c1-U=C"],
-)
+@pytest.mark.parametrize(*tiered(
+    "ring,context,u_per_c,kv_heads", [(2, 4, 1, 2), (2, 4, 2, 4), (4, 2, 2, 1), (8, 1, 1, 4)],
+    ids=["r2c4-U=C-kvrep", "r2c4-U=2C-kvsplit", "r4c2-U=2C-kvrep", "r8c1-U=C"], fast={"r2c4-U=2C-kvsplit"}))
 def test_upipe_ring_with_segments_matches_reference(ring, context, u_per_c, kv_heads):
     """U-Pipe x ring with per-document RoPE positions and segment ids, both in the zigzag layout."""
     mesh = _mesh(ring, context)
@@ -179,6 +175,7 @@ def _packed_batch(cfg, seed=3):
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask, "positions": pos, "segment_ids": seg}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "tiling.loss=true", "tiling.loss_tile=4"),
     ("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "attention.impl=upipe", "remat.policy=full"),
@@ -196,6 +193,7 @@ def test_packed_train_step_with_ring_matches_ring_1(overrides):
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["ulysses", "upipe"])
 def test_packed_ring_step_adds_no_sequence_squared_memory(impl):
     """The compiled train step under mesh.ring=2 with document masking needs no more temporary memory than the

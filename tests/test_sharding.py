@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import mesh_for, tiny_cfg
@@ -35,6 +36,7 @@ def test_every_state_leaf_is_sharded_as_specified():
     assert not [line for line in lines if "replicated" in line]
 
 
+@pytest.mark.slow
 def test_gradients_come_back_sharded_like_params():
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "steps=2")
     mesh = mesh_for(cfg, 8)
@@ -46,6 +48,7 @@ def test_gradients_come_back_sharded_like_params():
     assert np.isfinite(compiled.memory_analysis().temp_size_in_bytes)
 
 
+@pytest.mark.slow
 def test_only_one_layer_of_gathered_weights_is_live():
     """Each layer's weights are all-gathered inside the layer scan: adding layers adds per-device temp bytes
     far below one full (gathered) layer's weights per layer."""

@@ -31,6 +31,7 @@ def test_training_reduces_loss_and_writes_events_and_checkpoints(tmp_path):
     assert out["metrics"]["loss"] == pytest.approx(losses[-1])
 
 
+@pytest.mark.slow
 def test_resume_gives_the_same_next_step_loss(tmp_path):
     full = run(_cfg(tmp_path, "steps=6", "checkpoint_every=3", "run_name=full"))
     run(_cfg(tmp_path, "steps=3", "optim.decay_steps=6", "checkpoint_every=3", "run_name=split"))  # "killed" at 3
@@ -47,6 +48,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
         run(_cfg(tmp_path, "steps=2", "run_name=none"), resume=True)
 
 
+@pytest.mark.slow
 def test_upipe_trains_to_the_same_loss_curve_as_ulysses(tmp_path):
     def curve(impl, *extra):
         run(_cfg(tmp_path, "steps=20", "checkpoint_every=100", f"run_name={impl}", f"attention.impl={impl}", *extra))
@@ -85,6 +87,7 @@ def test_an_existing_run_is_not_overwritten_and_bad_data_fails_before_compiling(
     assert run(_cfg(tmp_path, "steps=2", "run_name=once"), resume=True)["metrics"] == {}  # nothing to do
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_last_finished_step(tmp_path, monkeypatch):
     import os
     import signal

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import assert_matches_single_device, tiny_cfg
+from helpers import assert_matches_single_device, tiered, tiny_cfg
 from jaxlong.attention.kernels import reference_attention
 from jaxlong.config import ConfigError
 from jaxlong.layers import apply_rope, rms_norm, rope_tables
@@ -56,7 +56,7 @@ def _ulysses(x, wq, wk, wv, mesh, theta=10000.0):
     return ulysses_attention(q, k, v, mesh=mesh, backend="blockwise", block_q=16, block_k=16)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(*tiered("case", list(CASES), ids=list(CASES), fast={"gqa4-U=C", "gqa4-U=2C", "kv<C-U=2C"}))
 def test_upipe_op_matches_ulysses_and_reference(case):
     heads, kv_heads, context, u, fsdp, batch = CASES[case]
     mesh = _mesh(fsdp, context)
@@ -80,7 +80,7 @@ def test_upipe_op_matches_ulysses_and_reference(case):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"{name} vs ulysses")
 
 
-@pytest.mark.parametrize("case", ["gqa4-U=C", "kv<C-U=C"])
+@pytest.mark.parametrize(*tiered("case", ["gqa4-U=C", "kv<C-U=C"], ids=["gqa4-U=C", "kv<C-U=C"], fast={"kv<C-U=C"}))
 def test_upipe_with_fused_norm_matches_norm_then_upipe(case):
     """`norm_scale=`: the op normalizes x itself (and recomputes the norm in its backward); loss and the
     gradients of x, the norm scale and every weight equal RMSNorm followed by the dense reference."""
@@ -130,7 +130,8 @@ def _upipe_sublayer(mesh, u):
         block_k=16, norm_scale=scale, norm_eps=1e-5, out_weight=wo)
 
 
-@pytest.mark.parametrize("case", ["gqa4-U=C", "gqa4-U=2C", "kv<C-U=C"])
+@pytest.mark.parametrize(*tiered("case", ["gqa4-U=C", "gqa4-U=2C", "kv<C-U=C"], ids=["gqa4-U=C", "gqa4-U=2C", "kv<C-U=C"],
+                                 fast={"gqa4-U=2C"}))
 def test_upipe_sublayer_with_out_projection_matches_dense(case):
     """`out_weight=`: the op returns `x + W_o attention(RMSNorm(x))` and forms each stage's output gradient
     from the `[b, S, hidden]` one; loss and the gradients of x, the norm scale, W_q, W_k, W_v and W_o equal
@@ -151,6 +152,7 @@ def test_upipe_sublayer_with_out_projection_matches_dense(case):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_upipe_sublayer_in_bfloat16_is_as_accurate_as_ulysses():
     """bf16 inputs and compute: the U-Pipe sublayer's loss and gradients are as close to a float32 reference
     (same bf16-rounded inputs) as the Ulysses sublayer's are, i.e. the op's casts lose nothing extra."""
@@ -227,12 +229,12 @@ def test_bad_heads_per_stage_raise(u, match):
         Schedule(16, 4, 4, u).validate()
 
 
-@pytest.mark.parametrize("overrides", [
+@pytest.mark.parametrize(*tiered("overrides", [
     ("model.heads=8", "model.kv_heads=2", "attention.heads_per_stage=4"),  # g = 4 per KV head, U = C
     ("model.heads=8", "model.kv_heads=2", "attention.heads_per_stage=8", "remat.policy=full"),
     ("model.heads=8", "model.kv_heads=2", "attention.heads_per_stage=4", "remat.policy=offload",
      "tiling.loss=true", "tiling.mlp=true"),  # the ALST stack with U-Pipe, as the memory ladder runs it
-])
+], ids=["U=C", "U=2C-remat-full", "U=C-alst-stack"], fast={"U=2C-remat-full", "U=C-alst-stack"}))
 def test_upipe_model_matches_single_device(overrides):
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "attention.impl=upipe", *overrides)
     assert_matches_single_device(cfg, seed=5)

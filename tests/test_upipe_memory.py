@@ -20,6 +20,7 @@ from jaxlong.attention.kernels import blockwise_attention
 from jaxlong.layers import apply_rope, rope_tables
 from jaxlong.parallel.ulysses import heads_to_seq, seq_to_heads
 from jaxlong.parallel.upipe import attention_layer, attention_memory_model
+from helpers import pairwise
 
 S, C, BLOCK = 262144, 8, 1024
 SHAPES = {  # heads, kv_heads, head_dim, hidden
@@ -76,8 +77,9 @@ def _stage_sizes(shape):
     return [heads >> i for i in range(int(math.log2(heads // C)) + 1)]  # H, H/2, ..., C
 
 
-@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize(*pairwise({"shape": list(SHAPES), "backward": [False, True]},
+                                   fast=[(list(SHAPES)[0], True), (list(SHAPES)[1], False)],
+                                   ids={"backward": ["fwd", "fwd+bwd"]}))
 def test_temp_bytes_fall_with_heads_per_stage_and_match_model(shape, backward):
     us = _stage_sizes(shape)
     measured = [_measured(shape, "upipe", u, backward) for u in us]
