@@ -362,6 +362,12 @@ def read_yaml(path: str | Path) -> Any:
         raise ConfigError(f"--config {path} cannot be read: {e}") from None
     try:
         return yaml.safe_load(text) or {}
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow (a NUL byte, a control character)
+        line = text.count("\n", 0, e.position) + 1
+        column = e.position - (text.rfind("\n", 0, e.position) + 1) + 1
+        code = e.character if isinstance(e.character, int) else ord(e.character)
+        raise ConfigError(f"--config {path} is not valid YAML at line {line}, column {column}: character "
+                          f"U+{code:04X} is not allowed in YAML; remove it or save the file as plain text") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"

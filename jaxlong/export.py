@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default 2GiB)")
     args = parser.parse_args(argv)
+    from jaxlong.train import cpu_unless_gpu_driver  # noqa: PLC0415
+
+    cpu_unless_gpu_driver()  # before jax is imported: no CUDA-plugin traceback on a machine without a GPU
     try:
         from jaxlong.plan import parse_bytes  # noqa: PLC0415
         from jaxlong.models.hf import save_hf  # noqa: PLC0415

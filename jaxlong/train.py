@@ -31,13 +31,18 @@ from jaxlong import distributed
 from jaxlong.config import ConfigError, load_config
 
 
-def set_host_device_count(n: int) -> None:
-    """Ask XLA for `n` host (CPU) devices unless XLA_FLAGS already sets a count. Harmless on GPUs.
-
-    Without an NVIDIA driver, JAX_PLATFORMS defaults to `cpu`: otherwise an installed CUDA plugin (which the
-    test extra brings for GPU planning) tries to initialize CUDA and prints a traceback before falling back."""
+def cpu_unless_gpu_driver() -> None:
+    """Without an NVIDIA driver, JAX_PLATFORMS defaults to `cpu`: otherwise an installed CUDA plugin (which the
+    test extra brings for GPU planning) tries to initialize CUDA and prints a traceback before falling back.
+    Call it before jax is imported."""
     if not os.path.exists("/dev/nvidiactl"):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def set_host_device_count(n: int) -> None:
+    """Ask XLA for `n` host (CPU) devices unless XLA_FLAGS already sets a count (and `cpu_unless_gpu_driver`).
+    Harmless on GPUs."""
+    cpu_unless_gpu_driver()
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()

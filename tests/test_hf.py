@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers import mesh_for
+from helpers import mesh_for, tiered
 from jaxlong.config import ConfigError, RopeScalingConfig, load_config
 from jaxlong.data import put_on_mesh
 from jaxlong.layers import rope_frequencies, rms_norm
@@ -186,7 +186,7 @@ def _dense_sublayer(x, scale, wq, wk, wv, wo, qn, kn, scaling):
     return x + jnp.einsum("bsnd,ndh->bsh", reference_attention(q, k, v), wo)
 
 
-@pytest.mark.parametrize("case", list(UPIPE_CASES))
+@pytest.mark.parametrize(*tiered("case", list(UPIPE_CASES), ids=list(UPIPE_CASES), fast={"gqa4-U=2C"}))
 def test_upipe_qk_norm_and_yarn_match_dense(case):
     """U-Pipe normalizes each stage's query heads and its KV group's key heads inside the op; the loss and the
     gradients of x, the attention norm, W_q, W_k, W_v, W_o, q_norm and k_norm equal autodiff of the dense

@@ -64,6 +64,7 @@ def test_max_context_bisects_over_compiled_sizes():
     assert over > small * 1.5 or math.isclose(over, small * 1.5)
 
 
+@pytest.mark.slow
 def test_llama3_8b_full_stack_fits_3m_tokens_on_8x80gib():
     """Llama-3.1-8B, 8 devices, 3M tokens: the whole stack (ZeRO-3, Ulysses C=8, offload, tiled loss and MLP,
     U-Pipe) plans under 80 GiB per device, and the layer inputs (32 x [S/C, 4096] bf16) are on the host."""

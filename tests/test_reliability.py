@@ -34,7 +34,7 @@ from jaxlong.train import main
         (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be >= 0"),
         (["attention.block_q=0"], "attention.block_q=0 must be a positive tile length"),
         (["attention.block_k=-16"], "attention.block_k=-16 must be a positive tile length"),
-        (["attention.block_q=48"], "attention.block_q=48 must divide seq_len=8192 .* use a divisor such as 32"),
+        (["seq_len=8192", "attention.block_q=48"], "attention.block_q=48 must divide seq_len=8192 .* use a divisor such as 32"),
         (["seq_len=192", "attention.block_k=128"], "attention.block_k=128 must divide seq_len=192 .* such as 96"),
         (["attention.heads_per_stage=-4"], "attention.heads_per_stage=-4 must be >= 0"),
         (["profile_steps=0"], "profile_steps=0 must be positive"),
@@ -92,6 +92,10 @@ def test_invalid_yaml_names_line_and_column(tmp_path, capsys):
     assert err.startswith(f"config error: --config {path} is not valid YAML at line 3, column 1:"), err
     code, err = _cli(capsys, ["--config", str(tmp_path)])
     assert code == 2 and "is a directory" in err and "\n" not in err
+    path.write_bytes(b"seq_len: 64\x00\n")  # a NUL byte: PyYAML's reader error has no line mark of its own
+    code, err = _cli(capsys, ["--config", str(path)])
+    assert code == 2 and "\n" not in err and "somewhere" not in err
+    assert err.startswith(f"config error: --config {path} is not valid YAML at line 1, column 12: character U+0000"), err
 
 
 def test_cudnn_without_a_gpu_is_refused_before_loading_data(tmp_path, capsys, monkeypatch):
@@ -113,11 +117,11 @@ def test_cudnn_without_a_gpu_is_refused_before_loading_data(tmp_path, capsys, mo
 
 def test_resume_config_changes_are_deny_by_default():
     defaults = to_dict(Config())
-    old = to_dict(Config())
+    old = to_dict(load_config(None, ["steps=30"]))
     new = to_dict(tiny_cfg("seed=1", "seq_len=128", "mesh.context=8", "remat.policy=full", "steps=60",
                            "run_name=x", "attention.block_q=64", "tiling.loss=true"))
     changes = config_changes(old, new, defaults)
-    assert "seed: 0 -> 1" in changes and "seq_len: 8192 -> 128" in changes
+    assert "seed: 0 -> 1" in changes and f"seq_len: {Config().seq_len} -> 128" in changes
     assert "model.hidden: 256 -> 64" in changes and "global_batch: 2 -> 2" not in changes
     assert not [c for c in changes if c.split(":")[0].split(".")[0] in
                 ("mesh", "remat", "tiling", "attention", "steps", "run_name")]

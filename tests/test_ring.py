@@ -103,7 +103,7 @@ def _dense_layer(x, wq, wk, wv, theta=10000.0):
 @pytest.mark.parametrize(*tiered(
     "ring,context,u_per_c,kv_heads", [(2, 4, 1, 2), (2, 4, 2, 4), (4, 2, 1, 2), (4, 2, 2, 1), (8, 1, 1, 4), (8, 1, 2, 2)],
     ids=["r2c4-U=C-kvrep", "r2c4-U=2C-kvsplit", "r4c2-U=C-kvsplit", "r4c2-U=2C-kvrep", "r8c1-U=C", "r8c1-U=2C"],
-    fast={"r4c2-U=C-kvsplit", "r4c2-U=2C-kvrep"}))
+    fast={"r4c2-U=C-kvsplit"}))  # U = 2C x ring: test_model_with_ring_matches_single_device
 def test_upipe_ring_hybrid_matches_reference(ring, context, u_per_c, kv_heads):
     """U-Pipe x ring: each stage runs ring attention for its heads; RoPE positions follow the zigzag layout."""
     mesh = _mesh(ring, context)

@@ -20,7 +20,7 @@ from jaxlong.attention.kernels import blockwise_attention
 from jaxlong.layers import apply_rope, rope_tables
 from jaxlong.parallel.ulysses import heads_to_seq, seq_to_heads
 from jaxlong.parallel.upipe import attention_layer, attention_memory_model
-from helpers import pairwise
+from helpers import pairwise, tiered
 
 S, C, BLOCK = 262144, 8, 1024
 SHAPES = {  # heads, kv_heads, head_dim, hidden
@@ -90,7 +90,7 @@ def test_temp_bytes_fall_with_heads_per_stage_and_match_model(shape, backward):
         assert abs(model - m) <= TOLERANCE * m, f"U={u}: measured {m:.0f} MiB vs model {model:.0f} MiB; {table}"
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize(*tiered("shape", list(SHAPES), ids=list(SHAPES), fast={"llama3-8b"}))
 def test_upipe_at_u_equal_c_is_well_below_ulysses(shape):
     upipe = _measured(shape, "upipe", C, True)
     ulysses = _measured(shape, "ulysses", None, True)
