@@ -5,8 +5,8 @@ temporary checkpoint directory is left. The fast tier kills at two points, the s
 
 The kill is sent by the trainer's testing hook (`JAXLONG_FAULT="<point>@<step>:<SIGNAL>"`, see
 `jaxlong/trainer.py`). SIGTERM and SIGINT are delivered to this process (the trainer's handlers are installed
-while `run` runs); SIGKILL kills a child process, which shares the test run's persistent compilation cache (tests/conftest.py). The resumes run here,
-with the train step compiled once per config.
+while `run` runs); SIGKILL kills a child process, which shares the test run's persistent compilation cache
+(tests/conftest.py). The resumes run here, with the train step compiled once per config.
 """
 
 from __future__ import annotations
