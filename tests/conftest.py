@@ -33,7 +33,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # Cache every program, small ones too: most of the suite's programs compile in well under a second each, and
 # the same ones recur across test files, workers and child processes.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 

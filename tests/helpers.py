@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxlong import step as step_lib
@@ -103,8 +105,6 @@ def tiered(argnames: str, cases, fast, ids=None):
 
     Raises ValueError: a fast case that is not among the cases.
     """
-    import pytest  # noqa: PLC0415 (helpers is imported by test modules only)
-
     cases = list(cases)
     keys = list(ids) if ids is not None else list(range(len(cases)))
     unknown = set(fast) - set(keys)
@@ -118,9 +118,9 @@ def tiered(argnames: str, cases, fast, ids=None):
 
 
 def pairwise(dims: dict, fast: list[tuple], ids: dict | None = None, cover: bool = True):
-    """The full product of parametrized dimensions as one parametrization: the cases of `fast` in the fast tier,
-    the rest marked `slow`. `dims` maps a dimension's argument name(s) to its values: `{"ring": [2, 4, 8],
-    "heads,kv_heads": [(4, 4), (8, 2)]}` (a key naming several arguments takes tuples). `fast` lists whole
+    """The full product of parametrized dimensions as one `tiered` parametrization: the cases of `fast` in the
+    fast tier, the rest marked `slow`. `dims` maps a dimension's argument name(s) to its values: `{"ring": [2, 4,
+    8], "heads,kv_heads": [(4, 4), (8, 2)]}` (a key naming several arguments takes tuples). `fast` lists whole
     cases (tuples in the order of `dims`) and must use every value of every dimension at least once, so that
     the fast tier covers each dimension and the slow tier the rest of the product. `ids` maps a dimension to
     the id of each of its values (default `str(value)`). `cover=False` lets the fast cases leave values out
@@ -129,24 +129,21 @@ def pairwise(dims: dict, fast: list[tuple], ids: dict | None = None, cover: bool
     Returns `(argnames, params)` for `pytest.mark.parametrize(*pairwise(...))`.
     Raises ValueError: a fast case outside the product, or a value that no fast case uses.
     """
-    import itertools  # noqa: PLC0415
-
-    import pytest  # noqa: PLC0415
-
     ids = ids or {}
     for d, (dim, vals) in enumerate(dims.items()):
         missing = [v for v in vals if v not in {case[d] for case in fast}]
         if missing and cover:
             raise ValueError(f"pairwise: the fast cases leave {dim}={missing} untested")
     product = list(itertools.product(*dims.values()))
+
+    def flat(case):
+        return tuple(a for dim, v in zip(dims, case) for a in (v if "," in dim else (v,)))
+
+    def name(case):
+        return "-".join(ids[dim][list(dims[dim]).index(v)] if dim in ids else str(v) for dim, v in zip(dims, case))
+
     stray = [c for c in fast if c not in product]
     if stray:
         raise ValueError(f"pairwise: fast cases {stray} are not in the product of {list(dims)}")
-    params = []
-    for case in product:
-        args, names = [], []
-        for dim, v in zip(dims, case):
-            args.extend(v if "," in dim else (v,))
-            names.append(ids[dim][list(dims[dim]).index(v)] if dim in ids else str(v))
-        params.append(pytest.param(*args, marks=() if case in fast else (pytest.mark.slow,), id="-".join(names)))
-    return ",".join(dims), params
+    return tiered(",".join(dims), [flat(c) for c in product], fast={name(c) for c in fast},
+                  ids=[name(c) for c in product])

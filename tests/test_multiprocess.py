@@ -29,8 +29,8 @@ def _launch(args: list[str], n: int, timeout: float = 900, faults: dict | None =
     """`python -m jaxlong.train *args` as n processes (n = 1: an ordinary single-process run). `faults` maps a
     process id to its `JAXLONG_FAULT`; with `kill_all_when_one_dies` the others are killed (SIGKILL) as soon as
     one exits, as a cluster scheduler ends a job whose task died."""
-    # No persistent compilation cache here: an executable cached by a one-process run of the same program has the
-    # same cache key as the two-process one but not its cross-process collectives.
+    # No persistent compilation cache here: these programs run with cross-process (gloo) collectives, and an
+    # entry written by a one-process run of the same program is not known to be valid for them.
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     port = _free_port()
