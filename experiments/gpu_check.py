@@ -263,12 +263,11 @@ def _large_tensor_row(b: int = 1, s: int = 65536, h: int = 264, d: int = 128) ->
 def child_train(spec: dict, smoke: bool, steps: int, profile_dir: str | None) -> dict:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
-    from jax.sharding import NamedSharding  # noqa: PLC0415
 
     from jaxlong import step as step_lib  # noqa: PLC0415
     from jaxlong.config import load_config, validate  # noqa: PLC0415
     from jaxlong.memstats import compiled_bytes  # noqa: PLC0415
-    from jaxlong.mesh import batch_spec, build_mesh  # noqa: PLC0415
+    from jaxlong.mesh import build_mesh  # noqa: PLC0415
     from jaxlong.model import Runtime  # noqa: PLC0415
     from jaxlong.trainer import check_fits, flops_per_token, peak_flops  # noqa: PLC0415
 
@@ -283,7 +282,7 @@ def child_train(spec: dict, smoke: bool, steps: int, profile_dir: str | None) ->
     row["compiled_peak_bytes"], row["compiled_host_bytes"] = cb["peak"], cb["host_temp"]
     check_fits(compiled)
     state = step_lib.init_state(cfg, mesh)
-    sh = NamedSharding(mesh, batch_spec())
+    sh = step_lib.batch_sharding(mesh)
     tokens = jax.random.randint(jax.random.key(1), (1, cfg.seq_len + 1), 0, cfg.model.vocab_size, jnp.int32)
     batch = {"inputs": jax.device_put(tokens[:, :-1], sh), "targets": jax.device_put(tokens[:, 1:], sh),
              "mask": jax.device_put(jnp.ones((1, cfg.seq_len), jnp.float32), sh),

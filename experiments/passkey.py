@@ -103,13 +103,12 @@ def main(argv=None):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     import jax  # noqa: PLC0415 (after XLA_FLAGS)
-    from jax.sharding import NamedSharding  # noqa: PLC0415
 
     from jaxlong import data as data_lib  # noqa: PLC0415
     from jaxlong import evaluate as ev  # noqa: PLC0415
     from jaxlong import step as step_lib  # noqa: PLC0415
     from jaxlong.config import load_config  # noqa: PLC0415
-    from jaxlong.mesh import batch_spec, build_mesh  # noqa: PLC0415
+    from jaxlong.mesh import build_mesh  # noqa: PLC0415
 
     phases = parse_phases(args.phases)
     lo_digits, hi_digits = (int(x) for x in args.train_digits.split("-"))
@@ -121,7 +120,6 @@ def main(argv=None):
     mesh = build_mesh(cfg.mesh)
     tok = data_lib.get_tokenizer("byte")
     rng = np.random.default_rng([cfg.seed, 7])
-    sharding = NamedSharding(mesh, batch_spec())
     depths = [float(d) for d in args.depths.split(",")]
     state = step_lib.init_state(cfg, mesh)
     history = []  # (step, seq_len, wall minutes, CPU minutes / 2, train loss, [accuracy per depth])
@@ -134,7 +132,7 @@ def main(argv=None):
         digit_hits = []
 
         def predict(b):
-            argmax = jax.device_get(stats(state["params"], data_lib.put_on_mesh(b, sharding))[1])
+            argmax = stats(state["params"], b)[1]
             digit_hits.append(np.mean(argmax[:, -args.digits:] == b["targets"][:, -args.digits:]))
             return argmax
 
@@ -149,7 +147,7 @@ def main(argv=None):
             pcfg, data=dataclasses.replace(pcfg.data, max_tokens=4_000_000)), tok) if args.corpus_every else None
         t0 = time.perf_counter()
         train_step = step_lib.compile_train_step(pcfg, mesh)
-        stats = ev.make_token_stats_step(pcfg, mesh)
+        stats = ev.token_stats(pcfg, mesh)
         print(f"phase {seq} tokens x {batch_size}: compiled in {time.perf_counter() - t0:.1f} s; mesh "
               f"{dict(mesh.shape)}", flush=True)
         phase_cpu0, phase_t0 = time.process_time(), time.perf_counter()
@@ -166,7 +164,7 @@ def main(argv=None):
 
         hits, phase_steps = 0, 0
         while phase_steps < args.max_steps:
-            batch = data_lib.put_on_mesh(train_batch(step + 1), sharding)
+            batch = step_lib.put_batch(train_batch(step + 1), mesh)
             state, m = jax.block_until_ready(train_step(state, batch))  # one program in flight at a time
             step += 1
             phase_steps += 1

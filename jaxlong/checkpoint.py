@@ -27,6 +27,43 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or committed (the message says which step and why)."""
 
 
+class StateMismatch(CheckpointError):
+    """A checkpoint's parameters do not have the shapes the config asks for; `mismatches` lists them as
+    `params/<path>: saved [..], this config [..]`. Raised before orbax reads any array."""
+
+    def __init__(self, step: int, directory: Path, mismatches: list[str]):
+        self.step, self.mismatches = step, mismatches
+        more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
+        super().__init__(f"checkpoint {directory / str(step)} does not fit this config's parameters: "
+                         f"{mismatches[0]}{more}")
+
+
+def param_shape_mismatches(directory: str | Path, step: int, abstract_state: dict) -> list[str]:
+    """`params/<path>: saved [..], this config [..]` for every parameter whose shape or dtype in checkpoint
+    `step`'s metadata differs from `abstract_state['params']` (or that only one of them has). Reads only the
+    checkpoint's metadata file; an unreadable metadata gives `[]` (orbax's restore then reports)."""
+    path = Path(directory) / str(step) / "state"
+    try:
+        saved = ocp.StandardCheckpointHandler().metadata(path)
+        saved = getattr(saved, "tree", saved)
+        saved = {jax.tree_util.keystr(p): leaf for p, leaf in
+                 jax.tree_util.tree_flatten_with_path(dict(saved)["params"])[0]}
+    except Exception:  # noqa: BLE001 (a format orbax reads differently: leave the check to the restore)
+        return []
+    want = {jax.tree_util.keystr(p): leaf for p, leaf in
+            jax.tree_util.tree_flatten_with_path(abstract_state["params"])[0]}
+
+    def show(leaf) -> str:
+        return "absent" if leaf is None else f"{list(leaf.shape)} {getattr(leaf, 'dtype', '')}".strip()
+
+    out = []
+    for key in sorted(set(saved) | set(want)):
+        a, b = saved.get(key), want.get(key)
+        if a is None or b is None or tuple(a.shape) != tuple(b.shape):
+            out.append(f"params{key}: saved {show(a)}, this config {show(b)}")
+    return out
+
+
 def committed_steps(directory: str | Path) -> list[int]:
     """Sorted steps of the committed checkpoints in `directory` (renamed from their temporary name); creates
     nothing."""
@@ -141,11 +178,16 @@ class Checkpointer:
 
         Raises:
           FileNotFoundError: there is no checkpoint in the directory.
+          StateMismatch: the checkpoint's parameter shapes differ from `abstract_state`'s (checked on the
+            metadata, before any array is read).
           CheckpointError: the checkpoint's `state['step']` differs from its label.
         """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"--resume: no checkpoint found in {self.directory}")
+        mismatches = param_shape_mismatches(self.directory, step, abstract_state)
+        if mismatches:
+            raise StateMismatch(step, self.directory, mismatches)
         restored = self.manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
         )["state"]
@@ -225,3 +267,16 @@ def config_changes(saved: dict, new: dict, defaults: dict) -> list[str]:
             show = lambda v: "(absent)" if v is missing else json.dumps(v)  # noqa: E731
             changes.append(f"{key}: {show(a)} -> {show(b)}")
     return changes
+
+
+def mismatch_message(err: StateMismatch, saved: dict | None, new: dict, defaults: dict) -> str:
+    """One line for a `StateMismatch`: the first parameter that differs and the `model.*` keys whose values
+    differ between the checkpoint's config (`saved`, None if it has none) and this one (`new`; both nested
+    dicts of `jaxlong.config.to_dict`, with `defaults` for keys a checkpoint lacks)."""
+    keys = [c for c in config_changes(saved, new, defaults) if c.startswith("model.")] if saved else []
+    more = f" and {len(err.mismatches) - 1} more" if len(err.mismatches) > 1 else ""
+    named = (f"the model keys differ from the checkpoint's: {'; '.join(keys)}" if keys else
+             "the model config differs from the one it was saved with")
+    return (f"checkpoint {err.step} holds parameters of other shapes ({err.mismatches[0]}{more}): {named}; a "
+            f"checkpoint restores only into the model it was saved with, so set {'these keys' if keys else 'it'} back")
+

@@ -34,7 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("run_dir", help="a run directory holding checkpoints/ (e.g. runs/default)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--batches", type=int, default=None, help="held-out batches (default: the run's eval_batches)")
-    p.add_argument("--lengths", default="", help="passkey context lengths, comma-separated (default: S/8,S/4,S/2,S)")
+    p.add_argument("--lengths", default="", help="passkey context lengths, comma-separated (default: those of "
+                                                 "S/8,S/4,S/2,S that hold the passkey prompt and the mesh takes)")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey needle depths in [0, 1]")
     p.add_argument("--per-cell", type=int, default=4, help="passkey examples per depth x length cell")
     p.add_argument("--digits", type=int, default=5, help="passkey digits")
@@ -70,17 +71,48 @@ def resolve(args) -> tuple[Path, int, object]:
         raise ConfigError(f"--batches={args.batches} must be positive")
     if args.per_cell <= 0 or args.digits <= 0:
         raise ConfigError(f"--per-cell={args.per_cell} and --digits={args.digits} must be positive")
-    context = cfg.mesh.context if cfg.mesh.context > 0 else 1
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else \
-        [cfg.seq_len // 8, cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len]
-    bad = [n for n in lengths if n < 64 or n % context]
-    if bad:
-        raise ConfigError(f"--lengths {bad}: each passkey length must be >= 64 and a multiple of mesh.context={context}")
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else []
+    except ValueError:
+        raise ConfigError(f"--lengths {args.lengths!r}: give comma-separated token counts, e.g. 1024,4096") from None
+    if args.passkey and not lengths:  # the default: S/8, S/4, S/2, S, those the mesh takes
+        lengths = [n for n in (cfg.seq_len // 8, cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len)
+                   if _takes(cfg, n)] or [cfg.seq_len]
+    for n in lengths if args.passkey else ():
+        check_passkey_length(cfg, n)
     depths = [float(x) for x in args.depths.split(",")]
     if any(not 0 <= d <= 1 for d in depths):
         raise ConfigError(f"--depths {args.depths}: depths must be in [0, 1]")
     args.lengths_list, args.depths_list = sorted(set(lengths)), depths
     return run_dir, step, cfg
+
+
+def check_passkey_length(cfg, length: int) -> None:
+    """A passkey length must be at least 64 tokens and a sequence length the run's mesh takes (the sequence
+    rules of `jaxlong.config.validate`: divisible by mesh.context, by 2 * mesh.ring * mesh.context under ring
+    attention, by `tiling.mlp_tiles` per device).
+
+    Raises:
+      ConfigError: naming `--lengths`, the length and the rule it breaks.
+    """
+    from dataclasses import replace  # noqa: PLC0415
+
+    from jaxlong.config import validate  # noqa: PLC0415
+
+    if length < 64:
+        raise ConfigError(f"--lengths {length}: a passkey length must be >= 64 tokens (the needle and question)")
+    try:  # the loss tile is chosen per length by the stats step; every other sequence rule applies
+        validate(replace(cfg, seq_len=length, tiling=replace(cfg.tiling, loss_tile=0)))
+    except ConfigError as e:
+        raise ConfigError(f"--lengths {length}: not a sequence length this mesh takes ({e})") from None
+
+
+def _takes(cfg, length: int) -> bool:
+    try:
+        check_passkey_length(cfg, length)
+    except ConfigError:
+        return False
+    return True
 
 
 def main(argv=None) -> int:
@@ -102,84 +134,81 @@ def main(argv=None) -> int:
 
 
 def run(cfg, run_dir: Path, step: int, args) -> dict:
-    """Evaluate checkpoint `step` of `run_dir` under `cfg`; writes the results and returns the summary dict."""
+    """Evaluate checkpoint `step` of `run_dir` under `cfg`; writes the results and returns the summary dict.
+
+    Raises:
+      ConfigError: the checkpoint does not fit `cfg` (a changed model key: the message names it).
+      ValueError: the held-out documents cannot fill the batches.
+    """
     import jax  # noqa: PLC0415 (after the device count is set)
     import numpy as np  # noqa: PLC0415
-    from jax.sharding import NamedSharding  # noqa: PLC0415
     from tensorboardX import SummaryWriter  # noqa: PLC0415
     from tqdm import tqdm  # noqa: PLC0415
 
     from jaxlong import data as data_lib  # noqa: PLC0415
     from jaxlong import evaluate as ev  # noqa: PLC0415
-    from jaxlong import step as step_lib  # noqa: PLC0415
-    from jaxlong.checkpoint import Checkpointer  # noqa: PLC0415
     from jaxlong.config import validate  # noqa: PLC0415
     from jaxlong.memstats import format_compiled  # noqa: PLC0415
-    from jaxlong.mesh import batch_spec, build_mesh  # noqa: PLC0415
+    from jaxlong.mesh import build_mesh  # noqa: PLC0415
 
     validate(cfg, num_devices=len(jax.devices()))
     mesh = build_mesh(cfg.mesh)
     tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
     source = data_lib.DocumentSource(cfg.data.path, cfg.data.text_field)
-    need = ev.Validator.tokens_needed(cfg)
-    if args.batches:  # more batches than the trainer's may need more held-out documents than it held out
-        need = max(need, args.batches * ev.eval_batch_size(cfg) * cfg.seq_len + 1)
-    _, tokens = ev.held_out_documents(source, tokenizer, cfg.eval_fraction, cfg.seed, need)
-    validator = ev.Validator(cfg, mesh, tokens, tokenizer.eod_id, held_out=True)  # the trainer's held-out split
-    batches = validator.batches if not args.batches else ev.eval_batches(
-        tokens, seq_len=cfg.seq_len, batch_size=ev.eval_batch_size(cfg), n_batches=args.batches,
-        eod_id=tokenizer.eod_id)
+    # The trainer's held-out split; more batches than it used take more documents (the same ones first).
+    _, batches = ev.validation_split(cfg, source, tokenizer, args.batches)
+    params = restore_params(cfg, mesh, run_dir, step)
     compiled = ev.compile_eval_step(cfg, mesh)
     print(format_compiled(compiled, "eval step"))
-    ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=10**9)
-    try:
-        _, state = ckpt.restore(step_lib.abstract_state(cfg, mesh), step)
-    finally:
-        ckpt.close()
-    params = state["params"]
-    del state
     print(f"restored {run_dir / 'checkpoints' / str(step)}; mesh {dict(mesh.shape)}, seq_len {cfg.seq_len}")
 
-    sharding = NamedSharding(mesh, batch_spec())
-    stats = ev.make_token_stats_step(cfg, mesh)
-    n_passkey = len(args.lengths_list) * len(args.depths_list) * -(-args.per_cell // ev.eval_batch_size(cfg)) \
-        * ev.eval_batch_size(cfg) if args.passkey else 0
-    bar = tqdm(total=len(batches) * ev.eval_batch_size(cfg) * 2 + n_passkey, desc="eval", unit="seq",
-               dynamic_ncols=True)
-    val = ev.evaluate_loss(compiled, params, batches, sharding)
-    bar.update(len(batches) * ev.eval_batch_size(cfg))
-    by_pos = ev.PositionLoss(cfg.seq_len)
-    for batch in batches:
-        loss, _ = stats(params, data_lib.put_on_mesh(batch, sharding, process_local=False))
-        by_pos.add(jax.device_get(loss), batch["mask"])
-        bar.update(len(batch["inputs"]))
-    acc = None
-    if args.passkey:
-        def predict(batch):
-            return jax.device_get(stats(params, data_lib.put_on_mesh(batch, sharding, process_local=False))[1])
-
-        acc = ev.score_passkey(predict, tokenizer.encode, lengths=args.lengths_list, depths=args.depths_list,
-                               per_cell=args.per_cell, batch_size=ev.eval_batch_size(cfg), digits=args.digits,
-                               seed=cfg.seed, progress=bar.update)
+    grid = ev.PasskeyGrid(args.lengths_list, args.depths_list, args.per_cell, args.digits) if args.passkey else None
+    batch_size = ev.eval_batch_size(cfg)
+    n_passkey = len(grid.lengths) * len(grid.depths) * -(-grid.per_cell // batch_size) * batch_size if grid else 0
+    bar = tqdm(total=len(batches) * batch_size * 2 + n_passkey, desc="eval", unit="seq", dynamic_ncols=True)
+    result = ev.evaluate_params(cfg, mesh, params, batches, eval_step=compiled, encode=tokenizer.encode,
+                                passkey=grid, progress=bar.update)
     bar.close()
-    summary = {"step": step, "loss": val["loss"], "perplexity": val["perplexity"], "tokens": val["tokens"],
-               "loss_by_position": by_pos.rows()}
-    if acc is not None:
-        summary["passkey"] = {"lengths": args.lengths_list, "depths": args.depths_list, "accuracy": acc.tolist(),
-                              "mean": float(np.mean(acc)), "per_cell": args.per_cell, "digits": args.digits}
+    summary = result.summary(step, grid)
     out = run_dir / "eval" / f"step_{step}"
     write_results(out, summary)
     writer = SummaryWriter(str(run_dir))
-    writer.add_scalar("eval/loss", val["loss"], step)
-    writer.add_scalar("eval/perplexity", val["perplexity"], step)
+    writer.add_scalar("eval/loss", result.loss, step)
+    writer.add_scalar("eval/perplexity", result.perplexity, step)
     for row in summary["loss_by_position"]:
         writer.add_scalar(f"eval/loss_by_position/{row['start']:08d}", row["loss"], step)
-    if acc is not None:
-        writer.add_scalar("eval/passkey_accuracy", float(np.mean(acc)), step)
+    if result.passkey is not None:
+        writer.add_scalar("eval/passkey_accuracy", float(np.mean(result.passkey)), step)
     writer.close()
     print(format_summary(summary))
     print(f"results in {out}/ and TensorBoard (tensorboard --logdir {run_dir})")
     return summary
+
+
+def restore_params(cfg, mesh, run_dir: Path, step: int) -> dict:
+    """The parameters of checkpoint `step` of `run_dir`, FSDP-sharded on `mesh` (the optimizer state is read and
+    dropped). The parameter shapes are checked on the checkpoint's metadata first.
+
+    Raises:
+      ConfigError: the shapes differ (the message names the changed `model.*` keys), or orbax cannot read it.
+    """
+    from jaxlong import step as step_lib  # noqa: PLC0415
+    from jaxlong.checkpoint import Checkpointer, StateMismatch, mismatch_message, saved_config  # noqa: PLC0415
+    from jaxlong.config import Config, to_dict  # noqa: PLC0415
+
+    ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=10**9)
+    try:
+        _, state = ckpt.restore(step_lib.abstract_state(cfg, mesh), step)
+    except StateMismatch as e:
+        raise ConfigError(mismatch_message(e, saved_config(run_dir / "checkpoints", step), to_dict(cfg),
+                                           to_dict(Config())) + " (drop the override)") from None
+    except Exception as e:  # noqa: BLE001 (orbax's errors are long; one line names the checkpoint)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ConfigError(f"checkpoint {run_dir / 'checkpoints' / str(step)} could not be restored "
+                          f"({type(e).__name__}: {first})") from None
+    finally:
+        ckpt.close()
+    return state["params"]
 
 
 def format_summary(summary: dict) -> str:

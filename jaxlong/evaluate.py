@@ -4,7 +4,8 @@ Long-context users check three things (LongLoRA, Chen et al. 2023, §4; RULER, H
 loss at the training length, how the loss falls with token position (a model that uses its context keeps
 improving deep into the window), and retrieval of a fact planted far back (passkey, Mohtashami & Jaggi 2023).
 
-* `held_out_split` holds out whole documents of the packed token stream (chosen by a seeded permutation).
+* `validation_split` holds out whole documents (chosen by a seeded permutation) and packs them into batches
+  with the training pipeline itself, so validation and training batches present documents alike.
 * `make_eval_step` is the forward half of the train step: the same mesh, Ulysses / U-Pipe context
   parallelism, remat and tiling (`jaxlong.step.loss_sum_fn`), returning a loss *sum* and valid-token count so
   batches combine exactly. It takes only the parameters (no optimizer state, no gradients), so it fits
@@ -15,10 +16,16 @@ improving deep into the window), and retrieval of a fact planted far back (passk
   device, whatever the length.
 * Passkey retrieval is scored teacher-forced: the answer is part of the input, and an example counts as
   retrieved when the argmax at every answer position is the answer's token, so one forward per example.
+* `evaluate_params` runs all three for given parameters on a mesh (what `python -m jaxlong.eval` reports).
+
+Every batch goes onto the mesh through `jaxlong.step.put_batch`, the train step's input layout (the zigzag
+order under ring attention), and per-token results come back through `jaxlong.step.natural_order`: the
+results are those of one device on every mesh.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -26,62 +33,25 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxlong import model as model_lib
 from jaxlong import step as step_lib
 from jaxlong.config import Config
-from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, batch_spec, replicated
+from jaxlong.mesh import BATCH_AXES, replicated, seq_axes, seq_shards
 from jaxlong.tiled import default_loss_tile, validate_loss_tile
 
 # ----------------------------------------------------------------------------------------------
-# Held-out data.
+# Held-out data: whole documents, packed into batches by the training pipeline.
 
 
-def held_out_split(tokens: np.ndarray, eod_id: int, fraction: float, seed: int,
-                   min_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Split a packed token stream (documents each followed by `eod_id`) into train and held-out streams by
-    whole documents, taken in the order of `np.random.default_rng([seed, 1]).permutation(n_docs)`: at least
-    `max(1, round(fraction * n_docs))` documents, and more until they hold `min_tokens` tokens (enough for the
-    validation batches), never all of them. Both streams keep their documents in corpus order. A trailing
-    document without `eod_id` (a stream cut by `data.max_tokens`) counts as a document.
-
-    Returns `(train_tokens, eval_tokens)`, int32 `[n]` each.
-
-    Raises:
-      ValueError: the stream has fewer than two documents (option `eval_fraction`, or `eval_every=0`).
-    """
-    tokens = np.asarray(tokens)
-    ends = np.flatnonzero(tokens == eod_id) + 1
-    if ends.size == 0 or ends[-1] != tokens.size:
-        ends = np.append(ends, tokens.size)
-    starts = np.concatenate([[0], ends[:-1]])
-    n_docs = ends.size
-    if n_docs < 2:
-        raise ValueError(
-            f"eval_fraction={fraction}: the corpus has {n_docs} document(s); a held-out split needs at least 2 "
-            f"(use a corpus of several documents, or eval_every=0 to train without validation)"
-        )
-    order = np.random.default_rng([seed, 1]).permutation(n_docs)
-    enough = np.flatnonzero(np.cumsum((ends - starts)[order]) >= min_tokens)
-    n_eval = max(1, round(fraction * n_docs), int(enough[0]) + 1 if enough.size else n_docs)
-    held = np.zeros(n_docs, bool)
-    held[order[:min(n_eval, n_docs - 1)]] = True
-
-    def gather(sel):
-        return np.concatenate([tokens[s:e] for s, e in zip(starts[sel], ends[sel])]).astype(np.int32)
-
-    return gather(~held), gather(held)
-
-
-def held_out_documents(source, tokenizer, fraction: float, seed: int, min_tokens: int = 0) -> tuple[list, np.ndarray]:
+def held_out_documents(source, tokenizer, fraction: float, seed: int, min_tokens: int = 0) -> list[int]:
     """Hold out whole documents of a corpus (`jaxlong.data.DocumentSource` or any sequence of texts) for
     validation: taken in the order of `np.random.default_rng([seed, 1]).permutation(n_docs)`, at least
-    `max(1, round(fraction * n_docs))` and more until their tokens reach `min_tokens`, never all of them.
+    `max(1, round(fraction * n_docs))` and more until their tokens (`[BOS] ids [EOS]` each) reach `min_tokens`,
+    never all of them. Only the documents taken are tokenized.
 
-    Only the held-out documents are tokenized. Returns `(indices, tokens)`: the held-out document indices
-    (sorted; the training pipeline skips them) and their token stream in corpus order (each document
-    `[BOS] ids [EOS]`, as `jaxlong.data.document_tokens` makes it).
+    Returns the held-out document indices, sorted (the training pipeline skips them).
 
     Raises:
       ValueError: the corpus has fewer than two documents (option `eval_fraction`, or `eval_every=0`).
@@ -95,56 +65,64 @@ def held_out_documents(source, tokenizer, fraction: float, seed: int, min_tokens
             f"(use a corpus of several documents, or eval_every=0 to train without validation)"
         )
     order = np.random.default_rng([seed, 1]).permutation(n_docs)
-    want, held, total = max(1, round(fraction * n_docs)), {}, 0
+    want, held, total = max(1, round(fraction * n_docs)), [], 0
     for i in order[: n_docs - 1]:
         if len(held) >= want and total >= min_tokens:
             break
-        held[int(i)] = document_tokens(source[int(i)], tokenizer)
-        total += held[int(i)].size
-    indices = sorted(held)
-    return indices, np.concatenate([held[i] for i in indices]).astype(np.int32)
+        held.append(int(i))
+        total += document_tokens(source[int(i)], tokenizer).size
+    return sorted(held)
 
 
-def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, n_batches: int,
-                 eod_id: int | None = None) -> list[dict]:
-    """The first `n_batches` batches of consecutive `seq_len + 1` windows (stride `seq_len`) of the held-out
-    stream, as host arrays `inputs`, `targets` (int32 `[batch_size, seq_len]`), `mask` (float32, ones),
-    `positions` and `segment_ids` (int32). With `eod_id`, a window's documents are told apart as in packed
-    training batches: the segment id grows after each `eod_id` and positions restart at each document (so
-    with `data.packing=documents` no token attends across a document boundary; a target that starts a new
-    document is masked); without it, one segment and positions `0..seq_len-1`. Always the same batches for
-    the same stream.
+def validation_batches(cfg: Config, source, tokenizer, indices, n_batches: int) -> list[dict]:
+    """The validation batches of the documents at `indices`, cut by the training pipeline itself
+    (`jaxlong.data.make_dataset` with the run's `seq_len`, `data.packing` and `data.split_positions`; no
+    shuffle, one pass): each document is `[BOS] ids [EOS]` in its own segment, positions restart per document
+    (or per piece of a long one), padding is masked. A training batch of the same documents has the same
+    segment ids, positions and loss mask.
+
+    Returns at most `n_batches` host batches `{'inputs', 'targets', 'positions', 'segment_ids' int32, 'mask'
+    float32}` of `[eval_batch_size(cfg), seq_len]`; fewer when the documents cannot fill them.
+    """
+    from jaxlong.data import DocumentSubset, make_dataset  # noqa: PLC0415
+
+    d = cfg.data
+    ds = make_dataset(DocumentSubset(source, indices), tokenizer, seq_len=cfg.seq_len,
+                      global_batch=eval_batch_size(cfg), seed=cfg.seed, packing=d.packing,
+                      split_positions=d.split_positions, shuffle=False, repeat=False)
+    return list(itertools.islice(iter(ds), n_batches))
+
+
+def validation_split(cfg: Config, source, tokenizer, n_batches: int | None = None) -> tuple[list[int], list[dict]]:
+    """The held-out documents of a run and its validation batches: what the trainer validates on, and what
+    `python -m jaxlong.eval` evaluates (the same documents for the same `eval_fraction`, `seed`, corpus and
+    batch count).
+
+    Documents are held out (`held_out_documents`) until their tokens would fill `n_batches` (default
+    `eval_batches`) batches of `eval_batch_size(cfg) x seq_len`; when packing leaves the batches short (padding,
+    streams of unequal length), half as many tokens again are asked for, until the batches are full.
+
+    Returns `(indices, batches)`: the held-out document indices (sorted) and `n_batches` host batches
+    (`validation_batches`).
 
     Raises:
-      ValueError: the stream cannot fill the batches (names `eval_batches`, `eval_fraction`).
+      ValueError: fewer than two documents, or all documents but one cannot fill the batches (the message names
+        `eval_batches`, `eval_fraction` and `data.path`).
     """
-    tokens = np.asarray(tokens)
-    n_windows = max(0, (tokens.size - 1) // seq_len)
-    need = n_batches * batch_size
-    if n_windows < need:
-        raise ValueError(
-            f"eval_batches={n_batches}: the held-out documents hold {tokens.size} tokens, {n_windows} sequences of "
-            f"seq_len={seq_len}, fewer than the {need} needed ({n_batches} x {batch_size}); raise eval_fraction or "
-            f"data.max_tokens, or lower eval_batches"
-        )
-    offsets = np.arange(seq_len + 1)
-    out = []
-    for i in range(n_batches):
-        w = tokens[(np.arange(batch_size) + i * batch_size)[:, None] * seq_len + offsets].astype(np.int32)
-        inputs, targets = w[:, :-1], w[:, 1:]
-        mask = np.ones((batch_size, seq_len), np.float32)
-        if eod_id is None:
-            seg = np.ones((batch_size, seq_len), np.int32)
-        else:
-            starts = np.concatenate([np.zeros((batch_size, 1), bool), inputs[:, :-1] == eod_id], axis=1)
-            seg = (1 + np.cumsum(starts, axis=1)).astype(np.int32)
-            mask[inputs == eod_id] = 0.0  # the next document's first token is not predicted from the last one
-        pos = np.zeros((batch_size, seq_len), np.int32)
-        for r in range(batch_size):  # position within each document of the window
-            first = np.flatnonzero(np.diff(seg[r], prepend=0))
-            pos[r] = np.arange(seq_len) - np.repeat(first, np.diff(np.append(first, seq_len)))
-        out.append({"inputs": inputs, "targets": targets, "mask": mask, "positions": pos, "segment_ids": seg})
-    return out
+    n_batches = n_batches or cfg.eval_batches
+    need = n_batches * eval_batch_size(cfg) * cfg.seq_len + 1
+    while True:
+        indices = held_out_documents(source, tokenizer, cfg.eval_fraction, cfg.seed, need)
+        batches = validation_batches(cfg, source, tokenizer, indices, n_batches)
+        if len(batches) == n_batches:
+            return indices, batches
+        if len(indices) >= len(source) - 1:
+            raise ValueError(
+                f"eval_batches={n_batches}: the corpus of {len(source)} documents ({cfg.data.path}) cannot fill "
+                f"{n_batches} validation batches of {eval_batch_size(cfg)} x seq_len={cfg.seq_len} tokens while "
+                f"keeping a document for training; lower eval_batches or seq_len, or use a larger corpus"
+            )
+        need += need // 2
 
 
 def eval_batch_size(cfg: Config) -> int:
@@ -164,16 +142,16 @@ def _param_shardings(cfg: Config, mesh) -> dict:
 def make_eval_step(cfg: Config, mesh: jax.sharding.Mesh):
     """`eval_step(params, batch) -> (loss_sum, count)`: float32 scalars, the masked next-token cross-entropy
     sum (nats) and valid-token count of `batch` (`[batch, seq]` arrays, any extra keys passed to the loss
-    untouched), by the train step's forward (`jaxlong.step.loss_sum_fn`). Jitted with the parameters' FSDP
-    shardings and the batch's `P(('data', 'fsdp'), 'context')`; nothing is donated."""
+    untouched, in the input layout of `jaxlong.step.put_batch`), by the train step's forward
+    (`jaxlong.step.loss_sum_fn`). Jitted with the parameters' FSDP shardings and the train step's batch
+    sharding (`jaxlong.step.batch_sharding`); nothing is donated."""
     graphdef = model_lib.model_graphdef(cfg)
     rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
 
     def eval_step(params, batch):
         return step_lib.loss_sum_fn(params, batch, graphdef, rt)
 
-    batch_sh = NamedSharding(mesh, batch_spec())  # every `[batch, seq]` entry alike, whatever the keys
-    return jax.jit(eval_step, in_shardings=(_param_shardings(cfg, mesh), batch_sh),
+    return jax.jit(eval_step, in_shardings=(_param_shardings(cfg, mesh), step_lib.batch_sharding(mesh)),
                    out_shardings=(replicated(mesh), replicated(mesh)))
 
 
@@ -184,14 +162,13 @@ def compile_eval_step(cfg: Config, mesh: jax.sharding.Mesh):
     return make_eval_step(cfg, mesh).lower(params, step_lib.abstract_batch(cfg, mesh, eval_batch_size(cfg))).compile()
 
 
-def evaluate_loss(eval_step, params: dict, batches, sharding) -> dict:
-    """Mean held-out loss over `batches` (host dicts), combined by sums: `{'loss': nats/token, 'perplexity':
-    exp(loss), 'tokens': valid tokens}`. `sharding`: the batch sharding (`NamedSharding(mesh, batch_spec())`)."""
-    from jaxlong.data import put_on_mesh  # noqa: PLC0415 (data pipeline imported on use)
-
+def evaluate_loss(eval_step, params: dict, batches, mesh: jax.sharding.Mesh) -> dict:
+    """Mean held-out loss over `batches` (host dicts, the same on every process), combined by sums:
+    `{'loss': nats/token, 'perplexity': exp(loss), 'tokens': valid tokens}`. `eval_step`: `make_eval_step` or
+    its compiled form."""
     total, count = 0.0, 0.0
     for batch in batches:
-        s, c = eval_step(params, put_on_mesh(batch, sharding, process_local=False))
+        s, c = eval_step(params, step_lib.put_batch(batch, mesh, process_local=False))
         total, count = total + float(s), count + float(c)
     loss = total / max(count, 1.0)
     return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "tokens": count}
@@ -206,11 +183,12 @@ def tiled_token_stats(hidden: jax.Array, head: jax.Array, targets: jax.Array, *,
     """Per-token next-token loss and argmax without materializing `[batch, seq, vocab]` logits.
 
     Args:
-      hidden: final hidden states `[batch, seq, hidden]`; with `mesh`, laid out `P(('data', 'fsdp'), 'context')`.
+      hidden: final hidden states `[batch, seq, hidden]`; with `mesh`, batch over data x fsdp and sequence over
+        ring x context (`jaxlong.mesh.activation_spec`).
       head: output projection `[hidden, vocab]`, replicated.
       targets: next-token ids `[batch, seq]` int32.
-      tile: tokens per tile along the (local) sequence; must divide seq (mesh None) or seq / mesh.context.
-      mesh: the `data x fsdp x context` mesh, or None to run on the arrays as given.
+      tile: tokens per tile along the (local) sequence; must divide seq (mesh None) or seq / (ring x context).
+      mesh: the `data x fsdp x ring x context` mesh, or None to run on the arrays as given.
 
     Returns:
       `(loss, argmax)`: float32 `[batch, seq]` cross-entropy in nats and int32 `[batch, seq]` most likely
@@ -239,30 +217,44 @@ def tiled_token_stats(hidden: jax.Array, head: jax.Array, targets: jax.Array, *,
 
     if mesh is None:
         return local(hidden, head, targets)
-    tok = P(BATCH_AXES, CONTEXT_AXIS)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(BATCH_AXES, CONTEXT_AXIS, None), P(), tok),
+    tok = P(BATCH_AXES, seq_axes(mesh))
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(BATCH_AXES, seq_axes(mesh), None), P(), tok),
                          out_specs=(tok, tok), check_vma=True)(hidden, head, targets)
 
 
 def make_token_stats_step(cfg: Config, mesh: jax.sharding.Mesh):
     """`stats(params, batch) -> (loss [b, s] float32, argmax [b, s] int32)`: the train step's forward, then
     `tiled_token_stats` with `tiling.loss_tile` or `default_loss_tile` (always tiled). Jitted; the batch may
-    have any `[b, s]` shape the mesh divides (one compile per shape)."""
+    have any `[b, s]` shape the mesh divides (one compile per shape). The batch and both results are in the
+    train step's input layout (`jaxlong.step.put_batch`); `token_stats` wraps it for host batches."""
     graphdef = model_lib.model_graphdef(cfg)
     rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
-    tok = NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXIS))
+    tok = step_lib.batch_sharding(mesh)
 
     def stats(params, batch):
         segment_ids = batch.get("segment_ids") if cfg.data.packing == "documents" else None
         hidden, head = model_lib.forward(graphdef, params, batch["inputs"], rt, batch.get("positions"), segment_ids)
         b, s = batch["targets"].shape
-        s_local = s // mesh.shape[CONTEXT_AXIS]
+        s_local = s // seq_shards(mesh)
         b_local = max(b // (mesh.shape["data"] * mesh.shape["fsdp"]), 1)
         tile = cfg.tiling.loss_tile if cfg.tiling.loss_tile and s_local % cfg.tiling.loss_tile == 0 else \
             default_loss_tile(s_local, head.shape[-1], batch=b_local)
         return tiled_token_stats(hidden, head, batch["targets"], tile=tile, mesh=mesh)
 
     return jax.jit(stats, in_shardings=(_param_shardings(cfg, mesh), tok), out_shardings=(tok, tok))
+
+
+def token_stats(cfg: Config, mesh: jax.sharding.Mesh) -> Callable[[dict, dict], tuple[np.ndarray, np.ndarray]]:
+    """`fn(params, host_batch) -> (loss, argmax)`: `make_token_stats_step` on a host batch (the same on every
+    process), placed by `jaxlong.step.put_batch`, with the results back on the host in token order
+    (`jaxlong.step.natural_order`): float32 and int32 numpy `[b, s]`, equal to one device's on any mesh."""
+    step = make_token_stats_step(cfg, mesh)
+
+    def fn(params: dict, batch: dict) -> tuple[np.ndarray, np.ndarray]:
+        loss, argmax = jax.device_get(step(params, step_lib.put_batch(batch, mesh, process_local=False)))
+        return step_lib.natural_order(loss, mesh), step_lib.natural_order(argmax, mesh)
+
+    return fn
 
 
 # ----------------------------------------------------------------------------------------------
@@ -408,32 +400,14 @@ def score_passkey(predict: Callable[[dict], np.ndarray], encode: Callable[[str],
 
 
 class Validator:
-    """Validation in the train loop: the held-out split, its fixed batches and the AOT-compiled eval step.
+    """Validation in the train loop: the fixed validation batches (`validation_split`) and the AOT-compiled
+    eval step. `compile()` compiles the eval step ahead of time; `due(step)` says whether to validate after
+    `step` (every `eval_every` steps and after the last); `run(params)` returns `{'loss', 'perplexity',
+    'tokens'}`."""
 
-    `Validator(cfg, mesh, tokens, eod_id)` splits the packed corpus stream (`held_out_split`, documents fixed by
-    `seed`; at least `eval_fraction` of them, more if their tokens cannot fill the validation batches), or with
-    `held_out=True` takes `tokens` as the held-out stream (`held_out_documents`, what the trainer does), builds `eval_batches` batches of `eval_batch_size(cfg)` sequences (raising `ValueError` before any
-    compile if the held-out documents are too few), and `compile()` compiles the eval step ahead of time.
-    `train_tokens` is the stream left for training; `due(step)` says whether to validate after `step` (every
-    `eval_every` steps and after the last); `run(params)` returns `{'loss', 'perplexity', 'tokens'}`.
-    """
-
-    def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, tokens: np.ndarray, eod_id: int,
-                 held_out: bool = False):
-        self.cfg, self.mesh = cfg, mesh
-        if held_out:  # `tokens` is the held-out stream already (`held_out_documents`)
-            self.train_tokens, eval_tokens = None, tokens
-        else:
-            self.train_tokens, eval_tokens = held_out_split(tokens, eod_id, cfg.eval_fraction, cfg.seed,
-                                                            self.tokens_needed(cfg))
-        self.batches = eval_batches(eval_tokens, seq_len=cfg.seq_len, batch_size=eval_batch_size(cfg),
-                                    n_batches=cfg.eval_batches, eod_id=eod_id)
+    def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, batches: list[dict]):
+        self.cfg, self.mesh, self.batches = cfg, mesh, batches
         self.compiled = None
-
-    @staticmethod
-    def tokens_needed(cfg: Config) -> int:
-        """Held-out tokens that fill the validation batches."""
-        return cfg.eval_batches * eval_batch_size(cfg) * cfg.seq_len + 1
 
     def compile(self):
         """AOT-compile the eval step; returns the `jax.stages.Compiled` (for its `memory_analysis`)."""
@@ -445,6 +419,77 @@ class Validator:
         return bool(every) and (step % every == 0 or step == self.cfg.steps)
 
     def run(self, params: dict) -> dict:
+        return evaluate_loss(self.compiled, params, self.batches, self.mesh)
 
 
-        return evaluate_loss(self.compiled, params, self.batches, NamedSharding(self.mesh, batch_spec()))
+# ----------------------------------------------------------------------------------------------
+# Everything at once: what `python -m jaxlong.eval` reports.
+
+
+@dataclass(frozen=True)
+class PasskeyGrid:
+    """The passkey grid of `evaluate_params`: context `lengths` (tokens; each a sequence length the mesh takes),
+    needle `depths` in [0, 1], `per_cell` examples per cell, `digits` per key."""
+
+    lengths: list[int]
+    depths: list[float]
+    per_cell: int = 4
+    digits: int = 5
+
+
+@dataclass
+class Evaluation:
+    """Results of `evaluate_params`: validation `loss` (nats/token), `perplexity`, valid `tokens`,
+    `by_position` (`PositionLoss.rows()`), `token_loss` (float32 `[b, seq_len]` per validation batch, token
+    order) and `passkey` (float `[depths, lengths]` accuracy, or None)."""
+
+    loss: float
+    perplexity: float
+    tokens: float
+    by_position: list[dict]
+    token_loss: list[np.ndarray]
+    passkey: np.ndarray | None = None
+
+    def summary(self, step: int, grid: PasskeyGrid | None = None) -> dict:
+        """The JSON summary `python -m jaxlong.eval` writes (`summary.json`)."""
+        out = {"step": step, "loss": self.loss, "perplexity": self.perplexity, "tokens": self.tokens,
+               "loss_by_position": self.by_position}
+        if self.passkey is not None and grid is not None:
+            out["passkey"] = {"lengths": grid.lengths, "depths": grid.depths, "accuracy": self.passkey.tolist(),
+                              "mean": float(np.mean(self.passkey)), "per_cell": grid.per_cell, "digits": grid.digits}
+        return out
+
+
+def evaluate_params(cfg: Config, mesh: jax.sharding.Mesh, params: dict, batches: list[dict], *,
+                    eval_step=None, encode: Callable[[str], np.ndarray] | None = None,
+                    passkey: PasskeyGrid | None = None, progress: Callable[[int], None] | None = None) -> Evaluation:
+    """Validation loss, loss by position and (with `passkey` and `encode`) passkey retrieval of `params` on
+    `mesh`, every batch in the train step's input layout (`jaxlong.step.put_batch`): on any mesh the result
+    equals one device's up to float32 rounding.
+
+    Args:
+      cfg: the run's config (model, seq_len, tiling, mesh); mesh: its mesh.
+      params: parameters in the FSDP shardings of `jaxlong.step.abstract_state(cfg, mesh)`.
+      batches: host validation batches `[eval_batch_size(cfg), seq_len]` (`validation_split`).
+      eval_step: `make_eval_step` or its compiled form (default: `make_eval_step(cfg, mesh)`).
+      encode: tokenizer `str -> int [n]` (passkey); passkey: the grid, or None to skip it.
+      progress: called with the number of sequences after each forward.
+    """
+    step = eval_step or make_eval_step(cfg, mesh)
+    val = evaluate_loss(step, params, batches, mesh)
+    if progress:
+        progress(len(batches) * eval_batch_size(cfg))
+    stats = token_stats(cfg, mesh)
+    by_pos, token_loss = PositionLoss(cfg.seq_len), []
+    for batch in batches:
+        loss, _ = stats(params, batch)
+        by_pos.add(loss, batch["mask"])
+        token_loss.append(loss)
+        if progress:
+            progress(len(batch["inputs"]))
+    acc = None
+    if passkey is not None and encode is not None:
+        acc = score_passkey(lambda b: stats(params, b)[1], encode, lengths=passkey.lengths, depths=passkey.depths,
+                            per_cell=passkey.per_cell, batch_size=eval_batch_size(cfg), digits=passkey.digits,
+                            seed=cfg.seed, progress=progress)
+    return Evaluation(val["loss"], val["perplexity"], val["tokens"], by_pos.rows(), token_loss, acc)

@@ -32,6 +32,7 @@ def restore_params(run_dir: str | Path, step: int | None = None):
 
     Raises:
       FileNotFoundError: no checkpoint (at that step) in the run directory.
+      ValueError: orbax cannot read the checkpoint (one line: which checkpoint, orbax's first line).
     """
     import jax  # noqa: PLC0415
     import orbax.checkpoint as ocp  # noqa: PLC0415
@@ -61,6 +62,10 @@ def restore_params(run_dir: str | Path, step: int | None = None):
         restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), target)
         restored = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True)))["state"]
+    except Exception as e:  # noqa: BLE001 (orbax's errors are long tracebacks; one line names the checkpoint)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ValueError(f"--step {step}: checkpoint {ckpt_dir / str(step)} could not be read "
+                         f"({type(e).__name__}: {first})") from None
     finally:
         manager.close()
     return step, cfg, restored["params"]

@@ -136,7 +136,8 @@ class Llama(nnx.Module):
     """Llama-3 decoder-only model. `__call__(tokens [b, s] int32, rt)` -> final hidden states `[b, s, hidden]`.
 
     With `mesh.ring` > 1 the tokens (and the hidden states returned) are in ring attention's zigzag layout
-    (`jaxlong.parallel.ring.zigzag`; `jaxlong.step.loss_fn` permutes the batch) and RoPE uses their original positions.
+    (`jaxlong.parallel.ring.zigzag_order`; `jaxlong.step.put_batch` permutes the batch on the host) and RoPE uses
+    their original positions.
 
     The output head is separate (`head_weight`) so the loss can be computed over sequence tiles without
     materializing `[b, s, vocab]` logits.

@@ -1,13 +1,19 @@
-"""The train state, the optimizer, and the jitted train step (loss, gradients, AdamW update).
+"""The train state, the optimizer, the step's input layout and the jitted train step (loss, gradients, AdamW).
 
 The state is a plain dict `{'step': int32 [], 'params': {...}, 'opt_state': optax state}`; parameters,
 gradients and optimizer moments share the FSDP sharding of `jaxlong.mesh.tree_shardings`.
+
+Input layout: every step that takes a batch (train, eval, per-token stats) takes it from `put_batch`, the one
+place a host batch goes onto the mesh: batch over data x fsdp, sequence over ring x context, and with
+`mesh.ring` > 1 the sequence already in ring attention's zigzag order (permuted on the host, so the jitted
+step has no permutation and no replicated batch array). `natural_order` takes per-token results back.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -15,7 +21,7 @@ from jaxlong import loss as loss_lib
 from jaxlong import model as model_lib
 from jaxlong.config import Config
 from jaxlong.mesh import BATCH_AXES, RING_AXIS, axis_size, batch_spec, replicated, seq_axes, seq_shards, tree_shardings
-from jaxlong.parallel.ring import zigzag
+from jaxlong.parallel.ring import zigzag_order
 from jaxlong.tiled import default_loss_tile, tiled_loss_sum
 
 
@@ -39,8 +45,8 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
 def loss_sum_fn(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> tuple[jax.Array, jax.Array]:
     """Next-token cross-entropy *sum* (nats, float32) and valid-token count of `batch` (`inputs`, `targets`,
     `mask`, each `[batch, seq]`; other keys are passed along untouched); over sequence tiles when `tiling.loss`.
-    With `mesh.ring` > 1 the batch is first permuted into ring attention's zigzag layout (all of its
-    `[batch, seq]` arrays alike, so the loss is unchanged).
+    The batch is in the step's input layout (`put_batch`: with `mesh.ring` > 1 its sequence is in ring
+    attention's zigzag order, all of its `[batch, seq]` arrays alike, so the sum is that of the natural order).
 
     Packed documents: `positions` `[batch, seq]` (RoPE) and `segment_ids` `[batch, seq]` (document masking,
     0 = padding), when present; the segment ids are used only with `data.packing=documents` (with `concat` the
@@ -49,8 +55,6 @@ def loss_sum_fn(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> t
 
     Sums, not means, so that several batches (micro-batches, validation batches) combine exactly:
     mean = total sum / total count."""
-    ring = axis_size(rt.mesh, RING_AXIS)
-    batch = {k: zigzag(v, ring) for k, v in batch.items()}
     segment_ids = batch.get("segment_ids") if rt.cfg.data.packing == "documents" else None
     hidden, head = model_lib.forward(graphdef, params, batch["inputs"], rt, batch.get("positions"), segment_ids)
     tiling = rt.cfg.tiling
@@ -144,9 +148,9 @@ def state_shardings(mesh: jax.sharding.Mesh, state: dict) -> dict:
 
 def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh, batch_size: int | None = None) -> dict:
     """`ShapeDtypeStruct`s of one global batch (`batch_size` sequences, default `global_batch`), sharded batch
-    over data x fsdp and sequence over context: `inputs`, `targets` int32, `mask` float32, `positions` int32
+    over data x fsdp and sequence over ring x context (`batch_sharding`): `inputs`, `targets` int32, `mask` float32, `positions` int32
     (within each document) and `segment_ids` int32 (0 = padding), each `[batch_size, seq_len]`."""
-    sh = NamedSharding(mesh, batch_spec())
+    sh = batch_sharding(mesh)
     shape = (batch_size or cfg.global_batch, cfg.seq_len)
     return {
         "inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
@@ -155,6 +159,68 @@ def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh, batch_size: int | None 
         "positions": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
         "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
     }
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """The sharding of every `[batch, seq]` entry of a step's batch: batch over data x fsdp, sequence over
+    ring x context (`jaxlong.mesh.batch_spec`)."""
+    return NamedSharding(mesh, batch_spec())
+
+
+def put_batch(batch: dict, mesh: jax.sharding.Mesh, *, process_local: bool = True) -> dict:
+    """Put a host batch on the mesh in the input layout of the train, eval and per-token stats steps.
+
+    With `mesh.ring` > 1 each `[batch, seq, ...]` array is first permuted on the host into ring attention's
+    zigzag order (`jaxlong.parallel.ring.zigzag_order`, arXiv 2310.01889 with the zigzag load balance of
+    `zigzag_ring_flash_attn`): ring rank r then receives its chunks r and 2R-1-r directly. Then every array is
+    placed with `batch_sharding(mesh)`, without a host gather.
+
+    Args:
+      batch: dict of numpy arrays `[rows, seq_len, ...]` (int32 tokens, targets, positions, segment ids,
+        float32 mask, any other keys alike).
+      mesh: the `data x fsdp x ring x context` mesh.
+      process_local: True (training): `batch` holds this process's rows, `[global_batch / process_count,
+        seq_len]` (`jaxlong.data.pipeline`), placed with `jax.make_array_from_process_local_data`. False: every
+        process holds the same global batch (validation, passkey) and each device takes its block of it. With
+        one process both are the same.
+
+    Returns:
+      dict of global `jax.Array`s with the same keys and dtypes.
+
+    Raises:
+      ValueError: an array's shape cannot be sharded over the mesh (the message names the key), or its
+        sequence length is not divisible by 2 * mesh.ring.
+    """
+    sharding = batch_sharding(mesh)
+    ring = axis_size(mesh, RING_AXIS)
+    out = {}
+    for k, v in batch.items():
+        arr = np.asarray(v)
+        global_shape = (arr.shape[0] * (jax.process_count() if process_local else 1), *arr.shape[1:])
+        try:
+            sharding.shard_shape(global_shape)
+        except Exception as e:  # noqa: BLE001 - re-raised with the key
+            raise ValueError(f"batch[{k!r}] of shape {global_shape} cannot be sharded by {sharding.spec} over "
+                             f"mesh {dict(mesh.shape)}: {e}") from e
+        if ring > 1:
+            arr = np.ascontiguousarray(arr[:, zigzag_order(arr.shape[1], ring)])
+        if process_local:
+            out[k] = jax.make_array_from_process_local_data(sharding, arr, global_shape)
+        else:
+            out[k] = jax.make_array_from_callback(global_shape, sharding, lambda index, a=arr: a[index])
+    return out
+
+
+def natural_order(x: np.ndarray, mesh: jax.sharding.Mesh) -> np.ndarray:
+    """A per-token result `[batch, seq, ...]` of a step (host array, in the input layout of `put_batch`) back
+    in token order: the inverse of the zigzag permutation when `mesh.ring` > 1, else `x` itself."""
+    ring = axis_size(mesh, RING_AXIS)
+    x = np.asarray(x)
+    if ring == 1:
+        return x
+    out = np.empty_like(x)
+    out[:, zigzag_order(x.shape[1], ring)] = x
+    return out
 
 
 def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
@@ -176,10 +242,9 @@ def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
 
     abstract = abstract_state(cfg, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    batch_sh = NamedSharding(mesh, batch_spec())  # every `[batch, seq]` entry alike, whatever keys a batch has
     return jax.jit(
         train_step,
-        in_shardings=(shardings, batch_sh),
+        in_shardings=(shardings, batch_sharding(mesh)),  # every `[batch, seq]` entry alike, whatever the keys
         out_shardings=(shardings, replicated(mesh)),
         donate_argnums=0,
     )

@@ -19,17 +19,25 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 from jaxlong import data as data_lib
 from jaxlong import evaluate as eval_lib
 from jaxlong import step as step_lib
-from jaxlong.checkpoint import CheckpointError, Checkpointer, config_changes, remove_tmp_dirs, saved_config
+from jaxlong.checkpoint import (
+    CheckpointError,
+    Checkpointer,
+    StateMismatch,
+    config_changes,
+    mismatch_message,
+    param_shape_mismatches,
+    remove_tmp_dirs,
+    saved_config,
+)
 from jaxlong.config import Config, ConfigError, to_dict, validate
 from jaxlong.memstats import compiled_bytes, device_memory, fmt_bytes, format_compiled
-from jaxlong.mesh import batch_spec, build_mesh, describe_param_sharding
+from jaxlong.mesh import build_mesh, describe_param_sharding
 
 # Dense bf16 peak FLOP/s per device, for MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -193,6 +201,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
         )
     if resume:
         _check_resume_config(cfg, ckpt_dir, latest, allow_changes)
+        _check_resume_shapes(cfg, mesh, ckpt_dir, latest)  # before the compile, and before orbax reads anything
     start = latest or 0
     if start >= cfg.steps:
         _say(f"nothing to do: the latest checkpoint is step {start} and steps={cfg.steps}; "
@@ -206,9 +215,8 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     source = data_lib.DocumentSource(cfg.data.path, cfg.data.text_field)
     validator, held_out = None, ()
     if cfg.eval_every:  # whole documents held out for validation, left out of training
-        held_out, eval_tokens = eval_lib.held_out_documents(source, tokenizer, cfg.eval_fraction, cfg.seed,
-                                                            eval_lib.Validator.tokens_needed(cfg))
-        validator = eval_lib.Validator(cfg, mesh, eval_tokens, tokenizer.eod_id, held_out=True)
+        held_out, eval_batches = eval_lib.validation_split(cfg, source, tokenizer)
+        validator = eval_lib.Validator(cfg, mesh, eval_batches)
     batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out)
 
     t0 = time.perf_counter()
@@ -263,6 +271,14 @@ def _check_resume_config(cfg: Config, ckpt_dir: Path, step: int, allow_changes: 
         _say(f"--resume-with-changes: resuming checkpoint {step} with {'; '.join(changes)}")
 
 
+def _check_resume_shapes(cfg: Config, mesh, ckpt_dir: Path, step: int) -> None:
+    mismatches = param_shape_mismatches(ckpt_dir, step, step_lib.abstract_state(cfg, mesh))
+    if mismatches:
+        err = StateMismatch(step, ckpt_dir, mismatches)
+        raise ConfigError("--resume: " + mismatch_message(err, saved_config(ckpt_dir, step), to_dict(cfg),
+                                                          to_dict(Config())))
+
+
 def _restore(ckpt: Checkpointer, abstract: dict, step: int) -> dict:
     try:
         return ckpt.restore(abstract, step)[1]
@@ -271,8 +287,8 @@ def _restore(ckpt: Checkpointer, abstract: dict, step: int) -> dict:
     except Exception as e:  # noqa: BLE001 (orbax reports shape mismatches with long tracebacks)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
-            f"--resume: checkpoint {step} does not fit this config's train state ({type(e).__name__}: {first[:300]}); "
-            f"the model or optimizer shapes differ from the checkpoint's"
+            f"--resume: checkpoint {step} could not be restored into this config's train state ({type(e).__name__}: "
+            f"{first[:300]}); its files may be incomplete, or the optimizer state differs from the checkpoint's"
         ) from e
 
 
@@ -282,7 +298,6 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
     _say(f"FSDP: {len(sharded) - len(replicated)} of {len(sharded)} parameter leaves sharded over fsdp x ring x context"
           + (f"; replicated: {', '.join(r.split()[0] for r in replicated)}" if replicated else ""))
 
-    batch_sharding = NamedSharding(mesh, batch_spec())
     cfg_dict = to_dict(cfg)
     main = jax.process_index() == 0
     writer = SummaryWriter(str(run_dir), filename_suffix=f".{os.getpid()}.{time.time_ns()}") if main else None
@@ -308,7 +323,7 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
             host_batch = next(batches)
             packed.append(data_lib.packing_efficiency(host_batch))
             fault("before_put", step)
-            batch = data_lib.put_on_mesh(host_batch, batch_sharding)
+            batch = step_lib.put_batch(host_batch, mesh)
             fault("before_dispatch", step)
             if signals.received is not None:
                 break

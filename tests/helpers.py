@@ -9,12 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 from jaxlong import step as step_lib
 from jaxlong.config import AttentionConfig, MeshConfig, RematConfig, TilingConfig, load_config, validate
-from jaxlong.data import put_on_mesh
-from jaxlong.mesh import batch_spec, build_mesh
+from jaxlong.mesh import build_mesh
 from jaxlong.model import Runtime, model_graphdef
 
 TINY = [
@@ -59,7 +58,7 @@ def loss_and_grads(cfg, n_devices: int, batch: dict, params_host=None):
         params = jax.tree.map(lambda h, p: jax.device_put(h, p.sharding), params_host, params)
     graphdef = model_graphdef(cfg)
     rt = Runtime(mesh=mesh, cfg=cfg)
-    b = put_on_mesh(batch, NamedSharding(mesh, batch_spec()))
+    b = step_lib.put_batch(batch, mesh)
     loss, grads = jax.jit(jax.value_and_grad(lambda p, x: step_lib.loss_fn(p, x, graphdef, rt)))(params, b)
     return float(loss), jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, params)
 

@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlong import data
 from jaxlong.data.pipeline import token_limit
+from jaxlong.step import natural_order, put_batch
 
 BYTE = data.ByteTokenizer()
 KEYS = ("inputs", "targets", "positions", "segment_ids", "mask")
@@ -265,28 +266,37 @@ def test_max_tokens(tmp_path):
 # --------------------------------------------------------------------------- placement
 
 
-def _mesh_sharding():
-    mesh = jax.make_mesh((1, 2, 4), ("data", "fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    return NamedSharding(mesh, P(("data", "fsdp"), "context"))
+def _mesh(ring=1, context=4):
+    return jax.make_mesh((1, 8 // (ring * context), ring, context), ("data", "fsdp", "ring", "context"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
 
 
-def test_put_on_mesh(tmp_path):
-    sharding = _mesh_sharding()
+@pytest.mark.parametrize("ring,context", [(1, 4), (2, 2)], ids=["context4", "ring2-context2"])
+def test_put_batch_shards_rows_and_the_zigzag_sequence(tmp_path, ring, context):
+    mesh = _mesh(ring, context)
     path, _ = _jsonl(tmp_path, [5] * 20)
     (batch,), _ = _batches(path, 1, seq_len=32, global_batch=4)
-    out = data.put_on_mesh(batch, sharding)
+    out = put_batch(batch, mesh)
     assert set(out) == set(batch)
+    sharding = NamedSharding(mesh, P(("data", "fsdp"), ("ring", "context")))
+    c = 32 // (2 * ring)  # zigzag chunk: ring rank r holds chunks r and 2R-1-r, each split over context
     for k, v in out.items():
         assert v.sharding == sharding and v.shape == batch[k].shape and v.dtype == batch[k].dtype
         assert len(v.addressable_shards) == 8
-        for s in v.addressable_shards:
-            assert s.data.shape == (2, 8)
-            np.testing.assert_array_equal(np.asarray(s.data), batch[k][s.index])
+        host = np.asarray(v)
+        for r in range(ring):
+            block = host[:, r * 2 * c:(r + 1) * 2 * c]
+            want = np.concatenate([batch[k][:, r * c:(r + 1) * c], batch[k][:, (2 * ring - 1 - r) * c:(2 * ring - r) * c]], 1)
+            np.testing.assert_array_equal(block, want)
+        for sh in v.addressable_shards:
+            assert sh.data.shape == (4 // (8 // (ring * context)), 32 // (ring * context))
+            np.testing.assert_array_equal(np.asarray(sh.data), host[sh.index])
+        np.testing.assert_array_equal(natural_order(host, mesh), batch[k])  # per-token results come back
 
 
-def test_put_on_mesh_indivisible():
+def test_put_batch_indivisible():
     with pytest.raises(ValueError, match="inputs"):
-        data.put_on_mesh({"inputs": np.zeros((3, 8), np.int32)}, _mesh_sharding())
+        put_batch({"inputs": np.zeros((3, 8), np.int32)}, _mesh())
 
 
 # --------------------------------------------------------------------------- .parquet / .array_record sources

@@ -1,45 +1,58 @@
 """Evaluation: held-out split, eval loss on the training mesh against one device, per-token stats, passkey
 scoring checked on predictors that cannot fail and cannot succeed, the train-loop hook and the CLI."""
 
+import functools
 import json
 
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import mesh_for, random_batch, reference_cfg, tiered, tiny_cfg
+from helpers import mesh_for, pairwise, random_batch, reference_cfg, tiered, tiny_cfg
 from jaxlong import evaluate as ev
 from jaxlong import loss as loss_lib
 from jaxlong import step as step_lib
-from jaxlong.data import ByteTokenizer, put_on_mesh
+from jaxlong.data import ByteTokenizer, make_dataset
 from jaxlong.memstats import compiled_bytes
-from jaxlong.mesh import batch_spec
 from jaxlong.model import Runtime, forward, model_graphdef
 
 
-def test_held_out_split_is_by_document_and_fixed_by_seed():
-    eod = 99
-    docs = [np.full(n, i, np.int32) for i, n in enumerate([5, 3, 8, 2, 7, 4, 6, 9, 1, 3])]
-    tokens = np.concatenate([np.append(d, eod) for d in docs])
-    train, held = ev.held_out_split(tokens, eod, 0.3, seed=0)
-    assert train.size + held.size == tokens.size
-    held_ids, train_ids = set(held[held != eod].tolist()), set(train[train != eod].tolist())
-    assert len(held_ids) == 3 and not held_ids & train_ids  # whole documents, disjoint
-    for i in held_ids:  # each held-out document is complete and keeps its end-of-document token
-        assert np.sum(held == i) == docs[i].size
-    assert np.sum(held == eod) == 3
-    again, _ = ev.held_out_split(tokens, eod, 0.3, seed=0)
-    np.testing.assert_array_equal(again, train)
-    other, _ = ev.held_out_split(tokens, eod, 0.3, seed=1)
-    assert not np.array_equal(other, train)
-    _, more = ev.held_out_split(tokens, eod, 0.3, seed=0, min_tokens=40)  # more documents to fill the batches
-    assert more.size >= 40 and set(held.tolist()) <= set(more.tolist())
+TEXTS = [("The grass is green and the sky is blue. " * (1 + i % 4))[: 20 + 13 * i] for i in range(24)]
+
+
+def test_held_out_documents_are_whole_and_fixed_by_seed():
+    tok = ByteTokenizer()
+    held = ev.held_out_documents(TEXTS, tok, 0.25, seed=0)
+    assert len(held) == 6 and held == sorted(held)
+    assert ev.held_out_documents(TEXTS, tok, 0.25, seed=0) == held
+    assert ev.held_out_documents(TEXTS, tok, 0.25, seed=1) != held
+    more = ev.held_out_documents(TEXTS, tok, 0.25, seed=0, min_tokens=1500)  # more documents to fill the batches
+    assert set(held) <= set(more) and sum(len(TEXTS[i]) + 2 for i in more) >= 1500
+    assert len(ev.held_out_documents(TEXTS, tok, 0.25, seed=0, min_tokens=10**9)) == len(TEXTS) - 1
     with pytest.raises(ValueError, match="eval_fraction.* 1 document"):
-        ev.held_out_split(np.arange(5), eod, 0.1, seed=0)
-    with pytest.raises(ValueError, match="eval_batches=4: .* raise eval_fraction"):
-        ev.eval_batches(held, seq_len=8, batch_size=2, n_batches=4)
+        ev.held_out_documents(TEXTS[:1], tok, 0.1, seed=0)
+    with pytest.raises(ValueError, match="eval_batches=40: .* lower eval_batches or seq_len"):
+        ev.validation_split(tiny_cfg("model.vocab_size=257", "eval_batches=40"), TEXTS, tok)
+
+
+@pytest.mark.parametrize("packing", ["documents", "concat"])
+def test_validation_batches_present_documents_as_training_does(packing):
+    tok = ByteTokenizer()
+    cfg = tiny_cfg("model.vocab_size=257", "seq_len=16", "global_batch=1", "mesh.fsdp=1", "mesh.context=8", f"data.packing={packing}")
+    (batch,) = ev.validation_batches(cfg, ["ABCD", "xyz"], tok, [0, 1], 1)
+    train = next(iter(make_dataset(["ABCD", "xyz"], tok, seq_len=16, global_batch=1, seed=cfg.seed,
+                                   packing=packing, shuffle=False)))
+    docs = batch["mask"] > 0  # training goes on with the next epoch where validation pads
+    for k in ("inputs", "targets", "positions", "segment_ids", "mask"):
+        np.testing.assert_array_equal(batch[k][docs], train[k][docs], err_msg=k)
+    if packing == "documents":  # each BOS stays with its document: "[BOS]ABCD" predicts ABCD[EOS]
+        np.testing.assert_array_equal(batch["segment_ids"][0], [1] * 5 + [2] * 4 + [0] * 7)
+        np.testing.assert_array_equal(batch["positions"][0][:9], [0, 1, 2, 3, 4, 0, 1, 2, 3])
+        assert batch["inputs"][0][0] == tok.bos_id and batch["targets"][0][0] == ord("A")
+        np.testing.assert_array_equal(batch["mask"][0], batch["segment_ids"][0] > 0)
+    indices, batches = ev.validation_split(tiny_cfg("model.vocab_size=257"), TEXTS, tok)
+    assert len(batches) == 2 and all(b["inputs"].shape == (2, 64) for b in batches)
 
 
 def _eval_loss(cfg, n_devices, batch, params_host=None):
@@ -47,7 +60,7 @@ def _eval_loss(cfg, n_devices, batch, params_host=None):
     params = step_lib.init_state(cfg, mesh)["params"]
     if params_host is not None:
         params = jax.tree.map(lambda h, p: jax.device_put(h, p.sharding), params_host, params)
-    s, c = ev.make_eval_step(cfg, mesh)(params, put_on_mesh(batch, NamedSharding(mesh, batch_spec())))
+    s, c = ev.make_eval_step(cfg, mesh)(params, step_lib.put_batch(batch, mesh))
     return float(s) / float(c), jax.tree.map(np.asarray, params)
 
 
@@ -86,9 +99,66 @@ def test_token_stats_over_tiles_on_the_mesh_equal_dense_logits():
     mesh = mesh_for(cfg, 8)
     params8 = jax.tree.map(lambda h, p: jax.device_put(np.asarray(h), p.sharding), params,
                            step_lib.init_state(cfg, mesh)["params"])
-    loss, arg = ev.make_token_stats_step(cfg, mesh)(params8, put_on_mesh(batch, NamedSharding(mesh, batch_spec())))
-    np.testing.assert_allclose(np.asarray(loss), want_loss, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(arg), want_arg)
+    loss, arg = ev.token_stats(cfg, mesh)(params8, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(arg, want_arg)
+
+
+# Every mesh the trainer takes, each with packed documents and with one causal stream per row.
+MESHES = {
+    "ulysses": ("mesh.fsdp=2", "mesh.context=4"),
+    "upipe": ("mesh.fsdp=2", "mesh.context=4", "attention.impl=upipe", "attention.heads_per_stage=4"),
+    "ring": ("mesh.fsdp=4", "mesh.ring=2", "mesh.context=1"),
+    "ulysses-ring": ("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4"),
+    "upipe-ring": ("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "attention.impl=upipe"),
+}
+GRID = ev.PasskeyGrid(lengths=[128], depths=[0.0, 1.0], per_cell=4)
+
+
+def _eval_cfg(packing, *mesh):
+    return tiny_cfg("model.vocab_size=257", "global_batch=4", f"data.packing={packing}", *mesh)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device_eval(packing):
+    """Parameters, validation batches and `evaluate_params` of the dense single-device reference."""
+    ref = reference_cfg(_eval_cfg(packing, "mesh.fsdp=2", "mesh.context=4"))
+    mesh = mesh_for(ref, 1)
+    params = step_lib.init_state(ref, mesh)["params"]
+    _, batches = ev.validation_split(ref, TEXTS, ByteTokenizer())
+    result = ev.evaluate_params(ref, mesh, params, batches, encode=ENC, passkey=GRID)
+    passkey = ev.passkey_batch([ev.passkey_example(ENC, 128, d, "31415") for d in (0.0, 0.3, 0.6, 1.0)])
+    hidden, head = jax.jit(lambda p, x: forward(model_graphdef(ref), p, x, Runtime(mesh=mesh, cfg=ref)))(
+        params, passkey["inputs"])
+    top2 = np.sort(np.asarray(jax.numpy.einsum("bsh,hv->bsv", hidden, head)), axis=-1)[..., -2:]
+    return jax.tree.map(np.asarray, params), batches, result, passkey, top2[..., 1] - top2[..., 0]
+
+
+@pytest.mark.parametrize(*pairwise({"mesh": list(MESHES), "packing": ["documents", "concat"]},
+                                   fast=[("ring", "documents"), ("upipe-ring", "concat")], cover=False))
+def test_evaluation_on_every_mesh_equals_one_device(mesh, packing):
+    """Validation loss, per-token losses, loss by position, passkey scores and argmax of the same parameters on
+    each mesh equal one device's (float32, rtol 1e-5): batches take the train step's layout (zigzag under ring)
+    and per-token results come back in token order."""
+    params1, batches, want, passkey, margin = _one_device_eval(packing)
+    cfg = _eval_cfg(packing, *MESHES[mesh])
+    m = mesh_for(cfg, 8)
+    params = jax.tree.map(lambda h, a: jax.device_put(h, a.sharding), params1,
+                          step_lib.abstract_state(cfg, m)["params"])
+    got = ev.evaluate_params(cfg, m, params, batches, encode=ENC, passkey=GRID)
+    np.testing.assert_allclose(got.loss, want.loss, rtol=1e-5)
+    assert got.tokens == want.tokens
+    for a, b in zip(got.token_loss, want.token_loss, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert [r["tokens"] for r in got.by_position] == [r["tokens"] for r in want.by_position]
+    np.testing.assert_allclose([r["loss"] for r in got.by_position], [r["loss"] for r in want.by_position],
+                               rtol=1e-5)
+    np.testing.assert_array_equal(got.passkey, want.passkey)
+    _, argmax = ev.token_stats(cfg, m)(params, passkey)
+    _, want_argmax = ev.token_stats(reference_cfg(cfg), mesh_for(reference_cfg(cfg), 1))(params1, passkey)
+    clear = margin > 1e-4  # tokens whose two best logits are not a float32 tie
+    assert clear.mean() > 0.99
+    np.testing.assert_array_equal(argmax[clear], want_argmax[clear])
 
 
 def test_position_buckets_are_log_spaced_to_the_full_length():
@@ -217,3 +287,30 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
     assert "no checkpoint at that step" in capsys.readouterr().err
     assert eval_cli.main([str(tmp_path / "missing")]) == 2
     assert eval_cli.main([str(run_dir), "--lengths", "130"]) == 2
+
+
+@pytest.mark.slow
+def test_the_cli_evaluates_a_ring_run_like_a_mesh_without_ring(tmp_path, capsys):
+    """A run trained with ring attention: `python -m jaxlong.eval` on its own mesh (ring 2 x context 4) and on
+    fsdp 2 x context 4 writes the same validation loss, loss by position and passkey scores."""
+    import csv
+
+    from jaxlong import eval as eval_cli
+    from jaxlong.trainer import run
+
+    run(tiny_cfg("model.vocab_size=257", "seq_len=128", "global_batch=2", "mesh.fsdp=1", "mesh.ring=2",
+                 "mesh.context=4", "data.max_tokens=100000", "steps=2", "eval_every=2", "run_name=r",
+                 f"run_dir={tmp_path}"))
+    run_dir, results = tmp_path / "r", {}
+    for name, mesh in (("ring", []), ("no-ring", ["mesh.ring=1", "mesh.fsdp=2"])):
+        assert eval_cli.main([str(run_dir), "--lengths", "128", "--depths", "0,1", "--per-cell", "2", *mesh]) == 0
+        out = run_dir / "eval" / "step_2"
+        with open(out / "loss_by_position.csv") as f:
+            rows = list(csv.DictReader(f))
+        results[name] = (json.loads((out / "summary.json").read_text()), rows)
+    (ring, ring_rows), (plain, plain_rows) = results["ring"], results["no-ring"]
+    np.testing.assert_allclose(ring["loss"], plain["loss"], rtol=1e-5)
+    assert [r["tokens"] for r in ring_rows] == [r["tokens"] for r in plain_rows]
+    np.testing.assert_allclose([float(r["loss"]) for r in ring_rows], [float(r["loss"]) for r in plain_rows],
+                               rtol=1e-5)
+    assert ring["passkey"]["accuracy"] == plain["passkey"]["accuracy"]

@@ -256,18 +256,38 @@ def test_resume_with_changes_overrides_the_check(two_steps, capsys):
     assert np.isfinite(out["metrics"]["loss"]) and committed_steps(Path(out["run_dir"]) / "checkpoints")[-1] == STEPS
 
 
-def test_a_checkpoint_that_does_not_fit_the_state_is_one_line(two_steps):
-    from jaxlong.config import ConfigError
-    from jaxlong.trainer import _restore
+def test_a_checkpoint_that_does_not_fit_the_model_is_one_line_naming_the_key(two_steps, capsys):
+    """A changed model shape is refused from the checkpoint's metadata, before anything compiles or orbax
+    reads an array, in one line naming the key."""
+    from jaxlong.train import main
 
-    other = tiny_cfg(*two_steps, "model.hidden=128")
-    ckpt = Checkpointer(Path(other.run_dir) / "run" / "checkpoints", every=1, keep=10)
-    try:
-        with pytest.raises(ConfigError, match="checkpoint 2 does not fit this config's train state") as e:
-            _restore(ckpt, step_lib.abstract_state(other, build_mesh(other.mesh)), 2)
-    finally:
-        ckpt.manager.close()
-    assert "\n" not in str(e.value)
+    assert main(["--resume-with-changes", *TINY, *two_steps, "model.hidden=128"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("config error: --resume: checkpoint 2 holds parameters of other "
+                                              "shapes (params['embed']: saved [257, 64] float32, this config [257, 128]")
+    assert "model.hidden: 64 -> 128; a checkpoint restores only into the model it was saved with" in err
+
+
+SHAPE_CHANGES = {"resume": ["-m", "jaxlong.train", "--resume-with-changes"], "eval": ["-m", "jaxlong.eval"]}
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_refused_changed_shape_prints_no_traceback_in_ten_tries(two_steps, tmp_path):
+    """`python -m jaxlong.train --resume-with-changes model.hidden=128` (10 tries) and `python -m jaxlong.eval
+    RUN model.hidden=128` (2 tries) each end with one line on stderr and exit code 2: no orbax or asyncio
+    traceback at exit."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    run_dir = tmp_path / "run"
+    for name, tries in (("resume", 10), ("eval", 2)):
+        args = [*TINY, *two_steps] if name == "resume" else [str(run_dir)]
+        for _ in range(tries):
+            proc = subprocess.run([sys.executable, *SHAPE_CHANGES[name], *args, "model.hidden=128"], env=env,
+                                  cwd=ROOT, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 2, proc.stderr[-3000:]
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            assert len(lines) == 1 and "model.hidden: 64 -> 128" in lines[0], proc.stderr[-3000:]
 
 
 @pytest.mark.slow

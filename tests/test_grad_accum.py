@@ -3,13 +3,10 @@
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 
 from helpers import assert_trees_close, mesh_for, random_batch, tiered, tiny_cfg
 from jaxlong import step as step_lib
 from jaxlong.config import ConfigError
-from jaxlong.data import put_on_mesh
-from jaxlong.mesh import batch_spec
 from jaxlong.model import Runtime, model_graphdef
 
 
@@ -24,7 +21,7 @@ def _uneven_batch(cfg):
 def _loss_grads_update(cfg, batch):
     mesh = mesh_for(cfg, 8)
     graphdef, rt = model_graphdef(cfg), Runtime(mesh=mesh, cfg=cfg)
-    b = put_on_mesh(batch, NamedSharding(mesh, batch_spec()))
+    b = step_lib.put_batch(batch, mesh)
     state = step_lib.init_state(cfg, mesh)
     loss, grads = jax.jit(
         lambda p, x: step_lib.accumulated_loss_and_grads(p, x, graphdef, rt, cfg.grad_accum)

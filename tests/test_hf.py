@@ -16,12 +16,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import mesh_for, tiered
 from jaxlong.config import ConfigError, RopeScalingConfig, load_config
-from jaxlong.data import put_on_mesh
 from jaxlong.layers import rope_frequencies, rms_norm
-from jaxlong.mesh import batch_spec
 from jaxlong.model import Runtime, forward, model_graphdef
 from jaxlong.models import hf
 from jaxlong.models.hf_config import model_config_from_hf
+from jaxlong.step import put_batch
 
 FIX = Path(__file__).parent / "fixtures" / "hf"
 MODELS = ("llama31", "qwen3")
@@ -44,7 +43,7 @@ def jax_logits(cfg, n_devices: int, tokens: np.ndarray, params=None, positions=N
     rt = Runtime(mesh=mesh, cfg=cfg)
     graphdef = model_graphdef(cfg)
     extra = {k: v for k, v in (("positions", positions), ("segment_ids", segment_ids)) if v is not None}
-    x = put_on_mesh({"t": tokens, **extra}, NamedSharding(mesh, batch_spec()))
+    x = put_batch({"t": tokens, **extra}, mesh)
 
     @jax.jit
     def run(p, x):

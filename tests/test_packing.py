@@ -6,14 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 
 from helpers import assert_trees_close, loss_and_grads, mesh_for, pairwise, reference_cfg, tiered, tiny_cfg
 from jaxlong import model as model_lib
 from jaxlong import step as step_lib
 from jaxlong.attention import kernels as K
-from jaxlong.data import put_on_mesh
-from jaxlong.mesh import batch_spec
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -145,7 +142,7 @@ def _hidden(cfg, n_devices, batch, params_host):
     params = step_lib.init_state(cfg, mesh)["params"]
     params = jax.tree.map(lambda h, p: jax.device_put(h, p.sharding), params_host, params)
     rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
-    b = put_on_mesh(batch, NamedSharding(mesh, batch_spec()))
+    b = step_lib.put_batch(batch, mesh)
     fwd = jax.jit(lambda p, x: model_lib.forward(model_lib.model_graphdef(cfg), p, x["inputs"], rt,
                                                  x.get("positions"), x.get("segment_ids"))[0])
     return np.asarray(fwd(params, b))

@@ -95,15 +95,15 @@ def test_sigterm_saves_the_last_finished_step(tmp_path, monkeypatch):
     from jaxlong import trainer
 
     calls = {"n": 0}
-    real_put = trainer.data_lib.put_on_mesh
+    real_put = trainer.step_lib.put_batch
 
-    def put_then_preempt(batch, sharding):
+    def put_then_preempt(batch, mesh):
         calls["n"] += 1
         if calls["n"] == 4:  # the 4th batch: steps 1-3 are finished
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_put(batch, sharding)
+        return real_put(batch, mesh)
 
-    monkeypatch.setattr(trainer.data_lib, "put_on_mesh", put_then_preempt)
+    monkeypatch.setattr(trainer.step_lib, "put_batch", put_then_preempt)
     with pytest.raises(KeyboardInterrupt):
         run(_cfg(tmp_path, "steps=10", "checkpoint_every=100", "run_name=pre"))
     from jaxlong.checkpoint import Checkpointer

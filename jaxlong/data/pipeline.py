@@ -46,7 +46,7 @@ from grain.experimental import (
 from jaxlong.data.sources import DocumentSource
 from jaxlong.data.tokenizer import Tokenizer
 
-__all__ = ["document_tokens", "document_pairs", "SplitLongDocuments", "token_limit", "make_dataset",
+__all__ = ["document_tokens", "document_pairs", "SplitLongDocuments", "DocumentSubset", "token_limit", "make_dataset",
            "batch_iterator", "packing_efficiency", "PACKING_BINS"]
 
 PACKING_BINS = 16  # rows first-fit packing fills at once (more bins: less padding)
@@ -110,7 +110,7 @@ def _finalize(row: dict) -> dict:
 def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, global_batch: int, seed: int,
                  packing: str = "documents", split_positions: str = "restart", shuffle: bool = True,
                  max_tokens: int | None = None, process_index: int = 0,
-                 process_count: int = 1, exclude=()) -> grain.IterDataset:
+                 process_count: int = 1, exclude=(), repeat: bool = True) -> grain.IterDataset:
     """The Grain pipeline of the module docstring; iterating it yields this process's batches.
 
     Args:
@@ -121,6 +121,9 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
       shuffle: ``data.shuffle``; max_tokens: ``data.max_tokens`` (None: the whole corpus).
       process_index, process_count: this process and the number of processes (``jax.process_index/count``).
       exclude: indices of documents to leave out (the held-out validation documents).
+      repeat: True (training): endless epochs. False (validation): one pass over the documents as one packing
+        stream (rows in document order); the last bins are flushed and the iteration ends before the first
+        incomplete batch.
 
     Returns:
       ``grain.IterDataset`` of batch dicts with ``[global_batch / process_count, seq_len]`` arrays.
@@ -136,7 +139,8 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
     if global_batch % process_count:
         raise ValueError(f"global_batch={global_batch} must be divisible by the {process_count} processes")
     if exclude:
-        source = _Without(source, exclude)
+        skip = {int(i) for i in exclude}
+        source = DocumentSubset(source, [i for i in range(len(source)) if i not in skip])
     ds = grain.MapDataset.source(source)
     cut = None
     if max_tokens is not None:
@@ -144,7 +148,7 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
             raise ValueError(f"data.max_tokens={max_tokens} must be >= 1 or null")
         n_docs, cut = token_limit(source, tokenizer, max_tokens)
         ds = ds[:n_docs]
-    n = max(d for d in range(1, global_batch + 1) if global_batch % d == 0 and d <= max(len(ds), 1))
+    n = max(d for d in range(1, global_batch + 1) if global_batch % d == 0 and d <= max(len(ds), 1)) if repeat else 1
     if n % process_count:
         raise ValueError(f"the corpus has {len(ds)} documents: they form {n} packing streams (the largest divisor of "
                          f"global_batch={global_batch} not above the document count), which the {process_count} "
@@ -157,7 +161,7 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
 
     ds = ds.map_with_index(tokenize).filter(lambda d: d["inputs"].size > 0)
     mine = range(process_index * n // process_count, (process_index + 1) * n // process_count)
-    streams = [_row_stream(ds[s::n], seed + s, seq_len, packing, split_positions, shuffle, _bins(n))
+    streams = [_row_stream(ds[s::n], seed + s, seq_len, packing, split_positions, shuffle, _bins(n), repeat)
                .batch(global_batch // n, drop_remainder=True) for s in mine]
     return streams[0] if len(streams) == 1 else ZipIterDataset(streams).map(_concat)
 
@@ -168,11 +172,12 @@ def _bins(streams: int) -> int:
 
 
 def _row_stream(ds: grain.MapDataset, seed: int, seq_len: int, packing: str, split_positions: str, shuffle: bool,
-                bins: int) -> grain.IterDataset:
-    """One stream's documents shuffled, repeated and packed into rows of ``seq_len`` (stages 2-4)."""
+                bins: int, repeat: bool = True) -> grain.IterDataset:
+    """One stream's documents shuffled, repeated (unless ``repeat=False``) and packed into rows of ``seq_len``
+    (stages 2-4)."""
     if shuffle:
         ds = ds.shuffle(seed=seed)
-    it = ds.repeat().to_iter_dataset()
+    it = (ds.repeat() if repeat else ds).to_iter_dataset()
     lengths = {k: seq_len for k in _FEATURES}
     if packing == "documents":
         it = FlatMapIterDataset(it, SplitLongDocuments(seq_len, split_positions == "continue"))
@@ -187,12 +192,12 @@ def _concat(parts: tuple) -> dict:
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-class _Without:
-    """A random-access source without the documents at `exclude`."""
+class DocumentSubset:
+    """The documents of a random-access source at `indices` (in that order), as a random-access source: the
+    training documents without the held-out ones, or the held-out documents alone (validation)."""
 
-    def __init__(self, source, exclude):
-        skip = set(int(i) for i in exclude)
-        self.source, self.keep = source, [i for i in range(len(source)) if i not in skip]
+    def __init__(self, source, indices):
+        self.source, self.keep = source, [int(i) for i in indices]
 
     def __len__(self) -> int:
         return len(self.keep)

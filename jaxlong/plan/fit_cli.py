@@ -16,7 +16,7 @@ import sys
 
 from jaxlong.config import Config, ConfigError, validate
 from jaxlong.plan import planner
-from jaxlong.plan.fit import (COST_MODELS, GiB, FitError, FitResult, _g, _parsed, _plan_call, _strip_mesh,
+from jaxlong.plan.fit import (COST_MODELS, FitError, FitResult, _g, _parsed, _plan_call, _strip_mesh,
                               analytic_cost, configure, fit)
 
 
