@@ -5,12 +5,12 @@
 
 Sections (each in its own subprocess, so a crash, an out-of-memory or a hang costs one row, not the run; the
 parent never touches the GPU, and every child starts with a clean `peak_bytes_in_use`):
-  kernel  the GPU attention backend (cuDNN, `jaxlong.attention.cudnn`) against the blockwise kernel: forward,
+  kernel  the GPU attention backend (cuDNN, `jaxlong.kernels.cudnn`) against the blockwise kernel: forward,
           lse and gradients (dq, dk, dv) in bf16, causal and not, GQA, head_dim 64 and 128, an uneven length,
           both against a float32 blockwise run; the cuDNN backward fed the blockwise kernel's (out, lse) (the
           statistic's convention); segment ids (cuDNN: a clear error expected; a backend with segment ids:
           compared with attention run per document); the Pallas kernel with segment ids
-          (`jaxlong.attention.pallas_gpu`, what `auto` runs for packed documents) against the blockwise kernel,
+          (`jaxlong.kernels.pallas_gpu`, what `auto` runs for packed documents) against the blockwise kernel,
           forward, lse and gradients, both against float32 blockwise; and a large-tensor probe: a cuDNN call on
           tensors of more than 2**31 elements compared head by head with small calls (does `MAX_ELEMENTS` need
           to stay?).
@@ -102,7 +102,7 @@ def child_kernel(smoke: bool, large: bool) -> list[dict]:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from jaxlong.attention import kernels as K  # noqa: PLC0415
+    from jaxlong.kernels import blockwise as K  # noqa: PLC0415
 
     jax.config.update("jax_default_matmul_precision", "highest")  # the float32 truth without TF32
     gpu = jax.default_backend() == "gpu"
@@ -187,7 +187,7 @@ def _pallas_row(K, smoke: bool, gpu: bool) -> dict:
     import jax.numpy as jnp  # noqa: PLC0415
 
     try:
-        from jaxlong.attention import pallas_gpu as PG  # noqa: PLC0415
+        from jaxlong.kernels import pallas_gpu as PG  # noqa: PLC0415
     except ImportError as e:
         return {"case": "pallas segment ids", "candidate": "pallas", "pass": False, "error": str(e)[:300]}
     b, s, h, kv, d = (1, 64, 4, 2, 16) if smoke else (2, 4096, 16, 4, 128)
@@ -229,7 +229,7 @@ def _large_tensor_row(b: int = 1, s: int = 65536, h: int = 264, d: int = 128) ->
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from jaxlong.attention import cudnn as CU  # noqa: PLC0415
+    from jaxlong.kernels import cudnn as CU  # noqa: PLC0415
 
     row = {"case": f"large tensors b={b} S={s} H={h} d={d} ({b * s * h * d:,} elements)", "candidate": "cudnn"}
     saved = CU.MAX_ELEMENTS
@@ -264,12 +264,12 @@ def child_train(spec: dict, smoke: bool, steps: int, profile_dir: str | None) ->
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from jaxlong import step as step_lib  # noqa: PLC0415
+    from jaxlong.training import step as step_lib  # noqa: PLC0415
     from jaxlong.config import load_config, validate  # noqa: PLC0415
-    from jaxlong.memstats import compiled_bytes  # noqa: PLC0415
-    from jaxlong.mesh import build_mesh  # noqa: PLC0415
-    from jaxlong.model import Runtime  # noqa: PLC0415
-    from jaxlong.trainer import check_fits, flops_per_token, peak_flops  # noqa: PLC0415
+    from jaxlong.core.memstats import compiled_bytes  # noqa: PLC0415
+    from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
+    from jaxlong.models.llama import Runtime  # noqa: PLC0415
+    from jaxlong.training.loop import check_fits, flops_per_token, peak_flops  # noqa: PLC0415
 
     cfg = load_config(str(ROOT / CONFIG), overrides(spec, smoke))
     validate(cfg, num_devices=1)
@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             rep.data["errors"].append(f"{section}: {type(e).__name__}: {e}")
         rep.flush()
 
-    from jaxlong.trainer import PEAK_FLOPS  # noqa: PLC0415 (imports jax; the parent never initializes it)
+    from jaxlong.training.loop import PEAK_FLOPS  # noqa: PLC0415 (imports jax; the parent never initializes it)
 
     peak = PEAK_FLOPS["H200"] if not smoke else 1e11
     compile_guess = 60.0 if not smoke else 8.0
@@ -508,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
 def _flops(spec: dict, smoke: bool) -> float:
     """Training FLOPs of one step of `spec` (model FLOPs x 4/3 for the remat recompute)."""
     from jaxlong.config import load_config  # noqa: PLC0415
-    from jaxlong.trainer import flops_per_token  # noqa: PLC0415
+    from jaxlong.training.loop import flops_per_token  # noqa: PLC0415
 
     cfg = load_config(str(ROOT / CONFIG), overrides(spec, smoke))
     return flops_per_token(cfg) * cfg.seq_len * 4 / 3

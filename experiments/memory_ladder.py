@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxlong.config import load_config, validate  # noqa: E402
-from jaxlong.train import set_host_device_count  # noqa: E402
+from jaxlong.train.__main__ import set_host_device_count  # noqa: E402
 
 
 def machine() -> str:

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlong.attention.kernels import blockwise_attention
-from jaxlong.memstats import compiled_bytes, fmt_bytes
+from jaxlong.kernels.blockwise import blockwise_attention
+from jaxlong.core.memstats import compiled_bytes, fmt_bytes
 
 
 def _machine() -> str:
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         cmd = "python " + " ".join([os.path.relpath(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))
         with open(a.out, "w") as f:
             f.write(f"# Packed documents vs one causal sequence (blockwise attention, CPU)\n\n"
-                    f"Blockwise attention (`jaxlong.attention.kernels.blockwise_attention`), forward + backward "
+                    f"Blockwise attention (`jaxlong.kernels.blockwise.blockwise_attention`), forward + backward "
                     f"(`jax.value_and_grad`), float32, batch 1, {a.heads} query heads, {a.kv_heads} KV heads, head_dim "
                     f"{a.head_dim}, tiles {a.block} x {a.block}. The packed run passes segment ids of {a.docs} equal "
                     f"documents; the kernel skips the tiles between different documents. Times are the median of "

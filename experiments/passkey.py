@@ -2,7 +2,7 @@
 mixed with the corpus over 8 simulated devices (Ulysses context parallelism), with a length curriculum that ends
 at 8K tokens, and measure passkey retrieval by needle depth as training goes.
 
-Each step's batch holds passkey sequences (`jaxlong.evaluate.passkey_example`: a periodic filler text without
+Each step's batch holds passkey sequences (`jaxlong.evaluation.steps.passkey_example`: a periodic filler text without
 digits, a needle "The pass key is KEY. Remember it. KEY is the pass key." at a uniformly random depth, the question
 and the answer at the end); every `--corpus-every`-th step is a batch of corpus windows instead (the Python
 standard library, byte-level). The loss covers every token; the targets that copy the key from earlier in the
@@ -11,7 +11,7 @@ are the only tokens that need the context. The curriculum `--phases` (length, ba
 cores) trains short first, where retrieval (an induction circuit: find the key's digits, copy the next one) is
 learned in a few hundred steps, then longer; a phase before the last ends once every depth reaches `--target`
 `--patience` evaluations in a row. Every phase runs on the same 8-device mesh, so all training is context parallel.
-Retrieval is scored teacher-forced (`jaxlong.evaluate.score_passkey`) on held-out keys at `--depths` during
+Retrieval is scored teacher-forced (`jaxlong.evaluation.steps.score_passkey`) on held-out keys at `--depths` during
 training and at `--final-depths` at the end.
 
 Writes `<out>.md` (command, machine, config, the tables), `<out>.csv` (accuracy per depth per evaluation, then
@@ -105,10 +105,10 @@ def main(argv=None):
     import jax  # noqa: PLC0415 (after XLA_FLAGS)
 
     from jaxlong import data as data_lib  # noqa: PLC0415
-    from jaxlong import evaluate as ev  # noqa: PLC0415
-    from jaxlong import step as step_lib  # noqa: PLC0415
+    from jaxlong.evaluation import steps as ev  # noqa: PLC0415
+    from jaxlong.training import step as step_lib  # noqa: PLC0415
     from jaxlong.config import load_config  # noqa: PLC0415
-    from jaxlong.mesh import build_mesh  # noqa: PLC0415
+    from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
 
     phases = parse_phases(args.phases)
     lo_digits, hi_digits = (int(x) for x in args.train_digits.split("-"))
@@ -250,7 +250,7 @@ def write(args, cfg, phases, seq, depths, final_depths, history, final, final_di
         f"Model: {', '.join(MODEL + tuple(args.overrides))} (RoPE). Every phase runs on the same mesh data x fsdp x "
         f"context = 1 x {8 // args.context} x {args.context} (Ulysses all-to-alls over the context axis). Curriculum: "
         f"{phase_text}; a phase before the last ends early once every depth reaches {args.target:.0%} "
-        f"{args.patience} evaluations in a row. Batches: passkey documents (`jaxlong.evaluate.passkey_example`, "
+        f"{args.patience} evaluations in a row. Batches: passkey documents (`jaxlong.evaluation.steps.passkey_example`, "
         f"{args.train_digits}-digit keys, a uniformly random depth), "
         + (f"every {args.corpus_every}th step a batch of corpus windows (Python stdlib, bytes); "
            if args.corpus_every else "")
@@ -260,7 +260,7 @@ def write(args, cfg, phases, seq, depths, final_depths, history, final, final_di
         f"Time: {steps} steps in {spent[1]:.1f} min of CPU time / 2 cores ({spent[0]:.1f} min wall); with the final "
         f"scoring {total[1]:.1f} / {total[0]:.1f} min.",
         "",
-        f"Final retrieval at {seq} tokens, teacher-forced (`jaxlong.evaluate.score_passkey`: every answer byte the "
+        f"Final retrieval at {seq} tokens, teacher-forced (`jaxlong.evaluation.steps.score_passkey`: every answer byte the "
         f"argmax), {-(-args.final_per_depth // phases[-1][1]) * phases[-1][1]} new {args.digits}-digit keys per depth:",
         "",
         "| depth | " + " | ".join(f"{d:.1f}" for d in final_depths) + " | mean |",

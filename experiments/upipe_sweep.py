@@ -5,7 +5,7 @@ For each model shape, at `--seq` tokens on the `--mesh` (data,fsdp,context), wit
   * one attention layer (normalized input -> output before W_o), forward and forward + backward (a `jax.vjp`
     with the cotangent as an argument), Ulysses and U-Pipe at every valid U (H, ..., C): temp bytes from
     `memory_analysis` and the model's bytes; compile only, nothing is allocated;
-  * the whole train step (`jaxlong.step.compile_train_step`) of the shape's config with `attention.impl`
+  * the whole train step (`jaxlong.training.step.compile_train_step`) of the shape's config with `attention.impl`
     overridden: argument/output/temp bytes;
   * tokens/s of the layer's forward + backward at small `--time-*` shapes, all variants compiled first, then
     timed round-robin (rotating the order each round) `--time-reps` times; median and best.
@@ -153,8 +153,8 @@ def memory_sweep(args, mesh, name, shape, us):
 
 def step_sweep(args, mesh, name, shape, us):
     from jaxlong.config import load_config  # noqa: PLC0415
-    from jaxlong.memstats import compiled_bytes  # noqa: PLC0415
-    from jaxlong.step import compile_train_step  # noqa: PLC0415
+    from jaxlong.core.memstats import compiled_bytes  # noqa: PLC0415
+    from jaxlong.training.step import compile_train_step  # noqa: PLC0415
 
     data, fsdp, context = (int(v) for v in args.mesh.split(","))
     rows = []

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from jaxlong.attention.layout import cudnn_head_dim_ok, pallas_head_dim_ok
+from jaxlong.kernels.layout import cudnn_head_dim_ok, pallas_head_dim_ok
 
 
 class ConfigError(ValueError):
@@ -37,7 +37,7 @@ class RopeScalingConfig:
     `factor`, those below `original_max_position_embeddings / high_freq_factor` kept, those between
     interpolated); `yarn` (Peng et al. 2023, YaRN: a ramp between `beta_fast` and `beta_slow` rotations, and
     the attention temperature `attention_factor`, default `0.1 ln(factor) + 1`, applied to cos and sin).
-    `jaxlong.layers.rope_frequencies` computes them as `transformers` does.
+    `jaxlong.layers.blocks.rope_frequencies` computes them as `transformers` does.
     """
 
     type: str = "none"
@@ -188,7 +188,7 @@ class Config:
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("ulysses", "upipe")
-# Remat names (`jaxlong.remat.NAMES`) the Ulysses attention sublayer tags; U-Pipe keeps them inside its op.
+# Remat names (`jaxlong.layers.remat.NAMES`) the Ulysses attention sublayer tags; U-Pipe keeps them inside its op.
 UPIPE_INTERNAL_NAMES = (
     "attn_norm_out",  # [b, s, hidden]
     "query_proj",  # [b, s, heads, head_dim], after RoPE
@@ -423,7 +423,7 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def _check_kernel(cfg: Config) -> None:
     """An explicit `attention.backend` that the run's shapes or mesh cannot use (the kernels' own checks,
-    `jaxlong.attention.cudnn` and `jaxlong.attention.pallas_gpu`, moved before compiling). `auto` always works:
+    `jaxlong.kernels.cudnn` and `jaxlong.kernels.pallas_gpu`, moved before compiling). `auto` always works:
     it falls back to the blockwise kernel."""
     b, d = cfg.attention.backend, cfg.model.head_dim
     if b in ("cudnn", "pallas") and cfg.mesh.ring > 1:
@@ -613,7 +613,7 @@ def validate_optim(o: OptimConfig) -> None:
 
 def check_attention_block(key: str, block: int, seq: int) -> None:
     """The blockwise attention kernel's tile along the sequence: it sees the whole sequence after Ulysses'
-    all-to-all, clamps the tile to it, and needs the tile to divide it (`jaxlong.attention.kernels`).
+    all-to-all, clamps the tile to it, and needs the tile to divide it (`jaxlong.kernels.blockwise`).
 
     Raises:
       ConfigError: `block` <= 0, or min(block, seq) does not divide `seq` (`key` names the option).

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from jaxlong.config import Config, ConfigError, load_config, parse_override
-from jaxlong.train import main
+from jaxlong.train.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

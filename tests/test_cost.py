@@ -49,7 +49,7 @@ def test_cpu_train_step_matmul_flops_match_xla_cost_analysis():
     XLA's number and within 5% of it."""
     cfg = tiny_cfg("attention.backend=reference", "model.layers=1", "seq_len=256", "model.hidden=256",
                    "model.mlp_hidden=1024", "model.head_dim=64")
-    from jaxlong import step as step_lib
+    from jaxlong.training import step as step_lib
 
     compiled = step_lib.compile_train_step(cfg, mesh_for(cfg, cfg.mesh.num_devices))
     text = compiled.as_text()
@@ -118,7 +118,7 @@ def test_upipe_does_the_attention_work_and_flops_of_ulysses_on_the_gpu_target():
 
 
 def test_cli_estimate_without_a_gpu_target_is_a_one_line_error(capsys, monkeypatch):
-    from jaxlong import memory
+    from jaxlong.memory import __main__ as memory
 
     monkeypatch.setattr(memory, "_gpu_present", lambda: False)
     assert memory.main(["--estimate", "model.layers=1"]) == 2

@@ -1,4 +1,4 @@
-"""cuDNN attention with lse in and out (`jaxlong.attention.cudnn`), checked in the deviceless GPU compile.
+"""cuDNN attention with lse in and out (`jaxlong.kernels.cudnn`), checked in the deviceless GPU compile.
 
 cuDNN cannot run on a CPU, so these tests compile for compile-only H100s (sm_90, `jaxlong.plan.target`) and
 read the compiled HLO: the kernels compile inside `jax.shard_map` as Ulysses and U-Pipe call them (bf16, GQA,
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxlong.attention import cudnn as CU
-from jaxlong.attention import kernels as K
+from jaxlong.kernels import cudnn as CU
+from jaxlong.kernels import blockwise as K
 from jaxlong.config import ConfigError, load_config
 from jaxlong.plan.target import compile_only_devices, cuda_plugin_available, parse_target
 
@@ -139,8 +139,8 @@ def test_8b_train_step_upipe_calls_no_more_attention_kernels_than_ulysses():
     """The whole Llama-3.1-8B train step (2 layers to keep the compile short) at 1M tokens on 8 compile-only
     H100s, offload remat and tiling on: U-Pipe's compiled step has as many cuDNN forward and backward calls as
     Ulysses' (2 forwards -- the forward and the remat recompute -- and 1 backward; U-Pipe had 3 forwards)."""
-    from jaxlong import step as step_lib
-    from jaxlong.mesh import build_mesh
+    from jaxlong.training import step as step_lib
+    from jaxlong.core.mesh import build_mesh
 
     counts = {}
     for impl in ("ulysses", "upipe"):

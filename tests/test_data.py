@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlong import data
 from jaxlong.data.pipeline import token_limit
-from jaxlong.step import natural_order, put_batch
+from jaxlong.training.step import natural_order, put_batch
 
 BYTE = data.ByteTokenizer()
 KEYS = ("inputs", "targets", "positions", "segment_ids", "mask")
@@ -403,7 +403,7 @@ def test_train_cli_on_a_parquet_corpus(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from helpers import TINY
-    from jaxlong.train import main
+    from jaxlong.train.__main__ import main
 
     docs = [f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 4) for i in range(60)]
     path = _parquet(tmp_path / "c.parquet", docs, row_group_size=8)

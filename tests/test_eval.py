@@ -10,12 +10,12 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import mesh_for, pairwise, random_batch, reference_cfg, tiered, tiny_cfg
-from jaxlong import evaluate as ev
-from jaxlong import loss as loss_lib
-from jaxlong import step as step_lib
+from jaxlong.evaluation import steps as ev
+from jaxlong.layers import loss as loss_lib
+from jaxlong.training import step as step_lib
 from jaxlong.data import ByteTokenizer, make_dataset
-from jaxlong.memstats import compiled_bytes
-from jaxlong.model import Runtime, forward, model_graphdef
+from jaxlong.core.memstats import compiled_bytes
+from jaxlong.models.llama import Runtime, forward, model_graphdef
 
 
 TEXTS = [("The grass is green and the sky is blue. " * (1 + i % 4))[: 20 + 13 * i] for i in range(24)]
@@ -252,8 +252,8 @@ def test_passkey_score_counts_each_example():
 
 @pytest.mark.slow
 def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
-    from jaxlong import eval as eval_cli
-    from jaxlong.trainer import run
+    from jaxlong.eval import __main__ as eval_cli
+    from jaxlong.training.loop import run
 
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "seq_len=128", "global_batch=4", "grad_accum=2",
                    "data.max_tokens=200000", "model.vocab_size=257", "steps=3", "eval_every=2", "eval_batches=2",
@@ -295,8 +295,8 @@ def test_the_cli_evaluates_a_ring_run_like_a_mesh_without_ring(tmp_path, capsys)
     fsdp 2 x context 4 writes the same validation loss, loss by position and passkey scores."""
     import csv
 
-    from jaxlong import eval as eval_cli
-    from jaxlong.trainer import run
+    from jaxlong.eval import __main__ as eval_cli
+    from jaxlong.training.loop import run
 
     run(tiny_cfg("model.vocab_size=257", "seq_len=128", "global_batch=2", "mesh.fsdp=1", "mesh.ring=2",
                  "mesh.context=4", "data.max_tokens=100000", "steps=2", "eval_every=2", "run_name=r",

@@ -4,7 +4,7 @@ exactly the uninterrupted run's state at its label; SIGTERM/SIGINT lose no finis
 temporary checkpoint directory is left. The fast tier kills at two points, the slow tier at all of them.
 
 The kill is sent by the trainer's testing hook (`JAXLONG_FAULT="<point>@<step>:<SIGNAL>"`, see
-`jaxlong/trainer.py`). SIGTERM and SIGINT are delivered to this process (the trainer's handlers are installed
+`jaxlong/training/loop.py`). SIGTERM and SIGINT are delivered to this process (the trainer's handlers are installed
 while `run` runs); SIGKILL kills a child process, which shares the test run's persistent compilation cache
 (tests/conftest.py). The resumes run here, with the train step compiled once per config.
 """
@@ -24,11 +24,11 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import TINY, pairwise, tiered, tiny_cfg
-from jaxlong import step as step_lib
-from jaxlong.checkpoint import TMP_MARK, Checkpointer, committed_steps
+from jaxlong.training import step as step_lib
+from jaxlong.training.checkpoint import TMP_MARK, Checkpointer, committed_steps
 from jaxlong.config import to_dict
-from jaxlong.mesh import build_mesh
-from jaxlong.trainer import FAULT_ENV, FAULT_POINTS, Preempted, run
+from jaxlong.core.mesh import build_mesh
+from jaxlong.training.loop import FAULT_ENV, FAULT_POINTS, Preempted, run
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 6, 2
@@ -70,7 +70,7 @@ import sys
 import jax
 jax.config.update("jax_default_matmul_precision", "highest")
 from helpers import TINY, tiny_cfg
-from jaxlong.trainer import run
+from jaxlong.training.loop import run
 run(tiny_cfg(*sys.argv[1:]))
 """
 
@@ -242,7 +242,7 @@ def two_steps(tmp_path, compile_once):
     ],
     fast={2, 3}))
 def test_resume_refuses_changes_of_model_data_or_schedule(two_steps, change, listed, capsys):
-    from jaxlong.train import main
+    from jaxlong.train.__main__ import main
 
     assert main(["--resume", *TINY, *two_steps, *change]) == 2
     err = capsys.readouterr().err.strip()
@@ -259,7 +259,7 @@ def test_resume_with_changes_overrides_the_check(two_steps, capsys):
 def test_a_checkpoint_that_does_not_fit_the_model_is_one_line_naming_the_key(two_steps, capsys):
     """A changed model shape is refused from the checkpoint's metadata, before anything compiles or orbax
     reads an array, in one line naming the key."""
-    from jaxlong.train import main
+    from jaxlong.train.__main__ import main
 
     assert main(["--resume-with-changes", *TINY, *two_steps, "model.hidden=128"]) == 2
     err = capsys.readouterr().err.strip()
@@ -318,7 +318,7 @@ def _failing_save(monkeypatch, fail_at: int):
 
 
 def test_a_failed_save_stops_the_run_and_leaves_no_partial_checkpoint(tmp_path, compile_once, monkeypatch):
-    from jaxlong.checkpoint import CheckpointError
+    from jaxlong.training.checkpoint import CheckpointError
 
     _failing_save(monkeypatch, fail_at=4)
     with pytest.raises(CheckpointError, match="could not save step 4: OSError: .*No space left on device.*; "

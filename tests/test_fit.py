@@ -9,7 +9,7 @@ import pytest
 
 from jaxlong.config import load_config
 from jaxlong.plan import fit as fit_lib
-from jaxlong.plan import fit_cli
+from jaxlong.memory import fit_options as fit_cli
 from helpers import tiered
 
 GiB = 1024**3
@@ -163,7 +163,8 @@ def test_analytic_cost_is_monotone_along_every_dimension():
 
 
 def test_bad_fit_inputs_are_one_line_errors_before_compiling(capsys):
-    from jaxlong import memory, train
+    from jaxlong.memory import __main__ as memory
+    from jaxlong.train import __main__ as train
 
     assert memory.main(["--fit", "--cost-model", "analytic", "--target", "h999", *TINY]) == 2
     assert "unknown GPU" in capsys.readouterr().err
@@ -177,7 +178,7 @@ def test_bad_fit_inputs_are_one_line_errors_before_compiling(capsys):
 @pytest.mark.slow
 def test_fit_end_to_end_on_a_real_cpu_compile(tmp_path, capsys):
     """Two real compiles of the train step (CPU approximation), ranked by the closed-form cost."""
-    from jaxlong import memory
+    from jaxlong.memory import __main__ as memory
 
     out = tmp_path / "fit.json"
     rc = memory.main(["--fit", "--cost-model", "analytic", "--max-compiles", "2", "--budget", "1GiB",
@@ -198,7 +199,7 @@ def test_fit_end_to_end_on_a_real_cpu_compile(tmp_path, capsys):
 def test_train_fit_applies_and_prints_the_winners_overrides(monkeypatch, capsys):
     """`python -m jaxlong.train --fit`: the config it trains is the winner's; the default cost model reads the
     plan's step-time estimate (here from a fake planner)."""
-    from jaxlong import train
+    from jaxlong.train import __main__ as train
     from jaxlong.plan import planner
 
     model = FakeModel(11)

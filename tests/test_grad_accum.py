@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from helpers import assert_trees_close, mesh_for, random_batch, tiered, tiny_cfg
-from jaxlong import step as step_lib
+from jaxlong.training import step as step_lib
 from jaxlong.config import ConfigError
-from jaxlong.model import Runtime, model_graphdef
+from jaxlong.models.llama import Runtime, model_graphdef
 
 
 def _uneven_batch(cfg):

@@ -16,11 +16,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import mesh_for, tiered
 from jaxlong.config import ConfigError, RopeScalingConfig, load_config
-from jaxlong.layers import rope_frequencies, rms_norm
-from jaxlong.model import Runtime, forward, model_graphdef
+from jaxlong.layers.blocks import rope_frequencies, rms_norm
+from jaxlong.models.llama import Runtime, forward, model_graphdef
 from jaxlong.models import hf
 from jaxlong.models.hf_config import model_config_from_hf
-from jaxlong.step import put_batch
+from jaxlong.training.step import put_batch
 
 FIX = Path(__file__).parent / "fixtures" / "hf"
 MODELS = ("llama31", "qwen3")
@@ -173,8 +173,8 @@ YARN = RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddin
 
 
 def _dense_sublayer(x, scale, wq, wk, wv, wo, qn, kn, scaling):
-    from jaxlong.attention.kernels import reference_attention  # noqa: PLC0415
-    from jaxlong.layers import apply_rope, rope_tables  # noqa: PLC0415
+    from jaxlong.kernels.blockwise import reference_attention  # noqa: PLC0415
+    from jaxlong.layers.blocks import apply_rope, rope_tables  # noqa: PLC0415
 
     h = rms_norm(x, scale, 1e-6)
     pos = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
@@ -259,7 +259,7 @@ def test_loading_reads_one_tensor_at_a_time_into_the_planned_shardings(name):
     one tensor never exceed its size (each device reads only its slice; identical slices are read once), and
     every parameter lands in its FSDP sharding with the per-device bytes of the plan."""
     from jaxlong.plan.planner import _shard_bytes  # noqa: PLC0415
-    from jaxlong.step import abstract_state  # noqa: PLC0415
+    from jaxlong.training.step import abstract_state  # noqa: PLC0415
 
     cfg = hf_cfg(name, "mesh.fsdp=8", "mesh.context=1", "global_batch=8")
     mesh = mesh_for(cfg, 8)
@@ -378,8 +378,8 @@ def test_fine_tune_starts_at_transformers_loss_and_exports(tmp_path, name):
     its own first batch (the Grain pipeline's, packed documents); `python -m jaxlong.export` writes a checkpoint
     whose logits (read back by jaxlong, and by transformers when it is installed) equal the trained model's."""
     from jaxlong import data as data_lib  # noqa: PLC0415
-    from jaxlong import export as export_lib  # noqa: PLC0415
-    from jaxlong.trainer import run  # noqa: PLC0415
+    from jaxlong.export import __main__ as export_lib  # noqa: PLC0415
+    from jaxlong.training.loop import run  # noqa: PLC0415
 
     g = golden(name)
 
@@ -422,7 +422,7 @@ def test_fine_tune_starts_at_transformers_loss_and_exports(tmp_path, name):
 
 
 def test_export_cli_errors(tmp_path, capsys):
-    from jaxlong import export as export_lib  # noqa: PLC0415
+    from jaxlong.export import __main__ as export_lib  # noqa: PLC0415
 
     assert export_lib.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
     assert "no checkpoint" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Tests for jaxlong.attention.kernels: blockwise (FlashAttention-2 style) attention vs a
+"""Tests for jaxlong.kernels.blockwise: blockwise (FlashAttention-2 style) attention vs a
 materialized reference, custom_vjp residuals, compiled memory, dispatch and transforms."""
 import functools
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxlong.attention import kernels as K
+from jaxlong.kernels import blockwise as K
 from helpers import pairwise
 
 TOL = dict(rtol=1e-5, atol=1e-5)

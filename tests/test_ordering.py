@@ -1,4 +1,4 @@
-"""RMSNorm's hand-written backward, and the values of `jaxlong.ordering`'s opaque buffers."""
+"""RMSNorm's hand-written backward, and the values of `jaxlong.core.ordering`'s opaque buffers."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.layers import rms_norm
-from jaxlong.ordering import opaque_one, varying_axes, zeros_after
+from jaxlong.layers.blocks import rms_norm
+from jaxlong.core.ordering import opaque_one, varying_axes, zeros_after
 
 
 def _plain_rms_norm(x, scale, eps):

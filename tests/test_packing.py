@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from helpers import assert_trees_close, loss_and_grads, mesh_for, pairwise, reference_cfg, tiered, tiny_cfg
-from jaxlong import model as model_lib
-from jaxlong import step as step_lib
-from jaxlong.attention import kernels as K
+from jaxlong.models import llama as model_lib
+from jaxlong.training import step as step_lib
+from jaxlong.kernels import blockwise as K
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -202,7 +202,7 @@ def test_packed_model_parallel(overrides, kv_heads):
 def test_packed_step_adds_no_sequence_squared_memory(impl):
     """The compiled train step with document masking needs no more temporary memory than the unpacked step
     (up to a few O(seq) int32 arrays): nothing [S, S]-shaped or per head is added."""
-    from jaxlong.memstats import compiled_bytes
+    from jaxlong.core.memstats import compiled_bytes
 
     def temp(packing):
         cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "seq_len=4096", "global_batch=2", "attention.block_q=256",
@@ -221,7 +221,7 @@ def test_resume_reproduces_next_batches_and_loss(tmp_path):
     uninterrupted 8-step run's losses exactly (same batches in the same order)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from jaxlong.trainer import run
+    from jaxlong.training.loop import run
 
     corpus = tmp_path / "c.jsonl"
     rng = np.random.default_rng(0)

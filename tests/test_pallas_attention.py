@@ -1,4 +1,4 @@
-"""The Pallas GPU (Triton) FlashAttention-2 kernel pair with segment ids (`jaxlong.attention.pallas_gpu`).
+"""The Pallas GPU (Triton) FlashAttention-2 kernel pair with segment ids (`jaxlong.kernels.pallas_gpu`).
 
 On the CPU the kernels run in Pallas' interpreter (`interpret=True`): forward, lse and gradients (both the
 backward from a saved (out, lse) and the custom_vjp) equal the blockwise kernel's in float32 -- causal and not,
@@ -19,8 +19,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import tiered, tiny_cfg
-from jaxlong.attention import kernels as K
-from jaxlong.attention import pallas_gpu as PG
+from jaxlong.kernels import blockwise as K
+from jaxlong.kernels import pallas_gpu as PG
 from jaxlong.config import ConfigError
 from jaxlong.plan.target import compile_only_devices, cuda_plugin_available, parse_target
 
@@ -188,7 +188,7 @@ def test_auto_picks_pallas_for_segment_ids_on_gpus_and_config_accepts_it():
 
 def test_training_with_pallas_on_the_cpu_is_refused(tmp_path, monkeypatch):
     from jaxlong import data as data_lib
-    from jaxlong.trainer import run
+    from jaxlong.training.loop import run
 
     def no_data(*args, **kwargs):
         raise AssertionError("the corpus was loaded")
@@ -256,9 +256,9 @@ def test_kernels_compile_for_sm90_inside_shard_map():
 def test_auto_train_step_with_packed_documents_uses_the_pallas_kernel_on_sm90(impl):
     """`attention.backend=auto` with `data.packing=documents` on compile-only H100s resolves to the Pallas
     kernel, and the whole train step (Ulysses or U-Pipe, C = 4) compiles with it and no blockwise loop."""
-    from jaxlong import step as step_lib
-    from jaxlong.mesh import build_mesh
-    from jaxlong.model import Runtime
+    from jaxlong.training import step as step_lib
+    from jaxlong.core.mesh import build_mesh
+    from jaxlong.models.llama import Runtime
 
     cfg = tiny_cfg("compute_dtype=bfloat16", "mesh.fsdp=2", "mesh.context=4", "data.packing=documents",
                    f"attention.impl={impl}", "seq_len=256")

@@ -6,9 +6,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import assert_matches_single_device, loss_and_grads, random_batch, reference_cfg, tiered, tiny_cfg
-from jaxlong.layers import apply_rope, rope_tables
+from jaxlong.layers.blocks import apply_rope, rope_tables
 from jaxlong.parallel.ulysses import ulysses_attention
-from jaxlong.attention.kernels import reference_attention
+from jaxlong.kernels.blockwise import reference_attention
 
 
 @pytest.mark.parametrize(*tiered(

@@ -80,7 +80,7 @@ def test_ladder_adds_hybrid_rungs_when_the_mesh_has_a_ring():
 def test_memory_cli_validates_for_the_target_topology(capsys):
     """`--target h100:8x2` gives the config 16 devices before validating it: the error is ring attention's
     zigzag rule for ring 2 x context 8, not a mesh/device-count mismatch."""
-    from jaxlong.memory import main
+    from jaxlong.memory.__main__ import main
     from jaxlong.plan.target import cuda_plugin_available
 
     if not cuda_plugin_available():
@@ -95,8 +95,8 @@ def test_ring_meshes_resolve_the_blockwise_kernel_on_gpu_targets():
     target a ring mesh resolves `auto` to `blockwise` (no cuDNN workspace is planned for it); one node of
     Ulysses resolves to cuDNN. Mesh construction only, nothing compiles."""
     from helpers import tiny_cfg
-    from jaxlong.mesh import build_mesh
-    from jaxlong.model import Runtime
+    from jaxlong.core.mesh import build_mesh
+    from jaxlong.models.llama import Runtime
     from jaxlong.plan.target import compile_only_devices, cuda_plugin_available, parse_target
 
     if not cuda_plugin_available():
@@ -115,7 +115,7 @@ def test_ring_meshes_resolve_the_blockwise_kernel_on_gpu_targets():
 ])
 def test_memory_cli_bad_flags_are_one_line_errors(capsys, argv, message):
     """Planner flags and GPU-only kernels on a CPU plan are refused before anything compiles (exit 2)."""
-    from jaxlong.memory import main
+    from jaxlong.memory.__main__ import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err

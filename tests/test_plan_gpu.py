@@ -59,8 +59,8 @@ def test_unsupported_field_is_dropped():
 def test_deviceless_gpu_compile_of_a_small_config():
     """The train step compiles for 8 compile-only H100s; `auto` attention resolves to cuDNN from the mesh's
     devices (the process's default backend is the CPU), and the plan adds its GPU-only rows."""
-    from jaxlong.mesh import build_mesh
-    from jaxlong.model import Runtime
+    from jaxlong.core.mesh import build_mesh
+    from jaxlong.models.llama import Runtime
     from jaxlong.plan import plan
 
     cfg = tiny_cfg("compute_dtype=bfloat16", "mesh.fsdp=2", "mesh.context=4", "data.packing=concat")

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from helpers import tiny_cfg
-from jaxlong.checkpoint import config_changes
+from jaxlong.training.checkpoint import config_changes
 from jaxlong.config import Config, ConfigError, load_config, to_dict
-from jaxlong.loss import IGNORE_INDEX, cross_entropy
-from jaxlong.tiled import tiled_cross_entropy
-from jaxlong.train import main
+from jaxlong.layers.loss import IGNORE_INDEX, cross_entropy
+from jaxlong.layers.tiled import tiled_cross_entropy
+from jaxlong.train.__main__ import main
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def test_accepted_edge_values():
 
 
 def test_training_without_clipping_runs():
-    from jaxlong import step as step_lib
+    from jaxlong.training import step as step_lib
 
     tx, _ = step_lib.make_optimizer(tiny_cfg("optim.clip_norm=null"))
     grads = {"w": jnp.full((3,), 100.0)}
@@ -192,7 +192,7 @@ def _tiny_state(step: int) -> dict:
 
 
 def test_checkpoint_label_is_the_state_step_and_leftovers_are_removed(tmp_path):
-    from jaxlong.checkpoint import Checkpointer, committed_steps, saved_config
+    from jaxlong.training.checkpoint import Checkpointer, committed_steps, saved_config
 
     (tmp_path / "5.orbax-checkpoint-tmp-1").mkdir(parents=True)  # left by a killed process
     ckpt = Checkpointer(tmp_path, every=2, keep=5, final_step=7)
@@ -205,7 +205,7 @@ def test_checkpoint_label_is_the_state_step_and_leftovers_are_removed(tmp_path):
 
 
 def test_a_failed_commit_is_reported_and_cleaned(tmp_path, monkeypatch):
-    from jaxlong.checkpoint import CheckpointError, Checkpointer, committed_steps
+    from jaxlong.training.checkpoint import CheckpointError, Checkpointer, committed_steps
 
     ckpt = Checkpointer(tmp_path, every=1, keep=5)
     ckpt.save(_tiny_state(1), {})

@@ -4,10 +4,10 @@ equality of loss and gradients with the single-device model."""
 import pytest
 
 from helpers import assert_matches_single_device, mesh_for, random_batch, tiered, tiny_cfg
-from jaxlong import model as model_lib
-from jaxlong import step as step_lib
+from jaxlong.models import llama as model_lib
+from jaxlong.training import step as step_lib
 from jaxlong.config import ConfigError, RematConfig
-from jaxlong.remat import make_policy
+from jaxlong.layers.remat import make_policy
 
 try:  # public in newer JAX; JAX 0.10 exposes only print_saved_residuals publicly
     from jax.ad_checkpoint import saved_residuals

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from helpers import pairwise, tiered
-from jaxlong.attention.kernels import reference_attention
+from jaxlong.kernels.blockwise import reference_attention
 from jaxlong.parallel.ring import ring_attention, unzigzag, zigzag, zigzag_order, zigzag_positions
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -64,7 +64,7 @@ def test_ring_attention_matches_reference(ring, heads, kv_heads, causal):
 
 # ----------------------------------------------------------------------------- hybrids
 
-from jaxlong.layers import apply_rope, rope_tables  # noqa: E402
+from jaxlong.layers.blocks import apply_rope, rope_tables  # noqa: E402
 from jaxlong.parallel.ulysses import ulysses_attention  # noqa: E402
 from jaxlong.parallel.upipe import upipe_attention  # noqa: E402
 from helpers import RING_SEQ, ring_mesh  # noqa: E402

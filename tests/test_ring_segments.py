@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from helpers import RING_SEQ, assert_trees_close, loss_and_grads, reference_cfg, ring_mesh, tiered, tiny_cfg
-from jaxlong.attention.kernels import reference_attention
-from jaxlong.layers import apply_rope, rope_tables
+from jaxlong.kernels.blockwise import reference_attention
+from jaxlong.layers.blocks import apply_rope, rope_tables
 from jaxlong.parallel.ring import ring_attention, run_ids, unzigzag, zigzag
 from jaxlong.parallel.ulysses import ulysses_attention
 from jaxlong.parallel.upipe import upipe_attention
@@ -198,8 +198,8 @@ def test_packed_train_step_with_ring_matches_ring_1(overrides):
 def test_packed_ring_step_adds_no_sequence_squared_memory(impl):
     """The compiled train step under mesh.ring=2 with document masking needs no more temporary memory than the
     unpacked one (up to a few O(seq) int32 arrays): nothing [S, S]-shaped or per head is added."""
-    from jaxlong import step as step_lib
-    from jaxlong.memstats import compiled_bytes
+    from jaxlong.training import step as step_lib
+    from jaxlong.core.memstats import compiled_bytes
 
     from helpers import mesh_for
 

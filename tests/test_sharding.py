@@ -6,8 +6,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import mesh_for, tiny_cfg
-from jaxlong import step as step_lib
-from jaxlong.mesh import FSDP_AXES, describe_param_sharding, param_spec
+from jaxlong.training import step as step_lib
+from jaxlong.core.mesh import FSDP_AXES, describe_param_sharding, param_spec
 
 
 def test_param_spec_rule():

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxlong.loss import cross_entropy
-from jaxlong.tiled import (
+from jaxlong.layers.loss import cross_entropy
+from jaxlong.layers.tiled import (
     default_loss_tile,
     default_mlp_tiles,
     swiglu,

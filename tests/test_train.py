@@ -6,7 +6,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import tiny_cfg
-from jaxlong.trainer import run
+from jaxlong.training.loop import run
 
 TRAIN = ("mesh.fsdp=2", "mesh.context=4", "seq_len=128", "global_batch=4", "data.max_tokens=200000",
          "optim.lr=1e-2", "optim.warmup_steps=1", "model.vocab_size=257")
@@ -63,9 +63,9 @@ def test_upipe_trains_to_the_same_loss_curve_as_ulysses(tmp_path):
 def test_a_step_that_cannot_fit_device_memory_is_refused_before_allocating(monkeypatch):
     import jax
 
-    from jaxlong import step as step_lib
+    from jaxlong.training import step as step_lib
     from jaxlong.config import ConfigError
-    from jaxlong.trainer import check_fits
+    from jaxlong.training.loop import check_fits
     from helpers import mesh_for
 
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4")
@@ -92,7 +92,7 @@ def test_sigterm_saves_the_last_finished_step(tmp_path, monkeypatch):
     import os
     import signal
 
-    from jaxlong import trainer
+    from jaxlong.training import loop as trainer
 
     calls = {"n": 0}
     real_put = trainer.step_lib.put_batch
@@ -106,6 +106,6 @@ def test_sigterm_saves_the_last_finished_step(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.step_lib, "put_batch", put_then_preempt)
     with pytest.raises(KeyboardInterrupt):
         run(_cfg(tmp_path, "steps=10", "checkpoint_every=100", "run_name=pre"))
-    from jaxlong.checkpoint import Checkpointer
+    from jaxlong.training.checkpoint import Checkpointer
 
     assert Checkpointer.latest_in(tmp_path / "pre" / "checkpoints") == 3

@@ -7,9 +7,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import assert_matches_single_device, tiered, tiny_cfg
-from jaxlong.attention.kernels import reference_attention
+from jaxlong.kernels.blockwise import reference_attention
 from jaxlong.config import ConfigError
-from jaxlong.layers import apply_rope, rms_norm, rope_tables
+from jaxlong.layers.blocks import apply_rope, rms_norm, rope_tables
 from jaxlong.parallel.upipe import Schedule, upipe_attention
 from jaxlong.parallel.ulysses import ulysses_attention
 

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxlong.attention.kernels import blockwise_attention
-from jaxlong.layers import apply_rope, rope_tables
+from jaxlong.kernels.blockwise import blockwise_attention
+from jaxlong.layers.blocks import apply_rope, rope_tables
 from jaxlong.parallel.ulysses import heads_to_seq, seq_to_heads
 from jaxlong.parallel.upipe import attention_layer, attention_memory_model
 from helpers import pairwise, tiered

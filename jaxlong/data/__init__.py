@@ -1,6 +1,6 @@
 """Training data: corpus sources, tokenizers, packed documents, a resumable Grain pipeline.
 
-Batches go onto the mesh with `jaxlong.step.put_batch` (the input layout of every step).
+Batches go onto the mesh with `jaxlong.training.step.put_batch` (the input layout of every step).
 
 * `jaxlong.data.sources` — the documents of `data.path` (stdlib sources, .txt, .jsonl, .parquet, .array_record)
   as a Grain data source, with every file checked before anything compiles.

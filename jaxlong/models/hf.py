@@ -15,7 +15,7 @@ Layouts (HF `nn.Linear` weights are `[out, in]`; jaxlong keeps heads explicit an
 | `model.norm.weight`                                     | `[D]`           | `final_norm`           | `[D]`                |
 | `lm_head.weight` (absent when tied)                     | `[V, D]`        | `lm_head`              | `[D, V]`             |
 
-HF's RoPE pairs dimension i with i + d/2 (`rotate_half`), as `jaxlong.layers.apply_rope` does, so no
+HF's RoPE pairs dimension i with i + d/2 (`rotate_half`), as `jaxlong.layers.blocks.apply_rope` does, so no
 permutation of the q/k rows is needed.
 
 Import (`load_params`): every parameter is created with `jax.make_array_from_callback` in its FSDP sharding,
@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxlong.config import Config, ConfigError, ModelConfig
-from jaxlong.mesh import tree_shardings
+from jaxlong.core.mesh import tree_shardings
 from jaxlong.models.hf_config import hf_config_dict, read_config_json
 from jaxlong.data.tokenizer import TOKENIZER_FILES, HFTokenizer
 
@@ -139,7 +139,7 @@ def check_checkpoint(directory: str | Path, cfg: Config, reader: SafetensorsRead
         named), a tensor's shape differs from the one config.json implies, or the tokenizer has more tokens
         than the embedding rows.
     """
-    from jaxlong.model import abstract_params  # noqa: PLC0415
+    from jaxlong.models.llama import abstract_params  # noqa: PLC0415
 
     reader = reader or SafetensorsReader(directory)
     where = f"model.from_hf={str(directory)!r}"
@@ -213,16 +213,16 @@ def load_params(directory: str | Path, cfg: Config, mesh: jax.sharding.Mesh,
       directory: checkpoint directory (config.json, *.safetensors); `cfg.model` must describe it
         (`jaxlong.models.hf_config.model_config_from_hf`).
       cfg: the run's config (shapes, `param_dtype`: bf16 or fp32 files are converted to it).
-      mesh: the run's mesh (`jaxlong.mesh.tree_shardings` gives each leaf's sharding).
+      mesh: the run's mesh (`jaxlong.core.mesh.tree_shardings` gives each leaf's sharding).
       reader: where tensors are read from (default: `SafetensorsReader(directory)`).
 
     Returns:
-      the params dict of `jaxlong.model.init_params`' structure (stacked `[layers, ...]` decoder leaves).
+      the params dict of `jaxlong.models.llama.init_params`' structure (stacked `[layers, ...]` decoder leaves).
 
     Raises:
       ConfigError: see `check_checkpoint` (checked first).
     """
-    from jaxlong.model import abstract_params  # noqa: PLC0415
+    from jaxlong.models.llama import abstract_params  # noqa: PLC0415
 
     reader = reader or SafetensorsReader(directory)
     check_checkpoint(directory, cfg, reader)
@@ -284,7 +284,7 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, source: str | Path | 
     """
     from safetensors.numpy import save_file  # noqa: PLC0415
 
-    from jaxlong.model import abstract_params  # noqa: PLC0415
+    from jaxlong.models.llama import abstract_params  # noqa: PLC0415
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):

@@ -24,7 +24,7 @@ block X = (second query chunk, first K/V chunk) always, and block Y = (first, fi
 No block is ever fully masked. Token positions (RoPE) follow the permutation (`zigzag_positions`); the
 loss, a mean over tokens, is unchanged when inputs, targets and mask are permuted together.
 
-The per-block math is `jaxlong.attention.kernels.blockwise_attention_fwd/bwd` (FlashAttention-2), whose
+The per-block math is `jaxlong.kernels.blockwise.blockwise_attention_fwd/bwd` (FlashAttention-2), whose
 backward takes the *global* output and lse, so the per-block gradients of the ring are exact.
 
 Packed documents (segment ids, the kernels' document masking): every rank holds the whole sequence's int32 ids
@@ -56,7 +56,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.attention.kernels import blockwise_attention_bwd, blockwise_attention_fwd, segment_starts
+from jaxlong.kernels.blockwise import blockwise_attention_bwd, blockwise_attention_fwd, segment_starts
 
 RING_AXIS = "ring"
 _F32 = jnp.float32
@@ -128,7 +128,7 @@ def run_ids(segment_ids: jax.Array, ring: int) -> jax.Array:
     layout for `ring`.
 
     Two tokens share a run id iff they are in the same run of the natural order, so for a key before a query
-    "same run id" is exactly the kernel's document mask (`jaxlong.attention.kernels`, module docstring), and run
+    "same run id" is exactly the kernel's document mask (`jaxlong.kernels.blockwise`, module docstring), and run
     ids never decrease along either of a rank's two chunks. O(S) work and memory."""
     return zigzag(segment_starts(unzigzag(segment_ids.astype(jnp.int32), ring)), ring)
 
@@ -233,7 +233,7 @@ def _block_ids(segment_ids, q, n: int, axis_name: str, causal: bool):
 def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = True, block_q: int = 512,
                        block_k: int = 512, segment_ids=None):
     """Ring attention forward inside `jax.shard_map`; returns `(out, lse)` like
-    `jaxlong.attention.kernels.attention_fwd_with_lse`.
+    `jaxlong.kernels.blockwise.attention_fwd_with_lse`.
 
     Args:
       q: local `[batch, S/R, heads, head_dim]`; k, v: local `[batch, S/R, kv_heads, head_dim]`, this ring

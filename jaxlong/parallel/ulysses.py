@@ -32,10 +32,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jaxlong import layers as L
-from jaxlong.attention.kernels import attention
+from jaxlong.layers import blocks as L
+from jaxlong.kernels.blockwise import attention
 from jaxlong.config import check_heads
-from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, axis_size, seq_axes
+from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, axis_size, seq_axes
 from jaxlong.parallel.ring import ring_attention_local
 
 
@@ -86,7 +86,7 @@ def ulysses_attention(
         ring x context (in the zigzag layout when ring > 1, `jaxlong.parallel.ring.zigzag`).
       k, v: `[batch, seq, kv_heads, head_dim]`, same sharding.
       mesh: the `data x fsdp x ring x context` mesh (or `data x fsdp x context`).
-      backend, block_q, block_k: the single-device kernel (see `jaxlong.attention.kernels.attention`); with
+      backend, block_q, block_k: the single-device kernel (see `jaxlong.kernels.blockwise.attention`); with
         ring > 1 the per-block kernel is the blockwise one whatever `backend` says.
       segment_ids: int32 `[batch, seq]` (0 = padding) or None: document masking. Whole sequences per device,
         as `gather_segment_ids` lays them out (passing them sharded over context gathers them on every call);
@@ -127,7 +127,7 @@ def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | Non
     Projects Q, K, V for all heads from the normalized layer input (sequence-sharded), applies RoPE and
     Qwen3's q/k norms, runs `ulysses_attention` and the output projection. The tensors `attn_norm_out`,
     `query_proj`, `key_proj`, `value_proj` and `attn_out` are named for remat policies
-    (`jaxlong.remat`).
+    (`jaxlong.layers.remat`).
 
     Args:
       x: layer input `[batch, seq, hidden]`, sequence over ring x context.

@@ -26,19 +26,19 @@ end) back, un-rotates them (RoPE is orthogonal: its transpose is the rotation by
 and the weight gradients stage by stage. Differentiating a plain scan instead would stack every stage's
 residuals and give the saving back (`tests/test_upipe_memory.py` checks the compiled gradient for this).
 
-Fused attention sublayer (`norm_scale=`, `out_weight=`, what `jaxlong.model` uses). The op can take the raw
+Fused attention sublayer (`norm_scale=`, `out_weight=`, what `jaxlong.models.llama` uses). The op can take the raw
 layer input and the attention RMSNorm's scale and normalize inside: the forward then saves the layer input
 (alive anyway under layer remat) instead of the normalized copy. The norm is folded into the projections
 (`_linear`): with h = x * (r * scale), r the per-token 1/rms, each stage computes `h @ W = r * (x @ (scale * W))`
 and the weight gradients `h^T dY = scale * (x^T (r * dY))`, so no normalized `[b, S/C, hidden]` copy of x
 exists in the forward or the backward (at 3M tokens on Llama-3.1-8B, C = 8, that is 3 GiB per device at the
-backward's peak); the backward pulls the accumulated dh back through the norm (`jaxlong.layers.rms_norm_bwd`).
+backward's peak); the backward pulls the accumulated dh back through the norm (`jaxlong.layers.blocks.rms_norm_bwd`).
 Otherwise the normalized input is a residual alive through the whole backward of the layer's MLP. With W_o as well, the op returns `x + out @ W_o` and its backward takes the
 `[b, S/C, hidden]` gradient of the sublayer: each stage projects it onto its own heads (`dy @ W_o[s]^T`,
 `[b, S/C, U, d]`) and accumulates its rows of dW_o, so the full-width output gradient `[b, S/C, H, d]` that
 autodiff of `out @ W_o` would hand the op never exists, and the residual branch's gradient goes straight
 into dx. Buffers the op allocates (the output buffer, the accumulators) are created with
-`jaxlong.ordering.zeros_after`, so the compiler does not hoist them out of the decoder-layer scan.
+`jaxlong.core.ordering.zeros_after`, so the compiler does not hoist them out of the decoder-layer scan.
 
 Qwen3's q/k norms (`qk_norm=`) and RoPE scaling (`rope_scaling=`). Each stage normalizes its own query heads and
 its KV group's key heads over head_dim before RoPE, inside the op; the backward recomputes `rope(norm(x @ w))`
@@ -65,7 +65,7 @@ U-Pipe, forward + backward, at a backward stage's all-to-alls before the attenti
   dq accumulator and one all-to-all's chunks 5*T_q; the weights transposed to the CPU's dot layout for dx,
   hoisted out of the loop, T_w; T_r. With one stage (U = H) the stage consumes the output buffer at once and
   there are no accumulators: 4*T_kv + 5*T_q + T_w + T_r. (Accumulators are float32 whatever B.)
-Ulysses (`jaxlong.model` path: project all heads, RoPE, `ulysses_attention`), the same layer:
+Ulysses (`jaxlong.models.llama` path: project all heads, RoPE, `ulysses_attention`), the same layer:
   forward, at the query RoPE: Q projection T_o, its two rotated halves T_o, K, V projections 2*T_kv; T_r.
   forward + backward, at the dout all-to-all of the attention backward: q and o (residuals), the dq
   accumulator, dout's send and receive chunks 5*T_o; K, V and the attention backward's dK, dV 4*T_kv; T_w;
@@ -89,12 +89,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxlong import layers as L
-from jaxlong.attention.kernels import attention_bwd, attention_fwd_with_lse
+from jaxlong.layers import blocks as L
+from jaxlong.kernels.blockwise import attention_bwd, attention_fwd_with_lse
 from jaxlong.config import check_upipe_schedule
-from jaxlong.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, seq_axes
+from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, seq_axes
 from jaxlong.parallel.ring import ring_attention_bwd, ring_attention_fwd, zigzag_positions
-from jaxlong.ordering import opaque_one, zeros_after
+from jaxlong.core.ordering import opaque_one, zeros_after
 from jaxlong.parallel.ulysses import ulysses_attention
 
 
@@ -307,7 +307,7 @@ def _context_size() -> int:
 
 
 def _rope(x, cos, sin):
-    """RoPE as `jaxlong.layers.apply_rope` (same pairing and values) written without slices and concatenation:
+    """RoPE as `jaxlong.layers.blocks.apply_rope` (same pairing and values) written without slices and concatenation:
     with the head dim viewed as `[2, d/2]`, `x*cos + reverse(x)*[-sin, sin]`, one fusible elementwise loop."""
     half = x.shape[-1] // 2
     xf = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, half)
@@ -585,7 +585,7 @@ def upipe_attention(
       wq: `[hidden, heads, head_dim]`; wk, wv: `[hidden, kv_heads, head_dim]` (replicated, i.e. gathered).
       heads_per_stage: U, a multiple of the context degree C that divides `heads`.
       rope_theta: RoPE base; positions are global token indices.
-      backend, causal, block_q, block_k: the attention kernel (`jaxlong.attention.kernels`).
+      backend, causal, block_q, block_k: the attention kernel (`jaxlong.kernels.blockwise`).
       norm_scale: the attention RMSNorm's scale `[hidden]` (replicated), to normalize x inside the op:
         the forward then saves the layer input instead of the normalized one and the backward recomputes the
         norm after the incoming gradient arrives, so no normalized copy of x stays alive through the rest of
@@ -595,7 +595,7 @@ def upipe_attention(
         backward forms each stage's slice of the output gradient from the incoming `[b, S/C, hidden]` gradient
         (`dy @ W_o[stage]^T`, `[b, S/C, U, d]`) and accumulates dW_o stage by stage: no `[b, S/C, H, d]`
         output gradient is ever live, and the residual gradient seeds dx.
-      rope_scaling: a `jaxlong.config.RopeScalingConfig` (or None), as `jaxlong.layers.rope_tables` takes.
+      rope_scaling: a `jaxlong.config.RopeScalingConfig` (or None), as `jaxlong.layers.blocks.rope_tables` takes.
       qk_norm: None, or Qwen3's (q_norm, k_norm) RMSNorm scales `[head_dim]` (replicated): each stage normalizes
         its query heads and its KV group's key heads over head_dim (epsilon `norm_eps`) before RoPE, and the
         backward pulls dQ, dK back through the norms (the scales' gradients included).
@@ -682,7 +682,7 @@ def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | Non
 
 def attention_layer(impl: str, mesh: jax.sharding.Mesh, *, heads_per_stage: int | None = None,
                     rope_theta: float = 500000.0, backend: str = "auto", block_q: int = 512, block_k: int = 512):
-    """One attention layer from its normalized input, as `jaxlong.model` runs it: `(x, wq, wk, wv) -> out`
+    """One attention layer from its normalized input, as `jaxlong.models.llama` runs it: `(x, wq, wk, wv) -> out`
     `[b, S, H, d]` before W_o. `impl`: "upipe" (`upipe_attention`) or "ulysses" (project all heads, RoPE with
     global positions, `ulysses_attention`). For memory and speed comparisons of the two (tests, sweeps)."""
     kernel = dict(backend=backend, block_q=block_q, block_k=block_k)

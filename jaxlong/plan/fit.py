@@ -3,7 +3,7 @@
     python -m jaxlong.memory --fit --target h100 --config configs/llama3_1_8b.yaml seq_len=131072
     python -m jaxlong.train  --fit --target h100 --config configs/llama3_1_8b.yaml seq_len=131072
 
-The flags, tables and JSON are in `jaxlong.plan.fit_cli`. Memory is a currency: add memory techniques one at
+The flags, tables and JSON are in `jaxlong.memory.fit_options`. Memory is a currency: add memory techniques one at
 a time, stop as soon as the context fits, and spend the memory left over on speed. The search covers the
 options that change memory and speed but not the model's result (the loss and gradients are the same up to
 floating-point order):
@@ -156,7 +156,7 @@ def mesh_splits(cfg: Config, devices_per_node: int, nodes: int) -> list[tuple[st
 def dimension_levels(cfg: Config) -> list[list[tuple[str, ...]]]:
     """Per dimension (`DIM_NAMES`), the overrides of each level, fastest expected first, for `cfg`'s mesh."""
     from jaxlong.config import resolve_mesh_shape  # noqa: PLC0415
-    from jaxlong.tiled import default_mlp_tiles  # noqa: PLC0415
+    from jaxlong.layers.tiled import default_mlp_tiles  # noqa: PLC0415
 
     m = cfg.model
     _, _, ring, context = resolve_mesh_shape(cfg.mesh, cfg.mesh.num_devices)
@@ -282,7 +282,7 @@ def analytic_cost(cfg: Config, p: dict | None = None, *, peak_flops: float = 989
     if cfg.attention.impl == "upipe":
         seconds += launch * (cfg.model.heads // (cfg.attention.heads_per_stage or context))
     if cfg.tiling.mlp:
-        from jaxlong.tiled import default_mlp_tiles  # noqa: PLC0415
+        from jaxlong.layers.tiled import default_mlp_tiles  # noqa: PLC0415
 
         s_local = cfg.seq_len // (ring * context)
         seconds += launch * (cfg.tiling.mlp_tiles or default_mlp_tiles(s_local, cfg.model.hidden))

@@ -119,8 +119,8 @@ def _host_residual_bytes(cfg: Config, mesh) -> int:
         return 0
     import jax  # noqa: PLC0415
 
-    from jaxlong import model as model_lib  # noqa: PLC0415
-    from jaxlong import step as step_lib  # noqa: PLC0415
+    from jaxlong.models import llama as model_lib  # noqa: PLC0415
+    from jaxlong.training import step as step_lib  # noqa: PLC0415
 
     try:
         from jax.ad_checkpoint import saved_residuals  # noqa: PLC0415
@@ -158,7 +158,7 @@ def _estimate(cfg: Config, compiled, target, devices: list) -> dict:
     target, against the shipped target whose GPU the devices are."""
     from jaxlong.plan.cost import hlo_cost, roofline  # noqa: PLC0415
     from jaxlong.plan.target import parse_target  # noqa: PLC0415
-    from jaxlong.trainer import flops_per_token  # noqa: PLC0415
+    from jaxlong.training.loop import flops_per_token  # noqa: PLC0415
 
     n = cfg.mesh.num_devices
     if target is None:
@@ -206,10 +206,10 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
     """
     import jax  # noqa: PLC0415
 
-    from jaxlong import step as step_lib  # noqa: PLC0415
-    from jaxlong.memstats import compiled_bytes  # noqa: PLC0415
-    from jaxlong.mesh import CONTEXT_AXIS, build_mesh  # noqa: PLC0415
-    from jaxlong.model import Runtime  # noqa: PLC0415
+    from jaxlong.training import step as step_lib  # noqa: PLC0415
+    from jaxlong.core.memstats import compiled_bytes  # noqa: PLC0415
+    from jaxlong.core.mesh import CONTEXT_AXIS, build_mesh  # noqa: PLC0415
+    from jaxlong.models.llama import Runtime  # noqa: PLC0415
     from jaxlong.plan import workspace as ws  # noqa: PLC0415
     from jaxlong.plan.target import compile_only_devices  # noqa: PLC0415
 

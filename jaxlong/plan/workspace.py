@@ -11,7 +11,7 @@ algorithm, the one JAX's `dot_product_attention(implementation='cudnn')` uses): 
   softmax_sum  float32 `[b, h_q, s_q]`: rowsum(dO * O), 4*b*h_q*s_q bytes
 (GQA's full-head dK/dV buffers are virtual in this layout: no memory). The forward needs no sizeable workspace.
 Only one attention backward call runs at a time (the layer scan is sequential), so the row is the largest
-single call: `jaxlong.attention.cudnn` runs the backward one query head per call (`BWD_HEADS_PER_CALL`), for
+single call: `jaxlong.kernels.cudnn` runs the backward one query head per call (`BWD_HEADS_PER_CALL`), for
 Ulysses' H/C local heads and U-Pipe's U/C heads alike (h_q = 1, s_q = S).
 The blockwise (pure JAX) and reference kernels are XLA programs: all their memory is in the compiled plan.
 
@@ -51,7 +51,7 @@ def attention_workspace_bytes(cfg: Config, backend: str, context: int, batch_loc
     """
     if backend != "cudnn":
         return 0
-    from jaxlong.attention.cudnn import BWD_HEADS_PER_CALL  # noqa: PLC0415
+    from jaxlong.kernels.cudnn import BWD_HEADS_PER_CALL  # noqa: PLC0415
 
     m = cfg.model
     if cfg.attention.impl == "upipe":

@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.loss import IGNORE_INDEX
-from jaxlong.mesh import BATCH_AXES, seq_axes, seq_shards
-from jaxlong.ordering import zeros_after
+from jaxlong.layers.loss import IGNORE_INDEX
+from jaxlong.core.mesh import BATCH_AXES, seq_axes, seq_shards
+from jaxlong.core.ordering import zeros_after
 
 MiB = 2**20
 DEFAULT_LOSS_BUDGET_BYTES = 256 * MiB
@@ -257,7 +257,7 @@ def tiled_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, 
                         mesh: jax.sharding.Mesh | None = None) -> jax.Array:
     """Mean next-token cross-entropy (nats/token, float32 scalar) over the valid tokens of the global batch:
     `loss_sum / max(count, 1)` of `tiled_loss_sum` (same arguments and errors). Equal to
-    `jaxlong.loss.cross_entropy(hidden, head, targets, mask)` without materializing `[batch, seq, vocab]`."""
+    `jaxlong.layers.loss.cross_entropy(hidden, head, targets, mask)` without materializing `[batch, seq, vocab]`."""
     loss_sum, count = tiled_loss_sum(hidden, head, targets, mask, tile=tile, mesh=mesh)
     return loss_sum / jnp.maximum(count, 1.0)
 
@@ -268,7 +268,7 @@ def tiled_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """Plain SwiGLU `(silu(x W_gate) * (x W_up)) W_down`: `[b, s, hidden]` -> `[b, s, hidden]`
-    (the same math as `jaxlong.model.mlp`)."""
+    (the same math as `jaxlong.models.llama.mlp`)."""
     gate = jnp.einsum("bsh,hf->bsf", x, w_gate)
     up = jnp.einsum("bsh,hf->bsf", x, w_up)
     return jnp.einsum("bsf,fh->bsh", jax.nn.silu(gate) * up, w_down)

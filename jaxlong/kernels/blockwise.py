@@ -1,6 +1,6 @@
 """Attention kernels: exact blockwise (flash-style) attention in pure JAX, backend dispatch
-(the cuDNN kernel pair with lse in and out is :mod:`jaxlong.attention.cudnn`; the Pallas GPU kernel pair
-with segment ids is :mod:`jaxlong.attention.pallas_gpu`).
+(the cuDNN kernel pair with lse in and out is :mod:`jaxlong.kernels.cudnn`; the Pallas GPU kernel pair
+with segment ids is :mod:`jaxlong.kernels.pallas_gpu`).
 
 Layout (everywhere in this module):
 
@@ -44,10 +44,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlong.attention import cudnn as _cudnn
-from jaxlong.attention import pallas_gpu as _pallas
-from jaxlong.attention.layout import cudnn_head_dim_ok, pallas_head_dim_ok
-from jaxlong.ordering import varying_axes, zeros_after
+from jaxlong.kernels import cudnn as _cudnn
+from jaxlong.kernels import pallas_gpu as _pallas
+from jaxlong.kernels.layout import cudnn_head_dim_ok, pallas_head_dim_ok
+from jaxlong.core.ordering import varying_axes, zeros_after
 
 __all__ = [
     "BACKENDS",
@@ -113,7 +113,7 @@ def _full(shape, value, *refs):
     Loop carries must keep one type inside ``jax.shard_map``; a plain ``jnp.zeros`` is
     mesh-invariant while the loop body's results vary with the inputs, so the buffer varies
     over the union of the axes of ``refs``. It is built after the last of ``refs`` (see
-    :mod:`jaxlong.ordering`): a constant buffer would be hoisted out of the enclosing layer
+    :mod:`jaxlong.core.ordering`): a constant buffer would be hoisted out of the enclosing layer
     scan and stay allocated across all of it.
     """
     return zeros_after(refs[-1], shape, _F32, varying_axes(*refs), value)
@@ -470,13 +470,13 @@ def blockwise_attention(q, k, v, *, causal: bool = True, block_q: int = 512,
 
 
 def cudnn_attention(q, k, v, *, causal: bool = True):
-    """Differentiable cuDNN flash attention (:mod:`jaxlong.attention.cudnn`, a ``custom_vjp`` saving
+    """Differentiable cuDNN flash attention (:mod:`jaxlong.kernels.cudnn`, a ``custom_vjp`` saving
     ``(q, k, v, out, lse)`` whose backward does not rerun the forward).
 
     Same layout (GQA handled natively). GPU only; bf16/fp16 inputs, head_dim a multiple of 8 and <= 256.
     It takes no segment ids: packed documents go to the Pallas GPU kernel (``backend='auto'``) or raise
     (``backend='cudnn'``, see :func:`resolve_backend`).
-    Raises ValueError/ConfigError as :func:`jaxlong.attention.cudnn.cudnn_attention_fwd`.
+    Raises ValueError/ConfigError as :func:`jaxlong.kernels.cudnn.cudnn_attention_fwd`.
     """
     return _cudnn.cudnn_attention(q, k, v, causal=causal)
 
@@ -501,7 +501,7 @@ def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = No
     if backend == "cudnn" and segment_ids is not None:
         raise ValueError(
             "attention.backend=cudnn cannot mask packed documents (cuDNN's packed layout is not usable at long "
-            "context, see jaxlong.attention.cudnn); use attention.backend=auto or pallas (GPUs) or blockwise, or "
+            "context, see jaxlong.kernels.cudnn); use attention.backend=auto or pallas (GPUs) or blockwise, or "
             "data.packing=concat")
     if backend != "auto":
         return backend
@@ -543,9 +543,9 @@ def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = Tru
 
     * ``'blockwise'``: :func:`blockwise_attention_fwd` (real lse).
     * ``'reference'``: exact lse from the materialized scores.
-    * ``'cudnn'``: :func:`jaxlong.attention.cudnn.cudnn_attention_fwd`, cuDNN's softmax statistic,
+    * ``'cudnn'``: :func:`jaxlong.kernels.cudnn.cudnn_attention_fwd`, cuDNN's softmax statistic,
       which is the same natural-log lse.
-    * ``'pallas'``: :func:`jaxlong.attention.pallas_gpu.pallas_attention_fwd` (real lse, segment ids).
+    * ``'pallas'``: :func:`jaxlong.kernels.pallas_gpu.pallas_attention_fwd` (real lse, segment ids).
     ``segment_ids`` as for :func:`attention`.
     """
     backend = resolve_backend(backend, q, segment_ids)
@@ -564,8 +564,8 @@ def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: boo
     """Backward matching :func:`attention_fwd_with_lse`; returns ``(dq, dk, dv)``.
 
     ``'blockwise'`` uses :func:`blockwise_attention_bwd`, ``'cudnn'``
-    :func:`jaxlong.attention.cudnn.cudnn_attention_bwd` and ``'pallas'``
-    :func:`jaxlong.attention.pallas_gpu.pallas_attention_bwd`, all from the saved ``out``/``lse`` (no
+    :func:`jaxlong.kernels.cudnn.cudnn_attention_bwd` and ``'pallas'``
+    :func:`jaxlong.kernels.pallas_gpu.pallas_attention_bwd`, all from the saved ``out``/``lse`` (no
     forward is rerun). ``'reference'`` (tests only) ignores ``out``/``lse`` and recomputes the
     forward under ``jax.vjp``. Dtypes follow q, k, v.
     """

@@ -148,7 +148,7 @@ def prepare_jax(cfg: Config, target) -> None:
     """Environment before jax is imported: no CUDA initialization for a deviceless target, simulated CPU devices."""
     import os  # noqa: PLC0415
 
-    from jaxlong.train import set_host_device_count  # noqa: PLC0415
+    from jaxlong.train.__main__ import set_host_device_count  # noqa: PLC0415
 
     if target is not None and not os.path.exists("/dev/nvidiactl"):
         os.environ["JAX_PLATFORMS"] = "cpu"

@@ -17,7 +17,7 @@ import re
 import sys
 
 from jaxlong.config import ConfigError, load_config
-from jaxlong.plan import fit_cli
+from jaxlong.memory import fit_options as fit_cli
 from jaxlong.plan.planner import __doc__ as _PLAN_DOC
 from jaxlong.plan.cost import _sig
 from jaxlong.plan.planner import _ctx, _gib, budgets, format_table, ladder, max_context, plan, plot_ladder
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin must not try to initialize a driver
     if args.dump:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.dump}".strip()
-    from jaxlong.train import set_host_device_count  # noqa: PLC0415
+    from jaxlong.train.__main__ import set_host_device_count  # noqa: PLC0415
 
     set_host_device_count(cfg.mesh.num_devices)
     where = target.describe() if target else f"{cfg.mesh.num_devices} devices"

@@ -15,7 +15,7 @@ The config is validated before jax is imported; on the CPU, `mesh.num_devices` s
 (`--xla_force_host_platform_device_count`), which must happen before jax is imported.
 
 Launched as several processes (`srun`, `mpirun`, or by hand with `JAX_COORDINATOR_ADDRESS`,
-`JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`; see `jaxlong.distributed`), it calls `jax.distributed.initialize()`
+`JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`; see `jaxlong.core.distributed`), it calls `jax.distributed.initialize()`
 first and the mesh spans the devices of all processes (on the CPU each process simulates
 `mesh.num_devices / processes` of them).
 """
@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 
-from jaxlong import distributed
+from jaxlong.core import distributed
 from jaxlong.config import ConfigError, load_config
 
 
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--resume even where the config changes the model, data stream or schedule")
     parser.add_argument("--profile", action="store_true", help="trace a few steps with jax.profiler into the run dir")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. mesh.context=8 seq_len=16384")
-    from jaxlong.plan import fit_cli  # noqa: PLC0415
+    from jaxlong.memory import fit_options as fit_cli  # noqa: PLC0415
 
     fit_cli.add_arguments(parser, planner_options=True)
     return parser.parse_intermixed_args(argv)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if args.fit:  # search the fastest configuration that fits, then train with it
-        from jaxlong.plan import fit_cli  # noqa: PLC0415
+        from jaxlong.memory import fit_options as fit_cli  # noqa: PLC0415
 
         try:
             if distributed.process_count_from_env() > 1:
@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from jaxlong.trainer import run  # noqa: PLC0415 (jax must be imported after XLA_FLAGS is set)
+    from jaxlong.training.loop import run  # noqa: PLC0415 (jax must be imported after XLA_FLAGS is set)
 
-    from jaxlong.checkpoint import CheckpointError  # noqa: PLC0415
+    from jaxlong.training.checkpoint import CheckpointError  # noqa: PLC0415
 
     resume = args.resume or args.resume_with_changes
     try:

@@ -1,11 +1,11 @@
 """The train loop: data, ahead-of-time compile with a memory report, steps, metrics, checkpoints, profile.
 
-The trainer knows no model internals: it builds the mesh, the state and the jitted step from `jaxlong.step`,
+The trainer knows no model internals: it builds the mesh, the state and the jitted step from `jaxlong.training.step`,
 feeds batches already sharded on the mesh, and writes TensorBoard scalars under `<run_dir>/<run_name>/`:
 `loss`, `lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `mfu` (when the device's peak is known),
 `device_memory/*` (where the backend reports it), `packing_efficiency` (the fraction of tokens that are not
 padding), and every `eval_every` steps `eval/loss` and `eval/perplexity` on held-out documents
-(`jaxlong.evaluate.Validator`). In a multi-process run only process 0 prints, writes TensorBoard and shows the
+(`jaxlong.evaluation.steps.Validator`). In a multi-process run only process 0 prints, writes TensorBoard and shows the
 progress bar.
 """
 
@@ -23,9 +23,9 @@ from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 from jaxlong import data as data_lib
-from jaxlong import evaluate as eval_lib
-from jaxlong import step as step_lib
-from jaxlong.checkpoint import (
+from jaxlong.evaluation import steps as eval_lib
+from jaxlong.training import step as step_lib
+from jaxlong.training.checkpoint import (
     CheckpointError,
     Checkpointer,
     StateMismatch,
@@ -36,8 +36,8 @@ from jaxlong.checkpoint import (
     saved_config,
 )
 from jaxlong.config import Config, ConfigError, to_dict, validate
-from jaxlong.memstats import compiled_bytes, device_memory, fmt_bytes, format_compiled
-from jaxlong.mesh import build_mesh, describe_param_sharding
+from jaxlong.core.memstats import compiled_bytes, device_memory, fmt_bytes, format_compiled
+from jaxlong.core.mesh import build_mesh, describe_param_sharding
 
 # Dense bf16 peak FLOP/s per device, for MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -149,7 +149,7 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_chang
     """Train for `cfg.steps` steps. Returns the last step's metrics and the run directory.
 
     `resume` continues the run's latest checkpoint; its saved config must equal `cfg` except for the keys in
-    `jaxlong.checkpoint.RESUMABLE_KEYS`, unless `allow_changes` (`--resume-with-changes`).
+    `jaxlong.training.checkpoint.RESUMABLE_KEYS`, unless `allow_changes` (`--resume-with-changes`).
 
     Raises:
       ConfigError: the config is invalid for the devices present, or differs from the checkpoint's (checked

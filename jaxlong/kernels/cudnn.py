@@ -4,7 +4,7 @@
     cudnn_attention_bwd(q, k, v, out, lse, dout)      -> (dq, dk, dv)     (no forward recomputation)
     cudnn_attention(q, k, v)                          -> out              (custom_vjp saving q, k, v, out, lse)
 
-Layout as in `jaxlong.attention.kernels`: q `[batch, seq, heads, head_dim]`, k, v `[batch, seq, kv_heads,
+Layout as in `jaxlong.kernels.blockwise`: q `[batch, seq, heads, head_dim]`, k, v `[batch, seq, kv_heads,
 head_dim]` (grouped-query attention: kv heads are not repeated, cuDNN maps query head h to kv head
 h // (heads / kv_heads)), lse float32 `[batch, heads, seq]`. Inputs bf16 or fp16, head_dim a multiple of 8 and
 at most 256 (Hopper; 128 before), scores scaled by 1/sqrt(head_dim), causal or not.
@@ -24,7 +24,7 @@ Why this kernel (survey, December 2026):
   - Tokamax (openxla/tokamax): wraps the same cuDNN call and Pallas/Mosaic GPU kernels behind an autotuning
     API; not installed with JAX, and its lse-returning entry points are internal too, so it adds a dependency
     without removing the private-API risk.
-  - A Pallas GPU (Triton) kernel of our own (`jaxlong.attention.pallas_gpu`): testable on the CPU in interpret
+  - A Pallas GPU (Triton) kernel of our own (`jaxlong.kernels.pallas_gpu`): testable on the CPU in interpret
     mode and supports segment ids, but on H100 the Triton lowering reaches well under cuDNN's throughput (no
     warp specialization / TMA pipelining), and a faster Mosaic GPU kernel is a project of its own. It is the
     route for document masking, since cuDNN's packed layout is impractical at long context (below).
@@ -50,7 +50,7 @@ statistic with shape `[batch * M, heads, seq]` (M times the memory of the lse: g
 tokens and hundreds of documents, in a per-segment layout unlike the blockwise kernel's), and its checks
 reject the packed layout unless the process's default backend is a Hopper GPU, so it cannot be planned on a
 machine without one. With segment ids, `attention.backend=auto` on GPUs runs the Pallas (Triton) kernel pair
-`jaxlong.attention.pallas_gpu` instead: the same signatures, layout and lse convention, the blockwise kernel's
+`jaxlong.kernels.pallas_gpu` instead: the same signatures, layout and lse convention, the blockwise kernel's
 masking, tiles of other documents skipped, and it compiles in the deviceless sm_90 compile too
 (`attention.backend=pallas` selects it explicitly; `blockwise` runs anywhere).
 
@@ -79,7 +79,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxlong.attention.layout import check_qkv, cudnn_head_dim_ok
+from jaxlong.kernels.layout import check_qkv, cudnn_head_dim_ok
 from jaxlong.config import ConfigError
 
 __all__ = ["CHECKED_JAX", "MAX_ELEMENTS", "cudnn_attention", "cudnn_attention_bwd", "cudnn_attention_fwd"]
@@ -112,7 +112,7 @@ def _check(q, k, v, segment_ids):
     """Validate shapes, dtypes and sizes before anything is traced into cuDNN; return head_dim."""
     if segment_ids is not None:
         raise ValueError("attention.backend=cudnn does not support segment ids (document masking): cuDNN's packed "
-                         "layout is not usable at long context (see jaxlong.attention.cudnn); use "
+                         "layout is not usable at long context (see jaxlong.kernels.cudnn); use "
                          "attention.backend=pallas (GPUs) or attention.backend=blockwise")
     b, s, h, d = check_qkv(q, k, v, "cudnn attention")
     if not (jnp.dtype(q.dtype) == jnp.dtype(k.dtype) == jnp.dtype(v.dtype)) or \

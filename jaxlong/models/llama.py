@@ -6,7 +6,7 @@ and grouped-query attention. Weight layouts keep heads explicit so head-chunked 
 row blocks: W_q `[hidden, heads, head_dim]`, W_k/W_v `[hidden, kv_heads, head_dim]`, W_o
 `[heads, head_dim, hidden]`. Qwen3 (`model.qk_norm`) adds an RMSNorm over head_dim on every query and key head
 before RoPE (scales `q_norm`, `k_norm` `[head_dim]`); RoPE frequencies may be rescaled (`model.rope_scaling`:
-linear, llama3, yarn; `jaxlong.layers.rope_frequencies`). Hugging Face checkpoints map onto these parameters in
+linear, llama3, yarn; `jaxlong.layers.blocks.rope_frequencies`). Hugging Face checkpoints map onto these parameters in
 `jaxlong.models.hf`.
 
 The decoder layers' parameters are stacked on a leading `[layers]` axis and run by one `lax.scan`, so compile
@@ -30,15 +30,15 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxlong import layers as L
-from jaxlong import remat as R
-from jaxlong.attention.kernels import resolve_backend
+from jaxlong.layers import blocks as L
+from jaxlong.layers import remat as R
+from jaxlong.kernels.blockwise import resolve_backend
 from jaxlong.config import Config, ModelConfig
-from jaxlong.mesh import RING_AXIS, activation_spec, axis_size, batch_spec, seq_shards, tree_shardings
+from jaxlong.core.mesh import RING_AXIS, activation_spec, axis_size, batch_spec, seq_shards, tree_shardings
 from jaxlong.parallel.dispatch import SublayerWeights, attention_sublayer
 from jaxlong.parallel.ring import zigzag_positions
 from jaxlong.parallel.ulysses import gather_segment_ids
-from jaxlong.tiled import default_mlp_tiles, tiled_mlp
+from jaxlong.layers.tiled import default_mlp_tiles, tiled_mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +136,7 @@ class Llama(nnx.Module):
     """Llama-3 decoder-only model. `__call__(tokens [b, s] int32, rt)` -> final hidden states `[b, s, hidden]`.
 
     With `mesh.ring` > 1 the tokens (and the hidden states returned) are in ring attention's zigzag layout
-    (`jaxlong.parallel.ring.zigzag_order`; `jaxlong.step.put_batch` permutes the batch on the host) and RoPE uses
+    (`jaxlong.parallel.ring.zigzag_order`; `jaxlong.training.step.put_batch` permutes the batch on the host) and RoPE uses
     their original positions.
 
     The output head is separate (`head_weight`) so the loss can be computed over sequence tiles without

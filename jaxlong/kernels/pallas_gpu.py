@@ -4,13 +4,13 @@
     pallas_attention_bwd(q, k, v, out, lse, dout, segment_ids=None)  -> (dq, dk, dv)   (no forward recomputation)
     pallas_attention(q, k, v, segment_ids=None)                      -> out            (custom_vjp)
 
-The signatures, layout and lse convention are those of `jaxlong.attention.cudnn`: q `[batch, seq, heads,
+The signatures, layout and lse convention are those of `jaxlong.kernels.cudnn`: q `[batch, seq, heads,
 head_dim]`, k, v `[batch, seq, kv_heads, head_dim]`, out like q, lse float32 `[batch, heads, seq]`, the
 natural-log logsumexp of the scaled scores `q . k / sqrt(head_dim)` per query row. This kernel exists for what
-cuDNN cannot do at long context: segment ids (see `jaxlong.attention.cudnn`); `attention.backend=auto` uses it
+cuDNN cannot do at long context: segment ids (see `jaxlong.kernels.cudnn`); `attention.backend=auto` uses it
 on GPUs when the batches carry segment ids and cuDNN otherwise.
 
-Masking is exactly the blockwise kernel's (`jaxlong.attention.kernels`): with `causal`, query t sees keys 0..t;
+Masking is exactly the blockwise kernel's (`jaxlong.kernels.blockwise`): with `causal`, query t sees keys 0..t;
 with segment ids (int32 `[batch, seq]`, 0 = padding, `causal=True` required) it sees only the keys of its own
 run of equal ids, i.e. keys `starts[t] <= key <= t` with `starts = segment_starts(segment_ids)`. Every query
 sees at least itself, so no softmax row is empty (padding attends to earlier padding of its run). The run
@@ -35,7 +35,7 @@ Algorithm (T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism a
 Statistics, accumulators and the softmax are float32; matmuls take the input dtype (bf16/fp16/fp32) with
 float32 accumulation (fp32 inputs without TF32). head_dim must be a power of two in [16, 256] (Triton tile
 shapes), block sizes powers of two >= 16, every operand under 2**31 elements (`MAX_ELEMENTS`: the kernels'
-pointer offsets are not shown to be 64-bit, as for `jaxlong.attention.cudnn`). A sequence that is not a
+pointer offsets are not shown to be 64-bit, as for `jaxlong.kernels.cudnn`). A sequence that is not a
 multiple of the blocks is padded inside the call (padded keys are masked, padded rows dropped).
 
 `interpret=True` runs the kernels in Pallas' interpreter (CPU tests; JAX 0.10.2's interpreter fails inside
@@ -56,8 +56,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxlong.attention.layout import check_qkv, pallas_head_dim_ok
-from jaxlong.ordering import varying_axes
+from jaxlong.kernels.layout import check_qkv, pallas_head_dim_ok
+from jaxlong.core.ordering import varying_axes
 
 __all__ = ["MAX_ELEMENTS", "pallas_attention", "pallas_attention_bwd", "pallas_attention_fwd"]
 
@@ -104,7 +104,7 @@ def _check(q, k, v, segment_ids, causal, block_q, block_k):
 
 def _runs(segment_ids, padded: int):
     """Run start and run end (inclusive) of every token, int32 `[batch, padded]`; padded tokens form one run."""
-    from jaxlong.attention.kernels import segment_starts  # noqa: PLC0415 (kernels imports this module)
+    from jaxlong.kernels.blockwise import segment_starts  # noqa: PLC0415 (kernels imports this module)
 
     b, s = segment_ids.shape
     pos = lax.broadcasted_iota(jnp.int32, (b, s), 1)

@@ -7,19 +7,19 @@ improving deep into the window), and retrieval of a fact planted far back (passk
 * `validation_split` holds out whole documents (chosen by a seeded permutation) and packs them into batches
   with the training pipeline itself, so validation and training batches present documents alike.
 * `make_eval_step` is the forward half of the train step: the same mesh, Ulysses / U-Pipe context
-  parallelism, remat and tiling (`jaxlong.step.loss_sum_fn`), returning a loss *sum* and valid-token count so
+  parallelism, remat and tiling (`jaxlong.training.step.loss_sum_fn`), returning a loss *sum* and valid-token count so
   batches combine exactly. It takes only the parameters (no optimizer state, no gradients), so it fits
   wherever the train step fits.
 * `make_token_stats_step` returns per-token loss and argmax `[batch, seq]` for loss by position and passkey
   scoring. It always works over sequence tiles of each device's local sequence (`tiling.loss_tile`, or the
-  256 MiB float32 logits budget of `jaxlong.tiled.default_loss_tile`): `[seq, vocab]` logits never exist on a
+  256 MiB float32 logits budget of `jaxlong.layers.tiled.default_loss_tile`): `[seq, vocab]` logits never exist on a
   device, whatever the length.
 * Passkey retrieval is scored teacher-forced: the answer is part of the input, and an example counts as
   retrieved when the argmax at every answer position is the answer's token, so one forward per example.
 * `evaluate_params` runs all three for given parameters on a mesh (what `python -m jaxlong.eval` reports).
 
-Every batch goes onto the mesh through `jaxlong.step.put_batch`, the train step's input layout (the zigzag
-order under ring attention), and per-token results come back through `jaxlong.step.natural_order`: the
+Every batch goes onto the mesh through `jaxlong.training.step.put_batch`, the train step's input layout (the zigzag
+order under ring attention), and per-token results come back through `jaxlong.training.step.natural_order`: the
 results are those of one device on every mesh.
 """
 
@@ -35,11 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxlong import model as model_lib
-from jaxlong import step as step_lib
+from jaxlong.models import llama as model_lib
+from jaxlong.training import step as step_lib
 from jaxlong.config import Config
-from jaxlong.mesh import BATCH_AXES, replicated, seq_axes, seq_shards
-from jaxlong.tiled import default_loss_tile, validate_loss_tile
+from jaxlong.core.mesh import BATCH_AXES, replicated, seq_axes, seq_shards
+from jaxlong.layers.tiled import default_loss_tile, validate_loss_tile
 
 # ----------------------------------------------------------------------------------------------
 # Held-out data: whole documents, packed into batches by the training pipeline.
@@ -142,9 +142,9 @@ def _param_shardings(cfg: Config, mesh) -> dict:
 def make_eval_step(cfg: Config, mesh: jax.sharding.Mesh):
     """`eval_step(params, batch) -> (loss_sum, count)`: float32 scalars, the masked next-token cross-entropy
     sum (nats) and valid-token count of `batch` (`[batch, seq]` arrays, any extra keys passed to the loss
-    untouched, in the input layout of `jaxlong.step.put_batch`), by the train step's forward
-    (`jaxlong.step.loss_sum_fn`). Jitted with the parameters' FSDP shardings and the train step's batch
-    sharding (`jaxlong.step.batch_sharding`); nothing is donated."""
+    untouched, in the input layout of `jaxlong.training.step.put_batch`), by the train step's forward
+    (`jaxlong.training.step.loss_sum_fn`). Jitted with the parameters' FSDP shardings and the train step's batch
+    sharding (`jaxlong.training.step.batch_sharding`); nothing is donated."""
     graphdef = model_lib.model_graphdef(cfg)
     rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
 
@@ -184,7 +184,7 @@ def tiled_token_stats(hidden: jax.Array, head: jax.Array, targets: jax.Array, *,
 
     Args:
       hidden: final hidden states `[batch, seq, hidden]`; with `mesh`, batch over data x fsdp and sequence over
-        ring x context (`jaxlong.mesh.activation_spec`).
+        ring x context (`jaxlong.core.mesh.activation_spec`).
       head: output projection `[hidden, vocab]`, replicated.
       targets: next-token ids `[batch, seq]` int32.
       tile: tokens per tile along the (local) sequence; must divide seq (mesh None) or seq / (ring x context).
@@ -226,7 +226,7 @@ def make_token_stats_step(cfg: Config, mesh: jax.sharding.Mesh):
     """`stats(params, batch) -> (loss [b, s] float32, argmax [b, s] int32)`: the train step's forward, then
     `tiled_token_stats` with `tiling.loss_tile` or `default_loss_tile` (always tiled). Jitted; the batch may
     have any `[b, s]` shape the mesh divides (one compile per shape). The batch and both results are in the
-    train step's input layout (`jaxlong.step.put_batch`); `token_stats` wraps it for host batches."""
+    train step's input layout (`jaxlong.training.step.put_batch`); `token_stats` wraps it for host batches."""
     graphdef = model_lib.model_graphdef(cfg)
     rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
     tok = step_lib.batch_sharding(mesh)
@@ -246,8 +246,8 @@ def make_token_stats_step(cfg: Config, mesh: jax.sharding.Mesh):
 
 def token_stats(cfg: Config, mesh: jax.sharding.Mesh) -> Callable[[dict, dict], tuple[np.ndarray, np.ndarray]]:
     """`fn(params, host_batch) -> (loss, argmax)`: `make_token_stats_step` on a host batch (the same on every
-    process), placed by `jaxlong.step.put_batch`, with the results back on the host in token order
-    (`jaxlong.step.natural_order`): float32 and int32 numpy `[b, s]`, equal to one device's on any mesh."""
+    process), placed by `jaxlong.training.step.put_batch`, with the results back on the host in token order
+    (`jaxlong.training.step.natural_order`): float32 and int32 numpy `[b, s]`, equal to one device's on any mesh."""
     step = make_token_stats_step(cfg, mesh)
 
     def fn(params: dict, batch: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -464,12 +464,12 @@ def evaluate_params(cfg: Config, mesh: jax.sharding.Mesh, params: dict, batches:
                     eval_step=None, encode: Callable[[str], np.ndarray] | None = None,
                     passkey: PasskeyGrid | None = None, progress: Callable[[int], None] | None = None) -> Evaluation:
     """Validation loss, loss by position and (with `passkey` and `encode`) passkey retrieval of `params` on
-    `mesh`, every batch in the train step's input layout (`jaxlong.step.put_batch`): on any mesh the result
+    `mesh`, every batch in the train step's input layout (`jaxlong.training.step.put_batch`): on any mesh the result
     equals one device's up to float32 rounding.
 
     Args:
       cfg: the run's config (model, seq_len, tiling, mesh); mesh: its mesh.
-      params: parameters in the FSDP shardings of `jaxlong.step.abstract_state(cfg, mesh)`.
+      params: parameters in the FSDP shardings of `jaxlong.training.step.abstract_state(cfg, mesh)`.
       batches: host validation batches `[eval_batch_size(cfg), seq_len]` (`validation_split`).
       eval_step: `make_eval_step` or its compiled form (default: `make_eval_step(cfg, mesh)`).
       encode: tokenizer `str -> int [n]` (passkey); passkey: the grid, or None to skip it.

@@ -1,7 +1,7 @@
 """The train state, the optimizer, the step's input layout and the jitted train step (loss, gradients, AdamW).
 
 The state is a plain dict `{'step': int32 [], 'params': {...}, 'opt_state': optax state}`; parameters,
-gradients and optimizer moments share the FSDP sharding of `jaxlong.mesh.tree_shardings`.
+gradients and optimizer moments share the FSDP sharding of `jaxlong.core.mesh.tree_shardings`.
 
 Input layout: every step that takes a batch (train, eval, per-token stats) takes it from `put_batch`, the one
 place a host batch goes onto the mesh: batch over data x fsdp, sequence over ring x context, and with
@@ -17,12 +17,12 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxlong import loss as loss_lib
-from jaxlong import model as model_lib
+from jaxlong.layers import loss as loss_lib
+from jaxlong.models import llama as model_lib
 from jaxlong.config import Config
-from jaxlong.mesh import BATCH_AXES, RING_AXIS, axis_size, batch_spec, replicated, seq_axes, seq_shards, tree_shardings
+from jaxlong.core.mesh import BATCH_AXES, RING_AXIS, axis_size, batch_spec, replicated, seq_axes, seq_shards, tree_shardings
 from jaxlong.parallel.ring import zigzag_order
-from jaxlong.tiled import default_loss_tile, tiled_loss_sum
+from jaxlong.layers.tiled import default_loss_tile, tiled_loss_sum
 
 
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -120,7 +120,7 @@ def accumulated_loss_and_grads(params: dict, batch: dict, graphdef, rt: model_li
 def init_state(cfg: Config, mesh: jax.sharding.Mesh, params: dict | None = None) -> dict:
     """Fresh optimizer state and `params` (default: freshly initialized), created directly in their shardings.
     `params` given (e.g. pretrained weights from `jaxlong.models.hf.load_params`) must already be in the
-    FSDP shardings of `jaxlong.mesh.tree_shardings`."""
+    FSDP shardings of `jaxlong.core.mesh.tree_shardings`."""
     params = model_lib.init_params(cfg, mesh) if params is None else params
     tx, _ = make_optimizer(cfg)
     opt_shardings = tree_shardings(mesh, jax.eval_shape(tx.init, params))
@@ -163,7 +163,7 @@ def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh, batch_size: int | None 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
     """The sharding of every `[batch, seq]` entry of a step's batch: batch over data x fsdp, sequence over
-    ring x context (`jaxlong.mesh.batch_spec`)."""
+    ring x context (`jaxlong.core.mesh.batch_spec`)."""
     return NamedSharding(mesh, batch_spec())
 
 

@@ -1,0 +1,1 @@
+"""`python -m jaxlong.eval`: the evaluation command (`__main__.py`)."""

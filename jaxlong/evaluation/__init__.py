@@ -1,0 +1,1 @@
+"""Evaluation: held-out validation, per-token statistics, loss by position, passkey retrieval."""

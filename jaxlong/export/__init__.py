@@ -1,0 +1,1 @@
+"""`python -m jaxlong.export`: the Hugging Face export command (`__main__.py`)."""

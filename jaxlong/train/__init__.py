@@ -1,0 +1,1 @@
+"""`python -m jaxlong.train`: the training command (`__main__.py`)."""

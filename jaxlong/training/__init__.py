@@ -1,0 +1,1 @@
+"""Training: the train step and its input layout, the train loop, checkpoints."""
