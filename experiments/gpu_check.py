@@ -102,6 +102,7 @@ def child_kernel(smoke: bool, large: bool) -> list[dict]:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
+    from jaxlong.kernels import backend as B  # noqa: PLC0415
     from jaxlong.kernels import blockwise as K  # noqa: PLC0415
 
     jax.config.update("jax_default_matmul_precision", "highest")  # the float32 truth without TF32
@@ -119,9 +120,9 @@ def child_kernel(smoke: bool, large: bool) -> list[dict]:
 
             def run(backend, q, k, v, do, out_lse=None):
                 kw = dict(backend=backend, causal=causal, block_q=blk, block_k=blk)
-                out, lse = jax.jit(lambda q, k, v: K.attention_fwd_with_lse(q, k, v, **kw))(q, k, v)
+                out, lse = jax.jit(lambda q, k, v: B.attention_fwd_with_lse(q, k, v, **kw))(q, k, v)
                 o, l_ = out_lse or (out, lse)
-                grads = jax.jit(lambda *a: K.attention_bwd(*a, **kw))(q, k, v, o, l_, do)
+                grads = jax.jit(lambda *a: B.attention_bwd(*a, **kw))(q, k, v, o, l_, do)
                 return [x.astype(jnp.float32) for x in (out, lse, *grads)]
 
             f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
@@ -136,7 +137,7 @@ def child_kernel(smoke: bool, large: bool) -> list[dict]:
                 row[f"{t}_err"], row[f"{t}_err_baseline"] = e_c, e_b
                 ok &= e_c <= max(2 * e_b, 2e-2)  # bf16: within 2% of the largest value, or the baseline's error x2
             if gpu:  # cuDNN backward from the blockwise kernel's (out, lse): same statistic convention
-                base_out = jax.jit(lambda q, k, v: K.attention_fwd_with_lse(
+                base_out = jax.jit(lambda q, k, v: B.attention_fwd_with_lse(
                     q, k, v, backend=base, causal=causal, block_q=blk, block_k=blk))(q, k, v)
                 cross = run(cand, q, k, v, do, out_lse=base_out)
                 scale = float(jnp.max(jnp.abs(truth[2]))) + 1e-6
@@ -159,20 +160,22 @@ def _segment_row(K, cand, smoke, inspect) -> dict:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
+    from jaxlong.kernels import backend as B  # noqa: PLC0415
+
     row = {"case": "segment ids", "candidate": cand}
-    if "segment_ids" not in inspect.signature(K.attention_fwd_with_lse).parameters:
+    if "segment_ids" not in inspect.signature(B.attention_fwd_with_lse).parameters:
         return {**row, "pass": True, "note": "attention_fwd_with_lse has no segment_ids argument in this build"}
     s, d = (128, 16) if smoke else (2048, 128)
     q, k, v = (_np_inputs((1, s, n, d), i, jnp.bfloat16) for i, n in enumerate((4, 2, 2)))
     seg = jnp.asarray([0] * (s // 4) + [1] * (s // 2) + [2] * (s - s // 4 - s // 2), jnp.int32)[None]
     try:
-        out, _ = jax.jit(lambda q, k, v, g: K.attention_fwd_with_lse(q, k, v, backend=cand, segment_ids=g,
+        out, _ = jax.jit(lambda q, k, v, g: B.attention_fwd_with_lse(q, k, v, backend=cand, segment_ids=g,
                                                                     block_q=s // 8, block_k=s // 8))(q, k, v, seg)
     except Exception as e:  # noqa: BLE001
         expected = cand == "cudnn" and "segment" in str(e)
         return {**row, "pass": expected, "note": f"{'expected: ' if expected else ''}{type(e).__name__}: {e}"[:300]}
     bounds = [0, s // 4, s // 4 + s // 2, s]
-    parts = [K.attention_fwd_with_lse(q[:, a:b], k[:, a:b], v[:, a:b], backend="reference")[0]
+    parts = [B.attention_fwd_with_lse(q[:, a:b], k[:, a:b], v[:, a:b], backend="reference")[0]
              for a, b in zip(bounds, bounds[1:])]
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - jnp.concatenate(parts, 1).astype(jnp.float32))))
     return {**row, "out_err": err, "pass": err <= 3e-2}
@@ -264,11 +267,11 @@ def child_train(spec: dict, smoke: bool, steps: int, profile_dir: str | None) ->
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from jaxlong.training import step as step_lib  # noqa: PLC0415
     from jaxlong.config import load_config, validate  # noqa: PLC0415
     from jaxlong.core.memstats import compiled_bytes  # noqa: PLC0415
     from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
     from jaxlong.models.llama import Runtime  # noqa: PLC0415
+    from jaxlong.training import step as step_lib  # noqa: PLC0415
     from jaxlong.training.loop import check_fits, flops_per_token, peak_flops  # noqa: PLC0415
 
     cfg = load_config(str(ROOT / CONFIG), overrides(spec, smoke))

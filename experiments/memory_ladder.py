@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxlong.config import load_config, validate  # noqa: E402
-from jaxlong.train.__main__ import set_host_device_count  # noqa: E402
+from jaxlong.core.distributed import set_host_device_count  # noqa: E402
 
 
 def machine() -> str:
@@ -59,8 +59,15 @@ def main() -> int:
         cfg.mesh.num_devices = target.devices
         validate(cfg)
     set_host_device_count(cfg.mesh.num_devices)
+    from jaxlong.core.units import GiB, parse_bytes  # noqa: PLC0415
     from jaxlong.plan.planner import (  # noqa: PLC0415
-        GiB, _ctx, apply_rung, format_table, ladder, max_context, parse_bytes, plan, plot_ladder,
+        apply_rung,
+        format_context,
+        format_table,
+        ladder,
+        max_context,
+        plan,
+        plot_ladder,
     )
 
     budget = parse_bytes(args.budget) if args.budget else (target.device_memory if target else 80 * GiB)
@@ -102,7 +109,7 @@ def main() -> int:
         f.write(format_table(rows, budget, host_budget) + "\n\n")
         if not args.no_max_context:
             f.write("| rung | max context (tokens) |\n|---|---:|\n")
-            f.write("\n".join(f"| {r['name']} | {_ctx(r['max_context'], 262144 if target else 65536)} |"
+            f.write("\n".join(f"| {r['name']} | {format_context(r['max_context'], 262144 if target else 65536)} |"
                               for r in rows) + "\n")
         f.write(f"\n![ladder]({os.path.basename(stem)}.png)\n")
     print(f"wrote {stem}.md/.csv/.png")

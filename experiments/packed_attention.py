@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlong.core.memstats import compiled_bytes
+from jaxlong.core.units import fmt_bytes
 from jaxlong.kernels.blockwise import blockwise_attention
-from jaxlong.core.memstats import compiled_bytes, fmt_bytes
 
 
 def _machine() -> str:

@@ -2,7 +2,7 @@
 mixed with the corpus over 8 simulated devices (Ulysses context parallelism), with a length curriculum that ends
 at 8K tokens, and measure passkey retrieval by needle depth as training goes.
 
-Each step's batch holds passkey sequences (`jaxlong.evaluation.steps.passkey_example`: a periodic filler text without
+Each step's batch holds passkey sequences (`jaxlong.evaluation.probes.passkey_example`: a periodic filler text without
 digits, a needle "The pass key is KEY. Remember it. KEY is the pass key." at a uniformly random depth, the question
 and the answer at the end); every `--corpus-every`-th step is a batch of corpus windows instead (the Python
 standard library, byte-level). The loss covers every token; the targets that copy the key from earlier in the
@@ -105,10 +105,10 @@ def main(argv=None):
     import jax  # noqa: PLC0415 (after XLA_FLAGS)
 
     from jaxlong import data as data_lib  # noqa: PLC0415
-    from jaxlong.evaluation import steps as ev  # noqa: PLC0415
-    from jaxlong.training import step as step_lib  # noqa: PLC0415
+    from jaxlong import evaluation as ev  # noqa: PLC0415
     from jaxlong.config import load_config  # noqa: PLC0415
     from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
+    from jaxlong.training import step as step_lib  # noqa: PLC0415
 
     phases = parse_phases(args.phases)
     lo_digits, hi_digits = (int(x) for x in args.train_digits.split("-"))
@@ -250,7 +250,7 @@ def write(args, cfg, phases, seq, depths, final_depths, history, final, final_di
         f"Model: {', '.join(MODEL + tuple(args.overrides))} (RoPE). Every phase runs on the same mesh data x fsdp x "
         f"context = 1 x {8 // args.context} x {args.context} (Ulysses all-to-alls over the context axis). Curriculum: "
         f"{phase_text}; a phase before the last ends early once every depth reaches {args.target:.0%} "
-        f"{args.patience} evaluations in a row. Batches: passkey documents (`jaxlong.evaluation.steps.passkey_example`, "
+        f"{args.patience} evaluations in a row. Batches: passkey documents (`jaxlong.evaluation.probes.passkey_example`, "
         f"{args.train_digits}-digit keys, a uniformly random depth), "
         + (f"every {args.corpus_every}th step a batch of corpus windows (Python stdlib, bytes); "
            if args.corpus_every else "")

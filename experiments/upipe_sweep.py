@@ -106,7 +106,8 @@ def machine() -> str:
 def layer_inputs(mesh, b, seq, heads, kv_heads, d, hidden):
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
-    from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P
 
     act = NamedSharding(mesh, P(("data", "fsdp"), "context"))
     rep = NamedSharding(mesh, P())
@@ -128,6 +129,7 @@ def fwd_bwd(layer):
 
 def memory_sweep(args, mesh, name, shape, us):
     import jax  # noqa: PLC0415
+
     from jaxlong.parallel.upipe import attention_layer, attention_memory_model  # noqa: PLC0415
 
     heads, kv_heads, d, hidden, _ = shape
@@ -180,7 +182,9 @@ def step_sweep(args, mesh, name, shape, us):
 def speed_sweep(args, mesh):
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
-    from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P
+
     from jaxlong.parallel.upipe import attention_layer  # noqa: PLC0415
 
     heads, kv_heads, d, hidden = (int(v) for v in args.time_shape.split(","))

@@ -17,15 +17,27 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
-from jaxlong.kernels.layout import cudnn_head_dim_ok, pallas_head_dim_ok
+from jaxlong.core.errors import ConfigError
+from jaxlong.core.mesh import resolve_mesh_shape
+from jaxlong.data.pipeline import Packing, SplitPositions
+from jaxlong.data.tokenizer import TOKENIZERS
+from jaxlong.kernels.backend import Backend, check_backend
+from jaxlong.kernels.blockwise import check_attention_block
+from jaxlong.layers.blocks import RopeScaling
+from jaxlong.layers.remat import RematPolicy
+from jaxlong.models.hf_config import model_settings_from_hf
+from jaxlong.parallel.dispatch import AttentionImpl
+from jaxlong.parallel.ring import check_ring
+from jaxlong.parallel.ulysses import check_heads
+from jaxlong.parallel.upipe import check_upipe_remat_names, check_upipe_schedule
 
-
-class ConfigError(ValueError):
-    """A config key is unknown, has the wrong type, or the combination of values is impossible."""
+__all__ = ["Config", "ModelConfig", "RopeScalingConfig", "MeshConfig", "AttentionConfig", "RematConfig", "TilingConfig",
+           "DataConfig", "OptimConfig", "ConfigError", "load_config", "from_dict", "to_dict", "parse_override",
+           "apply_setting", "read_yaml", "validate", "validate_optim"]
 
 
 @dataclass
@@ -40,7 +52,7 @@ class RopeScalingConfig:
     `jaxlong.layers.blocks.rope_frequencies` computes them as `transformers` does.
     """
 
-    type: str = "none"
+    type: RopeScaling = "none"
     factor: float = 1.0
     original_max_position_embeddings: int = 0  # pretraining context (llama3, yarn); 0: none given
     low_freq_factor: float = 1.0  # llama3
@@ -102,8 +114,8 @@ class MeshConfig:
 class AttentionConfig:
     """How attention is parallelized (`impl`) and which kernel runs it (`backend`)."""
 
-    impl: str = "ulysses"  # ulysses | upipe
-    backend: str = "auto"  # auto | blockwise | cudnn | pallas | reference
+    impl: AttentionImpl = "ulysses"
+    backend: Backend = "auto"
     block_q: int = 256
     block_k: int = 256
     heads_per_stage: int = 0  # U-Pipe heads per stage U; 0 means U = context degree C
@@ -113,7 +125,7 @@ class AttentionConfig:
 class RematConfig:
     """Activation checkpointing of the scanned decoder layer."""
 
-    policy: str = "none"  # none | full | save_dots | offload | custom
+    policy: RematPolicy = "none"
     save: list[str] = field(default_factory=list)  # custom: names kept on device
     offload: list[str] = field(default_factory=list)  # custom: names moved to pinned host memory
 
@@ -137,8 +149,8 @@ class DataConfig:
     tokenizer: str = "byte"  # "byte", or a path to a Hugging Face tokenizer.json
     max_tokens: int | None = None  # cap on corpus tokens read (None: all)
     text_field: str = "text"  # the field of each .jsonl / .parquet record that holds the document
-    packing: str = "documents"  # "documents" (whole documents, segment ids) or "concat" (concatenate and cut)
-    split_positions: str = "restart"  # pieces of a document longer than seq_len: "restart" at 0 or "continue"
+    packing: Packing = "documents"  # "documents" (whole documents, segment ids) or "concat" (concatenate and cut)
+    split_positions: SplitPositions = "restart"  # pieces of a document longer than seq_len: "restart" at 0 or "continue"
     shuffle: bool = True  # shuffle the documents each epoch (seeded by `seed` and the epoch)
 
 
@@ -173,8 +185,8 @@ class Config:
     grad_accum: int = 1  # micro-batches per step (gradient accumulation); each has global_batch / grad_accum
     steps: int = 20
     seed: int = 0
-    param_dtype: str = "float32"  # master weights, gradients, optimizer state
-    compute_dtype: str = "float32"  # matmuls and activations
+    param_dtype: Dtype = "float32"  # master weights, gradients, optimizer state
+    compute_dtype: Dtype = "float32"  # matmuls and activations
     run_name: str = "default"
     run_dir: str = "runs"
     log_every: int = 1
@@ -186,22 +198,7 @@ class Config:
     eval_fraction: float = 0.01  # share of the corpus's documents held out for validation (fixed by seed)
 
 
-DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLS = ("ulysses", "upipe")
-# Remat names (`jaxlong.layers.remat.NAMES`) the Ulysses attention sublayer tags; U-Pipe keeps them inside its op.
-UPIPE_INTERNAL_NAMES = (
-    "attn_norm_out",  # [b, s, hidden]
-    "query_proj",  # [b, s, heads, head_dim], after RoPE
-    "key_proj",  # [b, s, kv_heads, head_dim], after RoPE
-    "value_proj",  # [b, s, kv_heads, head_dim]
-    "attn_out",  # [b, s, heads, head_dim], before W_o
-)
-ATTENTION_BACKENDS = ("auto", "blockwise", "cudnn", "pallas", "reference")
-REMAT_POLICIES = ("none", "full", "save_dots", "offload", "custom")
-TOKENIZERS = ("byte",)  # names accepted by jaxlong.data.get_tokenizer (besides a tokenizer.json path)
-ROPE_SCALING_TYPES = ("none", "linear", "llama3", "yarn")
-PACKINGS = ("documents", "concat")
-SPLIT_POSITIONS = ("restart", "continue")
+Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,6 +207,8 @@ SPLIT_POSITIONS = ("restart", "continue")
 
 def _type_ok(value: Any, tp: Any) -> bool:
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        return value in typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         return any(_type_ok(value, a) for a in typing.get_args(tp))
     if tp is type(None):
@@ -228,8 +227,12 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _apply(obj: Any, key: str, value: Any, raw: str | None = None) -> None:
-    """Set dotted `key` on the dataclass tree `obj`, checking the key exists and the type fits.
+def apply_setting(obj: Any, key: str, value: Any, raw: str | None = None) -> None:
+    """Set dotted `key` (e.g. `mesh.context`) on the dataclass tree `obj` (a `Config`), checking the key exists
+    and the value's type fits (a mapping sets a section's fields).
+
+    Raises:
+      ConfigError: unknown key, a section given a value or a value given a section, or the wrong type.
 
     `raw` is the override's text, used as is for string options."""
     parts = key.split(".")
@@ -252,15 +255,17 @@ def _apply(obj: Any, key: str, value: Any, raw: str | None = None) -> None:
             if not isinstance(value, dict):
                 raise ConfigError(f"config key {key!r} is a section; give a mapping or set its fields")
             for k, v in value.items():
-                _apply(obj, f"{key}.{k}", v)
+                apply_setting(obj, f"{key}.{k}", v)
             return
         if tp is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        is_str = tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp))
+        is_str = tp is str or typing.get_origin(tp) is Literal or (typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp))
         if raw is not None and is_str and value is not None and not isinstance(value, str):
             value = raw  # string options keep their text: run_name=off is 'off', not False
-        if raw is not None and tp is str and value is None:
+        if raw is not None and (tp is str or typing.get_origin(tp) is Literal) and value is None:
             value = raw
+        if typing.get_origin(tp) is Literal and not _type_ok(value, tp):
+            _check_choice(key, value, tp)
         if not _type_ok(value, tp):
             raise ConfigError(
                 f"config key {key!r} must be of type {_type_name(tp)}, got {value!r} ({type(value).__name__})"
@@ -299,7 +304,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         settings += [(k, v) for k, v in data.items()]
     settings += [parse_override(text) for text in overrides]
     for s in settings:
-        _apply(cfg, *s)
+        apply_setting(cfg, *s)
     if cfg.model.from_hf:
         cfg = _with_hf_model(cfg, settings)
     validate(cfg)
@@ -311,16 +316,26 @@ HF_SHAPE_KEYS = ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_di
                  "qk_norm")
 
 
+def model_config_from_hf(directory: str | Path) -> ModelConfig:
+    """The `ModelConfig` of a Hugging Face Llama-3.x or Qwen3 checkpoint directory, from its `config.json`
+    (`jaxlong.models.hf_config.model_settings_from_hf`).
+
+    Raises:
+      ConfigError: no config.json, or a model type, field or rope scaling jaxlong does not implement (named).
+    """
+    out = Config()
+    apply_setting(out, "model", model_settings_from_hf(directory))
+    return out.model
+
+
 def _with_hf_model(cfg: Config, settings: list[tuple]) -> Config:
     """`cfg` with its model taken from `model.from_hf`'s config.json, then the explicit settings applied again
     (so `model.rope_theta=...` or `model.rope_scaling.*` override the checkpoint's values)."""
-    from jaxlong.models.hf_config import model_config_from_hf  # noqa: PLC0415
-
     base = model_config_from_hf(cfg.model.from_hf)
     out = Config()
     out.model = copy.deepcopy(base)
     for s in settings:
-        _apply(out, *s)
+        apply_setting(out, *s)
     for key in HF_SHAPE_KEYS:
         if getattr(out.model, key) != getattr(base, key):
             raise ConfigError(
@@ -339,9 +354,9 @@ def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config
     """
     cfg = Config()
     for k, v in data.items():
-        _apply(cfg, k, v)
+        apply_setting(cfg, k, v)
     for text in overrides:
-        _apply(cfg, *parse_override(text))
+        apply_setting(cfg, *parse_override(text))
     validate(cfg)
     return cfg
 
@@ -383,62 +398,11 @@ def to_dict(cfg: Config) -> dict:
 # Validation of combinations (no jax needed).
 
 
-def resolve_mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
-    """(data, fsdp, ring, context) with a -1 axis filled so the product is `num_devices`.
-
-    Raises:
-      ConfigError: the axes do not multiply to the device count, or more than one axis is -1.
-    """
-    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "ring": mesh.ring, "context": mesh.context}
-    free = [k for k, v in sizes.items() if v == -1]
-    for k, v in sizes.items():
-        if v == 0 or v < -1:
-            raise ConfigError(f"mesh.{k}={v}: an axis size must be a positive integer or -1 (fill)")
-    if len(free) > 1:
-        raise ConfigError(f"mesh: only one axis may be -1, got {', '.join('mesh.' + k for k in free)}")
-    fixed = 1
-    for k, v in sizes.items():
-        if v != -1:
-            fixed *= v
-    if free:
-        if num_devices % fixed:
-            raise ConfigError(
-                f"mesh: {num_devices} devices are not divisible by the fixed axes' product {fixed} "
-                f"(data={mesh.data}, fsdp={mesh.fsdp}, ring={mesh.ring}, context={mesh.context})"
-            )
-        sizes[free[0]] = num_devices // fixed
-    total = sizes["data"] * sizes["fsdp"] * sizes["ring"] * sizes["context"]
-    if total != num_devices:
-        raise ConfigError(
-            f"mesh: data*fsdp*ring*context = {sizes['data']}*{sizes['fsdp']}*{sizes['ring']}*{sizes['context']} "
-            f"= {total}, but there are {num_devices} devices; set one axis to -1 to fill"
-        )
-    return sizes["data"], sizes["fsdp"], sizes["ring"], sizes["context"]
-
-
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+def _check_choice(key: str, value: str, tp: Any) -> None:
+    """A field typed `Literal[...]` holds one of its values (a dataclass field can be set past `apply_setting`)."""
+    allowed = typing.get_args(tp)
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
-
-
-def _check_kernel(cfg: Config) -> None:
-    """An explicit `attention.backend` that the run's shapes or mesh cannot use (the kernels' own checks,
-    `jaxlong.kernels.cudnn` and `jaxlong.kernels.pallas_gpu`, moved before compiling). `auto` always works:
-    it falls back to the blockwise kernel."""
-    b, d = cfg.attention.backend, cfg.model.head_dim
-    if b in ("cudnn", "pallas") and cfg.mesh.ring > 1:
-        raise ConfigError(f"attention.backend={b} does not run ring attention's per-block steps (mesh.ring="
-                          f"{cfg.mesh.ring}: they use the blockwise kernel); use attention.backend=auto or blockwise")
-    if b == "cudnn":
-        if cfg.compute_dtype not in ("bfloat16", "float16"):
-            raise ConfigError(f"attention.backend=cudnn needs compute_dtype=bfloat16 or float16, got "
-                              f"{cfg.compute_dtype}; or use attention.backend=auto")
-        if not cudnn_head_dim_ok(d):
-            raise ConfigError(f"attention.backend=cudnn needs model.head_dim a multiple of 8 and <= 256, got {d}; "
-                              f"use attention.backend=auto or blockwise")
-    if b == "pallas" and not pallas_head_dim_ok(d):
-        raise ConfigError(f"attention.backend=pallas needs model.head_dim a power of two in [16, 256], got {d}; "
-                          f"use attention.backend=auto or blockwise")
 
 
 def validate(cfg: Config, num_devices: int | None = None) -> None:
@@ -458,7 +422,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             f"model.heads={m.heads} must be a multiple of model.kv_heads={m.kv_heads} (grouped-query attention)"
         )
     rs = m.rope_scaling
-    _choice("model.rope_scaling.type", rs.type, ROPE_SCALING_TYPES)
+    _check_choice("model.rope_scaling.type", rs.type, RopeScaling)
     if m.rope_theta <= 0:
         raise ConfigError(f"model.rope_theta={m.rope_theta} must be positive")
     if rs.type != "none" and rs.factor <= 0:
@@ -473,11 +437,11 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             f"model.rope_scaling.high_freq_factor={rs.high_freq_factor} must exceed "
             f"model.rope_scaling.low_freq_factor={rs.low_freq_factor}"
         )
-    _choice("param_dtype", cfg.param_dtype, DTYPES)
-    _choice("compute_dtype", cfg.compute_dtype, DTYPES)
-    _choice("attention.impl", cfg.attention.impl, ATTENTION_IMPLS)
-    _choice("attention.backend", cfg.attention.backend, ATTENTION_BACKENDS)
-    _choice("remat.policy", cfg.remat.policy, REMAT_POLICIES)
+    _check_choice("param_dtype", cfg.param_dtype, Dtype)
+    _check_choice("compute_dtype", cfg.compute_dtype, Dtype)
+    _check_choice("attention.impl", cfg.attention.impl, AttentionImpl)
+    _check_choice("attention.backend", cfg.attention.backend, Backend)
+    _check_choice("remat.policy", cfg.remat.policy, RematPolicy)
     if cfg.tiling.loss_tile < 0 or cfg.tiling.mlp_tiles < 0:
         raise ConfigError("tiling.loss_tile and tiling.mlp_tiles must be >= 0 (0 = derived default)")
     if cfg.seed < 0:
@@ -486,14 +450,11 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError("data.path is empty; give a .txt/.jsonl file or directory, or null for the embedded corpus")
     if cfg.data.tokenizer not in TOKENIZERS and not str(cfg.data.tokenizer).endswith(".json"):
         raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} is not allowed; choose one of: "
-                          f"{', '.join(TOKENIZERS)}, or the path of a Hugging Face tokenizer.json")
-    _choice("data.packing", cfg.data.packing, PACKINGS)
-    _choice("data.split_positions", cfg.data.split_positions, SPLIT_POSITIONS)
-    if cfg.data.packing == "documents" and cfg.attention.backend == "cudnn":
-        raise ConfigError("attention.backend=cudnn cannot mask packed documents (cuDNN's packed layout is not usable "
-                          "at long context); use attention.backend=auto or pallas (GPUs) or blockwise, or "
-                          "data.packing=concat")
-    _check_kernel(cfg)
+                          f"{', '.join(sorted(TOKENIZERS))}, or the path of a Hugging Face tokenizer.json")
+    _check_choice("data.packing", cfg.data.packing, Packing)
+    _check_choice("data.split_positions", cfg.data.split_positions, SplitPositions)
+    check_backend(cfg.attention.backend, head_dim=m.head_dim, compute_dtype=cfg.compute_dtype, ring=cfg.mesh.ring,
+                  segment_ids=cfg.data.packing == "documents")
     if not str(cfg.data.text_field).strip():
         raise ConfigError("data.text_field is empty; give the name of the field that holds each document's text")
     if cfg.data.max_tokens is not None and cfg.data.max_tokens <= 0:
@@ -548,35 +509,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             )
     if cfg.attention.impl == "upipe":
         check_upipe_schedule(m.heads, m.kv_heads, context, cfg.attention.heads_per_stage or context)
-        inside = sorted(set(cfg.remat.save + cfg.remat.offload) & set(UPIPE_INTERNAL_NAMES))
-        if cfg.remat.policy == "custom" and inside:
-            raise ConfigError(
-                f"remat.save/remat.offload name {inside}, which attention.impl=upipe computes inside its op (it "
-                f"saves only the layer input and the attention output buffer); drop them or use attention.impl=ulysses"
-            )
-
-
-def check_ring(seq_len: int, ring: int, context: int, block_q: int, block_k: int) -> None:
-    """Ring attention's zigzag layout (`jaxlong.parallel.ring`) cuts the sequence into 2*ring chunks, each split over
-    `context`, and runs the kernel on blocks of seq_len/(2*ring) tokens.
-
-    Raises:
-      ConfigError: seq_len not divisible by 2*ring*context, or a kernel tile not dividing the block.
-    """
-    m = 2 * ring * context
-    if seq_len % m:
-        raise ConfigError(
-            f"seq_len={seq_len} is not divisible by 2*mesh.ring*mesh.context = 2*{ring}*{context} = {m} (ring "
-            f"attention's zigzag layout); use a multiple of {m}, e.g. {(seq_len // m + 1) * m}"
-        )
-    block = seq_len // (2 * ring)
-    for key, value in (("attention.block_q", block_q), ("attention.block_k", block_k)):
-        if value <= 0 or block % min(value, block):
-            divisors = [1 << i for i in range(block.bit_length()) if block % (1 << i) == 0]
-            raise ConfigError(
-                f"{key}={value} must divide ring attention's block of seq_len/(2*mesh.ring) = {block} tokens; "
-                f"use one of {divisors[-4:]} or a value >= {block}"
-            )
+        if cfg.remat.policy == "custom":
+            check_upipe_remat_names(cfg.remat.save + cfg.remat.offload)
 
 
 def validate_optim(o: OptimConfig) -> None:
@@ -609,77 +543,3 @@ def validate_optim(o: OptimConfig) -> None:
             raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1), e.g. 0.9 / 0.95")
     if not o.eps > 0:
         raise ConfigError(f"optim.eps={o.eps} must be positive, e.g. 1e-8")
-
-
-def check_attention_block(key: str, block: int, seq: int) -> None:
-    """The blockwise attention kernel's tile along the sequence: it sees the whole sequence after Ulysses'
-    all-to-all, clamps the tile to it, and needs the tile to divide it (`jaxlong.kernels.blockwise`).
-
-    Raises:
-      ConfigError: `block` <= 0, or min(block, seq) does not divide `seq` (`key` names the option).
-    """
-    if block <= 0:
-        raise ConfigError(f"{key}={block} must be a positive tile length, e.g. {min(256, seq)}")
-    b = min(block, seq)
-    if seq % b:
-        best = max(c for c in range(1, b + 1) if seq % c == 0)
-        raise ConfigError(
-            f"{key}={block} must divide seq_len={seq} (attention sees the whole sequence after the all-to-all); "
-            f"use a divisor such as {best}, or a value >= {seq}"
-        )
-
-
-def check_upipe_schedule(heads: int, kv_heads: int, context: int, heads_per_stage: int) -> None:
-    """U-Pipe's stage schedule exists (`jaxlong.parallel.upipe.Schedule`, Untied Ulysses §3.3 with GQA).
-
-    Raises:
-      ConfigError: heads/KV heads not splittable over `context` (`check_heads`); `heads_per_stage` (U) not a
-        positive multiple of `context` dividing `heads`; or the per-device query heads per stage U/C and the
-        query heads per effective KV head H/max(H_kv, C) not dividing one another.
-    """
-    check_heads(heads, kv_heads, context)
-    g = heads // max(kv_heads, context)
-
-    def fits_gqa(m: int) -> bool:
-        return m % g == 0 or g % m == 0
-
-    u = heads_per_stage
-    valid = [v for v in range(context, heads + 1, context) if heads % v == 0 and fits_gqa(v // context)]
-    if u <= 0 or u % context or heads % u:
-        raise ConfigError(
-            f"attention.heads_per_stage={u} must be a multiple of mesh.context={context} and divide "
-            f"model.heads={heads}; valid values: {valid}"
-        )
-    if not fits_gqa(u // context):
-        raise ConfigError(
-            f"attention.heads_per_stage={u}: per-device query heads per stage U/C={u // context} and query heads "
-            f"per KV head {g} must divide one another; valid values: {valid}"
-        )
-
-
-def context_degrees(heads: int, kv_heads: int) -> list[int]:
-    """The `mesh.context` degrees Ulysses (and U-Pipe) can split `heads` query and `kv_heads` KV heads over:
-    C divides `heads`, and KV heads are split (C divides kv_heads) or replicated (kv_heads divides C)."""
-    return [c for c in range(1, heads + 1) if heads % c == 0 and (kv_heads % c == 0 or c % kv_heads == 0)]
-
-
-def check_heads(heads: int, kv_heads: int, context: int) -> None:
-    """Ulysses splits heads over the context axis.
-
-    Raises:
-      ConfigError: `heads` is not divisible by `context`, or neither of kv_heads and context divides the other;
-        the message lists the context degrees that work (`context_degrees`).
-    """
-    valid = context_degrees(heads, kv_heads)
-    if heads % context:
-        raise ConfigError(
-            f"model.heads={heads} is not divisible by mesh.context={context}: Ulysses gives each device "
-            f"heads/context whole heads; use a context degree that divides {heads}: mesh.context in {valid} "
-            f"(put the rest of the sequence split on mesh.ring)"
-        )
-    if kv_heads % context and context % kv_heads:
-        raise ConfigError(
-            f"model.kv_heads={kv_heads} and mesh.context={context}: KV heads are split when kv_heads is "
-            f"divisible by context and replicated when context is divisible by kv_heads; neither holds; "
-            f"mesh.context in {valid} works"
-        )

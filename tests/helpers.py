@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
-from jaxlong.training import step as step_lib
 from jaxlong.config import AttentionConfig, MeshConfig, RematConfig, TilingConfig, load_config, validate
 from jaxlong.core.mesh import build_mesh
 from jaxlong.models.llama import Runtime, model_graphdef
+from jaxlong.training import step as step_lib
 
 TINY = [
     "model.vocab_size=128", "model.hidden=64", "model.layers=2", "model.heads=8", "model.kv_heads=4",

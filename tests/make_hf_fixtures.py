@@ -18,7 +18,7 @@ rope.npz with transformers' inverse frequencies and attention factor for the RoP
 and RECORD.md with the command and package versions. All weights are random (std 0.1, norms 1 +- 0.1),
 so every tensor, its layout and its position in the model matter.
 
-Head counts cover the context-parallel cases of tests/test_hf.py: llama31 has 8 query / 2 KV heads (KV heads
+Head counts cover the context-parallel cases of tests/models/test_hf.py: llama31 has 8 query / 2 KV heads (KV heads
 replicated at context C = 4 and 8), qwen3 16 query / 4 KV heads (KV heads split at C = 4, replicated at C = 8;
 its 16 query heads allow U-Pipe with U = C and U = 2C at both C = 4 and C = 8).
 """
@@ -36,7 +36,7 @@ import safetensors
 import tokenizers
 import torch
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ROOT = Path(__file__).resolve().parent / "fixtures" / "hf"
 sys.path.insert(0, str(ROOT.parents[2]))  # the repository: jaxlong.data's batches (numpy and grain, no jax)
@@ -85,8 +85,11 @@ def prompt_ids(tok) -> np.ndarray:
 def first_batch(directory: Path) -> dict:
     """A batch of corpus.txt (the test checks the model's loss on it against transformers'): its documents
     tokenized and concatenated, the first two windows of SEQ + 1 tokens (stride SEQ)."""
-    from jaxlong.data import DocumentSource, document_tokens  # noqa: PLC0415
-    from jaxlong.data import HFTokenizer  # noqa: PLC0415
+    from jaxlong.data import (  # noqa: PLC0415
+        DocumentSource,
+        HFTokenizer,  # noqa: PLC0415
+        document_tokens,
+    )
 
     tok, source = HFTokenizer(directory), DocumentSource(ROOT / "corpus.txt")
     tokens = np.concatenate([document_tokens(source[i], tok) for i in range(len(source))])

@@ -10,8 +10,9 @@ import csv
 import json
 import subprocess
 import sys
-import pytest
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 

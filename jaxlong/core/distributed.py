@@ -8,12 +8,43 @@ Every process runs the same program on the same config; `jax.devices()` is then 
 and the mesh spans them. On CPUs the processes exchange data with gloo
 (`jax_cpu_collectives_implementation`), which is how the multi-process path is tested on one machine.
 
-These functions must run before anything touches a jax backend (`jaxlong.train` calls them first).
+These functions must run before anything touches a jax backend (`python -m jaxlong.train` calls them first):
+importing jax is fine, creating a device or an array is not.
 """
 
 from __future__ import annotations
 
 import os
+
+import jax
+
+
+def use_cpu_platform() -> None:
+    """Run jax on the CPU platform only (JAX_PLATFORMS=cpu): an installed CUDA plugin then does not initialize a
+    driver (which fails, with a traceback, where there is none), and still serves deviceless GPU compiles
+    (`jaxlong.plan.target`). Takes effect until a backend is created."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
+
+
+def gpu_driver_present() -> bool:
+    """An NVIDIA driver is present (`/dev/nvidiactl`), checked without creating a jax backend."""
+    return os.path.exists("/dev/nvidiactl")
+
+
+def cpu_unless_gpu_driver() -> None:
+    """`use_cpu_platform` unless an NVIDIA driver is present or JAX_PLATFORMS is already set."""
+    if not gpu_driver_present() and "JAX_PLATFORMS" not in os.environ:
+        use_cpu_platform()
+
+
+def set_host_device_count(n: int) -> None:
+    """Ask XLA for `n` host (CPU) devices unless XLA_FLAGS already sets a count (and `cpu_unless_gpu_driver`).
+    Harmless on GPUs."""
+    cpu_unless_gpu_driver()
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def _int_env(name: str) -> int | None:
@@ -46,7 +77,6 @@ def initialize() -> int:
         raise ValueError("JAX_COORDINATOR_ADDRESS is set but JAX_NUM_PROCESSES is not; set both and JAX_PROCESS_ID")
     if n == 1:
         return 1
-    import jax  # noqa: PLC0415 (after XLA_FLAGS is set by the caller)
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes; ignored by GPUs
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
@@ -61,6 +91,5 @@ def initialize() -> int:
 
 def is_main_process() -> bool:
     """Process 0 writes logs, TensorBoard events and the progress bar."""
-    import jax  # noqa: PLC0415
 
     return jax.process_index() == 0

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import jax
 
-GiB = 1024**3
-
-
-def fmt_bytes(n: float) -> str:
-    """Human-readable bytes (binary units)."""
-    for unit, size in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+from jaxlong.core.units import fmt_bytes
 
 
 def compiled_bytes(compiled) -> dict[str, int]:

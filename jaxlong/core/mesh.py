@@ -6,7 +6,7 @@ also split over it), `ring` (ring attention, `jaxlong.parallel.ring`: the across
 axis of activations is split over `ring` x `context` (`SEQ_AXES`, ring-major); with ring > 1 the sequence is
 in the zigzag layout (`jaxlong.parallel.ring.zigzag`), so ring rank r's `S/R` tokens are chunks r and 2R-1-r.
 
-FSDP (ZeRO-3, design brief §2): every parameter, its gradient and its optimizer state are sharded over all
+FSDP (ZeRO-3, arXiv 1910.02054, §5): every parameter, its gradient and its optimizer state are sharded over all
 devices of `fsdp` x `ring` x `context` together (`FSDP_AXES`). The rule is per leaf: the most major dimension
 divisible by that device count is split (for stacked decoder weights the leading layer dimension is never
 split, so a `lax.scan` over layers sees a sharded slice and gathers one layer at a time). Splitting the most
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxlong.config import MeshConfig, resolve_mesh_shape
+from jaxlong.core.errors import ConfigError
 
 AXES = ("data", "fsdp", "ring", "context")
 FSDP_AXES = ("fsdp", "ring", "context")  # parameters are sharded over these (ZeRO-3 over the model-parallel group)
@@ -49,8 +50,42 @@ def seq_shards(mesh) -> int:
     return axis_size(mesh, RING_AXIS) * axis_size(mesh, CONTEXT_AXIS)
 
 
-def build_mesh(cfg: MeshConfig, devices: list | None = None) -> jax.sharding.Mesh:
-    """A `data x fsdp x ring x context` mesh over `devices` (default: all devices), with Auto axis types.
+def resolve_mesh_shape(mesh, num_devices: int) -> tuple[int, int, int, int]:
+    """(data, fsdp, ring, context) of `mesh` (a `jaxlong.config.MeshConfig`) with a -1 axis filled so the product is `num_devices`.
+
+    Raises:
+      ConfigError: the axes do not multiply to the device count, or more than one axis is -1.
+    """
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "ring": mesh.ring, "context": mesh.context}
+    free = [k for k, v in sizes.items() if v == -1]
+    for k, v in sizes.items():
+        if v == 0 or v < -1:
+            raise ConfigError(f"mesh.{k}={v}: an axis size must be a positive integer or -1 (fill)")
+    if len(free) > 1:
+        raise ConfigError(f"mesh: only one axis may be -1, got {', '.join('mesh.' + k for k in free)}")
+    fixed = 1
+    for k, v in sizes.items():
+        if v != -1:
+            fixed *= v
+    if free:
+        if num_devices % fixed:
+            raise ConfigError(
+                f"mesh: {num_devices} devices are not divisible by the fixed axes' product {fixed} "
+                f"(data={mesh.data}, fsdp={mesh.fsdp}, ring={mesh.ring}, context={mesh.context})"
+            )
+        sizes[free[0]] = num_devices // fixed
+    total = sizes["data"] * sizes["fsdp"] * sizes["ring"] * sizes["context"]
+    if total != num_devices:
+        raise ConfigError(
+            f"mesh: data*fsdp*ring*context = {sizes['data']}*{sizes['fsdp']}*{sizes['ring']}*{sizes['context']} "
+            f"= {total}, but there are {num_devices} devices; set one axis to -1 to fill"
+        )
+    return sizes["data"], sizes["fsdp"], sizes["ring"], sizes["context"]
+
+
+def build_mesh(cfg, devices: list | None = None) -> jax.sharding.Mesh:
+    """A `data x fsdp x ring x context` mesh over `devices` (default: all devices), with Auto axis types; `cfg` is
+    a `jaxlong.config.MeshConfig`.
 
     Raises:
       ConfigError: the axis sizes do not multiply to the device count.

@@ -33,7 +33,10 @@ the corpus from the start.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import grain
+import jax
 import numpy as np
 from grain.experimental import (
     ConcatThenSplitIterDataset,
@@ -49,6 +52,9 @@ from jaxlong.data.tokenizer import Tokenizer
 __all__ = ["document_tokens", "document_pairs", "SplitLongDocuments", "DocumentSubset", "token_limit", "make_dataset",
            "batch_iterator", "packing_efficiency", "PACKING_BINS"]
 
+Packing = Literal["documents", "concat"]  # `data.packing`
+SplitPositions = Literal["restart", "continue"]  # `data.split_positions`
+PACKINGS, SPLIT_POSITIONS = get_args(Packing), get_args(SplitPositions)
 PACKING_BINS = 16  # rows first-fit packing fills at once (more bins: less padding)
 _FEATURES = ("inputs", "targets", "positions")
 
@@ -132,9 +138,9 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
       ValueError: ``global_batch`` not divisible by ``process_count``, a bad option value, ``max_tokens < 1``,
         or too few documents for the processes (each process needs its own streams).
     """
-    if packing not in ("documents", "concat"):
+    if packing not in PACKINGS:
         raise ValueError(f"data.packing={packing!r} is not allowed; choose documents or concat")
-    if split_positions not in ("restart", "continue"):
+    if split_positions not in SPLIT_POSITIONS:
         raise ValueError(f"data.split_positions={split_positions!r} is not allowed; choose restart or continue")
     if global_batch % process_count:
         raise ValueError(f"global_batch={global_batch} must be divisible by the {process_count} processes")
@@ -216,7 +222,6 @@ def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source:
     Raises:
       ValueError: see ``DocumentSource`` and ``make_dataset``.
     """
-    import jax  # noqa: PLC0415
 
     d = cfg.data
     source = DocumentSource(d.path, d.text_field) if source is None else source

@@ -51,7 +51,7 @@ def _committed_steps(ckpt_dir: Path) -> list[int]:
 
 
 def resolve(args) -> tuple[Path, int, object]:
-    """(run dir, step, Config) from the arguments, before jax is imported.
+    """(run dir, step, Config) from the arguments, before jax creates a backend.
 
     Raises:
       FileNotFoundError: no run directory, no checkpoint, or no checkpoint at `--step`.
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from jaxlong.train.__main__ import set_host_device_count  # noqa: PLC0415
+    from jaxlong.core.distributed import set_host_device_count  # noqa: PLC0415
 
     set_host_device_count(cfg.mesh.num_devices)
     try:
@@ -146,7 +146,7 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     from tqdm import tqdm  # noqa: PLC0415
 
     from jaxlong import data as data_lib  # noqa: PLC0415
-    from jaxlong.evaluation import steps as ev  # noqa: PLC0415
+    from jaxlong import evaluation as ev  # noqa: PLC0415
     from jaxlong.config import validate  # noqa: PLC0415
     from jaxlong.core.memstats import format_compiled  # noqa: PLC0415
     from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
@@ -192,9 +192,9 @@ def restore_params(cfg, mesh, run_dir: Path, step: int) -> dict:
     Raises:
       ConfigError: the shapes differ (the message names the changed `model.*` keys), or orbax cannot read it.
     """
+    from jaxlong.config import Config, to_dict  # noqa: PLC0415
     from jaxlong.training import step as step_lib  # noqa: PLC0415
     from jaxlong.training.checkpoint import Checkpointer, StateMismatch, mismatch_message, saved_config  # noqa: PLC0415
-    from jaxlong.config import Config, to_dict  # noqa: PLC0415
 
     ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=10**9)
     try:

@@ -1,31 +1,26 @@
-"""Long-context evaluation: held-out loss on the training mesh, loss by token position, passkey retrieval.
+"""Evaluation steps: held-out loss on the training mesh, per-token loss and argmax, and `evaluate_params`, which
+runs validation loss, loss by position and passkey retrieval for given parameters (what `python -m jaxlong.eval`
+reports).
 
-Long-context users check three things (LongLoRA, Chen et al. 2023, §4; RULER, Hsieh et al. 2024): the held-out
+Long-context users check three things (LongLoRA, arXiv 2309.12307, §4; RULER, arXiv 2404.06654): the held-out
 loss at the training length, how the loss falls with token position (a model that uses its context keeps
-improving deep into the window), and retrieval of a fact planted far back (passkey, Mohtashami & Jaggi 2023).
+improving deep into the window), and retrieval of a fact planted far back (passkey, `jaxlong.evaluation.probes`).
 
-* `validation_split` holds out whole documents (chosen by a seeded permutation) and packs them into batches
-  with the training pipeline itself, so validation and training batches present documents alike.
-* `make_eval_step` is the forward half of the train step: the same mesh, Ulysses / U-Pipe context
-  parallelism, remat and tiling (`jaxlong.training.step.loss_sum_fn`), returning a loss *sum* and valid-token count so
-  batches combine exactly. It takes only the parameters (no optimizer state, no gradients), so it fits
-  wherever the train step fits.
-* `make_token_stats_step` returns per-token loss and argmax `[batch, seq]` for loss by position and passkey
-  scoring. It always works over sequence tiles of each device's local sequence (`tiling.loss_tile`, or the
-  256 MiB float32 logits budget of `jaxlong.layers.tiled.default_loss_tile`): `[seq, vocab]` logits never exist on a
-  device, whatever the length.
-* Passkey retrieval is scored teacher-forced: the answer is part of the input, and an example counts as
-  retrieved when the argmax at every answer position is the answer's token, so one forward per example.
-* `evaluate_params` runs all three for given parameters on a mesh (what `python -m jaxlong.eval` reports).
+* `make_eval_step` is the forward half of the train step: the same mesh, context parallelism (Ulysses, U-Pipe,
+  ring and the hybrids), remat and tiling (`jaxlong.training.step.loss_sum_fn`), returning a loss *sum* and
+  valid-token count so batches combine exactly. It takes only the parameters (no optimizer state, no
+  gradients), so it fits wherever the train step fits.
+* `make_token_stats_step` returns per-token loss and argmax `[batch, seq]`. It always works over sequence tiles
+  of each device's local sequence (`tiling.loss_tile`, or the 256 MiB float32 logits budget of
+  `jaxlong.layers.tiled.default_loss_tile`): `[seq, vocab]` logits never exist on a device, whatever the length.
 
-Every batch goes onto the mesh through `jaxlong.training.step.put_batch`, the train step's input layout (the zigzag
-order under ring attention), and per-token results come back through `jaxlong.training.step.natural_order`: the
-results are those of one device on every mesh.
+Every batch goes onto the mesh through `jaxlong.training.step.put_batch`, the train step's input layout (the
+zigzag order under ring attention), and per-token results come back through `jaxlong.training.step.natural_order`:
+the results are those of one device on every mesh.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -35,101 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.models import llama as model_lib
-from jaxlong.training import step as step_lib
 from jaxlong.config import Config
 from jaxlong.core.mesh import BATCH_AXES, replicated, seq_axes, seq_shards
+from jaxlong.evaluation.heldout import eval_batch_size
+from jaxlong.evaluation.probes import PositionLoss, score_passkey
 from jaxlong.layers.tiled import default_loss_tile, validate_loss_tile
-
-# ----------------------------------------------------------------------------------------------
-# Held-out data: whole documents, packed into batches by the training pipeline.
-
-
-def held_out_documents(source, tokenizer, fraction: float, seed: int, min_tokens: int = 0) -> list[int]:
-    """Hold out whole documents of a corpus (`jaxlong.data.DocumentSource` or any sequence of texts) for
-    validation: taken in the order of `np.random.default_rng([seed, 1]).permutation(n_docs)`, at least
-    `max(1, round(fraction * n_docs))` and more until their tokens (`[BOS] ids [EOS]` each) reach `min_tokens`,
-    never all of them. Only the documents taken are tokenized.
-
-    Returns the held-out document indices, sorted (the training pipeline skips them).
-
-    Raises:
-      ValueError: the corpus has fewer than two documents (option `eval_fraction`, or `eval_every=0`).
-    """
-    from jaxlong.data import document_tokens  # noqa: PLC0415
-
-    n_docs = len(source)
-    if n_docs < 2:
-        raise ValueError(
-            f"eval_fraction={fraction}: the corpus has {n_docs} document(s); a held-out split needs at least 2 "
-            f"(use a corpus of several documents, or eval_every=0 to train without validation)"
-        )
-    order = np.random.default_rng([seed, 1]).permutation(n_docs)
-    want, held, total = max(1, round(fraction * n_docs)), [], 0
-    for i in order[: n_docs - 1]:
-        if len(held) >= want and total >= min_tokens:
-            break
-        held.append(int(i))
-        total += document_tokens(source[int(i)], tokenizer).size
-    return sorted(held)
-
-
-def validation_batches(cfg: Config, source, tokenizer, indices, n_batches: int) -> list[dict]:
-    """The validation batches of the documents at `indices`, cut by the training pipeline itself
-    (`jaxlong.data.make_dataset` with the run's `seq_len`, `data.packing` and `data.split_positions`; no
-    shuffle, one pass): each document is `[BOS] ids [EOS]` in its own segment, positions restart per document
-    (or per piece of a long one), padding is masked. A training batch of the same documents has the same
-    segment ids, positions and loss mask.
-
-    Returns at most `n_batches` host batches `{'inputs', 'targets', 'positions', 'segment_ids' int32, 'mask'
-    float32}` of `[eval_batch_size(cfg), seq_len]`; fewer when the documents cannot fill them.
-    """
-    from jaxlong.data import DocumentSubset, make_dataset  # noqa: PLC0415
-
-    d = cfg.data
-    ds = make_dataset(DocumentSubset(source, indices), tokenizer, seq_len=cfg.seq_len,
-                      global_batch=eval_batch_size(cfg), seed=cfg.seed, packing=d.packing,
-                      split_positions=d.split_positions, shuffle=False, repeat=False)
-    return list(itertools.islice(iter(ds), n_batches))
-
-
-def validation_split(cfg: Config, source, tokenizer, n_batches: int | None = None) -> tuple[list[int], list[dict]]:
-    """The held-out documents of a run and its validation batches: what the trainer validates on, and what
-    `python -m jaxlong.eval` evaluates (the same documents for the same `eval_fraction`, `seed`, corpus and
-    batch count).
-
-    Documents are held out (`held_out_documents`) until their tokens would fill `n_batches` (default
-    `eval_batches`) batches of `eval_batch_size(cfg) x seq_len`; when packing leaves the batches short (padding,
-    streams of unequal length), half as many tokens again are asked for, until the batches are full.
-
-    Returns `(indices, batches)`: the held-out document indices (sorted) and `n_batches` host batches
-    (`validation_batches`).
-
-    Raises:
-      ValueError: fewer than two documents, or all documents but one cannot fill the batches (the message names
-        `eval_batches`, `eval_fraction` and `data.path`).
-    """
-    n_batches = n_batches or cfg.eval_batches
-    need = n_batches * eval_batch_size(cfg) * cfg.seq_len + 1
-    while True:
-        indices = held_out_documents(source, tokenizer, cfg.eval_fraction, cfg.seed, need)
-        batches = validation_batches(cfg, source, tokenizer, indices, n_batches)
-        if len(batches) == n_batches:
-            return indices, batches
-        if len(indices) >= len(source) - 1:
-            raise ValueError(
-                f"eval_batches={n_batches}: the corpus of {len(source)} documents ({cfg.data.path}) cannot fill "
-                f"{n_batches} validation batches of {eval_batch_size(cfg)} x seq_len={cfg.seq_len} tokens while "
-                f"keeping a document for training; lower eval_batches or seq_len, or use a larger corpus"
-            )
-        need += need // 2
-
-
-def eval_batch_size(cfg: Config) -> int:
-    """Sequences per eval batch: one training micro-batch (`global_batch / grad_accum`), so evaluation holds
-    no more activations than a training micro-step."""
-    return cfg.global_batch // cfg.grad_accum
-
+from jaxlong.models import llama as model_lib
+from jaxlong.training import step as step_lib
 
 # ----------------------------------------------------------------------------------------------
 # Eval step: held-out loss on the training mesh.
@@ -255,144 +162,6 @@ def token_stats(cfg: Config, mesh: jax.sharding.Mesh) -> Callable[[dict, dict], 
         return step_lib.natural_order(loss, mesh), step_lib.natural_order(argmax, mesh)
 
     return fn
-
-
-# ----------------------------------------------------------------------------------------------
-# Loss by position.
-
-
-def position_buckets(seq_len: int) -> np.ndarray:
-    """Log-spaced bucket edges over token positions `[0, seq_len)`: 0, 1, 2, 4, ..., seq_len (powers of two,
-    the last edge `seq_len`). Bucket i is positions `[edges[i], edges[i + 1])`."""
-    edges = [0] + [2**k for k in range(int(math.log2(max(seq_len, 1))) + 1) if 2**k < seq_len] + [seq_len]
-    return np.array(sorted(set(edges)), np.int64)
-
-
-class PositionLoss:
-    """Accumulates per-token losses `[b, s]` (with mask) into log-spaced position buckets."""
-
-    def __init__(self, seq_len: int):
-        self.edges = position_buckets(seq_len)
-        self.sums = np.zeros(self.edges.size - 1)
-        self.counts = np.zeros(self.edges.size - 1)
-
-    def add(self, loss: np.ndarray, mask: np.ndarray) -> None:
-        loss, mask = np.asarray(loss, np.float64), np.asarray(mask, np.float64)
-        for i, (a, b) in enumerate(zip(self.edges[:-1], self.edges[1:])):
-            self.sums[i] += float(np.sum(loss[:, a:b] * mask[:, a:b]))
-            self.counts[i] += float(np.sum(mask[:, a:b]))
-
-    def rows(self) -> list[dict]:
-        """One dict per bucket: `start`, `end` (exclusive), `tokens`, `loss` (mean nats/token, nan if empty)."""
-        return [
-            {"start": int(a), "end": int(b), "tokens": int(c), "loss": s / c if c else float("nan")}
-            for a, b, s, c in zip(self.edges[:-1], self.edges[1:], self.sums, self.counts)
-        ]
-
-
-# ----------------------------------------------------------------------------------------------
-# Passkey retrieval.
-
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
-QUESTION = "What is the pass key? The pass key is {key}"
-
-
-@dataclass(frozen=True)
-class PasskeyExample:
-    """One passkey sequence: `tokens` int32 `[length + 1]` (inputs = tokens[:-1], targets = tokens[1:]), the
-    `answer` token positions in the targets (the key's last `len(key)` targets), the `key` and the actual
-    `depth` (needle start / filler length)."""
-
-    tokens: np.ndarray
-    answer: np.ndarray
-    key: str
-    depth: float
-
-
-def passkey_example(encode: Callable[[str], np.ndarray], length: int, depth: float, key: str) -> PasskeyExample:
-    """Filler text with a needle "The pass key is KEY. Remember it. KEY is the pass key." planted at `depth`
-    (0 = start of the text, 1 = just before the question), ending with "What is the pass key? The pass key is
-    KEY" so that the key's tokens are the last targets (Mohtashami & Jaggi 2023, the LongLoRA passkey test).
-
-    Args:
-      encode: tokenizer `str -> int [n]`.
-      length: sequence length S (the example has S + 1 tokens).
-      depth: needle depth in [0, 1].
-      key: the passkey, e.g. "48213".
-
-    Raises:
-      ValueError: `length` cannot hold the needle and the question, or depth is outside [0, 1].
-    """
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"passkey depth={depth} must be in [0, 1]")
-    needle = np.asarray(encode(NEEDLE.format(key=key)), np.int32)
-    question = np.asarray(encode(QUESTION.format(key=key)), np.int32)
-    answer_len = len(np.asarray(encode(key)))
-    n_filler = length + 1 - needle.size - question.size
-    if n_filler < 0:
-        raise ValueError(f"passkey length={length} is too short for the needle and question "
-                         f"({needle.size + question.size - 1} tokens at least)")
-    unit = np.asarray(encode(FILLER), np.int32)
-    filler = np.tile(unit, n_filler // unit.size + 1)[:n_filler]
-    at = int(round(depth * n_filler))
-    tokens = np.concatenate([filler[:at], needle, filler[at:], question])
-    answer = np.arange(length - answer_len, length)
-    return PasskeyExample(tokens, answer, key, at / max(n_filler, 1))
-
-
-def random_key(rng: np.random.Generator, digits: int) -> str:
-    """A `digits`-digit decimal passkey with a nonzero first digit."""
-    return str(rng.integers(1, 10)) + "".join(str(d) for d in rng.integers(0, 10, digits - 1))
-
-
-def passkey_batch(examples: list[PasskeyExample]) -> dict:
-    """Host batch `{'inputs', 'targets', 'mask', 'positions', 'segment_ids'}` `[len(examples), S]` of same-length
-    passkey examples (one document per row); the mask covers the answer positions only."""
-    tokens = np.stack([e.tokens for e in examples])
-    mask = np.zeros(tokens[:, 1:].shape, np.float32)
-    for i, e in enumerate(examples):
-        mask[i, e.answer] = 1.0
-    b, s = mask.shape
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask,
-            "positions": np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy(),
-            "segment_ids": np.ones((b, s), np.int32)}  # one document per row
-
-
-def score_passkey(predict: Callable[[dict], np.ndarray], encode: Callable[[str], np.ndarray], *,
-                  lengths: list[int], depths: list[float], per_cell: int, batch_size: int, digits: int = 5,
-                  seed: int = 0, progress: Callable[[int], None] | None = None) -> np.ndarray:
-    """Teacher-forced passkey retrieval accuracy on a `depth x length` grid.
-
-    Args:
-      predict: `batch -> argmax [b, S]` (host numpy; e.g. the argmax of `make_token_stats_step`), called with
-        `passkey_batch` batches of `batch_size` same-length examples.
-      encode: tokenizer `str -> int [n]`.
-      lengths, depths: the grid; per_cell: examples per cell (rounded up to a multiple of batch_size).
-      digits: passkey length in digits; seed: fixes keys (and so the examples).
-      progress: called with the number of examples after each forward.
-
-    Returns:
-      float `[len(depths), len(lengths)]`: the fraction of examples whose argmax equals the target at every
-      answer position (all of the key's tokens right).
-    """
-    rng = np.random.default_rng([seed, 2])
-    n_batches = -(-per_cell // batch_size)
-    acc = np.zeros((len(depths), len(lengths)))
-    for j, length in enumerate(lengths):
-        for i, depth in enumerate(depths):
-            right = total = 0
-            for _ in range(n_batches):
-                examples = [passkey_example(encode, length, depth, random_key(rng, digits)) for _ in range(batch_size)]
-                batch = passkey_batch(examples)
-                argmax = np.asarray(predict(batch))
-                for k, e in enumerate(examples):
-                    right += bool(np.all(argmax[k, e.answer] == batch["targets"][k, e.answer]))
-                total += len(examples)
-                if progress:
-                    progress(len(examples))
-            acc[i, j] = right / total
-    return acc
 
 
 # ----------------------------------------------------------------------------------------------

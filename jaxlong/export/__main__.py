@@ -18,11 +18,11 @@ from pathlib import Path
 def config_from_dict(data: dict):
     """The `Config` saved with a checkpoint (`jaxlong.config.to_dict`), taken as is: `model.from_hf` is not
     re-read (the saved model fields already hold the run's values)."""
-    from jaxlong.config import Config, _apply  # noqa: PLC0415
+    from jaxlong.config import Config, apply_setting  # noqa: PLC0415
 
     cfg = Config()
     for k, v in data.items():
-        _apply(cfg, k, v)
+        apply_setting(cfg, k, v)
     return cfg
 
 
@@ -37,10 +37,10 @@ def restore_params(run_dir: str | Path, step: int | None = None):
     import jax  # noqa: PLC0415
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
-    from jaxlong.training.checkpoint import Checkpointer  # noqa: PLC0415
     from jaxlong.config import MeshConfig  # noqa: PLC0415
     from jaxlong.core.mesh import build_mesh, tree_shardings  # noqa: PLC0415
     from jaxlong.models.llama import abstract_params  # noqa: PLC0415
+    from jaxlong.training.checkpoint import Checkpointer  # noqa: PLC0415
 
     ckpt_dir = (Path(run_dir) / "checkpoints").absolute()
     latest = Checkpointer.latest_in(ckpt_dir)
@@ -79,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default 2GiB)")
     args = parser.parse_args(argv)
-    from jaxlong.train.__main__ import cpu_unless_gpu_driver  # noqa: PLC0415
+    from jaxlong.core.distributed import cpu_unless_gpu_driver  # noqa: PLC0415
 
-    cpu_unless_gpu_driver()  # before jax is imported: no CUDA-plugin traceback on a machine without a GPU
+    cpu_unless_gpu_driver()  # before jax creates a backend: no CUDA-plugin traceback on a machine without a GPU
     try:
-        from jaxlong.plan import parse_bytes  # noqa: PLC0415
+        from jaxlong.core.units import parse_bytes  # noqa: PLC0415
         from jaxlong.models.hf import save_hf  # noqa: PLC0415
 
         out = Path(args.out)

@@ -1,6 +1,6 @@
-"""Attention kernels: exact blockwise (flash-style) attention in pure JAX, backend dispatch
-(the cuDNN kernel pair with lse in and out is :mod:`jaxlong.kernels.cudnn`; the Pallas GPU kernel pair
-with segment ids is :mod:`jaxlong.kernels.pallas_gpu`).
+"""Exact blockwise (flash-style) attention in pure JAX and the dense reference; the backend choice and
+dispatch is :mod:`jaxlong.kernels.backend` (the cuDNN kernel pair with lse in and out is
+:mod:`jaxlong.kernels.cudnn`; the Pallas GPU kernel pair with segment ids is :mod:`jaxlong.kernels.pallas_gpu`).
 
 Layout (everywhere in this module):
 
@@ -44,26 +44,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlong.kernels import cudnn as _cudnn
-from jaxlong.kernels import pallas_gpu as _pallas
-from jaxlong.kernels.layout import cudnn_head_dim_ok, pallas_head_dim_ok
+from jaxlong.core.errors import ConfigError
 from jaxlong.core.ordering import varying_axes, zeros_after
 
 __all__ = [
-    "BACKENDS",
     "segment_starts",
     "reference_attention",
+    "reference_attention_with_lse",
     "blockwise_attention_fwd",
     "blockwise_attention_bwd",
     "blockwise_attention",
-    "cudnn_attention",
-    "resolve_backend",
-    "attention",
-    "attention_fwd_with_lse",
-    "attention_bwd",
+    "check_attention_block",
 ]
-
-BACKENDS = ("auto", "blockwise", "cudnn", "pallas", "reference")
 
 _F32 = jnp.float32
 # Finite "minus infinity" for masked scores: exp(_NEG - finite) == 0 and no inf - inf NaNs.
@@ -190,10 +182,10 @@ def reference_attention(q, k, v, *, causal: bool = True, segment_ids=None):
     masking, see the module docstring). Returns ``[batch, seq, heads, head_dim]`` in ``q.dtype``.
     Uses O(seq^2) memory. Raises ValueError on malformed shapes or segment ids.
     """
-    return _reference_with_lse(q, k, v, causal=causal, segment_ids=segment_ids)[0]
+    return reference_attention_with_lse(q, k, v, causal=causal, segment_ids=segment_ids)[0]
 
 
-def _reference_with_lse(q, k, v, *, causal: bool, segment_ids=None):
+def reference_attention_with_lse(q, k, v, *, causal: bool, segment_ids=None):
     b, s, h, kvh, d = _check_shapes(q, k, v)
     segment_ids = _check_segments(segment_ids, q, causal)
     q5 = _split_heads(q.astype(_F32), kvh)
@@ -216,6 +208,21 @@ def _reference_with_lse(q, k, v, *, causal: bool, segment_ids=None):
 def _tile_starts(starts, bq):
     """Run start of each query tile's first token, ``[batch, n_q_tiles]`` (the tile's minimum)."""
     return starts[:, ::bq]
+
+
+def _tiling(q, k, v, block_q, block_k, segment_ids, kv_segment_ids, causal):
+    """The checks and tile sizes shared by the forward and backward kernels: `((b, s, h, kvh, d), (bq, bk),
+    (pair, q_ids, kv_ids, segment_ids))`. With `kv_segment_ids` (`pair`) the query and key ids are checked as a
+    pair (`q_ids`, `kv_ids`) and `segment_ids` becomes None."""
+    dims = _check_shapes(q, k, v)
+    s = dims[1]
+    tiles = _check_block("block_q", block_q, s), _check_block("block_k", block_k, s)
+    pair = kv_segment_ids is not None
+    q_ids = kv_ids = None
+    if pair:
+        q_ids, kv_ids = _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal)
+        segment_ids = None
+    return dims, tiles, (pair, q_ids, kv_ids, _check_segments(segment_ids, q, causal))
 
 
 def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
@@ -248,14 +255,8 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
     kv tile holding the earliest run start of the query tile (over the batch), so tiles of
     earlier documents are skipped too. Peak extra memory is O(tile^2).
     """
-    b, s, h, kvh, d = _check_shapes(q, k, v)
-    bq = _check_block("block_q", block_q, s)
-    bk = _check_block("block_k", block_k, s)
-    pair = kv_segment_ids is not None
-    if pair:
-        q_ids, kv_ids = _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal)
-        segment_ids = None
-    segment_ids = _check_segments(segment_ids, q, causal)
+    (b, s, h, kvh, d), (bq, bk), (pair, q_ids, kv_ids, segment_ids) = _tiling(
+        q, k, v, block_q, block_k, segment_ids, kv_segment_ids, causal)
     g, nq, nk = h // kvh, s // bq, s // bk
     scale = 1.0 / math.sqrt(d)
     q5 = _split_heads(q, kvh)
@@ -349,14 +350,8 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
     tile and adding into a float32 ``dq`` buffer carried through the scan. No ``[seq, seq]``
     array is formed.
     """
-    b, s, h, kvh, d = _check_shapes(q, k, v)
-    bq = _check_block("block_q", block_q, s)
-    bk = _check_block("block_k", block_k, s)
-    pair = kv_segment_ids is not None
-    if pair:
-        q_ids, kv_ids = _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal)
-        segment_ids = None
-    segment_ids = _check_segments(segment_ids, q, causal)
+    (b, s, h, kvh, d), (bq, bk), (pair, q_ids, kv_ids, segment_ids) = _tiling(
+        q, k, v, block_q, block_k, segment_ids, kv_segment_ids, causal)
     g, nq, nk = h // kvh, s // bq, s // bk
     scale = 1.0 / math.sqrt(d)
     q5, do5 = _split_heads(q, kvh), _split_heads(dout.astype(q.dtype), kvh)
@@ -466,116 +461,19 @@ def blockwise_attention(q, k, v, *, causal: bool = True, block_q: int = 512,
     return _blockwise(q, k, v, segment_ids, bool(causal), bq, bk)
 
 
-# ------------------------------------------------------------------------------ cuDNN
-
-
-def cudnn_attention(q, k, v, *, causal: bool = True):
-    """Differentiable cuDNN flash attention (:mod:`jaxlong.kernels.cudnn`, a ``custom_vjp`` saving
-    ``(q, k, v, out, lse)`` whose backward does not rerun the forward).
-
-    Same layout (GQA handled natively). GPU only; bf16/fp16 inputs, head_dim a multiple of 8 and <= 256.
-    It takes no segment ids: packed documents go to the Pallas GPU kernel (``backend='auto'``) or raise
-    (``backend='cudnn'``, see :func:`resolve_backend`).
-    Raises ValueError/ConfigError as :func:`jaxlong.kernels.cudnn.cudnn_attention_fwd`.
-    """
-    return _cudnn.cudnn_attention(q, k, v, causal=causal)
-
-
-# --------------------------------------------------------------------------- dispatch
-
-
-def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = None) -> str:
-    """Map ``backend`` (one of :data:`BACKENDS`) to a concrete one for query array ``q``.
-
-    ``'auto'`` on GPUs (``platform``: the mesh's device platform, e.g. ``mesh.devices.flat[0].platform``;
-    default ``jax.default_backend()``) with ``q.dtype`` bf16/fp16 picks ``'cudnn'`` without ``segment_ids``
-    (``head_dim % 8 == 0`` and ``<= 256``) and ``'pallas'`` with them (document masking;
-    ``head_dim`` a power of two in [16, 256]); otherwise ``'blockwise'``. Compile-only GPU devices (planning
-    without a GPU) report ``'gpu'`` while ``jax.default_backend()`` is ``'cpu'``: pass ``platform``.
+def check_attention_block(key: str, block: int, seq: int) -> None:
+    """The blockwise attention kernel's tile along the sequence: it sees the whole sequence after Ulysses'
+    all-to-all, clamps the tile to it, and needs the tile to divide it (`jaxlong.kernels.blockwise`).
 
     Raises:
-      ValueError: unknown backend, or ``'cudnn'`` with segment ids (``attention.backend``).
+      ConfigError: `block` <= 0, or min(block, seq) does not divide `seq` (`key` names the option).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-    if backend == "cudnn" and segment_ids is not None:
-        raise ValueError(
-            "attention.backend=cudnn cannot mask packed documents (cuDNN's packed layout is not usable at long "
-            "context, see jaxlong.kernels.cudnn); use attention.backend=auto or pallas (GPUs) or blockwise, or "
-            "data.packing=concat")
-    if backend != "auto":
-        return backend
-    platform = jax.default_backend() if platform is None else platform
-    d = q.shape[-1]
-    if platform not in ("gpu", "cuda") or jnp.dtype(q.dtype) not in (jnp.bfloat16, jnp.float16):
-        return "blockwise"
-    if segment_ids is None and cudnn_head_dim_ok(d):
-        return "cudnn"
-    if segment_ids is not None and pallas_head_dim_ok(d):
-        return "pallas"
-    return "blockwise"
-
-
-def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: int = 512,
-              block_k: int = 512, segment_ids=None):
-    """Differentiable attention with backend dispatch; returns ``out`` (shape/dtype of q).
-
-    backend: ``'auto'`` (see :func:`resolve_backend`), ``'blockwise'``, ``'cudnn'``, ``'pallas'`` or
-    ``'reference'``. ``block_q``/``block_k`` are used only by ``'blockwise'`` (the Pallas kernel keeps its
-    own Triton tile sizes).
-    ``segment_ids``: int ``[batch, seq]`` or None, document masking (module docstring).
-    Raises ValueError for an unknown backend, cuDNN with segment ids (and as the kernel does).
-    """
-    backend = resolve_backend(backend, q, segment_ids)
-    if backend == "blockwise":
-        return blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
-                                   segment_ids=segment_ids)
-    if backend == "cudnn":
-        return cudnn_attention(q, k, v, causal=causal)
-    if backend == "pallas":
-        return _pallas.pallas_attention(q, k, v, causal=causal, segment_ids=segment_ids)
-    return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
-
-
-def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = True,
-                           block_q: int = 512, block_k: int = 512, segment_ids=None):
-    """Forward returning ``(out, lse)``, for ops with their own custom_vjp.
-
-    * ``'blockwise'``: :func:`blockwise_attention_fwd` (real lse).
-    * ``'reference'``: exact lse from the materialized scores.
-    * ``'cudnn'``: :func:`jaxlong.kernels.cudnn.cudnn_attention_fwd`, cuDNN's softmax statistic,
-      which is the same natural-log lse.
-    * ``'pallas'``: :func:`jaxlong.kernels.pallas_gpu.pallas_attention_fwd` (real lse, segment ids).
-    ``segment_ids`` as for :func:`attention`.
-    """
-    backend = resolve_backend(backend, q, segment_ids)
-    if backend == "blockwise":
-        return blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
-                                       block_k=block_k, segment_ids=segment_ids)
-    if backend == "reference":
-        return _reference_with_lse(q, k, v, causal=causal, segment_ids=segment_ids)
-    if backend == "pallas":
-        return _pallas.pallas_attention_fwd(q, k, v, causal=causal, segment_ids=segment_ids)
-    return _cudnn.cudnn_attention_fwd(q, k, v, causal=causal)
-
-
-def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: bool = True,
-                  block_q: int = 512, block_k: int = 512, segment_ids=None):
-    """Backward matching :func:`attention_fwd_with_lse`; returns ``(dq, dk, dv)``.
-
-    ``'blockwise'`` uses :func:`blockwise_attention_bwd`, ``'cudnn'``
-    :func:`jaxlong.kernels.cudnn.cudnn_attention_bwd` and ``'pallas'``
-    :func:`jaxlong.kernels.pallas_gpu.pallas_attention_bwd`, all from the saved ``out``/``lse`` (no
-    forward is rerun). ``'reference'`` (tests only) ignores ``out``/``lse`` and recomputes the
-    forward under ``jax.vjp``. Dtypes follow q, k, v.
-    """
-    backend = resolve_backend(backend, q, segment_ids)
-    if backend == "blockwise":
-        return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal,
-                                       block_q=block_q, block_k=block_k, segment_ids=segment_ids)
-    if backend == "cudnn":
-        return _cudnn.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=causal)
-    if backend == "pallas":
-        return _pallas.pallas_attention_bwd(q, k, v, out, lse, dout, causal=causal, segment_ids=segment_ids)
-    _, vjp = jax.vjp(functools.partial(reference_attention, causal=causal, segment_ids=segment_ids), q, k, v)
-    return vjp(dout.astype(q.dtype))
+    if block <= 0:
+        raise ConfigError(f"{key}={block} must be a positive tile length, e.g. {min(256, seq)}")
+    b = min(block, seq)
+    if seq % b:
+        best = max(c for c in range(1, b + 1) if seq % c == 0)
+        raise ConfigError(
+            f"{key}={block} must divide seq_len={seq} (attention sees the whole sequence after the all-to-all); "
+            f"use a divisor such as {best}, or a value >= {seq}"
+        )

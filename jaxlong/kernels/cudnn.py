@@ -79,8 +79,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxlong.core.errors import ConfigError
 from jaxlong.kernels.layout import check_qkv, cudnn_head_dim_ok
-from jaxlong.config import ConfigError
 
 __all__ = ["CHECKED_JAX", "MAX_ELEMENTS", "cudnn_attention", "cudnn_attention_bwd", "cudnn_attention_fwd"]
 

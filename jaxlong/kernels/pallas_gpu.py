@@ -56,8 +56,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxlong.kernels.layout import check_qkv, pallas_head_dim_ok
 from jaxlong.core.ordering import varying_axes
+from jaxlong.kernels.blockwise import segment_starts
+from jaxlong.kernels.layout import check_qkv, pallas_head_dim_ok
 
 __all__ = ["MAX_ELEMENTS", "pallas_attention", "pallas_attention_bwd", "pallas_attention_fwd"]
 
@@ -104,7 +105,6 @@ def _check(q, k, v, segment_ids, causal, block_q, block_k):
 
 def _runs(segment_ids, padded: int):
     """Run start and run end (inclusive) of every token, int32 `[batch, padded]`; padded tokens form one run."""
-    from jaxlong.kernels.blockwise import segment_starts  # noqa: PLC0415 (kernels imports this module)
 
     b, s = segment_ids.shape
     pos = lax.broadcasted_iota(jnp.int32, (b, s), 1)

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+RopeScaling = Literal["none", "linear", "llama3", "yarn"]  # `model.rope_scaling.type`
+ROPE_SCALINGS = get_args(RopeScaling)
 
 
 def inv_rms(x: jax.Array, eps: float) -> jax.Array:
@@ -116,7 +120,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling=None) -> tuple[np.ndar
         interpolation = (f32(1.0) / (f32(factor) * pos_freqs)).astype(f32)
         inv = interpolation * (1 - extrapolation) + inv_freq * extrapolation
         return inv.astype(f32), float(attention)
-    raise ValueError(f"model.rope_scaling.type={kind!r} is not supported; choose none, linear, llama3 or yarn")
+    raise ValueError(f"model.rope_scaling.type={kind!r} is not supported; choose one of: {', '.join(ROPE_SCALINGS)}")
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float, scaling=None) -> tuple[jax.Array, jax.Array]:

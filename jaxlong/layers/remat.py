@@ -8,7 +8,7 @@ which of them the backward pass may keep (on device or in pinned host memory) in
   save_dots  keep matmul outputs without batch dimensions (`checkpoint_dots_with_no_batch_dims`),
              recompute norms, RoPE, activations and attention.
   offload    like `full`, but the saved layer input lives in pinned host memory and is brought back for the
-             layer's backward (ALST §3.4; design brief §2).
+             layer's backward (ALST, arXiv 2506.13996, §3.4).
   custom     `remat.save` names are kept on device, `remat.offload` names go to pinned host memory.
 
 The layer input is the scan carry; it can only be offloaded because the layer names it inside the remat'd
@@ -17,21 +17,34 @@ body (jax#23869).
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import jax
 
-from jaxlong.config import UPIPE_INTERNAL_NAMES, ConfigError, RematConfig
+from jaxlong.core.errors import ConfigError
+
+RematPolicy = Literal["none", "full", "save_dots", "offload", "custom"]  # `remat.policy`
+POLICIES = get_args(RematPolicy)
 
 LAYER_INPUT = "layer_input"
+# The attention sublayer's tensors (tagged by the Ulysses sublayer; U-Pipe computes them inside its op).
+ATTENTION_NAMES = (
+    "attn_norm_out",  # [b, s, hidden]
+    "query_proj",  # [b, s, heads, head_dim], after RoPE
+    "key_proj",  # [b, s, kv_heads, head_dim], after RoPE
+    "value_proj",  # [b, s, kv_heads, head_dim]
+    "attn_out",  # [b, s, heads, head_dim], before W_o
+)
 NAMES = (
     LAYER_INPUT,  # [b, s, hidden] residual stream entering the layer
-    *UPIPE_INTERNAL_NAMES,  # the attention sublayer's tensors; with attention.impl=ulysses only
+    *ATTENTION_NAMES,  # with attention.impl=ulysses only
     "mlp_norm_out",  # [b, s, hidden]
     "mlp_hidden",  # [b, s, mlp_hidden], silu(gate) * up; not with tiling.mlp (the tiles recompute it)
 )
 
 
-def make_policy(cfg: RematConfig):
-    """The `jax.checkpoint` policy for `cfg.policy`, or None for `none` (no checkpointing).
+def make_policy(cfg):
+    """The `jax.checkpoint` policy for `cfg.policy` (`cfg`: a `jaxlong.config.RematConfig`), or None for `none`.
 
     Raises:
       ConfigError: unknown policy, or a `custom` name that the layer does not tag.
@@ -62,10 +75,10 @@ def make_policy(cfg: RematConfig):
             offload_src="device",
             offload_dst="pinned_host",
         )
-    raise ConfigError(f"remat.policy={cfg.policy!r}; choose one of: none, full, save_dots, offload, custom")
+    raise ConfigError(f"remat.policy={cfg.policy!r}; choose one of: {', '.join(POLICIES)}")
 
 
-def remat(fn, cfg: RematConfig):
+def remat(fn, cfg):
     """Wrap a scan body `fn(carry, xs)` in `jax.checkpoint` with the configured policy (identity for `none`)."""
     policy = make_policy(cfg)
     if cfg.policy == "none":

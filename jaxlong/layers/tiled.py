@@ -1,7 +1,7 @@
 """Sequence tiling: the output projection + cross-entropy, and the SwiGLU MLP, over tiles of tokens.
 
 Both ops keep their largest intermediates for one tile of tokens at a time, in the forward pass *and* in the
-backward pass (design brief §2, rows "tiled loss" and "tiled MLP"):
+backward pass (ALST, arXiv 2506.13996, §3.2-3.3: tiled loss and tiled MLP):
 
 - `tiled_cross_entropy` never materializes `[batch, seq, vocab]` logits: a `lax.scan` over sequence tiles
   projects one tile to float32 logits `[batch, tile, vocab]`, reduces it to per-token log-sum-exp and
@@ -23,7 +23,8 @@ Sharding. With `mesh=None` the ops run on whatever arrays they get (tiles along 
 and the weights are replicated (gathered); the op runs inside `jax.shard_map`, so tiles are taken along each
 device's *local* sequence (`seq / mesh.context` tokens). Replicated weights are marked varying
 (`lax.pcast`), so the shard_map transpose sums their per-device cotangents; the backward never sums them
-itself (design brief §5). The loss sum and the valid-token count are `psum`med over all mesh axes.
+itself (shard_map with `check_vma`: the transpose of a varying use is a `psum`). The loss sum and the
+valid-token count are `psum`med over all mesh axes.
 
 Option names used in error messages (suggested config keys): `tiling.loss_tile` (tokens per loss tile) and
 `tiling.mlp_tiles` (number of MLP tiles per local sequence).
@@ -39,11 +40,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.layers.loss import IGNORE_INDEX
 from jaxlong.core.mesh import BATCH_AXES, seq_axes, seq_shards
 from jaxlong.core.ordering import zeros_after
+from jaxlong.core.units import MiB
+from jaxlong.layers.loss import IGNORE_INDEX
 
-MiB = 2**20
 DEFAULT_LOSS_BUDGET_BYTES = 256 * MiB
 
 

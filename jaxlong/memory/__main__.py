@@ -17,10 +17,12 @@ import re
 import sys
 
 from jaxlong.config import ConfigError, load_config
+from jaxlong.core import distributed
+from jaxlong.core.units import fmt_gib
 from jaxlong.memory import fit_options as fit_cli
+from jaxlong.plan.cost import significant
 from jaxlong.plan.planner import __doc__ as _PLAN_DOC
-from jaxlong.plan.cost import _sig
-from jaxlong.plan.planner import _ctx, _gib, budgets, format_table, ladder, max_context, plan, plot_ladder
+from jaxlong.plan.planner import budgets, format_context, format_table, ladder, max_context, plan, plot_ladder
 
 TiB = 1024**4
 CPU_NOTICE = ("note: CPU approximation (XLA's CPU compiler, float32 compile scaled to the compute dtype; no "
@@ -29,8 +31,7 @@ CPU_NOTICE = ("note: CPU approximation (XLA's CPU compiler, float32 compile scal
 
 
 def _gpu_present() -> bool:
-    """An NVIDIA driver is present (checked without importing jax, so JAX_PLATFORMS can still be set)."""
-    return os.path.exists("/dev/nvidiactl")
+    return distributed.gpu_driver_present()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,15 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if target is not None and not _gpu_present():
-        os.environ["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin must not try to initialize a driver
+        distributed.use_cpu_platform()  # the CUDA plugin must not try to initialize a driver
     if args.dump:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.dump}".strip()
-    from jaxlong.train.__main__ import set_host_device_count  # noqa: PLC0415
-
-    set_host_device_count(cfg.mesh.num_devices)
+    distributed.set_host_device_count(cfg.mesh.num_devices)
     where = target.describe() if target else f"{cfg.mesh.num_devices} devices"
-    print(f"{cfg.model.name}: seq_len {cfg.seq_len:,}, {where}, budget {_gib(budget)} GiB per device, "
-          f"host {_gib(host_budget)} GiB per node, compute {cfg.compute_dtype}")
+    print(f"{cfg.model.name}: seq_len {cfg.seq_len:,}, {where}, budget {fmt_gib(budget)} GiB per device, "
+          f"host {fmt_gib(host_budget)} GiB per node, compute {cfg.compute_dtype}")
     rungs = ladder(cfg) if args.ladder else [("config", "as given", cfg)]
     kw = dict(headroom=args.headroom, collective_buffers=collectives)
     start = args.start if args.start is not None else (262144 if target else 65536)  # first length the max-context search tries
@@ -123,14 +122,14 @@ def main(argv: list[str] | None = None) -> int:
                                                            "peak", "workspace", "collectives", "headroom", "total",
                                                            "host_per_node")})
                 row["max_context"] = s
-                print(f"{name:18s} max context {_ctx(s, start):>11s} tokens", flush=True)
+                print(f"{name:18s} max context {format_context(s, start):>11s} tokens", flush=True)
             else:
                 row.update(plan(c, target, estimate=args.estimate, **kw), seq_len=c.seq_len)
-                print(f"{name:18s} total {_gib(row['total']):>8s} GiB  (compiled peak {_gib(row['peak'])}, "
-                      f"activations {_gib(row['activations'])}, host {_gib(row['host'])})", flush=True)
+                print(f"{name:18s} total {fmt_gib(row['total']):>8s} GiB  (compiled peak {fmt_gib(row['peak'])}, "
+                      f"activations {fmt_gib(row['activations'])}, host {fmt_gib(row['host'])})", flush=True)
                 if "estimate" in row:
                     e = row["estimate"]
-                    print(f"{'':18s} estimate: {_sig(e['step_seconds'])} s/step, {e['tokens_per_s_per_gpu']:,.0f} "
+                    print(f"{'':18s} estimate: {significant(e['step_seconds'])} s/step, {e['tokens_per_s_per_gpu']:,.0f} "
                           f"tokens/s per GPU, MFU {e['mfu']:.1%}, recompute {e['recompute_factor']:.2f}", flush=True)
         except ConfigError as e:  # e.g. a ladder rung's context degree that the model's heads cannot split
             print(f"{name:18s} invalid for this model: {e}", file=sys.stderr, flush=True)
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(rows, budget, host_budget)
     if args.max_context:
         table = "| rung | max context (tokens) | total at it (GiB) |\n|---|---:|---:|\n" + "\n".join(
-            f"| {r['name']} | {_ctx(r['max_context'], start)} | {_gib(r['total'])} |" for r in rows)
+            f"| {r['name']} | {format_context(r['max_context'], start)} | {fmt_gib(r['total'])} |" for r in rows)
     source = next((r["source"] for r in reversed(rows) if "source" in r), "")  # the full mesh, not rung 1's
     print(f"source: {source}")
     print(table)

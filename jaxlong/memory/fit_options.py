@@ -15,14 +15,25 @@ import json
 import sys
 
 from jaxlong.config import Config, ConfigError, validate
+from jaxlong.core import distributed
+from jaxlong.core.units import fmt_gib
 from jaxlong.plan import planner
-from jaxlong.plan.fit import (COST_MODELS, FitError, FitResult, _g, _parsed, _plan_call, _strip_mesh,
-                              analytic_cost, configure, fit)
+from jaxlong.plan.fit import (
+    COST_MODELS,
+    FitError,
+    FitResult,
+    analytic_cost,
+    configure,
+    fit,
+    parse_setting,
+    strip_implied,
+    with_estimate,
+)
 
 
 def _short(key: str) -> str:
     """For tables: also without the device count, `mesh.data` and a ring of 1."""
-    return " ".join(o for o in _strip_mesh(key).split()
+    return " ".join(o for o in strip_implied(key).split()
                     if not o.startswith(("mesh.num_devices=", "mesh.data=")) and o != "mesh.ring=1")
 
 
@@ -34,8 +45,8 @@ def format_report(res: FitResult, budget: int, host_budget: int | None, *, per_r
     for r in res.rows:
         mark = " (cached)" if r["cached"] else ""
         win = " **winner**" if res.winner is r else ""
-        lines.append(f"| {r['index']}{mark} | {_short(r['overrides'])} | {_g(r['peak'])} | {_g(r['total'])} | "
-                     f"{_g(r['host_per_node'])} | {r['tokens_per_s_per_gpu']:,.0f} | {r['recompute_factor']:.2f} | "
+        lines.append(f"| {r['index']}{mark} | {_short(r['overrides'])} | {fmt_gib(r['peak'], 1)} | {fmt_gib(r['total'], 1)} | "
+                     f"{fmt_gib(r['host_per_node'], 1)} | {r['tokens_per_s_per_gpu']:,.0f} | {r['recompute_factor']:.2f} | "
                      f"{'yes' if r['fits'] else 'no'}{win} |")
     invalid = sum(p["reason"].startswith("invalid") for p in res.pruned)
     lines.append(f"\n{res.compiles} compile{'s' * (res.compiles != 1)} for {res.candidates} valid candidates "
@@ -49,14 +60,14 @@ def format_report(res: FitResult, budget: int, host_budget: int | None, *, per_r
     lines.append("")
     if res.winner is not None:
         w = res.winner
-        lines.append(f"winner: #{w['index']} {_short(w['overrides'])} -- total {_g(w['total'])} of {_g(budget)} GiB, "
-                     f"host {_g(w['host_per_node'])} GiB per node, {w['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+        lines.append(f"winner: #{w['index']} {_short(w['overrides'])} -- total {fmt_gib(w['total'], 1)} of {fmt_gib(budget, 1)} GiB, "
+                     f"host {fmt_gib(w['host_per_node'], 1)} GiB per node, {w['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
                      f"(estimated)")
     elif res.closest is not None:
         c = res.closest
-        host = f", host {_g(c['host_per_node'])} of {_g(host_budget)} GiB per node" if host_budget else ""
-        lines.append(f"nothing fits: the closest candidate is #{c['index']} [{_strip_mesh(c['overrides'])}] with peak "
-                     f"{_g(c['peak'])} GiB, total {_g(c['total'])} GiB against the budget of {_g(budget)} GiB{host}")
+        host = f", host {fmt_gib(c['host_per_node'], 1)} of {fmt_gib(host_budget, 1)} GiB per node" if host_budget else ""
+        lines.append(f"nothing fits: the closest candidate is #{c['index']} [{strip_implied(c['overrides'])}] with peak "
+                     f"{fmt_gib(c['peak'], 1)} GiB, total {fmt_gib(c['total'], 1)} GiB against the budget of {fmt_gib(budget, 1)} GiB{host}")
     else:
         lines.append("nothing fits: no candidate was compiled (raise --max-compiles)")
     return "\n".join(lines)
@@ -68,7 +79,7 @@ def winner_overrides(res: FitResult, base: Config) -> list[str]:
         return []
     out = []
     for text in res.winner["overrides"].split():
-        path, value = _parsed(text)
+        path, value = parse_setting(text)
         cur = base
         for part in path:
             cur = getattr(cur, part)
@@ -124,7 +135,7 @@ def resolve(args, cfg: Config):
 
     if args.max_compiles < 1:
         raise ConfigError(f"--max-compiles {args.max_compiles}: must be at least 1")
-    _plan_call(planner.plan, COST_MODELS[args.cost_model])  # a cost model the planner cannot feed fails here
+    with_estimate(planner.plan, COST_MODELS[args.cost_model])  # a cost model the planner cannot feed fails here
     target = None
     if args.target:
         target = parse_target(args.target)
@@ -145,14 +156,10 @@ def resolve(args, cfg: Config):
 
 
 def prepare_jax(cfg: Config, target) -> None:
-    """Environment before jax is imported: no CUDA initialization for a deviceless target, simulated CPU devices."""
-    import os  # noqa: PLC0415
-
-    from jaxlong.train.__main__ import set_host_device_count  # noqa: PLC0415
-
-    if target is not None and not os.path.exists("/dev/nvidiactl"):
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    set_host_device_count(cfg.mesh.num_devices)
+    """Environment before jax creates a backend: no CUDA initialization for a deviceless target, simulated CPU devices."""
+    if target is not None and not distributed.gpu_driver_present():
+        distributed.use_cpu_platform()
+    distributed.set_host_device_count(cfg.mesh.num_devices)
 
 
 def run_cli(args, cfg: Config, target, budget: int, host_budget: int, collectives, argv_overrides: list[str],
@@ -167,7 +174,7 @@ def run_cli(args, cfg: Config, target, budget: int, host_budget: int, collective
 
     where = target.describe() if target else f"{cfg.mesh.num_devices} devices"
     print(f"fit {cfg.model.name}: seq_len {cfg.seq_len:,}, global_batch {cfg.global_batch}, {where}, budget "
-          f"{_g(budget)} GiB per device, host {_g(host_budget)} GiB per node, ranked by --cost-model {args.cost_model}",
+          f"{fmt_gib(budget, 1)} GiB per device, host {fmt_gib(host_budget, 1)} GiB per node, ranked by --cost-model {args.cost_model}",
           flush=True)
     cost = COST_MODELS[args.cost_model]
     if args.cost_model == "analytic" and target is not None and target.peak_flops:

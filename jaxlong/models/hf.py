@@ -38,12 +38,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlong.config import Config, ConfigError, ModelConfig
 from jaxlong.core.mesh import tree_shardings
-from jaxlong.models.hf_config import hf_config_dict, read_config_json
 from jaxlong.data.tokenizer import TOKENIZER_FILES, HFTokenizer
+from jaxlong.models.hf_config import hf_config_dict, read_config_json
+from jaxlong.models.llama import abstract_params
 
 # jaxlong leaf -> (HF name, layout). Layer leaves use "{i}" in the name.
 LAYER = "model.layers.{i}."
@@ -139,7 +141,6 @@ def check_checkpoint(directory: str | Path, cfg: Config, reader: SafetensorsRead
         named), a tensor's shape differs from the one config.json implies, or the tokenizer has more tokens
         than the embedding rows.
     """
-    from jaxlong.models.llama import abstract_params  # noqa: PLC0415
 
     reader = reader or SafetensorsReader(directory)
     where = f"model.from_hf={str(directory)!r}"
@@ -222,7 +223,6 @@ def load_params(directory: str | Path, cfg: Config, mesh: jax.sharding.Mesh,
     Raises:
       ConfigError: see `check_checkpoint` (checked first).
     """
-    from jaxlong.models.llama import abstract_params  # noqa: PLC0415
 
     reader = reader or SafetensorsReader(directory)
     check_checkpoint(directory, cfg, reader)
@@ -284,7 +284,6 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, source: str | Path | 
     """
     from safetensors.numpy import save_file  # noqa: PLC0415
 
-    from jaxlong.models.llama import abstract_params  # noqa: PLC0415
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):

@@ -1,5 +1,7 @@
-"""Hugging Face `config.json` <-> `jaxlong.config.ModelConfig`, for Llama-3.x (`model_type: llama`) and Qwen3
-(`model_type: qwen3`). Pure Python (no jax): the trainer's CLI builds its config before jax is imported.
+"""Hugging Face `config.json` <-> the `model` settings of `jaxlong.config.ModelConfig`, for Llama-3.x
+(`model_type: llama`) and Qwen3 (`model_type: qwen3`). Pure Python (no jax): the trainer's CLI builds its config
+before any device exists. `model_settings_from_hf` returns plain values (a nested dict of `model.*` keys), which
+`jaxlong.config` turns into a `ModelConfig`; this module imports nothing of the config tree.
 
 Every field of `config.json` is either mapped (`MAPPED`), ignorable (`IGNORED`: metadata, token ids, caching
 and dropout settings at their inert values) or an error naming it, so a checkpoint with an architecture
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxlong.config import ConfigError, ModelConfig, RopeScalingConfig
+from jaxlong.core.errors import ConfigError
 
 MODEL_TYPES = ("llama", "qwen3")
 # config.json field -> ModelConfig field.
@@ -43,6 +45,10 @@ ROPE_KEYS = {
     "beta_slow": "beta_slow", "attention_factor": "attention_factor", "truncate": "truncate",
 }
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
+# The type of each mapped `model.*` field (config.json may hold 1 for 1.0, or 1e-05 for an int).
+FIELD_TYPES = {"vocab_size": int, "hidden": int, "layers": int, "heads": int, "kv_heads": int, "head_dim": int,
+               "mlp_hidden": int, "rope_theta": float, "norm_eps": float, "tie_embeddings": bool, "init_std": float,
+               "max_position_embeddings": int}
 
 
 def read_config_json(directory: str | Path) -> dict:
@@ -58,8 +64,9 @@ def read_config_json(directory: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _rope_scaling(hf: dict, where: str) -> tuple[float | None, RopeScalingConfig]:
-    """(rope_theta from rope_parameters if there, scaling) from `rope_scaling` or `rope_parameters`."""
+def _rope_scaling(hf: dict, where: str) -> tuple[float | None, dict]:
+    """(rope_theta from rope_parameters if there, the `model.rope_scaling.*` settings) from `rope_scaling` or
+    `rope_parameters`."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     theta = params.get("rope_theta")
     kind = params.get("rope_type", params.get("type", "default"))
@@ -71,19 +78,20 @@ def _rope_scaling(hf: dict, where: str) -> tuple[float | None, RopeScalingConfig
         raise ConfigError(f"{where}: rope scaling fields {unknown} are not supported")
     if params.get("mscale") or params.get("mscale_all_dim"):
         raise ConfigError(f"{where}: rope scaling with mscale/mscale_all_dim (DeepSeek's YaRN) is not supported")
-    scaling = RopeScalingConfig(type=ROPE_TYPES[kind])
+    scaling = {"type": ROPE_TYPES[kind]}
     for key, field in ROPE_KEYS.items():
         if params.get(key) is not None:
             value = params[key]
             kind_of = {"original_max_position_embeddings": int, "truncate": bool}.get(field, float)
-            setattr(scaling, field, kind_of(value))
-    if scaling.type in ("llama3", "yarn") and not scaling.original_max_position_embeddings:
-        scaling.original_max_position_embeddings = int(hf.get("max_position_embeddings") or 0)
+            scaling[field] = kind_of(value)
+    if scaling["type"] in ("llama3", "yarn") and not scaling.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = int(hf.get("max_position_embeddings") or 0)
     return theta, scaling
 
 
-def model_config_from_hf(directory: str | Path) -> ModelConfig:
-    """Build the `ModelConfig` of a Hugging Face Llama-3.x or Qwen3 checkpoint from its `config.json`.
+def model_settings_from_hf(directory: str | Path) -> dict:
+    """The `model.*` settings of a Hugging Face Llama-3.x or Qwen3 checkpoint from its `config.json`: a nested
+    dict of field values (`rope_scaling` a dict too), for `jaxlong.config.model_config_from_hf`.
 
     Raises:
       ConfigError: no config.json; an unsupported `model_type`; a field jaxlong does not implement or an
@@ -104,27 +112,27 @@ def model_config_from_hf(directory: str | Path) -> ModelConfig:
     layer_types = hf.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ConfigError(f"{where}: layer_types other than full_attention (sliding windows) are not supported")
-    m = ModelConfig(name=str(Path(directory).name or mt), from_hf=str(directory), qk_norm=(mt == "qwen3"))
+    m = {"name": str(Path(directory).name or mt), "from_hf": str(directory), "qk_norm": mt == "qwen3"}
     for key, field in MAPPED.items():
         if hf.get(key) is not None:
-            setattr(m, field, type(getattr(m, field))(hf[key]))
+            m[field] = FIELD_TYPES[field](hf[key])
     if hf.get("num_key_value_heads") is None:
-        m.kv_heads = m.heads
+        m["kv_heads"] = m["heads"]
     if hf.get("head_dim") is None:
-        m.head_dim = m.hidden // m.heads
+        m["head_dim"] = m["hidden"] // m["heads"]
     if hf.get("tie_word_embeddings") is None:  # transformers' defaults (Llama and Qwen3 alike)
-        m.tie_embeddings = False
+        m["tie_embeddings"] = False
     if hf.get("rms_norm_eps") is None:
-        m.norm_eps = 1e-6
+        m["norm_eps"] = 1e-6
     if hf.get("rope_theta") is None:
-        m.rope_theta = 10000.0
-    theta, m.rope_scaling = _rope_scaling(hf, where)
+        m["rope_theta"] = 10000.0
+    theta, m["rope_scaling"] = _rope_scaling(hf, where)
     if theta is not None:
-        m.rope_theta = float(theta)
+        m["rope_theta"] = float(theta)
     return m
 
 
-def hf_config_dict(m: ModelConfig, *, model_type: str, context: int, dtype: str = "float32") -> dict:
+def hf_config_dict(m, *, model_type: str, context: int, dtype: str = "float32") -> dict:
     """The `config.json` of `m` for `transformers` (Llama or Qwen3), with `max_position_embeddings` = `context`
     (the trained context length) and the RoPE settings as `rope_theta` + `rope_scaling`.
 

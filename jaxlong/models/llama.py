@@ -28,17 +28,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxlong.layers import blocks as L
-from jaxlong.layers import remat as R
-from jaxlong.kernels.blockwise import resolve_backend
 from jaxlong.config import Config, ModelConfig
 from jaxlong.core.mesh import RING_AXIS, activation_spec, axis_size, batch_spec, seq_shards, tree_shardings
-from jaxlong.parallel.dispatch import SublayerWeights, attention_sublayer
+from jaxlong.kernels.backend import resolve_backend
+from jaxlong.layers import blocks as L
+from jaxlong.layers import remat as R
+from jaxlong.layers.tiled import default_mlp_tiles, tiled_mlp
+from jaxlong.parallel.dispatch import SublayerContext, SublayerWeights, attention_sublayer
 from jaxlong.parallel.ring import zigzag_positions
 from jaxlong.parallel.ulysses import gather_segment_ids
-from jaxlong.layers.tiled import default_mlp_tiles, tiled_mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,16 @@ class Runtime:
         packed = self.cfg.data.packing == "documents"  # batches carry segment ids: document masking
         return resolve_backend(self.cfg.attention.backend, probe, segment_ids=True if packed else None,
                                platform=self.mesh.devices.flat[0].platform)
+
+    @property
+    def sublayer(self) -> SublayerContext:
+        """The attention sublayer's typed context: what the parallel ops may read of the run's config."""
+        m, a = self.cfg.model, self.cfg.attention
+        return SublayerContext(
+            mesh=self.mesh, impl=a.impl, backend=self.attention_backend, block_q=a.block_q, block_k=a.block_k,
+            heads_per_stage=a.heads_per_stage, head_dim=m.head_dim, rope_theta=m.rope_theta,
+            rope_scaling=m.rope_scaling, norm_eps=m.norm_eps, compute_dtype=self.compute_dtype,
+            recompute_projection=self.cfg.remat.policy in ("full", "offload"))
 
     def constrain(self, x: jax.Array, spec: P) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -103,7 +114,7 @@ class DecoderLayer(nnx.Module):
         method `attention.impl` names (`jaxlong.parallel.dispatch`)."""
         weights = SublayerWeights(self.attn_norm[...], self.wq[...], self.wk[...], self.wv[...], self.wo[...],
                                   self._qk_norm_scales())
-        return attention_sublayer(x, weights, positions, segment_ids, rt)
+        return attention_sublayer(x, weights, positions, segment_ids, rt.sublayer)
 
     def _qk_norm_scales(self):
         """(q_norm, k_norm) scales `[head_dim]` (Qwen3), or None."""

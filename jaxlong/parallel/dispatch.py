@@ -1,9 +1,9 @@
 """The model's one entry into context-parallel attention: `attention_sublayer(x, weights, positions,
-segment_ids, rt)` runs the attention sublayer `x + W_o attention(RMSNorm(x))` with the method
+segment_ids, ctx)` runs the attention sublayer `x + W_o attention(RMSNorm(x))` with the method
 `attention.impl` names, on the mesh `data x fsdp x ring x context`.
 
 Methods (`METHODS`), each a module of `jaxlong.parallel` with its algorithm, the validators it calls before
-tracing (`jaxlong.config.check_heads`, `check_upipe_schedule`, `check_ring`, run by `jaxlong.config.validate`
+tracing (`ulysses.check_heads`, `upipe.check_upipe_schedule`, `ring.check_ring`, run by `jaxlong.config.validate`
 so a config the mesh cannot run fails before compiling) and, where there is one, its memory model:
   ulysses  `jaxlong.parallel.ulysses.sublayer`: all-to-all over `context` around a single-device kernel
            (DeepSpeed-Ulysses); with `mesh.ring` > 1 the Ulysses x ring hybrid (USP).
@@ -16,9 +16,12 @@ Ring attention (`jaxlong.parallel.ring`) is the `ring`-axis half of both: with `
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Literal, get_args
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlong.parallel import ulysses, upipe
 
@@ -42,13 +45,55 @@ class SublayerWeights:
     qk_norm: tuple[jax.Array, jax.Array] | None = None
 
 
-# attention.impl -> the sublayer of that method; every one takes (x, weights, positions, segment_ids, rt).
+AttentionImpl = Literal["ulysses", "upipe"]  # `attention.impl`
+IMPLS = get_args(AttentionImpl)
+@dataclasses.dataclass(frozen=True)
+class SublayerContext:
+    """Everything an attention sublayer reads besides its inputs and weights: static (not traced), typed, built
+    once per model from the run's config (`jaxlong.models.llama.Runtime.sublayer`).
+
+    Attributes:
+      mesh: the `data x fsdp x ring x context` mesh.
+      impl: `attention.impl`, the method (`METHODS`).
+      backend: the attention kernel, resolved (`jaxlong.kernels.backend.resolve_backend`; `blockwise` under ring).
+      block_q, block_k: the blockwise kernel's tiles (`attention.block_q`, `attention.block_k`).
+      heads_per_stage: U-Pipe's U (`attention.heads_per_stage`; 0: mesh.context).
+      head_dim, rope_theta, rope_scaling, norm_eps: the model's (`model.*`; `rope_scaling` a
+        `jaxlong.config.RopeScalingConfig`).
+      compute_dtype: matmuls and activations (`compute_dtype`).
+      recompute_projection: the layer is recomputed in its backward anyway (`remat.policy` full or offload), so
+        the Ulysses path also checkpoints its q/k/v projection.
+    """
+
+    mesh: jax.sharding.Mesh
+    impl: AttentionImpl
+    backend: str
+    block_q: int
+    block_k: int
+    heads_per_stage: int
+    head_dim: int
+    rope_theta: float
+    rope_scaling: object
+    norm_eps: float
+    compute_dtype: jnp.dtype
+    recompute_projection: bool
+
+    def constrain(self, x: jax.Array, spec: P) -> jax.Array:
+        """`x` with the sharding `spec` on the mesh (a `with_sharding_constraint`)."""
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def gather(self, w: jax.Array) -> jax.Array:
+        """FSDP all-gather of one layer's weight in the compute dtype (cast first: half the bytes moved)."""
+        return self.constrain(w.astype(self.compute_dtype), P())
+
+
+# attention.impl -> the sublayer of that method; every one takes (x, weights, positions, segment_ids, ctx).
 METHODS: dict[str, Callable[..., jax.Array]] = {"ulysses": ulysses.sublayer, "upipe": upipe.sublayer}
 
 
 def attention_sublayer(x: jax.Array, weights: SublayerWeights, positions: jax.Array,
-                       segment_ids: jax.Array | None, rt) -> jax.Array:
-    """The attention sublayer with its residual, by `rt.cfg.attention.impl`.
+                       segment_ids: jax.Array | None, ctx: SublayerContext) -> jax.Array:
+    """The attention sublayer with its residual, by `ctx.impl`.
 
     Args:
       x: layer input `[batch, seq, hidden]`, batch over data x fsdp, sequence over ring x context (zigzag
@@ -57,7 +102,7 @@ def attention_sublayer(x: jax.Array, weights: SublayerWeights, positions: jax.Ar
       positions: int32 `[batch, seq]` RoPE positions, sharded like x.
       segment_ids: int32 `[batch, seq]` whole on every device (`jaxlong.parallel.ulysses.gather_segment_ids`),
         or None (one causal stream per row); with `mesh.ring` > 1 in the zigzag layout like x.
-      rt: the model's `Runtime` (`mesh`, `cfg`, `gather`, `constrain`, `attention_backend`).
+      ctx: the `SublayerContext` (mesh, method, kernel, model settings, weight gather).
 
     Returns:
       `x + W_o attention(RMSNorm(x))`, `[batch, seq, hidden]`, sharded like x.
@@ -65,4 +110,4 @@ def attention_sublayer(x: jax.Array, weights: SublayerWeights, positions: jax.Ar
     Raises:
       KeyError: `attention.impl` names no method (`jaxlong.config.validate` rejects such configs first).
     """
-    return METHODS[rt.cfg.attention.impl](x, weights, positions, segment_ids, rt)
+    return METHODS[ctx.impl](x, weights, positions, segment_ids, ctx)

@@ -3,7 +3,7 @@
 Ring attention (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers", arXiv 2310.01889):
 the sequence is split over R ring ranks. Each rank keeps its queries; the K/V blocks travel around the ring
 with `lax.ppermute` (R - 1 steps) and each step's partial attention is merged into the running output by its
-log-sum-exp (design brief §8):
+log-sum-exp (Ring Attention, arXiv 2310.01889, §3; FlashAttention-2, arXiv 2307.08691):
 
     lse = logaddexp(lse_a, lse_b),  out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b.
 
@@ -56,9 +56,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxlong.core.errors import ConfigError
+from jaxlong.core.mesh import RING_AXIS
 from jaxlong.kernels.blockwise import blockwise_attention_bwd, blockwise_attention_fwd, segment_starts
 
-RING_AXIS = "ring"
 _F32 = jnp.float32
 
 
@@ -233,7 +234,7 @@ def _block_ids(segment_ids, q, n: int, axis_name: str, causal: bool):
 def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = True, block_q: int = 512,
                        block_k: int = 512, segment_ids=None):
     """Ring attention forward inside `jax.shard_map`; returns `(out, lse)` like
-    `jaxlong.kernels.blockwise.attention_fwd_with_lse`.
+    `jaxlong.kernels.backend.attention_fwd_with_lse`.
 
     Args:
       q: local `[batch, S/R, heads, head_dim]`; k, v: local `[batch, S/R, kv_heads, head_dim]`, this ring
@@ -375,3 +376,26 @@ def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, causal: bool = True, blo
     seg = lambda q, k, v, ids: fn(q, k, v, segment_ids=ids)
     return jax.shard_map(seg, mesh=mesh, in_specs=(spec,) * 3 + (P(batch, None),), out_specs=spec,
                          check_vma=True)(q, k, v, segment_ids)
+
+
+def check_ring(seq_len: int, ring: int, context: int, block_q: int, block_k: int) -> None:
+    """Ring attention's zigzag layout (`jaxlong.parallel.ring`) cuts the sequence into 2*ring chunks, each split over
+    `context`, and runs the kernel on blocks of seq_len/(2*ring) tokens.
+
+    Raises:
+      ConfigError: seq_len not divisible by 2*ring*context, or a kernel tile not dividing the block.
+    """
+    m = 2 * ring * context
+    if seq_len % m:
+        raise ConfigError(
+            f"seq_len={seq_len} is not divisible by 2*mesh.ring*mesh.context = 2*{ring}*{context} = {m} (ring "
+            f"attention's zigzag layout); use a multiple of {m}, e.g. {(seq_len // m + 1) * m}"
+        )
+    block = seq_len // (2 * ring)
+    for key, value in (("attention.block_q", block_q), ("attention.block_k", block_k)):
+        if value <= 0 or block % min(value, block):
+            divisors = [1 << i for i in range(block.bit_length()) if block % (1 << i) == 0]
+            raise ConfigError(
+                f"{key}={value} must divide ring attention's block of seq_len/(2*mesh.ring) = {block} tokens; "
+                f"use one of {divisors[-4:]} or a value >= {block}"
+            )

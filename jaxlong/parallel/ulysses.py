@@ -19,7 +19,7 @@ R > 1, the sequence is split over `ring` x `context` (zigzag layout, `jaxlong.pa
 around the R ring ranks) replaces the single-device kernel. The all-to-alls stay inside a node and only the
 ring's point-to-point sends cross nodes.
 
-Packed documents (design brief §10): after the all-to-all every device attends over the whole sequence, so it
+Packed documents (docs/data.md): after the all-to-all every device attends over the whole sequence, so it
 needs the segment ids `[batch, S]` of the whole sequence, not its `S/C` shard. `ulysses_attention` takes them
 already gathered (`gather_segment_ids`, an int32 all-gather over `context` that the model does once per step,
 outside its layer scan) and hands them to the kernel unchanged: no per-layer communication is added.
@@ -32,10 +32,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.layers import blocks as L
-from jaxlong.kernels.blockwise import attention
-from jaxlong.config import check_heads
+from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, axis_size, seq_axes
+from jaxlong.kernels.backend import attention
+from jaxlong.layers import blocks as L
 from jaxlong.parallel.ring import ring_attention_local
 
 
@@ -86,7 +86,7 @@ def ulysses_attention(
         ring x context (in the zigzag layout when ring > 1, `jaxlong.parallel.ring.zigzag`).
       k, v: `[batch, seq, kv_heads, head_dim]`, same sharding.
       mesh: the `data x fsdp x ring x context` mesh (or `data x fsdp x context`).
-      backend, block_q, block_k: the single-device kernel (see `jaxlong.kernels.blockwise.attention`); with
+      backend, block_q, block_k: the single-device kernel (see `jaxlong.kernels.backend.attention`); with
         ring > 1 the per-block kernel is the blockwise one whatever `backend` says.
       segment_ids: int32 `[batch, seq]` (0 = padding) or None: document masking. Whole sequences per device,
         as `gather_segment_ids` lays them out (passing them sharded over context gathers them on every call);
@@ -121,7 +121,7 @@ def ulysses_attention(
                          check_vma=True)(q, k, v, segment_ids.astype(jnp.int32))
 
 
-def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | None, rt) -> jax.Array:
+def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | None, ctx) -> jax.Array:
     """The attention sublayer with Ulysses (x ring) attention: `x + W_o attention(RoPE(W_q n(x)), ...)`.
 
     Projects Q, K, V for all heads from the normalized layer input (sequence-sharded), applies RoPE and
@@ -134,34 +134,61 @@ def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | Non
       w: the layer's `jaxlong.parallel.dispatch.SublayerWeights` (FSDP-sharded; gathered here one by one).
       positions: int32 `[batch, seq]` RoPE positions. segment_ids: int32 `[batch, seq]` whole on every
         device (`gather_segment_ids`) or None.
-      rt: the model's `Runtime` (mesh, config, weight gather, sharding constraints).
+      ctx: the `jaxlong.parallel.dispatch.SublayerContext` (mesh, kernel, model settings, weight gather).
 
     Returns:
       `[batch, seq, hidden]`, sharded like x.
     """
-    mc, ac = rt.cfg.model, rt.cfg.attention
     qkv_spec = P(BATCH_AXES, SEQ_AXES, None, None)
-    cos, sin = L.rope_tables(positions, mc.head_dim, mc.rope_theta, mc.rope_scaling)
+    cos, sin = L.rope_tables(positions, ctx.head_dim, ctx.rope_theta, ctx.rope_scaling)
 
     def project(x, scale, wq, wk, wv, *qk_scales):
-        h = checkpoint_name(L.rms_norm(x, scale, mc.norm_eps), "attn_norm_out")
+        h = checkpoint_name(L.rms_norm(x, scale, ctx.norm_eps), "attn_norm_out")
         q = jnp.einsum("bsh,hnd->bsnd", h, wq)
         k = jnp.einsum("bsh,hnd->bsnd", h, wk)
         v = jnp.einsum("bsh,hnd->bsnd", h, wv)
         if qk_scales:  # Qwen3: RMSNorm over head_dim of each query and key head, before RoPE
-            q, k = L.rms_norm(q, qk_scales[0], mc.norm_eps), L.rms_norm(k, qk_scales[1], mc.norm_eps)
-        q = checkpoint_name(rt.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
-        k = checkpoint_name(rt.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
-        return q, k, checkpoint_name(rt.constrain(v, qkv_spec), "value_proj")
+            q, k = L.rms_norm(q, qk_scales[0], ctx.norm_eps), L.rms_norm(k, qk_scales[1], ctx.norm_eps)
+        q = checkpoint_name(ctx.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
+        k = checkpoint_name(ctx.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
+        return q, k, checkpoint_name(ctx.constrain(v, qkv_spec), "value_proj")
 
-    if rt.cfg.remat.policy in ("full", "offload"):
+    if ctx.recompute_projection:
         # The layer is recomputed in its backward anyway; checkpointing the projection as well makes the
         # normalized input `[b, S/C, hidden]` a recomputation at the weight-gradient step instead of a
         # buffer held from the layer's recompute through the whole attention backward (its peak).
         project = jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable)
-    weights = (rt.gather(w.wq), rt.gather(w.wk), rt.gather(w.wv))
+    weights = (ctx.gather(w.wq), ctx.gather(w.wk), ctx.gather(w.wv))
     q, k, v = project(x, w.norm, *weights, *(w.qk_norm or ()))
-    attn = ulysses_attention(q, k, v, mesh=rt.mesh, backend=rt.attention_backend, block_q=ac.block_q,
-                             block_k=ac.block_k, segment_ids=segment_ids)
+    attn = ulysses_attention(q, k, v, mesh=ctx.mesh, backend=ctx.backend, block_q=ctx.block_q,
+                             block_k=ctx.block_k, segment_ids=segment_ids)
     attn = checkpoint_name(attn, "attn_out")
-    return x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(w.wo))
+    return x + jnp.einsum("bsnd,ndh->bsh", attn, ctx.gather(w.wo))
+
+
+def context_degrees(heads: int, kv_heads: int) -> list[int]:
+    """The `mesh.context` degrees Ulysses (and U-Pipe) can split `heads` query and `kv_heads` KV heads over:
+    C divides `heads`, and KV heads are split (C divides kv_heads) or replicated (kv_heads divides C)."""
+    return [c for c in range(1, heads + 1) if heads % c == 0 and (kv_heads % c == 0 or c % kv_heads == 0)]
+
+
+def check_heads(heads: int, kv_heads: int, context: int) -> None:
+    """Ulysses splits heads over the context axis.
+
+    Raises:
+      ConfigError: `heads` is not divisible by `context`, or neither of kv_heads and context divides the other;
+        the message lists the context degrees that work (`context_degrees`).
+    """
+    valid = context_degrees(heads, kv_heads)
+    if heads % context:
+        raise ConfigError(
+            f"model.heads={heads} is not divisible by mesh.context={context}: Ulysses gives each device "
+            f"heads/context whole heads; use a context degree that divides {heads}: mesh.context in {valid} "
+            f"(put the rest of the sequence split on mesh.ring)"
+        )
+    if kv_heads % context and context % kv_heads:
+        raise ConfigError(
+            f"model.kv_heads={kv_heads} and mesh.context={context}: KV heads are split when kv_heads is "
+            f"divisible by context and replicated when context is divisible by kv_heads; neither holds; "
+            f"mesh.context in {valid} works"
+        )

@@ -8,7 +8,7 @@ all-to-alls to `[b, S, U/C, d]`, runs attention (with the whole sequence's segme
 back and writes its slice into one output buffer allocated before the stages. Only one stage's tensors are
 live at a time, so head-proportional memory scales with U/C instead of H/C.
 
-GQA schedule (design brief §3). With H_kv' = max(H_kv, C) effective KV heads (KV heads are replicated
+GQA schedule (Untied Ulysses, arXiv 2602.21196, §3.3). With H_kv' = max(H_kv, C) effective KV heads (KV heads are replicated
 C/H_kv times when H_kv < C) and g = H/H_kv' query heads per effective KV head, each device takes
 m = U/C query heads per stage and holds kc = max(1, m/g) KV heads per *KV group*; a group of C*kc KV heads is
 projected and all-to-all'd once and reused by its max(1, g/m) stages. Stage u of group t gives device r the
@@ -89,13 +89,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.layers import blocks as L
-from jaxlong.kernels.blockwise import attention_bwd, attention_fwd_with_lse
-from jaxlong.config import check_upipe_schedule
+from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, seq_axes
-from jaxlong.parallel.ring import ring_attention_bwd, ring_attention_fwd, zigzag_positions
 from jaxlong.core.ordering import opaque_one, zeros_after
-from jaxlong.parallel.ulysses import ulysses_attention
+from jaxlong.kernels.backend import attention_bwd, attention_fwd_with_lse
+from jaxlong.layers import blocks as L
+from jaxlong.layers.remat import ATTENTION_NAMES
+from jaxlong.parallel.ring import ring_attention_bwd, ring_attention_fwd, zigzag_positions
+from jaxlong.parallel.ulysses import check_heads, ulysses_attention
 
 
 def _all_axes() -> tuple[str, ...]:
@@ -585,7 +586,7 @@ def upipe_attention(
       wq: `[hidden, heads, head_dim]`; wk, wv: `[hidden, kv_heads, head_dim]` (replicated, i.e. gathered).
       heads_per_stage: U, a multiple of the context degree C that divides `heads`.
       rope_theta: RoPE base; positions are global token indices.
-      backend, causal, block_q, block_k: the attention kernel (`jaxlong.kernels.blockwise`).
+      backend, causal, block_q, block_k: the attention kernel (`jaxlong.kernels.backend`).
       norm_scale: the attention RMSNorm's scale `[hidden]` (replicated), to normalize x inside the op:
         the forward then saves the layer input instead of the normalized one and the backward recomputes the
         norm after the incoming gradient arrives, so no normalized copy of x stays alive through the rest of
@@ -661,7 +662,7 @@ def upipe_attention(
                          out_specs=out_spec, check_vma=True)(x, *weights, *extra)
 
 
-def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | None, rt) -> jax.Array:
+def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | None, ctx) -> jax.Array:
     """The attention sublayer run by U-Pipe as one op: RMSNorm, the head stages, W_o and the residual
     (`upipe_attention` with `norm_scale=` and `out_weight=`), U = `attention.heads_per_stage` (0: C).
 
@@ -669,13 +670,12 @@ def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | Non
     tensors named `attn_norm_out`, `query_proj`, `key_proj`, `value_proj` and `attn_out` do not exist on
     this path: the op saves only the layer input and its output buffer.
     """
-    mc, ac = rt.cfg.model, rt.cfg.attention
     return upipe_attention(
-        x, rt.gather(w.wq), rt.gather(w.wk), rt.gather(w.wv),
-        mesh=rt.mesh, heads_per_stage=ac.heads_per_stage or rt.mesh.shape[CONTEXT_AXIS],
-        rope_theta=mc.rope_theta, backend=rt.attention_backend, block_q=ac.block_q, block_k=ac.block_k,
-        norm_scale=w.norm, norm_eps=mc.norm_eps, out_weight=rt.gather(w.wo),
-        rope_scaling=mc.rope_scaling, qk_norm=w.qk_norm,
+        x, ctx.gather(w.wq), ctx.gather(w.wk), ctx.gather(w.wv),
+        mesh=ctx.mesh, heads_per_stage=ctx.heads_per_stage or ctx.mesh.shape[CONTEXT_AXIS],
+        rope_theta=ctx.rope_theta, backend=ctx.backend, block_q=ctx.block_q, block_k=ctx.block_k,
+        norm_scale=w.norm, norm_eps=ctx.norm_eps, out_weight=ctx.gather(w.wo),
+        rope_scaling=ctx.rope_scaling, qk_norm=w.qk_norm,
         positions=positions, segment_ids=segment_ids,
     )
 
@@ -703,3 +703,46 @@ def attention_layer(impl: str, mesh: jax.sharding.Mesh, *, heads_per_stage: int 
         return ulysses_attention(q, k, v, mesh=mesh, **kernel)
 
     return layer
+
+
+def check_upipe_schedule(heads: int, kv_heads: int, context: int, heads_per_stage: int) -> None:
+    """U-Pipe's stage schedule exists (`jaxlong.parallel.upipe.Schedule`, Untied Ulysses §3.3 with GQA).
+
+    Raises:
+      ConfigError: heads/KV heads not splittable over `context` (`check_heads`); `heads_per_stage` (U) not a
+        positive multiple of `context` dividing `heads`; or the per-device query heads per stage U/C and the
+        query heads per effective KV head H/max(H_kv, C) not dividing one another.
+    """
+    check_heads(heads, kv_heads, context)
+    g = heads // max(kv_heads, context)
+
+    def fits_gqa(m: int) -> bool:
+        return m % g == 0 or g % m == 0
+
+    u = heads_per_stage
+    valid = [v for v in range(context, heads + 1, context) if heads % v == 0 and fits_gqa(v // context)]
+    if u <= 0 or u % context or heads % u:
+        raise ConfigError(
+            f"attention.heads_per_stage={u} must be a multiple of mesh.context={context} and divide "
+            f"model.heads={heads}; valid values: {valid}"
+        )
+    if not fits_gqa(u // context):
+        raise ConfigError(
+            f"attention.heads_per_stage={u}: per-device query heads per stage U/C={u // context} and query heads "
+            f"per KV head {g} must divide one another; valid values: {valid}"
+        )
+
+
+def check_upipe_remat_names(names: list[str]) -> None:
+    """U-Pipe computes the attention sublayer's tensors inside its op and saves only the layer input and its
+    output buffer, so `remat.save` / `remat.offload` (`remat.policy=custom`) cannot name them.
+
+    Raises:
+      ConfigError: `names` holds one of `jaxlong.layers.remat.ATTENTION_NAMES`.
+    """
+    inside = sorted(set(names) & set(ATTENTION_NAMES))
+    if inside:
+        raise ConfigError(
+            f"remat.save/remat.offload name {inside}, which attention.impl=upipe computes inside its op (it "
+            f"saves only the layer input and the attention output buffer); drop them or use attention.impl=ulysses"
+        )

@@ -405,7 +405,7 @@ def roofline(cost: Cost, *, peak_flops: float, hbm_bandwidth: float, link_bandwi
       peak_flops: dense bf16 FLOP/s per device. hbm_bandwidth: bytes/s per device.
       link_bandwidth: NVLink bytes/s per direction per device; network_bandwidth: inter-node bytes/s per device
         (collectives over groups wider than a node; None: the link bandwidth).
-      model_flops: the step's model FLOPs per device (`trainer.flops_per_token` x tokens / devices).
+      model_flops: the step's model FLOPs per device (`jaxlong.training.metrics.flops_per_token` x tokens / devices).
       tokens: tokens per step (global batch x sequence length). devices: devices of the step.
       efficiency: the fraction of `peak_flops` sustained (default `EFFICIENCY`).
       pcie_bandwidth: host <-> device bytes/s per device for offloaded residuals (None: not timed).
@@ -468,12 +468,12 @@ def assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, ef
         (f"Offload: residual copies to/from host memory at {pcie_bandwidth / 1e9:.0f} GB/s (PCIe) hidden behind "
          "compute (only their excess counts)." if pcie_bandwidth else "Offload transfers: not timed."),
         "Not modelled: kernel launch gaps, load imbalance, the data pipeline.",
-        "Model FLOPs: trainer.flops_per_token (6 x matmul params + causal attention 6 x layers x S x heads x "
+        "Model FLOPs: jaxlong.training.metrics.flops_per_token (6 x matmul params + causal attention 6 x layers x S x heads x "
         "head_dim) x tokens; MFU = model FLOPs / step time / peak.",
     ])
 
 
-def _sig(x: float) -> str:
+def significant(x: float) -> str:
     """Three significant digits below 100, whole numbers with thousands separators above."""
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
@@ -491,10 +491,10 @@ def format_estimate_table(rows: list[dict]) -> str:
             continue
         calls = e["attention_calls"]
         lines.append(
-            f"| {r['name']} | {r.get('seq_len', 0):,} | {_sig(e['flops'] / 1e12)} | {_sig(e['model_flops'] / 1e12)} | "
-            f"{e['recompute_factor']:.2f} | {_sig(e['hbm_bytes'] / 1e9)} | {_sig(e['collective_bytes'] / 1e9)} | "
-            f"{calls.get('forward', 0):.0f} / {calls.get('backward', 0):.0f} | {_sig(e['step_seconds'])} | "
-            f"{_sig(e['tokens_per_s_per_gpu'])} | {e['mfu']:.1%} |")
+            f"| {r['name']} | {r.get('seq_len', 0):,} | {significant(e['flops'] / 1e12)} | {significant(e['model_flops'] / 1e12)} | "
+            f"{e['recompute_factor']:.2f} | {significant(e['hbm_bytes'] / 1e9)} | {significant(e['collective_bytes'] / 1e9)} | "
+            f"{calls.get('forward', 0):.0f} / {calls.get('backward', 0):.0f} | {significant(e['step_seconds'])} | "
+            f"{significant(e['tokens_per_s_per_gpu'])} | {e['mfu']:.1%} |")
     first = next((r["estimate"] for r in rows if r.get("estimate")), None)
     notes = "" if first is None else "\n\nEstimate, per device per step. Assumptions:\n" + "\n".join(
         f"- {line}" for line in first["assumptions"].splitlines())

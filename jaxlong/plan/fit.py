@@ -50,10 +50,14 @@ import sys
 import time
 from typing import Callable
 
-from jaxlong.config import Config, ConfigError, check_upipe_schedule, validate
+from jaxlong.config import Config, ConfigError, apply_setting, parse_override, validate
+from jaxlong.core.mesh import resolve_mesh_shape
+from jaxlong.core.units import fmt_gib
+from jaxlong.layers.tiled import default_mlp_tiles
+from jaxlong.parallel.upipe import check_upipe_schedule
 from jaxlong.plan import planner
+from jaxlong.training.metrics import PEAK_FLOPS, flops_per_token
 
-GiB = 1024**3
 REMAT_LEVELS = ("none", "save_dots", "full", "offload")
 DIM_NAMES = ("attention", "remat", "tiled loss", "tiled MLP")
 
@@ -92,13 +96,12 @@ class Candidate:
 
 
 @functools.lru_cache(maxsize=None)
-def _parsed(text: str) -> tuple[list[str], object]:
-    """`key=value` -> (key path, value as the config stores it), type-checked once by `config._apply`."""
-    from jaxlong.config import _apply, parse_override  # noqa: PLC0415
+def parse_setting(text: str) -> tuple[list[str], object]:
+    """`key=value` -> (key path, value as the config stores it), type-checked once by `jaxlong.config.apply_setting`."""
 
     key, value, raw = parse_override(text)
     probe = Config()
-    _apply(probe, key, value, raw)
+    apply_setting(probe, key, value, raw)
     path = key.split(".")
     for part in path:
         probe = getattr(probe, part)
@@ -114,7 +117,7 @@ def configure(cfg: Config, overrides) -> Config:
     """
     out = copy.deepcopy(cfg)
     for text in overrides:
-        path, value = _parsed(text)
+        path, value = parse_setting(text)
         obj = out
         for part in path[:-1]:
             obj = getattr(obj, part)
@@ -141,7 +144,6 @@ def mesh_splits(cfg: Config, devices_per_node: int, nodes: int) -> list[tuple[st
     own = copy.deepcopy(cfg)
     own.mesh.num_devices = n
     try:
-        from jaxlong.config import resolve_mesh_shape  # noqa: PLC0415
 
         d, f, r, c = resolve_mesh_shape(own.mesh, n)
         mine = (f"mesh.num_devices={n}", f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.ring={r}", f"mesh.context={c}")
@@ -155,8 +157,6 @@ def mesh_splits(cfg: Config, devices_per_node: int, nodes: int) -> list[tuple[st
 
 def dimension_levels(cfg: Config) -> list[list[tuple[str, ...]]]:
     """Per dimension (`DIM_NAMES`), the overrides of each level, fastest expected first, for `cfg`'s mesh."""
-    from jaxlong.config import resolve_mesh_shape  # noqa: PLC0415
-    from jaxlong.layers.tiled import default_mlp_tiles  # noqa: PLC0415
 
     m = cfg.model
     _, _, ring, context = resolve_mesh_shape(cfg.mesh, cfg.mesh.num_devices)
@@ -251,7 +251,7 @@ def analytic_flops(cfg: Config) -> tuple[float, float]:
     head_w = m.hidden * m.vocab_size
     attn_fwd = 2 * 2 * (s * s / 2) * m.heads * m.head_dim * b  # per layer, causal
     layer_fwd = 2 * (attn_w + mlp_w) * tokens + attn_fwd
-    model = 3 * (m.layers * layer_fwd + 2 * head_w * tokens)
+    model = flops_per_token(cfg) * tokens  # = 3 x (layers x layer_fwd + 2 x head_w x tokens)
     extra = 0.0
     policy = cfg.remat.policy
     if policy == "save_dots":
@@ -267,7 +267,7 @@ def analytic_flops(cfg: Config) -> tuple[float, float]:
     return model, (model + extra) / model
 
 
-def analytic_cost(cfg: Config, p: dict | None = None, *, peak_flops: float = 989e12, mfu: float = 0.4) -> float:
+def analytic_cost(cfg: Config, p: dict | None = None, *, peak_flops: float = PEAK_FLOPS["H100"], mfu: float = 0.4) -> float:
     """Seconds per step from `analytic_flops` at `mfu` of `peak_flops` per device (H100 dense bf16 by default),
     plus small penalties that keep the orders of the search monotone: offload's host transfers (2%), one
     kernel launch per U-Pipe stage per layer and pass, and per tile of the tiled loss and MLP."""
@@ -275,14 +275,12 @@ def analytic_cost(cfg: Config, p: dict | None = None, *, peak_flops: float = 989
     seconds = model * factor / (peak_flops * mfu * cfg.mesh.num_devices)
     if cfg.remat.policy == "offload":
         seconds *= 1.02
-    from jaxlong.config import resolve_mesh_shape  # noqa: PLC0415
 
     _, _, ring, context = resolve_mesh_shape(cfg.mesh, cfg.mesh.num_devices)
     launch = 20e-6 * cfg.model.layers * 3
     if cfg.attention.impl == "upipe":
         seconds += launch * (cfg.model.heads // (cfg.attention.heads_per_stage or context))
     if cfg.tiling.mlp:
-        from jaxlong.layers.tiled import default_mlp_tiles  # noqa: PLC0415
 
         s_local = cfg.seq_len // (ring * context)
         seconds += launch * (cfg.tiling.mlp_tiles or default_mlp_tiles(s_local, cfg.model.hidden))
@@ -315,7 +313,7 @@ class FitResult:
     candidates: int
 
 
-def _plan_call(plan_fn, cost_model):
+def with_estimate(plan_fn, cost_model):
     """plan_fn with `estimate=True` when the cost model reads the estimate; checked before any compile."""
     if not getattr(cost_model, "needs_estimate", False):
         return plan_fn
@@ -353,7 +351,7 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
     Raises:
       FitError: no candidate is valid for this model and device count, or the cost model cannot rank.
     """
-    plan_fn = _plan_call(plan_fn or planner.plan, cost_model)
+    plan_fn = with_estimate(plan_fn or planner.plan, cost_model)
     cache = {} if cache is None else cache
     per_node, nodes = (target.devices_per_node, target.nodes) if target is not None else \
         (min(cfg.mesh.num_devices, 8), max(cfg.mesh.num_devices // 8, 1))
@@ -401,7 +399,7 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
             c_cfg = configure(cfg, c.overrides)
             hit = ck in cache
             if not hit:
-                bar.set_postfix_str(_strip_mesh(c.key).split("mesh.context=")[-1][:70], refresh=False)
+                bar.set_postfix_str(strip_implied(c.key).split("mesh.context=")[-1][:70], refresh=False)
                 t0 = time.perf_counter()
                 try:
                     cache[ck] = plan_fn(c_cfg, target, headroom=headroom, collective_buffers=collective_buffers)
@@ -426,8 +424,8 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
                               f"(expected faster)", row)
             elif not device_ok:
                 for o in [o for o in unresolved if o.needs_more_memory(c)]:
-                    settle(o, f"needs at least the device memory of #{row['index']} ({_g(p['total'])} > "
-                              f"{_g(budget)} GiB)", row)
+                    settle(o, f"needs at least the device memory of #{row['index']} ({fmt_gib(p['total'], 1)} > "
+                              f"{fmt_gib(budget, 1)} GiB)", row)
     finally:
         bar.total = compiles  # the search may settle everything before the compile budget
         bar.refresh()
@@ -500,17 +498,13 @@ def _bar(total: int, on: bool):
 # Display of overrides.
 
 
-def _g(x: float) -> str:
-    return f"{x / GiB:.1f}"
-
-
 _IMPLIED = ("attention.heads_per_stage=0", "tiling.loss_tile=0", "tiling.mlp_tiles=0")
 
 
-def _strip_mesh(key: str) -> str:
+def strip_implied(key: str) -> str:
     """Overrides without those that restate the search's defaults (U = C, derived tile sizes)."""
     return " ".join(o for o in key.split() if o not in _IMPLIED)
 
 
 __all__ = ["Candidate", "FitError", "FitResult", "analytic_cost", "analytic_flops", "candidate_space", "configure",
-           "estimated_cost", "fit"]
+           "estimated_cost", "fit", "parse_setting", "strip_implied", "with_estimate"]

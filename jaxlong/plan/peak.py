@@ -19,6 +19,8 @@ import os
 import re
 import sys
 
+from jaxlong.core.units import GiB
+
 _VALUE = re.compile(r"value: <\d+ ([^ >]+?)(?:\{([\d,]*)\})? @\d+> \(size=(\d+),offset=\d+\): (\S+)")
 _RANGE = re.compile(r"^\s+(\S+?)\{([\d,]*)\}:(\d+)-(\d+)$")
 _OPNAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*op_name=\"([^\"]+)\"")
@@ -114,10 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    gib = 1024**3
-    print(f"device peak {p['bytes'] / gib:.2f} GiB at instruction {p['at']} ({p['instruction']}); largest live:")
+    print(f"device peak {p['bytes'] / GiB:.2f} GiB at instruction {p['at']} ({p['instruction']}); largest live:")
     for b, name, shp, op in p["buffers"]:
-        print(f"  {b / gib:8.3f} GiB  {shp:32s} {name:40s} {op}")
+        print(f"  {b / GiB:8.3f} GiB  {shp:32s} {name:40s} {op}")
     return 0
 
 

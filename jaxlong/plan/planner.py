@@ -38,14 +38,24 @@ The three rows after peak are GPU-only; the CPU approximation reports them as 0.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
-import re
 
-from jaxlong.config import Config, ConfigError, validate
+import jax
 
-GiB = 1024**3
+from jaxlong.config import Config, ConfigError, apply_setting, parse_override, validate
+from jaxlong.core.memstats import compiled_bytes
+from jaxlong.core.mesh import CONTEXT_AXIS, build_mesh
+from jaxlong.core.units import GiB, fmt_gib, parse_bytes
+from jaxlong.models import llama as model_lib
+from jaxlong.models.llama import Runtime
+from jaxlong.plan import workspace as ws
+from jaxlong.plan.cost import hlo_cost, roofline
+from jaxlong.plan.target import compile_only_devices, parse_target
+from jaxlong.training import step as step_lib
+from jaxlong.training.metrics import flops_per_token
 
-# The paper's Figure 1 order (design brief §2): each rung adds one technique to the one before.
+# The paper's Figure 1 order (U-Pipe, arXiv 2602.21196, Figure 1): each rung adds one technique to the one before.
 LADDER = [
     ("default", "1 device: whole model, optimizer and sequence",
      ["mesh.num_devices=1", "mesh.data=1", "mesh.fsdp=1", "mesh.ring=1", "mesh.context=1", "remat.policy=none",
@@ -69,21 +79,6 @@ HYBRID_LADDER = [
 ]
 
 
-def parse_bytes(text: str, option: str = "--budget") -> int:
-    """'80GiB' / '80GB' / '1.5TiB' / '123' -> bytes (`option` names the flag in the error).
-
-    Raises:
-      ValueError: unparseable size.
-    """
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"{option} {text!r}: expected a size like 80GiB, 80GB or 85899345920")
-    value, unit = float(m.group(1)), (m.group(2) or "B").upper()
-    powers = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}
-    base = 1024 if "I" in unit or unit in ("K", "M", "G", "T") else 1000
-    return int(value * base ** powers[unit[0]])
-
-
 def budgets(budget: str | None, host_budget: str, collective_buffers: str | None, target, num_devices: int):
     """(device budget, host budget per node, NCCL buffer override) in bytes from the planner's flags.
 
@@ -93,7 +88,7 @@ def budgets(budget: str | None, host_budget: str, collective_buffers: str | None
     Raises:
       ValueError: a size that cannot be parsed, or a budget that is not positive (the message names the flag).
     """
-    device = parse_bytes(budget) if budget else (target.device_memory if target else 80 * 1024**3)
+    device = parse_bytes(budget) if budget else (target.device_memory if target else 80 * GiB)
     if device <= 0:
         raise ValueError(f"--budget {budget}: must be positive")
     host = parse_bytes(host_budget, option="--host-budget")
@@ -103,8 +98,7 @@ def budgets(budget: str | None, host_budget: str, collective_buffers: str | None
     return device, host, collectives
 
 
-def _shard_bytes(tree) -> int:
-    import jax  # noqa: PLC0415
+def shard_bytes(tree) -> int:
 
     total = 0
     for leaf in jax.tree.leaves(tree):
@@ -117,10 +111,7 @@ def _host_residual_bytes(cfg: Config, mesh) -> int:
     """Per-device bytes of the residuals the remat policy keeps in host memory (from the loss's jaxpr)."""
     if cfg.remat.policy not in ("offload", "custom") or (cfg.remat.policy == "custom" and not cfg.remat.offload):
         return 0
-    import jax  # noqa: PLC0415
 
-    from jaxlong.models import llama as model_lib  # noqa: PLC0415
-    from jaxlong.training import step as step_lib  # noqa: PLC0415
 
     try:
         from jax.ad_checkpoint import saved_residuals  # noqa: PLC0415
@@ -137,14 +128,12 @@ def _host_residual_bytes(cfg: Config, mesh) -> int:
 
 
 def _gpu_devices_present() -> bool:
-    import jax  # noqa: PLC0415
 
     return jax.default_backend() == "gpu"
 
 
 def _target_for(target, n: int):
     """`target` resized to `n` devices: one node of n when n fits a node, else whole nodes."""
-    import dataclasses  # noqa: PLC0415
 
     per_node = min(n, target.devices_per_node)
     if n % per_node:
@@ -156,9 +145,6 @@ def _target_for(target, n: int):
 def _estimate(cfg: Config, compiled, target, devices: list) -> dict:
     """Roofline estimate of the compiled step (`jaxlong.plan.cost`) against `target`'s peaks, or, without a
     target, against the shipped target whose GPU the devices are."""
-    from jaxlong.plan.cost import hlo_cost, roofline  # noqa: PLC0415
-    from jaxlong.plan.target import parse_target  # noqa: PLC0415
-    from jaxlong.training.loop import flops_per_token  # noqa: PLC0415
 
     n = cfg.mesh.num_devices
     if target is None:
@@ -204,14 +190,7 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
       ConfigError: the config is invalid for its own `mesh.num_devices`, or the target cannot be compiled for,
         or `estimate` without a GPU (target) or without the target's peak FLOP/s.
     """
-    import jax  # noqa: PLC0415
 
-    from jaxlong.training import step as step_lib  # noqa: PLC0415
-    from jaxlong.core.memstats import compiled_bytes  # noqa: PLC0415
-    from jaxlong.core.mesh import CONTEXT_AXIS, build_mesh  # noqa: PLC0415
-    from jaxlong.models.llama import Runtime  # noqa: PLC0415
-    from jaxlong.plan import workspace as ws  # noqa: PLC0415
-    from jaxlong.plan.target import compile_only_devices  # noqa: PLC0415
 
     validate(cfg)
     n = cfg.mesh.num_devices
@@ -240,8 +219,8 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
     state = step_lib.abstract_state(measured, mesh)
     compiled = step_lib.compile_train_step(measured, mesh)
     raw = compiled_bytes(compiled)
-    params = _shard_bytes(state["params"])
-    optimizer = _shard_bytes(state["opt_state"])
+    params = shard_bytes(state["params"])
+    optimizer = shard_bytes(state["opt_state"])
     gradients = params
     if gpu:
         host = raw["host_temp"] + raw["host_argument"] + raw["host_output"]
@@ -274,11 +253,10 @@ def fits(p: dict, budget: int, host_budget: int | None = None) -> bool:
 
 
 def apply_rung(cfg: Config, overrides: list[str], n: int, **sizes: int) -> Config:
-    from jaxlong.config import _apply, parse_override  # noqa: PLC0415
 
     out = copy.deepcopy(cfg)
     for text in overrides:
-        _apply(out, *parse_override(text.format(n=n, **sizes)))
+        apply_setting(out, *parse_override(text.format(n=n, **sizes)))
     return out
 
 
@@ -364,14 +342,11 @@ def max_context(cfg: Config, budget: int, *, target=None, host_budget: int | Non
     return lo, best
 
 
-def _ctx(tokens: int, start: int = 65536) -> str:
+def format_context(tokens: int, start: int = 65536) -> str:
     """Max-context cell: 0 from the search means not even its first size fits."""
     return f"< {start:,}" if tokens == 0 else f"{tokens:,}"
 
 
-def _gib(x: float) -> str:
-    v = x / GiB
-    return f"{v:.1f}" if v >= 1 or v == 0 or v != v else f"{v:.2g}"  # small plans keep two digits
 
 
 def format_table(rows: list[dict], budget: int, host_budget: int | None = None) -> str:
@@ -383,9 +358,9 @@ def format_table(rows: list[dict], budget: int, host_budget: int | None = None) 
     for r in rows:
         ok = fits(r, budget, host_budget)
         lines.append(
-            f"| {r['name']} | {_gib(r['params'])} | {_gib(r['gradients'])} | {_gib(r['optimizer'])} | "
-            f"{_gib(r['activations'])} | {_gib(r['peak'])} | {_gib(r['workspace'])} | {_gib(r['collectives'])} | "
-            f"{_gib(r['headroom'])} | **{_gib(r['total'])}** | {_gib(r['host'])} | {_gib(r['host_per_node'])} | "
+            f"| {r['name']} | {fmt_gib(r['params'])} | {fmt_gib(r['gradients'])} | {fmt_gib(r['optimizer'])} | "
+            f"{fmt_gib(r['activations'])} | {fmt_gib(r['peak'])} | {fmt_gib(r['workspace'])} | {fmt_gib(r['collectives'])} | "
+            f"{fmt_gib(r['headroom'])} | **{fmt_gib(r['total'])}** | {fmt_gib(r['host'])} | {fmt_gib(r['host_per_node'])} | "
             f"{'yes' if ok else 'no'} |"
         )
     return "\n".join(lines)

@@ -37,20 +37,22 @@ import os
 import re
 from pathlib import Path
 
-from jaxlong.config import ConfigError
+from jaxlong.core.errors import ConfigError
+from jaxlong.core.units import GiB
+from jaxlong.training.metrics import PEAK_FLOPS
 
 SPEC_DIR = Path(__file__).parent / "specs"
 
-# name -> (spec file, dense bf16 peak FLOP/s per device, HBM bandwidth bytes/s, NVLink bytes/s per direction per
-# device, inter-node network bytes/s per device). Sources: NVIDIA H100 datasheet (SXM5: 989.4 TFLOP/s dense bf16
-# [1979 with sparsity], 3.35 TB/s HBM3, NVLink 900 GB/s bidirectional); H200 datasheet (SXM: 989 TFLOP/s,
-# 4.8 TB/s HBM3e, NVLink 900 GB/s); A100 datasheet (SXM4 80GB: 312 TFLOP/s, 2,039 GB/s, NVLink 600 GB/s);
+# name -> (spec file, dense bf16 peak FLOP/s per device (`jaxlong.training.metrics.PEAK_FLOPS`), HBM bandwidth
+# bytes/s, NVLink bytes/s per direction per device, inter-node network bytes/s per device). Sources: NVIDIA H100
+# datasheet (SXM5: 3.35 TB/s HBM3, NVLink 900 GB/s bidirectional); H200 datasheet (SXM: 4.8 TB/s HBM3e,
+# NVLink 900 GB/s); A100 datasheet (SXM4 80GB: 2,039 GB/s, NVLink 600 GB/s);
 # inter-node: one NDR InfiniBand NIC (400 Gb/s) per H100/H200 as in DGX H100/H200, one HDR NIC (200 Gb/s) per
 # A100 as in DGX A100.
 TARGETS = {
-    "h100": ("h100_sxm_80gb.txtpb", 989e12, 3.35e12, 450e9, 50e9),
-    "h200": ("h200_141gb.txtpb", 989e12, 4.8e12, 450e9, 50e9),
-    "a100": ("a100_sxm_80gb.txtpb", 312e12, 2.04e12, 300e9, 25e9),
+    "h100": ("h100_sxm_80gb.txtpb", PEAK_FLOPS["H100"], 3.35e12, 450e9, 50e9),
+    "h200": ("h200_141gb.txtpb", PEAK_FLOPS["H200"], 4.8e12, 450e9, 50e9),
+    "a100": ("a100_sxm_80gb.txtpb", PEAK_FLOPS["A100"], 2.04e12, 300e9, 25e9),
 }
 
 # gpu_device_info fields without which XLA's GPU compiler crashes or plans wrongly (present in every XLA spec).
@@ -104,7 +106,7 @@ class Target:
 
     def describe(self) -> str:
         where = f"{self.nodes} nodes x {self.devices_per_node}" if self.nodes > 1 else f"{self.devices_per_node}"
-        return f"{where} x {self.device_name} ({self.device_memory / 1024**3:.1f} GiB each)"
+        return f"{where} x {self.device_name} ({self.device_memory / GiB:.1f} GiB each)"
 
 
 def _field(text: str, name: str) -> str | None:
@@ -188,6 +190,6 @@ def compile_only_devices(target: Target) -> list:
     try:
         topo = topologies.get_topology_desc(platform="cuda", target_config=target.spec, topology=target.topology)
     except Exception as e:  # noqa: BLE001 (the plugin reports registration problems as several types)
-        hint = "" if os.environ.get("JAX_PLATFORMS") == "cpu" else " (set JAX_PLATFORMS=cpu before jax is imported)"
+        hint = "" if os.environ.get("JAX_PLATFORMS") == "cpu" else " (set JAX_PLATFORMS=cpu before jax creates a backend)"
         raise ConfigError(f"--target {target.name}: the CUDA plugin could not describe the topology{hint}: {e}") from e
     return list(topo.devices)

@@ -34,8 +34,9 @@ from __future__ import annotations
 import re
 
 from jaxlong.config import Config
+from jaxlong.core.units import MiB, parse_bytes
+from jaxlong.kernels.cudnn import BWD_HEADS_PER_CALL
 
-MiB = 1024**2
 NCCL_BUFFER_BYTES = 4 * MiB
 NCCL_CHANNELS = 32
 COMMUNICATORS = 3  # FSDP group, context group, all devices
@@ -51,7 +52,6 @@ def attention_workspace_bytes(cfg: Config, backend: str, context: int, batch_loc
     """
     if backend != "cudnn":
         return 0
-    from jaxlong.kernels.cudnn import BWD_HEADS_PER_CALL  # noqa: PLC0415
 
     m = cfg.model
     if cfg.attention.impl == "upipe":
@@ -75,7 +75,6 @@ def parse_headroom(text: str, device_memory: int) -> int:
     Raises:
       ValueError: unparseable, or a percentage outside [0, 50].
     """
-    from jaxlong.plan.planner import parse_bytes  # noqa: PLC0415
 
     m = re.fullmatch(r"\s*([0-9.]+)\s*%\s*", text)
     if m:

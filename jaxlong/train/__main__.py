@@ -11,8 +11,8 @@ With no arguments it trains the default tiny Llama on the Python standard librar
     python -m jaxlong.train --resume-with-changes optim.lr=1e-3   # resume although the config changed
     python -m jaxlong.train --fit --config configs/llama3_1_8b.yaml seq_len=131072   # fastest setup that fits
 
-The config is validated before jax is imported; on the CPU, `mesh.num_devices` simulated devices are created
-(`--xla_force_host_platform_device_count`), which must happen before jax is imported.
+The config is validated before any device exists; on the CPU, `mesh.num_devices` simulated devices are created
+(`--xla_force_host_platform_device_count`), which must happen before jax creates its backend.
 
 Launched as several processes (`srun`, `mpirun`, or by hand with `JAX_COORDINATOR_ADDRESS`,
 `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`; see `jaxlong.core.distributed`), it calls `jax.distributed.initialize()`
@@ -23,29 +23,11 @@ first and the mesh spans the devices of all processes (on the CPU each process s
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 
-from jaxlong.core import distributed
 from jaxlong.config import ConfigError, load_config
-
-
-def cpu_unless_gpu_driver() -> None:
-    """Without an NVIDIA driver, JAX_PLATFORMS defaults to `cpu`: otherwise an installed CUDA plugin (which the
-    test extra brings for GPU planning) tries to initialize CUDA and prints a traceback before falling back.
-    Call it before jax is imported."""
-    if not os.path.exists("/dev/nvidiactl"):
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-def set_host_device_count(n: int) -> None:
-    """Ask XLA for `n` host (CPU) devices unless XLA_FLAGS already sets a count (and `cpu_unless_gpu_driver`).
-    Harmless on GPUs."""
-    cpu_unless_gpu_driver()
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+from jaxlong.core import distributed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,14 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.mesh.num_devices % processes:
             raise ConfigError(f"mesh.num_devices={cfg.mesh.num_devices} is not divisible by the {processes} processes "
                               f"of this launch; use a multiple of {processes}")
-        set_host_device_count(cfg.mesh.num_devices // processes)
+        distributed.set_host_device_count(cfg.mesh.num_devices // processes)
         distributed.initialize()
     except (ConfigError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from jaxlong.training.loop import run  # noqa: PLC0415 (jax must be imported after XLA_FLAGS is set)
-
     from jaxlong.training.checkpoint import CheckpointError  # noqa: PLC0415
+    from jaxlong.training.loop import run  # noqa: PLC0415 (start-up: the train loop's modules load after parsing)
 
     resume = args.resume or args.resume_with_changes
     try:

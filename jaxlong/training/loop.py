@@ -23,11 +23,16 @@ from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 from jaxlong import data as data_lib
-from jaxlong.evaluation import steps as eval_lib
+from jaxlong import evaluation as eval_lib
+from jaxlong.config import Config, ConfigError, to_dict, validate
+from jaxlong.core.memstats import compiled_bytes, device_memory, format_compiled
+from jaxlong.core.mesh import build_mesh, describe_param_sharding
+from jaxlong.core.units import fmt_bytes
+from jaxlong.models import hf
 from jaxlong.training import step as step_lib
 from jaxlong.training.checkpoint import (
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     StateMismatch,
     config_changes,
     mismatch_message,
@@ -35,29 +40,7 @@ from jaxlong.training.checkpoint import (
     remove_tmp_dirs,
     saved_config,
 )
-from jaxlong.config import Config, ConfigError, to_dict, validate
-from jaxlong.core.memstats import compiled_bytes, device_memory, fmt_bytes, format_compiled
-from jaxlong.core.mesh import build_mesh, describe_param_sharding
-
-# Dense bf16 peak FLOP/s per device, for MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
-
-
-def flops_per_token(cfg: Config) -> float:
-    """Training FLOPs per token: 6 * (non-embedding matmul params) + causal attention 6 * layers * S * H * d.
-
-    (Kaplan et al. 2020 §2.1 with the attention term; the causal mask halves 12 * layers * S * H * d.)
-    """
-    m = cfg.model
-    per_layer = m.hidden * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.hidden
-    per_layer += 3 * m.hidden * m.mlp_hidden
-    matmul_params = m.layers * per_layer + m.hidden * m.vocab_size
-    return 6.0 * matmul_params + 6.0 * m.layers * cfg.seq_len * m.heads * m.head_dim
-
-
-def peak_flops() -> float | None:
-    kind = jax.devices()[0].device_kind
-    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+from jaxlong.training.metrics import flops_per_token, peak_flops
 
 
 def _say(*args, **kwargs) -> None:
@@ -180,7 +163,6 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     mesh = build_mesh(cfg.mesh)
     run_dir = Path(cfg.run_dir) / cfg.run_name
     if cfg.model.from_hf:  # the checkpoint's tokenizer.json; its tensors are checked before compiling
-        from jaxlong.models import hf  # noqa: PLC0415
 
         hf.check_checkpoint(cfg.model.from_hf, cfg)
         tokenizer = data_lib.HFTokenizer(cfg.model.from_hf, option="model.from_hf")

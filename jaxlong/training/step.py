@@ -15,14 +15,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxlong.layers import loss as loss_lib
-from jaxlong.models import llama as model_lib
 from jaxlong.config import Config
-from jaxlong.core.mesh import BATCH_AXES, RING_AXIS, axis_size, batch_spec, replicated, seq_axes, seq_shards, tree_shardings
-from jaxlong.parallel.ring import zigzag_order
+from jaxlong.core.mesh import (
+    BATCH_AXES,
+    RING_AXIS,
+    axis_size,
+    batch_spec,
+    replicated,
+    seq_axes,
+    seq_shards,
+    tree_shardings,
+)
+from jaxlong.layers import loss as loss_lib
 from jaxlong.layers.tiled import default_loss_tile, tiled_loss_sum
+from jaxlong.models import llama as model_lib
+from jaxlong.parallel.ring import zigzag_order
 
 
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:

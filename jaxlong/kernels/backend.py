@@ -1,0 +1,172 @@
+"""The attention backend: which kernel runs (`attention.backend`) and one call for each of forward, forward with
+lse, and backward, whatever the kernel.
+
+Backends: `blockwise` (:mod:`jaxlong.kernels.blockwise`, pure JAX, any device), `cudnn`
+(:mod:`jaxlong.kernels.cudnn`), `pallas` (:mod:`jaxlong.kernels.pallas_gpu`, Triton; segment ids), `reference`
+(dense, tests only) and `auto` (:func:`resolve_backend`). Layout as in :mod:`jaxlong.kernels.blockwise`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+
+from jaxlong.core.errors import ConfigError
+from jaxlong.kernels import cudnn as cudnn_kernel
+from jaxlong.kernels import pallas_gpu as pallas_kernel
+from jaxlong.kernels.blockwise import (
+    blockwise_attention,
+    blockwise_attention_bwd,
+    blockwise_attention_fwd,
+    reference_attention,
+    reference_attention_with_lse,
+)
+from jaxlong.kernels.layout import cudnn_head_dim_ok, pallas_head_dim_ok
+
+Backend = Literal["auto", "blockwise", "cudnn", "pallas", "reference"]  # `attention.backend`
+BACKENDS = get_args(Backend)
+
+
+def cudnn_attention(q, k, v, *, causal: bool = True):
+    """Differentiable cuDNN flash attention (:mod:`jaxlong.kernels.cudnn`, a ``custom_vjp`` saving
+    ``(q, k, v, out, lse)`` whose backward does not rerun the forward).
+
+    Same layout (GQA handled natively). GPU only; bf16/fp16 inputs, head_dim a multiple of 8 and <= 256.
+    It takes no segment ids: packed documents go to the Pallas GPU kernel (``backend='auto'``) or raise
+    (``backend='cudnn'``, see :func:`resolve_backend`).
+    Raises ValueError/ConfigError as :func:`jaxlong.kernels.cudnn.cudnn_attention_fwd`.
+    """
+    return cudnn_kernel.cudnn_attention(q, k, v, causal=causal)
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = None) -> str:
+    """Map ``backend`` (one of :data:`BACKENDS`) to a concrete one for query array ``q``.
+
+    ``'auto'`` on GPUs (``platform``: the mesh's device platform, e.g. ``mesh.devices.flat[0].platform``;
+    default ``jax.default_backend()``) with ``q.dtype`` bf16/fp16 picks ``'cudnn'`` without ``segment_ids``
+    (``head_dim % 8 == 0`` and ``<= 256``) and ``'pallas'`` with them (document masking;
+    ``head_dim`` a power of two in [16, 256]); otherwise ``'blockwise'``. Compile-only GPU devices (planning
+    without a GPU) report ``'gpu'`` while ``jax.default_backend()`` is ``'cpu'``: pass ``platform``.
+
+    Raises:
+      ValueError: unknown backend, or ``'cudnn'`` with segment ids (``attention.backend``).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "cudnn" and segment_ids is not None:
+        raise ValueError(
+            "attention.backend=cudnn cannot mask packed documents (cuDNN's packed layout is not usable at long "
+            "context, see jaxlong.kernels.cudnn); use attention.backend=auto or pallas (GPUs) or blockwise, or "
+            "data.packing=concat")
+    if backend != "auto":
+        return backend
+    platform = jax.default_backend() if platform is None else platform
+    d = q.shape[-1]
+    if platform not in ("gpu", "cuda") or jnp.dtype(q.dtype) not in (jnp.bfloat16, jnp.float16):
+        return "blockwise"
+    if segment_ids is None and cudnn_head_dim_ok(d):
+        return "cudnn"
+    if segment_ids is not None and pallas_head_dim_ok(d):
+        return "pallas"
+    return "blockwise"
+
+
+def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: int = 512,
+              block_k: int = 512, segment_ids=None):
+    """Differentiable attention with backend dispatch; returns ``out`` (shape/dtype of q).
+
+    backend: ``'auto'`` (see :func:`resolve_backend`), ``'blockwise'``, ``'cudnn'``, ``'pallas'`` or
+    ``'reference'``. ``block_q``/``block_k`` are used only by ``'blockwise'`` (the Pallas kernel keeps its
+    own Triton tile sizes).
+    ``segment_ids``: int ``[batch, seq]`` or None, document masking (module docstring).
+    Raises ValueError for an unknown backend, cuDNN with segment ids (and as the kernel does).
+    """
+    backend = resolve_backend(backend, q, segment_ids)
+    if backend == "blockwise":
+        return blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
+                                   segment_ids=segment_ids)
+    if backend == "cudnn":
+        return cudnn_attention(q, k, v, causal=causal)
+    if backend == "pallas":
+        return pallas_kernel.pallas_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+
+
+def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = True,
+                           block_q: int = 512, block_k: int = 512, segment_ids=None):
+    """Forward returning ``(out, lse)``, for ops with their own custom_vjp.
+
+    * ``'blockwise'``: :func:`blockwise_attention_fwd` (real lse).
+    * ``'reference'``: exact lse from the materialized scores.
+    * ``'cudnn'``: :func:`jaxlong.kernels.cudnn.cudnn_attention_fwd`, cuDNN's softmax statistic,
+      which is the same natural-log lse.
+    * ``'pallas'``: :func:`jaxlong.kernels.pallas_gpu.pallas_attention_fwd` (real lse, segment ids).
+    ``segment_ids`` as for :func:`attention`.
+    """
+    backend = resolve_backend(backend, q, segment_ids)
+    if backend == "blockwise":
+        return blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
+                                       block_k=block_k, segment_ids=segment_ids)
+    if backend == "reference":
+        return reference_attention_with_lse(q, k, v, causal=causal, segment_ids=segment_ids)
+    if backend == "pallas":
+        return pallas_kernel.pallas_attention_fwd(q, k, v, causal=causal, segment_ids=segment_ids)
+    return cudnn_kernel.cudnn_attention_fwd(q, k, v, causal=causal)
+
+
+def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: bool = True,
+                  block_q: int = 512, block_k: int = 512, segment_ids=None):
+    """Backward matching :func:`attention_fwd_with_lse`; returns ``(dq, dk, dv)``.
+
+    ``'blockwise'`` uses :func:`blockwise_attention_bwd`, ``'cudnn'``
+    :func:`jaxlong.kernels.cudnn.cudnn_attention_bwd` and ``'pallas'``
+    :func:`jaxlong.kernels.pallas_gpu.pallas_attention_bwd`, all from the saved ``out``/``lse`` (no
+    forward is rerun). ``'reference'`` (tests only) ignores ``out``/``lse`` and recomputes the
+    forward under ``jax.vjp``. Dtypes follow q, k, v.
+    """
+    backend = resolve_backend(backend, q, segment_ids)
+    if backend == "blockwise":
+        return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal,
+                                       block_q=block_q, block_k=block_k, segment_ids=segment_ids)
+    if backend == "cudnn":
+        return cudnn_kernel.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=causal)
+    if backend == "pallas":
+        return pallas_kernel.pallas_attention_bwd(q, k, v, out, lse, dout, causal=causal, segment_ids=segment_ids)
+    _, vjp = jax.vjp(functools.partial(reference_attention, causal=causal, segment_ids=segment_ids), q, k, v)
+    return vjp(dout.astype(q.dtype))
+
+
+def check_backend(backend: str, *, head_dim: int, compute_dtype: str, ring: int, segment_ids: bool) -> None:
+    """An explicit `attention.backend` that the run's shapes, dtype, batches or mesh cannot use (the kernels' own
+    checks, moved before compiling). `auto` always works: it falls back to the blockwise kernel.
+
+    Args:
+      backend: `attention.backend`; head_dim: `model.head_dim`; compute_dtype: `compute_dtype`;
+      ring: `mesh.ring`; segment_ids: the batches carry segment ids (`data.packing=documents`).
+
+    Raises:
+      ConfigError: cuDNN or Pallas under ring attention, cuDNN with segment ids or in float32, or a head_dim
+        the kernel does not take (each names the option and what works).
+    """
+    if backend in ("cudnn", "pallas") and ring > 1:
+        raise ConfigError(f"attention.backend={backend} does not run ring attention's per-block steps (mesh.ring="
+                          f"{ring}: they use the blockwise kernel); use attention.backend=auto or blockwise")
+    if backend == "cudnn":
+        if segment_ids:
+            raise ConfigError("attention.backend=cudnn cannot mask packed documents (cuDNN's packed layout is not "
+                              "usable at long context); use attention.backend=auto or pallas (GPUs) or blockwise, "
+                              "or data.packing=concat")
+        if compute_dtype not in ("bfloat16", "float16"):
+            raise ConfigError(f"attention.backend=cudnn needs compute_dtype=bfloat16 or float16, got "
+                              f"{compute_dtype}; or use attention.backend=auto")
+        if not cudnn_head_dim_ok(head_dim):
+            raise ConfigError(f"attention.backend=cudnn needs model.head_dim a multiple of 8 and <= 256, got "
+                              f"{head_dim}; use attention.backend=auto or blockwise")
+    if backend == "pallas" and not pallas_head_dim_ok(head_dim):
+        raise ConfigError(f"attention.backend=pallas needs model.head_dim a power of two in [16, 256], got "
+                          f"{head_dim}; use attention.backend=auto or blockwise")

@@ -1,0 +1,315 @@
+"""Evaluation: held-out split, eval loss on the training mesh against one device, per-token stats, passkey
+scoring checked on predictors that cannot fail and cannot succeed, the train-loop hook and the CLI."""
+
+import functools
+import json
+
+import jax
+import numpy as np
+import pytest
+from helpers import mesh_for, pairwise, random_batch, reference_cfg, tiered, tiny_cfg
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from jaxlong import evaluation as ev
+from jaxlong.core.memstats import compiled_bytes
+from jaxlong.data import ByteTokenizer, make_dataset
+from jaxlong.layers import loss as loss_lib
+from jaxlong.models.llama import Runtime, forward, model_graphdef
+from jaxlong.training import step as step_lib
+
+TEXTS = [("The grass is green and the sky is blue. " * (1 + i % 4))[: 20 + 13 * i] for i in range(24)]
+
+
+def test_held_out_documents_are_whole_and_fixed_by_seed():
+    tok = ByteTokenizer()
+    held = ev.held_out_documents(TEXTS, tok, 0.25, seed=0)
+    assert len(held) == 6 and held == sorted(held)
+    assert ev.held_out_documents(TEXTS, tok, 0.25, seed=0) == held
+    assert ev.held_out_documents(TEXTS, tok, 0.25, seed=1) != held
+    more = ev.held_out_documents(TEXTS, tok, 0.25, seed=0, min_tokens=1500)  # more documents to fill the batches
+    assert set(held) <= set(more) and sum(len(TEXTS[i]) + 2 for i in more) >= 1500
+    assert len(ev.held_out_documents(TEXTS, tok, 0.25, seed=0, min_tokens=10**9)) == len(TEXTS) - 1
+    with pytest.raises(ValueError, match="eval_fraction.* 1 document"):
+        ev.held_out_documents(TEXTS[:1], tok, 0.1, seed=0)
+    with pytest.raises(ValueError, match="eval_batches=40: .* lower eval_batches or seq_len"):
+        ev.validation_split(tiny_cfg("model.vocab_size=257", "eval_batches=40"), TEXTS, tok)
+
+
+@pytest.mark.parametrize("packing", ["documents", "concat"])
+def test_validation_batches_present_documents_as_training_does(packing):
+    tok = ByteTokenizer()
+    cfg = tiny_cfg("model.vocab_size=257", "seq_len=16", "global_batch=1", "mesh.fsdp=1", "mesh.context=8", f"data.packing={packing}")
+    (batch,) = ev.validation_batches(cfg, ["ABCD", "xyz"], tok, [0, 1], 1)
+    train = next(iter(make_dataset(["ABCD", "xyz"], tok, seq_len=16, global_batch=1, seed=cfg.seed,
+                                   packing=packing, shuffle=False)))
+    docs = batch["mask"] > 0  # training goes on with the next epoch where validation pads
+    for k in ("inputs", "targets", "positions", "segment_ids", "mask"):
+        np.testing.assert_array_equal(batch[k][docs], train[k][docs], err_msg=k)
+    if packing == "documents":  # each BOS stays with its document: "[BOS]ABCD" predicts ABCD[EOS]
+        np.testing.assert_array_equal(batch["segment_ids"][0], [1] * 5 + [2] * 4 + [0] * 7)
+        np.testing.assert_array_equal(batch["positions"][0][:9], [0, 1, 2, 3, 4, 0, 1, 2, 3])
+        assert batch["inputs"][0][0] == tok.bos_id and batch["targets"][0][0] == ord("A")
+        np.testing.assert_array_equal(batch["mask"][0], batch["segment_ids"][0] > 0)
+    indices, batches = ev.validation_split(tiny_cfg("model.vocab_size=257"), TEXTS, tok)
+    assert len(batches) == 2 and all(b["inputs"].shape == (2, 64) for b in batches)
+
+
+def _eval_loss(cfg, n_devices, batch, params_host=None):
+    mesh = mesh_for(cfg, n_devices)
+    params = step_lib.init_state(cfg, mesh)["params"]
+    if params_host is not None:
+        params = jax.tree.map(lambda h, p: jax.device_put(h, p.sharding), params_host, params)
+    s, c = ev.make_eval_step(cfg, mesh)(params, step_lib.put_batch(batch, mesh))
+    return float(s) / float(c), jax.tree.map(np.asarray, params)
+
+
+@pytest.mark.parametrize(*tiered("extra", [
+    ("attention.impl=ulysses", "tiling.loss=true", "tiling.loss_tile=8", "tiling.mlp=true"),
+    ("attention.impl=upipe", "attention.heads_per_stage=4", "remat.policy=full"),
+], ids=["fsdp_ulysses_tiled", "fsdp_upipe"], fast={"fsdp_upipe"}))
+def test_eval_loss_on_the_mesh_equals_single_device(extra):
+    cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "global_batch=2", *extra)
+    batch = random_batch(cfg, seed=4)
+    ref_loss, params = _eval_loss(reference_cfg(cfg), 1, batch)
+    loss, _ = _eval_loss(cfg, 8, batch, params_host=params)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_eval_step_needs_less_memory_than_the_train_step():
+    cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "seq_len=256", "tiling.loss=true")
+    mesh = mesh_for(cfg, 8)
+    train = compiled_bytes(step_lib.compile_train_step(cfg, mesh))
+    evaluation = compiled_bytes(ev.compile_eval_step(cfg, mesh))
+    assert evaluation["peak"] < train["peak"]
+    assert evaluation["argument"] < train["argument"]  # parameters only: no optimizer state
+
+
+def test_token_stats_over_tiles_on_the_mesh_equal_dense_logits():
+    cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "tiling.loss_tile=4")
+    batch = random_batch(cfg, seed=5)
+    ref = reference_cfg(cfg)
+    mesh1 = mesh_for(ref, 1)
+    params = step_lib.init_state(ref, mesh1)["params"]
+    hidden, head = jax.jit(lambda p, x: forward(model_graphdef(ref), p, x, Runtime(mesh=mesh1, cfg=ref)))(
+        params, batch["inputs"])
+    want_loss = np.asarray(loss_lib.token_losses(hidden, head, batch["targets"]))
+    want_arg = np.asarray(jax.numpy.argmax(jax.numpy.einsum("bsh,hv->bsv", hidden, head), axis=-1))
+    mesh = mesh_for(cfg, 8)
+    params8 = jax.tree.map(lambda h, p: jax.device_put(np.asarray(h), p.sharding), params,
+                           step_lib.init_state(cfg, mesh)["params"])
+    loss, arg = ev.token_stats(cfg, mesh)(params8, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(arg, want_arg)
+
+
+# Every mesh the trainer takes, each with packed documents and with one causal stream per row.
+MESHES = {
+    "ulysses": ("mesh.fsdp=2", "mesh.context=4"),
+    "upipe": ("mesh.fsdp=2", "mesh.context=4", "attention.impl=upipe", "attention.heads_per_stage=4"),
+    "ring": ("mesh.fsdp=4", "mesh.ring=2", "mesh.context=1"),
+    "ulysses-ring": ("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4"),
+    "upipe-ring": ("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "attention.impl=upipe"),
+}
+GRID = ev.PasskeyGrid(lengths=[128], depths=[0.0, 1.0], per_cell=4)
+
+
+def _eval_cfg(packing, *mesh):
+    return tiny_cfg("model.vocab_size=257", "global_batch=4", f"data.packing={packing}", *mesh)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device_eval(packing):
+    """Parameters, validation batches and `evaluate_params` of the dense single-device reference."""
+    ref = reference_cfg(_eval_cfg(packing, "mesh.fsdp=2", "mesh.context=4"))
+    mesh = mesh_for(ref, 1)
+    params = step_lib.init_state(ref, mesh)["params"]
+    _, batches = ev.validation_split(ref, TEXTS, ByteTokenizer())
+    result = ev.evaluate_params(ref, mesh, params, batches, encode=ENC, passkey=GRID)
+    passkey = ev.passkey_batch([ev.passkey_example(ENC, 128, d, "31415") for d in (0.0, 0.3, 0.6, 1.0)])
+    hidden, head = jax.jit(lambda p, x: forward(model_graphdef(ref), p, x, Runtime(mesh=mesh, cfg=ref)))(
+        params, passkey["inputs"])
+    top2 = np.sort(np.asarray(jax.numpy.einsum("bsh,hv->bsv", hidden, head)), axis=-1)[..., -2:]
+    return jax.tree.map(np.asarray, params), batches, result, passkey, top2[..., 1] - top2[..., 0]
+
+
+@pytest.mark.parametrize(*pairwise({"mesh": list(MESHES), "packing": ["documents", "concat"]},
+                                   fast=[("ring", "documents"), ("upipe-ring", "concat")], cover=False))
+def test_evaluation_on_every_mesh_equals_one_device(mesh, packing):
+    """Validation loss, per-token losses, loss by position, passkey scores and argmax of the same parameters on
+    each mesh equal one device's (float32, rtol 1e-5): batches take the train step's layout (zigzag under ring)
+    and per-token results come back in token order."""
+    params1, batches, want, passkey, margin = _one_device_eval(packing)
+    cfg = _eval_cfg(packing, *MESHES[mesh])
+    m = mesh_for(cfg, 8)
+    params = jax.tree.map(lambda h, a: jax.device_put(h, a.sharding), params1,
+                          step_lib.abstract_state(cfg, m)["params"])
+    got = ev.evaluate_params(cfg, m, params, batches, encode=ENC, passkey=GRID)
+    np.testing.assert_allclose(got.loss, want.loss, rtol=1e-5)
+    assert got.tokens == want.tokens
+    for a, b in zip(got.token_loss, want.token_loss, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert [r["tokens"] for r in got.by_position] == [r["tokens"] for r in want.by_position]
+    np.testing.assert_allclose([r["loss"] for r in got.by_position], [r["loss"] for r in want.by_position],
+                               rtol=1e-5)
+    np.testing.assert_array_equal(got.passkey, want.passkey)
+    _, argmax = ev.token_stats(cfg, m)(params, passkey)
+    _, want_argmax = ev.token_stats(reference_cfg(cfg), mesh_for(reference_cfg(cfg), 1))(params1, passkey)
+    clear = margin > 1e-4  # tokens whose two best logits are not a float32 tie
+    assert clear.mean() > 0.99
+    np.testing.assert_array_equal(argmax[clear], want_argmax[clear])
+
+
+def test_position_buckets_are_log_spaced_to_the_full_length():
+    np.testing.assert_array_equal(ev.position_buckets(8), [0, 1, 2, 4, 8])
+    np.testing.assert_array_equal(ev.position_buckets(12), [0, 1, 2, 4, 8, 12])
+    acc = ev.PositionLoss(8)
+    acc.add(np.arange(16, dtype=float).reshape(2, 8), np.ones((2, 8)))
+    assert [r["loss"] for r in acc.rows()] == [4.0, 5.0, 6.5, 9.5]
+
+
+# ----------------------------------------------------------------------------------------------
+# Passkey: the example and the metric.
+
+ENC = ByteTokenizer().encode
+
+
+def test_passkey_example_layout():
+    where = []
+    for depth in (0.0, 0.5, 1.0):
+        e = ev.passkey_example(ENC, 512, depth, "31415")
+        assert e.tokens.shape == (513,) and e.depth == pytest.approx(depth, abs=0.01)
+        text = bytes(e.tokens.astype(np.uint8)).decode()
+        assert text.endswith("What is the pass key? The pass key is 31415") and text.count("31415") == 3
+        assert bytes(e.tokens[1:][e.answer].astype(np.uint8)).decode() == "31415"  # the answer = the last targets
+        where.append(text.index("The pass key is 31415. Remember"))
+    assert where[0] == 0 and where[0] < where[1] < where[2]
+    assert text[where[2]:].startswith(ev.NEEDLE.format(key="31415") + ev.QUESTION.format(key="31415")[:4])
+    with pytest.raises(ValueError, match="too short"):
+        ev.passkey_example(ENC, 40, 0.5, "31415")
+
+
+def _oracle(batch):
+    """Retrieves by construction: reads the key after the first "The pass key is " of each row's *input* and
+    predicts it at the end; everything else is predicted as the true next token."""
+    out = batch["targets"].copy()
+    cue = np.frombuffer(b"The pass key is ", np.uint8).astype(np.int32)
+    for row, inp in zip(out, batch["inputs"]):
+        starts = np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(inp, cue.size) == cue, axis=1))
+        key = []
+        for t in inp[starts[0] + cue.size:]:
+            if not 48 <= t <= 57:
+                break
+            key.append(t)
+        row[-len(key):] = key
+    return out
+
+
+def _no_needle(batch):
+    """Knows the format, not the key: every digit it predicts is off by one."""
+    out = batch["targets"].copy()
+    digit = (out >= 48) & (out <= 57)
+    out[digit] = 48 + (out[digit] - 48 + 1) % 10
+    return out
+
+
+def _one_digit_wrong(batch):
+    out = _oracle(batch)
+    out[:, -2] = 48 + (out[:, -2] - 48 + 1) % 10
+    return out
+
+
+@pytest.mark.parametrize("predict, want", [(_oracle, 1.0), (_no_needle, 0.0), (_one_digit_wrong, 0.0)],
+                         ids=["cannot_fail", "cannot_succeed", "one_digit_wrong"])
+def test_passkey_score_of_predictors_that_cannot_fail_or_cannot_succeed(predict, want):
+    calls = []
+    acc = ev.score_passkey(predict, ENC, lengths=[256, 512], depths=[0.0, 0.5, 1.0], per_cell=3, batch_size=2,
+                           progress=calls.append)
+    assert acc.shape == (3, 2)
+    np.testing.assert_array_equal(acc, np.full((3, 2), want))
+    assert sum(calls) == 3 * 2 * 4  # per_cell 3 rounded up to two batches of 2
+
+
+def test_passkey_score_counts_each_example():
+    state = {"n": 0}
+
+    def every_other(batch):  # right on even examples, wrong on odd ones
+        out = _oracle(batch)
+        for i in range(len(out)):
+            if (state["n"] + i) % 2:
+                out[i, -1] = 48 + (out[i, -1] - 48 + 1) % 10
+        state["n"] += len(out)
+        return out
+
+    acc = ev.score_passkey(every_other, ENC, lengths=[256], depths=[0.5], per_cell=4, batch_size=2)
+    assert acc[0, 0] == 0.5
+
+
+# ----------------------------------------------------------------------------------------------
+# The train-loop hook and the CLI.
+
+
+@pytest.mark.slow
+def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
+    from jaxlong.eval import __main__ as eval_cli
+    from jaxlong.training.loop import run
+
+    cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "seq_len=128", "global_batch=4", "grad_accum=2",
+                   "data.max_tokens=200000", "model.vocab_size=257", "steps=3", "eval_every=2", "eval_batches=2",
+                   "eval_fraction=0.2", "checkpoint_every=3", "run_name=r", f"run_dir={tmp_path}")
+    run(cfg)
+    out = capsys.readouterr().out
+    assert "eval step, per device (compiled memory_analysis)" in out
+    run_dir = tmp_path / "r"
+    events = EventAccumulator(str(run_dir)).Reload()
+    evals = events.Scalars("eval/loss")
+    assert [e.step for e in evals] == [2, 3]  # every 2 steps and after the last
+    assert all(np.isfinite(e.value) for e in evals)
+    ppl = events.Scalars("eval/perplexity")
+    np.testing.assert_allclose([p.value for p in ppl], np.exp([e.value for e in evals]), rtol=1e-5)
+
+    code = eval_cli.main([str(run_dir), "--lengths", "128,256", "--depths", "0,1", "--per-cell", "2"])
+    assert code == 0
+    res = run_dir / "eval" / "step_3"
+    summary = json.loads((res / "summary.json").read_text())
+    np.testing.assert_allclose(summary["loss"], evals[-1].value, rtol=1e-5)  # the trainer's own split and step
+    rows = summary["loss_by_position"]
+    assert rows[0]["start"] == 0 and rows[-1]["end"] == 128
+    total = sum(r["loss"] * r["tokens"] for r in rows) / sum(r["tokens"] for r in rows)
+    np.testing.assert_allclose(total, summary["loss"], rtol=1e-5)  # buckets partition the same tokens
+    assert np.asarray(summary["passkey"]["accuracy"]).shape == (2, 2)
+    for name in ("loss_by_position.csv", "loss_by_position.png", "passkey.csv", "passkey.png"):
+        assert (res / name).stat().st_size > 0
+    assert "eval/passkey_accuracy" in EventAccumulator(str(run_dir)).Reload().Tags()["scalars"]
+
+    assert eval_cli.main([str(run_dir), "--step", "7"]) == 2
+    assert "no checkpoint at that step" in capsys.readouterr().err
+    assert eval_cli.main([str(tmp_path / "missing")]) == 2
+    assert eval_cli.main([str(run_dir), "--lengths", "130"]) == 2
+
+
+@pytest.mark.slow
+def test_the_cli_evaluates_a_ring_run_like_a_mesh_without_ring(tmp_path, capsys):
+    """A run trained with ring attention: `python -m jaxlong.eval` on its own mesh (ring 2 x context 4) and on
+    fsdp 2 x context 4 writes the same validation loss, loss by position and passkey scores."""
+    import csv
+
+    from jaxlong.eval import __main__ as eval_cli
+    from jaxlong.training.loop import run
+
+    run(tiny_cfg("model.vocab_size=257", "seq_len=128", "global_batch=2", "mesh.fsdp=1", "mesh.ring=2",
+                 "mesh.context=4", "data.max_tokens=100000", "steps=2", "eval_every=2", "run_name=r",
+                 f"run_dir={tmp_path}"))
+    run_dir, results = tmp_path / "r", {}
+    for name, mesh in (("ring", []), ("no-ring", ["mesh.ring=1", "mesh.fsdp=2"])):
+        assert eval_cli.main([str(run_dir), "--lengths", "128", "--depths", "0,1", "--per-cell", "2", *mesh]) == 0
+        out = run_dir / "eval" / "step_2"
+        with open(out / "loss_by_position.csv") as f:
+            rows = list(csv.DictReader(f))
+        results[name] = (json.loads((out / "summary.json").read_text()), rows)
+    (ring, ring_rows), (plain, plain_rows) = results["ring"], results["no-ring"]
+    np.testing.assert_allclose(ring["loss"], plain["loss"], rtol=1e-5)
+    assert [r["tokens"] for r in ring_rows] == [r["tokens"] for r in plain_rows]
+    np.testing.assert_allclose([float(r["loss"]) for r in ring_rows], [float(r["loss"]) for r in plain_rows],
+                               rtol=1e-5)
+    assert ring["passkey"]["accuracy"] == plain["passkey"]["accuracy"]

@@ -1,0 +1,321 @@
+"""`jaxlong.plan.fit` and its command line: the pruned search finds the brute-force winner under a monotone
+memory and cost model, respects its compile budget and cache, names the closest candidate when nothing fits, and
+runs end to end on a real CPU compile through `python -m jaxlong.memory --fit`."""
+
+import json
+import random
+
+import pytest
+from helpers import tiered
+
+from jaxlong.config import load_config
+from jaxlong.memory import fit_options as fit_cli
+from jaxlong.plan import fit as fit_lib
+
+GiB = 1024**3
+TINY = ["model.hidden=64", "model.layers=1", "model.heads=4", "model.kv_heads=2", "model.head_dim=16",
+        "model.mlp_hidden=128", "model.vocab_size=256", "seq_len=1024", "global_batch=8", "mesh.fsdp=-1",
+        "mesh.context=4", "attention.block_q=128", "attention.block_k=128"]
+
+
+def _levels(cfg):
+    """The fake model's view of a config: one level per dimension, 0 = fastest, most memory."""
+    att = 0 if cfg.attention.impl == "ulysses" else 1 + cfg.model.heads // max(cfg.attention.heads_per_stage, 1)
+    remat = fit_lib.REMAT_LEVELS.index(cfg.remat.policy)
+    mlp = 0 if not cfg.tiling.mlp else (1 if cfg.tiling.mlp_tiles == 0 else 2)
+    return att, remat, int(cfg.tiling.loss), mlp
+
+
+class FakeModel:
+    """Monotone memory (decreasing in every level) and cost (increasing), random weights; counts plan calls."""
+
+    def __init__(self, seed: int):
+        r = random.Random(seed)
+        self.mem_w = [r.uniform(0.5, 8) for _ in range(4)]
+        self.cost_w = [r.uniform(0.01, 1) for _ in range(4)]
+        self.mesh_mem = {c: r.uniform(0, 10) for c in (1, 2, 4, 8)}
+        self.mesh_cost = {c: r.uniform(0, 1) for c in (1, 2, 4, 8)}
+        self.calls = 0
+
+    def plan(self, cfg, target=None, **kw):
+        self.calls += 1
+        lv = _levels(cfg)
+        total = (60 + self.mesh_mem[cfg.mesh.context] - sum(w * x for w, x in zip(self.mem_w, lv))) * GiB
+        host = 40 * GiB if cfg.remat.policy == "offload" else 0
+        return {"peak": total * 0.9, "total": total, "host": host / 8, "host_per_node": host,
+                "source": "fake", "estimate": {"step_seconds": self.cost(cfg)}}
+
+    def cost(self, cfg, p=None):
+        return 1 + self.mesh_cost[cfg.mesh.context] + sum(w * x for w, x in zip(self.cost_w, _levels(cfg)))
+
+
+def _brute_force(cfg, model, budget, host_budget):
+    _, cands, _ = fit_lib.candidate_space(cfg, 8, 1)
+    best = None
+    for c in cands:
+        cc = fit_lib.configure(cfg, c.overrides)
+        p = model.plan(cc)
+        if p["total"] <= budget and p["host_per_node"] <= host_budget:
+            if best is None or model.cost(cc) < best[1]:
+                best = (c.key, model.cost(cc))
+    return best, len(cands)
+
+
+@pytest.mark.parametrize(*tiered("seed", range(12), fast={0, 1}))
+def test_pruned_search_finds_the_brute_force_winner_and_skips_nothing_better(seed):
+    cfg = load_config(None, TINY)
+    model = FakeModel(seed)
+    budget = random.Random(100 + seed).uniform(35, 65) * GiB
+    host_budget = 30 * GiB if seed % 3 == 0 else 2048 * GiB  # some seeds rule offload out by host memory
+    expected, n = _brute_force(cfg, model, budget, host_budget)
+    model.calls = 0
+    res = fit_lib.fit(cfg, None, budget=budget, host_budget=host_budget, max_compiles=10**6,
+                      cost_model=model.cost, plan_fn=model.plan, progress=False)
+    assert len(res.rows) + len(res.pruned) >= n
+    if expected is None:
+        assert res.winner is None and res.closest is not None
+    else:
+        assert res.winner["overrides"] == expected[0]
+        assert res.winner["step_seconds"] == pytest.approx(expected[1])
+    # no candidate left uncompiled would have fit and been faster than the winner
+    for p in res.pruned:
+        if p["reason"].startswith("invalid"):
+            continue
+        cc = fit_lib.configure(cfg, p["overrides"].split())
+        q = model.plan(cc)
+        fits = q["total"] <= budget and q["host_per_node"] <= host_budget
+        assert not (fits and (res.winner is None or model.cost(cc) < res.winner["step_seconds"])), p
+    assert res.compiles == len(res.rows) < n  # pruning saved compiles
+
+
+def test_compile_budget_is_respected_and_the_rest_is_listed():
+    cfg = load_config(None, TINY)
+    model = FakeModel(3)
+    res = fit_lib.fit(cfg, None, budget=50 * GiB, host_budget=2048 * GiB, max_compiles=3, cost_model=model.cost,
+                      plan_fn=model.plan, progress=False)
+    assert model.calls == res.compiles == 3
+    assert any("--max-compiles 3 reached" in p["reason"] for p in res.pruned)
+
+
+def test_cache_hits_cost_no_compile():
+    cfg = load_config(None, TINY)
+    model, cache = FakeModel(5), {}
+    first = fit_lib.fit(cfg, None, budget=50 * GiB, max_compiles=100, cost_model=model.cost, plan_fn=model.plan,
+                        cache=cache, progress=False)
+    calls = model.calls
+    assert calls == first.compiles == len(cache) > 0
+    again = fit_lib.fit(cfg, None, budget=50 * GiB, max_compiles=1, cost_model=model.cost, plan_fn=model.plan,
+                        cache=cache, progress=False)
+    assert model.calls == calls and again.compiles == 0
+    assert all(r["cached"] for r in again.rows)
+    assert [r["overrides"] for r in again.rows] == [r["overrides"] for r in first.rows]
+
+
+def test_nothing_fits_names_the_closest_candidate_with_its_peak():
+    cfg = load_config(None, TINY)
+    model = FakeModel(7)
+    res = fit_lib.fit(cfg, None, budget=1 * GiB, max_compiles=20, cost_model=model.cost, plan_fn=model.plan,
+                      progress=False)
+    assert res.winner is None
+    closest = min(res.rows, key=lambda r: r["total"])
+    assert res.closest is closest
+    text = fit_cli.format_report(res, 1 * GiB, None)
+    assert f"the closest candidate is #{closest['index']} [{fit_lib.strip_implied(closest['overrides'])}] with peak " \
+           f"{closest['peak'] / GiB:.1f} GiB" in text
+    # the most memory-saving candidate of each mesh split is compiled first; a candidate that does not fit
+    # settles only candidates of its own mesh split and attention setting (memory is not monotone across them)
+    first = res.rows[:3]
+    assert len({r["overrides"].split(" attention")[0] for r in first}) == 3
+    assert all("attention.impl=upipe" in r["overrides"] and r["levels"][1] == 3 for r in first)
+
+    def setting(overrides: str) -> str:
+        return " ".join(o for o in overrides.split() if o.startswith(("mesh.", "attention.")))
+
+    for p in res.pruned:
+        if p["by"] is not None:
+            assert setting(p["by"]) == setting(p["overrides"]), p
+    assert res.compiles < res.candidates
+
+
+def test_estimate_cost_model_needs_a_planner_with_estimates():
+    cfg = load_config(None, TINY)
+    calls = []
+
+    def old_plan(cfg, target=None, *, headroom="2%", collective_buffers=None):
+        calls.append(cfg)
+        return {}
+
+    with pytest.raises(fit_lib.FitError, match="--cost-model analytic"):
+        fit_lib.fit(cfg, None, budget=GiB, plan_fn=old_plan, progress=False)
+    assert not calls
+    with pytest.raises(fit_lib.FitError, match="no step-time estimate"):
+        fit_lib.estimated_cost(cfg, {"total": 1})
+
+
+def test_analytic_cost_is_monotone_along_every_dimension():
+    cfg = load_config(None, TINY)
+    _, cands, _ = fit_lib.candidate_space(cfg, 8, 1)
+    cost = {c: fit_lib.analytic_cost(fit_lib.configure(cfg, c.overrides)) for c in cands}
+    for a in cands:
+        for b in cands:
+            if a != b and a.below(b):
+                assert cost[a] <= cost[b], (a.key, b.key)
+
+
+def test_bad_fit_inputs_are_one_line_errors_before_compiling(capsys):
+    from jaxlong.memory import __main__ as memory
+    from jaxlong.train import __main__ as train
+
+    assert memory.main(["--fit", "--cost-model", "analytic", "--target", "h999", *TINY]) == 2
+    assert "unknown GPU" in capsys.readouterr().err
+    assert memory.main(["--fit", "--cost-model", "analytic", "--max-compiles", "0", *TINY]) == 2
+    assert "--max-compiles 0" in capsys.readouterr().err
+    assert train.main(["--fit", "--cost-model", "analytic", "--budget", "lots", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "--budget 'lots'" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_fit_end_to_end_on_a_real_cpu_compile(tmp_path, capsys):
+    """Two real compiles of the train step (CPU approximation), ranked by the closed-form cost."""
+    from jaxlong.memory import __main__ as memory
+
+    out = tmp_path / "fit.json"
+    rc = memory.main(["--fit", "--cost-model", "analytic", "--max-compiles", "2", "--budget", "1GiB",
+                      "--out", str(out), *TINY])
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert rc == 0 and data["winner"] is not None
+    assert 1 <= data["compiles"] <= 2 and len(data["compiled"]) == data["compiles"]
+    assert all(r["source"].startswith("CPU approximation") for r in data["compiled"])
+    assert all(r["total"] > 0 and r["tokens_per_s_per_gpu"] > 0 for r in data["compiled"])
+    assert data["command"].startswith("python -m jaxlong.train ") and data["command"] in text
+    assert len(data["pruned"]) + data["compiles"] >= data["candidates"]
+    win = data["winner"]["overrides"].split()
+    # the ready-to-paste command gives back the winner's config
+    assert load_config(None, data["command"].split()[3:]) == fit_lib.configure(load_config(None, TINY), win)
+
+
+def test_train_fit_applies_and_prints_the_winners_overrides(monkeypatch, capsys):
+    """`python -m jaxlong.train --fit`: the config it trains is the winner's; the default cost model reads the
+    plan's step-time estimate (here from a fake planner)."""
+    from jaxlong.plan import planner
+    from jaxlong.train import __main__ as train
+
+    model = FakeModel(11)
+    monkeypatch.setattr(planner, "plan", model.plan)
+    args = train.parse_args(["--fit", "--budget", "50GiB", "--max-compiles", "40", *TINY])
+    cfg = fit_cli.fit_for_training(args, load_config(None, args.overrides), args.overrides)
+    out = capsys.readouterr().out
+    assert model.calls <= 40
+    expected, _ = _brute_force(load_config(None, TINY), model, 50 * GiB, 2048 * GiB)
+    base = load_config(None, TINY)
+    assert cfg == fit_lib.configure(base, expected[0].split())
+    printed = [line[5:] for line in out.splitlines() if line.startswith("fit: ")]
+    assert printed and set(printed) <= set(expected[0].split())
+    assert fit_lib.configure(base, printed) == cfg  # the printed lines are exactly the changes
+
+
+def test_two_nodes_add_ring_splits_with_and_without_packed_documents():
+    """Across nodes the sequence may also be split over `mesh.ring` (hybrid Ulysses x ring); ring attention masks
+    packed documents too, so those splits are searched with either `data.packing`."""
+    for packing in ("concat", "documents"):
+        cfg = load_config(None, [*TINY, f"data.packing={packing}", "seq_len=2048"])
+        splits, cands, _ = fit_lib.candidate_space(cfg, 8, 2)
+        assert any("mesh.ring=2" in " ".join(s) for s in splits)
+        assert any("mesh.ring=2" in c.key for c in cands), packing
+        assert all("mesh.num_devices=16" in c.key for c in cands)
+
+
+def test_a_candidate_that_fails_to_compile_is_listed_and_the_search_goes_on():
+    cfg = load_config(None, TINY)
+    model = FakeModel(2)
+
+    def flaky(c, target=None, **kw):
+        if c.remat.policy == "offload":
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while compiling")
+        return model.plan(c, target, **kw)
+
+    res = fit_lib.fit(cfg, None, budget=50 * GiB, max_compiles=100, cost_model=model.cost, plan_fn=flaky,
+                      progress=False)
+    failed = [p for p in res.pruned if p["reason"].startswith("does not compile: RuntimeError: RESOURCE_EXHAUSTED")]
+    assert failed and all("remat.policy=offload" in p["overrides"] for p in failed)
+    assert res.winner is not None and "remat.policy=offload" not in res.winner["overrides"]
+
+
+@pytest.mark.parametrize(*tiered("seed", range(8), fast={0, 1}))
+def test_equal_estimates_go_to_the_lighter_candidate(seed):
+    """A roofline estimate does not see tile or stage launches, so candidates that differ only in the MLP tile
+    count can tie exactly; the tie goes to the candidate expected faster (fewer tiles, stages, remat), whatever
+    the compile order, as in the brute-force search over the expected-speed order."""
+    cfg = load_config(None, TINY)
+    model = FakeModel(seed)
+    model.cost_w[3] = 0.0  # MLP tiling: no cost, so its levels tie
+    budget = random.Random(200 + seed).uniform(35, 65) * GiB
+    expected, _ = _brute_force(cfg, model, budget, 2048 * GiB)
+    res = fit_lib.fit(cfg, None, budget=budget, host_budget=2048 * GiB, max_compiles=10**6, cost_model=model.cost,
+                      plan_fn=model.plan, progress=False)
+    if expected is None:
+        assert res.winner is None
+    else:
+        assert res.winner["overrides"] == expected[0]
+        ties = [r for r in res.rows if r["fits"] and r["step_seconds"] == res.winner["step_seconds"]]
+        assert min(r["levels"][3] for r in ties) == res.winner["levels"][3]
+
+
+class UlyssesLightModel(FakeModel):
+    """U-Pipe's stage buffers cost memory that Ulysses does not pay: U-Pipe with U = H needs more than Ulysses
+    (as the GPU compile of Llama-3.1-8B shows), so memory is monotone along U but not from Ulysses to U-Pipe."""
+
+    def plan(self, cfg, target=None, **kw):
+        p = super().plan(cfg, target, **kw)
+        if cfg.attention.impl == "ulysses":
+            # as light as U-Pipe at its smallest U (levels 1 + heads / 2 of `_levels`), less 6 GiB of stage buffers
+            total = p["total"] - (self.mem_w[0] * (1 + cfg.model.heads // 2) + 6) * GiB
+            p = {**p, "total": total, "peak": total * 0.9}
+        return p
+
+
+@pytest.mark.parametrize(*tiered("seed", range(10), fast={0, 1}))
+def test_a_upipe_candidate_that_does_not_fit_does_not_rule_out_ulysses(seed):
+    cfg = load_config(None, TINY)
+    model = UlyssesLightModel(seed)
+    budget = random.Random(300 + seed).uniform(30, 60) * GiB
+    expected, _ = _brute_force(cfg, model, budget, 2048 * GiB)
+    res = fit_lib.fit(cfg, None, budget=budget, host_budget=2048 * GiB, max_compiles=10**6, cost_model=model.cost,
+                      plan_fn=model.plan, progress=False)
+    assert (res.winner and res.winner["overrides"]) == (expected and expected[0])
+    for p in res.pruned:
+        if p["reason"].startswith("needs at least") and "attention.impl=ulysses" in p["overrides"]:
+            assert "attention.impl=ulysses" in p["by"]
+
+
+class PackingHoleModel(FakeModel):
+    """U-Pipe at the middle U needs more memory than at U = H (XLA's buffer packing: 82.1 GiB at U = 16 against
+    79.3 at U = 32 for Llama-3.1-8B at 6.5M tokens on 8xH100): memory is not monotone in U. Ulysses never fits,
+    U = H fits with light settings, the middle U never does."""
+
+    def plan(self, cfg, target=None, **kw):
+        p = super().plan(cfg, target, **kw)
+        heads, u = cfg.model.heads, cfg.attention.heads_per_stage or cfg.mesh.context
+        if cfg.attention.impl == "ulysses":
+            total = p["total"] + 100 * GiB
+        elif u == heads:
+            total = p["total"] - 30 * GiB
+        elif u != cfg.mesh.context:
+            total = p["total"] + 100 * GiB
+        else:
+            total = p["total"]
+        return {**p, "total": total, "peak": total * 0.9}
+
+
+@pytest.mark.parametrize(*tiered("seed", range(6), fast={0, 1}))
+def test_a_candidate_that_does_not_fit_says_nothing_about_another_heads_per_stage(seed):
+    cfg = load_config(None, TINY)
+    model = PackingHoleModel(seed)
+    budget = 45 * GiB
+    expected, _ = _brute_force(cfg, model, budget, 2048 * GiB)
+    assert expected is not None
+    res = fit_lib.fit(cfg, None, budget=budget, host_budget=2048 * GiB, max_compiles=10**6, cost_model=model.cost,
+                      plan_fn=model.plan, progress=False)
+    assert res.winner["overrides"] == expected[0]

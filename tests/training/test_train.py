@@ -1,0 +1,111 @@
+"""The train loop end to end on tiny shapes: loss goes down, TensorBoard events, checkpoints, exact resume."""
+
+import math
+
+import pytest
+from helpers import tiny_cfg
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from jaxlong.training.loop import run
+
+TRAIN = ("mesh.fsdp=2", "mesh.context=4", "seq_len=128", "global_batch=4", "data.max_tokens=200000",
+         "optim.lr=1e-2", "optim.warmup_steps=1", "model.vocab_size=257")
+
+
+def _cfg(tmp_path, *extra):
+    return tiny_cfg(*TRAIN, f"run_dir={tmp_path}", *extra)
+
+
+def test_training_reduces_loss_and_writes_events_and_checkpoints(tmp_path):
+    cfg = _cfg(tmp_path, "steps=8", "checkpoint_every=4", "keep_checkpoints=3", "run_name=a")
+    out = run(cfg)
+    run_dir = tmp_path / "a"
+    events = EventAccumulator(str(run_dir)).Reload()
+    losses = [e.value for e in events.Scalars("loss")]
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
+    assert losses[-1] < 0.8 * losses[0]
+    for tag in ("lr", "grad_norm", "tokens_per_s", "step_time_s"):
+        assert tag in events.Tags()["scalars"]
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [4, 8]  # every 4 steps, the last 2 kept
+    assert out["metrics"]["loss"] == pytest.approx(losses[-1])
+
+
+@pytest.mark.slow
+def test_resume_gives_the_same_next_step_loss(tmp_path):
+    full = run(_cfg(tmp_path, "steps=6", "checkpoint_every=3", "run_name=full"))
+    run(_cfg(tmp_path, "steps=3", "optim.decay_steps=6", "checkpoint_every=3", "run_name=split"))  # "killed" at 3
+    resumed = run(_cfg(tmp_path, "steps=6", "checkpoint_every=3", "run_name=split"), resume=True)
+    full_losses = [e.value for e in EventAccumulator(str(tmp_path / "full")).Reload().Scalars("loss")]
+    split_losses = [e.value for e in EventAccumulator(str(tmp_path / "split")).Reload().Scalars("loss")]
+    assert [e for e in split_losses][:3] == pytest.approx(full_losses[:3], rel=1e-6)
+    assert split_losses[3:] == pytest.approx(full_losses[3:], rel=1e-5)  # steps 4..6 after the resume
+    assert resumed["metrics"]["loss"] == pytest.approx(full["metrics"]["loss"], rel=1e-5)
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        run(_cfg(tmp_path, "steps=2", "run_name=none"), resume=True)
+
+
+@pytest.mark.slow
+def test_upipe_trains_to_the_same_loss_curve_as_ulysses(tmp_path):
+    def curve(impl, *extra):
+        run(_cfg(tmp_path, "steps=20", "checkpoint_every=100", f"run_name={impl}", f"attention.impl={impl}", *extra))
+        return [e.value for e in EventAccumulator(str(tmp_path / impl)).Reload().Scalars("loss")]
+
+    ulysses = curve("ulysses")
+    upipe = curve("upipe", "attention.heads_per_stage=4")
+    assert len(upipe) == 20 and upipe[-1] < 0.7 * upipe[0]
+    assert upipe == pytest.approx(ulysses, rel=2e-4)
+
+
+def test_a_step_that_cannot_fit_device_memory_is_refused_before_allocating(monkeypatch):
+    import jax
+    from helpers import mesh_for
+
+    from jaxlong.config import ConfigError
+    from jaxlong.training import step as step_lib
+    from jaxlong.training.loop import check_fits
+
+    cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4")
+    compiled = step_lib.compile_train_step(cfg, mesh_for(cfg, 8))
+    device = type(jax.local_devices()[0])
+    monkeypatch.setattr(device, "memory_stats", lambda self: {"bytes_limit": 1024})
+    with pytest.raises(ConfigError, match="per device but the device has 1.00 KiB"):
+        check_fits(compiled)
+
+
+def test_an_existing_run_is_not_overwritten_and_bad_data_fails_before_compiling(tmp_path):
+    from jaxlong.config import ConfigError
+
+    run(_cfg(tmp_path, "steps=2", "checkpoint_every=2", "run_name=once"))
+    with pytest.raises(ConfigError, match="already holds checkpoints .* pass --resume"):
+        run(_cfg(tmp_path, "steps=2", "run_name=once"))
+    with pytest.raises(ValueError, match="data.path"):
+        run(_cfg(tmp_path, "steps=2", "run_name=bad", f"data.path={tmp_path}/missing.txt"))
+    assert run(_cfg(tmp_path, "steps=2", "run_name=once"), resume=True)["metrics"] == {}  # nothing to do
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_last_finished_step(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from jaxlong.training import loop as trainer
+
+    calls = {"n": 0}
+    real_put = trainer.step_lib.put_batch
+
+    def put_then_preempt(batch, mesh):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the 4th batch: steps 1-3 are finished
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_put(batch, mesh)
+
+    monkeypatch.setattr(trainer.step_lib, "put_batch", put_then_preempt)
+    with pytest.raises(KeyboardInterrupt):
+        run(_cfg(tmp_path, "steps=10", "checkpoint_every=100", "run_name=pre"))
+    from jaxlong.training.checkpoint import Checkpointer
+
+    assert Checkpointer.latest_in(tmp_path / "pre" / "checkpoints") == 3
