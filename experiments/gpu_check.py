@@ -23,7 +23,7 @@ parent never touches the GPU, and every child starts with a clean `peak_bytes_in
 
 A global time guard (`--budget-s`, default 450 s) skips what would not finish in time (the skip is recorded,
 with the estimate), children get timeouts, and `gpu_check.md`, `gpu_check.csv` (one row per train config,
-with the plan columns) and `gpu_check.json` (everything) in `--out` (default experiments/results) are
+with the plan columns) and `gpu_check.json` (everything) in `--out` (default experiments/results; runs/gpu_check_smoke with --smoke) are
 rewritten after every section. In `--smoke` mode the shapes are tiny, the candidate kernel is the blockwise
 one (compared with the reference kernel), and the plan uses the h200 target if the CUDA plugin is installed,
 else the CPU approximation.
@@ -423,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (CI)")
-    ap.add_argument("--out", default=str(ROOT / "experiments" / "results"), help="directory for md/csv/json")
+    ap.add_argument("--out", default=None,
+                    help="directory for md/csv/json (default experiments/results on a GPU, runs/gpu_check_smoke "
+                         "with --smoke)")
     ap.add_argument("--budget-s", type=float, default=None, help="global time guard (default 450, smoke 55)")
     ap.add_argument("--steps", type=int, default=None, help="train steps per config (default 3, smoke 2)")
     ap.add_argument("--no-large", action="store_true", help="skip the large-tensor probe")
@@ -438,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     if not smoke and not os.path.exists("/dev/nvidiactl"):
         print("error: no NVIDIA GPU here; run with --smoke for the CPU code path", file=sys.stderr)
         return 2
-    out = Path(args.out)
+    out = Path(args.out) if args.out else (Path("runs") / "gpu_check_smoke" if smoke else ROOT / "experiments" / "results")
     rep = Report(out, argv)
     left = lambda: budget - (time.monotonic() - t0)  # noqa: E731
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -26,16 +25,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+def _doc_files() -> list[Path]:
+    """The README, then the docs pages in the order the README links them (the order a reader follows), then any
+    page it does not link."""
+    linked = re.findall(r"\(docs/([\w-]+\.md)[)#]", (ROOT / "README.md").read_text(encoding="utf-8"))
+    pages = [ROOT / "docs" / name for name in dict.fromkeys(linked)]
+    return [ROOT / "README.md", *pages, *sorted(set((ROOT / "docs").glob("*.md")) - set(pages))]
+
+
+DOC_FILES = _doc_files()
 SHELL_LANGS = {"bash"}
 OTHER_LANGS = {"text", "yaml", "json", "python", "toml"}  # fenced blocks the check does not run
 
-# The default run: the quick start's command. The slow tier runs it once; the commands marked AFTER_DEFAULT
-# start from a copy of its run directory (runs/default).
+# The default run: the quick start's command, the first the slow tier runs; the commands marked AFTER_DEFAULT use
+# its run directory (runs/default).
 DEFAULT = "python -m jaxlong.train"
 AFTER_DEFAULT = "after the default run"
 
-# The commands the slow tier runs (CPU-sized: a few minutes each on 2 cores), and what each starts from.
+# The commands the slow tier runs, pasted in the order of the docs into one fresh directory (CPU-sized: a few
+# minutes each on 2 cores), and what each starts from.
 RUN = {
     DEFAULT: "a fresh directory",
     "python -m jaxlong.train --resume steps=25 optim.decay_steps=20": AFTER_DEFAULT,
@@ -416,30 +424,18 @@ def _tail(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
 
 
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """The quick start's `python -m jaxlong.train`, run once in a temporary directory: (directory, process)."""
-    cwd = _workdir(tmp_path_factory.mktemp("docs-default-run"))
-    return cwd, _run(DEFAULT, cwd)
-
-
 RUN_COMMANDS = list(dict.fromkeys(c.text for c in COMMANDS if c.text in RUN))
 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@pytest.mark.parametrize("text", RUN_COMMANDS, ids=[t.removeprefix("python -m ") for t in RUN_COMMANDS])
-def test_command_runs(text, default_run, tmp_path):
-    """The command exits with 0, run in a temporary directory (from a copy of the default run where it needs
-    one)."""
-    default_dir, default_proc = default_run
-    if text == DEFAULT:
-        assert default_proc.returncode == 0, _tail(default_proc)
-        assert (default_dir / "runs" / "default" / "checkpoints").is_dir()
-        return
+def test_the_commands_run_when_pasted_in_order(tmp_path):
+    """The CPU-sized commands of the README and docs/, pasted in the order a reader meets them into one fresh
+    directory (with `configs/`), each exit with 0 and print no traceback: every example after the quick start
+    has its own `run_name` or continues `runs/default` as it says."""
     cwd = _workdir(tmp_path / "work")
-    if RUN[text] == AFTER_DEFAULT:
-        assert default_proc.returncode == 0, f"the default run failed:\n{_tail(default_proc)}"
-        shutil.copytree(default_dir / "runs", cwd / "runs", symlinks=True)
-    proc = _run(text, cwd)
-    assert proc.returncode == 0, _tail(proc)
+    assert RUN_COMMANDS[0] == DEFAULT, "the quick start's command comes first"
+    for text in RUN_COMMANDS:
+        proc = _run(text, cwd)
+        assert proc.returncode == 0, f"{text}\n{_tail(proc)}"
+        assert "Traceback" not in proc.stdout + proc.stderr, f"{text}\n{_tail(proc)}"

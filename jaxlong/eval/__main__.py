@@ -224,6 +224,11 @@ def format_summary(summary: dict) -> str:
                   f"{'depth':>6}  " + "  ".join(f"{n:>7}" for n in pk["lengths"])]
         for d, row in zip(pk["depths"], pk["accuracy"]):
             lines.append(f"{d:>6.2f}  " + "  ".join(f"{a:>7.2f}" for a in row))
+        if pk["mean"] < 0.05:
+            lines.append(f"passkey retrieval is at chance level (guessing all {pk['digits']} digits: "
+                         f"{10.0 ** -pk['digits']:.0e}): the model has not learned to copy a fact from far back in "
+                         f"its context, as small models trained briefly on text do not; a pretrained model "
+                         f"(model.from_hf) or training on retrieval data (experiments/passkey.py) would")
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ import re
 import sys
 
 from jaxlong.config import ConfigError, load_config
-from jaxlong.core import distributed
+from jaxlong.core import distributed, xla_log
 from jaxlong.core.units import fmt_gib
 from jaxlong.memory import fit_options as fit_cli
 from jaxlong.plan.cost import significant
@@ -113,31 +113,32 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(headroom=args.headroom, collective_buffers=collectives)
     start = args.start if args.start is not None else (262144 if target else 65536)  # first length the max-context search tries
     rows, cpu = [], False
-    for name, what, c in rungs:
-        row = {"name": name, "what": what}
-        try:
-            if args.max_context:
-                s, p = max_context(c, budget, target=target, host_budget=host_budget, start=start, **kw)
-                row.update(p or {k: float("nan") for k in ("params", "gradients", "optimizer", "activations", "host",
-                                                           "peak", "workspace", "collectives", "headroom", "total",
-                                                           "host_per_node")})
-                row["max_context"] = s
-                print(f"{name:18s} max context {format_context(s, start):>11s} tokens", flush=True)
-            else:
-                row.update(plan(c, target, estimate=args.estimate, **kw), seq_len=c.seq_len)
-                print(f"{name:18s} total {fmt_gib(row['total']):>8s} GiB  (compiled peak {fmt_gib(row['peak'])}, "
-                      f"activations {fmt_gib(row['activations'])}, host {fmt_gib(row['host'])})", flush=True)
-                if "estimate" in row:
-                    e = row["estimate"]
-                    print(f"{'':18s} estimate: {significant(e['step_seconds'])} s/step, {e['tokens_per_s_per_gpu']:,.0f} "
-                          f"tokens/s per GPU, MFU {e['mfu']:.1%}, recompute {e['recompute_factor']:.2f}", flush=True)
-        except ConfigError as e:  # e.g. a ladder rung's context degree that the model's heads cannot split
-            print(f"{name:18s} invalid for this model: {e}", file=sys.stderr, flush=True)
-            if len(rungs) == 1:
-                return 2
-            continue
-        cpu = cpu or str(row.get("source", "")).startswith("CPU")
-        rows.append(row)
+    with xla_log.collecting() as log:  # XLA's warnings of over-budget rungs: one summary line after the table
+        for name, what, c in rungs:
+            row = {"name": name, "what": what}
+            try:
+                if args.max_context:
+                    s, p = max_context(c, budget, target=target, host_budget=host_budget, start=start, **kw)
+                    row.update(p or {k: float("nan") for k in ("params", "gradients", "optimizer", "activations", "host",
+                                                               "peak", "workspace", "collectives", "headroom", "total",
+                                                               "host_per_node")})
+                    row["max_context"] = s
+                    print(f"{name:18s} max context {format_context(s, start):>11s} tokens", flush=True)
+                else:
+                    row.update(plan(c, target, estimate=args.estimate, **kw), seq_len=c.seq_len)
+                    print(f"{name:18s} total {fmt_gib(row['total']):>8s} GiB  (compiled peak {fmt_gib(row['peak'])}, "
+                          f"activations {fmt_gib(row['activations'])}, host {fmt_gib(row['host'])})", flush=True)
+                    if "estimate" in row:
+                        e = row["estimate"]
+                        print(f"{'':18s} estimate: {significant(e['step_seconds'])} s/step, {e['tokens_per_s_per_gpu']:,.0f} "
+                              f"tokens/s per GPU, MFU {e['mfu']:.1%}, recompute {e['recompute_factor']:.2f}", flush=True)
+            except ConfigError as e:  # e.g. a ladder rung's context degree that the model's heads cannot split
+                print(f"{name:18s} invalid for this model: {e}", file=sys.stderr, flush=True)
+                if len(rungs) == 1:
+                    return 2
+                continue
+            cpu = cpu or str(row.get("source", "")).startswith("CPU")
+            rows.append(row)
     if not rows:
         print("error: no rung of the ladder is valid for this config", file=sys.stderr)
         return 2
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_estimate_table(rows))
     if cpu:
         print(CPU_NOTICE)
+    for line in log.summary():
+        print(line)
     if args.out:
         _write(args, argv, cfg, rows, table, source, budget)
     return 0

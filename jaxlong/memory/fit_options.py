@@ -15,7 +15,8 @@ import json
 import sys
 
 from jaxlong.config import Config, ConfigError, validate
-from jaxlong.core import distributed
+from jaxlong.core import distributed, xla_log
+from jaxlong.core.mesh import resolve_mesh_shape
 from jaxlong.core.units import fmt_gib
 from jaxlong.plan import planner
 from jaxlong.plan.fit import (
@@ -142,8 +143,10 @@ def resolve(args, cfg: Config):
         if not cuda_plugin_available():
             raise ConfigError(f"--target {args.target} needs the CUDA plugin: pip install 'jax[cuda12]'")
         cfg.mesh.num_devices = target.devices
-    from jaxlong.config import resolve_mesh_shape  # noqa: PLC0415
-
+    elif not distributed.gpu_driver_present() and getattr(COST_MODELS[args.cost_model], "needs_estimate", False):
+        raise ConfigError("--fit: this machine has no NVIDIA GPU, and --fit ranks setups by a GPU compile's step-time "
+                          "estimate; plan for one with --target h100 (or h200, a100): python -m jaxlong.memory --fit "
+                          "--target h100 ... prints the overrides to train with there")
     try:  # the search re-splits the mesh; a split made for another device count only loses its first place
         resolve_mesh_shape(cfg.mesh, cfg.mesh.num_devices)
     except ConfigError:
@@ -181,11 +184,14 @@ def run_cli(args, cfg: Config, target, budget: int, host_budget: int, collective
         import functools  # noqa: PLC0415
 
         cost = functools.wraps(analytic_cost)(functools.partial(analytic_cost, peak_flops=target.peak_flops))
-    res = fit(cfg, target, budget=budget, host_budget=host_budget, max_compiles=args.max_compiles, cost_model=cost,
-              headroom=args.headroom, collective_buffers=collectives)
+    with xla_log.collecting() as log:
+        res = fit(cfg, target, budget=budget, host_budget=host_budget, max_compiles=args.max_compiles, cost_model=cost,
+                  headroom=args.headroom, collective_buffers=collectives)
     source = next((r["source"] for r in res.rows), "")
     print(f"source: {source}")
     print(format_report(res, budget, host_budget))
+    for line in log.summary():
+        print(line)
     command = train_command(args.config, argv_overrides, res, base) if res.winner else None
     if command:
         print(f"\n{command}")

@@ -47,6 +47,7 @@ from jaxlong.config import Config, ConfigError, apply_setting, parse_override, v
 from jaxlong.core.memstats import compiled_bytes
 from jaxlong.core.mesh import CONTEXT_AXIS, build_mesh
 from jaxlong.core.units import GiB, fmt_gib, parse_bytes
+from jaxlong.core.xla_log import compile_logged
 from jaxlong.models import llama as model_lib
 from jaxlong.models.llama import Runtime
 from jaxlong.plan import workspace as ws
@@ -217,7 +218,7 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
                           "blockwise attention in loops of data-dependent length, whose FLOPs cannot be counted")
     mesh = build_mesh(measured.mesh, devices=devices)
     state = step_lib.abstract_state(measured, mesh)
-    compiled = step_lib.compile_train_step(measured, mesh)
+    compiled = compile_logged(step_lib.compile_train_step, measured, mesh)
     raw = compiled_bytes(compiled)
     params = shard_bytes(state["params"])
     optimizer = shard_bytes(state["opt_state"])

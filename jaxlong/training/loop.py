@@ -25,6 +25,7 @@ from tqdm import tqdm
 from jaxlong import data as data_lib
 from jaxlong import evaluation as eval_lib
 from jaxlong.config import Config, ConfigError, to_dict, validate
+from jaxlong.core import xla_log
 from jaxlong.core.memstats import compiled_bytes, device_memory, format_compiled
 from jaxlong.core.mesh import build_mesh, describe_param_sharding
 from jaxlong.core.units import fmt_bytes
@@ -68,6 +69,28 @@ def check_fits(compiled) -> None:
         )
 
 
+def check_state_fits_host(cfg: Config, mesh) -> None:
+    """On the CPU, refuse before compiling a run whose train state alone (parameters, AdamW moments and gradients,
+    all simulated devices together) exceeds host memory: a GPU-sized model (e.g. `configs/llama3_1_8b.yaml`)
+    would otherwise spend minutes compiling first.
+
+    Raises:
+      ConfigError: naming the state's size, the host's memory and what to run instead.
+    """
+    if jax.default_backend() != "cpu":
+        return
+    state = step_lib.abstract_state(cfg, mesh)
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    need += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["params"]))  # the gradients
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > host:
+        raise ConfigError(
+            f"{cfg.model.name} needs {fmt_bytes(need)} for its train state alone (parameters, gradients and AdamW "
+            f"moments) and this machine has {fmt_bytes(host)} with no GPU: it is sized for GPUs; plan it here with "
+            f"python -m jaxlong.memory --target h100 (the same config and overrides), and train it on the GPUs"
+        )
+
+
 class Preempted(KeyboardInterrupt):
     """The run stopped on SIGTERM or SIGINT (`signum`) after saving its last finished step."""
 
@@ -102,8 +125,7 @@ class _Signals:
         if not self.deferred:
             raise Preempted(signum)
         if self.received is None:
-            print(f"\nreceived {signal.Signals(signum).name}: stopping after the current step, then saving it",
-                  flush=True)
+            tqdm.write(f"received {signal.Signals(signum).name}: stopping after the current step, then saving it")
         self.received = self.received or signum  # the first signal names the stop
 
 
@@ -189,6 +211,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
         _say(f"nothing to do: the latest checkpoint is step {start} and steps={cfg.steps}; "
               f"pass steps=N with N > {start} to train further")
         return {"metrics": {}, "run_dir": str(run_dir)}
+    check_state_fits_host(cfg, mesh)  # before the data and the compile
     run_dir.mkdir(parents=True, exist_ok=True)
     _say(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
           f"mesh {dict(mesh.shape)} on {len(jax.devices())} x {jax.devices()[0].device_kind}, "
@@ -202,9 +225,12 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out)
 
     t0 = time.perf_counter()
-    compiled = step_lib.compile_train_step(cfg, mesh)
+    with xla_log.collecting() as log:
+        compiled = xla_log.compile_logged(step_lib.compile_train_step, cfg, mesh)
     _say(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     _say(format_compiled(compiled))
+    for line in log.summary():
+        _say(line)
     check_fits(compiled)
     if validator:
         _say(format_compiled(validator.compile(), "eval step"))
@@ -245,12 +271,25 @@ def _check_resume_config(cfg: Config, ckpt_dir: Path, step: int, allow_changes: 
         return
     changes = config_changes(saved, to_dict(cfg), to_dict(Config()))
     if changes and not allow_changes:
-        raise ConfigError(
-            f"--resume: this config differs from checkpoint {step}'s in keys that change the model, the data "
-            f"stream or the schedule: {'; '.join(changes)}; set them back, or pass --resume-with-changes"
-        )
+        raise ConfigError(resume_refusal(cfg, step, changes))
     if changes:
         _say(f"--resume-with-changes: resuming checkpoint {step} with {'; '.join(changes)}")
+
+
+def resume_refusal(cfg: Config, step: int, changes: list[str]) -> str:
+    """The one line that refuses `--resume` with `changes` (`key: old -> new`, from `config_changes`) and says what
+    to pass. A longer `steps=` with `optim.decay_steps=0` also stretches the cosine schedule (its length follows
+    `steps`): the line then names `optim.decay_steps=<old>`, which keeps the checkpoint's schedule."""
+    decay = next((c for c in changes if c.startswith("optim.decay_steps: ")), None)
+    if decay is not None and not cfg.optim.decay_steps:
+        old = decay.split(": ", 1)[1].split(" -> ")[0]
+        rest = [c for c in changes if c is not decay]
+        also = f"; it also changes {'; '.join(rest)}, which must be set back" if rest else ""
+        return (f"--resume: steps={cfg.steps} would stretch checkpoint {step}'s learning-rate schedule (its cosine "
+                f"decay runs over {old} steps, and optim.decay_steps=0 follows steps){also}; pass "
+                f"optim.decay_steps={old} to keep the schedule and train on, or --resume-with-changes to stretch it")
+    return (f"--resume: this config differs from checkpoint {step}'s in keys that change the model, the data stream "
+            f"or the schedule: {'; '.join(changes)}; set them back, or pass --resume-with-changes")
 
 
 def _check_resume_shapes(cfg: Config, mesh, ckpt_dir: Path, step: int) -> None:
@@ -317,7 +356,8 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
                 jax.block_until_ready(m)
                 jax.profiler.stop_trace()
                 profiling = False
-                _say(f"profile of {cfg.profile_steps} steps written under {run_dir}/plugins/profile")
+                if main:  # on its own line, not on the progress bar's
+                    bar.write(f"profile of {cfg.profile_steps} steps written under {run_dir}/plugins/profile")
             if done % cfg.log_every == 0 or done == cfg.steps:
                 fault("before_metrics", step)
                 # replicated scalars: every process reads its own copy (multi-process arrays are not fully
@@ -367,7 +407,8 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
             if signals.received is None:
                 raise
             latest = Checkpointer.latest_in(ckpt.directory)
-            _say(f"{e}; steps {(latest or 0) + 1}..{done} are lost")
+            if main:
+                bar.write(f"{e}; steps {(latest or 0) + 1}..{done} are lost")
     except CheckpointError as e:
         raise CheckpointError(f"{e}; latest committed checkpoint: step {Checkpointer.latest_in(ckpt.directory)}") from e
     finally:

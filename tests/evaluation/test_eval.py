@@ -313,3 +313,17 @@ def test_the_cli_evaluates_a_ring_run_like_a_mesh_without_ring(tmp_path, capsys)
     np.testing.assert_allclose([float(r["loss"]) for r in ring_rows], [float(r["loss"]) for r in plain_rows],
                                rtol=1e-5)
     assert ring["passkey"]["accuracy"] == plain["passkey"]["accuracy"]
+
+
+def test_the_summary_says_when_passkey_retrieval_is_at_chance_level():
+    from jaxlong.eval.__main__ import format_summary
+
+    rows = [{"start": 0, "end": 8, "tokens": 8, "loss": 2.0}]
+    pk = {"lengths": [128], "depths": [0.0, 1.0], "accuracy": [[0.0], [0.0]], "mean": 0.0, "per_cell": 2, "digits": 5}
+    low = format_summary({"step": 3, "loss": 2.0, "perplexity": 7.4, "tokens": 8, "loss_by_position": rows,
+                          "passkey": pk})
+    assert "passkey retrieval is at chance level (guessing all 5 digits: 1e-05)" in low
+    assert "model.from_hf" in low and "experiments/passkey.py" in low
+    high = format_summary({"step": 3, "loss": 2.0, "perplexity": 7.4, "tokens": 8, "loss_by_position": rows,
+                           "passkey": {**pk, "accuracy": [[1.0], [0.5]], "mean": 0.75}})
+    assert "chance level" not in high

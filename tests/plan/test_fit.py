@@ -173,6 +173,10 @@ def test_bad_fit_inputs_are_one_line_errors_before_compiling(capsys):
     assert train.main(["--fit", "--cost-model", "analytic", "--budget", "lots", *TINY]) == 2
     err = capsys.readouterr().err
     assert "--budget 'lots'" in err and len(err.strip().splitlines()) == 1
+    if not fit_cli.distributed.gpu_driver_present():  # no GPU and no --target: one line naming --target
+        assert train.main(["--fit", *TINY]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "no NVIDIA GPU" in err and "--target h100" in err
 
 
 @pytest.mark.slow
@@ -204,6 +208,7 @@ def test_train_fit_applies_and_prints_the_winners_overrides(monkeypatch, capsys)
 
     model = FakeModel(11)
     monkeypatch.setattr(planner, "plan", model.plan)
+    monkeypatch.setattr(fit_cli.distributed, "gpu_driver_present", lambda: True)  # the GPUs the fake plans for
     args = train.parse_args(["--fit", "--budget", "50GiB", "--max-compiles", "40", *TINY])
     cfg = fit_cli.fit_for_training(args, load_config(None, args.overrides), args.overrides)
     out = capsys.readouterr().out

@@ -239,7 +239,6 @@ def two_steps(tmp_path, compile_once):
         (["seq_len=128"], "seq_len: 64 -> 128"),
         (["model.hidden=128"], "model.hidden: 64 -> 128"),
         (["optim.lr=0.02", "data.max_tokens=30000"], "data.max_tokens: 20000 -> 30000; optim.lr: 0.01 -> 0.02"),
-        (["steps=8"], "optim.decay_steps: 6 -> 8"),
     ],
     fast={2, 3}))
 def test_resume_refuses_changes_of_model_data_or_schedule(two_steps, change, listed, capsys):
@@ -249,6 +248,19 @@ def test_resume_refuses_changes_of_model_data_or_schedule(two_steps, change, lis
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("config error: --resume: this config differs from checkpoint 2's")
     assert f"{listed}; set them back, or pass --resume-with-changes" in err
+
+
+def test_resume_with_more_steps_says_how_to_keep_the_schedule(two_steps, capsys):
+    """A longer `steps=` stretches a schedule whose length follows `steps`: the refusal names the value that keeps
+    it, and that command then trains on."""
+    from jaxlong.train.__main__ import main
+
+    assert main(["--resume", *TINY, *two_steps, "steps=8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("config error: --resume: steps=8 would stretch checkpoint 2's learning")
+    assert f"pass optim.decay_steps={STEPS} to keep the schedule and train on, or --resume-with-changes" in err
+    assert main(["--resume", *TINY, *two_steps, "steps=8", f"optim.decay_steps={STEPS}"]) == 0
+    assert committed_steps(Path(tiny_cfg(*two_steps).run_dir) / "run" / "checkpoints")[-1] == 8
 
 
 def test_resume_with_changes_overrides_the_check(two_steps, capsys):

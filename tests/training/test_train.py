@@ -1,6 +1,7 @@
 """The train loop end to end on tiny shapes: loss goes down, TensorBoard events, checkpoints, exact resume."""
 
 import math
+from pathlib import Path
 
 import pytest
 from helpers import tiny_cfg
@@ -109,3 +110,19 @@ def test_sigterm_saves_the_last_finished_step(tmp_path, monkeypatch):
     from jaxlong.training.checkpoint import Checkpointer
 
     assert Checkpointer.latest_in(tmp_path / "pre" / "checkpoints") == 3
+
+
+def test_a_gpu_sized_model_on_the_cpu_is_refused_before_the_data_and_the_compile(tmp_path, monkeypatch):
+    """configs/llama3_1_8b.yaml on the CPU: its train state alone exceeds host memory, so the trainer says so in
+    one line (naming what to run instead) before reading data or compiling."""
+    from jaxlong.config import ConfigError, load_config
+    from jaxlong.training import loop
+
+    monkeypatch.setattr(loop.data_lib, "DocumentSource", lambda *a: pytest.fail("read the corpus"))
+    monkeypatch.setattr(loop.step_lib, "compile_train_step", lambda *a: pytest.fail("compiled"))
+    cfg = load_config(str(Path(__file__).parents[2] / "configs" / "llama3_1_8b.yaml"),
+                      ["seq_len=131072", "mesh.context=8", f"run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB for its train state alone .* python -m jaxlong.memory "
+                                          r"--target h100") as e:
+        loop.run(cfg)
+    assert "\n" not in str(e.value)
