@@ -1,33 +1,33 @@
 """The input pipeline on Grain: documents -> shuffle -> tokenize -> pack -> batch, deterministic and resumable.
 
-Stages (``grain.MapDataset`` until packing, then ``grain.IterDataset``):
+Stages (`grain.MapDataset` until packing, then `grain.IterDataset`):
 
-1. ``MapDataset.source(DocumentSource)`` (``jaxlong.data.sources``), cut to ``data.max_tokens`` tokens if set.
-   The documents are dealt to ``n`` streams (``[s::n]``; ``n`` is the largest divisor of ``global_batch`` not
+1. `MapDataset.source(DocumentSource)` (`jaxlong.data.sources`), cut to `data.max_tokens` tokens if set.
+   The documents are dealt to `n` streams (`[s::n]`; `n` is the largest divisor of `global_batch` not
    above the number of documents, so one stream per row for any real corpus), each packed on its own and
-   giving ``global_batch / n`` consecutive rows of every batch. A process builds only the streams of its rows
+   giving `global_batch / n` consecutive rows of every batch. A process builds only the streams of its rows
    and reads only their documents; the global batch is the same whatever the number of processes (two
    processes of four devices train exactly like one of eight).
-2. ``shuffle(seed + s)`` then ``repeat()``: a new permutation every epoch (Grain reseeds per epoch), endless.
-3. ``map``: tokenize one document to ``[BOS] ids [EOS]`` (``jaxlong.data.tokenizer``) and turn it into
-   next-token pairs ``inputs = x[:-1]``, ``targets = x[1:]``, ``positions = 0..n-1``. Targets are built inside
+2. `shuffle(seed + s)` then `repeat()`: a new permutation every epoch (Grain reseeds per epoch), endless.
+3. `map`: tokenize one document to `[BOS] ids [EOS]` (`jaxlong.data.tokenizer`) and turn it into
+   next-token pairs `inputs = x[:-1]`, `targets = x[1:]`, `positions = 0..n-1`. Targets are built inside
    a document, so no target ever crosses a document boundary, whatever the packing.
-4. ``data.packing=documents`` (default): documents longer than ``seq_len`` are split into pieces of
-   ``seq_len`` pairs whose positions restart at 0 (``data.split_positions=restart``) or continue from the
-   previous piece (``continue``); then Grain's first-fit packing (``grain.experimental.FirstFitPackIterDataset``)
-   puts whole pieces into rows of ``seq_len``, padding the rest. Its ``inputs_segment_ids`` (1, 2, ... per row,
-   0 = padding) become ``segment_ids``.
-   ``data.packing=concat``: Grain's ``ConcatThenSplitIterDataset`` concatenates the pairs and cuts rows of
-   exactly ``seq_len`` (no padding); ``positions`` are the index in the row, and the model treats the row as
+4. `data.packing=documents` (default): documents longer than `seq_len` are split into pieces of
+   `seq_len` pairs whose positions restart at 0 (`data.split_positions=restart`) or continue from the
+   previous piece (`continue`); then Grain's first-fit packing (`grain.experimental.FirstFitPackIterDataset`)
+   puts whole pieces into rows of `seq_len`, padding the rest. Its `inputs_segment_ids` (1, 2, ... per row,
+   0 = padding) become `segment_ids`.
+   `data.packing=concat`: Grain's `ConcatThenSplitIterDataset` concatenates the pairs and cuts rows of
+   exactly `seq_len` (no padding); `positions` are the index in the row, and the model treats the row as
    one causal stream (it ignores the segment ids).
-5. Each stream batched to its rows, the process's streams zipped (``grain.experimental.ZipIterDataset``) and
+5. Each stream batched to its rows, the process's streams zipped (`grain.experimental.ZipIterDataset`) and
    concatenated into the batch dict.
 
-A batch is ``{'inputs', 'targets', 'positions', 'segment_ids': int32 [B, L], 'mask': float32 [B, L]}`` with
-``mask = segment_ids > 0`` (no loss on padding). The iterator's ``get_state()`` is a small JSON-serializable
+A batch is `{'inputs', 'targets', 'positions', 'segment_ids': int32 [B, L], 'mask': float32 [B, L]}` with
+`mask = segment_ids > 0` (no loss on padding). The iterator's `get_state()` is a small JSON-serializable
 dict (Grain's, per row stream: the source index of the packing group in progress and the rows already
 emitted from it); the
-trainer saves it in every checkpoint and ``set_state`` continues with exactly the next batch, without reading
+trainer saves it in every checkpoint and `set_state` continues with exactly the next batch, without reading
 the corpus from the start.
 """
 
@@ -60,21 +60,21 @@ _FEATURES = ("inputs", "targets", "positions")
 
 
 def document_tokens(text: str, tokenizer: Tokenizer) -> np.ndarray:
-    """``[BOS] ids [EOS]`` int32 (BOS only if the tokenizer has one)."""
+    """`[BOS] ids [EOS]` int32 (BOS only if the tokenizer has one)."""
     ids = tokenizer.encode(text)
     head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     return np.concatenate([np.asarray(head, np.int32), ids.astype(np.int32), np.asarray([tokenizer.eos_id], np.int32)])
 
 
 def document_pairs(tokens: np.ndarray) -> dict:
-    """Next-token pairs of one document: ``inputs``, ``targets``, ``positions`` int32 ``[n - 1]``."""
+    """Next-token pairs of one document: `inputs`, `targets`, `positions` int32 `[n - 1]`."""
     n = max(tokens.size - 1, 0)
     return {"inputs": tokens[:-1], "targets": tokens[1:], "positions": np.arange(n, dtype=np.int32)}
 
 
 class SplitLongDocuments(FlatMapTransform):
-    """A document longer than ``seq_len`` pairs becomes pieces of at most ``seq_len``, positions restarting at 0
-    (``continue_positions=False``) or continuing; shorter documents pass through unchanged."""
+    """A document longer than `seq_len` pairs becomes pieces of at most `seq_len`, positions restarting at 0
+    (`continue_positions=False`) or continuing; shorter documents pass through unchanged."""
 
     def __init__(self, seq_len: int, continue_positions: bool):
         self.seq_len, self.continue_positions = seq_len, continue_positions
@@ -94,9 +94,9 @@ class SplitLongDocuments(FlatMapTransform):
 
 
 def token_limit(source: DocumentSource, tokenizer: Tokenizer, max_tokens: int) -> tuple[int, int]:
-    """How much of the corpus ``data.max_tokens`` keeps, in corpus order: ``(documents, tokens of the last one)``.
+    """How much of the corpus `data.max_tokens` keeps, in corpus order: `(documents, tokens of the last one)`.
 
-    Tokenizes documents from the start until ``max_tokens`` tokens (BOS/EOS included) are reached."""
+    Tokenizes documents from the start until `max_tokens` tokens (BOS/EOS included) are reached."""
     total = 0
     for i in range(len(source)):
         n = document_tokens(source[i], tokenizer).size
@@ -120,22 +120,22 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
     """The Grain pipeline of the module docstring; iterating it yields this process's batches.
 
     Args:
-      source: the documents (``DocumentSource``).
-      tokenizer: ``jaxlong.data.tokenizer`` tokenizer.
+      source: the documents (`DocumentSource`).
+      tokenizer: `jaxlong.data.tokenizer` tokenizer.
       seq_len, global_batch: row length in tokens and rows per step over all processes.
-      seed: shuffle seed (``seed``); packing: ``data.packing``; split_positions: ``data.split_positions``;
-      shuffle: ``data.shuffle``; max_tokens: ``data.max_tokens`` (None: the whole corpus).
-      process_index, process_count: this process and the number of processes (``jax.process_index/count``).
+      seed: shuffle seed (`seed`); packing: `data.packing`; split_positions: `data.split_positions`;
+      shuffle: `data.shuffle`; max_tokens: `data.max_tokens` (None: the whole corpus).
+      process_index, process_count: this process and the number of processes (`jax.process_index/count`).
       exclude: indices of documents to leave out (the held-out validation documents).
       repeat: True (training): endless epochs. False (validation): one pass over the documents as one packing
         stream (rows in document order); the last bins are flushed and the iteration ends before the first
         incomplete batch.
 
     Returns:
-      ``grain.IterDataset`` of batch dicts with ``[global_batch / process_count, seq_len]`` arrays.
+      `grain.IterDataset` of batch dicts with `[global_batch / process_count, seq_len]` arrays.
 
     Raises:
-      ValueError: ``global_batch`` not divisible by ``process_count``, a bad option value, ``max_tokens < 1``,
+      ValueError: `global_batch` not divisible by `process_count`, a bad option value, `max_tokens < 1`,
         or too few documents for the processes (each process needs its own streams).
     """
     if packing not in PACKINGS:
@@ -179,7 +179,7 @@ def _bins(streams: int) -> int:
 
 def _row_stream(ds: grain.MapDataset, seed: int, seq_len: int, packing: str, split_positions: str, shuffle: bool,
                 bins: int, repeat: bool = True) -> grain.IterDataset:
-    """One stream's documents shuffled, repeated (unless ``repeat=False``) and packed into rows of ``seq_len``
+    """One stream's documents shuffled, repeated (unless `repeat=False`) and packed into rows of `seq_len`
     (stages 2-4)."""
     if shuffle:
         ds = ds.shuffle(seed=seed)
@@ -214,13 +214,13 @@ class DocumentSubset:
 
 def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source: DocumentSource | None = None,
                    exclude=()):
-    """This process's batch iterator for a run's ``Config`` (``grain.DatasetIterator``), at ``state`` if given
-    (from ``get_state()`` of an earlier iterator: the next batch is the one that iterator would have yielded).
-    ``source``: the corpus (default: ``DocumentSource`` of ``data.path``); ``exclude``: document indices left
+    """This process's batch iterator for a run's `Config` (`grain.DatasetIterator`), at `state` if given
+    (from `get_state()` of an earlier iterator: the next batch is the one that iterator would have yielded).
+    `source`: the corpus (default: `DocumentSource` of `data.path`); `exclude`: document indices left
     out (validation).
 
     Raises:
-      ValueError: see ``DocumentSource`` and ``make_dataset``.
+      ValueError: see `DocumentSource` and `make_dataset`.
     """
 
     d = cfg.data

@@ -1,32 +1,32 @@
 """Corpus sources: which documents a run trains on, as a random-access Grain data source of strings.
 
-* Default (``data.path: null``): the ``*.py`` source files of the Python standard library installed on this
-  machine (``sysconfig.get_paths()['stdlib']``), nothing downloaded. Files under ``site-packages``,
-  ``dist-packages``, ``test``, ``tests``, ``idlelib``, ``lib2to3`` and ``__pycache__`` are excluded; paths are
+* Default (`data.path: null`): the `*.py` source files of the Python standard library installed on this
+  machine (`sysconfig.get_paths()['stdlib']`), nothing downloaded. Files under `site-packages`,
+  `dist-packages`, `test`, `tests`, `idlelib`, `lib2to3` and `__pycache__` are excluded; paths are
   sorted relative to the stdlib root, so the corpus is deterministic for a Python installation. One file = one
   document (about 600 files / 11 MB on CPython 3.11).
-* A ``.txt`` file: the whole file is one document.
-* A ``.jsonl`` file: every non-blank line is a JSON object whose string field ``data.text_field`` (default
-  ``text``) is one document.
-* A ``.parquet`` file (needs ``pyarrow``: ``pip install 'jaxlong[parquet]'``): every row of the string column
-  ``data.text_field`` is one document, in file order; a null is no document (like a blank ``.jsonl`` line), an
-  empty string is an empty document (like ``{"text": ""}``). Documents are read by index from the row-group
+* A `.txt` file: the whole file is one document.
+* A `.jsonl` file: every non-blank line is a JSON object whose string field `data.text_field` (default
+  `text`) is one document.
+* A `.parquet` file (needs `pyarrow`: `pip install 'jaxlong[parquet]'`): every row of the string column
+  `data.text_field` is one document, in file order; a null is no document (like a blank `.jsonl` line), an
+  empty string is an empty document (like `{"text": ""}`). Documents are read by index from the row-group
   metadata (document -> row group, row): one row group's text column is decoded at a time and the last one is
   kept, so the file is never loaded whole. Shuffled reads decode one row group per document that misses this
   cache: keep row groups small (a few MB) for corpora of many short documents.
-* A ``.array_record`` file (needs ``array_record``: ``pip install 'jaxlong[arrayrecord]'``), read with Grain's
-  ``ArrayRecordDataSource``: every record is one document of UTF-8 text (write it with
-  ``group_size:1`` for fast random access).
-* A directory: every ``.txt`` / ``.jsonl`` / ``.parquet`` / ``.array_record`` file below it (recursively), in
+* A `.array_record` file (needs `array_record`: `pip install 'jaxlong[arrayrecord]'`), read with Grain's
+  `ArrayRecordDataSource`: every record is one document of UTF-8 text (write it with
+  `group_size:1` for fast random access).
+* A directory: every `.txt` / `.jsonl` / `.parquet` / `.array_record` file below it (recursively), in
   sorted relative-path order.
 
 Files are read as UTF-8 (undecodable bytes replaced). Everything that can be checked is checked when the source
-is built, before anything compiles, and errors name the option, the file and, for ``.jsonl``, the line: a
+is built, before anything compiles, and errors name the option, the file and, for `.jsonl`, the line: a
 missing path, an unsupported extension, a directory without corpus files, an empty corpus, a file that is not
-text (NUL bytes, or more than 30% of its first 64 KiB undecodable), a ``.jsonl`` line that is not JSON or lacks
-the text field, a ``.parquet`` file without the column ``data.text_field`` (the message lists its string
-columns) or whose column is not a string, a file that ``pyarrow`` / ``array_record`` cannot open, and either
-library missing. A ``.jsonl`` file is indexed once (byte offset of every document line), a ``.parquet`` file
+text (NUL bytes, or more than 30% of its first 64 KiB undecodable), a `.jsonl` line that is not JSON or lacks
+the text field, a `.parquet` file without the column `data.text_field` (the message lists its string
+columns) or whose column is not a string, a file that `pyarrow` / `array_record` cannot open, and either
+library missing. A `.jsonl` file is indexed once (byte offset of every document line), a `.parquet` file
 from its metadata (its text column is read once only for row groups that contain nulls); documents are then
 read one at a time by index, so shuffling and resuming never re-read the corpus from the start.
 """
@@ -59,7 +59,7 @@ _MAX_UNDECODABLE = 0.3
 
 
 def stdlib_files() -> list[Path]:
-    """Sorted list of the stdlib ``*.py`` files forming the default corpus (see module doc)."""
+    """Sorted list of the stdlib `*.py` files forming the default corpus (see module doc)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -69,7 +69,7 @@ def stdlib_files() -> list[Path]:
 
 
 def corpus_files(path: str | os.PathLike) -> list[Path]:
-    """The corpus files of ``data.path`` (a ``.txt``/``.jsonl``/``.parquet``/``.array_record`` file, or a
+    """The corpus files of `data.path` (a `.txt`/`.jsonl`/`.parquet`/`.array_record` file, or a
     directory of them), sorted.
 
     Raises:
@@ -110,7 +110,7 @@ def _check_text_bytes(path, head: bytes) -> None:
 
 @dataclass(frozen=True)
 class DocRef:
-    """Where one document is: a whole file (``offset == -1``) or the ``.jsonl`` line at byte ``offset``."""
+    """Where one document is: a whole file (`offset == -1`) or the `.jsonl` line at byte `offset`."""
 
     path: str
     offset: int = -1
@@ -155,16 +155,16 @@ def _is_string(t) -> bool:
 
 
 class ParquetDocuments:
-    """The documents of one ``.parquet`` file: the non-null rows of its string column ``field``, in file order.
+    """The documents of one `.parquet` file: the non-null rows of its string column `field`, in file order.
 
     Random access by document index without loading the file: the row-group metadata maps a document to
     (row group, row) (row groups that contain nulls, by their null count statistics or missing statistics, have
-    their column's validity read once here); ``__getitem__`` decodes one row group's text column and keeps the
+    their column's validity read once here); `__getitem__` decodes one row group's text column and keeps the
     last one. Picklable (the open file and the cache are rebuilt after unpickling) and thread-safe.
 
     Raises:
-      ValueError: pyarrow missing, a file pyarrow cannot open, no column ``field`` (the message lists the
-        string columns), or a column that is not a string; each names ``data.path``/``data.text_field``.
+      ValueError: pyarrow missing, a file pyarrow cannot open, no column `field` (the message lists the
+        string columns), or a column that is not a string; each names `data.path`/`data.text_field`.
     """
 
     def __init__(self, path: str | os.PathLike, field: str = "text"):
@@ -226,7 +226,7 @@ class ParquetDocuments:
 
 
 class ArrayRecordDocuments:
-    """The documents of one ``.array_record`` file: one UTF-8 record each (Grain's ``ArrayRecordDataSource``).
+    """The documents of one `.array_record` file: one UTF-8 record each (Grain's `ArrayRecordDataSource`).
 
     Raises:
       ValueError: array_record missing, a file it cannot open, or a first record that is not text.
@@ -253,14 +253,14 @@ class ArrayRecordDocuments:
 
 
 class DocumentSource:
-    """Random-access Grain data source (``__len__``, ``__getitem__``) of the documents of a corpus, as ``str``.
+    """Random-access Grain data source (`__len__`, `__getitem__`) of the documents of a corpus, as `str`.
 
     Args:
-      path: ``data.path`` (None: the stdlib corpus).
-      text_field: ``data.text_field``, the JSON field of a ``.jsonl`` document / the column of a ``.parquet`` one.
+      path: `data.path` (None: the stdlib corpus).
+      text_field: `data.text_field`, the JSON field of a `.jsonl` document / the column of a `.parquet` one.
 
     Raises:
-      ValueError: see the module docstring (each message names ``data.path`` and the file / line).
+      ValueError: see the module docstring (each message names `data.path` and the file / line).
     """
 
     def __init__(self, path: str | os.PathLike | None, text_field: str = "text"):

@@ -1,14 +1,14 @@
-"""Tokenizers: the byte-level default and Hugging Face ``tokenizer.json`` files (the ``tokenizers`` library).
+"""Tokenizers: the byte-level default and Hugging Face `tokenizer.json` files (the `tokenizers` library).
 
-``data.tokenizer=byte`` (default): id = UTF-8 byte value, plus one special id 256 that ends a document and
-also starts the next one (BOS = EOS = 256, like GPT-2's ``<|endoftext|>``); vocabulary 257.
+`data.tokenizer=byte` (default): id = UTF-8 byte value, plus one special id 256 that ends a document and
+also starts the next one (BOS = EOS = 256, like GPT-2's `<|endoftext|>`); vocabulary 257.
 
-``data.tokenizer=/path/to/tokenizer.json``: loaded with ``tokenizers.Tokenizer.from_file``. BOS and EOS come
-from the tokenizer's own files: ``bos_token`` / ``eos_token`` of ``tokenizer_config.json`` (or
-``special_tokens_map.json``) in the same directory, else the first of the usual names (``<|begin_of_text|>``,
-``<s>``, ...; ``<|end_of_text|>``, ``<|endoftext|>``, ``</s>``, ...) among the tokenizer's added tokens. A
+`data.tokenizer=/path/to/tokenizer.json`: loaded with `tokenizers.Tokenizer.from_file`. BOS and EOS come
+from the tokenizer's own files: `bos_token` / `eos_token` of `tokenizer_config.json` (or
+`special_tokens_map.json`) in the same directory, else the first of the usual names (`<|begin_of_text|>`,
+`<s>`, ...; `<|end_of_text|>`, `<|endoftext|>`, `</s>`, ...) among the tokenizer's added tokens. A
 tokenizer without an EOS token is refused (documents must end with one); BOS is optional. Text is encoded
-without the tokenizer's post-processor (``add_special_tokens=False``): the pipeline adds BOS and EOS itself,
+without the tokenizer's post-processor (`add_special_tokens=False`): the pipeline adds BOS and EOS itself,
 exactly once per document.
 """
 
@@ -30,10 +30,10 @@ class Tokenizer(Protocol):
     """What the pipeline needs of a tokenizer.
 
     Attributes:
-      name: ``data.tokenizer`` as given (part of cache keys and messages).
-      vocab_size: number of ids; every id is in ``[0, vocab_size)``.
+      name: `data.tokenizer` as given (part of cache keys and messages).
+      vocab_size: number of ids; every id is in `[0, vocab_size)`.
       bos_id: id put before every document, or None.
-      eos_id: id put after every document (also ``eod_id``).
+      eos_id: id put after every document (also `eod_id`).
     """
 
     name: str
@@ -49,8 +49,8 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """Byte-level tokenizer: id = UTF-8 byte value (0..255); 256 ends (and starts) a document; vocab 257.
 
-    ``encode(str) -> int32 [n_bytes]`` (no BOS/EOS); ``decode(ids)`` drops ids outside 0..255 and decodes with
-    ``errors='replace'``, so decoding any slice (e.g. one cutting a multi-byte character) never raises.
+    `encode(str) -> int32 [n_bytes]` (no BOS/EOS); `decode(ids)` drops ids outside 0..255 and decodes with
+    `errors='replace'`, so decoding any slice (e.g. one cutting a multi-byte character) never raises.
     """
 
     name = "byte"
@@ -75,7 +75,7 @@ def _token_content(value) -> str | None:
 
 
 def _special_from_files(directory: Path) -> dict[str, str]:
-    """``bos_token`` / ``eos_token`` strings from tokenizer_config.json or special_tokens_map.json."""
+    """`bos_token` / `eos_token` strings from tokenizer_config.json or special_tokens_map.json."""
     found: dict[str, str] = {}
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         f = directory / name
@@ -97,12 +97,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` (see the module docstring for BOS/EOS), given as the file or as the
-    checkpoint directory holding it (``model.from_hf=DIR``). In a checkpoint directory, ``config.json``'s
-    ``eos_token_id`` (the first if a list) is the EOS when the tokenizer's config files name none.
+    """A Hugging Face `tokenizer.json` (see the module docstring for BOS/EOS), given as the file or as the
+    checkpoint directory holding it (`model.from_hf=DIR`). In a checkpoint directory, `config.json`'s
+    `eos_token_id` (the first if a list) is the EOS when the tokenizer's config files name none.
 
     Args:
-      path: ``tokenizer.json`` or a directory containing it.
+      path: `tokenizer.json` or a directory containing it.
       option: the config key the path came from, used in error messages.
 
     Raises:
@@ -154,7 +154,7 @@ class HFTokenizer:
 
 
 def _config_eos(directory: Path) -> int | None:
-    """``eos_token_id`` of a checkpoint's ``config.json`` (the first if a list), or None."""
+    """`eos_token_id` of a checkpoint's `config.json` (the first if a list), or None."""
     f = directory / "config.json"
     if not f.is_file():
         return None
@@ -170,10 +170,10 @@ TOKENIZERS = {"byte": ByteTokenizer}
 
 
 def get_tokenizer(name: str) -> Tokenizer:
-    """``data.tokenizer``: ``'byte'``, or the path of a Hugging Face ``tokenizer.json``.
+    """`data.tokenizer`: `'byte'`, or the path of a Hugging Face `tokenizer.json`.
 
     Raises:
-      ValueError: an unknown name, or a tokenizer file that cannot be used (see :class:`HFTokenizer`).
+      ValueError: an unknown name, or a tokenizer file that cannot be used (see `HFTokenizer`).
     """
     if name in TOKENIZERS:
         return TOKENIZERS[name]()
@@ -184,7 +184,7 @@ def get_tokenizer(name: str) -> Tokenizer:
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
-    """Raise ValueError when the tokenizer has more ids than ``model.vocab_size`` (checked before compiling)."""
+    """Raise ValueError when the tokenizer has more ids than `model.vocab_size` (checked before compiling)."""
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of data.tokenizer="
                          f"{tokenizer.name!r} ({tokenizer.vocab_size} ids); use model.vocab_size >= "

@@ -1,9 +1,9 @@
 """The attention backend: which kernel runs (`attention.backend`) and one call for each of forward, forward with
 lse, and backward, whatever the kernel.
 
-Backends: `blockwise` (:mod:`jaxlong.kernels.blockwise`, pure JAX, any device), `cudnn`
-(:mod:`jaxlong.kernels.cudnn`), `pallas` (:mod:`jaxlong.kernels.pallas_gpu`, Triton; segment ids), `reference`
-(dense, tests only) and `auto` (:func:`resolve_backend`). Layout as in :mod:`jaxlong.kernels.blockwise`.
+Backends: `blockwise` (`jaxlong.kernels.blockwise`, pure JAX, any device), `cudnn`
+(`jaxlong.kernels.cudnn`), `pallas` (`jaxlong.kernels.pallas_gpu`, Triton; segment ids), `reference`
+(dense, tests only) and `auto` (`resolve_backend`). Layout as in `jaxlong.kernels.blockwise`.
 """
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ BACKENDS = get_args(Backend)
 
 
 def cudnn_attention(q, k, v, *, causal: bool = True):
-    """Differentiable cuDNN flash attention (:mod:`jaxlong.kernels.cudnn`, a ``custom_vjp`` saving
-    ``(q, k, v, out, lse)`` whose backward does not rerun the forward).
+    """Differentiable cuDNN flash attention (`jaxlong.kernels.cudnn`, a `custom_vjp` saving
+    `(q, k, v, out, lse)` whose backward does not rerun the forward).
 
     Same layout (GQA handled natively). GPU only; bf16/fp16 inputs, head_dim a multiple of 8 and <= 256.
-    It takes no segment ids: packed documents go to the Pallas GPU kernel (``backend='auto'``) or raise
-    (``backend='cudnn'``, see :func:`resolve_backend`).
-    Raises ValueError/ConfigError as :func:`jaxlong.kernels.cudnn.cudnn_attention_fwd`.
+    It takes no segment ids: packed documents go to the Pallas GPU kernel (`backend='auto'`) or raise
+    (`backend='cudnn'`, see `resolve_backend`).
+    Raises ValueError/ConfigError as `jaxlong.kernels.cudnn.cudnn_attention_fwd`.
     """
     return cudnn_kernel.cudnn_attention(q, k, v, causal=causal)
 
@@ -45,16 +45,16 @@ def cudnn_attention(q, k, v, *, causal: bool = True):
 
 
 def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = None) -> str:
-    """Map ``backend`` (one of :data:`BACKENDS`) to a concrete one for query array ``q``.
+    """Map `backend` (one of `BACKENDS`) to a concrete one for query array `q`.
 
-    ``'auto'`` on GPUs (``platform``: the mesh's device platform, e.g. ``mesh.devices.flat[0].platform``;
-    default ``jax.default_backend()``) with ``q.dtype`` bf16/fp16 picks ``'cudnn'`` without ``segment_ids``
-    (``head_dim % 8 == 0`` and ``<= 256``) and ``'pallas'`` with them (document masking;
-    ``head_dim`` a power of two in [16, 256]); otherwise ``'blockwise'``. Compile-only GPU devices (planning
-    without a GPU) report ``'gpu'`` while ``jax.default_backend()`` is ``'cpu'``: pass ``platform``.
+    `'auto'` on GPUs (`platform`: the mesh's device platform, e.g. `mesh.devices.flat[0].platform`;
+    default `jax.default_backend()`) with `q.dtype` bf16/fp16 picks `'cudnn'` without `segment_ids`
+    (`head_dim % 8 == 0` and `<= 256`) and `'pallas'` with them (document masking;
+    `head_dim` a power of two in [16, 256]); otherwise `'blockwise'`. Compile-only GPU devices (planning
+    without a GPU) report `'gpu'` while `jax.default_backend()` is `'cpu'`: pass `platform`.
 
     Raises:
-      ValueError: unknown backend, or ``'cudnn'`` with segment ids (``attention.backend``).
+      ValueError: unknown backend, or `'cudnn'` with segment ids (`attention.backend`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
@@ -78,12 +78,12 @@ def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = No
 
 def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: int = 512,
               block_k: int = 512, segment_ids=None):
-    """Differentiable attention with backend dispatch; returns ``out`` (shape/dtype of q).
+    """Differentiable attention with backend dispatch; returns `out` (shape/dtype of q).
 
-    backend: ``'auto'`` (see :func:`resolve_backend`), ``'blockwise'``, ``'cudnn'``, ``'pallas'`` or
-    ``'reference'``. ``block_q``/``block_k`` are used only by ``'blockwise'`` (the Pallas kernel keeps its
+    backend: `'auto'` (see `resolve_backend`), `'blockwise'`, `'cudnn'`, `'pallas'` or
+    `'reference'`. `block_q`/`block_k` are used only by `'blockwise'` (the Pallas kernel keeps its
     own Triton tile sizes).
-    ``segment_ids``: int ``[batch, seq]`` or None, document masking (module docstring).
+    `segment_ids`: int `[batch, seq]` or None, document masking (module docstring).
     Raises ValueError for an unknown backend, cuDNN with segment ids (and as the kernel does).
     """
     backend = resolve_backend(backend, q, segment_ids)
@@ -99,14 +99,14 @@ def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: i
 
 def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = True,
                            block_q: int = 512, block_k: int = 512, segment_ids=None):
-    """Forward returning ``(out, lse)``, for ops with their own custom_vjp.
+    """Forward returning `(out, lse)`, for ops with their own custom_vjp.
 
-    * ``'blockwise'``: :func:`blockwise_attention_fwd` (real lse).
-    * ``'reference'``: exact lse from the materialized scores.
-    * ``'cudnn'``: :func:`jaxlong.kernels.cudnn.cudnn_attention_fwd`, cuDNN's softmax statistic,
+    * `'blockwise'`: `blockwise_attention_fwd` (real lse).
+    * `'reference'`: exact lse from the materialized scores.
+    * `'cudnn'`: `jaxlong.kernels.cudnn.cudnn_attention_fwd`, cuDNN's softmax statistic,
       which is the same natural-log lse.
-    * ``'pallas'``: :func:`jaxlong.kernels.pallas_gpu.pallas_attention_fwd` (real lse, segment ids).
-    ``segment_ids`` as for :func:`attention`.
+    * `'pallas'`: `jaxlong.kernels.pallas_gpu.pallas_attention_fwd` (real lse, segment ids).
+    `segment_ids` as for `attention`.
     """
     backend = resolve_backend(backend, q, segment_ids)
     if backend == "blockwise":
@@ -121,13 +121,13 @@ def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = Tru
 
 def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: bool = True,
                   block_q: int = 512, block_k: int = 512, segment_ids=None):
-    """Backward matching :func:`attention_fwd_with_lse`; returns ``(dq, dk, dv)``.
+    """Backward matching `attention_fwd_with_lse`; returns `(dq, dk, dv)`.
 
-    ``'blockwise'`` uses :func:`blockwise_attention_bwd`, ``'cudnn'``
-    :func:`jaxlong.kernels.cudnn.cudnn_attention_bwd` and ``'pallas'``
-    :func:`jaxlong.kernels.pallas_gpu.pallas_attention_bwd`, all from the saved ``out``/``lse`` (no
-    forward is rerun). ``'reference'`` (tests only) ignores ``out``/``lse`` and recomputes the
-    forward under ``jax.vjp``. Dtypes follow q, k, v.
+    `'blockwise'` uses `blockwise_attention_bwd`, `'cudnn'`
+    `jaxlong.kernels.cudnn.cudnn_attention_bwd` and `'pallas'`
+    `jaxlong.kernels.pallas_gpu.pallas_attention_bwd`, all from the saved `out`/`lse` (no
+    forward is rerun). `'reference'` (tests only) ignores `out`/`lse` and recomputes the
+    forward under `jax.vjp`. Dtypes follow q, k, v.
     """
     backend = resolve_backend(backend, q, segment_ids)
     if backend == "blockwise":

@@ -1,36 +1,36 @@
 """Exact blockwise (flash-style) attention in pure JAX and the dense reference; the backend choice and
-dispatch is :mod:`jaxlong.kernels.backend` (the cuDNN kernel pair with lse in and out is
-:mod:`jaxlong.kernels.cudnn`; the Pallas GPU kernel pair with segment ids is :mod:`jaxlong.kernels.pallas_gpu`).
+dispatch is `jaxlong.kernels.backend` (the cuDNN kernel pair with lse in and out is
+`jaxlong.kernels.cudnn`; the Pallas GPU kernel pair with segment ids is `jaxlong.kernels.pallas_gpu`).
 
 Layout (everywhere in this module):
 
-* ``q``: ``[batch, seq, heads, head_dim]``
-* ``k``, ``v``: ``[batch, seq, kv_heads, head_dim]`` with ``heads % kv_heads == 0``.
-  Grouped-query attention (GQA): query head ``h`` attends with kv head
-  ``h // (heads // kv_heads)``. ``kv_heads == heads`` is ordinary multi-head attention.
-* output: same shape and dtype as ``q``.
-* ``lse`` (log-sum-exp of the scaled scores per query row): float32 ``[batch, heads, seq]``.
+* `q`: `[batch, seq, heads, head_dim]`
+* `k`, `v`: `[batch, seq, kv_heads, head_dim]` with `heads % kv_heads == 0`.
+  Grouped-query attention (GQA): query head `h` attends with kv head
+  `h // (heads // kv_heads)`. `kv_heads == heads` is ordinary multi-head attention.
+* output: same shape and dtype as `q`.
+* `lse` (log-sum-exp of the scaled scores per query row): float32 `[batch, heads, seq]`.
 
-Queries and keys share one sequence length and, for ``causal=True``, one origin (query ``t``
-sees keys ``0..t``). Scores are ``q . k / sqrt(head_dim)``.
+Queries and keys share one sequence length and, for `causal=True`, one origin (query `t`
+sees keys `0..t`). Scores are `q . k / sqrt(head_dim)`.
 
-Packed documents (``segment_ids``, int32 ``[batch, seq]``, 0 = padding): a query attends only to
+Packed documents (`segment_ids`, int32 `[batch, seq]`, 0 = padding): a query attends only to
 the earlier keys of its own *run* of equal segment ids (document masking, block-diagonal causal).
 Packed documents are contiguous, so a run is a document; an id that reappears after another id
 starts a new run. Every query sees at least itself, so no softmax row is empty (padding tokens
 attend to earlier padding; their outputs are meant to be masked out of the loss). Segment ids
-require ``causal=True``. The blockwise kernels compute each token's run start
-(:func:`segment_starts`, ``[batch, seq]`` int32, O(seq)) and from it loop bounds per tile: kv tiles
+require `causal=True`. The blockwise kernels compute each token's run start
+(`segment_starts`, `[batch, seq]` int32, O(seq)) and from it loop bounds per tile: kv tiles
 before the first run that a query tile touches (forward) and query tiles past the last run that
-touches a kv tile (backward) are not visited, so ``n`` equal documents cost about ``1/n`` of full
-causal attention. Nothing ``[seq, seq]``-shaped and nothing per head is added.
+touches a kv tile (backward) are not visited, so `n` equal documents cost about `1/n` of full
+causal attention. Nothing `[seq, seq]`-shaped and nothing per head is added.
 
 The blockwise kernels follow FlashAttention-2 (T. Dao, "FlashAttention-2: Faster Attention
 with Better Parallelism and Work Partitioning", 2023): Algorithm 1 (forward, online softmax
-over kv tiles per query tile, saving only ``out`` and ``lse``) and Algorithm 2 (backward,
-recomputing each score tile from ``q``, ``k`` and ``lse``). They are written with
-``lax.map`` / ``lax.scan`` / ``lax.fori_loop`` so XLA never materializes a
-``[seq, seq]`` array; with ``causal=True`` the kv (forward) or query (backward) tiles that
+over kv tiles per query tile, saving only `out` and `lse`) and Algorithm 2 (backward,
+recomputing each score tile from `q`, `k` and `lse`). They are written with
+`lax.map` / `lax.scan` / `lax.fori_loop` so XLA never materializes a
+`[seq, seq]` array; with `causal=True` the kv (forward) or query (backward) tiles that
 lie entirely above the diagonal are not visited, roughly halving the work. Inputs may be
 bf16/fp16: the matmuls take the input dtype with float32 accumulation, and softmax
 statistics, accumulators and gradients are kept in float32, then cast back.
@@ -86,7 +86,7 @@ def _check_shapes(q, k, v):
 
 
 def _check_block(name: str, block: int, seq: int) -> int:
-    """Clamp ``block`` to ``seq`` and check that it divides ``seq``."""
+    """Clamp `block` to `seq` and check that it divides `seq`."""
     if int(block) != block or block <= 0:
         raise ValueError(f"{name} must be a positive integer, got {block!r}")
     block = min(int(block), seq)
@@ -100,12 +100,12 @@ def _check_block(name: str, block: int, seq: int) -> int:
 
 
 def _full(shape, value, *refs):
-    """float32 ``full(shape, value)`` that varies over the same shard_map axes as ``refs``.
+    """float32 `full(shape, value)` that varies over the same shard_map axes as `refs`.
 
-    Loop carries must keep one type inside ``jax.shard_map``; a plain ``jnp.zeros`` is
+    Loop carries must keep one type inside `jax.shard_map`; a plain `jnp.zeros` is
     mesh-invariant while the loop body's results vary with the inputs, so the buffer varies
-    over the union of the axes of ``refs``. It is built after the last of ``refs`` (see
-    :mod:`jaxlong.core.ordering`): a constant buffer would be hoisted out of the enclosing layer
+    over the union of the axes of `refs`. It is built after the last of `refs` (see
+    `jaxlong.core.ordering`): a constant buffer would be hoisted out of the enclosing layer
     scan and stay allocated across all of it.
     """
     return zeros_after(refs[-1], shape, _F32, varying_axes(*refs), value)
@@ -118,9 +118,9 @@ def _split_heads(x, kv_heads):
 
 
 def segment_starts(segment_ids):
-    """Index of the first token of each token's run of equal segment ids, int32 ``[batch, seq]``.
+    """Index of the first token of each token's run of equal segment ids, int32 `[batch, seq]`.
 
-    ``segment_ids``: int ``[batch, seq]``. For packed (contiguous) documents this is where each
+    `segment_ids`: int `[batch, seq]`. For packed (contiguous) documents this is where each
     token's document starts in the row. Non-decreasing along the sequence. O(seq) work and memory.
     """
     seg = jnp.asarray(segment_ids)
@@ -133,7 +133,7 @@ def segment_starts(segment_ids):
 
 
 def _check_segments(segment_ids, q, causal):
-    """Validate ``segment_ids`` against q's ``[batch, seq]``; return them as int32 (or None)."""
+    """Validate `segment_ids` against q's `[batch, seq]`; return them as int32 (or None)."""
     if segment_ids is None:
         return None
     if not causal:
@@ -147,14 +147,14 @@ def _check_segments(segment_ids, q, causal):
 
 
 def _tile_ends(ids, block):
-    """First and last id of each tile, ``[batch, n_tiles]`` each (its range, for non-decreasing ids)."""
+    """First and last id of each tile, `[batch, n_tiles]` each (its range, for non-decreasing ids)."""
     return ids[:, ::block], ids[:, block - 1::block]
 
 
 def _overlapping(firsts, lasts, other_first, other_last):
-    """For each tile with id range ``[other_first, other_last]`` (``[batch, n]``), the range ``[lo, hi)`` of
-    the tiles with ranges ``[firsts, lasts]`` (``[batch, m]``, non-decreasing) that it overlaps in some batch
-    row: int32 ``[n]`` each."""
+    """For each tile with id range `[other_first, other_last]` (`[batch, n]`), the range `[lo, hi)` of
+    the tiles with ranges `[firsts, lasts]` (`[batch, m]`, non-decreasing) that it overlaps in some batch
+    row: int32 `[n]` each."""
     search = jax.vmap(jnp.searchsorted, in_axes=(0, 0, None))
     lo = search(lasts, other_first, "left").min(axis=0)
     hi = search(firsts, other_last, "right").max(axis=0)
@@ -162,7 +162,7 @@ def _overlapping(firsts, lasts, other_first, other_last):
 
 
 def _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal):
-    """Validate a (query ids, key ids) pair for ``causal=False``; return both as int32."""
+    """Validate a (query ids, key ids) pair for `causal=False`; return both as int32."""
     if causal or segment_ids is None:
         raise ValueError("kv_segment_ids (separate key segment ids) requires causal=False and segment_ids")
     for name, ids, x in (("segment_ids", segment_ids, q), ("kv_segment_ids", kv_segment_ids, k)):
@@ -176,10 +176,10 @@ def _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal):
 
 
 def reference_attention(q, k, v, *, causal: bool = True, segment_ids=None):
-    """Materialized ``softmax(q k^T / sqrt(d)) v`` computed in float32 (tests only).
+    """Materialized `softmax(q k^T / sqrt(d)) v` computed in float32 (tests only).
 
-    Shapes as in the module docstring; ``segment_ids`` int ``[batch, seq]`` or None (document
-    masking, see the module docstring). Returns ``[batch, seq, heads, head_dim]`` in ``q.dtype``.
+    Shapes as in the module docstring; `segment_ids` int `[batch, seq]` or None (document
+    masking, see the module docstring). Returns `[batch, seq, heads, head_dim]` in `q.dtype`.
     Uses O(seq^2) memory. Raises ValueError on malformed shapes or segment ids.
     """
     return reference_attention_with_lse(q, k, v, causal=causal, segment_ids=segment_ids)[0]
@@ -206,7 +206,7 @@ def reference_attention_with_lse(q, k, v, *, causal: bool, segment_ids=None):
 
 
 def _tile_starts(starts, bq):
-    """Run start of each query tile's first token, ``[batch, n_q_tiles]`` (the tile's minimum)."""
+    """Run start of each query tile's first token, `[batch, n_q_tiles]` (the tile's minimum)."""
     return starts[:, ::bq]
 
 
@@ -227,30 +227,30 @@ def _tiling(q, k, v, block_q, block_k, segment_ids, kv_segment_ids, causal):
 
 def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
                             block_k: int = 512, segment_ids=None, kv_segment_ids=None):
-    """FlashAttention-2 forward (Dao 2023, Alg. 1) in pure JAX; returns ``(out, lse)``.
+    """FlashAttention-2 forward (Dao 2023, Alg. 1) in pure JAX; returns `(out, lse)`.
 
     Args:
-      q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``.
+      q: `[batch, seq, heads, head_dim]`; k, v: `[batch, seq, kv_heads, head_dim]`.
       causal: mask keys after the query position.
-      block_q, block_k: query / key tile lengths (may differ). Each is clamped to ``seq``
-        and must then divide ``seq``.
-      segment_ids: int ``[batch, seq]`` or None: document masking (module docstring).
-      kv_segment_ids: int ``[batch, seq]`` or None: the keys' ids when q and k are different
-        blocks of a sequence (ring attention's off-diagonal blocks); then ``causal=False`` and
-        query ``i`` sees key ``j`` iff ``segment_ids[i] == kv_segment_ids[j]``. Both must be
+      block_q, block_k: query / key tile lengths (may differ). Each is clamped to `seq`
+        and must then divide `seq`.
+      segment_ids: int `[batch, seq]` or None: document masking (module docstring).
+      kv_segment_ids: int `[batch, seq]` or None: the keys' ids when q and k are different
+        blocks of a sequence (ring attention's off-diagonal blocks); then `causal=False` and
+        query `i` sees key `j` iff `segment_ids[i] == kv_segment_ids[j]`. Both must be
         non-decreasing along the sequence (e.g. each token's document start): kv tiles whose id
         range misses the query tile's are skipped. A query that sees no key gets output 0 and
-        lse ``-inf``.
+        lse `-inf`.
 
     Returns:
-      ``out`` with the shape and dtype of ``q``; ``lse`` float32 ``[batch, heads, seq]``.
+      `out` with the shape and dtype of `q`; `lse` float32 `[batch, heads, seq]`.
 
     Raises:
-      ValueError: malformed shapes, a block size that does not divide ``seq``, or segment ids
-        that are not ``[batch, seq]`` integers (or come with ``causal=False``).
+      ValueError: malformed shapes, a block size that does not divide `seq`, or segment ids
+        that are not `[batch, seq]` integers (or come with `causal=False`).
 
-    Query tiles are processed by ``lax.map``; each runs an online softmax over kv tiles in a
-    ``lax.fori_loop`` whose upper bound (for ``causal``) is the last kv tile that touches
+    Query tiles are processed by `lax.map`; each runs an online softmax over kv tiles in a
+    `lax.fori_loop` whose upper bound (for `causal`) is the last kv tile that touches
     the diagonal, so tiles fully above it are skipped; with segment ids the lower bound is the
     kv tile holding the earliest run start of the query tile (over the batch), so tiles of
     earlier documents are skipped too. Peak extra memory is O(tile^2).
@@ -327,27 +327,27 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
 def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
                             block_q: int = 512, block_k: int = 512, segment_ids=None,
                             kv_segment_ids=None):
-    """FlashAttention-2 backward (Dao 2023, Alg. 2) in pure JAX; returns ``(dq, dk, dv)``.
+    """FlashAttention-2 backward (Dao 2023, Alg. 2) in pure JAX; returns `(dq, dk, dv)`.
 
     Args:
-      q, k, v: as for :func:`blockwise_attention_fwd`.
-      out: forward output, shape/dtype of ``q``; lse: float32 ``[batch, heads, seq]`` from
-        the forward; dout: cotangent of ``out`` (shape of ``q``).
+      q, k, v: as for `blockwise_attention_fwd`.
+      out: forward output, shape/dtype of `q`; lse: float32 `[batch, heads, seq]` from
+        the forward; dout: cotangent of `out` (shape of `q`).
       causal, block_q, block_k, segment_ids, kv_segment_ids: must match the forward call
-        (same checks); ``lse`` may be of more keys than ``k`` (ring attention's global lse).
+        (same checks); `lse` may be of more keys than `k` (ring attention's global lse).
 
     Returns:
-      ``dq``, ``dk``, ``dv`` with the shapes and dtypes of ``q``, ``k``, ``v``; ``dk`` and
-      ``dv`` are summed over the query heads of each GQA group.
+      `dq`, `dk`, `dv` with the shapes and dtypes of `q`, `k`, `v`; `dk` and
+      `dv` are summed over the query heads of each GQA group.
 
     Raises:
-      ValueError: as :func:`blockwise_attention_fwd`.
+      ValueError: as `blockwise_attention_fwd`.
 
-    An outer ``lax.scan`` walks kv tiles, accumulating that tile's ``dk``/``dv`` in float32;
-    an inner ``lax.fori_loop`` walks the query tiles (for ``causal`` starting at the first
+    An outer `lax.scan` walks kv tiles, accumulating that tile's `dk`/`dv` in float32;
+    an inner `lax.fori_loop` walks the query tiles (for `causal` starting at the first
     one that reaches the tile; with segment ids ending after the last query tile whose run
-    starts at or before the kv tile's end), recomputing ``P = exp(q k^T * scale - lse)`` per
-    tile and adding into a float32 ``dq`` buffer carried through the scan. No ``[seq, seq]``
+    starts at or before the kv tile's end), recomputing `P = exp(q k^T * scale - lse)` per
+    tile and adding into a float32 `dq` buffer carried through the scan. No `[seq, seq]`
     array is formed.
     """
     (b, s, h, kvh, d), (bq, bk), (pair, q_ids, kv_ids, segment_ids) = _tiling(
@@ -447,12 +447,12 @@ _blockwise.defvjp(_blockwise_vjp_fwd, _blockwise_vjp_bwd)
 
 def blockwise_attention(q, k, v, *, causal: bool = True, block_q: int = 512,
                         block_k: int = 512, segment_ids=None):
-    """Differentiable blockwise attention (``jax.custom_vjp``); returns ``out``.
+    """Differentiable blockwise attention (`jax.custom_vjp`); returns `out`.
 
-    Forward is :func:`blockwise_attention_fwd`, backward :func:`blockwise_attention_bwd`;
-    the saved residuals are exactly ``(q, k, v, segment_ids, out, lse)``. Works under ``jit``,
-    ``lax.scan``, ``shard_map`` and ``jax.checkpoint``. Shapes, dtypes and errors as for
-    :func:`blockwise_attention_fwd` (checked eagerly, before tracing the custom_vjp).
+    Forward is `blockwise_attention_fwd`, backward `blockwise_attention_bwd`;
+    the saved residuals are exactly `(q, k, v, segment_ids, out, lse)`. Works under `jit`,
+    `lax.scan`, `shard_map` and `jax.checkpoint`. Shapes, dtypes and errors as for
+    `blockwise_attention_fwd` (checked eagerly, before tracing the custom_vjp).
     """
     _, s, _, _, _ = _check_shapes(q, k, v)
     bq = _check_block("block_q", block_q, s)

@@ -141,21 +141,21 @@ def _stat_to_lse(stat):
 
 
 def cudnn_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None):
-    """cuDNN flash attention forward; returns ``(out, lse)``.
+    """cuDNN flash attention forward; returns `(out, lse)`.
 
     Args:
-      q: ``[batch, seq, heads, head_dim]`` bf16/fp16; k, v: ``[batch, seq, kv_heads, head_dim]`` (same dtype).
+      q: `[batch, seq, heads, head_dim]` bf16/fp16; k, v: `[batch, seq, kv_heads, head_dim]` (same dtype).
       causal: query t sees keys 0..t.
       segment_ids: must be None (see the module docstring).
 
     Returns:
-      ``out`` (shape and dtype of q) and ``lse`` float32 ``[batch, heads, seq]``: the natural-log logsumexp of
-      the scaled scores per query row, the convention of ``blockwise_attention_fwd``.
+      `out` (shape and dtype of q) and `lse` float32 `[batch, heads, seq]`: the natural-log logsumexp of
+      the scaled scores per query row, the convention of `blockwise_attention_fwd`.
 
     Raises:
       ValueError: segment ids, malformed shapes, a dtype other than bf16/fp16, an unsupported head_dim.
-      ConfigError: a tensor of 2**31 or more elements (``MAX_ELEMENTS``).
-      RuntimeError: this JAX lacks the private cuDNN module (``CHECKED_JAX``).
+      ConfigError: a tensor of 2**31 or more elements (`MAX_ELEMENTS`).
+      RuntimeError: this JAX lacks the private cuDNN module (`CHECKED_JAX`).
     """
     d = _check(q, k, v, segment_ids)
     fa = _api()
@@ -194,19 +194,19 @@ def _calls(q, k, heads_per_call: int):
 
 
 def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None):
-    """cuDNN flash attention backward from the saved ``out`` and ``lse``; returns ``(dq, dk, dv)``.
+    """cuDNN flash attention backward from the saved `out` and `lse`; returns `(dq, dk, dv)`.
 
     Args:
-      q, k, v, causal, segment_ids: as for :func:`cudnn_attention_fwd`.
-      out: the forward output (shape of q); lse: float32 ``[batch, heads, seq]`` in the blockwise convention
-        (from :func:`cudnn_attention_fwd` or ``blockwise_attention_fwd``); dout: the gradient of out.
+      q, k, v, causal, segment_ids: as for `cudnn_attention_fwd`.
+      out: the forward output (shape of q); lse: float32 `[batch, heads, seq]` in the blockwise convention
+        (from `cudnn_attention_fwd` or `blockwise_attention_fwd`); dout: the gradient of out.
 
     Returns:
-      ``dq``, ``dk``, ``dv`` with the shapes and dtypes of q, k, v (dk, dv summed over each GQA group by cuDNN).
-      The forward is not run again: one ``__cudnn$fmhaSoftmaxBackward`` call.
+      `dq`, `dk`, `dv` with the shapes and dtypes of q, k, v (dk, dv summed over each GQA group by cuDNN).
+      The forward is not run again: one `__cudnn$fmhaSoftmaxBackward` call.
 
     Raises:
-      as :func:`cudnn_attention_fwd`, and ValueError when ``out``/``dout``/``lse`` have the wrong shapes.
+      as `cudnn_attention_fwd`, and ValueError when `out`/`dout`/`lse` have the wrong shapes.
     """
     d = _check(q, k, v, segment_ids)
     b, s, h, _ = q.shape
@@ -275,11 +275,11 @@ _cudnn.defvjp(_cudnn_vjp_fwd, _cudnn_vjp_bwd)
 
 
 def cudnn_attention(q, k, v, *, causal: bool = True, segment_ids=None):
-    """Differentiable cuDNN attention (``jax.custom_vjp``); returns ``out`` (shape and dtype of q).
+    """Differentiable cuDNN attention (`jax.custom_vjp`); returns `out` (shape and dtype of q).
 
-    The residuals are exactly ``(q, k, v, out, lse)`` and the backward is :func:`cudnn_attention_bwd`, the same
-    kernel pair that U-Pipe calls through ``attention_fwd_with_lse`` / ``attention_bwd``. Shapes and errors as
-    for :func:`cudnn_attention_fwd` (checked before tracing the custom_vjp).
+    The residuals are exactly `(q, k, v, out, lse)` and the backward is `cudnn_attention_bwd`, the same
+    kernel pair that U-Pipe calls through `attention_fwd_with_lse` / `attention_bwd`. Shapes and errors as
+    for `cudnn_attention_fwd` (checked before tracing the custom_vjp).
     """
     _check(q, k, v, segment_ids)
     return _cudnn(q, k, v, bool(causal))

@@ -199,24 +199,24 @@ def _pad_seq(x, padded: int, axis: int = 1, value=0):
 def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, block_q: int = DEFAULT_BLOCK,
                          block_k: int = DEFAULT_BLOCK, interpret: bool = False, num_warps: int = 4,
                          num_stages: int = 2):
-    """FlashAttention-2 forward (Pallas, Triton lowering); returns ``(out, lse)``.
+    """FlashAttention-2 forward (Pallas, Triton lowering); returns `(out, lse)`.
 
     Args:
-      q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]`` (one dtype: bf16, fp16 or
+      q: `[batch, seq, heads, head_dim]`; k, v: `[batch, seq, kv_heads, head_dim]` (one dtype: bf16, fp16 or
         fp32; head_dim a power of two in [16, 256]).
       causal: query t sees keys 0..t.
-      segment_ids: int ``[batch, seq]`` or None: document masking (module docstring), needs ``causal``.
+      segment_ids: int `[batch, seq]` or None: document masking (module docstring), needs `causal`.
       block_q, block_k: tile lengths, powers of two >= 16; seq is padded to a multiple of both.
       interpret: run in Pallas' interpreter (CPU tests) instead of compiling through Triton.
       num_warps, num_stages: Triton launch parameters.
 
     Returns:
-      ``out`` (shape and dtype of q) and ``lse`` float32 ``[batch, heads, seq]`` (natural log), the convention
-      of ``blockwise_attention_fwd`` and ``cudnn_attention_fwd``.
+      `out` (shape and dtype of q) and `lse` float32 `[batch, heads, seq]` (natural log), the convention
+      of `blockwise_attention_fwd` and `cudnn_attention_fwd`.
 
     Raises:
       ValueError: malformed shapes, dtypes, head_dim, block sizes or segment ids, or q with more than
-        ``MAX_ELEMENTS`` elements (before tracing a kernel).
+        `MAX_ELEMENTS` elements (before tracing a kernel).
     """
     segment_ids, bq, bk = _check(q, k, v, segment_ids, causal, block_q, block_k)
     b, s, h, d = q.shape
@@ -303,19 +303,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, ca
 def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None,
                          block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK, interpret: bool = False,
                          num_warps: int = 4, num_stages: int = 2):
-    """FlashAttention-2 backward from the saved ``out`` and ``lse`` (no forward rerun); returns ``(dq, dk, dv)``.
+    """FlashAttention-2 backward from the saved `out` and `lse` (no forward rerun); returns `(dq, dk, dv)`.
 
     Args:
       q, k, v, causal, segment_ids, block_q, block_k, interpret, num_warps, num_stages: as for
-        :func:`pallas_attention_fwd` (the blocks need not match the forward's).
-      out: the forward output (shape of q); lse: float32 ``[batch, heads, seq]`` (from this forward,
-        ``cudnn_attention_fwd`` or ``blockwise_attention_fwd``); dout: the gradient of out (shape of q).
+        `pallas_attention_fwd` (the blocks need not match the forward's).
+      out: the forward output (shape of q); lse: float32 `[batch, heads, seq]` (from this forward,
+        `cudnn_attention_fwd` or `blockwise_attention_fwd`); dout: the gradient of out (shape of q).
 
     Returns:
-      ``dq``, ``dk``, ``dv`` with the shapes and dtypes of q, k, v; dk and dv summed over each GQA group.
+      `dq`, `dk`, `dv` with the shapes and dtypes of q, k, v; dk and dv summed over each GQA group.
 
     Raises:
-      ValueError: as :func:`pallas_attention_fwd`, and when out, dout or lse have the wrong shapes.
+      ValueError: as `pallas_attention_fwd`, and when out, dout or lse have the wrong shapes.
     """
     segment_ids, bq, bk = _check(q, k, v, segment_ids, causal, block_q, block_k)
     b, s, h, d = q.shape
@@ -390,10 +390,10 @@ _pallas.defvjp(_pallas_vjp_fwd, _pallas_vjp_bwd)
 
 def pallas_attention(q, k, v, *, causal: bool = True, segment_ids=None, block_q: int = DEFAULT_BLOCK,
                      block_k: int = DEFAULT_BLOCK, interpret: bool = False):
-    """Differentiable Pallas flash attention (``jax.custom_vjp``); returns ``out`` (shape and dtype of q).
+    """Differentiable Pallas flash attention (`jax.custom_vjp`); returns `out` (shape and dtype of q).
 
-    The residuals are exactly ``(q, k, v, segment_ids, out, lse)`` and the backward is
-    :func:`pallas_attention_bwd` (no forward rerun). Shapes and errors as for :func:`pallas_attention_fwd`
+    The residuals are exactly `(q, k, v, segment_ids, out, lse)` and the backward is
+    `pallas_attention_bwd` (no forward rerun). Shapes and errors as for `pallas_attention_fwd`
     (checked before tracing the custom_vjp).
     """
     segment_ids, _, _ = _check(q, k, v, segment_ids, causal, block_q, block_k)

@@ -303,8 +303,8 @@ def _check_resume_shapes(cfg: Config, mesh, ckpt_dir: Path, step: int) -> None:
 def _restore(ckpt: Checkpointer, abstract: dict, step: int) -> dict:
     try:
         return ckpt.restore(abstract, step)[1]
-    except CheckpointError:
-        raise
+    except CheckpointError as e:  # a mislabelled or mismatched checkpoint: input the run cannot use
+        raise ConfigError(f"--resume: {e}") from None
     except Exception as e:  # noqa: BLE001 (orbax reports shape mismatches with long tracebacks)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
