@@ -272,7 +272,8 @@ def child_train(spec: dict, smoke: bool, steps: int, profile_dir: str | None) ->
     from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
     from jaxlong.models.llama import Runtime  # noqa: PLC0415
     from jaxlong.training import step as step_lib  # noqa: PLC0415
-    from jaxlong.training.loop import check_fits, flops_per_token, peak_flops  # noqa: PLC0415
+    from jaxlong.training.loop import check_fits  # noqa: PLC0415
+    from jaxlong.training.metrics import flops_per_token, peak_flops  # noqa: PLC0415
 
     cfg = load_config(str(ROOT / CONFIG), overrides(spec, smoke))
     validate(cfg, num_devices=1)
@@ -470,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             rep.data["errors"].append(f"{section}: {type(e).__name__}: {e}")
         rep.flush()
 
-    from jaxlong.training.loop import PEAK_FLOPS  # noqa: PLC0415 (imports jax; the parent never initializes it)
+    from jaxlong.training.metrics import PEAK_FLOPS  # noqa: PLC0415 (imports jax; the parent never initializes it)
 
     peak = PEAK_FLOPS["H200"] if not smoke else 1e11
     compile_guess = 60.0 if not smoke else 8.0
@@ -513,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
 def _flops(spec: dict, smoke: bool) -> float:
     """Training FLOPs of one step of `spec` (model FLOPs x 4/3 for the remat recompute)."""
     from jaxlong.config import load_config  # noqa: PLC0415
-    from jaxlong.training.loop import flops_per_token  # noqa: PLC0415
+    from jaxlong.training.metrics import flops_per_token  # noqa: PLC0415
 
     cfg = load_config(str(ROOT / CONFIG), overrides(spec, smoke))
     return flops_per_token(cfg) * cfg.seq_len * 4 / 3

@@ -130,3 +130,18 @@ def test_layers_import_downwards():
         own = layer(name)
         upward += [f"{name} -> {t}" for t in targets if own is not None and (layer(t) or 0) > own]
     assert upward == []
+
+
+def test_every_jaxlong_name_the_scripts_and_tests_import_exists():
+    """Scripts import inside functions (they set up devices first), so a moved name would only fail when they run:
+    each `from jaxlong... import name` of `experiments/` and `tests/` must resolve."""
+    import importlib
+
+    missing = []
+    for path in [*(ROOT / "experiments").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jaxlong"):
+                module = importlib.import_module(node.module)
+                missing += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(module, a.name) and f"{node.module}.{a.name}" not in MODULES]
+    assert missing == []
