@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import LLAMA31_8B
 
 ROOT = Path(__file__).resolve().parents[1]
 def _doc_files() -> list[Path]:
@@ -81,18 +82,8 @@ NOT_RUN = [
      "100 steps at 4 times the default length: longer than a few minutes on 2 cores"),
 ]
 
-# The released Llama-3.1-8B config.json (field for field): the docs' `model.from_hf=ckpt/llama3.1-8b` reads it
-# in place of the downloaded checkpoint (load_config needs only config.json).
-LLAMA31_8B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
-    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
-}
+# The docs' `model.from_hf=ckpt/llama3.1-8b` reads the released Llama-3.1-8B config.json in place of the downloaded
+# checkpoint (load_config needs only config.json).
 STAND_INS = {"ckpt/llama3.1-8b/config.json": LLAMA31_8B}
 
 # `python -m jaxlong.eval RUN_DIR`: the config RUN_DIR was trained with, as (--config, overrides).

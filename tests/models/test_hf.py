@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mesh_for, tiered
+from helpers import LLAMA31_8B, QWEN3_32B, mesh_for, tiered
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -430,28 +430,6 @@ def test_export_cli_errors(tmp_path, capsys):
     (tmp_path / "full" / "x").write_text("")
     assert export_lib.main([str(tmp_path), "--out", str(tmp_path / "full")]) == 2
     assert "not empty" in capsys.readouterr().err
-
-
-# The config.json files of the released Llama-3.1-8B and Qwen3-32B (field for field).
-LLAMA31_8B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
-    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.43.0.dev0",
-    "use_cache": True, "vocab_size": 128256,
-}
-QWEN3_32B = {
-    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "initializer_range": 0.02,
-    "intermediate_size": 25600, "max_position_embeddings": 40960, "max_window_layers": 64, "model_type": "qwen3",
-    "num_attention_heads": 64, "num_hidden_layers": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
-    "vocab_size": 151936,
-}
 
 
 @pytest.mark.parametrize("hf_json, yaml", [(LLAMA31_8B, "llama3_1_8b.yaml"), (QWEN3_32B, "qwen3_32b.yaml")])
