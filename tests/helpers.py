@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.config import AttentionConfig, MeshConfig, RematConfig, TilingConfig, load_config, validate
+from jaxlong.config import AttentionConfig, MeshConfig, RematConfig, TilingConfig, load_config, to_dict, validate
 from jaxlong.core.mesh import build_mesh
 from jaxlong.models.llama import Runtime, model_graphdef
 from jaxlong.training import step as step_lib
@@ -76,10 +77,24 @@ def f32(x):
     return jnp.asarray(x, jnp.float32)
 
 
+_REFERENCES: dict[tuple[str, int], tuple] = {}
+
+
+def single_device_reference(cfg, seed: int = 1) -> tuple[dict, float, dict, dict]:
+    """(batch, loss, gradients, parameters) of `reference_cfg(cfg)` on one device for `random_batch(cfg, seed)`,
+    computed once per test process for each reference config and seed: many parallel cases share one model and
+    batch, and so one reference. The arrays are numpy and must not be modified."""
+    ref = reference_cfg(cfg)
+    key = (json.dumps(to_dict(ref), sort_keys=True), seed)
+    if key not in _REFERENCES:
+        batch = random_batch(cfg, seed=seed)
+        _REFERENCES[key] = (batch, *loss_and_grads(ref, 1, batch))
+    return _REFERENCES[key]
+
+
 def assert_matches_single_device(cfg, seed: int = 1, rtol: float = 1e-5):
     """Loss and every gradient of `cfg` on 8 devices equal the dense single-device reference of one batch."""
-    batch = random_batch(cfg, seed=seed)
-    ref_loss, ref_grads, params = loss_and_grads(reference_cfg(cfg), 1, batch)
+    batch, ref_loss, ref_grads, params = single_device_reference(cfg, seed)
     loss, grads, _ = loss_and_grads(cfg, 8, batch, params_host=params)
     np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
     assert_trees_close(grads, ref_grads, rtol=rtol, atol=1e-7)

@@ -72,21 +72,35 @@ def _losses(run_dir: Path) -> list[float]:
     return [by_step[k] for k in sorted(by_step)]
 
 
+def _args(run_dir: Path) -> list[str]:
+    """The runs of this file: 6 steps of the tiny model, a checkpoint every 3."""
+    return [*TINY, *TRAIN, "checkpoint_every=3", "optim.decay_steps=6", f"run_dir={run_dir}"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted single-process run (8 devices) that both tests compare with: its loss at each step."""
+    run_dir = tmp_path_factory.mktemp("one-process")
+    one = _launch([*_args(run_dir), "steps=6", "run_name=one"], 1)
+    assert one[0].returncode == 0, one[0].stdout[-3000:]
+    losses = _loss_by_step(run_dir / "one")
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    return losses
+
+
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_two_processes_train_and_resume_like_one(tmp_path):
+def test_two_processes_train_and_resume_like_one(tmp_path, one_process):
     """Losses of 2 x 4 devices equal those of 1 x 8; a two-process run stopped at a checkpoint and resumed by
     both processes (orbax restores each process's shards) continues with the same losses."""
-    args = [*TINY, *TRAIN, "checkpoint_every=3", "optim.decay_steps=6", f"run_dir={tmp_path}"]
-    one = _launch([*args, "steps=6", "run_name=one"], 1)
-    assert one[0].returncode == 0, one[0].stdout[-3000:]
+    args = _args(tmp_path)
     for extra in (["steps=3"], ["steps=6", "--resume"]):  # stopped after step 3, then resumed
         two = _launch([*args, *extra, "run_name=two"], 2)
         for r in two:
             assert r.returncode == 0, r.stdout[-3000:]
     assert "on 8 x cpu" in two[0].stdout.lower()  # one mesh over the devices of both processes
     assert "resumed from" in two[0].stdout and "resumed from" not in two[1].stdout  # process 0 logs
-    ref, got = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    ref, got = [one_process[s] for s in sorted(one_process)], _losses(tmp_path / "two")
     assert len(got) == 6
     assert got[:3] == pytest.approx(ref[:3], rel=1e-5)
     assert got[3:] == pytest.approx(ref[3:], rel=1e-5)  # after the resume
@@ -95,7 +109,7 @@ def test_two_processes_train_and_resume_like_one(tmp_path):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_a_killed_process_loses_no_checkpoint_and_both_resume_like_one(tmp_path):
+def test_a_killed_process_loses_no_checkpoint_and_both_resume_like_one(tmp_path, one_process):
     """Process 1 is killed (SIGKILL) just after it starts the step-6 save, the job's other process is killed with
     it; resuming both continues from the step-3 checkpoint with the losses of an uninterrupted single-process run.
 
@@ -103,9 +117,7 @@ def test_a_killed_process_loses_no_checkpoint_and_both_resume_like_one(tmp_path)
     previous one has committed (`Checkpointer.save` waits for it), so at `during_save@6` the step-3 checkpoint is
     committed whatever the machine's load, and the step-6 save, started an instant before, cannot commit without
     the killed process's shards."""
-    args = [*TINY, *TRAIN, "checkpoint_every=3", "optim.decay_steps=6", f"run_dir={tmp_path}", "steps=6"]
-    one = _launch([*args, "run_name=one"], 1)
-    assert one[0].returncode == 0, one[0].stdout[-3000:]
+    args = [*_args(tmp_path), "steps=6"]
     killed = _launch([*args, "run_name=two"], 2, faults={1: "during_save@6:SIGKILL"}, kill_all_when_one_dies=True)
     assert killed[1].returncode == -9, killed[1].stdout[-3000:]
     assert killed[0].returncode != 0  # the job ended with it
@@ -117,7 +129,7 @@ def test_a_killed_process_loses_no_checkpoint_and_both_resume_like_one(tmp_path)
     assert "resumed from" in resumed[0].stdout
     # Steps 4..6 as the resumed job logged them equal the uninterrupted run's (the killed job's own event file may
     # hold fewer steps: SIGKILL loses what its event writer had not flushed yet).
-    two, one = _loss_by_step(tmp_path / "two"), _loss_by_step(tmp_path / "one")
-    assert sorted(one) == [1, 2, 3, 4, 5, 6] and {4, 5, 6} <= set(two)
+    two, one = _loss_by_step(tmp_path / "two"), one_process
+    assert {4, 5, 6} <= set(two)
     assert [two[s] for s in (4, 5, 6)] == pytest.approx([one[s] for s in (4, 5, 6)], rel=1e-5)
     assert (tmp_path / "two" / "checkpoints" / "6").is_dir()
