@@ -21,8 +21,17 @@ from jaxlong.core import distributed, xla_log
 from jaxlong.core.units import fmt_gib
 from jaxlong.memory import fit_options as fit_cli
 from jaxlong.plan.cost import significant
+from jaxlong.plan.planner import (
+    HOST_BUDGET,
+    budgets,
+    format_context,
+    format_table,
+    ladder,
+    max_context,
+    plan,
+    plot_ladder,
+)
 from jaxlong.plan.planner import __doc__ as _PLAN_DOC
-from jaxlong.plan.planner import budgets, format_context, format_table, ladder, max_context, plan, plot_ladder
 
 TiB = 1024**4
 CPU_NOTICE = ("note: CPU approximation (XLA's CPU compiler, float32 compile scaled to the compute dtype; no "
@@ -43,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                         "[:DEVICES_PER_NODE][xNODES], e.g. h100:8x2 (sets mesh.num_devices)")
     p.add_argument("--budget", default=None,
                    help="per-device memory budget (default: the target's memory, else 80GiB)")
-    p.add_argument("--host-budget", default="2TiB", help="host memory per node for offloaded bytes (default 2TiB)")
+    p.add_argument("--host-budget", default=HOST_BUDGET,
+                   help=f"host memory per node for offloaded bytes (default {HOST_BUDGET}: what a 2 TB node can pin)")
     p.add_argument("--headroom", default="2%", help="fragmentation headroom, %% of device memory or a size")
     p.add_argument("--collective-buffers", default=None, help="NCCL buffers per device (default: modelled)")
     p.add_argument("--ladder", action="store_true", help="add the techniques one at a time (paper Fig. 1)")
@@ -123,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                "peak", "workspace", "collectives", "headroom", "total",
                                                                "host_per_node")})
                     row["max_context"] = s
-                    print(f"{name:18s} max context {format_context(s, start):>11s} tokens", flush=True)
+                    print(f"{name:18s} max context {format_context(s, start):>11s} tokens  (total "
+                          f"{fmt_gib(row['total'])} GiB per device, host {fmt_gib(row['host_per_node'])} GiB per node)",
+                          flush=True)
                 else:
                     row.update(plan(c, target, estimate=args.estimate, **kw), seq_len=c.seq_len)
                     print(f"{name:18s} total {fmt_gib(row['total']):>8s} GiB  (compiled peak {fmt_gib(row['peak'])}, "
@@ -144,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     table = format_table(rows, budget, host_budget)
     if args.max_context:
-        table = "| rung | max context (tokens) | total at it (GiB) |\n|---|---:|---:|\n" + "\n".join(
-            f"| {r['name']} | {format_context(r['max_context'], start)} | {fmt_gib(r['total'])} |" for r in rows)
+        table = ("| rung | max context (tokens) | total at it (GiB per device) | host at it (GiB per node) |\n"
+                 "|---|---:|---:|---:|\n") + "\n".join(
+            f"| {r['name']} | {format_context(r['max_context'], start)} | {fmt_gib(r['total'])} | "
+            f"{fmt_gib(r['host_per_node'])} |" for r in rows)
     source = next((r["source"] for r in reversed(rows) if "source" in r), "")  # the full mesh, not rung 1's
     print(f"source: {source}")
     print(table)

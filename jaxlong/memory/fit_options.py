@@ -121,7 +121,8 @@ def add_arguments(parser, *, planner_options: bool) -> None:
     if planner_options:
         parser.add_argument("--target", default=None, help="--fit: plan for a GPU without one, e.g. h100:8x2")
         parser.add_argument("--budget", default=None, help="--fit: device memory budget (default: the target's)")
-        parser.add_argument("--host-budget", default="2TiB", help="--fit: host memory per node (default 2TiB)")
+        parser.add_argument("--host-budget", default=planner.HOST_BUDGET,
+                            help=f"--fit: host memory per node (default {planner.HOST_BUDGET}: what a 2 TB node can pin)")
         parser.add_argument("--headroom", default="2%", help="--fit: fragmentation headroom")
         parser.add_argument("--out", default=None, help="--fit: JSON file (or directory) for the result")
 

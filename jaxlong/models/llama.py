@@ -192,7 +192,7 @@ class Llama(nnx.Module):
         def body(carry, state):
             return nnx.merge(layer_def, state)(carry, positions, rt, segment_ids), None
 
-        x, _ = jax.lax.scan(R.remat(body, rt.cfg.remat), x, layer_state)
+        x = R.scan_layers(body, x, layer_state, rt.cfg.remat)
         return L.rms_norm(x, self.final_norm[...], self.norm_eps)
 
 

@@ -12,7 +12,11 @@ floating-point order):
               `global_batch` are kept; ring > 1 only across nodes). Categorical: each split is its own space.
   attention   Ulysses, then U-Pipe with heads per stage U from H down to C (the values `check_upipe_schedule`
               allows): fewer heads per stage, less attention memory, more stages.
-  remat       none, save_dots, full, offload (layer inputs in pinned host memory).
+  remat       none, save_dots, full, offload (layer inputs in pinned host memory), grouped offload (one layer
+              input per group of `remat.offload_every` layers on the host, `jaxlong.layers.remat`; only for models
+              where grouping saves host memory). Grouped offload needs slightly more device memory than offload
+              (a group's recompute), so the device order of its level is approximate: it exists to pass the host
+              budget, which prunes nothing.
   tiled loss  off, on (`tiling.loss_tile` derived from its byte budget).
   tiled MLP   off, ALST's tile count, 4x as many tiles.
 
@@ -53,6 +57,7 @@ from typing import Callable
 from jaxlong.config import Config, ConfigError, apply_setting, parse_override, validate
 from jaxlong.core.mesh import resolve_mesh_shape
 from jaxlong.core.units import fmt_gib
+from jaxlong.layers.remat import default_offload_every
 from jaxlong.layers.tiled import default_mlp_tiles
 from jaxlong.parallel.upipe import check_upipe_schedule
 from jaxlong.plan import planner
@@ -167,7 +172,10 @@ def dimension_levels(cfg: Config) -> list[list[tuple[str, ...]]]:
         except ConfigError:
             continue
         attention.append(("attention.impl=upipe", f"attention.heads_per_stage={u}"))
-    remat = [(f"remat.policy={p}",) for p in REMAT_LEVELS]
+    remat = [(f"remat.policy={p}", "remat.offload_every=1") for p in REMAT_LEVELS]
+    k = default_offload_every(m.layers)
+    if k > 1:
+        remat.append(("remat.policy=offload", f"remat.offload_every={k}"))
     loss = [("tiling.loss=false", "tiling.loss_tile=0"), ("tiling.loss=true", "tiling.loss_tile=0")]
     mlp = [("tiling.mlp=false", "tiling.mlp_tiles=0"), ("tiling.mlp=true", "tiling.mlp_tiles=0")]
     s_local = cfg.seq_len // (ring * context)
@@ -241,8 +249,9 @@ def analytic_flops(cfg: Config) -> tuple[float, float]:
 
     Model FLOPs: 6 x matmul parameters x tokens plus causal attention, 3 x 2 x 2 x S^2/2 x H x d per layer and
     sequence (forward + backward = 3 forwards). Recomputed FLOPs (factor = executed / model): save_dots
-    recomputes attention's forward, full and offload the whole layer's forward, U-Pipe attention's forward once
-    more (its backward recomputes it), tiled loss the logits' forward, tiled MLP the MLP's forward.
+    recomputes attention's forward, full and offload the whole layer's forward (grouped offload,
+    `remat.offload_every` > 1, twice), U-Pipe attention's forward once more (its backward recomputes it), tiled
+    loss the logits' forward, tiled MLP the MLP's forward.
     """
     m, s, b = cfg.model, cfg.seq_len, cfg.global_batch
     tokens = s * b
@@ -258,6 +267,8 @@ def analytic_flops(cfg: Config) -> tuple[float, float]:
         extra += m.layers * attn_fwd
     elif policy in ("full", "offload", "custom"):
         extra += m.layers * layer_fwd
+        if policy == "offload" and cfg.remat.offload_every > 1:
+            extra += m.layers * layer_fwd  # the group's forward, recomputed before its layers' backward
     if cfg.attention.impl == "upipe":
         extra += m.layers * attn_fwd
     if cfg.tiling.loss:

@@ -48,6 +48,7 @@ from jaxlong.core.memstats import compiled_bytes
 from jaxlong.core.mesh import CONTEXT_AXIS, build_mesh
 from jaxlong.core.units import GiB, fmt_gib, parse_bytes
 from jaxlong.core.xla_log import compile_logged
+from jaxlong.layers.remat import default_offload_every, host_layer_inputs
 from jaxlong.models import llama as model_lib
 from jaxlong.models.llama import Runtime
 from jaxlong.plan import workspace as ws
@@ -69,6 +70,8 @@ LADDER = [
     ("+offload", "layer inputs offloaded to pinned host memory", ["remat.policy=offload"]),
     ("+tiled loss & MLP", "ALST sequence tiling", ["tiling.loss=true", "tiling.mlp=true"]),
     ("+U-Pipe", "head-chunked Ulysses, U = C", ["attention.impl=upipe", "attention.heads_per_stage=0"]),
+    ("+grouped offload", "one layer input per group of {k} layers on the host, groups recomputed",
+     ["remat.offload_every={k}"]),
 ]
 # With mesh.ring = R > 1 (several nodes), the ladder goes on across nodes: Ulysses over C = N/R devices inside
 # a node, ring attention over the R nodes (USP hybrid), then U-Pipe's stages each running the ring.
@@ -78,6 +81,13 @@ HYBRID_LADDER = [
     ("+U-Pipe x ring", "U-Pipe stages over {c} devices, each stage a ring over {r}",
      ["attention.impl=upipe", "attention.heads_per_stage=0"]),
 ]
+
+
+# The host memory per node the planner allows for offloaded residuals (`--host-budget`): what an 8-GPU node can pin
+# for them. A DGX H100 or H200 node has 2 TB (1.82 TiB) of RAM; the OS, the page cache, the data pipeline and the
+# host copy of the train state that an asynchronous checkpoint stages (Llama-3.1-8B's float32 parameters and Adam
+# moments: 90 GiB per node with FSDP over one node) need the remaining ~300 GiB. ALST's runs used nodes of 1.9 TB.
+HOST_BUDGET = "1.5TiB"
 
 
 def budgets(budget: str | None, host_budget: str, collective_buffers: str | None, target, num_devices: int):
@@ -109,7 +119,9 @@ def shard_bytes(tree) -> int:
 
 
 def _host_residual_bytes(cfg: Config, mesh) -> int:
-    """Per-device bytes of the residuals the remat policy keeps in host memory (from the loss's jaxpr)."""
+    """Per-device bytes of the residuals the remat policy keeps in host memory (from the loss's jaxpr); with
+    grouped checkpointing (`remat.offload_every` > 1) plus the layer inputs of the group being recomputed, which
+    the backward pass moves to the host one group at a time (`jaxlong.layers.remat.host_layer_inputs`)."""
     if cfg.remat.policy not in ("offload", "custom") or (cfg.remat.policy == "custom" and not cfg.remat.offload):
         return 0
 
@@ -125,6 +137,9 @@ def _host_residual_bytes(cfg: Config, mesh) -> int:
     res = saved_residuals(lambda p, b: step_lib.loss_fn(p, b, graphdef, rt), params, batch)
     activation_shards = mesh.size  # activations are split over every mesh axis (batch x sequence)
     host = sum(math.prod(a.shape) * a.dtype.itemsize for a, _ in res if "<host>" in a.str_short())
+    k, layers = cfg.remat.offload_every, cfg.model.layers
+    if cfg.remat.policy == "offload" and k > 1:  # the saved ones are the ceil(L/k) group inputs
+        host += host // -(-layers // k) * (host_layer_inputs(layers, k) - -(-layers // k))
     return host // activation_shards
 
 
@@ -268,14 +283,17 @@ def ladder(cfg: Config) -> list[tuple[str, str, Config]]:
     n, r = cfg.mesh.num_devices, cfg.mesh.ring
     rungs, cur = [], copy.deepcopy(cfg)
     cur.mesh.num_devices = n
+    k = default_offload_every(cfg.model.layers)
     for i, (name, what, overrides) in enumerate(LADDER):
-        cur = apply_rung(cur, overrides, n)
+        if "{k}" in what and k == 1:
+            continue  # too few layers for a group to save host memory
+        cur = apply_rung(cur, overrides, n, k=k)
         if i == 1:
             cur.mesh.num_devices = n
-        rungs.append((name, what, copy.deepcopy(cur)))
+        rungs.append((name, what.format(k=k), copy.deepcopy(cur)))
     if r > 1 and n % r == 0:
         for name, what, overrides in HYBRID_LADDER:
-            cur = apply_rung(cur, overrides, n, r=r, c=n // r)
+            cur = apply_rung(cur, overrides, n, r=r, c=n // r, k=k)
             rungs.append((name, what.format(r=r, c=n // r), copy.deepcopy(cur)))
     return rungs
 

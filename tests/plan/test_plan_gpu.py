@@ -93,6 +93,30 @@ def test_offload_puts_exactly_the_layer_inputs_in_host_memory_on_the_gpu_target(
     assert off["activations"] < full["activations"]
 
 
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+@needs_plugin
+def test_grouped_offload_host_bytes_and_recompute_on_the_gpu_target():
+    """remat.offload_every=k over 8 layers: the compiled host memory falls from L layer inputs to at most
+    ceil(L/k) + k (the group inputs and the group being recomputed), at least ceil(L/k) + 1; the compiled FLOPs
+    grow by one forward per layer, at most 1.25x offload's (1% for the counted non-layer work of this tiny model).
+    """
+    from jaxlong.layers.remat import host_layer_inputs
+    from jaxlong.plan import plan
+
+    base = ("compute_dtype=bfloat16", "mesh.fsdp=1", "mesh.context=8", "global_batch=1", "seq_len=8192",
+            "model.layers=8", "model.hidden=256", "model.kv_heads=8", "remat.policy=offload")
+    target = parse_target("h100")
+    layer_input = (8192 // 8) * 256 * 2  # [S/C, hidden] bf16 per device
+    plans = {k: plan(tiny_cfg(*base, f"remat.offload_every={k}"), target, estimate=True) for k in (1, 2, 4)}
+    assert plans[1]["host"] == 8 * layer_input
+    for k in (2, 4):
+        host = plans[k]["host"]
+        assert (-(-8 // k) + 1) * layer_input <= host <= host_layer_inputs(8, k) * layer_input < plans[1]["host"]
+        ratio = plans[k]["estimate"]["recompute_factor"] / plans[1]["estimate"]["recompute_factor"]
+        assert 1.1 < ratio <= 1.25 * 1.01, ratio
+
+
 S, C = 65536, 8
 
 
