@@ -150,6 +150,8 @@ def child_kernel(smoke: bool, large: bool) -> list[dict]:
     for backend in dict.fromkeys((cand, "blockwise")):  # the GPU backend, and the blockwise one where it differs
         rows.append(_segment_row(K, backend, smoke, inspect))
     rows.append(_pallas_row(K, smoke, gpu))
+    for backend in ((cand, "pallas") if gpu else ("blockwise", "pallas")):
+        rows.append(_ring_row(K, backend, smoke, gpu))
     if large and gpu:
         rows.append(_large_tensor_row())
     return rows
@@ -214,6 +216,73 @@ def _pallas_row(K, smoke: bool, gpu: bool) -> dict:
         bb = functools.partial(K.blockwise_attention_bwd, block_q=blk, block_k=blk)
         truth = run(bf, bb, *(x.astype(jnp.float32) for x in (q, k, v, do)))
         got, ref = run(pf, pb, q, k, v, do), run(bf, bb, q, k, v, do)
+        ok = True
+        for j, t in enumerate(("out", "lse", "dq", "dk", "dv")):
+            scale = 1.0 if t == "lse" else float(jnp.max(jnp.abs(truth[j]))) + 1e-6
+            row[f"{t}_err"] = float(jnp.max(jnp.abs(got[j] - truth[j]))) / scale
+            row[f"{t}_err_baseline"] = float(jnp.max(jnp.abs(ref[j] - truth[j]))) / scale
+            ok &= row[f"{t}_err"] <= max(2 * row[f"{t}_err_baseline"], 2e-2)
+        row["pass"] = bool(ok)
+    except Exception as e:  # noqa: BLE001
+        row.update({"pass": False, "error": f"{type(e).__name__}: {e}"[:400]})
+    return row
+
+
+def _ring_row(K, backend: str, smoke: bool, gpu: bool) -> dict:
+    """Ring attention's block kernel (`jaxlong.parallel.ring.BlockKernel`, what a ring step calls) on one device:
+    a causal sequence cut in two as ring rank 1 of 2 sees it -- its own half causal, the first half's K/V as one
+    unmasked block (with packed documents, `pallas`: the Pallas kernel's `kv_starts` from the run ids) -- merged by
+    log-sum-exp, and each block's backward from the *global* (out, lse), summed: forward, lse, dQ, dK, dV against
+    one causal call of the float32 blockwise kernel over the whole sequence, with the bf16 blockwise kernel's
+    errors as the baseline. Smoke: blockwise, and Pallas' interpreter, at tiny shapes."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jaxlong.parallel.ring import BlockKernel  # noqa: PLC0415
+
+    b, s, h, kv, d = (1, 64, 4, 2, 16) if smoke else (1, 8192, 16, 4, 128)
+    docs = backend == "pallas"
+    name = f"ring block kernel{' + documents' if docs else ''} b={b} S={s} H={h} KV={kv} d={d}"
+    row = {"case": name, "candidate": backend, "baseline": "blockwise"}
+    blk = 16 if smoke else 512
+    c = s // 2
+    seg = None
+    if docs:  # documents across the cut, one wholly in the second half (its queries see no remote key)
+        lens = [s * 3 // 8, s // 4, s // 8]
+        seg = jnp.asarray(sum(([i + 1] * n for i, n in enumerate(lens)), []) + [0] * (s - sum(lens)), jnp.int32)[None]
+        seg = jnp.broadcast_to(seg, (b, s))
+    try:
+        q, k, v, do = (_np_inputs((b, s, n, d), i, jnp.bfloat16) for i, n in enumerate((h, kv, kv, h)))
+
+        def ring_two(kernel, q, k, v, do):
+            runs = None if seg is None else K.segment_starts(seg)
+            own = lambda x: x[:, c:]
+            ids = (None, None) if runs is None else (runs[:, :c], runs[:, c:])
+            o0, l0 = kernel.diagonal_fwd(q[:, :c], k[:, :c], v[:, :c], True, ids[0])  # rank 0's own block
+            o1, l1 = kernel.diagonal_fwd(own(q), own(k), own(v), True, ids[1])
+            ob, lb = kernel.block_fwd(own(q), k[:, :c], v[:, :c], ids[1], ids[0], 0)  # the remote block
+            lse1 = jnp.logaddexp(l1, lb)
+            w = lambda a: jnp.swapaxes(jnp.exp(a - lse1), 1, 2)[..., None]
+            o1 = (w(l1) * o1.astype(jnp.float32) + w(lb) * ob.astype(jnp.float32)).astype(q.dtype)
+            out, lse = jnp.concatenate([o0, o1], 1), jnp.concatenate([l0, lse1], 2)
+            g0 = kernel.diagonal_bwd(q[:, :c], k[:, :c], v[:, :c], out[:, :c], lse[:, :, :c], do[:, :c], True, ids[0])
+            g1 = kernel.diagonal_bwd(own(q), own(k), own(v), own(out), lse[:, :, c:], own(do), True, ids[1])
+            gb = kernel.block_bwd(own(q), k[:, :c], v[:, :c], own(out), lse[:, :, c:], own(do), ids[1], ids[0], 0)
+            f = lambda x: x.astype(jnp.float32)
+            dq = jnp.concatenate([f(g0[0]), f(g1[0]) + f(gb[0])], 1)
+            dk = jnp.concatenate([f(g0[1]) + f(gb[1]), f(g1[1])], 1)
+            dv = jnp.concatenate([f(g0[2]) + f(gb[2]), f(g1[2])], 1)
+            return [f(out), lse, dq, dk, dv]
+
+        def whole(q, k, v, do):
+            out, lse = K.blockwise_attention_fwd(q, k, v, segment_ids=seg, block_q=blk, block_k=blk)
+            grads = K.blockwise_attention_bwd(q, k, v, out, lse, do, segment_ids=seg, block_q=blk, block_k=blk)
+            return [x.astype(jnp.float32) for x in (out, lse, *grads)]
+
+        kernel = BlockKernel(backend, blk, blk, interpret=backend == "pallas" and not gpu)
+        truth = jax.jit(whole)(*(x.astype(jnp.float32) for x in (q, k, v, do)))
+        got = jax.jit(lambda *a: ring_two(kernel, *a))(q, k, v, do)
+        ref = jax.jit(lambda *a: ring_two(BlockKernel("blockwise", blk, blk), *a))(q, k, v, do)
         ok = True
         for j, t in enumerate(("out", "lse", "dq", "dk", "dv")):
             scale = 1.0 if t == "lse" else float(jnp.max(jnp.abs(truth[j]))) + 1e-6

@@ -455,7 +455,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                           f"{', '.join(sorted(TOKENIZERS))}, or the path of a Hugging Face tokenizer.json")
     _check_choice("data.packing", cfg.data.packing, Packing)
     _check_choice("data.split_positions", cfg.data.split_positions, SplitPositions)
-    check_backend(cfg.attention.backend, head_dim=m.head_dim, compute_dtype=cfg.compute_dtype, ring=cfg.mesh.ring,
+    check_backend(cfg.attention.backend, head_dim=m.head_dim, compute_dtype=cfg.compute_dtype,
                   segment_ids=cfg.data.packing == "documents")
     if not str(cfg.data.text_field).strip():
         raise ConfigError("data.text_field is empty; give the name of the field that holds each document's text")

@@ -81,8 +81,8 @@ def test_cli_reports_config_errors_without_compiling(capsys):
     (["attention.backend=cudnn", "data.packing=concat", "compute_dtype=bfloat16", "model.head_dim=12"],
      r"cudnn needs model.head_dim a multiple of 8 and <= 256, got 12"),
     (["attention.backend=pallas", "model.head_dim=48"], r"pallas needs model.head_dim a power of two .*got 48"),
-    (["attention.backend=pallas", "mesh.ring=2", "mesh.context=4", "mesh.fsdp=1"],
-     r"attention.backend=pallas does not run ring attention's per-block steps"),
+    (["attention.backend=cudnn", "compute_dtype=bfloat16", "mesh.ring=2", "mesh.context=4", "mesh.fsdp=1"],
+     r"attention.backend=cudnn cannot mask packed documents"),  # under ring as without it
 ])
 def test_explicit_attention_kernel_the_config_cannot_use_is_an_error_before_compiling(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -141,21 +141,18 @@ def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: boo
     return vjp(dout.astype(q.dtype))
 
 
-def check_backend(backend: str, *, head_dim: int, compute_dtype: str, ring: int, segment_ids: bool) -> None:
+def check_backend(backend: str, *, head_dim: int, compute_dtype: str, segment_ids: bool) -> None:
     """An explicit `attention.backend` that the run's shapes, dtype, batches or mesh cannot use (the kernels' own
     checks, moved before compiling). `auto` always works: it falls back to the blockwise kernel.
 
     Args:
       backend: `attention.backend`; head_dim: `model.head_dim`; compute_dtype: `compute_dtype`;
-      ring: `mesh.ring`; segment_ids: the batches carry segment ids (`data.packing=documents`).
+      segment_ids: the batches carry segment ids (`data.packing=documents`).
 
     Raises:
-      ConfigError: cuDNN or Pallas under ring attention, cuDNN with segment ids or in float32, or a head_dim
-        the kernel does not take (each names the option and what works).
+      ConfigError: cuDNN with segment ids or in float32, or a head_dim the kernel does not take (each names the
+        option and what works). Under ring attention (`ring` > 1) the same kernel runs its blocks.
     """
-    if backend in ("cudnn", "pallas") and ring > 1:
-        raise ConfigError(f"attention.backend={backend} does not run ring attention's per-block steps (mesh.ring="
-                          f"{ring}: they use the blockwise kernel); use attention.backend=auto or blockwise")
     if backend == "cudnn":
         if segment_ids:
             raise ConfigError("attention.backend=cudnn cannot mask packed documents (cuDNN's packed layout is not "

@@ -16,6 +16,11 @@ run of equal ids, i.e. keys `starts[t] <= key <= t` with `starts = segment_start
 sees at least itself, so no softmax row is empty (padding attends to earlier padding of its run). The run
 starts (and run ends, for the backward's bounds) are computed once outside the kernels, O(seq) int32.
 
+Ring attention's off-diagonal blocks (`jaxlong.parallel.ring`: every key before every query) take `kv_starts`
+instead (int32 `[batch, seq]`, `causal=False`): query t sees key j iff `j >= kv_starts[t]`, its document's start
+relative to the key block's first token. A query may see no key of the block: its output row is 0 and its lse
+-inf (the ring's merge gives it weight 0).
+
 Algorithm (T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning", 2023):
   - Forward (§3.1, Algorithm 1): one program per (query tile, batch, head); it keeps the query tile, the
     running max `m`, the running sum `l` and the unnormalized output in float32 and streams kv tiles
@@ -72,9 +77,16 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _check(q, k, v, segment_ids, causal, block_q, block_k):
+def _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts=None):
     """Validate before tracing; return (segment_ids as int32 or None, block_q, block_k)."""
     b, s, h, d = check_qkv(q, k, v, "pallas attention")
+    if kv_starts is not None:
+        if causal or segment_ids is not None:
+            raise ValueError("pallas attention: kv_starts (ring attention's off-diagonal blocks) requires "
+                             "causal=False and no segment_ids")
+        if tuple(kv_starts.shape) != (b, s) or not jnp.issubdtype(kv_starts.dtype, jnp.integer):
+            raise ValueError(f"kv_starts must be integer [batch, seq] = {[b, s]}; got {kv_starts.dtype} "
+                             f"{tuple(kv_starts.shape)}")
     if not (jnp.dtype(q.dtype) == jnp.dtype(k.dtype) == jnp.dtype(v.dtype)) or \
             jnp.dtype(q.dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"attention.backend=pallas needs q, k, v of one dtype among bfloat16, float16, float32; got "
@@ -116,14 +128,19 @@ def _runs(segment_ids, padded: int):
 
 
 def _mask(q_pos, k_pos, starts, causal: bool, seq: int, padded: bool):
-    """Visible (query, key) pairs of one tile, bool `[bq, bk]`, or None when all are."""
+    """Visible (query, key) pairs of one tile, bool `[bq, bk]`, or None when all are. `starts`: the queries' run
+    starts (causal) or `kv_starts` (not causal), or None."""
     mask = None
     if causal:
         mask = q_pos[:, None] >= k_pos[None, :]
         if starts is not None:
             mask = mask & (k_pos[None, :] >= starts[:, None])
-    elif padded:  # causal masks padded keys for every real query already
-        mask = jnp.broadcast_to(k_pos[None, :] < seq, (q_pos.shape[0], k_pos.shape[0]))
+        return mask
+    if starts is not None:
+        mask = k_pos[None, :] >= starts[:, None]
+    if padded:  # causal masks padded keys for every real query already
+        keys = jnp.broadcast_to(k_pos[None, :] < seq, (q_pos.shape[0], k_pos.shape[0]))
+        mask = keys if mask is None else mask & keys
     return mask
 
 
@@ -134,8 +151,8 @@ def _dot(a, b, trans_a=False, trans_b=False):
 def _kv_bounds(i, st, *, causal, bq, bk, nk):
     """kv tiles [lo, hi) that query tile i can see (module docstring: skipped tiles)."""
     hi = jnp.minimum(nk, lax.div((i + 1) * bq + bk - 1, bk)) if causal else nk
-    lo = lax.div(jnp.min(st), bk) if st is not None else 0
-    return lo, hi
+    lo = lax.div(jnp.maximum(jnp.min(st), 0), bk) if st is not None else 0  # kv_starts may be < 0
+    return jnp.minimum(lo, hi), hi
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk, seq, padded):
@@ -165,6 +182,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk,
     lo, hi = _kv_bounds(i, st, causal=causal, bq=bq, bk=bk, nk=nk)
     init = (jnp.zeros(q.shape, _F32), jnp.full((bq,), _NEG, _F32), jnp.zeros((bq,), _F32))
     acc, m, l = lax.fori_loop(lo, hi, body, init)
+    if segments and not causal:  # kv_starts: a query may see no key of the block (l == 0)
+        seen = l > 0
+        o_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        return
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
@@ -187,6 +209,14 @@ def _vary_alike(*xs):
     return out, lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, **kw)
 
 
+def _starts(segment_ids, kv_starts, padded: int):
+    """The per-query bound the kernels mask keys with, int32 `[batch, padded]`: run starts (`segment_ids`) or
+    `kv_starts` (padded rows see no key)."""
+    if kv_starts is None:
+        return _runs(segment_ids, padded)[0]
+    return _pad_seq(kv_starts.astype(jnp.int32), padded, value=padded)
+
+
 def _pad_seq(x, padded: int, axis: int = 1, value=0):
     extra = padded - x.shape[axis]
     if not extra:
@@ -198,7 +228,7 @@ def _pad_seq(x, padded: int, axis: int = 1, value=0):
 
 def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, block_q: int = DEFAULT_BLOCK,
                          block_k: int = DEFAULT_BLOCK, interpret: bool = False, num_warps: int = 4,
-                         num_stages: int = 2):
+                         num_stages: int = 2, kv_starts=None):
     """FlashAttention-2 forward (Pallas, Triton lowering); returns `(out, lse)`.
 
     Args:
@@ -209,21 +239,24 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
       block_q, block_k: tile lengths, powers of two >= 16; seq is padded to a multiple of both.
       interpret: run in Pallas' interpreter (CPU tests) instead of compiling through Triton.
       num_warps, num_stages: Triton launch parameters.
+      kv_starts: int `[batch, seq]` or None: with `causal=False`, query t sees key j iff `j >= kv_starts[t]`
+        (ring attention's off-diagonal blocks with document masking, module docstring).
 
     Returns:
       `out` (shape and dtype of q) and `lse` float32 `[batch, heads, seq]` (natural log), the convention
-      of `blockwise_attention_fwd` and `cudnn_attention_fwd`.
+      of `blockwise_attention_fwd` and `cudnn_attention_fwd`; with `kv_starts` a row that sees no key is 0
+      with lse -inf.
 
     Raises:
       ValueError: malformed shapes, dtypes, head_dim, block sizes or segment ids, or q with more than
         `MAX_ELEMENTS` elements (before tracing a kernel).
     """
-    segment_ids, bq, bk = _check(q, k, v, segment_ids, causal, block_q, block_k)
+    segment_ids, bq, bk = _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts)
     b, s, h, d = q.shape
     g = h // k.shape[2]
     sp = -(-s // max(bq, bk)) * max(bq, bk)
     q_, k_, v_ = (_pad_seq(x, sp) for x in (q, k, v))
-    segments = segment_ids is not None
+    segments = segment_ids is not None or kv_starts is not None
     kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(d), causal=bool(causal), segments=segments,
                                bq=bq, bk=bk, nk=sp // bk, seq=s, padded=sp != s)
     tile = pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0))
@@ -231,7 +264,7 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
     in_specs, args = [tile, whole_kv, whole_kv], [q_, k_, v_]
     if segments:
         in_specs.append(pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)))
-        args.append(_runs(segment_ids, sp)[0])
+        args.append(_starts(segment_ids, kv_starts, sp))
     args, sds = _vary_alike(*args)
     out, lse = pl.pallas_call(
         kernel, grid=(sp // bq, b, h), in_specs=in_specs,
@@ -244,13 +277,18 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, causal, segments, bq, bk, nq,
                  g, seq, padded):
-    st_ref, end_ref, dk_ref, dv_ref = refs if segments else (None, None, *refs)
+    if not segments:
+        st_ref, end_ref, (dk_ref, dv_ref) = None, None, refs
+    elif causal:  # document masking: run starts and ends
+        st_ref, end_ref, dk_ref, dv_ref = refs
+    else:  # kv_starts: every query tile may see the kv tile
+        st_ref, end_ref, dk_ref, dv_ref = refs[0], None, *refs[1:]
     j = pl.program_id(0)
     k = k_ref[...]  # [bk, d]
     v = v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
     lo = lax.div(j * bk, bq) if causal else 0
-    hi = jnp.minimum(nq, lax.div(jnp.max(end_ref[...]), bq) + 1) if segments else nq
+    hi = jnp.minimum(nq, lax.div(jnp.max(end_ref[...]), bq) + 1) if end_ref is not None else nq
 
     def q_step(i, carry, hg):
         dk, dv = carry
@@ -302,14 +340,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, ca
 
 def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None,
                          block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK, interpret: bool = False,
-                         num_warps: int = 4, num_stages: int = 2):
+                         num_warps: int = 4, num_stages: int = 2, kv_starts=None):
     """FlashAttention-2 backward from the saved `out` and `lse` (no forward rerun); returns `(dq, dk, dv)`.
 
     Args:
-      q, k, v, causal, segment_ids, block_q, block_k, interpret, num_warps, num_stages: as for
+      q, k, v, causal, segment_ids, block_q, block_k, interpret, num_warps, num_stages, kv_starts: as for
         `pallas_attention_fwd` (the blocks need not match the forward's).
       out: the forward output (shape of q); lse: float32 `[batch, heads, seq]` (from this forward,
-        `cudnn_attention_fwd` or `blockwise_attention_fwd`); dout: the gradient of out (shape of q).
+        `cudnn_attention_fwd` or `blockwise_attention_fwd`, or ring attention's global output and lse for one
+        of its blocks); dout: the gradient of out (shape of q).
 
     Returns:
       `dq`, `dk`, `dv` with the shapes and dtypes of q, k, v; dk and dv summed over each GQA group.
@@ -317,7 +356,7 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
     Raises:
       ValueError: as `pallas_attention_fwd`, and when out, dout or lse have the wrong shapes.
     """
-    segment_ids, bq, bk = _check(q, k, v, segment_ids, causal, block_q, block_k)
+    segment_ids, bq, bk = _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts)
     b, s, h, d = q.shape
     kvh = k.shape[2]
     g = h // kvh
@@ -330,8 +369,11 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
     q_, k_, v_, do_ = (_pad_seq(x, sp) for x in (q, k, v, dout.astype(q.dtype)))
     # padded rows (q = 0, dout = 0): lse = +max keeps their P = exp(S - lse) at 0, so they add nothing
     lse_, delta_ = _pad_seq(lse.astype(_F32), sp, 2, -_NEG), _pad_seq(delta, sp, 2)
-    segments = segment_ids is not None
-    runs = _runs(segment_ids, sp) if segments else None
+    segments = segment_ids is not None or kv_starts is not None
+    if kv_starts is not None:
+        runs = (_starts(None, kv_starts, sp),)
+    else:
+        runs = _runs(segment_ids, sp) if segments else None
     common = dict(scale=1.0 / math.sqrt(d), causal=bool(causal), segments=segments, bq=bq, bk=bk, seq=s,
                   padded=sp != s)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -343,8 +385,9 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
     in_specs, args = [group_rows, kv_tile, kv_tile, group_rows, group_stat, group_stat], [q_, k_, v_, do_, lse_,
                                                                                          delta_]
     if segments:
-        in_specs += [pl.BlockSpec((None, sp), lambda j, bb, kh: (bb, 0)),
-                     pl.BlockSpec((None, bk), lambda j, bb, kh: (bb, j))]
+        in_specs.append(pl.BlockSpec((None, sp), lambda j, bb, kh: (bb, 0)))
+        if kv_starts is None:  # the run ends bound the query tiles
+            in_specs.append(pl.BlockSpec((None, bk), lambda j, bb, kh: (bb, j)))
         args += list(runs)
     args, sds = _vary_alike(*args)
     dk, dv = pl.pallas_call(

@@ -57,10 +57,8 @@ class Runtime:
     def attention_backend(self) -> str:
         """`attention.backend` with `auto` resolved for the mesh's devices (GPU compile-only devices included) and
         the batches (`data.packing=documents` carries segment ids, which cuDNN cannot mask: the Pallas kernel on
-        GPUs, the blockwise one elsewhere). With
-        `mesh.ring` > 1 it is `blockwise`: ring attention's per-block kernel (`jaxlong.parallel.ring`)."""
-        if axis_size(self.mesh, RING_AXIS) > 1:
-            return "blockwise"
+        GPUs, the blockwise one elsewhere). With `mesh.ring` > 1 it runs ring attention's blocks
+        (`jaxlong.parallel.ring.ring_kernel`)."""
         probe = jax.ShapeDtypeStruct((self.cfg.model.head_dim,), self.compute_dtype)
         packed = self.cfg.data.packing == "documents"  # batches carry segment ids: document masking
         return resolve_backend(self.cfg.attention.backend, probe, segment_ids=True if packed else None,

@@ -24,15 +24,20 @@ block X = (second query chunk, first K/V chunk) always, and block Y = (first, fi
 No block is ever fully masked. Token positions (RoPE) follow the permutation (`zigzag_positions`); the
 loss, a mean over tokens, is unchanged when inputs, targets and mask are permuted together.
 
-The per-block math is `jaxlong.kernels.blockwise.blockwise_attention_fwd/bwd` (FlashAttention-2), whose
-backward takes the *global* output and lse, so the per-block gradients of the ring are exact.
+The per-block kernel (`BlockKernel`) is the one `attention.backend` resolves to: cuDNN flash attention on GPUs
+(the diagonal block causal, the off-diagonal ones unmasked), the Pallas kernel when the batches carry segment
+ids, the blockwise one (`jaxlong.kernels.blockwise`, pure JAX) elsewhere. Each returns `(out, lse)` and its
+backward takes the *global* output and lse of the block's queries, so the per-block gradients of the ring are
+exact; GQA is native in all three (KV heads are never repeated).
 
 Packed documents (segment ids, the kernels' document masking): every rank holds the whole sequence's int32 ids
-`[batch, S]` (zigzag layout; Ulysses and U-Pipe gather them once per step anyway), turns them into run ids
-(`run_ids`: each token's document start in natural order, O(S)) and slices each step's K/V block's ids from
+`[batch, S]` (zigzag layout) as run ids (`run_ids`: each token's document start in natural order, O(S)) -- the
+model makes them once per step where it gathers the segment ids (`jaxlong.parallel.ulysses.gather_segment_ids`,
+`ids_are_runs=True`); a direct call with segment ids converts them -- and slices each step's K/V block's ids from
 them, so no ids travel around the ring. The diagonal block is the kernel's causal document mask; an
 off-diagonal block (all its keys before all its queries) masks query i from key j unless their run ids are
-equal (`kv_segment_ids` of the kernel). A query may then see no key of a block: that block's lse is -inf and
+equal (`kv_segment_ids` of the blockwise kernel; the Pallas kernel's `kv_starts`, the query's run id minus the
+key block's first position, is the same mask since keys precede queries). A query may then see no key of a block: that block's lse is -inf and
 its merge weight 0. Run ids never decrease along a chunk, so the kernel skips the tiles whose id ranges do not
 meet, forward and backward: with many short documents most remote blocks cost next to nothing. Nothing
 `[S, S]`-shaped or per head is added.
@@ -48,6 +53,7 @@ device with Ulysses over C (heads split C ways).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -58,6 +64,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import RING_AXIS
+from jaxlong.kernels import cudnn as cudnn_kernel
+from jaxlong.kernels import pallas_gpu as pallas_kernel
 from jaxlong.kernels.blockwise import blockwise_attention_bwd, blockwise_attention_fwd, segment_starts
 
 _F32 = jnp.float32
@@ -134,6 +142,70 @@ def run_ids(segment_ids: jax.Array, ring: int) -> jax.Array:
     return zigzag(segment_starts(unzigzag(segment_ids.astype(jnp.int32), ring)), ring)
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockKernel:
+    """The attention kernel of ring attention's blocks: `backend` `blockwise` (pure JAX, any device, `block_q` x
+    `block_k` tiles), `cudnn` (GPUs, no segment ids) or `pallas` (GPUs, segment ids; `interpret` runs it in Pallas'
+    interpreter for CPU tests). Arrays as `ring_attention_fwd`'s local ones.
+
+    `diagonal_*` is the rank's own block (`causal`, segment ids = run ids of the block); `block_*` an
+    off-diagonal block, unmasked or, with run ids, query i sees key j iff their run ids are equal
+    (`k_start`: the original position of the key block's first token, for the Pallas kernel's `kv_starts`).
+    The backwards take the global output and lse of the block's queries."""
+
+    backend: str = "blockwise"
+    block_q: int = 512
+    block_k: int = 512
+    interpret: bool = False
+
+    def _tiles(self) -> dict:
+        return dict(block_q=self.block_q, block_k=self.block_k)
+
+    def _pallas(self) -> dict:
+        return dict(interpret=self.interpret)
+
+    def diagonal_fwd(self, q, k, v, causal, ids=None):
+        if self.backend == "cudnn":
+            return cudnn_kernel.cudnn_attention_fwd(q, k, v, causal=causal)
+        if self.backend == "pallas":
+            return pallas_kernel.pallas_attention_fwd(q, k, v, causal=causal, segment_ids=ids, **self._pallas())
+        return blockwise_attention_fwd(q, k, v, causal=causal, segment_ids=ids, **self._tiles())
+
+    def diagonal_bwd(self, q, k, v, out, lse, dout, causal, ids=None):
+        if self.backend == "cudnn":
+            return cudnn_kernel.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=causal)
+        if self.backend == "pallas":
+            return pallas_kernel.pallas_attention_bwd(q, k, v, out, lse, dout, causal=causal, segment_ids=ids,
+                                                      **self._pallas())
+        return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal, segment_ids=ids, **self._tiles())
+
+    def block_fwd(self, q, k, v, q_ids=None, k_ids=None, k_start=None):
+        if self.backend == "cudnn":
+            return cudnn_kernel.cudnn_attention_fwd(q, k, v, causal=False)
+        if self.backend == "pallas":
+            starts = None if q_ids is None else q_ids - k_start
+            return pallas_kernel.pallas_attention_fwd(q, k, v, causal=False, kv_starts=starts, **self._pallas())
+        ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
+        return blockwise_attention_fwd(q, k, v, causal=False, **ids, **self._tiles())
+
+    def block_bwd(self, q, k, v, out, lse, dout, q_ids=None, k_ids=None, k_start=None):
+        if self.backend == "cudnn":
+            return cudnn_kernel.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=False)
+        if self.backend == "pallas":
+            starts = None if q_ids is None else q_ids - k_start
+            return pallas_kernel.pallas_attention_bwd(q, k, v, out, lse, dout, causal=False, kv_starts=starts,
+                                                      **self._pallas())
+        ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
+        return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=False, **ids, **self._tiles())
+
+
+def ring_kernel(backend: str, block_q: int = 512, block_k: int = 512) -> BlockKernel:
+    """The `BlockKernel` for a resolved `attention.backend` (`jaxlong.kernels.backend.resolve_backend`): cuDNN and
+    Pallas as named, the blockwise kernel for anything else (`blockwise`, and `reference`, which has no
+    per-block form)."""
+    return BlockKernel(backend if backend in ("cudnn", "pallas") else "blockwise", int(block_q), int(block_k))
+
+
 def _halves(x: jax.Array, axis: int):
     n = x.shape[axis] // 2
     return lax.slice_in_dim(x, 0, n, axis=axis), lax.slice_in_dim(x, n, 2 * n, axis=axis)
@@ -154,49 +226,55 @@ def _where(c, a, b):
     return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
 
 
-def _fwd_block(q, k, v, out, lse, q_ids, k_ids, kw):
+def _fwd_block(q, k, v, out, lse, q_ids, k_ids, k_start, kernel: BlockKernel):
     """Merge the attention of q to one K/V block (unmasked, or with run ids only same-run pairs) into
     `(out, lse)`."""
-    ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
-    return _merge(out, lse, *blockwise_attention_fwd(q, k, v, causal=False, **ids, **kw))
+    return _merge(out, lse, *kernel.block_fwd(q, k, v, q_ids, k_ids, k_start))
 
 
-def _fwd_step(q, k, v, out, lse, before, causal, kw, q_ids=None, k_ids=None):
-    """Merge the attention of local queries to one remote K/V block (`before`: the block's owner precedes
-    this rank in the ring) into `(out, lse)`. `q_ids`, `k_ids`: run ids `[b, S/R]` of the queries and of the
-    block (`run_ids`), or None."""
+def _chunk_starts(src, n: int, c: int):
+    """Original positions of the first tokens of ring rank `src`'s two zigzag chunks of `c` tokens."""
+    return src * c, (2 * n - 1 - src) * c
+
+
+def _fwd_step(q, k, v, out, lse, before, causal, kernel: BlockKernel, q_ids=None, k_ids=None, src=None, n=1):
+    """Merge the attention of local queries to one remote K/V block (`before`: the block's owner `src` precedes
+    this rank in the ring of `n`) into `(out, lse)`. `q_ids`, `k_ids`: run ids `[b, S/R]` of the queries and of
+    the block (`run_ids`), or None."""
     if not causal:
-        return _fwd_block(q, k, v, out, lse, None, None, kw)
+        return _fwd_block(q, k, v, out, lse, None, None, None, kernel)
     q0, q1 = _halves(q, 1)
     k0, k1 = _halves(k, 1)
     v0, v1 = _halves(v, 1)
     (out0, out1), (lse0, lse1) = _halves(out, 1), _halves(lse, 2)
     (qi0, qi1), (ki0, ki1) = ((None, None), (None, None)) if q_ids is None else (_halves(q_ids, 1), _halves(k_ids, 1))
-    out1, lse1 = _fwd_block(q1, k0, v0, out1, lse1, qi1, ki0, kw)  # block X, every step
+    start0, start1 = _chunk_starts(src, n, q0.shape[1])
+    out1, lse1 = _fwd_block(q1, k0, v0, out1, lse1, qi1, ki0, start0, kernel)  # block X, every step
     qy, ky, vy, qiy, kiy = _where(before, (q0, k0, v0, qi0, ki0), (q1, k1, v1, qi1, ki1))  # block Y
     ta, tl = _where(before, (out0, lse0), (out1, lse1))
-    m, ml = _fwd_block(qy, ky, vy, ta, tl, qiy, kiy, kw)
+    m, ml = _fwd_block(qy, ky, vy, ta, tl, qiy, kiy, jnp.where(before, start0, start1), kernel)
     out0, lse0 = _where(before, (m, ml), (out0, lse0))
     out1, lse1 = _where(before, (out1, lse1), (m, ml))
     return jnp.concatenate([out0, out1], 1), jnp.concatenate([lse0, lse1], 2)
 
 
-def _bwd_block(q, k, v, o, l, do, q_ids, k_ids, kw):
+def _bwd_block(q, k, v, o, l, do, q_ids, k_ids, k_start, kernel: BlockKernel):
     """float32 `(dq, dk, dv)` of one block (see `_fwd_block`)."""
-    ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
-    return tuple(g.astype(_F32) for g in blockwise_attention_bwd(q, k, v, o, l, do, causal=False, **ids, **kw))
+    return tuple(g.astype(_F32) for g in kernel.block_bwd(q, k, v, o, l, do, q_ids, k_ids, k_start))
 
 
-def _bwd_step(q, k, v, out, lse, dout, before, causal, kw, q_ids=None, k_ids=None):
+def _bwd_step(q, k, v, out, lse, dout, before, causal, kernel: BlockKernel, q_ids=None, k_ids=None, src=None,
+              n=1):
     """Gradient contributions `(dq, dk, dv)` (float32) of one remote K/V block; see `_fwd_step`."""
     if not causal:
-        return _bwd_block(q, k, v, out, lse, dout, None, None, kw)
+        return _bwd_block(q, k, v, out, lse, dout, None, None, None, kernel)
     halves = [_halves(a, 1) for a in (q, k, v, out, dout)] + [_halves(lse, 2)]
     (q0, q1), (k0, k1), (v0, v1), (o0, o1), (do0, do1), (l0, l1) = halves
     (qi0, qi1), (ki0, ki1) = ((None, None), (None, None)) if q_ids is None else (_halves(q_ids, 1), _halves(k_ids, 1))
-    dqx, dkx, dvx = _bwd_block(q1, k0, v0, o1, l1, do1, qi1, ki0, kw)
+    start0, start1 = _chunk_starts(src, n, q0.shape[1])
+    dqx, dkx, dvx = _bwd_block(q1, k0, v0, o1, l1, do1, qi1, ki0, start0, kernel)
     ys = _where(before, (q0, k0, v0, o0, l0, do0, qi0, ki0), (q1, k1, v1, o1, l1, do1, qi1, ki1))
-    dqy, dky, dvy = _bwd_block(*ys, kw)
+    dqy, dky, dvy = _bwd_block(*ys, jnp.where(before, start0, start1), kernel)
     zero = jnp.zeros_like(dqy)
     dq = jnp.concatenate([jnp.where(before, dqy, zero), dqx + jnp.where(before, zero, dqy)], 1)
     zk = jnp.zeros_like(dky)
@@ -209,9 +287,10 @@ def _ring_perm(n: int):
     return [(i, (i + 1) % n) for i in range(n)]  # rank i sends to i+1, receives from i-1
 
 
-def _block_ids(segment_ids, q, n: int, axis_name: str, causal: bool):
+def _block_ids(segment_ids, q, n: int, axis_name: str, causal: bool, ids_are_runs: bool = False):
     """`(ids_of(rank), q_ids)`: run ids `[b, S/R]` of any ring rank's block, sliced from the whole sequence's
-    (nothing is communicated); `(None, None)` without segment ids.
+    (nothing is communicated); `(None, None)` without segment ids. `ids_are_runs`: `segment_ids` are run ids
+    already (`run_ids`, computed once per step by the model), else they are computed here.
 
     Raises:
       ValueError: segment ids with `causal=False`, or not `[batch, R * S/R]` integers."""
@@ -223,7 +302,7 @@ def _block_ids(segment_ids, q, n: int, axis_name: str, causal: bool):
     if tuple(segment_ids.shape) != (b, n * s_loc) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(f"ring attention: segment_ids must be the whole sequence's integer ids [batch, S] = "
                          f"{[b, n * s_loc]} (zigzag layout); got {segment_ids.dtype}{list(segment_ids.shape)}")
-    runs = run_ids(segment_ids, n)
+    runs = segment_ids.astype(jnp.int32) if ids_are_runs else run_ids(segment_ids, n)
     ids_of = lambda rank: lax.dynamic_slice_in_dim(runs, rank * s_loc, s_loc, axis=1)
     return ids_of, ids_of(lax.axis_index(axis_name))
 
@@ -232,7 +311,7 @@ def _block_ids(segment_ids, q, n: int, axis_name: str, causal: bool):
 
 
 def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = True, block_q: int = 512,
-                       block_k: int = 512, segment_ids=None):
+                       block_k: int = 512, segment_ids=None, backend: str = "blockwise", ids_are_runs: bool = False):
     """Ring attention forward inside `jax.shard_map`; returns `(out, lse)` like
     `jaxlong.kernels.backend.attention_fwd_with_lse`.
 
@@ -241,10 +320,12 @@ def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = Tr
         rank's zigzag shard (chunks r and 2R-1-r; for `causal=False` any layout).
       axis_name: the mesh axis of the ring (size R).
       causal: causal mask in original token order (zigzag layout required).
-      block_q, block_k: kernel tiles; with `causal` they must divide S/(2R) (after clamping).
+      block_q, block_k: the blockwise kernel's tiles; with `causal` they must divide S/(2R) (after clamping).
       segment_ids: int `[batch, S]` (0 = padding) or None: document masking (as the kernels'). The *whole*
         sequence's ids in the zigzag layout, on every rank (`jaxlong.parallel.ulysses.gather_segment_ids`): each
         step slices its K/V block's ids from them, so no ids travel around the ring. Requires `causal`.
+      backend: the blocks' kernel, a resolved `attention.backend` (`ring_kernel`: cuDNN, Pallas or blockwise).
+      ids_are_runs: `segment_ids` are already run ids (`run_ids`; the model computes them once per step).
 
     Returns:
       out `[batch, S/R, heads, head_dim]` (dtype of q), lse float32 `[batch, heads, S/R]`.
@@ -253,14 +334,14 @@ def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = Tr
       ValueError: an odd local length with `causal`, tiles not dividing the blocks, or segment ids without
         `causal` or not of shape `[batch, S]`.
     """
-    kw = dict(block_q=block_q, block_k=block_k)
+    kernel = ring_kernel(backend, block_q, block_k)
     n = lax.axis_size(axis_name)
     if causal and q.shape[1] % 2:
         raise ValueError(f"ring attention (zigzag): local sequence length {q.shape[1]} must be even")
-    ids_of, q_ids = _block_ids(segment_ids, q, n, axis_name, causal)
+    ids_of, q_ids = _block_ids(segment_ids, q, n, axis_name, causal, ids_are_runs)
     if n > 1:
         nxt = lax.ppermute((k, v), axis_name, _ring_perm(n))  # issued before the diagonal block
-    out, lse = blockwise_attention_fwd(q, k, v, causal=causal, segment_ids=q_ids, **kw)
+    out, lse = kernel.diagonal_fwd(q, k, v, causal, q_ids)
     out = out.astype(_F32)
     if n == 1:
         return out.astype(q.dtype), lse
@@ -270,7 +351,7 @@ def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = Tr
         out, lse, k_i, v_i = carry
         nxt = (k_i, v_i) if last else lax.ppermute((k_i, v_i), axis_name, _ring_perm(n))
         src = (r - i) % n
-        out, lse = _fwd_step(q, k_i, v_i, out, lse, src < r, causal, kw, q_ids, ids_of(src))
+        out, lse = _fwd_step(q, k_i, v_i, out, lse, src < r, causal, kernel, q_ids, ids_of(src), src, n)
         return (out, lse, *nxt)
 
     carry = lax.fori_loop(1, n - 1, step, (out, lse, *nxt))
@@ -279,19 +360,20 @@ def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = Tr
 
 
 def ring_attention_bwd(q, k, v, out, lse, dout, *, axis_name: str = RING_AXIS, causal: bool = True,
-                       block_q: int = 512, block_k: int = 512, segment_ids=None):
+                       block_q: int = 512, block_k: int = 512, segment_ids=None, backend: str = "blockwise",
+                       ids_are_runs: bool = False):
     """Ring attention backward inside `jax.shard_map`; returns `(dq, dk, dv)` (dtypes of q, k, v).
 
-    `out` and `lse` are `ring_attention_fwd`'s, `segment_ids` the same as its; K/V travel around the ring
+    `out` and `lse` are `ring_attention_fwd`'s, `segment_ids`, `backend`, `ids_are_runs` the same as its (each
+    block's backward gets the global out and lse of its queries); K/V travel around the ring
     again and each block's dK/dV accumulator (float32) travels with it, arriving back at its owner after R
     sends. Raises as `ring_attention_fwd`."""
-    kw = dict(block_q=block_q, block_k=block_k)
+    kernel = ring_kernel(backend, block_q, block_k)
     n = lax.axis_size(axis_name)
-    ids_of, q_ids = _block_ids(segment_ids, q, n, axis_name, causal)
+    ids_of, q_ids = _block_ids(segment_ids, q, n, axis_name, causal, ids_are_runs)
     if n > 1:
         nxt = lax.ppermute((k, v), axis_name, _ring_perm(n))
-    dq, dk, dv = (g.astype(_F32) for g in blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal,
-                                                                    segment_ids=q_ids, **kw))
+    dq, dk, dv = (g.astype(_F32) for g in kernel.diagonal_bwd(q, k, v, out, lse, dout, causal, q_ids))
     if n == 1:
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
     r = lax.axis_index(axis_name)
@@ -301,7 +383,7 @@ def ring_attention_bwd(q, k, v, out, lse, dout, *, axis_name: str = RING_AXIS, c
         dq, k_i, v_i, dk_i, dv_i = carry
         nxt = (k_i, v_i) if last else lax.ppermute((k_i, v_i), axis_name, _ring_perm(n))
         src = (r - i) % n
-        gq, gk, gv = _bwd_step(q, k_i, v_i, out, lse, dout, src < r, causal, kw, q_ids, ids_of(src))
+        gq, gk, gv = _bwd_step(q, k_i, v_i, out, lse, dout, src < r, causal, kernel, q_ids, ids_of(src), src, n)
         dkv = lax.ppermute((dk_i + gk, dv_i + gv), axis_name, _ring_perm(n))  # on to the next rank / owner
         return (dq + gq, *nxt, *dkv)
 
@@ -310,38 +392,41 @@ def ring_attention_bwd(q, k, v, out, lse, dout, *, axis_name: str = RING_AXIS, c
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ring(q, k, v, segment_ids, axis_name, causal, block_q, block_k):
-    return ring_attention_fwd(q, k, v, axis_name=axis_name, causal=causal, block_q=block_q, block_k=block_k,
-                              segment_ids=segment_ids)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring(q, k, v, segment_ids, axis_name, causal, opts):
+    return ring_attention_fwd(q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids,
+                              **dict(opts))[0]
 
 
-def _ring_vjp_fwd(q, k, v, segment_ids, axis_name, causal, block_q, block_k):
-    out, lse = ring_attention_fwd(q, k, v, axis_name=axis_name, causal=causal, block_q=block_q, block_k=block_k,
-                                  segment_ids=segment_ids)
+def _ring_vjp_fwd(q, k, v, segment_ids, axis_name, causal, opts):
+    out, lse = ring_attention_fwd(q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids,
+                                  **dict(opts))
     return out, (q, k, v, segment_ids, out, lse)  # nothing per ring step
 
 
-def _ring_vjp_bwd(axis_name, causal, block_q, block_k, res, dout):
+def _ring_vjp_bwd(axis_name, causal, opts, res, dout):
     q, k, v, segment_ids, out, lse = res
-    return (*ring_attention_bwd(q, k, v, out, lse, dout, axis_name=axis_name, causal=causal, block_q=block_q,
-                                block_k=block_k, segment_ids=segment_ids), None)
+    return (*ring_attention_bwd(q, k, v, out, lse, dout, axis_name=axis_name, causal=causal,
+                                segment_ids=segment_ids, **dict(opts)), None)
 
 
 _ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
 
 
 def ring_attention_local(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = True, block_q: int = 512,
-                         block_k: int = 512, segment_ids=None) -> jax.Array:
+                         block_k: int = 512, segment_ids=None, backend: str = "blockwise",
+                         ids_are_runs: bool = False) -> jax.Array:
     """Differentiable ring attention on local shards inside `jax.shard_map` (`custom_vjp`: forward
     `ring_attention_fwd`, backward `ring_attention_bwd`, residuals q, k, v, segment ids, out, lse). Shapes
-    (`segment_ids`: the whole sequence's, `[batch, S]`) and errors as `ring_attention_fwd`; returns out
-    `[batch, S/R, heads, head_dim]`."""
-    return _ring(q, k, v, segment_ids, axis_name, bool(causal), int(block_q), int(block_k))
+    (`segment_ids`: the whole sequence's, `[batch, S]`), `backend`, `ids_are_runs` and errors as
+    `ring_attention_fwd`; returns out `[batch, S/R, heads, head_dim]`."""
+    opts = (("block_q", int(block_q)), ("block_k", int(block_k)), ("backend", str(backend)),
+            ("ids_are_runs", bool(ids_are_runs)))
+    return _ring(q, k, v, segment_ids, axis_name, bool(causal), opts)
 
 
 def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, causal: bool = True, block_q: int = 512,
-                   block_k: int = 512, segment_ids=None) -> jax.Array:
+                   block_k: int = 512, segment_ids=None, backend: str = "blockwise") -> jax.Array:
     """Ring attention on global arrays whose sequence is split over the mesh axis `ring` only.
 
     Args:
@@ -351,6 +436,7 @@ def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, causal: bool = True, blo
         Ulysses x ring hybrid, `jaxlong.parallel.ulysses.ulysses_attention`).
       segment_ids: int `[batch, seq]` (0 = padding) in the same layout as q, or None: document masking
         (requires `causal`); every ring rank gets them whole (`S * 4` bytes per sequence).
+      backend: the blocks' kernel (`ring_kernel`): `blockwise`, `cudnn` or `pallas`.
 
     Returns:
       `[batch, seq, heads, head_dim]` in the same layout as q.
@@ -368,7 +454,7 @@ def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, causal: bool = True, blo
         raise ValueError(f"ring attention (zigzag): seq={q.shape[1]} must be divisible by 2*ring = {2 * n}")
     batch = tuple(a for a in mesh.axis_names if a in ("data", "fsdp")) or None
     spec = P(batch, RING_AXIS, None, None)
-    fn = functools.partial(ring_attention_local, causal=causal, block_q=block_q, block_k=block_k)
+    fn = functools.partial(ring_attention_local, causal=causal, block_q=block_q, block_k=block_k, backend=backend)
     if segment_ids is None:
         return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=True)(q, k, v)
     if not causal:

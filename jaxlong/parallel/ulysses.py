@@ -34,9 +34,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, axis_size, seq_axes
-from jaxlong.kernels.backend import attention
+from jaxlong.kernels.backend import attention, resolve_backend
 from jaxlong.layers import blocks as L
-from jaxlong.parallel.ring import ring_attention_local
+from jaxlong.parallel.ring import ring_attention_local, run_ids
 
 
 def seq_to_heads(x: jax.Array, axis_name: str = CONTEXT_AXIS) -> jax.Array:
@@ -58,12 +58,16 @@ def replicate_kv_heads(k: jax.Array, context: int) -> jax.Array:
 
 
 def gather_segment_ids(segment_ids: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
-    """Segment ids `[batch, S]` (int32) laid out whole on every context device: `P(('data', 'fsdp'), None)`.
+    """Segment ids `[batch, S]` (int32) laid out whole on every context device: `P(('data', 'fsdp'), None)`;
+    with a `ring` axis of size R > 1, as ring attention's run ids (`jaxlong.parallel.ring.run_ids`, zigzag
+    layout), which mask documents exactly as the segment ids do; pass `ids_are_runs=True` with them.
 
     From the usual `P(('data', 'fsdp'), 'context')` this is one all-gather of `S * 4` bytes per sequence over the
     `context` axis; call it once per step, outside the layer scan, and pass the result to every layer."""
     sharding = jax.sharding.NamedSharding(mesh, P(BATCH_AXES, None))
-    return jax.lax.with_sharding_constraint(segment_ids.astype(jnp.int32), sharding)
+    ids = jax.lax.with_sharding_constraint(segment_ids.astype(jnp.int32), sharding)
+    ring = axis_size(mesh, RING_AXIS)
+    return jax.lax.with_sharding_constraint(run_ids(ids, ring), sharding) if ring > 1 else ids
 
 
 def ulysses_attention(
@@ -77,6 +81,7 @@ def ulysses_attention(
     block_q: int = 512,
     block_k: int = 512,
     segment_ids: jax.Array | None = None,
+    ids_are_runs: bool = False,
 ) -> jax.Array:
     """Causal attention with Ulysses context parallelism over the mesh's `context` axis (and ring attention
     over its `ring` axis when that has size > 1: the Ulysses x ring hybrid).
@@ -86,11 +91,13 @@ def ulysses_attention(
         ring x context (in the zigzag layout when ring > 1, `jaxlong.parallel.ring.zigzag`).
       k, v: `[batch, seq, kv_heads, head_dim]`, same sharding.
       mesh: the `data x fsdp x ring x context` mesh (or `data x fsdp x context`).
-      backend, block_q, block_k: the single-device kernel (see `jaxlong.kernels.backend.attention`); with
-        ring > 1 the per-block kernel is the blockwise one whatever `backend` says.
+      backend, block_q, block_k: the kernel (see `jaxlong.kernels.backend.attention`; `auto` resolved for the
+        mesh's devices); with ring > 1 it runs ring attention's blocks (`jaxlong.parallel.ring.ring_kernel`).
       segment_ids: int32 `[batch, seq]` (0 = padding) or None: document masking. Whole sequences per device,
         as `gather_segment_ids` lays them out (passing them sharded over context gathers them on every call);
         with ring > 1 in the zigzag layout like q, and ring attention slices each K/V block's ids from them.
+      ids_are_runs: with ring > 1, `segment_ids` are already run ids (`gather_segment_ids` makes them once per
+        step); otherwise each call computes them.
 
     Returns:
       `[batch, seq, heads, head_dim]`, sharded like q.
@@ -105,11 +112,14 @@ def ulysses_attention(
     spec = P(BATCH_AXES, seq_axes(mesh), None, None)
     ring = axis_size(mesh, RING_AXIS)
     kernel = dict(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
+    if ring > 1:
+        ring_backend = resolve_backend(backend, q, segment_ids, platform=mesh.devices.flat[0].platform)
 
     def local(q, k, v, seg=None):
         q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
         if ring > 1:
-            out = ring_attention_local(q, k, v, causal=causal, block_q=block_q, block_k=block_k, segment_ids=seg)
+            out = ring_attention_local(q, k, v, causal=causal, block_q=block_q, block_k=block_k, segment_ids=seg,
+                                       backend=ring_backend, ids_are_runs=ids_are_runs)
         else:
             out = attention(q, k, v, segment_ids=seg, **kernel)
         return heads_to_seq(out)
@@ -161,7 +171,8 @@ def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | Non
     weights = (ctx.gather(w.wq), ctx.gather(w.wk), ctx.gather(w.wv))
     q, k, v = project(x, w.norm, *weights, *(w.qk_norm or ()))
     attn = ulysses_attention(q, k, v, mesh=ctx.mesh, backend=ctx.backend, block_q=ctx.block_q,
-                             block_k=ctx.block_k, segment_ids=segment_ids)
+                             block_k=ctx.block_k, segment_ids=segment_ids,
+                             ids_are_runs=axis_size(ctx.mesh, RING_AXIS) > 1)
     attn = checkpoint_name(attn, "attn_out")
     return x + jnp.einsum("bsnd,ndh->bsh", attn, ctx.gather(w.wo))
 

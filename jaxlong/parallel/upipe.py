@@ -90,9 +90,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxlong.core.errors import ConfigError
-from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, seq_axes
+from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, axis_size, seq_axes
 from jaxlong.core.ordering import opaque_one, zeros_after
-from jaxlong.kernels.backend import attention_bwd, attention_fwd_with_lse
+from jaxlong.kernels.backend import attention_bwd, attention_fwd_with_lse, resolve_backend
 from jaxlong.layers import blocks as L
 from jaxlong.layers.remat import ATTENTION_NAMES
 from jaxlong.parallel.ring import ring_attention_bwd, ring_attention_fwd, zigzag_positions
@@ -109,19 +109,18 @@ def _ring_size() -> int:
     return int(mesh.shape[RING_AXIS]) if RING_AXIS in mesh.axis_names else 1
 
 
-def _attention_fwd(q, k, v, kernel: dict, seg=None):
-    """The stage's attention on `[b, S/R, U/C, d]`: ring attention over `ring` (U-Pipe x ring) when R > 1;
-    `seg`: segment ids of the whole sequence `[b, S]` (document masking; zigzag layout with ring attention)."""
+def _attention_fwd(q, k, v, kernel: dict, seg=None, runs: bool = False):
+    """The stage's attention on `[b, S/R, U/C, d]`: ring attention over `ring` (U-Pipe x ring) when R > 1, its
+    blocks on `kernel["backend"]` (resolved for the mesh's devices); `seg`: segment ids of the whole sequence
+    `[b, S]` (document masking; zigzag layout with ring attention, where `runs` says they are run ids)."""
     if _ring_size() > 1:
-        return ring_attention_fwd(q, k, v, causal=kernel["causal"], block_q=kernel["block_q"],
-                                  block_k=kernel["block_k"], segment_ids=seg)
+        return ring_attention_fwd(q, k, v, segment_ids=seg, ids_are_runs=runs, **kernel)
     return attention_fwd_with_lse(q, k, v, segment_ids=seg, **kernel)
 
 
-def _attention_bwd(q, k, v, o, lse, do, kernel: dict, seg=None):
+def _attention_bwd(q, k, v, o, lse, do, kernel: dict, seg=None, runs: bool = False):
     if _ring_size() > 1:
-        return ring_attention_bwd(q, k, v, o, lse, do, causal=kernel["causal"], block_q=kernel["block_q"],
-                                  block_k=kernel["block_k"], segment_ids=seg)
+        return ring_attention_bwd(q, k, v, o, lse, do, segment_ids=seg, ids_are_runs=runs, **kernel)
     return attention_bwd(q, k, v, o, lse, do, segment_ids=seg, **kernel)
 
 
@@ -374,7 +373,7 @@ def _forward(x, wq, wk, wv, pos, seg, sch: Schedule, opts: dict, qk=None, fold=N
 
         def stage(out, u):
             q = _seq_to_heads(_project(x, _stage_get(wq, t, u, 1, sch), cos, sin, True, qn, eps, fold))
-            o, lse = _attention_fwd(q, k, v, opts["kernel"], seg)
+            o, lse = _attention_fwd(q, k, v, opts["kernel"], seg, opts.get("runs", False))
             return _stage_set(out, _heads_to_seq(o), t, u, 2, sch), lse
 
         return jax.lax.scan(stage, out, jnp.arange(sch.stages_per_group))
@@ -455,7 +454,7 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
                 dwo_s = jnp.einsum("bsnd,bsh->ndh", o_s, dout, preferred_element_type=f32)
                 dwo = _stage_set(dwo, dwo_s, t, u, 0, sch)
             o, do = _seq_to_heads(o_s), _seq_to_heads(do_s)
-            dq, dk, dv = _attention_bwd(q, k, v, o, lse_s, do, opts["kernel"], seg)
+            dq, dk, dv = _attention_bwd(q, k, v, o, lse_s, do, opts["kernel"], seg, opts.get("runs", False))
             if qk is None:
                 dq = _rope(_heads_to_seq(dq), cos, -sin)  # transpose of the rotation
             else:  # through RoPE and the q norm
@@ -577,6 +576,7 @@ def upipe_attention(
     qk_norm: tuple[jax.Array, jax.Array] | None = None,
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
+    ids_are_runs: bool = False,
 ) -> jax.Array:
     """Head-chunked Ulysses attention from the layer input (projection, RoPE, all-to-alls, attention).
 
@@ -586,7 +586,8 @@ def upipe_attention(
       wq: `[hidden, heads, head_dim]`; wk, wv: `[hidden, kv_heads, head_dim]` (replicated, i.e. gathered).
       heads_per_stage: U, a multiple of the context degree C that divides `heads`.
       rope_theta: RoPE base; positions are global token indices.
-      backend, causal, block_q, block_k: the attention kernel (`jaxlong.kernels.backend`).
+      backend, causal, block_q, block_k: the attention kernel (`jaxlong.kernels.backend`; with mesh.ring > 1,
+        `auto` is resolved for the mesh's devices and runs ring attention's blocks, `jaxlong.parallel.ring`).
       norm_scale: the attention RMSNorm's scale `[hidden]` (replicated), to normalize x inside the op:
         the forward then saves the layer input instead of the normalized one and the backward recomputes the
         norm after the incoming gradient arrives, so no normalized copy of x stays alive through the rest of
@@ -606,6 +607,8 @@ def upipe_attention(
         whole sequence, so they enter whole (`jaxlong.parallel.ulysses.gather_segment_ids`: gathered once per step,
         outside the layer scan) and every stage's kernel reuses them; with mesh.ring > 1 in the zigzag layout like
         x, and each ring step slices its K/V block's ids from them (nothing extra is communicated).
+      ids_are_runs: with mesh.ring > 1, `segment_ids` are already run ids (`gather_segment_ids` makes them once
+        per step); otherwise every stage's ring computes them.
 
     Returns:
       attention output before W_o, `[batch, seq, heads, head_dim]` in natural head order, sharded like x;
@@ -618,9 +621,14 @@ def upipe_attention(
     """
     sch = Schedule(wq.shape[1], wk.shape[1], mesh.shape[CONTEXT_AXIS], heads_per_stage)
     sch.validate()
+    ring = axis_size(mesh, RING_AXIS)
+    if ring > 1:  # the blocks' kernel, for the mesh's devices (compile-only GPUs included)
+        probe = jax.ShapeDtypeStruct((wq.shape[2],), x.dtype)
+        backend = resolve_backend(backend, probe, segment_ids, platform=mesh.devices.flat[0].platform)
     kernel = _Opts(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
     scaling = None if rope_scaling is None or rope_scaling.type == "none" else rope_scaling
-    opts = _Opts(theta=float(rope_theta), kernel=kernel, eps=float(norm_eps), scaling=scaling)
+    opts = _Opts(theta=float(rope_theta), kernel=kernel, eps=float(norm_eps), scaling=scaling,
+                 runs=bool(ids_are_runs and ring > 1))
     act, rep = P(BATCH_AXES, seq_axes(mesh), None), P()
     out_spec = P(BATCH_AXES, seq_axes(mesh), None, None)
     if out_weight is not None:
@@ -676,7 +684,7 @@ def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | Non
         rope_theta=ctx.rope_theta, backend=ctx.backend, block_q=ctx.block_q, block_k=ctx.block_k,
         norm_scale=w.norm, norm_eps=ctx.norm_eps, out_weight=ctx.gather(w.wo),
         rope_scaling=ctx.rope_scaling, qk_norm=w.qk_norm,
-        positions=positions, segment_ids=segment_ids,
+        positions=positions, segment_ids=segment_ids, ids_are_runs=axis_size(ctx.mesh, RING_AXIS) > 1,
     )
 
 

@@ -385,7 +385,8 @@ def hlo_cost(text: str, devices: int = 1, node_size: int | None = None) -> Cost:
 
 
 EFFICIENCY = 0.6  # fraction of peak FLOP/s that matmuls and flash attention sustain at long sequences
-EXPOSED = ("all-to-all", "collective-permute")  # on the critical path: attention waits for its operands
+EXPOSED = ("all-to-all",)  # on the critical path: attention waits for its operands
+RING = ("collective-permute",)  # ring attention's K/V and dK/dV sends: each issued before the block it overlaps
 OVERLAPPED = ("all-gather", "reduce-scatter", "all-reduce")  # FSDP: asynchronous, prefetched across layers
 
 
@@ -396,9 +397,15 @@ def roofline(cost: Cost, *, peak_flops: float, hbm_bandwidth: float, link_bandwi
     measurement: the assumptions are returned with it.
 
     time = max(FLOPs / (peak_flops x efficiency), HBM bytes / hbm_bandwidth)
-           + all-to-all and collective-permute wire bytes / link bandwidth       (exposed: not overlapped)
+           + all-to-all wire bytes / link bandwidth                               (exposed: not overlapped)
+           + max(0, collective-permute time - attention FLOPs / (peak x efficiency))  (ring: overlapped)
            + max(0, FSDP all-gather/reduce-scatter/all-reduce time - the compute time above)   (overlapped)
            + max(0, host offload transfer bytes / pcie_bandwidth - the compute time above)      (overlapped)
+
+    Each collective's wire bytes go at the link bandwidth inside a node and at `network_bandwidth` over groups
+    wider than a node (`Cost.network_wire_bytes`). Ring attention (`jaxlong.parallel.ring`) sends the next K/V
+    block (and, backward, the dK/dV accumulator) before it runs the current block's attention, so its
+    collective-permutes overlap the attention kernels and only their excess is exposed.
 
     Args:
       cost: `hlo_cost` of the compiled step (per device).
@@ -413,7 +420,9 @@ def roofline(cost: Cost, *, peak_flops: float, hbm_bandwidth: float, link_bandwi
     Returns:
       dict: `flops`, `attention_flops`, `model_flops` (FLOPs per device per step), `recompute_factor` (compiled
       / model FLOPs), `hbm_bytes`, `collective_bytes` (bytes per device per step, all kinds; by kind in
-      `collective_bytes_by_kind`), `attention_calls`, `attention_head_calls` (per step), `compute_seconds`,
+      `collective_bytes_by_kind`), `link_wire_bytes` and `network_wire_bytes` (wire bytes inside a node and
+      between nodes), `ring_seconds` and `ring_exposed_seconds` (collective-permutes: all, and not hidden behind
+      attention), `attention_calls`, `attention_head_calls` (per step), `compute_seconds`,
       `memory_seconds`, `host_seconds` (offload transfers), `exposed_seconds` (collectives and transfers not
       hidden), `step_seconds`, `tokens_per_s_per_gpu`, `mfu` (model
       FLOPs / step time / peak), `bound` ("compute" or "memory"), `assumptions` (text), `warnings`.
@@ -432,7 +441,9 @@ def roofline(cost: Cost, *, peak_flops: float, hbm_bandwidth: float, link_bandwi
     compute = cost.flops / (peak_flops * efficiency)
     memory = cost.hbm_bytes / hbm_bandwidth
     busy = max(compute, memory)
-    exposed = seconds(EXPOSED) + max(0.0, seconds(OVERLAPPED) - busy)
+    attention = cost.attention_flops / (peak_flops * efficiency)
+    ring = seconds(RING)
+    exposed = seconds(EXPOSED) + max(0.0, ring - attention) + max(0.0, seconds(OVERLAPPED) - busy)
     host = cost.host_transfer_bytes / pcie_bandwidth if pcie_bandwidth else 0.0
     exposed += max(0.0, host - busy)
     step = busy + exposed
@@ -442,6 +453,9 @@ def roofline(cost: Cost, *, peak_flops: float, hbm_bandwidth: float, link_bandwi
         "hbm_bytes": cost.hbm_bytes, "host_transfer_bytes": cost.host_transfer_bytes,
         "collective_bytes": sum(cost.collective_bytes.values()),
         "collective_bytes_by_kind": dict(cost.collective_bytes),
+        "network_wire_bytes": sum(cost.network_wire_bytes.values()),
+        "link_wire_bytes": sum(cost.collective_wire_bytes.values()) - sum(cost.network_wire_bytes.values()),
+        "ring_seconds": ring, "ring_exposed_seconds": max(0.0, ring - attention),
         "attention_calls": dict(cost.attention_calls), "attention_head_calls": dict(cost.attention_head_calls),
         "compute_seconds": compute, "memory_seconds": memory, "host_seconds": host, "exposed_seconds": exposed,
         "step_seconds": step, "tokens_per_s_per_gpu": tokens / step / devices,
@@ -463,7 +477,8 @@ def assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, ef
         f"Memory: operand + output bytes of each top-level kernel at {hbm_bandwidth / 1e12:.2f} TB/s (approximation: "
         "no cache reuse); step = max(compute, memory) + exposed collectives.",
         f"Collectives: ring/pairwise wire bytes at {link_bandwidth / 1e9:.0f} GB/s NVLink per direction inside a node, "
-        f"{net}; all-to-all and collective-permute exposed (attention waits for them), FSDP "
+        f"{net}; all-to-all exposed (attention waits for it); ring attention's collective-permutes hidden behind "
+        "the attention kernels (each is sent before the block it overlaps; only their excess counts); FSDP "
         "all-gather/reduce-scatter/all-reduce hidden behind compute (only their excess counts).",
         (f"Offload: residual copies to/from host memory at {pcie_bandwidth / 1e9:.0f} GB/s (PCIe) hidden behind "
          "compute (only their excess counts)." if pcie_bandwidth else "Offload transfers: not timed."),
@@ -482,8 +497,9 @@ def format_estimate_table(rows: list[dict]) -> str:
     """Markdown table of the `estimate` of each row (a plan with `name`, `seq_len` and `estimate`), per device
     and per step; the assumptions of the first row under it."""
     head = ("| rung | seq_len | step FLOPs (T) | model FLOPs (T) | recompute | HBM bytes (GB) | collective bytes (GB) "
-            "| attention calls fwd / bwd | est. step (s) | est. tokens/s per GPU | est. MFU |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "| wire NVLink / network (GB) | ring exposed (s) | attention calls fwd / bwd | est. step (s) "
+            "| est. tokens/s per GPU | est. MFU |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         e = r.get("estimate")
@@ -493,6 +509,8 @@ def format_estimate_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['name']} | {r.get('seq_len', 0):,} | {significant(e['flops'] / 1e12)} | {significant(e['model_flops'] / 1e12)} | "
             f"{e['recompute_factor']:.2f} | {significant(e['hbm_bytes'] / 1e9)} | {significant(e['collective_bytes'] / 1e9)} | "
+            f"{significant(e.get('link_wire_bytes', 0) / 1e9)} / {significant(e.get('network_wire_bytes', 0) / 1e9)} | "
+            f"{significant(e.get('ring_exposed_seconds', 0))} | "
             f"{calls.get('forward', 0):.0f} / {calls.get('backward', 0):.0f} | {significant(e['step_seconds'])} | "
             f"{significant(e['tokens_per_s_per_gpu'])} | {e['mfu']:.1%} |")
     first = next((r["estimate"] for r in rows if r.get("estimate")), None)

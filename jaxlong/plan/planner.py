@@ -45,7 +45,7 @@ import jax
 
 from jaxlong.config import Config, ConfigError, apply_setting, parse_override, validate
 from jaxlong.core.memstats import compiled_bytes
-from jaxlong.core.mesh import CONTEXT_AXIS, build_mesh
+from jaxlong.core.mesh import CONTEXT_AXIS, RING_AXIS, build_mesh
 from jaxlong.core.units import GiB, fmt_gib, parse_bytes
 from jaxlong.core.xla_log import compile_logged
 from jaxlong.layers.remat import default_offload_every, host_layer_inputs
@@ -250,7 +250,8 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
     if gpu:
         batch_local = max(cfg.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"]), 1)
         backend = Runtime(mesh=mesh, cfg=cfg).attention_backend
-        rows["workspace"] = ws.attention_workspace_bytes(cfg, backend, mesh.shape[CONTEXT_AXIS], batch_local)
+        rows["workspace"] = ws.attention_workspace_bytes(cfg, backend, mesh.shape[CONTEXT_AXIS], batch_local,
+                                                         ring=mesh.shape.get(RING_AXIS, 1))
         rows["collectives"] = ws.collective_buffer_bytes(n, collective_buffers)
         rows["headroom"] = ws.parse_headroom(headroom, device_memory) if device_memory else 0
     total = peak + sum(rows.values())

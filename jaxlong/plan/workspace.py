@@ -42,13 +42,14 @@ NCCL_CHANNELS = 32
 COMMUNICATORS = 3  # FSDP group, context group, all devices
 
 
-def attention_workspace_bytes(cfg: Config, backend: str, context: int, batch_local: int) -> int:
+def attention_workspace_bytes(cfg: Config, backend: str, context: int, batch_local: int, ring: int = 1) -> int:
     """Bytes per device of the attention kernel's run-time workspace (largest single call; module docstring).
 
     Args:
       cfg: the run's config (model heads, head_dim, seq_len, attention.impl and heads_per_stage).
       backend: the resolved kernel: `cudnn` has a workspace; `blockwise` and `reference` have none outside XLA.
       context: the context-parallel degree C; batch_local: sequences per device.
+      ring: the ring degree R: ring attention's largest kernel call is its diagonal block of S/R queries.
     """
     if backend != "cudnn":
         return 0
@@ -58,7 +59,7 @@ def attention_workspace_bytes(cfg: Config, backend: str, context: int, batch_loc
         heads_local = (cfg.attention.heads_per_stage or context) // context
     else:
         heads_local = m.heads // context
-    rows = batch_local * min(heads_local, BWD_HEADS_PER_CALL) * cfg.seq_len
+    rows = batch_local * min(heads_local, BWD_HEADS_PER_CALL) * (cfg.seq_len // max(ring, 1))
     return 4 * rows * m.head_dim + 4 * rows  # dQ_accum + softmax_sum, float32
 
 

@@ -93,6 +93,38 @@ def test_custom_vjp_gradients_equal_the_blockwise_kernel_with_documents_and_gqa(
     assert sorted(r.size for r in res) == sorted([q.size, k.size, v.size, DOCS_96.size, q.size, 2 * 4 * 96])
 
 
+def test_kv_starts_block_equals_the_blockwise_kernels_run_id_mask():
+    """Ring attention's off-diagonal block with documents: keys = tokens [48, 96) of a 144-token sequence, queries
+    = tokens [96, 144) (keys all before queries). `kv_starts` (each query's document start minus 48) gives the
+    blockwise kernel's `kv_segment_ids` mask on run ids: forward and lse (-inf for the queries of the document
+    that starts among them), and the backward from the whole sequence's (out, lse), GQA, tiles cut by documents."""
+    c, off = 48, 48
+    seg = _segments([(1, 30), (2, 50), (3, 40), (4, 24)], [(5, 100), (6, 44)])  # [2, 144]
+    runs = K.segment_starts(seg)
+    q, k, v, do = _inputs(2, 3 * c, 4, 2, 16, seed=5)
+    full_out, full_lse = K.blockwise_attention_fwd(q, k, v, segment_ids=seg, block_q=16, block_k=16)
+    qs, ks = slice(2 * c, 3 * c), slice(off, off + c)
+    blk = (q[:, qs], k[:, ks], v[:, ks])
+    ids = dict(causal=False, segment_ids=runs[:, qs], kv_segment_ids=runs[:, ks])
+    want_out, want_lse = K.blockwise_attention_fwd(*blk, block_q=16, block_k=16, **ids)
+    kv_starts = runs[:, qs] - off
+    out, lse = PG.pallas_attention_fwd(*blk, causal=False, kv_starts=kv_starts, block_q=16, block_k=32,
+                                       interpret=True)
+    assert bool(jnp.isneginf(lse).any()) and bool(jnp.isfinite(lse).any())  # row 0's document 4 sees no key
+    np.testing.assert_allclose(lse, want_lse, **TOL)
+    np.testing.assert_allclose(jnp.where(jnp.isfinite(want_lse).transpose(0, 2, 1)[..., None], out, 0.0), out)
+    np.testing.assert_allclose(out, jnp.nan_to_num(want_out), **TOL)
+    glob = (full_out[:, qs], full_lse[:, :, qs], do[:, qs])
+    grads = PG.pallas_attention_bwd(*blk, *glob, causal=False, kv_starts=kv_starts, block_q=32, block_k=16,
+                                    interpret=True)
+    want = K.blockwise_attention_bwd(*blk, *glob, block_q=16, block_k=16, **ids)
+    for got, ref in zip(grads, want):
+        assert bool(jnp.isfinite(got).all())
+        np.testing.assert_allclose(got, ref, **TOL)
+    with pytest.raises(ValueError, match="kv_starts .* requires causal=False"):
+        PG.pallas_attention_fwd(*blk, causal=True, kv_starts=kv_starts, interpret=True)
+
+
 @pytest.mark.slow
 def test_tiles_of_other_documents_and_above_the_diagonal_are_not_visited():
     """NaN planted where only a visited tile could read it (0 * NaN is NaN in a matmul, masked or not): two

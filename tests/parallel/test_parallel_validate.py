@@ -73,9 +73,10 @@ def test_ladder_adds_hybrid_rungs_when_the_mesh_has_a_ring():
     assert rungs[0][2].mesh.ring == 1 and rungs[6][2].mesh.context == 16  # single-axis rungs: Ulysses over 16
     for (_, what, c), impl in zip(rungs[-2:], ("ulysses", "upipe")):
         assert (c.mesh.ring, c.mesh.context, c.mesh.num_devices, c.attention.impl) == (2, 8, 16, impl)
-        assert (c.remat.policy, c.tiling.loss, c.tiling.mlp) == ("offload", True, True)
+        assert (c.remat.policy, c.remat.offload_every, c.tiling.loss, c.tiling.mlp) == ("offload", 4, True, True)
         assert "8 devices" in what and "2" in what
-    assert len(ladder(load_config(LLAMA_8B, []))) == 7  # one node: no hybrid rungs
+    one_node = [name for name, _, _ in ladder(load_config(LLAMA_8B, []))]  # one node: no hybrid rungs
+    assert one_node[-2:] == ["+U-Pipe", "+grouped offload"] and len(one_node) == 8
 
 
 def test_memory_cli_validates_for_the_target_topology(capsys):
@@ -91,10 +92,10 @@ def test_memory_cli_validates_for_the_target_topology(capsys):
     assert "2*mesh.ring*mesh.context = 2*2*8 = 32" in capsys.readouterr().err
 
 
-def test_ring_meshes_resolve_the_blockwise_kernel_on_gpu_targets():
-    """Ring attention runs the blockwise kernel per block whatever `attention.backend` says, so on a GPU
-    target a ring mesh resolves `auto` to `blockwise` (no cuDNN workspace is planned for it); one node of
-    Ulysses resolves to cuDNN. Mesh construction only, nothing compiles."""
+def test_ring_meshes_resolve_the_gpu_kernels_on_gpu_targets():
+    """Ring attention runs its blocks on the kernel `attention.backend` resolves to: on a GPU target `auto` is
+    cuDNN for a ring mesh as for one node of Ulysses, and the Pallas kernel with packed documents. Mesh
+    construction only, nothing compiles."""
     from helpers import tiny_cfg
 
     from jaxlong.core.mesh import build_mesh
@@ -104,8 +105,10 @@ def test_ring_meshes_resolve_the_blockwise_kernel_on_gpu_targets():
     if not cuda_plugin_available():
         pytest.skip("GPU targets need the CUDA plugin (jax[cuda12])")
     devices = compile_only_devices(parse_target("h100:4x2"))
-    for overrides, backend in ((["mesh.ring=2", "mesh.context=4"], "blockwise"), (["mesh.context=8"], "cudnn")):
-        cfg = tiny_cfg("compute_dtype=bfloat16", "mesh.fsdp=1", "data.packing=concat", *overrides)
+    for overrides, backend in ((["mesh.ring=2", "mesh.context=4", "data.packing=concat"], "cudnn"),
+                               (["mesh.context=8", "data.packing=concat"], "cudnn"),
+                               (["mesh.ring=2", "mesh.context=4", "data.packing=documents"], "pallas")):
+        cfg = tiny_cfg("compute_dtype=bfloat16", "mesh.fsdp=1", *overrides)
         assert Runtime(mesh=build_mesh(cfg.mesh, devices=devices), cfg=cfg).attention_backend == backend
 
 
