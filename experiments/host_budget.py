@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin compiles for compile-only GPUs; no driver
 
+from experiments.provenance import commit, machine  # noqa: E402
 from jaxlong.config import apply_setting, load_config, parse_override  # noqa: E402
 from jaxlong.core.units import TiB, fmt_gib, parse_bytes  # noqa: E402
 from jaxlong.layers.remat import default_offload_every  # noqa: E402
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start", type=int, default=4194304, help="first length of the device-limited searches")
     ap.add_argument("--check", type=int, default=10485760, help="also plan U-Pipe with grouped offload here")
     ap.add_argument("--out", default="experiments/results")
-    ap.add_argument("--cache", default=None, help="JSON cache of compiled plans (default OUT/host_budget_cache.json)")
+    ap.add_argument("--cache", default=None, help="JSON cache of compiled plans (default runs/host_budget_*_cache.json)")
     args = ap.parse_args(argv)
     target = parse_target(args.target)
     base = load_config(args.config, [f"mesh.num_devices={target.devices}"])
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [parse_bytes(b, option="--budgets") for b in args.budgets.split(",")]
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"host_budget_{base.model.name}_{args.target.replace(':', '-')}")
-    cache_path = args.cache or stem + "_cache.json"
+    cache_path = args.cache or os.path.join("runs", os.path.basename(stem) + "_cache.json")
+    os.makedirs(os.path.dirname(cache_path) or ".", exist_ok=True)
     cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
 
     def plan_at(name: str, overrides: list[str], seq: int, estimate: bool = True) -> dict:
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     budget_gib = target.device_memory / 2**30
     lines = [f"# Max context under host budgets: {base.model.name} on {target.describe()}", "",
              "```bash", "python experiments/host_budget.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-             "```", "",
+             "```", "", f"Machine: {machine()}; commit {commit()}.", "",
              f"GPU compile for compile-only {target.device_name} devices (no GPU used); device budget "
              f"{budget_gib:.1f} GiB per device (compiled peak + cuDNN workspace + NCCL buffers + 2% headroom); "
              "tokens/s per GPU is `--estimate`'s roofline, an estimate. Host memory is per node of "

@@ -18,23 +18,15 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import platform
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from experiments.provenance import commit, machine  # noqa: E402
 from jaxlong.config import load_config, validate  # noqa: E402
 from jaxlong.core.distributed import set_host_device_count  # noqa: E402
-
-
-def machine() -> str:
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
-    except (OSError, StopIteration):
-        model = platform.processor()
-    return f"{os.cpu_count()} x {model}, {platform.system()}"
+from jaxlong.plan.planner import HOST_BUDGET  # noqa: E402
 
 
 def main() -> int:
@@ -43,7 +35,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, required=True, help="sequence length of the ladder (tokens)")
     ap.add_argument("--target", default=None, help="GPU target (h100, h200, a100, [:N][xM]); default: CPU plan")
     ap.add_argument("--budget", default=None, help="per-device budget (default: the target's memory, else 80GiB)")
-    ap.add_argument("--host-budget", default="2TiB", help="host memory per node for offloaded bytes")
+    ap.add_argument("--host-budget", default=HOST_BUDGET, help=f"host memory per node for offloaded bytes (default {HOST_BUDGET})")
     ap.add_argument("--out", default="experiments/results")
     ap.add_argument("--no-max-context", action="store_true")
     ap.add_argument("--heads-per-stage", default="", help="comma-separated U for extra U-Pipe rows, e.g. 32,16")
@@ -77,7 +69,8 @@ def main() -> int:
     rungs = ladder(cfg)
     n_ladder = len(rungs)
     for u in filter(None, args.heads_per_stage.split(",")):
-        c = apply_rung(rungs[-1][2], [f"attention.heads_per_stage={int(u)}"], cfg.mesh.num_devices)
+        upipe = next(c for name, _, c in rungs if name == "+U-Pipe")  # not the rungs after it (grouped offload)
+        c = apply_rung(upipe, [f"attention.heads_per_stage={int(u)}"], cfg.mesh.num_devices)
         rungs.append((f"+U-Pipe U={u}", f"the U-Pipe rung with {u} heads per stage", c))
     for name, what, c in rungs:
         row = {"name": name, "what": what, **plan(c, target)}
@@ -98,7 +91,7 @@ def main() -> int:
         w.writerows(rows)
     source = rows[-1]["source"]  # the full mesh (the first rung runs on one device)
     plot_ladder(rows[:n_ladder], budget, stem + ".png", f"{cfg.model.name}, {args.seq:,} tokens, {source}")
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rev = commit()
     with open(stem + ".md", "w") as f:
         f.write(f"# Memory ladder: {cfg.model.name}, {args.seq:,} tokens, {source}\n\n")
         f.write(f"Command: `python {' '.join(sys.argv)}` (commit {rev}, {time.time() - t0:.0f} s)\n\n")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
@@ -24,19 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.provenance import machine  # noqa: E402
 from jaxlong.core.memstats import compiled_bytes
 from jaxlong.core.units import fmt_bytes
 from jaxlong.kernels.blockwise import blockwise_attention
-
-
-def _machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores visible, {platform.system()}, Python {platform.python_version()}, jax {jax.__version__}"
 
 
 def measure(seq: int, docs: int, heads: int, kv_heads: int, head_dim: int, block: int, reps: int) -> dict:
@@ -101,7 +93,7 @@ def main(argv=None) -> int:
                     f"documents; the kernel skips the tiles between different documents. Times are the median of "
                     f"{a.reps} runs after a warm-up, from one invocation; the machine was shared with other jobs, so "
                     f"absolute times are noisy, the ratio less so.\n\n"
-                    f"Command: `{cmd}`\n\nMachine: {_machine()}\n\n{table}\n")
+                    f"Command: `{cmd}`\n\nMachine: {machine()}, jax {jax.__version__}\n\n{table}\n")
     return 0
 
 

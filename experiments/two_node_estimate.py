@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin compiles for compile-only GPUs; no driver
 
+from experiments.provenance import commit, machine  # noqa: E402
 from jaxlong.config import apply_setting, load_config, parse_override  # noqa: E402
 from jaxlong.layers.remat import default_offload_every  # noqa: E402
 from jaxlong.plan import planner  # noqa: E402
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     lines = [f"# Two nodes: {base.model.name} on {target.describe()}", "", "```bash",
              "python experiments/two_node_estimate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-             "```", "", __doc__.split("\n\n", 2)[2].strip(), "",
+             "```", "", f"Machine: {machine()}; commit {commit()}.", "", __doc__.split("\n\n", 2)[2].strip(), "",
              "| method | seq_len | fits | total (GiB / device) | host (GiB / node) | wire NVLink / network (GB per "
              "GPU per step) | ring sends (s) | of which exposed (s) | est. step (s) | est. tokens/s per GPU | est. MFU "
              "| recompute | paper, 16 x H100 (max context) |",
