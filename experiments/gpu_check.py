@@ -183,6 +183,21 @@ def _segment_row(K, cand, smoke, inspect) -> dict:
     return {**row, "out_err": err, "pass": err <= 3e-2}
 
 
+def _errors(row: dict, got, ref, truth) -> bool:
+    """Max errors of (out, lse, dq, dk, dv) of the candidate (`got`) and the baseline (`ref`) against `truth`,
+    relative to the largest true value (lse: absolute), into `row`; whether the candidate is within twice the
+    baseline's error or 2% (bf16)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    ok = True
+    for j, t in enumerate(("out", "lse", "dq", "dk", "dv")):
+        scale = 1.0 if t == "lse" else float(jnp.max(jnp.abs(truth[j]))) + 1e-6
+        row[f"{t}_err"] = float(jnp.max(jnp.abs(got[j] - truth[j]))) / scale
+        row[f"{t}_err_baseline"] = float(jnp.max(jnp.abs(ref[j] - truth[j]))) / scale
+        ok &= row[f"{t}_err"] <= max(2 * row[f"{t}_err_baseline"], 2e-2)
+    return bool(ok)
+
+
 def _pallas_row(K, smoke: bool, gpu: bool) -> dict:
     """The Pallas kernel with segment ids (what `attention.backend=auto` runs for packed documents on GPUs)
     against the blockwise kernel, both bf16, errors relative to a float32 blockwise run: forward, lse and the
@@ -216,13 +231,7 @@ def _pallas_row(K, smoke: bool, gpu: bool) -> dict:
         bb = functools.partial(K.blockwise_attention_bwd, block_q=blk, block_k=blk)
         truth = run(bf, bb, *(x.astype(jnp.float32) for x in (q, k, v, do)))
         got, ref = run(pf, pb, q, k, v, do), run(bf, bb, q, k, v, do)
-        ok = True
-        for j, t in enumerate(("out", "lse", "dq", "dk", "dv")):
-            scale = 1.0 if t == "lse" else float(jnp.max(jnp.abs(truth[j]))) + 1e-6
-            row[f"{t}_err"] = float(jnp.max(jnp.abs(got[j] - truth[j]))) / scale
-            row[f"{t}_err_baseline"] = float(jnp.max(jnp.abs(ref[j] - truth[j]))) / scale
-            ok &= row[f"{t}_err"] <= max(2 * row[f"{t}_err_baseline"], 2e-2)
-        row["pass"] = bool(ok)
+        row["pass"] = _errors(row, got, ref, truth)
     except Exception as e:  # noqa: BLE001
         row.update({"pass": False, "error": f"{type(e).__name__}: {e}"[:400]})
     return row
@@ -283,13 +292,7 @@ def _ring_row(K, backend: str, smoke: bool, gpu: bool) -> dict:
         truth = jax.jit(whole)(*(x.astype(jnp.float32) for x in (q, k, v, do)))
         got = jax.jit(lambda *a: ring_two(kernel, *a))(q, k, v, do)
         ref = jax.jit(lambda *a: ring_two(BlockKernel("blockwise", blk, blk), *a))(q, k, v, do)
-        ok = True
-        for j, t in enumerate(("out", "lse", "dq", "dk", "dv")):
-            scale = 1.0 if t == "lse" else float(jnp.max(jnp.abs(truth[j]))) + 1e-6
-            row[f"{t}_err"] = float(jnp.max(jnp.abs(got[j] - truth[j]))) / scale
-            row[f"{t}_err_baseline"] = float(jnp.max(jnp.abs(ref[j] - truth[j]))) / scale
-            ok &= row[f"{t}_err"] <= max(2 * row[f"{t}_err_baseline"], 2e-2)
-        row["pass"] = bool(ok)
+        row["pass"] = _errors(row, got, ref, truth)
     except Exception as e:  # noqa: BLE001
         row.update({"pass": False, "error": f"{type(e).__name__}: {e}"[:400]})
     return row

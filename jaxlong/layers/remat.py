@@ -146,7 +146,7 @@ def scan_layers(layer, x: jax.Array, stacked, cfg) -> jax.Array:
 
     Returns the output of the last layer `[batch, seq, hidden]`.
     """
-    k = getattr(cfg, "offload_every", 1)
+    k = cfg.offload_every
     inner = remat(layer, cfg)
     if cfg.policy != "offload" or k <= 1:
         return jax.lax.scan(inner, x, stacked)[0]

@@ -139,7 +139,7 @@ def _host_residual_bytes(cfg: Config, mesh) -> int:
     host = sum(math.prod(a.shape) * a.dtype.itemsize for a, _ in res if "<host>" in a.str_short())
     k, layers = cfg.remat.offload_every, cfg.model.layers
     if cfg.remat.policy == "offload" and k > 1:  # the saved ones are the ceil(L/k) group inputs
-        host += host // -(-layers // k) * (host_layer_inputs(layers, k) - -(-layers // k))
+        host = host // -(-layers // k) * host_layer_inputs(layers, k)
     return host // activation_shards
 
 

@@ -30,6 +30,16 @@ def test_plan_counts_sharded_params_and_adam_state_exactly():
 
 
 @pytest.mark.slow
+def test_cpu_plan_counts_grouped_offload_host_inputs():
+    """The CPU approximation's host column with remat.offload_every=k: the ceil(L/k) saved group inputs plus the
+    k inputs of the group being recomputed (8 layers: 8, then 4 + 2 and 2 + 4)."""
+    base = ("mesh.fsdp=1", "mesh.context=8", "global_batch=1", "model.layers=8", "remat.policy=offload")
+    layer_input = tiny_cfg().seq_len // 8 * tiny_cfg().model.hidden * 4  # [S/C, hidden] float32
+    hosts = [plan(tiny_cfg(*base, f"remat.offload_every={k}"))["host"] for k in (1, 2, 4)]
+    assert hosts == [8 * layer_input, 6 * layer_input, 6 * layer_input]
+
+
+@pytest.mark.slow
 def test_offload_moves_bytes_to_host_and_bf16_is_scaled():
     base = ("mesh.fsdp=1", "mesh.context=8", "global_batch=1", "seq_len=4096", "model.layers=4",
             "model.hidden=256", "model.kv_heads=8")
