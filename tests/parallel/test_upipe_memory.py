@@ -133,3 +133,28 @@ def test_naive_autodiff_scan_gradient_costs_much_more():
     upipe = _measured(shape, "upipe", C, True)
     assert naive >= 1.5 * upipe, (naive / 2**20, upipe / 2**20)
     assert naive > (1 + TOLERANCE) * _model(shape, "upipe", C, True)  # so the model check would catch it too
+
+
+def test_dx_products_are_added_in_place_by_row_blocks():
+    """U-Pipe's backward adds each stage's `[b, S/C, hidden]` dx term (dY W^T) into dx block by block: the same
+    sum as adding the whole product, and the compiled program holds one block of the product, not all of it."""
+    from jaxlong.parallel.upipe import _add_product
+
+    b, s, n, d, hidden, tiles = 1, 4096, 4, 16, 256, 4
+    kx, ky, kw = jax.random.split(jax.random.key(0), 3)
+    dx = jax.random.normal(kx, (b, s, hidden), jnp.float32)
+    dy = jax.random.normal(ky, (b, s, n, d), jnp.float32)
+    w = jax.random.normal(kw, (hidden, n, d), jnp.float32)
+    whole = jax.jit(functools.partial(_add_product, tiles=1))
+    blocks = jax.jit(functools.partial(_add_product, tiles=tiles))
+    expected = dx + jnp.einsum("bsnd,hnd->bsh", dy, w)
+    assert jnp.allclose(whole(dx, dy, w), expected, rtol=1e-5, atol=1e-4)
+    assert jnp.allclose(blocks(dx, dy, w), expected, rtol=1e-5, atol=1e-4)
+
+    def temp(fn):  # dx donated: the accumulator is updated where it lies, as inside the backward's scan
+        return jax.jit(fn, donate_argnums=0).lower(dx, dy, w).compile().memory_analysis().temp_size_in_bytes
+
+    full_product = b * s * hidden * 4
+    assert temp(whole) >= full_product
+    # One block of the product (a quarter of it) and the block's slice of dY: under half of the whole product.
+    assert temp(blocks) < full_product / 2
