@@ -4,7 +4,8 @@ XLA's GPU compiler writes, per module, `*-buffer-assignment.txt` (every value wi
 size and memory space) and `*-live-range.txt` (the instruction sequence and each buffer's live range in
 it). The dump's own "peak" counts every memory space together, so with host offload it is the host buffer.
 `device_peak` joins the two files, keeps device memory (color 0) only, and returns the instruction where the
-most device bytes are live and the buffers live there, with the source line (`op_name` metadata) of each
+most device bytes are live and the buffers live there (a while loop's carried buffers included; values
+that share an allocation slice counted once), with the source line (`op_name` metadata) of each
 from `*after_optimizations.txt` when it was dumped (`--xla_dump_hlo_as_text`).
 
     python -m jaxlong.memory --target h100 --dump /tmp/d ...     # then
@@ -21,7 +22,8 @@ import sys
 
 from jaxlong.core.units import GiB
 
-_VALUE = re.compile(r"value: <\d+ ([^ >]+?)(?:\{([\d,]*)\})? @\d+> \(size=(\d+),offset=\d+\): (\S+)")
+# A value of the buffer assignment; "(phi)" marks a while loop's carried buffer (its parameter and its output).
+_VALUE = re.compile(r"value: <\d+ ([^ >]+?)(?:\{([\d,]*)\})?(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
 _RANGE = re.compile(r"^\s+(\S+?)\{([\d,]*)\}:(\d+)-(\d+)$")
 _OPNAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*op_name=\"([^\"]+)\"")
 
@@ -45,18 +47,20 @@ def device_peak(dump_dir: str, top: int = 25) -> dict:
     """
     assignment = _one(os.path.join(dump_dir, "*gpu_after_optimizations-buffer-assignment.txt"))
     live = assignment.replace("-buffer-assignment.txt", "-live-range.txt")
-    size, shape, device = {}, {}, set()
-    color = 0
+    size, shape, slot, device = {}, {}, {}, set()
+    color, allocation = 0, ""
     with open(assignment) as f:
         for line in f:
             if line.startswith("allocation"):
                 m = re.search(r"color (\d+)", line)
                 color = int(m.group(1)) if m else 0
+                allocation = line.split(":", 1)[0]
                 continue
             m = _VALUE.search(line)
             if m:
                 key = (m.group(1), m.group(2) or "")
-                size[key], shape[key] = int(m.group(3)), m.group(4)
+                size[key], shape[key] = int(m.group(3)), m.group(5)
+                slot[key] = (allocation, int(m.group(4)), size[key])
                 if color == 0:
                     device.add(key)
     sequence, ranges = [], []
@@ -77,18 +81,29 @@ def device_peak(dump_dir: str, top: int = 25) -> dict:
                 m = _RANGE.match(line)
                 if m and (m.group(1), m.group(2)) in device:
                     ranges.append(((m.group(1), m.group(2)), int(m.group(3)), int(m.group(4))))
+    # Values of one buffer (an in-place update and its operand, a loop's carried buffer and the values written
+    # into it) meet at an instruction: bytes count once per allocation slice, not once per value.
     n = max((end for _, _, end in ranges), default=0) + 2
-    delta = [0] * (n + 1)
+    starts, ends = [[] for _ in range(n + 1)], [[] for _ in range(n + 1)]
     for key, start, end in ranges:
-        delta[start] += size[key]
-        delta[end + 1] -= size[key]
-    best, at, running = -1, 0, 0
+        starts[start].append(slot[key])
+        ends[end + 1].append(slot[key])
+    users, best, at, running = {}, -1, 0, 0
     for i in range(n):
-        running += delta[i]
+        for sl in ends[i]:
+            users[sl] -= 1
+            running -= sl[2] if users[sl] == 0 else 0
+        for sl in starts[i]:
+            users[sl] = users.get(sl, 0) + 1
+            running += sl[2] if users[sl] == 1 else 0
         if running > best:
             best, at = running, i
     ops = _op_names(assignment)
-    live_at = sorted(((size[k], k) for k, s, e in ranges if s <= at <= e), reverse=True)
+    live_at, seen = [], set()
+    for k, s_, e in sorted(ranges, key=lambda r: -size[r[0]]):
+        if s_ <= at <= e and slot[k] not in seen:
+            seen.add(slot[k])
+            live_at.append((size[k], k))
     buffers = [(b, k[0] + (f"{{{k[1]}}}" if k[1] else ""), shape[k], ops.get(k[0], "")) for b, k in live_at[:top]]
     return {"bytes": best, "at": at, "instruction": sequence[at] if at < len(sequence) else "", "buffers": buffers}
 
