@@ -70,3 +70,28 @@ def zeros_after(dep: jax.Array, shape: tuple, dtype, axes: tuple | None = None, 
     if not axes:
         return jnp.full(shape, value, dtype)
     return jnp.broadcast_to(_opaque_scalar(deps, value, dtype, axes), shape)
+
+
+@jax.custom_vjp
+def grads_together(x, w):
+    """The identity on `(x, w)` whose backward releases x's cotangent only together with w's.
+
+    For a weight used once near the end of the forward pass (the output head): its gradient is complete as soon
+    as the loss's backward is done, but the compiler may keep the unreduced `[hidden, vocab]` gradient until the
+    end of the step and reduce-scatter it there, holding it (1 GiB in bf16 for a 128K vocabulary) through the
+    backward of every layer. Passing the hidden states and the FSDP-sharded weight through this function makes
+    the layers' backward wait for the weight's reduced gradient (`lax.optimization_barrier` on both cotangents),
+    so the full-size one is freed first. Values and gradients are unchanged.
+    """
+    return x, w
+
+
+def _together_fwd(x, w):
+    return (x, w), None
+
+
+def _together_bwd(_, cts):
+    return tuple(jax.lax.optimization_barrier(cts))
+
+
+grads_together.defvjp(_together_fwd, _together_bwd)

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong.config import Config, ModelConfig
 from jaxlong.core.mesh import RING_AXIS, activation_spec, axis_size, batch_spec, seq_shards, tree_shardings
+from jaxlong.core.ordering import grads_together
 from jaxlong.kernels.backend import resolve_backend
 from jaxlong.layers import blocks as L
 from jaxlong.layers import remat as R
@@ -123,18 +124,25 @@ class DecoderLayer(nnx.Module):
         eps = rt.cfg.model.norm_eps
         x = checkpoint_name(rt.constrain(x, activation_spec()), R.LAYER_INPUT)
         x = self.attention_block(x, positions, rt, segment_ids)
-        h = checkpoint_name(L.rms_norm(x, self.mlp_norm[...], eps), "mlp_norm_out")
-        x = x + mlp(h, rt.gather(self.w_gate[...]), rt.gather(self.w_up[...]), rt.gather(self.w_down[...]), rt)
+        ws = rt.gather(self.w_gate[...]), rt.gather(self.w_up[...]), rt.gather(self.w_down[...])
+        if rt.cfg.tiling.mlp:  # the norm and the residual inside the tiles
+            x = tiled_mlp(x, *ws, tiles=mlp_tiles(x, rt), mesh=rt.mesh, norm_scale=self.mlp_norm[...], norm_eps=eps)
+        else:
+            h = checkpoint_name(L.rms_norm(x, self.mlp_norm[...], eps), "mlp_norm_out")
+            x = x + mlp(h, *ws, rt)
         return rt.constrain(x, activation_spec())
+
+
+def mlp_tiles(x: jax.Array, rt: Runtime) -> int:
+    """Tiles per local sequence of the tiled MLP: `tiling.mlp_tiles`, or ALST's `ceil(S_local / hidden)`."""
+    s_local = x.shape[1] // seq_shards(rt.mesh)
+    return rt.cfg.tiling.mlp_tiles or default_mlp_tiles(s_local, x.shape[-1])
 
 
 def mlp(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, rt: Runtime) -> jax.Array:
     """The layer's SwiGLU MLP on `[b, s, hidden]`; over sequence tiles with recompute when `tiling.mlp`."""
-    tiling = rt.cfg.tiling
-    if tiling.mlp:
-        s_local = h.shape[1] // seq_shards(rt.mesh)
-        tiles = tiling.mlp_tiles or default_mlp_tiles(s_local, h.shape[-1])
-        return tiled_mlp(h, w_gate, w_up, w_down, tiles=tiles, mesh=rt.mesh)
+    if rt.cfg.tiling.mlp:
+        return tiled_mlp(h, w_gate, w_up, w_down, tiles=mlp_tiles(h, rt), mesh=rt.mesh)
     gate = jnp.einsum("bsh,hf->bsf", h, w_gate)
     up = jnp.einsum("bsh,hf->bsf", h, w_up)
     act = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
@@ -167,10 +175,17 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = nnx.Param(_normal(cfg.init_std)(rngs.params(), (cfg.hidden, cfg.vocab_size), param_dtype))
 
-    def head_weight(self, rt: Runtime) -> jax.Array:
-        """Output projection `[hidden, vocab]` in the compute dtype (the embedding's transpose when tied)."""
+    def head_weight(self, rt: Runtime, hidden: jax.Array | None = None):
+        """Output projection `[hidden, vocab]` in the compute dtype (the embedding's transpose when tied).
+
+        With the final `hidden` states `[b, s, hidden]`, returns `(hidden, head)` passed through
+        `jaxlong.core.ordering.grads_together`: the layers' backward starts after the head's gradient is
+        reduce-scattered, so its full-size copy is not held through it."""
         w = self.embed[...].T if self.tie_embeddings else self.lm_head[...]
-        return rt.gather(w)
+        if hidden is None:
+            return rt.gather(w)
+        hidden, w = grads_together(hidden, w)
+        return hidden, rt.gather(w)
 
     def __call__(self, tokens: jax.Array, rt: Runtime, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
@@ -190,7 +205,9 @@ class Llama(nnx.Module):
         def body(carry, state):
             return nnx.merge(layer_def, state)(carry, positions, rt, segment_ids), None
 
-        x = R.scan_layers(body, x, layer_state, rt.cfg.remat)
+        cd = rt.compute_dtype
+        x = R.scan_layers(body, x, layer_state, rt.cfg.remat,
+                          group_params=lambda p: jax.tree.map(lambda a: a.astype(cd) if a.ndim > 2 else a, p))
         return L.rms_norm(x, self.final_norm[...], self.norm_eps)
 
 
@@ -237,4 +254,4 @@ def forward(graphdef, params: dict, tokens: jax.Array, rt: Runtime, positions: j
     """`tokens [b, s]` -> (final hidden states `[b, s, hidden]`, output head `[hidden, vocab]`); `positions` and
     `segment_ids` `[b, s]` for packed documents (see `Llama.__call__`)."""
     model = nnx.merge(graphdef, params)
-    return model(tokens, rt, positions, segment_ids), model.head_weight(rt)
+    return model.head_weight(rt, model(tokens, rt, positions, segment_ids))

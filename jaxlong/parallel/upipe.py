@@ -24,7 +24,7 @@ RoPE and all-to-all, all-to-alls the saved output slice and the incoming gradien
 the attention backward, accumulates dK, dV over the group's stages, all-to-alls dQ (and dK, dV at the group's
 end) back, un-rotates them (RoPE is orthogonal: its transpose is the rotation by -angle), and accumulates dx
 and the weight gradients stage by stage. Each stage's `[b, S/C, hidden]` term of dx (dQ W_q^T, and dK W_k^T +
-dV W_v^T at a group's end) is added into dx in place, one block of rows at a time (`_add_product`): the whole
+dV W_v^T at a group's end) is added into dx in place, one block of rows at a time (`accumulate_product`): the whole
 product never exists beside dx (at 10M tokens on Llama-3.1-8B, C = 8, it was a 10 GiB buffer at the
 backward's peak). Differentiating a plain scan instead would stack every stage's
 residuals and give the saving back (`tests/test_upipe_memory.py` checks the compiled gradient for this).
@@ -352,11 +352,19 @@ def _weight_grad(x, g, fold=None):
     return dw if fold is None else dw * fold[1].astype(jnp.float32)[:, None, None]
 
 
-def _add_product(dx, dy, w, tiles: int = 1):
-    """`dx + dy @ w^T` for dx `[b, S/C, hidden]`, dy `[b, S/C, n, d]`, w `[hidden, n, d]`: the product is rounded
-    to dx's dtype and added in float32. With `tiles` > 1 a loop over `tiles` row blocks of the local sequence
-    adds each block's product into dx in place, so the full-width `[b, S/C, hidden]` product never exists
-    beside the accumulator (only one block of it)."""
+def accumulate_product(dx: jax.Array, dy: jax.Array, w: jax.Array, tiles: int = 1) -> jax.Array:
+    """`dx + dy @ w^T`, the way U-Pipe's backward gathers dx (module docstring, "Backward").
+
+    Args:
+      dx: the accumulator `[b, S/C, hidden]`; dy: `[b, S/C, n, d]`; w: `[hidden, n, d]`.
+      tiles: row blocks of the local sequence (must divide S/C). With `tiles` > 1 a loop adds each block's
+        product into dx in place, so the full-width `[b, S/C, hidden]` product never exists beside the
+        accumulator, only one block of it.
+
+    Returns:
+      `[b, S/C, hidden]` in dx's dtype: each product rounded to it and added in float32 (the same values for
+      any `tiles`).
+    """
     f32 = jnp.float32
 
     def part(rows_dy):
@@ -448,12 +456,12 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
         return _rope(L.rms_norm(y, scale, eps), cos, sin)
 
     # dx gathers one `[b, S/C, hidden]` product per stage and per KV group: added block by block in place
-    # (`_add_product`), in as many row blocks as there are stages, so a block is the size of one stage's
+    # (`accumulate_product`), in as many row blocks as there are stages, so a block is the size of one stage's
     # projection `[b, S/C, U, d]` (when hidden = H*d) and no full-width product exists beside dx.
     tiles = math.gcd(x.shape[1], sch.stages)
 
     def pull(dx, w_, dy):  # dY of a projection y = h @ w_ -> (dx + its dh term, its weight gradient)
-        return _add_product(dx, dy, w_, tiles), _weight_grad(x, dy, fold)
+        return accumulate_product(dx, dy, w_, tiles), _weight_grad(x, dy, fold)
 
     def group(carry, xs):
         dx, dwq, dwk, dwv, dwo, dqk = carry

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.core.ordering import opaque_one, varying_axes, zeros_after
+from jaxlong.core.ordering import grads_together, opaque_one, varying_axes, zeros_after
 from jaxlong.layers.blocks import rms_norm
 
 
@@ -46,3 +46,22 @@ def test_zeros_after_is_exact_even_for_nan_inputs(value):
     assert varying_axes(jnp.ones(3)) == ()
     np.testing.assert_array_equal(zeros_after(jnp.ones(3), (2,), jnp.float32), np.zeros(2))  # no mesh: plain
 
+
+
+def test_grads_together_changes_no_value_or_gradient_and_orders_the_backward():
+    ks = jax.random.split(jax.random.key(1), 2)
+    x, w = jax.random.normal(ks[0], (4, 8)), jax.random.normal(ks[1], (8, 16))
+
+    def loss(tie):
+        def f(x, w):
+            if tie:
+                x, w = grads_together(x, w)
+            return jnp.sum(jnp.tanh(x @ w))
+        return f
+
+    np.testing.assert_array_equal(loss(True)(x, w), loss(False)(x, w))
+    for a, b in zip(jax.grad(loss(True), (0, 1))(x, w), jax.grad(loss(False), (0, 1))(x, w)):
+        np.testing.assert_array_equal(a, b)
+    # The backward holds both cotangents behind one barrier: x's cotangent depends on w's.
+    text = jax.jit(jax.grad(loss(True), (0, 1))).lower(x, w).as_text()
+    assert "optimization_barrier" in text

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlong.kernels.blockwise import blockwise_attention
 from jaxlong.layers.blocks import apply_rope, rope_tables
 from jaxlong.parallel.ulysses import heads_to_seq, seq_to_heads
-from jaxlong.parallel.upipe import attention_layer, attention_memory_model
+from jaxlong.parallel.upipe import accumulate_product, attention_layer, attention_memory_model
 
 S, C, BLOCK = 262144, 8, 1024
 SHAPES = {  # heads, kv_heads, head_dim, hidden
@@ -138,15 +138,13 @@ def test_naive_autodiff_scan_gradient_costs_much_more():
 def test_dx_products_are_added_in_place_by_row_blocks():
     """U-Pipe's backward adds each stage's `[b, S/C, hidden]` dx term (dY W^T) into dx block by block: the same
     sum as adding the whole product, and the compiled program holds one block of the product, not all of it."""
-    from jaxlong.parallel.upipe import _add_product
-
     b, s, n, d, hidden, tiles = 1, 4096, 4, 16, 256, 4
     kx, ky, kw = jax.random.split(jax.random.key(0), 3)
     dx = jax.random.normal(kx, (b, s, hidden), jnp.float32)
     dy = jax.random.normal(ky, (b, s, n, d), jnp.float32)
     w = jax.random.normal(kw, (hidden, n, d), jnp.float32)
-    whole = jax.jit(functools.partial(_add_product, tiles=1))
-    blocks = jax.jit(functools.partial(_add_product, tiles=tiles))
+    whole = jax.jit(functools.partial(accumulate_product, tiles=1))
+    blocks = jax.jit(functools.partial(accumulate_product, tiles=tiles))
     expected = dx + jnp.einsum("bsnd,hnd->bsh", dy, w)
     assert jnp.allclose(whole(dx, dy, w), expected, rtol=1e-5, atol=1e-4)
     assert jnp.allclose(blocks(dx, dy, w), expected, rtol=1e-5, atol=1e-4)
