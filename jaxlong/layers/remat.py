@@ -8,7 +8,8 @@ which of them the backward pass may keep (on device or in pinned host memory) in
   save_dots  keep matmul outputs without batch dimensions (`checkpoint_dots_with_no_batch_dims`),
              recompute norms, RoPE, activations and attention.
   offload    like `full`, but the saved layer input lives in pinned host memory and is brought back for the
-             layer's backward (ALST, arXiv 2506.13996, §3.4).
+             layer's backward (ALST, arXiv 2506.13996, §3.4); with U-Pipe, its output buffer (`attn_out`) also
+             waits for its backward in pinned host memory (`offloads_attention_output`).
   custom     `remat.save` names are kept on device, `remat.offload` names go to pinned host memory.
 
 Grouped (hierarchical) checkpointing, `remat.offload_every=k` with `offload` (`scan_layers`): the layer scan
@@ -82,6 +83,13 @@ def make_policy(cfg):
             offload_dst="pinned_host",
         )
     raise ConfigError(f"remat.policy={cfg.policy!r}; choose one of: {', '.join(POLICIES)}")
+
+
+def offloads_attention_output(cfg) -> bool:
+    """Whether U-Pipe keeps its output buffer (the attention output before W_o, the op's saved residual) in pinned
+    host memory from its forward to its backward: with `remat.policy=offload` (`cfg`: a
+    `jaxlong.config.RematConfig`)."""
+    return cfg.policy == "offload"
 
 
 def check_offload_every(offload_every: int, policy: str, layers: int) -> None:

@@ -63,6 +63,8 @@ class SublayerContext:
       compute_dtype: matmuls and activations (`compute_dtype`).
       recompute_projection: the layer is recomputed in its backward anyway (`remat.policy` full or offload), so
         the Ulysses path also checkpoints its q/k/v projection.
+      offload_attention_output: U-Pipe keeps its output buffer (the attention output before W_o, the op's
+        saved residual) in pinned host memory until its backward (`remat.policy=offload`).
     """
 
     mesh: jax.sharding.Mesh
@@ -77,6 +79,7 @@ class SublayerContext:
     norm_eps: float
     compute_dtype: jnp.dtype
     recompute_projection: bool
+    offload_attention_output: bool = False
 
     def constrain(self, x: jax.Array, spec: P) -> jax.Array:
         """`x` with the sharding `spec` on the mesh (a `with_sharding_constraint`)."""

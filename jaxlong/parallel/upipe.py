@@ -485,6 +485,8 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
                 q_loc, q_vjp = jax.vjp(rope_norm, _linear(x, wq_s, fold), qk[0])
                 q = _seq_to_heads(q_loc)
             o_s = _stage_get(out, t, u, 2, sch)
+            if opts.get("offload_output"):  # this stage's slice of the output buffer, back from the host
+                o_s = jax.device_put(o_s, jax.memory.Space.Device)
             if wo is None:
                 do_s = _stage_get(dout, t, u, 2, sch)
             else:
@@ -493,6 +495,8 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
                 dwo_s = jnp.einsum("bsnd,bsh->ndh", o_s, dout, preferred_element_type=f32)
                 dwo = _stage_set(dwo, dwo_s, t, u, 0, sch)
             o, do = _seq_to_heads(o_s), _seq_to_heads(do_s)
+            if wo is not None:  # dW_o's rows first: the stage's output slice then dies before the attention backward
+                o, do, dwo = jax.lax.optimization_barrier((o, do, dwo))
             dq, dk, dv = _attention_bwd(q, k, v, o, lse_s, do, opts["kernel"], seg, opts.get("runs", False))
             if qk is None:
                 dq = _rope(_heads_to_seq(dq), cos, -sin)  # transpose of the rotation
@@ -567,6 +571,8 @@ def _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, pos, seg, sch, opts):
     r = L.inv_rms(x, opts["eps"])  # the norm itself is folded into the projections
     out, lse = _forward(x, wq, wk, wv, pos, seg, sch, opts, qk, fold=(r, scale))
     y = out if wo is None else x + jnp.einsum("bsnd,ndh->bsh", out, wo).astype(x.dtype)
+    if opts.get("offload_output"):  # kept in pinned host memory until the backward's stages fetch their slices
+        out = jax.device_put(out, jax.memory.Space.Host)
     return y, (x, scale, r, wq, wk, wv, wo, qk, pos, seg, out, lse)  # the layer input x, not the normalized h
 
 
@@ -614,6 +620,7 @@ def upipe_attention(
     positions: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     ids_are_runs: bool = False,
+    offload_output: bool = False,
 ) -> jax.Array:
     """Head-chunked Ulysses attention from the layer input (projection, RoPE, all-to-alls, attention).
 
@@ -646,6 +653,12 @@ def upipe_attention(
         x, and each ring step slices its K/V block's ids from them (nothing extra is communicated).
       ids_are_runs: with mesh.ring > 1, `segment_ids` are already run ids (`gather_segment_ids` makes them once
         per step); otherwise every stage's ring computes them.
+      offload_output: with `out_weight`, keep the output buffer `[batch, seq, heads, head_dim]` (the residual the
+        backward needs) in pinned host memory from the forward to the backward, which brings back one stage's
+        slice `[b, S/C, U, d]` at a time (`remat.policy=offload`; ALST, arXiv 2506.13996, §3.4 offloads
+        checkpoints the same way). Under layer remat the forward that saves it is the layer's recompute, so the
+        buffer leaves the device for the layer's MLP backward and U-Pipe stages: 10 GiB per device at 10M tokens
+        on Llama-3.1-8B, C = 8.
 
     Returns:
       attention output before W_o, `[batch, seq, heads, head_dim]` in natural head order, sharded like x;
@@ -665,7 +678,7 @@ def upipe_attention(
     kernel = _Opts(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
     scaling = None if rope_scaling is None or rope_scaling.type == "none" else rope_scaling
     opts = _Opts(theta=float(rope_theta), kernel=kernel, eps=float(norm_eps), scaling=scaling,
-                 runs=bool(ids_are_runs and ring > 1))
+                 runs=bool(ids_are_runs and ring > 1), offload_output=bool(offload_output and out_weight is not None))
     act, rep = P(BATCH_AXES, seq_axes(mesh), None), P()
     out_spec = P(BATCH_AXES, seq_axes(mesh), None, None)
     if out_weight is not None:
@@ -722,6 +735,7 @@ def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | Non
         norm_scale=w.norm, norm_eps=ctx.norm_eps, out_weight=ctx.gather(w.wo),
         rope_scaling=ctx.rope_scaling, qk_norm=w.qk_norm,
         positions=positions, segment_ids=segment_ids, ids_are_runs=axis_size(ctx.mesh, RING_AXIS) > 1,
+        offload_output=ctx.offload_attention_output,
     )
 
 

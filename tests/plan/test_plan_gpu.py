@@ -96,6 +96,24 @@ def test_offload_puts_exactly_the_layer_inputs_in_host_memory_on_the_gpu_target(
 @pytest.mark.gpu_compile
 @pytest.mark.slow
 @needs_plugin
+def test_upipe_offload_keeps_its_output_buffer_on_the_host_on_the_gpu_target():
+    """With remat.policy=offload, U-Pipe's output buffer `[S/C, H, d]` waits for its backward in host memory:
+    the compiled host bytes are the layer inputs plus one such buffer (one layer's backward at a time)."""
+    from jaxlong.plan import plan
+
+    base = ("compute_dtype=bfloat16", "mesh.fsdp=1", "mesh.context=8", "global_batch=1", "seq_len=8192",
+            "model.layers=4", "model.hidden=256", "model.kv_heads=8", "remat.policy=offload")
+    target = parse_target("h100")
+    cfg = tiny_cfg(*base, "attention.impl=upipe", "attention.heads_per_stage=0")
+    p = plan(cfg, target)
+    layer_input = (8192 // 8) * 256 * 2  # [S/C, hidden] bf16 per device
+    out_buffer = (8192 // 8) * cfg.model.heads * cfg.model.head_dim * 2  # [S/C, H, d] bf16
+    assert p["host"] == 4 * layer_input + out_buffer
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+@needs_plugin
 def test_grouped_offload_host_bytes_and_recompute_on_the_gpu_target():
     """remat.offload_every=k over 8 layers: the compiled host memory falls from L layer inputs to at most
     ceil(L/k) + k (the group inputs and the group being recomputed), at least ceil(L/k) + 1; the compiled FLOPs
