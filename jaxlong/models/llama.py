@@ -73,7 +73,8 @@ class Runtime:
             mesh=self.mesh, impl=a.impl, backend=self.attention_backend, block_q=a.block_q, block_k=a.block_k,
             heads_per_stage=a.heads_per_stage, head_dim=m.head_dim, rope_theta=m.rope_theta,
             rope_scaling=m.rope_scaling, norm_eps=m.norm_eps, compute_dtype=self.compute_dtype,
-            recompute_projection=self.cfg.remat.policy in ("full", "offload"))
+            recompute_projection=self.cfg.remat.policy in ("full", "offload"),
+            offload_attention_output=R.offloads_attention_output(self.cfg.remat))
 
     def constrain(self, x: jax.Array, spec: P) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -124,7 +125,10 @@ class DecoderLayer(nnx.Module):
         eps = rt.cfg.model.norm_eps
         x = checkpoint_name(rt.constrain(x, activation_spec()), R.LAYER_INPUT)
         x = self.attention_block(x, positions, rt, segment_ids)
-        ws = rt.gather(self.w_gate[...]), rt.gather(self.w_up[...]), rt.gather(self.w_down[...])
+        # The attention sublayer's backward waits for the MLP weights' reduced gradients: their unsharded
+        # float32 sums are not held through it (`grads_together`).
+        x, ws = grads_together(x, (self.w_gate[...], self.w_up[...], self.w_down[...]))
+        ws = tuple(rt.gather(w) for w in ws)
         if rt.cfg.tiling.mlp:  # the norm and the residual inside the tiles
             x = tiled_mlp(x, *ws, tiles=mlp_tiles(x, rt), mesh=rt.mesh, norm_scale=self.mlp_norm[...], norm_eps=eps)
         else:
