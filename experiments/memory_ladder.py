@@ -23,6 +23,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+if any(a == "--target" or a.startswith("--target=") for a in sys.argv[1:]):
+    # jax reads JAX_PLATFORMS when it is imported: the CUDA plugin compiles for compile-only GPUs, no driver
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 from experiments.provenance import commit, machine  # noqa: E402
 from jaxlong.config import load_config, validate  # noqa: E402
 from jaxlong.core.distributed import set_host_device_count  # noqa: E402
@@ -44,7 +48,6 @@ def main() -> int:
     cfg = load_config(args.config, [f"seq_len={args.seq}", *args.overrides])
     target = None
     if args.target:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
         from jaxlong.plan.target import parse_target  # noqa: PLC0415
 
         target = parse_target(args.target)
