@@ -101,7 +101,8 @@ def main() -> int:
         f.write(f"Machine: {machine()}; nothing allocated (compile only). Budget {budget / GiB:.1f} GiB per "
                 f"device, host {host_budget / GiB:.0f} GiB per node.\n\n")
         f.write("GiB per device; `total` = compiled peak + attention workspace + collective buffers + headroom "
-                "(GPU plans); host = layer inputs offloaded to pinned host memory.\n\n")
+                "(GPU plans); host = what is offloaded to pinned host memory (layer inputs; with U-Pipe, one layer's "
+                "output buffer).\n\n")
         f.write(format_table(rows, budget, host_budget) + "\n\n")
         if not args.no_max_context:
             f.write("| rung | max context (tokens) |\n|---|---:|\n")
