@@ -89,10 +89,11 @@ class Candidate:
 
     def needs_more_memory(self, other: Candidate) -> bool:
         """`below`, for the device-memory order, within one attention setting only. The compiled memory is not
-        monotone in the attention method: U-Pipe with U = H heads per stage can need more than Ulysses (48.0
-        against 46.7 GiB for Llama-3.1-8B at 3M tokens on 8xH100), and U = 16 more than U = 32 (82.1 against
-        79.3 GiB at 6.5M: XLA's buffer packing), so a candidate that does not fit says nothing about another
-        attention setting."""
+        monotone in the attention method: U-Pipe with U = H heads per stage can need more than Ulysses (46.1
+        against 44.5 GiB for Llama-3.1-8B at 3M tokens on 8xH100, GPU compile), and at a short sequence U = 16
+        more than U = 32 (one attention layer at 64K: 357 against 325 MiB; its stages' query tensors are twice
+        U = 8's and the weights dominate), so a candidate that does not fit says nothing about another attention
+        setting."""
         return self.below(other) and self.levels[0] == other.levels[0]
 
 
