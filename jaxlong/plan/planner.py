@@ -15,8 +15,9 @@ Where the compile comes from (the `source` of a plan):
                 XLA's CPU backend computes bf16 matmuls and all-to-alls in float32 (its buffer assignment holds
                 float32 copies of bf16 operands), so the program is compiled in float32 and activation bytes
                 are scaled by bytes(compute_dtype)/4; it drops memory-space annotations, so offloaded residuals
-                are read from the jaxpr (`saved_residuals` types them `<host>`) and moved to the host column.
-                Neither correction is exact: use a GPU target for numbers you publish.
+                are read from the jaxpr (`saved_residuals` types them `<host>`, U-Pipe's output buffer is
+                added) and moved to the host column. Neither correction is exact: use a GPU target for numbers
+                you publish.
 
 Per device it reports:
   params, optimizer   exact, from the shardings of the train state (bytes of each leaf's shard).
@@ -48,7 +49,7 @@ from jaxlong.core.memstats import compiled_bytes
 from jaxlong.core.mesh import CONTEXT_AXIS, RING_AXIS, build_mesh
 from jaxlong.core.units import GiB, fmt_gib, parse_bytes
 from jaxlong.core.xla_log import compile_logged
-from jaxlong.layers.remat import default_offload_every, host_layer_inputs
+from jaxlong.layers.remat import default_offload_every, host_layer_inputs, offloads_attention_output
 from jaxlong.models import llama as model_lib
 from jaxlong.models.llama import Runtime
 from jaxlong.plan import workspace as ws
@@ -121,7 +122,8 @@ def shard_bytes(tree) -> int:
 def _host_residual_bytes(cfg: Config, mesh) -> int:
     """Per-device bytes of the residuals the remat policy keeps in host memory (from the loss's jaxpr); with
     grouped checkpointing (`remat.offload_every` > 1) plus the layer inputs of the group being recomputed, which
-    the backward pass moves to the host one group at a time (`jaxlong.layers.remat.host_layer_inputs`)."""
+    the backward pass moves to the host one group at a time (`jaxlong.layers.remat.host_layer_inputs`); with
+    U-Pipe and `remat.policy=offload` plus one layer's output buffer (`offloads_attention_output`)."""
     if cfg.remat.policy not in ("offload", "custom") or (cfg.remat.policy == "custom" and not cfg.remat.offload):
         return 0
 
@@ -140,6 +142,11 @@ def _host_residual_bytes(cfg: Config, mesh) -> int:
     k, layers = cfg.remat.offload_every, cfg.model.layers
     if cfg.remat.policy == "offload" and k > 1:  # the saved ones are the ceil(L/k) group inputs
         host = host // -(-layers // k) * host_layer_inputs(layers, k)
+    if cfg.attention.impl == "upipe" and offloads_attention_output(cfg.remat):
+        # U-Pipe's output buffer `[b, S, H, d]` of the layer in its backward (not a remat residual: the op
+        # moves it itself), in the residuals' dtype
+        itemsize = next((a.dtype.itemsize for a, _ in res if "<host>" in a.str_short()), 4)
+        host += batch["inputs"].shape[0] * cfg.seq_len * cfg.model.heads * cfg.model.head_dim * itemsize
     return host // activation_shards
 
 

@@ -40,6 +40,18 @@ def test_cpu_plan_counts_grouped_offload_host_inputs():
 
 
 @pytest.mark.slow
+def test_cpu_plan_counts_the_upipe_output_buffer_on_the_host():
+    """With U-Pipe and remat.policy=offload the CPU approximation's host column adds one layer's output buffer
+    `[S/C, H, d]` (which the op moves to the host itself) to the layer inputs."""
+    base = ("mesh.fsdp=1", "mesh.context=8", "global_batch=1", "model.layers=4", "remat.policy=offload",
+            "attention.impl=upipe", "attention.heads_per_stage=0")
+    cfg = tiny_cfg(*base)
+    s_local = cfg.seq_len // 8
+    layer_input, out_buffer = s_local * cfg.model.hidden * 4, s_local * cfg.model.heads * cfg.model.head_dim * 4
+    assert plan(cfg)["host"] == 4 * layer_input + out_buffer
+
+
+@pytest.mark.slow
 def test_offload_moves_bytes_to_host_and_bf16_is_scaled():
     base = ("mesh.fsdp=1", "mesh.context=8", "global_batch=1", "seq_len=4096", "model.layers=4",
             "model.hidden=256", "model.kv_heads=8")
@@ -78,7 +90,8 @@ def test_max_context_bisects_over_compiled_sizes():
 @pytest.mark.slow
 def test_llama3_8b_full_stack_fits_3m_tokens_on_8x80gib():
     """Llama-3.1-8B, 8 devices, 3M tokens: the whole stack (ZeRO-3, Ulysses C=8, offload, tiled loss and MLP,
-    U-Pipe) plans under 80 GiB per device, and the layer inputs (32 x [S/C, 4096] bf16) are on the host."""
+    U-Pipe) plans under 80 GiB per device, and the layer inputs (32 x [S/C, 4096] bf16) and one layer's U-Pipe
+    output buffer ([S/C, 32 heads, 128] bf16, the same size) are on the host."""
     from pathlib import Path
 
     from jaxlong.config import load_config
@@ -90,7 +103,7 @@ def test_llama3_8b_full_stack_fits_3m_tokens_on_8x80gib():
     p = plan(cfg)
     assert p["peak"] < 80 * GiB, p["peak"] / GiB
     assert p["params"] + p["gradients"] + p["optimizer"] == pytest.approx(15.0 * GiB, rel=0.01)
-    assert p["host"] == 32 * (3145728 // 8) * 4096 * 2
+    assert p["host"] == (32 + 1) * (3145728 // 8) * 4096 * 2
 
 
 @pytest.mark.slow
