@@ -3,10 +3,11 @@
     python experiments/host_budget.py --target h100 --config configs/llama3_1_8b.yaml --out experiments/results
 
 For each stack (the ALST stack: Ulysses, offload, tiled loss and MLP; U-Pipe: the same with U-Pipe, U = C) and
-each remat (`offload`: every layer input on the host, with U-Pipe also one layer's output buffer; `grouped`: `remat.offload_every=k`, the ladder's k), the
-device-limited max context is searched over GPU-compiled plans (`jaxlong.plan.planner.max_context` against the
-target's memory, host unlimited). The host memory of a plan is exactly linear in the sequence length (the
-offloaded layer inputs, `[S/C, hidden]` each, and U-Pipe's `[S/C, H, d]` output buffer), so the host-limited max context under a budget B per node is
+each remat (`offload`: every layer input on the host, with U-Pipe also one layer's output buffer; `grouped`:
+`remat.offload_every=k`, the ladder's k), the device-limited max context is searched over GPU-compiled plans
+(`jaxlong.plan.planner.max_context` against the target's memory, host unlimited). The host memory of a plan is
+exactly linear in the sequence length (the offloaded layer inputs, `[S/C, hidden]` each, and U-Pipe's
+`[S/C, H, d]` output buffer), so the host-limited max context under a budget B per node is
 `B / (host bytes per token per node)`, rounded down to the search's granularity; the max context under B is the
 smaller of the two. Every length in the table is then compiled once more with `--estimate`'s roofline: total
 memory per device, host per node and the estimated tokens/s per GPU there. Compiles are cached in `--cache`

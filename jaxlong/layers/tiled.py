@@ -307,8 +307,8 @@ def _mlp_bwd(tile, axes, eps, res, dy):
     x, scale, w_gate, w_up, w_down = res
     ws = (w_gate, w_up, w_down) if scale is None else (scale, w_gate, w_up, w_down)
 
-    def tile_fn(x_t, *w):
-        return _mlp_tile(x_t, *((None,) if scale is None else ()), *w, eps)
+    def tile_fn(x_t, *w):  # w: the differentiated weights, with the norm scale first when there is one
+        return _mlp_tile(x_t, None, *w, eps) if scale is None else _mlp_tile(x_t, *w, eps)
 
     def body(carry, i):
         dx, dws = carry

@@ -133,7 +133,7 @@ class DecoderLayer(nnx.Module):
             x = tiled_mlp(x, *ws, tiles=mlp_tiles(x, rt), mesh=rt.mesh, norm_scale=self.mlp_norm[...], norm_eps=eps)
         else:
             h = checkpoint_name(L.rms_norm(x, self.mlp_norm[...], eps), "mlp_norm_out")
-            x = x + mlp(h, *ws, rt)
+            x = x + mlp(h, *ws)
         return rt.constrain(x, activation_spec())
 
 
@@ -143,10 +143,9 @@ def mlp_tiles(x: jax.Array, rt: Runtime) -> int:
     return rt.cfg.tiling.mlp_tiles or default_mlp_tiles(s_local, x.shape[-1])
 
 
-def mlp(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, rt: Runtime) -> jax.Array:
-    """The layer's SwiGLU MLP on `[b, s, hidden]`; over sequence tiles with recompute when `tiling.mlp`."""
-    if rt.cfg.tiling.mlp:
-        return tiled_mlp(h, w_gate, w_up, w_down, tiles=mlp_tiles(h, rt), mesh=rt.mesh)
+def mlp(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The layer's SwiGLU MLP on the normalized `[b, s, hidden]`, untiled (`tiling.mlp` runs the whole sublayer
+    in `jaxlong.layers.tiled.tiled_mlp` instead)."""
     gate = jnp.einsum("bsh,hf->bsf", h, w_gate)
     up = jnp.einsum("bsh,hf->bsf", h, w_up)
     act = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
