@@ -36,6 +36,14 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 
+# pytest-xdist's `--dist loadfile` with a worker that dies: the run goes on, the test reruns once (crash_retry.py).
+from crash_retry import (  # noqa: E402, F401
+    pytest_handlecrashitem,
+    pytest_report_teststatus,
+    pytest_terminal_summary,
+    pytest_xdist_make_scheduler,
+)
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
