@@ -3,7 +3,10 @@ memory and cost model, respects its compile budget and cache, names the closest 
 runs end to end on a real CPU compile through `python -m jaxlong.memory --fit`."""
 
 import json
+import pathlib
 import random
+import re
+import sys
 
 import pytest
 from helpers import tiered
@@ -11,6 +14,8 @@ from helpers import tiered
 from jaxlong.config import load_config
 from jaxlong.memory import fit_options as fit_cli
 from jaxlong.plan import fit as fit_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 GiB = 1024**3
 TINY = ["model.hidden=64", "model.layers=1", "model.heads=4", "model.kv_heads=2", "model.head_dim=16",
@@ -198,6 +203,15 @@ def test_fit_end_to_end_on_a_real_cpu_compile(tmp_path, capsys):
     win = data["winner"]["overrides"].split()
     # the ready-to-paste command gives back the winner's config
     assert load_config(None, data["command"].split()[3:]) == fit_lib.configure(load_config(None, TINY), win)
+    # experiments/fit_report.py renders the search: a row per compiled candidate, the winner's command line
+    sys.path.insert(0, str(ROOT))
+    from experiments import fit_report
+
+    report = tmp_path / "fit.md"
+    assert fit_report.main([str(out), "--out", str(report)]) == 0
+    md = report.read_text()
+    rows = [line for line in md.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert len(rows) == data["compiles"] and "yes, **winner**" in md and data["command"] in md
 
 
 def test_train_fit_applies_and_prints_the_winners_overrides(monkeypatch, capsys):
