@@ -7,10 +7,13 @@ ever reports done (pytest-xdist issues #1323, #1327, #1378), and a replacement w
 forever for a next one. `CrashTolerantLoadFileScheduling` fixes both and retries a crashed test once:
 
 - Only the dead worker's unfinished files go back on the queue, at its front, without the tests it finished.
-- The test it died in runs once more on the replacement worker; the crash is reported as a `rerun` (with the
-  "worker ... crashed while running ..." line). A second crash of the same test is reported as a failure, so a
-  test that always crashes still fails the run.
-- A worker is told to shut down once the queue is empty, so it runs its last test instead of waiting for a next.
+- The test it died in runs once more (on the replacement worker, or on another one that is short of work); the
+  crash is reported as a `rerun` (with the "worker ... crashed while running ..." line). A second crash of the
+  same test is reported as a failure, so a test that always crashes still fails the run; so is a crash that uses
+  up pytest-xdist's worker restarts (`--max-worker-restart`), after which nothing reruns.
+- A worker is given files until it holds more than two tests, and is told to shut down once the queue is empty,
+  so it never waits for a next test that will not come; a replacement worker gets work only once it has
+  collected.
 
 Used by `tests/conftest.py` through the `pytest_xdist_make_scheduler` hook; tested in `tests/test_crash_retry.py`.
 """
@@ -29,6 +32,7 @@ class CrashTolerantLoadFileScheduling(LoadFileScheduling):
     def __init__(self, config, log=None):
         super().__init__(config, log)
         self.retried: set[str] = set()  # node ids of the tests that crashed once and were put back
+        self.requeued_crash: str | None = None  # the test of the last crash, when it was put back for a rerun
 
     def remove_node(self, node):
         """Drop `node`; when it died with tests pending, requeue its unfinished files and return the test it died
@@ -43,8 +47,10 @@ class CrashTolerantLoadFileScheduling(LoadFileScheduling):
             unfinished[scope][crashitem] = True
             if all(unfinished[scope].values()):
                 del unfinished[scope]
+            self.requeued_crash = None
         else:
             self.retried.add(crashitem)
+            self.requeued_crash = crashitem
         # The unfinished files run next, ahead of the files no worker has started.
         for scope in reversed(unfinished):
             self.workqueue[scope] = unfinished[scope]
@@ -54,11 +60,12 @@ class CrashTolerantLoadFileScheduling(LoadFileScheduling):
         return crashitem
 
     def _reschedule(self, node):
-        """Give `node` the next file when it has at most two tests left; shut it down (it runs what it has, then
-        exits) once no file is left to give."""
-        if node.shutting_down:
+        """Give `node` files while it has at most two tests left (a worker runs a test only once it knows the
+        next one, or is told to shut down); shut it down (it runs what it has, then exits) once no file is left.
+        A replacement worker still collecting is left alone: `schedule()` reaches it when its collection is in."""
+        if node.shutting_down or node not in self.registered_collections:
             return
-        if self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
+        while self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
             self._assign_work_unit(node)
         if not self.workqueue:
             node.shutdown()
@@ -74,10 +81,13 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_handlecrashitem(crashitem, report, sched):
-    """A test whose first crash put it back on the queue is reported as `rerun`, not failed."""
-    if isinstance(sched, CrashTolerantLoadFileScheduling):
-        unit = sched.workqueue.get(sched._split_scope(crashitem), {})
-        if unit.get(crashitem) is False:
+    """A test whose first crash put it back on the queue is reported as `rerun`, not failed, unless this crash
+    uses up pytest-xdist's worker restarts (`--max-worker-restart`): then no worker is left to rerun it, the run
+    stops, and the crash is a failure."""
+    if isinstance(sched, CrashTolerantLoadFileScheduling) and crashitem == sched.requeued_crash:
+        dsession = sched.config.pluginmanager.getplugin("dsession")
+        limit = dsession._max_worker_restart  # None: no limit
+        if limit is None or dsession._failed_nodes_count + 1 <= limit:
             report.outcome = "rerun"
             return True
     return None
