@@ -106,4 +106,4 @@ def pytest_terminal_summary(terminalreporter):
     if reruns:
         terminalreporter.section("crashed workers", sep="=", yellow=True)
         for report in reruns:
-            terminalreporter.line(f"{report.longrepr}; run again on a new worker")
+            terminalreporter.line(f"{report.longrepr}; run again")
