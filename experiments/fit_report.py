@@ -1,6 +1,6 @@
 """The Markdown report of `python -m jaxlong.memory --fit` searches, rendered from their JSON files.
 
-    for s in 131072 1048576 6815744 8388608 10485760; do
+    for s in 131072 1048576 6815744 6881280 8388608 10485760; do
       python -m jaxlong.memory --fit --target h100 --config configs/llama3_1_8b.yaml seq_len=$s \\
           --max-compiles 40 --out experiments/results/fit_llama3.1-8b_${s}_h100.json
     done

@@ -148,7 +148,7 @@ def test_upipe_sublayer_with_out_projection_matches_dense(case):
 
     np.testing.assert_allclose(jax.jit(fused)(*args), jax.jit(dense)(*args), rtol=1e-5)
     g_fused = jax.jit(jax.grad(fused, argnums=range(6)))(*args)
-    g_dense = jax.grad(dense, argnums=range(6))(*args)
+    g_dense = jax.jit(jax.grad(dense, argnums=range(6)))(*args)
     for name, a, b in zip(("dx", "d_scale", "dWq", "dWk", "dWv", "dWo"), g_fused, g_dense):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
 
