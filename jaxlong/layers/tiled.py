@@ -119,12 +119,6 @@ def default_mlp_tiles(seq_local: int, hidden: int) -> int:
 # Helpers.
 
 
-def _varying(x, axes: tuple):
-    """A fresh (unvarying) scan carry marked varying over the mesh `axes` the op runs under (inside
-    `shard_map` with check_vma), so it matches the type of the scan body's output; identity for `()`."""
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
-
-
 def _tile(x: jax.Array, i, size: int) -> jax.Array:
     """Tile `i` of `size` tokens along the sequence axis (axis 1)."""
     return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=1)
@@ -168,15 +162,16 @@ def _ce_sum_fwd(hidden, head, targets, mask, tile, axes):
     s = hidden.shape[1]
     vocab = head.shape[1]
 
-    def body(total, i):
+    # Each tile's sum is a scan output, summed once at the end (a reduction tree), not a running float32
+    # total: n tiles added one after another would round n times at the size of the whole sum (docs/numerics.md).
+    def body(_, i):
         logits = _tile_logits(_tile(hidden, i, tile), head)
         lse = jax.nn.logsumexp(logits, axis=-1)
         target_logit = jnp.sum(jnp.where(_is_target(_tile(targets, i, tile), vocab), logits, 0.0), axis=-1)
-        return total + jnp.sum((lse - target_logit) * _tile(mask, i, tile)), lse
+        return None, (jnp.sum((lse - target_logit) * _tile(mask, i, tile)), lse)
 
-    total0 = _varying(jnp.zeros((), jnp.float32), axes)
-    total, lse = jax.lax.scan(body, total0, jnp.arange(s // tile))
-    return total, (hidden, head, targets, mask, _untile(lse))
+    _, (sums, lse) = jax.lax.scan(body, None, jnp.arange(s // tile))
+    return jnp.sum(sums), (hidden, head, targets, mask, _untile(lse))
 
 
 def _ce_sum_bwd(tile, axes, res, g):
