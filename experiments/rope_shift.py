@@ -73,6 +73,28 @@ def measure(extra: list[str], seed: int) -> list[tuple]:
     return rows
 
 
+def table_gap(ends=(64, 8192, 131_072, 1_048_576, 4_194_304, 10_485_760, 20_971_520)) -> list[str]:
+    """Llama-3.1-8B's tables (head_dim 128, theta 500,000, llama3 scaling): jaxlong's against transformers'
+    float32 formula (`cos(float32(p) * inv_freq)` in float32), over the 4,096 positions before each end."""
+    cfg = load_config(str(ROOT / "configs/llama3_1_8b.yaml"), [])
+    inv, _ = blocks.rope_frequencies(128, cfg.model.rope_theta, cfg.model.rope_scaling)
+    out = ["| positions | max angle gap (rad) | max \\|Δcos\\|, \\|Δsin\\| | pairs off by > 0.01 | exact vs float64 |",
+           "|---|---:|---:|---:|---:|"]
+    tables = jax.jit(lambda p: blocks.rope_tables(p, 128, cfg.model.rope_theta, cfg.model.rope_scaling))
+    for end in ends:
+        pos = np.arange(max(end - 4096, 0), end, dtype=np.int32)
+        cos, sin = (np.asarray(t, np.float64) for t in tables(pos))
+        hf = (pos.astype(np.float32)[:, None] * inv).astype(np.float32)  # transformers' angle
+        hf_cos, hf_sin = np.cos(hf).astype(np.float64), np.sin(hf).astype(np.float64)
+        exact = pos.astype(np.float64)[:, None] * inv.astype(np.float64)
+        gap = np.abs(np.angle(np.exp(1j * (hf.astype(np.float64) - exact))))
+        dtab = max(np.abs(cos - hf_cos).max(), np.abs(sin - hf_sin).max())
+        err = max(np.abs(cos - np.cos(exact)).max(), np.abs(sin - np.sin(exact)).max())
+        out.append(f"| {max(end - 4096, 0):,} to {end - 1:,} | {gap.max():.2g} | {dtab:.2g} | "
+                   f"{int((gap.max(axis=0) > 0.01).sum())} of 64 | {err:.1g} |")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "experiments/results/rope_shift"))
@@ -95,6 +117,12 @@ def main():
         lines += [f"| {n} | {off:,} | {d:.3g} | {a:.1%} | {m:.2f} |" for n, off, d, a, m in rows]
         lines.append("")
         print("\n".join(lines[-len(rows) - 3:]), flush=True)
+    lines += ["## Llama-3.1-8B's tables against transformers' float32 formula", "",
+              "jaxlong's cos/sin tables (exact angles) against transformers' `cos(float32(position) * inv_freq)` "
+              "in float32, Llama-3.1-8B's frequencies (head_dim 128, theta 500,000, llama3 scaling), over the "
+              "4,096 positions before each end; *angle gap*: transformers' float32 angle minus the exact angle, "
+              "modulo 2π; last column: jaxlong's tables against float64.", "", *table_gap(), ""]
+    print("\n".join(lines[-12:]), flush=True)
     Path(args.out + ".md").write_text("\n".join(lines))
     print(f"wrote {args.out}.md")
 

@@ -34,6 +34,7 @@ from jaxlong.config import Config
 from jaxlong.core.mesh import BATCH_AXES, replicated, seq_axes, seq_shards
 from jaxlong.evaluation.heldout import eval_batch_size
 from jaxlong.evaluation.probes import PositionLoss, score_passkey
+from jaxlong.layers.loss import IGNORE_INDEX
 from jaxlong.layers.tiled import default_loss_tile, validate_loss_tile
 from jaxlong.models import llama as model_lib
 from jaxlong.training import step as step_lib
@@ -72,11 +73,15 @@ def compile_eval_step(cfg: Config, mesh: jax.sharding.Mesh):
 def evaluate_loss(eval_step, params: dict, batches, mesh: jax.sharding.Mesh) -> dict:
     """Mean held-out loss over `batches` (host dicts, the same on every process), combined by sums:
     `{'loss': nats/token, 'perplexity': exp(loss), 'tokens': valid tokens}`. `eval_step`: `make_eval_step` or
-    its compiled form."""
+    its compiled form.
+
+    The token count is taken on the host in float64 (the mask of every target that is not `IGNORE_INDEX`),
+    exact at any length: the step's float32 count rounds once a sum passes 2^24 tokens (docs/numerics.md)."""
     total, count = 0.0, 0.0
     for batch in batches:
-        s, c = eval_step(params, step_lib.put_batch(batch, mesh, process_local=False))
-        total, count = total + float(s), count + float(c)
+        s, _ = eval_step(params, step_lib.put_batch(batch, mesh, process_local=False))
+        mask = np.where(np.asarray(batch["targets"]) == IGNORE_INDEX, 0.0, np.asarray(batch["mask"], np.float64))
+        total, count = total + float(s), count + float(np.sum(mask))
     loss = total / max(count, 1.0)
     return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "tokens": count}
 

@@ -74,7 +74,7 @@ def loss_sum_fn(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> t
         b_local = max(b // (rt.mesh.shape["data"] * rt.mesh.shape["fsdp"]), 1)
         tile = tiling.loss_tile or default_loss_tile(s_local, head.shape[-1], batch=b_local)
         return tiled_loss_sum(hidden, head, batch["targets"], batch["mask"], tile=tile, mesh=rt.mesh)
-    mask = batch["mask"].astype(jnp.float32)
+    mask = loss_lib.effective_mask(batch["targets"], batch["mask"])  # IGNORE_INDEX targets left out, as tiled
     return jnp.sum(loss_lib.token_losses(hidden, head, batch["targets"]) * mask), jnp.sum(mask)
 
 
