@@ -168,6 +168,10 @@ def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     program and a gather per token, and still end at a fixed largest position; the integer product is a few
     elementwise integer operations that fuse with cos and sin, for any int32 position. No float64 anywhere on
     the device (GPUs run it at a fraction of float32's rate; TPUs lack it).
+
+    Sources: RoPE, Su et al. 2021 (arXiv 2104.09864, section 3.4.2); the reduction modulo 2 pi by a
+    fixed-point product with 1 / 2 pi is Payne and Hanek's (1983), here exact because the position is an
+    integer; docs/numerics.md (bounds, alternatives, measurements).
     """
     t0, t1, t2, t3 = (jnp.asarray(row) for row in rope_turns(inv_freq))
     signed = positions.astype(jnp.int32)[..., None]
@@ -191,8 +195,8 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float, scaling=None)
     Exact at every int32 position: the angle `position * f` is formed in integer arithmetic and reduced
     modulo 2 pi before it is rounded to float32 (`rope_angles`), so cos and sin are within 5e-7 of the float64
     values of the float32 frequencies f at any position (tests: within 2e-6 below 2^25). Transformers forms
-    `float32(position) * f` instead; the two agree to float32 rounding of the angle, 4e-6 rad at position 64,
-    and differ by up to 0.004 rad at 128K positions, 0.5 rad at 10M (docs/hf-models.md, docs/numerics.md).
+    `float32(position) * f` instead; the two agree to float32 rounding of the angle, 2e-6 rad below position
+    64, and differ by up to 0.004 rad at 128K positions, 0.5 rad at 10M (docs/hf-models.md, docs/numerics.md).
     """
     inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling)
     angles = rope_angles(positions, inv_freq)
