@@ -1,8 +1,13 @@
-"""Two CPU processes of 4 simulated devices each (jax.distributed, gloo collectives, coordinator on
-127.0.0.1) train with the same losses as one process with 8 devices, and resume like it after a stop or after
-one process is killed."""
+"""Several CPU processes of 4 simulated devices each (jax.distributed, gloo collectives, coordinator on this
+machine) train, resume and evaluate with the same losses as one process with 8 devices, whichever mesh axis spans
+the processes, launched as docs/multi-node.md launches them (by hand with JAX_COORDINATOR_ADDRESS /
+JAX_NUM_PROCESSES / JAX_PROCESS_ID, and as `srun` does, with SLURM's variables); a layout that cannot split over
+the processes is one line and exit 2."""
 
+import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,30 +22,57 @@ from test_train import TRAIN
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(low: int = 0, high: int = 0) -> int:
+    """A free TCP port on this machine (in `[low, high]` if given)."""
+    for port in range(low, high + 1) if low else [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in [{low}, {high}]")
+
+
+def _launcher_env(launcher: str, n: int) -> list[dict]:
+    """The variables that start process i of n: `hand` sets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID (docs/multi-node.md, by hand); `slurm` sets what `srun` sets for one task per node on n nodes
+    (`#SBATCH --nodes=n --ntasks-per-node=1`), which JAX's SLURM detection reads: the job id (the coordinator's port
+    is derived from it), the step's node list (its first host is the coordinator), the task count, the task's rank
+    and local rank, the step's node count.
+
+    What cannot be simulated on one machine: the node list names this machine (`localhost`) rather than separate
+    hosts, and the processes run on the CPU, so the GPUs a task drives (`slurm_local_device_ids`: all that are
+    visible with one task per node) are checked by tests/core/test_processes.py instead."""
+    if launcher == "hand":
+        port = _free_port()
+        return [dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i))
+                for i in range(n)]
+    base = 65535 - 2**12 + 1  # JAX's SLURM coordinator port: job id % 4096 + base
+    job = _free_port(base, 65535) - base + 4096 * 7
+    return [dict(SLURM_JOB_ID=str(job), SLURM_STEP_NODELIST="localhost", SLURM_NODELIST="localhost",
+                 SLURM_NTASKS=str(n), SLURM_NNODES=str(n), SLURM_STEP_NUM_NODES=str(n), SLURM_NTASKS_PER_NODE="1",
+                 SLURM_PROCID=str(i), SLURM_NODEID=str(i), SLURM_LOCALID="0") for i in range(n)]
 
 
 def _launch(args: list[str], n: int, timeout: float = 900, faults: dict | None = None,
-            kill_all_when_one_dies: bool = False) -> list[subprocess.CompletedProcess]:
-    """`python -m jaxlong.train *args` as n processes (n = 1: an ordinary single-process run). `faults` maps a
-    process id to its `JAXLONG_FAULT`; with `kill_all_when_one_dies` the others are killed (SIGKILL) as soon as
-    one exits, as a cluster scheduler ends a job whose task died."""
+            kill_all_when_one_dies: bool = False, module: str = "jaxlong.train",
+            launcher: str = "hand") -> list[subprocess.CompletedProcess]:
+    """`python -m <module> *args` as n processes (n = 1: an ordinary single-process run) started as `launcher`
+    starts them (`_launcher_env`). `faults` maps a process id to its `JAXLONG_FAULT`; with `kill_all_when_one_dies`
+    the others are killed (SIGKILL) as soon as one exits, as a cluster scheduler ends a job whose task died."""
     # No persistent compilation cache here: these programs run with cross-process (gloo) collectives, and an
     # entry written by a one-process run of the same program is not known to be valid for them.
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR") and not k.startswith(("SLURM_", "JAX_COORD"))}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    port = _free_port()
+    starts = _launcher_env(launcher, n) if n > 1 else [{}]
     procs = []
     for i in range(n):
-        e = dict(env)
-        if n > 1:
-            e.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i))
+        e = {**env, **starts[i]}
         if faults and i in faults:
             e["JAXLONG_FAULT"] = faults[i]
-        procs.append(subprocess.Popen([sys.executable, "-m", "jaxlong.train", *args], env=e, cwd=ROOT,
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=e, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
@@ -59,6 +91,13 @@ def _launch(args: list[str], n: int, timeout: float = 900, faults: dict | None =
             if p.poll() is None:
                 p.kill()
     return outs
+
+
+def _ok(runs: list[subprocess.CompletedProcess]) -> str:
+    """Process 0's output, after checking that every process exited with 0."""
+    for r in runs:
+        assert r.returncode == 0, r.stdout[-3000:]
+    return runs[0].stdout
 
 
 def _loss_by_step(run_dir: Path) -> dict[int, float]:
@@ -133,3 +172,85 @@ def test_a_killed_process_loses_no_checkpoint_and_both_resume_like_one(tmp_path,
     assert {4, 5, 6} <= set(two)
     assert [two[s] for s in (4, 5, 6)] == pytest.approx([one[s] for s in (4, 5, 6)], rel=1e-5)
     assert (tmp_path / "two" / "checkpoints" / "6").is_dir()
+
+
+# ----------------------------------------------------------------------------------------------
+# Any mesh axis across the processes, one sequence per step: each layout as the docs launch it, in miniature.
+
+# The tiny model at seq_len 64 (ring 2 x context 4: 8 tokens per device), 3 steps with a checkpoint after step 2,
+# validation after step 3 (and at the end of each run).
+ACROSS = [*TINY, "model.vocab_size=257", "data.max_tokens=200000", "optim.lr=1e-2", "optim.warmup_steps=1",
+          "optim.decay_steps=3", "mesh.num_devices=8", "mesh.fsdp=1", "checkpoint_every=2", "eval_every=3",
+          "eval_batches=1"]
+# layout: (overrides, the launcher of the first run, the launcher of the resume and the evaluation)
+LAYOUTS = {
+    # docs/multi-node.md's command (ring across the nodes, Ulysses inside, U-Pipe, one sequence per step), started
+    # by hand, then resumed and evaluated as srun starts it
+    "upipe-ring-spans-batch1": (["mesh.ring=2", "mesh.context=4", "attention.impl=upipe", "global_batch=1"],
+                                "hand", "slurm"),
+    "ring-spans-batch2": (["mesh.ring=2", "mesh.context=4", "global_batch=2"], "hand", "hand"),
+    "context-spans-batch1": (["mesh.ring=1", "mesh.context=8", "global_batch=1"], "slurm", "hand"),
+}
+EVAL = ["--lengths", "64", "--depths", "0.5", "--per-cell", "2"]  # one passkey cell at the training length
+
+
+def _scalars(run_dir: Path, tag: str) -> dict[int, float]:
+    return {e.step: e.value for e in EventAccumulator(str(run_dir)).Reload().Scalars(tag)}
+
+
+def _summary(run_dir: Path) -> dict:
+    (path,) = (run_dir / "eval").rglob("summary.json")
+    return json.loads(path.read_text())
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_any_axis_across_processes_trains_resumes_and_evaluates_like_one(tmp_path, layout):
+    """Two processes of 4 devices with ring, or context, spanning them (every process builds every row and places
+    its sequence slices): 2 steps, a checkpoint, a resume to step 3 in two processes and `python -m jaxlong.eval` in
+    two processes give the losses, validation loss and evaluation of one process of 8 devices on the same mesh."""
+    overrides, first, then = LAYOUTS[layout]
+    args = [*ACROSS, *overrides, f"run_dir={tmp_path}"]
+    ref = _launch([*args, "steps=3", "run_name=one"], 1)
+    _ok(ref)
+    out = _ok(_launch([*args, "steps=2", "run_name=two"], 2, launcher=first))
+    assert "on 8 x cpu" in out
+    assert (tmp_path / "two" / "checkpoints" / "2").is_dir()
+    out = _ok(_launch([*args, "steps=3", "run_name=two", "--resume"], 2, launcher=then))
+    assert "resumed from" in out
+    one, two = _scalars(tmp_path / "one", "loss"), _scalars(tmp_path / "two", "loss")
+    assert sorted(two) == [1, 2, 3]
+    assert [two[s] for s in (1, 2, 3)] == pytest.approx([one[s] for s in (1, 2, 3)], rel=1e-5)
+    val_one, val_two = _scalars(tmp_path / "one", "eval/loss"), _scalars(tmp_path / "two", "eval/loss")
+    assert val_two[3] == pytest.approx(val_one[3], rel=1e-5)  # validation in the resumed two-process run
+
+    out = _ok(_launch([str(tmp_path / "two"), *EVAL], 2, module="jaxlong.eval", launcher=then))
+    summary = _summary(tmp_path / "two")
+    assert summary["step"] == 3 and summary["loss"] == pytest.approx(val_one[3], rel=1e-5)
+    rows = summary["loss_by_position"]  # per-token losses, gathered from both processes, in token order
+    assert sum(r["tokens"] for r in rows) == summary["tokens"]
+    assert sum(r["loss"] * r["tokens"] for r in rows if r["tokens"]) / summary["tokens"] == pytest.approx(summary["loss"], rel=1e-5)
+    assert len(summary["passkey"]["accuracy"]) == 1
+    if layout == "upipe-ring-spans-batch1":  # the same evaluation in one process, of the two-process checkpoint
+        shutil.copytree(tmp_path / "two" / "checkpoints", tmp_path / "copy" / "checkpoints")
+        _ok(_launch([str(tmp_path / "copy"), *EVAL], 1, module="jaxlong.eval"))
+        alone = _summary(tmp_path / "copy")
+        assert alone["loss"] == pytest.approx(summary["loss"], rel=1e-5)
+        assert [r["loss"] for r in alone["loss_by_position"]] == pytest.approx(
+            [r["loss"] for r in summary["loss_by_position"]], rel=1e-5, nan_ok=True)
+        assert alone["passkey"]["accuracy"] == summary["passkey"]["accuracy"]
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_mesh_that_cannot_split_over_the_processes_is_one_line_before_compiling(tmp_path):
+    """2 processes of 3 devices cannot hold equal blocks of a mesh with mesh.context=2 and mesh.fsdp=3: each process
+    says so in one line and exits with 2, before compiling (and so within seconds of starting)."""
+    runs = _launch([*ACROSS, "mesh.num_devices=6", "mesh.fsdp=3", "mesh.context=2", "global_batch=3",
+                    f"run_dir={tmp_path}"], 2)
+    for r in runs:
+        assert r.returncode == 2, r.stdout[-3000:]
+        errors = [line for line in r.stdout.splitlines() if re.match(r"(config )?error: ", line)]
+        assert len(errors) == 1 and "mesh.context=2 would be cut unevenly" in errors[0], r.stdout[-3000:]
+        assert "compiled" not in r.stdout
