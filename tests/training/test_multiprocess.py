@@ -177,9 +177,9 @@ def test_a_killed_process_loses_no_checkpoint_and_both_resume_like_one(tmp_path,
 # ----------------------------------------------------------------------------------------------
 # Any mesh axis across the processes, one sequence per step: each layout as the docs launch it, in miniature.
 
-# The tiny model at seq_len 64 (ring 2 x context 4: 8 tokens per device), 3 steps with a checkpoint after step 2,
-# validation after step 3 (and at the end of each run).
-ACROSS = [*TINY, "model.vocab_size=257", "data.max_tokens=200000", "optim.lr=1e-2", "optim.warmup_steps=1",
+# The tiny model at seq_len 128 (ring 2 x context 4: 16 tokens per device; the byte tokenizer's passkey prompt needs
+# 101 tokens), 3 steps with a checkpoint after step 2, validation after step 3 (and at the end of each run).
+ACROSS = [*TINY, "seq_len=128", "model.vocab_size=257", "data.max_tokens=200000", "optim.lr=1e-2", "optim.warmup_steps=1",
           "optim.decay_steps=3", "mesh.num_devices=8", "mesh.fsdp=1", "checkpoint_every=2", "eval_every=3",
           "eval_batches=1"]
 # layout: (overrides, the launcher of the first run, the launcher of the resume and the evaluation)
@@ -191,7 +191,7 @@ LAYOUTS = {
     "ring-spans-batch2": (["mesh.ring=2", "mesh.context=4", "global_batch=2"], "hand", "hand"),
     "context-spans-batch1": (["mesh.ring=1", "mesh.context=8", "global_batch=1"], "slurm", "hand"),
 }
-EVAL = ["--lengths", "64", "--depths", "0.5", "--per-cell", "2"]  # one passkey cell at the training length
+EVAL = ["--lengths", "128", "--depths", "0.5", "--per-cell", "2"]  # one passkey cell at the training length
 
 
 def _scalars(run_dir: Path, tag: str) -> dict[int, float]:
