@@ -52,6 +52,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # idle at the end of the run. Measured in the slow tier (seconds on one worker, 2 cores): the kill matrix ~1,250,
 # the docs' pasted commands ~640, the multi-process runs ~450, the planner's compiles ~300.
 LONGEST_FIRST = (
+    "training/test_multinode.py",
     "training/test_faults.py",
     "test_docs.py",
     "training/test_multiprocess.py",

@@ -65,8 +65,10 @@ NOT_RUN = [
     (r"^python -m pytest( |$)", "the test suite itself"),
     (r"^tensorboard ", "a server that runs until stopped"),
     (r"^huggingface-cli download ", "downloads a 16 GB checkpoint from the network"),
-    (r"^export JAX_", "the environment of one process of a two-machine launch"),
-    (r"^srun ", "a SLURM launch on 2 nodes of 8 GPUs"),
+    (r"^export JAX_", ("the environment of one process of a two-machine launch (run in miniature, two CPU processes "
+                       "with the same axes across them, by tests/training/test_multinode.py)")),
+    (r"^srun ", ("a SLURM launch on 2 nodes of 8 GPUs (run in miniature, with srun's variables, by "
+                 "tests/training/test_multinode.py)")),
     (r"experiments/gpu_check\.py$", "needs an NVIDIA GPU"),
     (r"experiments/gpu_check\.py --smoke$", "run in the slow tier by test_gpu_check_smoke.py"),
     (r"model\.from_hf=ckpt/", "needs the downloaded Llama-3.1-8B checkpoint (and GPUs to train it)"),

@@ -3,7 +3,9 @@
 A run is multi-process when it is launched as several processes, detected as JAX does it:
   - explicitly: `JAX_COORDINATOR_ADDRESS` (host:port of process 0), `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`;
   - SLURM (`srun`: `SLURM_NTASKS` > 1), Open MPI (`mpirun`: `OMPI_COMM_WORLD_SIZE` > 1): JAX's cluster
-    auto-detection finds the coordinator, the process count and the process id.
+    auto-detection finds the coordinator, the process count and the process id. JAX's SLURM detection assumes one
+    task per GPU (process i of a node drives that node's GPU i); with one task per node (`SLURM_NTASKS` equal to
+    the step's node count) `slurm_local_device_ids` gives each process all the GPUs visible to it instead.
 Every process runs the same program on the same config; `jax.devices()` is then the devices of all processes
 and the mesh spans them. On CPUs the processes exchange data with gloo
 (`jax_cpu_collectives_implementation`), which is how the multi-process path is tested on one machine.
@@ -14,9 +16,14 @@ importing jax is fine, creating a device or an array is not.
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 
 import jax
+import numpy as np
+
+from jaxlong.core.errors import ConfigError
 
 
 def use_cpu_platform() -> None:
@@ -66,6 +73,40 @@ def process_count_from_env() -> int:
     return 1
 
 
+def slurm_local_device_ids() -> list[int] | None:
+    """The local GPU ids for `jax.distributed.initialize` under `srun` with one task per node: every GPU visible to
+    the task (`CUDA_VISIBLE_DEVICES`, else the `/dev/nvidia<N>` devices). None (JAX's default, one GPU per task,
+    the `SLURM_LOCALID`-th) otherwise: several tasks per node, no SLURM step, no GPU, or `JAX_LOCAL_DEVICE_IDS`
+    set by the user."""
+    if "SLURM_STEP_NODELIST" not in os.environ or os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+        return None
+    nodes = _int_env("SLURM_STEP_NUM_NODES") or _int_env("SLURM_NNODES")
+    if nodes is None or _int_env("SLURM_NTASKS") != nodes:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = len([v for v in visible.split(",") if v.strip()]) if visible is not None else \
+        len(glob.glob("/dev/nvidia[0-9]*"))
+    return list(range(count)) or None
+
+
+def start(mesh_cfg) -> int:
+    """Start a launch before jax has a backend: check that `mesh_cfg.num_devices` (a `jaxlong.config.MeshConfig`)
+    splits over the processes, ask for `num_devices / processes` simulated devices on the CPU
+    (`set_host_device_count`) and `initialize`. Returns the process count. The mesh's split over the processes is
+    checked once it is built (`jaxlong.core.mesh.check_process_layout`), before anything compiles.
+
+    Raises:
+      ConfigError: `mesh.num_devices` is not divisible by the process count.
+      ValueError: see `initialize`.
+    """
+    processes = process_count_from_env()
+    if mesh_cfg.num_devices % processes:
+        raise ConfigError(f"mesh.num_devices={mesh_cfg.num_devices} is not divisible by the {processes} processes "
+                          f"of this launch; use a multiple of {processes}")
+    set_host_device_count(mesh_cfg.num_devices // processes)
+    return initialize()
+
+
 def initialize() -> int:
     """`jax.distributed.initialize()` when launched as several processes; returns the process count.
 
@@ -85,7 +126,7 @@ def initialize() -> int:
             raise ValueError("JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES are set but JAX_PROCESS_ID is not")
         jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=n, process_id=pid)
     else:
-        jax.distributed.initialize()  # SLURM / Open MPI / Kubernetes auto-detection
+        jax.distributed.initialize(local_device_ids=slurm_local_device_ids())  # SLURM / Open MPI auto-detection
     return n
 
 
@@ -93,3 +134,18 @@ def is_main_process() -> bool:
     """Process 0 writes logs, TensorBoard events and the progress bar."""
 
     return jax.process_index() == 0
+
+
+def allgather_json(value) -> list:
+    """`value` (JSON-serializable) of every process, in process order; `[value]` in a one-process run. A
+    collective: every process must call it at the same point."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(data.size))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    gathered = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(gathered[i, :int(n)])) for i, n in enumerate(sizes)]

@@ -97,6 +97,69 @@ def build_mesh(cfg, devices: list | None = None) -> jax.sharding.Mesh:
     )
 
 
+def mesh_processes(mesh: jax.sharding.Mesh) -> np.ndarray:
+    """The process index of each device of `mesh`, an int array of the mesh's shape (`[data, fsdp, ring, context]`)."""
+    return np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+
+
+def process_layout_error(processes: np.ndarray, names=AXES) -> str | None:
+    """Why a mesh cannot be split over the processes of a launch, or None when it can.
+
+    Args:
+      processes: int array of the mesh's shape, the process of each device (`mesh_processes`, or a simulated layout
+        in tests).
+      names: the mesh's axis names, major to minor.
+
+    Every process must hold the same number of devices, and they must form a block of the mesh (a range of each
+    axis): then each process feeds its devices from the rows and sequence slices it builds
+    (`jaxlong.training.step.process_rows`), and an axis either stays inside processes (context: Ulysses inside a
+    node) or spans them in equal parts (ring across nodes). Devices are taken process by process, so a block needs
+    the devices per process to fill whole minor axes and an equal part of the next one; the message names the axis
+    they cut unevenly.
+    """
+    procs, counts = np.unique(processes, return_counts=True)
+    if procs.size == 1:
+        return None
+    sizes = dict(zip(names, processes.shape))
+    mesh_text = " ".join(f"mesh.{k}={v}" for k, v in sizes.items())
+    if len(set(counts.tolist())) > 1:
+        held = ", ".join(f"process {p}: {c}" for p, c in zip(procs, counts))
+        return (f"the {procs.size} processes of this launch hold different numbers of the mesh's devices ({held}); "
+                f"every process must drive as many devices (one process per node, or one per GPU)")
+    per = int(counts[0])
+    left = per
+    for name in reversed(names):  # minor to major: the devices of one process fill whole minor axes first
+        size = sizes[name]
+        if left % size == 0:
+            left //= size
+            continue
+        if size % left:
+            return (f"{mesh_text} cannot be split over the {procs.size} processes of this launch ({per} devices "
+                    f"each): mesh.{name}={size} would be cut unevenly between processes; choose the axes so that "
+                    f"each process's {per} devices fill whole minor axes (context, then ring, fsdp, data) and an "
+                    f"equal part of the next, e.g. mesh.context={per} mesh.ring={procs.size} on one process per node")
+        break
+    shape = None
+    for p in procs:
+        where = np.argwhere(processes == p)
+        block = tuple((where.max(0) - where.min(0) + 1).tolist())
+        if int(np.prod(block)) != len(where) or (shape is not None and block != shape):
+            return (f"{mesh_text}: the devices of process {p} do not form a block of the mesh (the device order "
+                    f"interleaves processes); launch one process per node or per GPU with the devices in order")
+        shape = block
+    return None
+
+
+def check_process_layout(mesh: jax.sharding.Mesh) -> None:
+    """`process_layout_error` of a built mesh.
+
+    Raises:
+      ConfigError: the mesh cannot be split over the processes of this launch (the message says why)."""
+    error = process_layout_error(mesh_processes(mesh), mesh.axis_names)
+    if error:
+        raise ConfigError(error)
+
+
 def batch_spec() -> P:
     """`[batch, seq]` token arrays and `[batch, seq, ...]` activations: batch over data x fsdp, seq over
     ring x context."""

@@ -17,6 +17,7 @@ from jaxlong.data.pipeline import (
     document_pairs,
     document_tokens,
     make_dataset,
+    merge_states,
     packing_efficiency,
 )
 from jaxlong.data.sources import DocumentSource, corpus_files, stdlib_files
@@ -25,6 +26,7 @@ from jaxlong.data.tokenizer import TOKENIZERS, ByteTokenizer, HFTokenizer, Token
 __all__ = [
     "Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "check_vocab", "TOKENIZERS",
     "DocumentSource", "stdlib_files", "corpus_files",
-    "document_tokens", "document_pairs", "DocumentSubset", "make_dataset", "batch_iterator", "packing_efficiency",
+    "document_tokens", "document_pairs", "DocumentSubset", "make_dataset", "merge_states", "batch_iterator",
+    "packing_efficiency",
 ]
 

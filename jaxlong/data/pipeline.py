@@ -5,9 +5,10 @@ Stages (`grain.MapDataset` until packing, then `grain.IterDataset`):
 1. `MapDataset.source(DocumentSource)` (`jaxlong.data.sources`), cut to `data.max_tokens` tokens if set.
    The documents are dealt to `n` streams (`[s::n]`; `n` is the largest divisor of `global_batch` not
    above the number of documents, so one stream per row for any real corpus), each packed on its own and
-   giving `global_batch / n` consecutive rows of every batch. A process builds only the streams of its rows
-   and reads only their documents; the global batch is the same whatever the number of processes (two
-   processes of four devices train exactly like one of eight).
+   giving `global_batch / n` consecutive rows of every batch. A process builds only the streams that hold the
+   rows its devices need (`rows`, from `jaxlong.training.step.process_rows`: its share when the batch axes span
+   the processes, every row when only the sequence axes do) and reads only their documents; the global batch is
+   the same whatever the number of processes and whichever mesh axes span them.
 2. `shuffle(seed + s)` then `repeat()`: a new permutation every epoch (Grain reseeds per epoch), endless.
 3. `map`: tokenize one document to `[BOS] ids [EOS]` (`jaxlong.data.tokenizer`) and turn it into
    next-token pairs `inputs = x[:-1]`, `targets = x[1:]`, `positions = 0..n-1`. Targets are built inside
@@ -20,15 +21,15 @@ Stages (`grain.MapDataset` until packing, then `grain.IterDataset`):
    `data.packing=concat`: Grain's `ConcatThenSplitIterDataset` concatenates the pairs and cuts rows of
    exactly `seq_len` (no padding); `positions` are the index in the row, and the model treats the row as
    one causal stream (it ignores the segment ids).
-5. Each stream batched to its rows, the process's streams zipped (`grain.experimental.ZipIterDataset`) and
-   concatenated into the batch dict.
+5. Each stream batched to its rows, and the process's rows cut from its streams' batches (`ProcessBatches`).
 
 A batch is `{'inputs', 'targets', 'positions', 'segment_ids': int32 [B, L], 'mask': float32 [B, L]}` with
 `mask = segment_ids > 0` (no loss on padding). The iterator's `get_state()` is a small JSON-serializable
-dict (Grain's, per row stream: the source index of the packing group in progress and the rows already
-emitted from it); the
-trainer saves it in every checkpoint and `set_state` continues with exactly the next batch, without reading
-the corpus from the start.
+dict, Grain's state of each of its packing streams by stream index (`{'streams': {'0': ..., ...}}`: the source
+index of the packing group in progress and the rows already emitted from it). The states of all processes merge
+into one (`merge_states`), which the trainer saves in every checkpoint; `set_state` of any process, under any
+process layout, takes its streams' part and continues with exactly the next batch, without reading the corpus
+from the start.
 """
 
 from __future__ import annotations
@@ -36,21 +37,19 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 import grain
-import jax
 import numpy as np
 from grain.experimental import (
     ConcatThenSplitIterDataset,
     FirstFitPackIterDataset,
     FlatMapIterDataset,
     FlatMapTransform,
-    ZipIterDataset,
 )
 
 from jaxlong.data.sources import DocumentSource
 from jaxlong.data.tokenizer import Tokenizer
 
 __all__ = ["document_tokens", "document_pairs", "SplitLongDocuments", "DocumentSubset", "token_limit", "make_dataset",
-           "batch_iterator", "packing_efficiency", "PACKING_BINS"]
+           "ProcessBatches", "ProcessIterator", "merge_states", "batch_iterator", "packing_efficiency", "PACKING_BINS"]
 
 Packing = Literal["documents", "concat"]  # `data.packing`
 SplitPositions = Literal["restart", "continue"]  # `data.split_positions`
@@ -115,9 +114,8 @@ def _finalize(row: dict) -> dict:
 
 def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, global_batch: int, seed: int,
                  packing: str = "documents", split_positions: str = "restart", shuffle: bool = True,
-                 max_tokens: int | None = None, process_index: int = 0,
-                 process_count: int = 1, exclude=(), repeat: bool = True) -> grain.IterDataset:
-    """The Grain pipeline of the module docstring; iterating it yields this process's batches.
+                 max_tokens: int | None = None, rows=None, exclude=(), repeat: bool = True) -> ProcessBatches:
+    """The Grain pipeline of the module docstring; iterating it yields the rows `rows` of every global batch.
 
     Args:
       source: the documents (`DocumentSource`).
@@ -125,25 +123,27 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
       seq_len, global_batch: row length in tokens and rows per step over all processes.
       seed: shuffle seed (`seed`); packing: `data.packing`; split_positions: `data.split_positions`;
       shuffle: `data.shuffle`; max_tokens: `data.max_tokens` (None: the whole corpus).
-      process_index, process_count: this process and the number of processes (`jax.process_index/count`).
+      rows: the global row indices this process builds (`jaxlong.training.step.process_rows`), or None for every
+        row. Only the packing streams that hold them are built.
       exclude: indices of documents to leave out (the held-out validation documents).
       repeat: True (training): endless epochs. False (validation): one pass over the documents as one packing
         stream (rows in document order); the last bins are flushed and the iteration ends before the first
         incomplete batch.
 
     Returns:
-      `grain.IterDataset` of batch dicts with `[global_batch / process_count, seq_len]` arrays.
+      `ProcessBatches`: iterating it gives batch dicts with `[len(rows), seq_len]` arrays (`[global_batch,
+      seq_len]` without `rows`), rows in the order of `rows`.
 
     Raises:
-      ValueError: `global_batch` not divisible by `process_count`, a bad option value, `max_tokens < 1`,
-        or too few documents for the processes (each process needs its own streams).
+      ValueError: a bad option value, `max_tokens < 1`, or `rows` outside `[0, global_batch)`.
     """
     if packing not in PACKINGS:
         raise ValueError(f"data.packing={packing!r} is not allowed; choose documents or concat")
     if split_positions not in SPLIT_POSITIONS:
         raise ValueError(f"data.split_positions={split_positions!r} is not allowed; choose restart or continue")
-    if global_batch % process_count:
-        raise ValueError(f"global_batch={global_batch} must be divisible by the {process_count} processes")
+    rows = np.arange(global_batch) if rows is None else np.asarray(rows, np.int64)
+    if rows.size == 0 or rows.min() < 0 or rows.max() >= global_batch:
+        raise ValueError(f"rows {rows.tolist()} must be row indices of the global batch of {global_batch}")
     if exclude:
         skip = {int(i) for i in exclude}
         source = DocumentSubset(source, [i for i in range(len(source)) if i not in skip])
@@ -155,10 +155,6 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
         n_docs, cut = token_limit(source, tokenizer, max_tokens)
         ds = ds[:n_docs]
     n = max(d for d in range(1, global_batch + 1) if global_batch % d == 0 and d <= max(len(ds), 1)) if repeat else 1
-    if n % process_count:
-        raise ValueError(f"the corpus has {len(ds)} documents: they form {n} packing streams (the largest divisor of "
-                         f"global_batch={global_batch} not above the document count), which the {process_count} "
-                         f"processes cannot share; use at least {process_count} documents")
     last = len(ds) - 1
 
     def tokenize(index, text):
@@ -166,10 +162,73 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
         return document_pairs(tokens[:cut] if cut is not None and index == last else tokens)
 
     ds = ds.map_with_index(tokenize).filter(lambda d: d["inputs"].size > 0)
-    mine = range(process_index * n // process_count, (process_index + 1) * n // process_count)
-    streams = [_row_stream(ds[s::n], seed + s, seq_len, packing, split_positions, shuffle, _bins(n), repeat)
-               .batch(global_batch // n, drop_remainder=True) for s in mine]
-    return streams[0] if len(streams) == 1 else ZipIterDataset(streams).map(_concat)
+    per = global_batch // n
+    streams = {s: _row_stream(ds[s::n], seed + s, seq_len, packing, split_positions, shuffle, _bins(n), repeat)
+               .batch(per, drop_remainder=True) for s in sorted({int(r) // per for r in rows})}
+    return ProcessBatches(streams, rows, per)
+
+
+class ProcessBatches:
+    """The rows `rows` of every global batch, cut from the packing streams that hold them (`streams`: stream index
+    -> Grain dataset of that stream's batches of `per_stream` consecutive rows; stream s holds rows
+    `[s * per_stream, (s + 1) * per_stream)`). Iterating it gives a `ProcessIterator`."""
+
+    def __init__(self, streams: dict, rows: np.ndarray, per_stream: int):
+        self.streams, self.rows, self.per_stream = streams, np.asarray(rows, np.int64), per_stream
+
+    def __iter__(self) -> ProcessIterator:
+        return ProcessIterator(self)
+
+
+class ProcessIterator:
+    """Iterator over a `ProcessBatches`: batch dicts of the rows `rows` (attribute, sorted global row indices).
+    `get_state()` is `{'streams': {str(index): Grain state}}` of its streams; `set_state` takes the part of a
+    state (its own, or one merged over processes by `merge_states`) that names its streams."""
+
+    def __init__(self, batches: ProcessBatches):
+        self.rows = batches.rows
+        self._iters = {s: iter(ds) for s, ds in batches.streams.items()}
+        order = list(self._iters)
+        per = batches.per_stream
+        self._take = np.array([order.index(int(r) // per) * per + int(r) % per for r in self.rows])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        parts = [next(it) for it in self._iters.values()]
+        batch = parts[0] if len(parts) == 1 else _concat(parts)
+        if self._take.size == len(batch["inputs"]) and np.array_equal(self._take, np.arange(self._take.size)):
+            return batch
+        return {k: v[self._take] for k, v in batch.items()}
+
+    def get_state(self) -> dict:
+        return {"streams": {str(s): it.get_state() for s, it in self._iters.items()}}
+
+    def set_state(self, state: dict) -> None:
+        """Continue from `state` (`get_state()` of this or another process's iterator, or `merge_states` of
+        several). States saved before streams were named (one process: the Grain state of its single stream, or
+        `{'parents': [...]}` of its streams in order) are read as streams 0, 1, ...
+
+        Raises:
+          ValueError: the state lacks a stream of this iterator (nothing is changed then).
+        """
+        streams = state.get("streams")
+        if streams is None:
+            parents = state.get("parents", [state])
+            streams = {str(i): p for i, p in enumerate(parents)}
+        missing = [s for s in self._iters if str(s) not in streams]
+        if missing:
+            raise ValueError(f"the data state holds packing streams {sorted(int(k) for k in streams)}, not "
+                             f"{missing} of this process")
+        for s, it in self._iters.items():
+            it.set_state(streams[str(s)])
+
+
+def merge_states(states: list[dict]) -> dict:
+    """One data state from the `get_state()` of every process (`ProcessIterator`): every packing stream's state,
+    by stream index (processes building the same stream hold the same state for it)."""
+    return {"streams": {k: v for state in states for k, v in state["streams"].items()}}
 
 
 def _bins(streams: int) -> int:
@@ -213,14 +272,15 @@ class DocumentSubset:
 
 
 def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source: DocumentSource | None = None,
-                   exclude=()):
-    """This process's batch iterator for a run's `Config` (`grain.DatasetIterator`), at `state` if given
-    (from `get_state()` of an earlier iterator: the next batch is the one that iterator would have yielded).
+                   exclude=(), rows=None) -> ProcessIterator:
+    """The batch iterator of a run's `Config` (`ProcessIterator`) for the rows `rows` of every global batch (this
+    process's, `jaxlong.training.step.process_rows`; None: every row), at `state` if given (from `get_state()` of
+    an earlier iterator, or `merge_states`: the next batch is the one that iterator would have yielded).
     `source`: the corpus (default: `DocumentSource` of `data.path`); `exclude`: document indices left
     out (validation).
 
     Raises:
-      ValueError: see `DocumentSource` and `make_dataset`.
+      ValueError: see `DocumentSource`, `make_dataset` and `ProcessIterator.set_state`.
     """
 
     d = cfg.data
@@ -228,7 +288,7 @@ def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source:
     ds = make_dataset(source, tokenizer, seq_len=cfg.seq_len,
                       global_batch=cfg.global_batch, seed=cfg.seed, packing=d.packing,
                       split_positions=d.split_positions, shuffle=d.shuffle, max_tokens=d.max_tokens,
-                      process_index=jax.process_index(), process_count=jax.process_count(), exclude=exclude)
+                      rows=rows, exclude=exclude)
     it = iter(ds)
     if state is not None:
         it.set_state(state)

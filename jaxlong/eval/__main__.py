@@ -12,7 +12,9 @@ was trained with (`key=value` overrides change it, e.g. `mesh.context=8`), then 
 
 Results go to `RUN_DIR/eval/step_N/` (`summary.json`, `loss_by_position.{csv,png}`, `passkey.{csv,png}`) and to
 the run's TensorBoard events (`eval/loss`, `eval/perplexity`, `eval/passkey_accuracy`,
-`eval/loss_by_position/<start>`). Examples:
+`eval/loss_by_position/<start>`). Launched as several processes, as the trainer is (`srun`, or
+`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`; `jaxlong.core.distributed`), it evaluates on
+one mesh over all of them and process 0 prints and writes the results. Examples:
 
     python -m jaxlong.eval runs/default
     python -m jaxlong.eval runs/default --step 20 --lengths 512,1024,2048,4096 --depths 0,0.5,1 --per-cell 8
@@ -122,10 +124,10 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from jaxlong.core.distributed import set_host_device_count  # noqa: PLC0415
+    from jaxlong.core import distributed  # noqa: PLC0415
 
-    set_host_device_count(cfg.mesh.num_devices)
     try:
+        distributed.start(cfg.mesh)  # several processes (srun, or JAX_COORDINATOR_ADDRESS ...): one mesh over them
         run(cfg, run_dir, step, args)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -149,28 +151,34 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     from jaxlong import evaluation as ev  # noqa: PLC0415
     from jaxlong.config import validate  # noqa: PLC0415
     from jaxlong.core.memstats import format_compiled  # noqa: PLC0415
-    from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
+    from jaxlong.core.mesh import build_mesh, check_process_layout  # noqa: PLC0415
 
     validate(cfg, num_devices=len(jax.devices()))
     mesh = build_mesh(cfg.mesh)
+    check_process_layout(mesh)
+    main = jax.process_index() == 0  # process 0 prints and writes; every process computes
+    say = print if main else (lambda *a, **k: None)
     tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
     source = data_lib.DocumentSource(cfg.data.path, cfg.data.text_field)
     # The trainer's held-out split; more batches than it used take more documents (the same ones first).
     _, batches = ev.validation_split(cfg, source, tokenizer, args.batches)
     params = restore_params(cfg, mesh, run_dir, step)
     compiled = ev.compile_eval_step(cfg, mesh)
-    print(format_compiled(compiled, "eval step"))
-    print(f"restored {run_dir / 'checkpoints' / str(step)}; mesh {dict(mesh.shape)}, seq_len {cfg.seq_len}")
+    say(format_compiled(compiled, "eval step"))
+    say(f"restored {run_dir / 'checkpoints' / str(step)}; mesh {dict(mesh.shape)}, seq_len {cfg.seq_len}")
 
     grid = ev.PasskeyGrid(args.lengths_list, args.depths_list, args.per_cell, args.digits) if args.passkey else None
     batch_size = ev.eval_batch_size(cfg)
     n_passkey = len(grid.lengths) * len(grid.depths) * -(-grid.per_cell // batch_size) * batch_size if grid else 0
-    bar = tqdm(total=len(batches) * batch_size * 2 + n_passkey, desc="eval", unit="seq", dynamic_ncols=True)
+    bar = tqdm(total=len(batches) * batch_size * 2 + n_passkey, desc="eval", unit="seq", dynamic_ncols=True,
+               disable=not main)
     result = ev.evaluate_params(cfg, mesh, params, batches, eval_step=compiled, encode=tokenizer.encode,
                                 passkey=grid, progress=bar.update)
     bar.close()
     summary = result.summary(step, grid)
     out = run_dir / "eval" / f"step_{step}"
+    if not main:
+        return summary
     write_results(out, summary)
     writer = SummaryWriter(str(run_dir))
     writer.add_scalar("eval/loss", result.loss, step)

@@ -79,9 +79,10 @@ def evaluate_loss(eval_step, params: dict, batches, mesh: jax.sharding.Mesh) -> 
     exact at any length: the step's float32 count rounds once a sum passes 2^24 tokens (docs/numerics.md)."""
     total, count = 0.0, 0.0
     for batch in batches:
-        s, _ = eval_step(params, step_lib.put_batch(batch, mesh, process_local=False))
+        s, _ = eval_step(params, step_lib.put_batch(batch, mesh))
         mask = np.where(np.asarray(batch["targets"]) == IGNORE_INDEX, 0.0, np.asarray(batch["mask"], np.float64))
-        total, count = total + float(s), count + float(np.sum(mask))
+        # a replicated scalar: each process reads its own copy (not fully addressable with several processes)
+        total, count = total + float(s.addressable_data(0)), count + float(np.sum(mask))
     loss = total / max(count, 1.0)
     return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "tokens": count}
 
@@ -163,10 +164,19 @@ def token_stats(cfg: Config, mesh: jax.sharding.Mesh) -> Callable[[dict, dict], 
     step = make_token_stats_step(cfg, mesh)
 
     def fn(params: dict, batch: dict) -> tuple[np.ndarray, np.ndarray]:
-        loss, argmax = jax.device_get(step(params, step_lib.put_batch(batch, mesh, process_local=False)))
+        loss, argmax = (_to_host(x) for x in step(params, step_lib.put_batch(batch, mesh)))
         return step_lib.natural_order(loss, mesh), step_lib.natural_order(argmax, mesh)
 
     return fn
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """The whole of a global array on the host of every process (gathered across processes when they share it)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -67,12 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {e}", file=sys.stderr)
             return 2
     try:
-        processes = distributed.process_count_from_env()
-        if cfg.mesh.num_devices % processes:
-            raise ConfigError(f"mesh.num_devices={cfg.mesh.num_devices} is not divisible by the {processes} processes "
-                              f"of this launch; use a multiple of {processes}")
-        distributed.set_host_device_count(cfg.mesh.num_devices // processes)
-        distributed.initialize()
+        distributed.start(cfg.mesh)
     except (ConfigError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -27,7 +27,8 @@ from jaxlong import evaluation as eval_lib
 from jaxlong.config import Config, ConfigError, to_dict, validate
 from jaxlong.core import xla_log
 from jaxlong.core.memstats import compiled_bytes, device_memory, format_compiled
-from jaxlong.core.mesh import build_mesh, describe_param_sharding
+from jaxlong.core.distributed import allgather_json
+from jaxlong.core.mesh import build_mesh, check_process_layout, describe_param_sharding
 from jaxlong.core.units import fmt_bytes
 from jaxlong.models import hf
 from jaxlong.training import step as step_lib
@@ -176,13 +177,20 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_chang
 
 
 def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals: _Signals, fault) -> dict:
-    validate(cfg, num_devices=len(jax.devices()))
+    try:
+        validate(cfg, num_devices=len(jax.devices()))
+    except ConfigError as e:
+        if jax.process_count() == 1:
+            raise
+        raise ConfigError(f"{e} (this launch: {jax.process_count()} processes of {jax.local_device_count()} devices "
+                          f"each)") from None
     if cfg.attention.backend in ("cudnn", "pallas") and jax.default_backend() != "gpu":
         raise ConfigError(
             f"attention.backend={cfg.attention.backend} needs an NVIDIA GPU, but jax runs on {jax.default_backend()}; "
             f"use attention.backend=auto (cuDNN where available) or blockwise"
         )
     mesh = build_mesh(cfg.mesh)
+    check_process_layout(mesh)
     run_dir = Path(cfg.run_dir) / cfg.run_name
     if cfg.model.from_hf:  # the checkpoint's tokenizer.json; its tensors are checked before compiling
 
@@ -222,7 +230,8 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     if cfg.eval_every:  # whole documents held out for validation, left out of training
         held_out, eval_batches = eval_lib.validation_split(cfg, source, tokenizer)
         validator = eval_lib.Validator(cfg, mesh, eval_batches)
-    batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out)
+    batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out,
+                                      rows=step_lib.process_rows(mesh, cfg.global_batch))
 
     t0 = time.perf_counter()
     with xla_log.collecting() as log:
@@ -240,12 +249,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     try:
         if resume:
             state = _restore(ckpt, step_lib.abstract_state(cfg, mesh), start)
-            data_state = ckpt.restore_data(start)
-            if data_state is not None:
-                batches.set_state(data_state)
-            else:  # a checkpoint without the data iterator's state: replay the batches it consumed
-                for _ in range(start):
-                    next(batches)
+            _restore_data(batches, ckpt.restore_data(start), start)
             _say(f"resumed from {ckpt.directory / str(start)}")
         elif cfg.model.from_hf:
             state = step_lib.init_state(cfg, mesh, hf.load_params(cfg.model.from_hf, cfg, mesh))
@@ -262,6 +266,25 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
         except Exception as e:  # noqa: BLE001 (a failure already reported; never hide the original error)
             remove_tmp_dirs(ckpt.directory)
             _say(f"closing the checkpoint manager: {type(e).__name__}: {e}")
+
+
+def _restore_data(batches, data_state: dict | None, start: int) -> None:
+    """Continue the data iterator where checkpoint `start` left it: from its saved state, or, for a checkpoint
+    without one (or one that lacks this process's packing streams), by replaying the `start` batches it consumed."""
+    if data_state is not None:
+        try:
+            batches.set_state(data_state)
+            return
+        except ValueError as e:
+            print(f"note (process {jax.process_index()}): {e}; replaying the {start} batches instead")
+    for _ in range(start):
+        next(batches)
+
+
+def _all_streams(data_state: dict) -> dict:
+    """The data state of every packing stream, merged from all processes (a collective; what a checkpoint
+    saves, so that any process layout resumes from it)."""
+    return data_lib.merge_states(allgather_json(data_state))
 
 
 def _check_resume_config(cfg: Config, ckpt_dir: Path, step: int, allow_changes: bool) -> None:
@@ -344,7 +367,7 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
             host_batch = next(batches)
             packed.append(data_lib.packing_efficiency(host_batch))
             fault("before_put", step)
-            batch = step_lib.put_batch(host_batch, mesh)
+            batch = step_lib.put_batch(host_batch, mesh, batches.rows, cfg.global_batch)
             fault("before_dispatch", step)
             if signals.received is not None:
                 break
@@ -393,13 +416,13 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
             bar.update(1)
             fault("before_save", step)
             if ckpt.should_save(done):
-                started = ckpt.save(state, cfg_dict, data_state=data_state) or started
+                started = ckpt.save(state, cfg_dict, data_state=_all_streams(data_state)) or started
                 fault("during_save", step)  # the asynchronous commit may still be running
             fault("end_of_step", step)
         fault("after_loop", done)
         try:
             if done > start and started != done:  # interrupted between saves, or a final step the policy skipped
-                started = ckpt.save(state, cfg_dict, force=True, data_state=data_state) or started
+                started = ckpt.save(state, cfg_dict, force=True, data_state=_all_streams(data_state)) or started
                 fault("during_final_save", done)
             latest = ckpt.wait()
             fault("after_commit", done)

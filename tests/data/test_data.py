@@ -238,19 +238,63 @@ def test_resume_from_state_past_epoch_boundary_shuffled(tmp_path):
             assert _same(next(fresh), full[j]), (k, j)
 
 
-def test_process_sharding(tmp_path):
-    path, _ = _jsonl(tmp_path, [4] * 40)
+def test_a_process_builds_its_rows_and_any_layout_resumes_from_the_merged_state(tmp_path):
+    """Rows built per process (the streams that hold them) equal those rows of the global batch, for row sets of
+    any split (halves, interleaved, one row, all rows on every process as under ring or context spanning the
+    processes); the states of the processes merge into one from which a different split continues exactly."""
+    path, _ = _jsonl(tmp_path, [3, 30, 7, 1, 22, 9, 14, 2, 5, 40, 11, 6] * 3)  # streams that drift apart
     src = data.DocumentSource(path)
-    rows = []
-    for p in range(2):
-        ds = data.make_dataset(src, BYTE, seq_len=64, global_batch=4, seed=0, shuffle=False, process_index=p,
-                               process_count=2)
-        b = next(iter(ds))
-        assert b["inputs"].shape == (2, 64)
-        rows.append(b)
-    assert not np.array_equal(rows[0]["inputs"], rows[1]["inputs"])
-    with pytest.raises(ValueError, match="divisible by the 3 processes"):
-        data.make_dataset(src, BYTE, seq_len=64, global_batch=4, seed=0, process_count=3)
+
+    def make(rows):
+        return iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=4, seed=0, rows=rows))
+
+    full = make(None)
+    ref = [next(full) for _ in range(24)]  # past the first group of packing bins (16 rows per stream)
+    for split in ([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[3]], [[0, 1, 2, 3]] * 2):
+        its = [make(rows) for rows in split]
+        for it, rows in zip(its, split):
+            np.testing.assert_array_equal(it.rows, rows)
+            for j in range(20):
+                b = next(it)
+                assert all(np.array_equal(b[k], ref[j][k][rows]) for k in KEYS), (split, rows, j)
+        states = [json.loads(json.dumps(it.get_state())) for it in its]  # per process, JSON round trip
+        if split == [[0, 1], [2, 3]]:
+            assert states[0]["streams"]["0"] != states[1]["streams"]["2"]  # the streams have drifted apart
+            merged = data.merge_states(states)
+            for rows in ([0, 1, 2, 3], [1, 2], [3]):  # resumed under another process layout
+                it = make(rows)
+                it.set_state(merged)
+                for j in range(20, 24):
+                    assert _same(next(it), {k: v[rows] for k, v in ref[j].items()}), (rows, j)
+            with pytest.raises(ValueError, match="not \\[2, 3\\] of this process"):
+                make([2, 3]).set_state(states[0])  # process 0's state alone lacks process 1's streams
+
+
+def test_data_state_saved_before_streams_were_named(tmp_path):
+    """A checkpoint's data state of the previous format (Grain's zip state of one process's streams in order)
+    continues exactly where it names the streams."""
+    path, _ = _jsonl(tmp_path, [3, 30, 7, 1, 22, 9, 14, 2])
+    src = data.DocumentSource(path)
+    it = iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=2, seed=0))
+    ref = [next(it) for _ in range(4)]
+    it = iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=2, seed=0))
+    next(it), next(it)
+    legacy = {"parents": [it.get_state()["streams"][s] for s in ("0", "1")]}
+    fresh = iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=2, seed=0))
+    fresh.set_state(legacy)
+    assert _same(next(fresh), ref[2]) and _same(next(fresh), ref[3])
+
+
+def test_one_document_serves_every_process(tmp_path):
+    """A corpus of one document forms one packing stream, which every process builds and cuts its row from."""
+    path, _ = _jsonl(tmp_path, [200])
+    src = data.DocumentSource(path)
+    full = next(iter(data.make_dataset(src, BYTE, seq_len=64, global_batch=2, seed=0)))
+    for row in (0, 1):
+        b = next(iter(data.make_dataset(src, BYTE, seq_len=64, global_batch=2, seed=0, rows=[row])))
+        assert _same(b, {k: v[[row]] for k, v in full.items()})
+    with pytest.raises(ValueError, match="row indices of the global batch of 2"):
+        data.make_dataset(src, BYTE, seq_len=64, global_batch=2, seed=0, rows=[2])
 
 
 def test_max_tokens(tmp_path):
@@ -293,6 +337,62 @@ def test_put_batch_shards_rows_and_the_zigzag_sequence(tmp_path, ring, context):
             assert sh.data.shape == (4 // (8 // (ring * context)), 32 // (ring * context))
             np.testing.assert_array_equal(np.asarray(sh.data), host[sh.index])
         np.testing.assert_array_equal(natural_order(host, mesh), batch[k])  # per-token results come back
+
+
+# Two simulated processes of 4 devices each (the mesh's devices in order, as `jax.devices()` gives them process by
+# process): (mesh shape, rows each process builds) for the axes that span them.
+LAYOUTS = {
+    "ring-spans": ((1, 1, 2, 4), [[0, 1, 2, 3]] * 2),  # ring across processes, context inside: every row
+    "context-spans": ((1, 1, 1, 8), [[0, 1, 2, 3]] * 2),  # Ulysses across processes: every row
+    "fsdp-spans": ((1, 2, 1, 4), [[0, 1], [2, 3]]),  # the batch axes: each process its rows
+    "data-and-ring": ((2, 1, 2, 2), [[0, 1], [2, 3]]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_process_builds_its_rows_and_places_its_sequence_slices(tmp_path, layout):
+    """With several processes (simulated), each builds the rows its devices hold (`process_rows`) and places on each
+    of its devices exactly the block of the global zigzag batch that device holds; under ring spanning the processes
+    a process's devices hold, in token order, its ring rank's two zigzag chunks."""
+    from jaxlong.training.step import batch_sharding, device_block, process_rows
+    from jaxlong.parallel.ring import zigzag_order
+
+    shape, want_rows = LAYOUTS[layout]
+    mesh = jax.make_mesh(shape, ("data", "fsdp", "ring", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    position = {d: i for i, d in enumerate(mesh.devices.flat)}
+
+    def process_of(d):
+        return position[d] // 4
+
+    ring, seq, gb = shape[2], 64, 4
+    glob = np.arange(gb * seq).reshape(gb, seq)  # token (row, position) ids
+    zz = glob[:, zigzag_order(seq, ring)] if ring > 1 else glob
+    index = batch_sharding(mesh).devices_indices_map((gb, seq))
+    for p in (0, 1):
+        rows = process_rows(mesh, gb, p, process_of)
+        np.testing.assert_array_equal(rows, want_rows[p])
+        local = zz[rows]  # what the process builds: its rows, permuted on the host
+        held = set()
+        for d, idx in index.items():
+            if process_of(d) == p:
+                np.testing.assert_array_equal(device_block(local, idx, rows, gb), zz[idx])
+                held.update(zz[idx].ravel().tolist())
+        if layout == "ring-spans":  # ring rank p: chunks p and 3 - p of every row (chunk = seq / 4 tokens)
+            c = seq // 4
+            chunks = np.concatenate([glob[:, p * c:(p + 1) * c], glob[:, (3 - p) * c:(4 - p) * c]], 1)
+            assert held == set(chunks.ravel().tolist())
+    with pytest.raises(ValueError, match="holds rows"):
+        device_block(zz[[0]], (slice(2, 4), slice(None)), np.array([0]), gb)
+
+
+def test_put_batch_of_this_process_rows():
+    """`put_batch` with the rows of this process: in one process they are every row, in any order of building."""
+    mesh = _mesh(1, 4)
+    batch = {"inputs": np.arange(4 * 8, dtype=np.int32).reshape(4, 8)}
+    out = put_batch(batch, mesh, rows=np.arange(4), global_batch=4)
+    np.testing.assert_array_equal(np.asarray(out["inputs"]), batch["inputs"])
+    with pytest.raises(ValueError, match="holds rows"):
+        put_batch({"inputs": batch["inputs"][:2]}, mesh, rows=np.array([0, 1]), global_batch=4)
 
 
 def test_put_batch_indivisible():

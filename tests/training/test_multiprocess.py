@@ -1,6 +1,7 @@
-"""Two CPU processes of 4 simulated devices each (jax.distributed, gloo collectives, coordinator on
-127.0.0.1) train with the same losses as one process with 8 devices, and resume like it after a stop or after
-one process is killed."""
+"""Two CPU processes of 4 simulated devices each (jax.distributed, gloo collectives, coordinator on 127.0.0.1) with
+fsdp spanning them train with the same losses as one process with 8 devices, and resume like it after a stop or
+after one process is killed. `_launch` starts several processes as docs/multi-node.md's launches do (by hand, or
+with the variables `srun` sets); tests/training/test_multinode.py runs ring and context across them."""
 
 import os
 import socket
@@ -17,30 +18,57 @@ from test_train import TRAIN
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(low: int = 0, high: int = 0) -> int:
+    """A free TCP port on this machine (in `[low, high]` if given)."""
+    for port in range(low, high + 1) if low else [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in [{low}, {high}]")
+
+
+def _launcher_env(launcher: str, n: int) -> list[dict]:
+    """The variables that start process i of n: `hand` sets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID (docs/multi-node.md, by hand); `slurm` sets what `srun` sets for one task per node on n nodes
+    (`#SBATCH --nodes=n --ntasks-per-node=1`), which JAX's SLURM detection reads: the job id (the coordinator's port
+    is derived from it), the step's node list (its first host is the coordinator), the task count, the task's rank
+    and local rank, the step's node count.
+
+    What cannot be simulated on one machine: the node list names this machine (`localhost`) rather than separate
+    hosts, and the processes run on the CPU, so the GPUs a task drives (`slurm_local_device_ids`: all that are
+    visible with one task per node) are checked by tests/core/test_processes.py instead."""
+    if launcher == "hand":
+        port = _free_port()
+        return [dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i))
+                for i in range(n)]
+    base = 65535 - 2**12 + 1  # JAX's SLURM coordinator port: job id % 4096 + base
+    job = _free_port(base, 65535) - base + 4096 * 7
+    return [dict(SLURM_JOB_ID=str(job), SLURM_STEP_NODELIST="localhost", SLURM_NODELIST="localhost",
+                 SLURM_NTASKS=str(n), SLURM_NNODES=str(n), SLURM_STEP_NUM_NODES=str(n), SLURM_NTASKS_PER_NODE="1",
+                 SLURM_PROCID=str(i), SLURM_NODEID=str(i), SLURM_LOCALID="0") for i in range(n)]
 
 
 def _launch(args: list[str], n: int, timeout: float = 900, faults: dict | None = None,
-            kill_all_when_one_dies: bool = False) -> list[subprocess.CompletedProcess]:
-    """`python -m jaxlong.train *args` as n processes (n = 1: an ordinary single-process run). `faults` maps a
-    process id to its `JAXLONG_FAULT`; with `kill_all_when_one_dies` the others are killed (SIGKILL) as soon as
-    one exits, as a cluster scheduler ends a job whose task died."""
+            kill_all_when_one_dies: bool = False, module: str = "jaxlong.train",
+            launcher: str = "hand") -> list[subprocess.CompletedProcess]:
+    """`python -m <module> *args` as n processes (n = 1: an ordinary single-process run) started as `launcher`
+    starts them (`_launcher_env`). `faults` maps a process id to its `JAXLONG_FAULT`; with `kill_all_when_one_dies`
+    the others are killed (SIGKILL) as soon as one exits, as a cluster scheduler ends a job whose task died."""
     # No persistent compilation cache here: these programs run with cross-process (gloo) collectives, and an
     # entry written by a one-process run of the same program is not known to be valid for them.
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR") and not k.startswith(("SLURM_", "JAX_COORD"))}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    port = _free_port()
+    starts = _launcher_env(launcher, n) if n > 1 else [{}]
     procs = []
     for i in range(n):
-        e = dict(env)
-        if n > 1:
-            e.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i))
+        e = {**env, **starts[i]}
         if faults and i in faults:
             e["JAXLONG_FAULT"] = faults[i]
-        procs.append(subprocess.Popen([sys.executable, "-m", "jaxlong.train", *args], env=e, cwd=ROOT,
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=e, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
@@ -59,6 +87,13 @@ def _launch(args: list[str], n: int, timeout: float = 900, faults: dict | None =
             if p.poll() is None:
                 p.kill()
     return outs
+
+
+def _ok(runs: list[subprocess.CompletedProcess]) -> str:
+    """Process 0's output, after checking that every process exited with 0."""
+    for r in runs:
+        assert r.returncode == 0, r.stdout[-3000:]
+    return runs[0].stdout
 
 
 def _loss_by_step(run_dir: Path) -> dict[int, float]:
@@ -133,3 +168,4 @@ def test_a_killed_process_loses_no_checkpoint_and_both_resume_like_one(tmp_path,
     assert {4, 5, 6} <= set(two)
     assert [two[s] for s in (4, 5, 6)] == pytest.approx([one[s] for s in (4, 5, 6)], rel=1e-5)
     assert (tmp_path / "two" / "checkpoints" / "6").is_dir()
+

@@ -98,11 +98,11 @@ def test_sigterm_saves_the_last_finished_step(tmp_path, monkeypatch):
     calls = {"n": 0}
     real_put = trainer.step_lib.put_batch
 
-    def put_then_preempt(batch, mesh):
+    def put_then_preempt(batch, mesh, *args):
         calls["n"] += 1
         if calls["n"] == 4:  # the 4th batch: steps 1-3 are finished
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_put(batch, mesh)
+        return real_put(batch, mesh, *args)
 
     monkeypatch.setattr(trainer.step_lib, "put_batch", put_then_preempt)
     with pytest.raises(KeyboardInterrupt):
