@@ -26,10 +26,11 @@ import sys
 from pathlib import Path
 
 from jaxlong.config import ConfigError, from_dict
+from jaxlong.core.errors import ArgumentParser, fail
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxlong.eval", description=__doc__,
+    p = ArgumentParser(prog="python -m jaxlong.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="a run directory holding checkpoints/ (e.g. runs/default)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
@@ -119,17 +120,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         run_dir, step, cfg = resolve(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
+        return fail(e)
     from jaxlong.core.distributed import set_host_device_count  # noqa: PLC0415
 
     set_host_device_count(cfg.mesh.num_devices)
     try:
         run(cfg, run_dir, step, args)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (FileNotFoundError, ValueError) as e:  # a bad override, a corpus that cannot be read
+        return fail(e)
     return 0
 
 
