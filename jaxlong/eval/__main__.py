@@ -10,9 +10,13 @@ was trained with (`key=value` overrides change it, e.g. `mesh.context=8`), then 
 * passkey retrieval, teacher-forced, on a needle depth x context length grid (`--depths`, `--lengths`), drawn as a
   heatmap.
 
-Results go to `RUN_DIR/eval/step_N/` (`summary.json`, `loss_by_position.{csv,png}`, `passkey.{csv,png}`) and to
-the run's TensorBoard events (`eval/loss`, `eval/perplexity`, `eval/passkey_accuracy`,
-`eval/loss_by_position/<start>`). Examples:
+Each evaluation setup has its own directory, `RUN_DIR/eval/<setup>/`, named by the mesh it ran on
+(`mesh_<data>x<fsdp>x<ring>x<context>`) and, when other config keys or flags differ from the run's config and the
+flags' defaults, a short hash of them (`mesh_1x2x1x4-3f9a0c1e`): results go to `<setup>/step_N/` (`summary.json`,
+which records the setup, `loss_by_position.{csv,png}`, `passkey.{csv,png}`) and to TensorBoard events in
+`<setup>/` (`eval/loss`, `eval/perplexity`, `eval/passkey_accuracy`, `eval/loss_by_position/<start>`; one
+TensorBoard run per setup, beside the trainer's). Evaluations of other setups never overwrite each other; the
+same evaluation run again replaces its own results and events. Examples:
 
     python -m jaxlong.eval runs/default
     python -m jaxlong.eval runs/default --step 20 --lengths 512,1024,2048,4096 --depths 0,0.5,1 --per-cell 8
@@ -162,16 +166,18 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     print(f"restored {run_dir / 'checkpoints' / str(step)}; mesh {dict(mesh.shape)}, seq_len {cfg.seq_len}")
 
     grid = ev.PasskeyGrid(args.lengths_list, args.depths_list, args.per_cell, args.digits) if args.passkey else None
-    batch_size = ev.eval_batch_size(cfg)
-    n_passkey = len(grid.lengths) * len(grid.depths) * -(-grid.per_cell // batch_size) * batch_size if grid else 0
-    bar = tqdm(total=len(batches) * batch_size * 2 + n_passkey, desc="eval", unit="seq", dynamic_ncols=True)
+    bar = tqdm(total=ev.sequences_to_evaluate(cfg, batches, grid), desc="eval", unit="seq", dynamic_ncols=True)
     result = ev.evaluate_params(cfg, mesh, params, batches, eval_step=compiled, encode=tokenizer.encode,
                                 passkey=grid, progress=bar.update)
     bar.close()
-    summary = result.summary(step, grid)
-    out = run_dir / "eval" / f"step_{step}"
+    setup = evaluation_setup(cfg, run_dir, step, dict(mesh.shape), args)
+    summary = {**result.summary(step, grid), "setup": setup}
+    setup_dir = run_dir / "eval" / setup["name"]
+    out = setup_dir / f"step_{step}"
     write_results(out, summary)
-    writer = SummaryWriter(str(run_dir))
+    for old in setup_dir.glob(f"events.out.tfevents.*.step_{step}"):  # this evaluation's earlier run: replaced
+        old.unlink()
+    writer = SummaryWriter(str(setup_dir), filename_suffix=f".step_{step}")
     writer.add_scalar("eval/loss", result.loss, step)
     writer.add_scalar("eval/perplexity", result.perplexity, step)
     for row in summary["loss_by_position"]:
@@ -182,6 +188,32 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     print(format_summary(summary))
     print(f"results in {out}/ and TensorBoard (tensorboard --logdir {run_dir})")
     return summary
+
+
+def evaluation_setup(cfg, run_dir: Path, step: int, mesh_shape: dict, args) -> dict:
+    """What sets an evaluation of checkpoint `step` apart from another of the same checkpoint, as recorded in its
+    `summary.json`: `name` (its directory under `RUN_DIR/eval/`), `mesh` (the axes it ran on), `overrides` (the
+    `key=value` given) and `flags` (those that differ from their defaults).
+
+    `name` is `mesh_<data>x<fsdp>x<ring>x<context>`, followed by `-<8 hex digits>` (a hash of the config apart from
+    the mesh, and of those flags) when the config differs from the checkpoint's in keys other than `mesh.*` or
+    a flag is not at its default: the same setup has the same name, another setup another name.
+    """
+    import dataclasses  # noqa: PLC0415
+    import hashlib  # noqa: PLC0415
+
+    from jaxlong.config import to_dict  # noqa: PLC0415
+    from jaxlong.training.checkpoint import saved_config  # noqa: PLC0415
+
+    saved = from_dict(saved_config(run_dir / "checkpoints", step))
+    mine, trained = to_dict(dataclasses.replace(cfg, mesh=saved.mesh)), to_dict(saved)
+    defaults = vars(parse_args([str(run_dir)]))
+    flags = {k: getattr(args, k) for k in ("batches", "lengths", "depths", "per_cell", "digits", "passkey")
+             if getattr(args, k) != defaults[k]}
+    name = "mesh_" + "x".join(str(mesh_shape[a]) for a in ("data", "fsdp", "ring", "context"))
+    if mine != trained or flags:
+        name += "-" + hashlib.sha1(json.dumps([mine, flags], sort_keys=True).encode()).hexdigest()[:8]
+    return {"name": name, "mesh": mesh_shape, "overrides": list(args.overrides), "flags": flags}
 
 
 def restore_params(cfg, mesh, run_dir: Path, step: int) -> dict:
