@@ -35,7 +35,7 @@ from jaxlong.core.errors import ArgumentParser, fail
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(prog="python -m jaxlong.eval", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="a run directory holding checkpoints/ (e.g. runs/default)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--batches", type=int, default=None, help="held-out batches (default: the run's eval_batches)")

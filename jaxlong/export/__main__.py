@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxlong.core.errors import ArgumentParser, fail  # noqa: PLC0415
 
     parser = ArgumentParser(prog="python -m jaxlong.export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="the run directory (runs/<run_name>)")
     parser.add_argument("--out", required=True, help="output directory (new or empty)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")

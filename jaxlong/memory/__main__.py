@@ -17,8 +17,8 @@ import re
 import sys
 
 from jaxlong.config import ConfigError, load_config
-from jaxlong.core.errors import ArgumentParser, fail
 from jaxlong.core import distributed, xla_log
+from jaxlong.core.errors import ArgumentParser, fail
 from jaxlong.core.units import fmt_gib
 from jaxlong.memory import fit_options as fit_cli
 from jaxlong.plan.cost import significant
@@ -46,7 +46,7 @@ def _gpu_present() -> bool:
 
 def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m jaxlong.memory", description=_PLAN_DOC,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None)
     p.add_argument("--target", default=None,
                    help="plan for a GPU without one: h100, h200, a100 or a GpuTargetConfigProto .txtpb, "
