@@ -157,6 +157,7 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     validate(cfg, num_devices=len(jax.devices()))
     mesh = build_mesh(cfg.mesh)
     tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
+    lengths = passkey_lengths(cfg, args, tokenizer) if args.passkey else []
     source = data_lib.DocumentSource(cfg.data.path, cfg.data.text_field)
     # The trainer's held-out split; more batches than it used take more documents (the same ones first).
     _, batches = ev.validation_split(cfg, source, tokenizer, args.batches)
@@ -165,7 +166,7 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     print(format_compiled(compiled, "eval step"))
     print(f"restored {run_dir / 'checkpoints' / str(step)}; mesh {dict(mesh.shape)}, seq_len {cfg.seq_len}")
 
-    grid = ev.PasskeyGrid(args.lengths_list, args.depths_list, args.per_cell, args.digits) if args.passkey else None
+    grid = ev.PasskeyGrid(lengths, args.depths_list, args.per_cell, args.digits) if lengths else None
     bar = tqdm(total=ev.sequences_to_evaluate(cfg, batches, grid), desc="eval", unit="seq", dynamic_ncols=True)
     result = ev.evaluate_params(cfg, mesh, params, batches, eval_step=compiled, encode=tokenizer.encode,
                                 passkey=grid, progress=bar.update)
@@ -188,6 +189,27 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     print(format_summary(summary))
     print(f"results in {out}/ and TensorBoard (tensorboard --logdir {run_dir})")
     return summary
+
+
+def passkey_lengths(cfg, args, tokenizer) -> list[int]:
+    """The passkey lengths to test: those of `--lengths`, or by default those of S/8, S/4, S/2, S that the mesh
+    takes (`resolve`), less any too short for the passkey prompt under `tokenizer` (with a note when none is left).
+
+    Raises:
+      ConfigError: a length given by `--lengths` is too short for the prompt.
+    """
+    from jaxlong import evaluation as ev  # noqa: PLC0415
+
+    shortest = ev.passkey_min_length(tokenizer.encode, args.digits)
+    short = [n for n in args.lengths_list if n < shortest]
+    if short and args.lengths:
+        raise ConfigError(f"--lengths {','.join(map(str, short))}: a passkey length must hold the needle and the "
+                          f"question, {shortest} tokens with this tokenizer and --digits {args.digits}")
+    lengths = [n for n in args.lengths_list if n >= shortest]
+    if not lengths:
+        print(f"note: no passkey retrieval: seq_len {cfg.seq_len} cannot hold the passkey prompt ({shortest} "
+              f"tokens); give --lengths of at least {shortest} that the mesh takes, or --no-passkey")
+    return lengths
 
 
 def evaluation_setup(cfg, run_dir: Path, step: int, mesh_shape: dict, args) -> dict:

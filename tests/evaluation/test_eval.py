@@ -333,15 +333,45 @@ def test_the_cli_evaluates_a_ring_run_like_a_mesh_without_ring(tmp_path, capsys)
     assert [e.step for e in EventAccumulator(str(run_dir)).Reload().Scalars("eval/loss")] == [2]  # the trainer's
 
 
+def _fake_checkpoint(run_dir, step: int, cfg) -> None:
+    """A checkpoint directory holding only `cfg` (what `python -m jaxlong.eval` reads before restoring)."""
+    from jaxlong.config import to_dict
+
+    (run_dir / "checkpoints" / str(step) / "config").mkdir(parents=True)
+    (run_dir / "checkpoints" / str(step) / "config" / "metadata").write_text(json.dumps(to_dict(cfg)))
+    (run_dir / "checkpoints" / str(step) / "_CHECKPOINT_METADATA").write_text("{}")
+
+
+def test_passkey_lengths_hold_the_prompt(tmp_path, capsys):
+    """A 64-token run: the default passkey length (64) cannot hold the prompt (101 byte tokens), so the passkey
+    test is left out with a note instead of failing after the validation pass; a short `--lengths` is refused."""
+    from jaxlong.config import ConfigError
+    from jaxlong.eval import __main__ as eval_cli
+
+    _fake_checkpoint(tmp_path, 3, tiny_cfg("mesh.fsdp=2", "mesh.context=4"))
+    shortest = ev.passkey_min_length(ENC, 5)
+    assert shortest == 101
+
+    def lengths(*argv):
+        args = eval_cli.parse_args([str(tmp_path), *argv])
+        _, _, cfg = eval_cli.resolve(args)
+        return eval_cli.passkey_lengths(cfg, args, ByteTokenizer())
+
+    assert lengths() == [] and "note: no passkey retrieval: seq_len 64 cannot hold" in capsys.readouterr().out
+    assert lengths("--lengths", "128,256") == [128, 256]
+    with pytest.raises(ConfigError, match="--lengths 64: a passkey length must hold the needle and the question, 101"):
+        lengths("--lengths", "64,128")
+    ev.passkey_example(ENC, shortest, 0.5, "99999")  # the shortest length holds it
+    with pytest.raises(ValueError, match="too short"):
+        ev.passkey_example(ENC, shortest - 1, 0.5, "99999")
+
+
 def test_each_evaluation_setup_has_its_own_directory(tmp_path):
     """`RUN_DIR/eval/<setup>/`: named by the mesh, with a hash when other keys or flags differ from the run's;
     the same setup has the same name (a rerun replaces its own results), another setup another name."""
-    from jaxlong.config import to_dict
     from jaxlong.eval import __main__ as eval_cli
 
-    trained = tiny_cfg("mesh.fsdp=2", "mesh.context=4")
-    (tmp_path / "checkpoints" / "3" / "config").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "3" / "config" / "metadata").write_text(json.dumps(to_dict(trained)))
+    _fake_checkpoint(tmp_path, 3, tiny_cfg("mesh.fsdp=2", "mesh.context=4"))
 
     def name(*argv):
         args = eval_cli.parse_args([str(tmp_path), *argv])
