@@ -240,7 +240,12 @@ def test_killed_run_resumes_bit_for_bit(point, finished, sig, reference, tmp_pat
 @pytest.fixture
 def two_steps(tmp_path, compile_once):
     """A run of STEPS with a checkpoint at step 2 (stopped there by SIGTERM)."""
-    overrides = _overrides(tmp_path)
+    return _stopped_after_two_steps(tmp_path)
+
+
+def _stopped_after_two_steps(tmp_path: Path, *extra: str) -> list[str]:
+    """The overrides of a run of STEPS (and `extra`) stopped by SIGTERM after step 2, its only checkpoint."""
+    overrides = _overrides(tmp_path, *extra)
     os.environ[FAULT_ENV] = "end_of_step@2:SIGTERM"
     try:
         with pytest.raises(Preempted):
@@ -297,13 +302,7 @@ def test_resume_of_a_run_shorter_than_its_warmup_trains_on_as_advised(tmp_path, 
     `steps=` is refused with advice that keeps that schedule, and the command with the advice trains on."""
     from jaxlong.train.__main__ import main
 
-    overrides = _overrides(tmp_path, "optim.warmup_steps=8")
-    os.environ[FAULT_ENV] = "end_of_step@2:SIGTERM"
-    try:
-        with pytest.raises(Preempted):
-            run(tiny_cfg(*overrides))
-    finally:
-        del os.environ[FAULT_ENV]
+    overrides = _stopped_after_two_steps(tmp_path, "optim.warmup_steps=8")
     assert main(["--resume", *TINY, *overrides, "steps=12"]) == 2
     err = capsys.readouterr().err.strip()
     assert _advice(err) == ["optim.decay_steps=9"]  # not steps=6, which is shorter than the warmup
