@@ -37,7 +37,7 @@ from jaxlong.parallel.upipe import check_upipe_remat_names, check_upipe_schedule
 
 __all__ = ["Config", "ModelConfig", "RopeScalingConfig", "MeshConfig", "AttentionConfig", "RematConfig", "TilingConfig",
            "DataConfig", "OptimConfig", "ConfigError", "load_config", "from_dict", "to_dict", "parse_override",
-           "apply_setting", "read_yaml", "validate", "validate_optim"]
+           "apply_setting", "read_yaml", "validate", "validate_optim", "schedule_length"]
 
 
 @dataclass
@@ -162,7 +162,7 @@ class OptimConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 5
-    decay_steps: int = 0  # length of the warmup + cosine schedule; 0 means `steps`
+    decay_steps: int = 0  # length of the warmup + cosine schedule; 0 means `steps` (see `schedule_length`)
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
@@ -513,6 +513,14 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         check_upipe_schedule(m.heads, m.kv_heads, context, cfg.attention.heads_per_stage or context)
         if cfg.remat.policy == "custom":
             check_upipe_remat_names(cfg.remat.save + cfg.remat.offload)
+
+
+def schedule_length(steps: int, warmup_steps: int, decay_steps: int) -> int:
+    """Steps of the warmup + cosine-decay learning-rate schedule (optax's `decay_steps`, warmup included):
+    `optim.decay_steps`, or `steps` when it is 0, and at least `warmup_steps + 1` (the cosine needs a step after
+    the warmup). Two configs with the same length, warmup and rates have the same schedule: a 4-step run with
+    `optim.warmup_steps=5` has a 6-step schedule, as has the same run extended to `steps=6`."""
+    return max(decay_steps or steps, warmup_steps + 1)
 
 
 def validate_optim(o: OptimConfig) -> None:

@@ -73,7 +73,7 @@ def test_bad_configs_raise_clear_errors(overrides, match):
 
 def test_cli_reports_config_errors_without_compiling(capsys):
     assert main(["model.kv_heads=3"]) == 2
-    assert "config error: model.heads=4 must be a multiple" in capsys.readouterr().err
+    assert "error: model.heads=4 must be a multiple" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -10,11 +10,15 @@ was trained with (`key=value` overrides change it, e.g. `mesh.context=8`), then 
 * passkey retrieval, teacher-forced, on a needle depth x context length grid (`--depths`, `--lengths`), drawn as a
   heatmap.
 
-Results go to `RUN_DIR/eval/step_N/` (`summary.json`, `loss_by_position.{csv,png}`, `passkey.{csv,png}`) and to
-the run's TensorBoard events (`eval/loss`, `eval/perplexity`, `eval/passkey_accuracy`,
-`eval/loss_by_position/<start>`). Launched as several processes, as the trainer is (`srun`, or
-`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`; `jaxlong.core.distributed`), it evaluates on
-one mesh over all of them and process 0 prints and writes the results. Examples:
+Each evaluation setup has its own directory, `RUN_DIR/eval/<setup>/`, named by the mesh it ran on
+(`mesh_<data>x<fsdp>x<ring>x<context>`) and, when other config keys or flags differ from the run's config and the
+flags' defaults, a short hash of them (`mesh_1x2x1x4-3f9a0c1e`): results go to `<setup>/step_N/` (`summary.json`,
+which records the setup, `loss_by_position.{csv,png}`, `passkey.{csv,png}`) and to TensorBoard events in
+`<setup>/` (`eval/loss`, `eval/perplexity`, `eval/passkey_accuracy`, `eval/loss_by_position/<start>`; one
+TensorBoard run per setup, beside the trainer's). Evaluations of other setups never overwrite each other; the
+same evaluation run again replaces its own results and events. Launched as several processes, as the trainer is
+(`srun`, or `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`; `jaxlong.core.distributed`), it
+evaluates on one mesh over all of them and process 0 prints and writes the results. Examples:
 
     python -m jaxlong.eval runs/default
     python -m jaxlong.eval runs/default --step 20 --lengths 512,1024,2048,4096 --depths 0,0.5,1 --per-cell 8
@@ -28,11 +32,12 @@ import sys
 from pathlib import Path
 
 from jaxlong.config import ConfigError, from_dict
+from jaxlong.core.errors import ArgumentParser, fail
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxlong.eval", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m jaxlong.eval", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="a run directory holding checkpoints/ (e.g. runs/default)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--batches", type=int, default=None, help="held-out batches (default: the run's eval_batches)")
@@ -121,17 +126,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         run_dir, step, cfg = resolve(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
+        return fail(e)
     from jaxlong.core import distributed  # noqa: PLC0415
 
     try:
         distributed.start(cfg.mesh)  # several processes (srun, or JAX_COORDINATOR_ADDRESS ...): one mesh over them
         run(cfg, run_dir, step, args)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (FileNotFoundError, ValueError) as e:  # a bad override, a corpus that cannot be read
+        return fail(e)
     return 0
 
 
@@ -159,6 +162,7 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     main = jax.process_index() == 0  # process 0 prints and writes; every process computes
     say = print if main else (lambda *a, **k: None)
     tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
+    lengths = passkey_lengths(cfg, args, tokenizer) if args.passkey else []
     source = data_lib.DocumentSource(cfg.data.path, cfg.data.text_field)
     # The trainer's held-out split; more batches than it used take more documents (the same ones first).
     _, batches = ev.validation_split(cfg, source, tokenizer, args.batches)
@@ -167,20 +171,22 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     say(format_compiled(compiled, "eval step"))
     say(f"restored {run_dir / 'checkpoints' / str(step)}; mesh {dict(mesh.shape)}, seq_len {cfg.seq_len}")
 
-    grid = ev.PasskeyGrid(args.lengths_list, args.depths_list, args.per_cell, args.digits) if args.passkey else None
-    batch_size = ev.eval_batch_size(cfg)
-    n_passkey = len(grid.lengths) * len(grid.depths) * -(-grid.per_cell // batch_size) * batch_size if grid else 0
-    bar = tqdm(total=len(batches) * batch_size * 2 + n_passkey, desc="eval", unit="seq", dynamic_ncols=True,
+    grid = ev.PasskeyGrid(lengths, args.depths_list, args.per_cell, args.digits) if lengths else None
+    bar = tqdm(total=ev.sequences_to_evaluate(cfg, batches, grid), desc="eval", unit="seq", dynamic_ncols=True,
                disable=not main)
     result = ev.evaluate_params(cfg, mesh, params, batches, eval_step=compiled, encode=tokenizer.encode,
                                 passkey=grid, progress=bar.update)
     bar.close()
-    summary = result.summary(step, grid)
-    out = run_dir / "eval" / f"step_{step}"
+    setup = evaluation_setup(cfg, run_dir, step, dict(mesh.shape), args)
+    summary = {**result.summary(step, grid), "setup": setup}
     if not main:
         return summary
+    setup_dir = run_dir / "eval" / setup["name"]
+    out = setup_dir / f"step_{step}"
     write_results(out, summary)
-    writer = SummaryWriter(str(run_dir))
+    for old in setup_dir.glob(f"events.out.tfevents.*.step_{step}"):  # this evaluation's earlier run: replaced
+        old.unlink()
+    writer = SummaryWriter(str(setup_dir), filename_suffix=f".step_{step}")
     writer.add_scalar("eval/loss", result.loss, step)
     writer.add_scalar("eval/perplexity", result.perplexity, step)
     for row in summary["loss_by_position"]:
@@ -191,6 +197,53 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     print(format_summary(summary))
     print(f"results in {out}/ and TensorBoard (tensorboard --logdir {run_dir})")
     return summary
+
+
+def passkey_lengths(cfg, args, tokenizer) -> list[int]:
+    """The passkey lengths to test: those of `--lengths`, or by default those of S/8, S/4, S/2, S that the mesh
+    takes (`resolve`), less any too short for the passkey prompt under `tokenizer` (with a note when none is left).
+
+    Raises:
+      ConfigError: a length given by `--lengths` is too short for the prompt.
+    """
+    from jaxlong import evaluation as ev  # noqa: PLC0415
+
+    shortest = ev.passkey_min_length(tokenizer.encode, args.digits)
+    short = [n for n in args.lengths_list if n < shortest]
+    if short and args.lengths:
+        raise ConfigError(f"--lengths {','.join(map(str, short))}: a passkey length must hold the needle and the "
+                          f"question, {shortest} tokens with this tokenizer and --digits {args.digits}")
+    lengths = [n for n in args.lengths_list if n >= shortest]
+    if not lengths:
+        print(f"note: no passkey retrieval: seq_len {cfg.seq_len} cannot hold the passkey prompt ({shortest} "
+              f"tokens); give --lengths of at least {shortest} that the mesh takes, or --no-passkey")
+    return lengths
+
+
+def evaluation_setup(cfg, run_dir: Path, step: int, mesh_shape: dict, args) -> dict:
+    """What sets an evaluation of checkpoint `step` apart from another of the same checkpoint, as recorded in its
+    `summary.json`: `name` (its directory under `RUN_DIR/eval/`), `mesh` (the axes it ran on), `overrides` (the
+    `key=value` given) and `flags` (those that differ from their defaults).
+
+    `name` is `mesh_<data>x<fsdp>x<ring>x<context>`, followed by `-<8 hex digits>` (a hash of the config apart from
+    the mesh, and of those flags) when the config differs from the checkpoint's in keys other than `mesh.*` or
+    a flag is not at its default: the same setup has the same name, another setup another name.
+    """
+    import dataclasses  # noqa: PLC0415
+    import hashlib  # noqa: PLC0415
+
+    from jaxlong.config import to_dict  # noqa: PLC0415
+    from jaxlong.training.checkpoint import saved_config  # noqa: PLC0415
+
+    saved = from_dict(saved_config(run_dir / "checkpoints", step))
+    mine, trained = to_dict(dataclasses.replace(cfg, mesh=saved.mesh)), to_dict(saved)
+    defaults = vars(parse_args([str(run_dir)]))
+    flags = {k: getattr(args, k) for k in ("batches", "lengths", "depths", "per_cell", "digits", "passkey")
+             if getattr(args, k) != defaults[k]}
+    name = "mesh_" + "x".join(str(mesh_shape[a]) for a in ("data", "fsdp", "ring", "context"))
+    if mine != trained or flags:
+        name += "-" + hashlib.sha1(json.dumps([mine, flags], sort_keys=True).encode()).hexdigest()[:8]
+    return {"name": name, "mesh": mesh_shape, "overrides": list(args.overrides), "flags": flags}
 
 
 def restore_params(cfg, mesh, run_dir: Path, step: int) -> dict:

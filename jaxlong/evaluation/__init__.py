@@ -10,6 +10,7 @@ from jaxlong.evaluation.probes import (
     PositionLoss,
     passkey_batch,
     passkey_example,
+    passkey_min_length,
     position_buckets,
     random_key,
     score_passkey,
@@ -23,13 +24,16 @@ from jaxlong.evaluation.steps import (
     evaluate_params,
     make_eval_step,
     make_token_stats_step,
+    sequences_to_evaluate,
     tiled_token_stats,
     token_stats,
 )
 
 __all__ = [
     "eval_batch_size", "held_out_documents", "validation_batches", "validation_split", "FILLER", "NEEDLE",
-    "QUESTION", "PasskeyExample", "PositionLoss", "passkey_batch", "passkey_example", "position_buckets",
+    "QUESTION", "PasskeyExample", "PositionLoss", "passkey_batch", "passkey_example", "passkey_min_length",
+    "position_buckets",
     "random_key", "score_passkey", "Evaluation", "PasskeyGrid", "Validator", "compile_eval_step", "evaluate_loss",
-    "evaluate_params", "make_eval_step", "make_token_stats_step", "tiled_token_stats", "token_stats",
+    "evaluate_params", "make_eval_step", "make_token_stats_step", "sequences_to_evaluate", "tiled_token_stats",
+    "token_stats",
 ]

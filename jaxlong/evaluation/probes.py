@@ -59,6 +59,13 @@ class PasskeyExample:
     depth: float
 
 
+def passkey_min_length(encode: Callable[[str], np.ndarray], digits: int) -> int:
+    """The shortest sequence (tokens) that holds the passkey needle and question with a `digits`-digit key under
+    the tokenizer `encode` (`passkey_example` needs at least this length)."""
+    key = "9" * digits
+    return len(encode(NEEDLE.format(key=key))) + len(encode(QUESTION.format(key=key))) - 1
+
+
 def passkey_example(encode: Callable[[str], np.ndarray], length: int, depth: float, key: str) -> PasskeyExample:
     """Filler text with a needle "The pass key is KEY. Remember it. KEY is the pass key." planted at `depth`
     (0 = start of the text, 1 = just before the question), ending with "What is the pass key? The pass key is

@@ -70,10 +70,12 @@ def compile_eval_step(cfg: Config, mesh: jax.sharding.Mesh):
     return make_eval_step(cfg, mesh).lower(params, step_lib.abstract_batch(cfg, mesh, eval_batch_size(cfg))).compile()
 
 
-def evaluate_loss(eval_step, params: dict, batches, mesh: jax.sharding.Mesh) -> dict:
+def evaluate_loss(eval_step, params: dict, batches, mesh: jax.sharding.Mesh,
+                  after: Callable[[dict], None] | None = None) -> dict:
     """Mean held-out loss over `batches` (host dicts, the same on every process), combined by sums:
     `{'loss': nats/token, 'perplexity': exp(loss), 'tokens': valid tokens}`. `eval_step`: `make_eval_step` or
-    its compiled form.
+    its compiled form; `after(batch)`, when given, runs after each batch's forward (`evaluate_params` takes the
+    batch's per-token losses there).
 
     The token count is taken on the host in float64 (the mask of every target that is not `IGNORE_INDEX`),
     exact at any length: the step's float32 count rounds once a sum passes 2^24 tokens (docs/numerics.md)."""
@@ -83,6 +85,8 @@ def evaluate_loss(eval_step, params: dict, batches, mesh: jax.sharding.Mesh) -> 
         mask = np.where(np.asarray(batch["targets"]) == IGNORE_INDEX, 0.0, np.asarray(batch["mask"], np.float64))
         # a replicated scalar: each process reads its own copy (not fully addressable with several processes)
         total, count = total + float(s.addressable_data(0)), count + float(np.sum(mask))
+        if after is not None:
+            after(batch)
     loss = total / max(count, 1.0)
     return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "tokens": count}
 
@@ -244,6 +248,16 @@ class Evaluation:
         return out
 
 
+def sequences_to_evaluate(cfg: Config, batches: list[dict], passkey: PasskeyGrid | None = None) -> int:
+    """The total of `evaluate_params`'s `progress` counts (a progress bar's length): each validation sequence
+    once, and each passkey example (`per_cell` rounded up to a multiple of `eval_batch_size(cfg)`) per cell."""
+    n = sum(len(b["inputs"]) for b in batches)
+    if passkey is not None:
+        size = eval_batch_size(cfg)
+        n += len(passkey.lengths) * len(passkey.depths) * -(-passkey.per_cell // size) * size
+    return n
+
+
 def evaluate_params(cfg: Config, mesh: jax.sharding.Mesh, params: dict, batches: list[dict], *,
                     eval_step=None, encode: Callable[[str], np.ndarray] | None = None,
                     passkey: PasskeyGrid | None = None, progress: Callable[[int], None] | None = None) -> Evaluation:
@@ -257,20 +271,21 @@ def evaluate_params(cfg: Config, mesh: jax.sharding.Mesh, params: dict, batches:
       batches: host validation batches `[eval_batch_size(cfg), seq_len]` (`validation_split`).
       eval_step: `make_eval_step` or its compiled form (default: `make_eval_step(cfg, mesh)`).
       encode: tokenizer `str -> int [n]` (passkey); passkey: the grid, or None to skip it.
-      progress: called with the number of sequences after each forward.
+      progress: called with the number of sequences (validation sequences, then passkey examples) once each is
+        done: a validation sequence counts once, after both of its forwards (loss sum, per-token loss).
     """
     step = eval_step or make_eval_step(cfg, mesh)
-    val = evaluate_loss(step, params, batches, mesh)
-    if progress:
-        progress(len(batches) * eval_batch_size(cfg))
     stats = token_stats(cfg, mesh)
     by_pos, token_loss = PositionLoss(cfg.seq_len), []
-    for batch in batches:
+
+    def per_token(batch: dict) -> None:  # right after the batch's loss sum
         loss, _ = stats(params, batch)
         by_pos.add(loss, batch["mask"])
         token_loss.append(loss)
         if progress:
             progress(len(batch["inputs"]))
+
+    val = evaluate_loss(step, params, batches, mesh, after=per_token)
     acc = None
     if passkey is not None and encode is not None:
         acc = score_passkey(lambda b: stats(params, b)[1], encode, lengths=passkey.lengths, depths=passkey.depths,

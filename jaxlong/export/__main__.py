@@ -72,8 +72,10 @@ def restore_params(run_dir: str | Path, step: int | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxlong.export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from jaxlong.core.errors import ArgumentParser, fail  # noqa: PLC0415
+
+    parser = ArgumentParser(prog="python -m jaxlong.export", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="the run directory (runs/<run_name>)")
     parser.add_argument("--out", required=True, help="output directory (new or empty)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
@@ -96,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
         save_hf(params, cfg, out, source=source, max_shard_bytes=parse_bytes(args.max_shard_size))
     except (FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     print(f"exported step {step} of {args.run_dir} to {out} ({cfg.model.name}, context {cfg.seq_len})")
     return 0
 

@@ -18,6 +18,7 @@ import sys
 
 from jaxlong.config import ConfigError, load_config
 from jaxlong.core import distributed, xla_log
+from jaxlong.core.errors import ArgumentParser, fail
 from jaxlong.core.units import fmt_gib
 from jaxlong.memory import fit_options as fit_cli
 from jaxlong.plan.cost import significant
@@ -44,8 +45,8 @@ def _gpu_present() -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxlong.memory", description=_PLAN_DOC,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m jaxlong.memory", description=_PLAN_DOC,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None)
     p.add_argument("--target", default=None,
                    help="plan for a GPU without one: h100, h200, a100 or a GpuTargetConfigProto .txtpb, "
@@ -109,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"attention.backend={cfg.attention.backend} compiles only for NVIDIA GPUs; plan it with "
                               f"--target h100 (or h200, a100), or use attention.backend=auto")
     except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     if target is not None and not _gpu_present():
         distributed.use_cpu_platform()  # the CUDA plugin must not try to initialize a driver
     if args.dump:
@@ -145,15 +145,14 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{'':18s} estimate: {significant(e['step_seconds'])} s/step, {e['tokens_per_s_per_gpu']:,.0f} "
                               f"tokens/s per GPU, MFU {e['mfu']:.1%}, recompute {e['recompute_factor']:.2f}", flush=True)
             except ConfigError as e:  # e.g. a ladder rung's context degree that the model's heads cannot split
-                print(f"{name:18s} invalid for this model: {e}", file=sys.stderr, flush=True)
                 if len(rungs) == 1:
-                    return 2
+                    return fail(e)
+                print(f"{name:18s} invalid for this model: {e}", file=sys.stderr, flush=True)
                 continue
             cpu = cpu or str(row.get("source", "")).startswith("CPU")
             rows.append(row)
     if not rows:
-        print("error: no rung of the ladder is valid for this config", file=sys.stderr)
-        return 2
+        return fail("no rung of the ladder is valid for this config")
     table = format_table(rows, budget, host_budget)
     if args.max_context:
         table = ("| rung | max context (tokens) | total at it (GiB per device) | host at it (GiB per node) |\n"

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 
 from jaxlong.config import Config, ConfigError, validate
 from jaxlong.core import distributed, xla_log
+from jaxlong.core.errors import fail
 from jaxlong.core.mesh import resolve_mesh_shape
 from jaxlong.core.units import fmt_gib
 from jaxlong.plan import planner
@@ -220,8 +220,7 @@ def main(args, argv_overrides: list[str]) -> int:
         prepare_jax(cfg, target)
         res = run_cli(args, cfg, target, budget, host_budget, collectives, argv_overrides, base)
     except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     return 0 if res.winner else 1
 
 

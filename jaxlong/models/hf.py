@@ -32,6 +32,7 @@ Export (`save_hf`): one HF tensor at a time is gathered to the host and converte
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -269,6 +270,13 @@ def _to_hf(x: np.ndarray, layout: str) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(-1, x.shape[-1]).T)  # out_heads: [n, d, D] -> [D, n*d]
 
 
+def _file_mode() -> int:
+    """The mode a plain file write gives a new file: 0666 less the process's umask."""
+    umask = os.umask(0o022)  # reading the umask means setting it: set it back at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def save_hf(params: dict, cfg: Config, out: str | Path, *, source: str | Path | None = None,
             max_shard_bytes: int = 2 << 30) -> Path:
     """Write `params` as a Hugging Face checkpoint directory `transformers.AutoModelForCausalLM` loads.
@@ -277,7 +285,8 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, source: str | Path | 
     `max_position_embeddings` = max(`seq_len`, the checkpoint's), RoPE theta and scaling of the run), the
     weights in `param_dtype` as `model-0000k-of-0000n.safetensors` shards of at most `max_shard_bytes` with
     `model.safetensors.index.json`, and, from `source` (the checkpoint the run started from, if any), the
-    tokenizer files and the token ids of its config.json. One tensor at a time is gathered to the host.
+    tokenizer files and the token ids of its config.json. One tensor at a time is gathered to the host. Every
+    file gets the mode of a plain file write (0666 less the umask: 0644 under the usual umask 022).
 
     Raises:
       FileExistsError: `out` exists and is not empty.
@@ -299,8 +308,8 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, source: str | Path | 
             if key in src:
                 config[key] = src[key]
         for f in TOKENIZER_FILES:
-            if (Path(source) / f).is_file():
-                shutil.copy2(Path(source) / f, out / f)
+            if (Path(source) / f).is_file():  # a new file (the umask's mode), not the source's mode
+                shutil.copyfile(Path(source) / f, out / f)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     flat = {".".join(str(getattr(k, "key", k)) for k in p): leaf
@@ -327,6 +336,7 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, source: str | Path | 
             weight_map[name] = fname
             total += tensors[name].nbytes
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        os.chmod(out / fname, _file_mode())  # safetensors writes through a private (0600) temporary file
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

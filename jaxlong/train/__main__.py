@@ -28,10 +28,11 @@ import sys
 
 from jaxlong.config import ConfigError, load_config
 from jaxlong.core import distributed
+from jaxlong.core.errors import FAILED, ArgumentParser, fail
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m jaxlong.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", default=None, help="YAML config (default: built-in defaults = configs/default.yaml)")
@@ -53,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     if args.fit:  # search the fastest configuration that fits, then train with it
         from jaxlong.memory import fit_options as fit_cli  # noqa: PLC0415
 
@@ -64,28 +64,21 @@ def main(argv: list[str] | None = None) -> int:
                                   "with the overrides it prints")
             cfg = fit_cli.fit_for_training(args, cfg, args.overrides)
         except (ConfigError, ValueError) as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
+            return fail(e)
     try:
         distributed.start(cfg.mesh)
     except (ConfigError, ValueError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     from jaxlong.training.checkpoint import CheckpointError  # noqa: PLC0415
     from jaxlong.training.loop import run  # noqa: PLC0415 (start-up: the train loop's modules load after parsing)
 
     resume = args.resume or args.resume_with_changes
     try:
         run(cfg, resume=resume, profile=args.profile, allow_changes=args.resume_with_changes)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as e:  # a corpus that cannot be read, no checkpoint to resume
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (FileNotFoundError, ValueError) as e:  # a bad option, a corpus that cannot be read, nothing to resume
+        return fail(e)
     except CheckpointError as e:
-        print(f"checkpoint error: {e}", file=sys.stderr)
-        return 1
+        return fail(e, FAILED)
     except KeyboardInterrupt as e:  # SIGINT/SIGTERM: 128 + the signal's number, as a shell reports it
         return 128 + getattr(e, "signum", signal.SIGINT)
     return 0

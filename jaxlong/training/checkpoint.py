@@ -20,6 +20,8 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocp_policy
 
+from jaxlong.config import schedule_length
+
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a checkpoint still being written
 
 
@@ -250,15 +252,16 @@ def config_changes(saved: dict, new: dict, defaults: dict) -> list[str]:
 
     `saved`, `new`, `defaults`: nested dicts as written by `jaxlong.config.to_dict`; a key missing from `saved`
     (a checkpoint written before the option existed) compares as its default. `optim.decay_steps` compares as
-    the schedule's effective length (`decay_steps or steps`), so extending `steps` of a run whose decay length
-    was `steps` is a schedule change, while extending one with an explicit `optim.decay_steps` is not.
+    the schedule's length (`jaxlong.config.schedule_length`: `decay_steps or steps`, at least `warmup_steps + 1`),
+    so extending `steps` of a run whose decay length was `steps` is a schedule change, while extending one with
+    an explicit `optim.decay_steps`, or one whose schedule the warmup made longer than the new `steps`, is not.
     """
     flat_defaults = _flatten(defaults)
     old = {**flat_defaults, **_flatten(saved)}
     cur = {**flat_defaults, **_flatten(new)}
     for d in (old, cur):
         if "optim.decay_steps" in d:
-            d["optim.decay_steps"] = d["optim.decay_steps"] or d.get("steps")
+            d["optim.decay_steps"] = schedule_length(d["steps"], d["optim.warmup_steps"], d["optim.decay_steps"])
     missing = object()
     changes = []
     for key in sorted(set(old) | set(cur)):

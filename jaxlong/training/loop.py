@@ -211,9 +211,9 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
             f"run_name={cfg.run_name!r}: {ckpt_dir} already holds checkpoints (up to step {latest}); "
             f"pass --resume to continue it, or choose a new run_name"
         )
-    if resume:
+    if resume:  # before the compile, and before orbax reads anything
+        _check_resume_shapes(cfg, mesh, ckpt_dir, latest)  # first: no flag resumes into other shapes
         _check_resume_config(cfg, ckpt_dir, latest, allow_changes)
-        _check_resume_shapes(cfg, mesh, ckpt_dir, latest)  # before the compile, and before orbax reads anything
     start = latest or 0
     if start >= cfg.steps:
         _say(f"nothing to do: the latest checkpoint is step {start} and steps={cfg.steps}; "
@@ -292,27 +292,49 @@ def _check_resume_config(cfg: Config, ckpt_dir: Path, step: int, allow_changes: 
     if saved is None:
         _say(f"note: checkpoint {step} holds no config; resuming without comparing configs")
         return
-    changes = config_changes(saved, to_dict(cfg), to_dict(Config()))
-    if changes and not allow_changes:
-        raise ConfigError(resume_refusal(cfg, step, changes))
+    changes = check_resume_config(cfg, saved, step, allow_changes)
     if changes:
         _say(f"--resume-with-changes: resuming checkpoint {step} with {'; '.join(changes)}")
 
 
-def resume_refusal(cfg: Config, step: int, changes: list[str]) -> str:
+def check_resume_config(cfg: Config, saved: dict, step: int, allow_changes: bool = False) -> list[str]:
+    """The changes (`key: old -> new`, `jaxlong.training.checkpoint.config_changes`) from checkpoint `step`'s config
+    `saved` (a nested dict of `jaxlong.config.to_dict`) to `cfg` that a resume may not make.
+
+    Raises:
+      ConfigError: there are such changes and not `allow_changes` (`--resume-with-changes`); the message is
+        `resume_refusal`'s line.
+    """
+    changes = config_changes(saved, to_dict(cfg), to_dict(Config()))
+    if changes and not allow_changes:
+        raise ConfigError(resume_refusal(cfg, step, changes, saved_steps=saved.get("steps")))
+    return changes
+
+
+def resume_refusal(cfg: Config, step: int, changes: list[str], saved_steps: int | None = None) -> str:
     """The one line that refuses `--resume` with `changes` (`key: old -> new`, from `config_changes`) and says what
-    to pass. A longer `steps=` with `optim.decay_steps=0` also stretches the cosine schedule (its length follows
-    `steps`): the line then names `optim.decay_steps=<old>`, which keeps the checkpoint's schedule."""
+    to pass. A new `steps=` (the checkpoint's was `saved_steps`) with `optim.decay_steps=0` changes the schedule's
+    length (`jaxlong.config.schedule_length`): the line then names the overrides that keep the checkpoint's
+    schedule, `optim.decay_steps=<its length>` and every other changed key set back (`key=<old>`); with them the
+    same command resumes (the length is above the checkpoint's warmup, so the config validates)."""
     decay = next((c for c in changes if c.startswith("optim.decay_steps: ")), None)
-    if decay is not None and not cfg.optim.decay_steps:
+    if decay is not None and not cfg.optim.decay_steps and saved_steps not in (None, cfg.steps):
         old = decay.split(": ", 1)[1].split(" -> ")[0]
         rest = [c for c in changes if c is not decay]
-        also = f"; it also changes {'; '.join(rest)}, which must be set back" if rest else ""
-        return (f"--resume: steps={cfg.steps} would stretch checkpoint {step}'s learning-rate schedule (its cosine "
-                f"decay runs over {old} steps, and optim.decay_steps=0 follows steps){also}; pass "
-                f"optim.decay_steps={old} to keep the schedule and train on, or --resume-with-changes to stretch it")
+        keep = [f"optim.decay_steps={old}", *(_set_back(c) for c in rest)]
+        also = f"; it also changes {'; '.join(rest)}" if rest else ""
+        return (f"--resume: steps={cfg.steps} would change checkpoint {step}'s learning-rate schedule (its warmup "
+                f"and cosine decay run over {old} steps, and optim.decay_steps=0 follows steps){also}; add "
+                f"{' '.join(keep)} to keep the checkpoint's schedule and train on, or pass --resume-with-changes to "
+                f"change it")
     return (f"--resume: this config differs from checkpoint {step}'s in keys that change the model, the data stream "
             f"or the schedule: {'; '.join(changes)}; set them back, or pass --resume-with-changes")
+
+
+def _set_back(change: str) -> str:
+    """`key: old -> new` (from `config_changes`, values as JSON) as the override `key=old`."""
+    key, values = change.split(": ", 1)
+    return f"{key}={values.split(' -> ')[0]}"
 
 
 def _check_resume_shapes(cfg: Config, mesh, ckpt_dir: Path, step: int) -> None:

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.config import Config
+from jaxlong.config import Config, schedule_length
 from jaxlong.core.mesh import (
     BATCH_AXES,
     RING_AXIS,
@@ -45,7 +45,7 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
         init_value=0.0,
         peak_value=o.lr,
         warmup_steps=o.warmup_steps,
-        decay_steps=max(o.decay_steps or cfg.steps, o.warmup_steps + 1),
+        decay_steps=schedule_length(cfg.steps, o.warmup_steps, o.decay_steps),
         end_value=o.lr * o.min_lr_ratio,
     )
     tx = optax.chain(

@@ -12,6 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from jaxlong import evaluation as ev
 from jaxlong.core.memstats import compiled_bytes
+from jaxlong.core.mesh import resolve_mesh_shape
 from jaxlong.data import ByteTokenizer, make_dataset
 from jaxlong.layers import loss as loss_lib
 from jaxlong.models.llama import Runtime, forward, model_graphdef
@@ -144,7 +145,12 @@ def test_evaluation_on_every_mesh_equals_one_device(mesh, packing):
     m = mesh_for(cfg, 8)
     params = jax.tree.map(lambda h, a: jax.device_put(h, a.sharding), params1,
                           step_lib.abstract_state(cfg, m)["params"])
-    got = ev.evaluate_params(cfg, m, params, batches, encode=ENC, passkey=GRID)
+    counts = []
+    got = ev.evaluate_params(cfg, m, params, batches, encode=ENC, passkey=GRID, progress=counts.append)
+    # progress: each validation sequence once (after its batch's two forwards), then each passkey example
+    size = ev.eval_batch_size(cfg)
+    assert counts == [len(b["inputs"]) for b in batches] + [size] * (2 * -(-GRID.per_cell // size))
+    assert sum(counts) == ev.sequences_to_evaluate(cfg, batches, GRID)
     np.testing.assert_allclose(got.loss, want.loss, rtol=1e-5)
     assert got.tokens == want.tokens
     for a, b in zip(got.token_loss, want.token_loss, strict=True):
@@ -270,8 +276,11 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
 
     code = eval_cli.main([str(run_dir), "--lengths", "128,256", "--depths", "0,1", "--per-cell", "2"])
     assert code == 0
-    res = run_dir / "eval" / "step_3"
+    # the progress bar counts 2 batches of 2 validation sequences once each, and 2 x 2 cells of 2 passkey examples
+    assert "| 12/12 [" in capsys.readouterr().err
+    (res,) = (run_dir / "eval").glob("mesh_1x2x1x4-*/step_3")  # the run's mesh; flags not at their defaults
     summary = json.loads((res / "summary.json").read_text())
+    assert summary["setup"]["mesh"] == {"data": 1, "fsdp": 2, "ring": 1, "context": 4}
     np.testing.assert_allclose(summary["loss"], evals[-1].value, rtol=1e-5)  # the trainer's own split and step
     rows = summary["loss_by_position"]
     assert rows[0]["start"] == 0 and rows[-1]["end"] == 128
@@ -280,7 +289,9 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
     assert np.asarray(summary["passkey"]["accuracy"]).shape == (2, 2)
     for name in ("loss_by_position.csv", "loss_by_position.png", "passkey.csv", "passkey.png"):
         assert (res / name).stat().st_size > 0
-    assert "eval/passkey_accuracy" in EventAccumulator(str(run_dir)).Reload().Tags()["scalars"]
+    assert "eval/passkey_accuracy" in EventAccumulator(str(res.parent)).Reload().Tags()["scalars"]
+    # the trainer's own eval/loss stays alone in the run's events: the evaluation logs to its setup's directory
+    assert [e.step for e in EventAccumulator(str(run_dir)).Reload().Scalars("eval/loss")] == [2, 3]
 
     assert eval_cli.main([str(run_dir), "--step", "7"]) == 2
     assert "no checkpoint at that step" in capsys.readouterr().err
@@ -291,7 +302,9 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_cli_evaluates_a_ring_run_like_a_mesh_without_ring(tmp_path, capsys):
     """A run trained with ring attention: `python -m jaxlong.eval` on its own mesh (ring 2 x context 4) and on
-    fsdp 2 x context 4 writes the same validation loss, loss by position and passkey scores."""
+    fsdp 2 x context 4 writes the same validation loss, loss by position and passkey scores, each evaluation in
+    its own directory with its own TensorBoard events (neither overwrites the other's, and no tag is logged
+    twice at a step)."""
     import csv
 
     from jaxlong.eval import __main__ as eval_cli
@@ -303,16 +316,75 @@ def test_the_cli_evaluates_a_ring_run_like_a_mesh_without_ring(tmp_path, capsys)
     run_dir, results = tmp_path / "r", {}
     for name, mesh in (("ring", []), ("no-ring", ["mesh.ring=1", "mesh.fsdp=2"])):
         assert eval_cli.main([str(run_dir), "--lengths", "128", "--depths", "0,1", "--per-cell", "2", *mesh]) == 0
-        out = run_dir / "eval" / "step_2"
+    for name, axes in (("ring", "1x1x2x4"), ("no-ring", "1x2x1x4")):
+        (out,) = (run_dir / "eval").glob(f"mesh_{axes}-*/step_2")
         with open(out / "loss_by_position.csv") as f:
             rows = list(csv.DictReader(f))
         results[name] = (json.loads((out / "summary.json").read_text()), rows)
+        losses = EventAccumulator(str(out.parent)).Reload().Scalars("eval/loss")
+        assert [e.step for e in losses] == [2] and losses[0].value == pytest.approx(results[name][0]["loss"], rel=1e-6)
     (ring, ring_rows), (plain, plain_rows) = results["ring"], results["no-ring"]
+    assert ring["setup"]["overrides"] == [] and plain["setup"]["overrides"] == ["mesh.ring=1", "mesh.fsdp=2"]
     np.testing.assert_allclose(ring["loss"], plain["loss"], rtol=1e-5)
     assert [r["tokens"] for r in ring_rows] == [r["tokens"] for r in plain_rows]
     np.testing.assert_allclose([float(r["loss"]) for r in ring_rows], [float(r["loss"]) for r in plain_rows],
                                rtol=1e-5)
     assert ring["passkey"]["accuracy"] == plain["passkey"]["accuracy"]
+    assert [e.step for e in EventAccumulator(str(run_dir)).Reload().Scalars("eval/loss")] == [2]  # the trainer's
+
+
+def _fake_checkpoint(run_dir, step: int, cfg) -> None:
+    """A checkpoint directory holding only `cfg` (what `python -m jaxlong.eval` reads before restoring)."""
+    from jaxlong.config import to_dict
+
+    (run_dir / "checkpoints" / str(step) / "config").mkdir(parents=True)
+    (run_dir / "checkpoints" / str(step) / "config" / "metadata").write_text(json.dumps(to_dict(cfg)))
+    (run_dir / "checkpoints" / str(step) / "_CHECKPOINT_METADATA").write_text("{}")
+
+
+def test_passkey_lengths_hold_the_prompt(tmp_path, capsys):
+    """A 64-token run: the default passkey length (64) cannot hold the prompt (101 byte tokens), so the passkey
+    test is left out with a note instead of failing after the validation pass; a short `--lengths` is refused."""
+    from jaxlong.config import ConfigError
+    from jaxlong.eval import __main__ as eval_cli
+
+    _fake_checkpoint(tmp_path, 3, tiny_cfg("mesh.fsdp=2", "mesh.context=4"))
+    shortest = ev.passkey_min_length(ENC, 5)
+    assert shortest == 101
+
+    def lengths(*argv):
+        args = eval_cli.parse_args([str(tmp_path), *argv])
+        _, _, cfg = eval_cli.resolve(args)
+        return eval_cli.passkey_lengths(cfg, args, ByteTokenizer())
+
+    assert lengths() == [] and "note: no passkey retrieval: seq_len 64 cannot hold" in capsys.readouterr().out
+    assert lengths("--lengths", "128,256") == [128, 256]
+    with pytest.raises(ConfigError, match="--lengths 64: a passkey length must hold the needle and the question, 101"):
+        lengths("--lengths", "64,128")
+    ev.passkey_example(ENC, shortest, 0.5, "99999")  # the shortest length holds it
+    with pytest.raises(ValueError, match="too short"):
+        ev.passkey_example(ENC, shortest - 1, 0.5, "99999")
+
+
+def test_each_evaluation_setup_has_its_own_directory(tmp_path):
+    """`RUN_DIR/eval/<setup>/`: named by the mesh, with a hash when other keys or flags differ from the run's;
+    the same setup has the same name (a rerun replaces its own results), another setup another name."""
+    from jaxlong.eval import __main__ as eval_cli
+
+    _fake_checkpoint(tmp_path, 3, tiny_cfg("mesh.fsdp=2", "mesh.context=4"))
+
+    def name(*argv):
+        args = eval_cli.parse_args([str(tmp_path), *argv])
+        cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", *args.overrides)
+        shape = dict(zip(("data", "fsdp", "ring", "context"), resolve_mesh_shape(cfg.mesh, 8)))
+        return eval_cli.evaluation_setup(cfg, tmp_path, 3, shape, args)["name"]
+
+    assert name() == name() == "mesh_1x2x1x4"
+    assert name("mesh.fsdp=1", "mesh.context=8") == "mesh_1x1x1x8"
+    names = {name(), name("mesh.fsdp=1", "mesh.context=8"), name("--per-cell", "8"), name("--lengths", "128"),
+             name("--no-passkey"), name("attention.impl=upipe"), name("--batches", "4")}
+    assert len(names) == 7
+    assert name("--batches", "4").startswith("mesh_1x2x1x4-") and name("--batches", "4") == name("--batches=4")
 
 
 def test_the_summary_says_when_passkey_retrieval_is_at_chance_level():

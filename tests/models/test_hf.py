@@ -5,6 +5,7 @@ tensor at a time; bad checkpoints fail before compiling; export -> import is bit
 at transformers' loss."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -353,6 +354,10 @@ def test_import_export_import_is_bit_exact(tmp_path, param_dtype):
     first = hf.load_params(FIX / "llama31", cfg, mesh)
     out = hf.save_hf(first, cfg, tmp_path / "out", source=FIX / "llama31", max_shard_bytes=60_000)
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "tokenizer.json").is_file()
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes  # as a plain write leaves config.json
     second = hf.load_params(out, hf_cfg("llama31", f"param_dtype={param_dtype}", directory=out), mesh)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(first)[0], jax.tree.leaves(second)):
         assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -238,7 +240,12 @@ def test_killed_run_resumes_bit_for_bit(point, finished, sig, reference, tmp_pat
 @pytest.fixture
 def two_steps(tmp_path, compile_once):
     """A run of STEPS with a checkpoint at step 2 (stopped there by SIGTERM)."""
-    overrides = _overrides(tmp_path)
+    return _stopped_after_two_steps(tmp_path)
+
+
+def _stopped_after_two_steps(tmp_path: Path, *extra: str) -> list[str]:
+    """The overrides of a run of STEPS (and `extra`) stopped by SIGTERM after step 2, its only checkpoint."""
+    overrides = _overrides(tmp_path, *extra)
     os.environ[FAULT_ENV] = "end_of_step@2:SIGTERM"
     try:
         with pytest.raises(Preempted):
@@ -254,7 +261,7 @@ def two_steps(tmp_path, compile_once):
     [
         (["seed=1"], "seed: 0 -> 1"),
         (["seq_len=128"], "seq_len: 64 -> 128"),
-        (["model.hidden=128"], "model.hidden: 64 -> 128"),
+        (["model.rope_theta=10000"], "model.rope_theta: 500000.0 -> 10000.0"),
         (["optim.lr=0.02", "data.max_tokens=30000"], "data.max_tokens: 20000 -> 30000; optim.lr: 0.01 -> 0.02"),
     ],
     fast={2, 3}))
@@ -263,21 +270,44 @@ def test_resume_refuses_changes_of_model_data_or_schedule(two_steps, change, lis
 
     assert main(["--resume", *TINY, *two_steps, *change]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("config error: --resume: this config differs from checkpoint 2's")
+    assert "\n" not in err and err.startswith("error: --resume: this config differs from checkpoint 2's")
     assert f"{listed}; set them back, or pass --resume-with-changes" in err
+
+
+def _advice(err: str) -> list[str]:
+    """The overrides a resume refusal says to add (`add K=V ... to keep the checkpoint's schedule`), as a shell
+    would split them."""
+    match = re.search(r"; add (.+?) to keep the checkpoint's schedule and train on", err)
+    assert match, err
+    return shlex.split(match.group(1))
 
 
 def test_resume_with_more_steps_says_how_to_keep_the_schedule(two_steps, capsys):
     """A longer `steps=` stretches a schedule whose length follows `steps`: the refusal names the value that keeps
-    it, and that command then trains on."""
+    it, and the command with it then trains on."""
     from jaxlong.train.__main__ import main
 
     assert main(["--resume", *TINY, *two_steps, "steps=8"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("config error: --resume: steps=8 would stretch checkpoint 2's learning")
-    assert f"pass optim.decay_steps={STEPS} to keep the schedule and train on, or --resume-with-changes" in err
-    assert main(["--resume", *TINY, *two_steps, "steps=8", f"optim.decay_steps={STEPS}"]) == 0
+    assert "\n" not in err and err.startswith("error: --resume: steps=8 would change checkpoint 2's learning")
+    assert err.endswith("or pass --resume-with-changes to change it")
+    assert _advice(err) == [f"optim.decay_steps={STEPS}"]
+    assert main(["--resume", *TINY, *two_steps, "steps=8", *_advice(err)]) == 0
     assert committed_steps(Path(tiny_cfg(*two_steps).run_dir) / "run" / "checkpoints")[-1] == 8
+
+
+@pytest.mark.slow
+def test_resume_of_a_run_shorter_than_its_warmup_trains_on_as_advised(tmp_path, compile_once, capsys):
+    """A run of fewer steps than its warmup (its schedule: warmup 8, cosine to step 9) stopped at step 2: a longer
+    `steps=` is refused with advice that keeps that schedule, and the command with the advice trains on."""
+    from jaxlong.train.__main__ import main
+
+    overrides = _stopped_after_two_steps(tmp_path, "optim.warmup_steps=8")
+    assert main(["--resume", *TINY, *overrides, "steps=12"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert _advice(err) == ["optim.decay_steps=9"]  # not steps=6, which is shorter than the warmup
+    assert main(["--resume", *TINY, *overrides, "steps=12", *_advice(err)]) == 0
+    assert committed_steps(tmp_path / "run" / "checkpoints")[-1] == 12
 
 
 def test_resume_with_changes_overrides_the_check(two_steps, capsys):
@@ -286,16 +316,21 @@ def test_resume_with_changes_overrides_the_check(two_steps, capsys):
     assert np.isfinite(out["metrics"]["loss"]) and committed_steps(Path(out["run_dir"]) / "checkpoints")[-1] == STEPS
 
 
-def test_a_checkpoint_that_does_not_fit_the_model_is_one_line_naming_the_key(two_steps, capsys):
+@pytest.mark.parametrize("flag", ["--resume", "--resume-with-changes"])
+def test_a_checkpoint_that_does_not_fit_the_model_is_one_line_naming_the_key(two_steps, flag, capsys):
     """A changed model shape is refused from the checkpoint's metadata, before anything compiles or orbax
-    reads an array, in one line naming the key."""
+    reads an array, in one line naming the key; it comes before any other change (here the schedule that
+    `steps=8` stretches), and the line suggests no flag, as none resumes into other shapes."""
     from jaxlong.train.__main__ import main
 
-    assert main(["--resume-with-changes", *TINY, *two_steps, "model.hidden=128"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("config error: --resume: checkpoint 2 holds parameters of other "
+    assert main([flag, *TINY, *two_steps, "steps=8", "model.hidden=128"]) == 2
+    out, err = capsys.readouterr()
+    err = err.strip()
+    assert "\n" not in err and err.startswith("error: --resume: checkpoint 2 holds parameters of other "
                                               "shapes (params['embed']: saved [257, 64] float32, this config [257, 128]")
     assert "model.hidden: 64 -> 128; a checkpoint restores only into the model it was saved with" in err
+    assert "--resume-with-changes" not in err and "schedule" not in err
+    assert "resuming" not in out
 
 
 SHAPE_CHANGES = {"resume": ["-m", "jaxlong.train", "--resume-with-changes"], "eval": ["-m", "jaxlong.eval"]}

@@ -3,6 +3,9 @@ the loss stays finite for any target at a masked position and ignores -100 targe
 
 from __future__ import annotations
 
+import re
+import shlex
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,13 +73,13 @@ def _cli(capsys, argv):
 @pytest.mark.parametrize(
     "argv, match",
     [
-        (["--config", "/nonexistent/run.yaml"], "config error: --config /nonexistent/run.yaml: no such file"),
-        (["mesh.num_devices=0"], "config error: mesh.num_devices=0 must be a positive device count"),
-        (["mesh.num_devices=-8"], "config error: mesh.num_devices=-8 must be a positive device count"),
-        (["optim.lr=-1"], "config error: optim.lr=-1.0 must be positive"),
-        (["optim.clip_norm=0"], "config error: optim.clip_norm=0 must be a positive"),
-        (["optim.warmup_steps=-3"], "config error: optim.warmup_steps=-3 must be >= 0"),
-        (["attention.block_q=0"], "config error: attention.block_q=0 must be a positive"),
+        (["--config", "/nonexistent/run.yaml"], "error: --config /nonexistent/run.yaml: no such file"),
+        (["mesh.num_devices=0"], "error: mesh.num_devices=0 must be a positive device count"),
+        (["mesh.num_devices=-8"], "error: mesh.num_devices=-8 must be a positive device count"),
+        (["optim.lr=-1"], "error: optim.lr=-1.0 must be positive"),
+        (["optim.clip_norm=0"], "error: optim.clip_norm=0 must be a positive"),
+        (["optim.warmup_steps=-3"], "error: optim.warmup_steps=-3 must be >= 0"),
+        (["attention.block_q=0"], "error: attention.block_q=0 must be a positive"),
     ],
 )
 def test_cli_errors_are_one_line_with_exit_code_2(capsys, argv, match):
@@ -84,18 +87,49 @@ def test_cli_errors_are_one_line_with_exit_code_2(capsys, argv, match):
     assert code == 2 and err.startswith(match) and "\n" not in err, err
 
 
+COMMAND_ERRORS = {  # command: [(argv, the message's start after "error: ")]
+    "train": [(["--config", "/nonexistent/run.yaml"], "--config /nonexistent/run.yaml: no such file"),
+              (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+              (["--resume", "run_dir={tmp}"], "--resume: no checkpoint found in")],
+    "eval": [(["{tmp}/missing"], "{tmp}/missing: no checkpoint found"),
+             (["{tmp}", "--step", "x"], "argument --step: invalid int value: 'x'")],
+    "memory": [(["model.heads=3"], "model.heads=3 must be a multiple of model.kv_heads=2"),
+               (["--fit", "--config", "/nonexistent/run.yaml"], "--config /nonexistent/run.yaml: no such file"),
+               (["--budget"], "argument --budget: expected one argument")],
+    "export": [(["{tmp}/missing", "--out", "{tmp}/hf"], "RUN_DIR {tmp}/missing: no checkpoint"),
+               (["{tmp}"], "the following arguments are required: --out")],
+}
+
+
+@pytest.mark.parametrize("command, argv, start", [(c, a, m) for c, cases in COMMAND_ERRORS.items() for a, m in cases],
+                         ids=[f"{c}-{i}" for c, cases in COMMAND_ERRORS.items() for i in range(len(cases))])
+def test_every_command_reports_bad_input_in_one_form(command, argv, start, tmp_path, capsys):
+    """`python -m jaxlong.train`, `.eval`, `.memory` and `.export`: bad input, the command's own checks and
+    argparse's alike, is one line on stderr, `error: ...`, and exit code 2 (docs/reliability.md)."""
+    import importlib
+
+    main_of = importlib.import_module(f"jaxlong.{command}.__main__").main
+    try:
+        code = main_of([a.format(tmp=tmp_path) for a in argv])
+    except SystemExit as e:  # argparse's errors exit
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert err.startswith(f"error: {start.format(tmp=tmp_path)}"), err
+
+
 def test_invalid_yaml_names_line_and_column(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("model:\n  hidden: [64\n")
     code, err = _cli(capsys, ["--config", str(path)])
     assert code == 2 and "\n" not in err
-    assert err.startswith(f"config error: --config {path} is not valid YAML at line 3, column 1:"), err
+    assert err.startswith(f"error: --config {path} is not valid YAML at line 3, column 1:"), err
     code, err = _cli(capsys, ["--config", str(tmp_path)])
     assert code == 2 and "is a directory" in err and "\n" not in err
     path.write_bytes(b"seq_len: 64\x00\n")  # a NUL byte: PyYAML's reader error has no line mark of its own
     code, err = _cli(capsys, ["--config", str(path)])
     assert code == 2 and "\n" not in err and "somewhere" not in err
-    assert err.startswith(f"config error: --config {path} is not valid YAML at line 1, column 12: character U+0000"), err
+    assert err.startswith(f"error: --config {path} is not valid YAML at line 1, column 12: character U+0000"), err
 
 
 def test_cudnn_without_a_gpu_is_refused_before_loading_data(tmp_path, capsys, monkeypatch):
@@ -108,7 +142,7 @@ def test_cudnn_without_a_gpu_is_refused_before_loading_data(tmp_path, capsys, mo
     code, err = _cli(capsys, ["attention.backend=cudnn", "data.packing=concat", "compute_dtype=bfloat16",
                               f"run_dir={tmp_path}"])
     assert code == 2 and "\n" not in err
-    assert err.startswith("config error: attention.backend=cudnn needs an NVIDIA GPU, but jax runs on cpu"), err
+    assert err.startswith("error: attention.backend=cudnn needs an NVIDIA GPU, but jax runs on cpu"), err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,6 +163,47 @@ def test_resume_config_changes_are_deny_by_default():
     assert "optim.decay_steps: 30 -> 60" in changes
     explicit = to_dict(load_config(None, ["steps=60", "optim.decay_steps=30"]))
     assert config_changes(old, explicit, defaults) == []
+
+
+def _resume_advice(first: list[str], resume: list[str]) -> list[str] | None:
+    """What the trainer's config check says to `--resume <resume>` of a checkpoint written by a run of `first`:
+    None when it accepts the resume, else the overrides its refusal says to add (as a shell splits them)."""
+    from jaxlong.training.loop import check_resume_config
+
+    saved = to_dict(load_config(None, first))
+    try:
+        check_resume_config(load_config(None, [*first, *resume]), saved, step=4)
+    except ConfigError as e:
+        match = re.search(r"; add (.+?) to keep the checkpoint's schedule and train on", str(e))
+        assert match and "\n" not in str(e), str(e)
+        return shlex.split(match.group(1))
+    return None
+
+
+@pytest.mark.parametrize("first, resume, advice", [
+    # A 4-step run under the default 5-step warmup has a 6-step schedule: steps=6 keeps it.
+    (["steps=4"], ["steps=6"], None),
+    (["steps=4"], ["steps=10"], ["optim.decay_steps=6"]),
+    (["steps=20"], ["steps=30", "optim.warmup_steps=2"], ["optim.decay_steps=20", "optim.warmup_steps=5"]),
+    (["steps=4"], ["steps=10", "data.packing=concat"], ["optim.decay_steps=6", "data.packing=documents"]),
+    (["steps=20", "optim.decay_steps=20"], ["steps=30", "optim.decay_steps=0"], ["optim.decay_steps=20"]),
+])
+def test_resume_advice_is_a_command_that_resumes(first, resume, advice):
+    """A refused `--resume steps=N` names the overrides that keep the checkpoint's schedule, and `--resume steps=N`
+    with them passes validation and the resume check: the advice never loops (a suggested `optim.decay_steps`
+    shorter than the warmup was refused by validation)."""
+    assert _resume_advice(first, resume) == advice
+    if advice is not None:
+        assert _resume_advice(first, [*resume, *advice]) is None
+
+
+def test_a_decay_shorter_than_the_warmup_is_refused_with_advice_that_resumes():
+    """`--resume steps=6 optim.decay_steps=4` after a 4-step run under the 5-step warmup: validation refuses the
+    decay, and either value it names (at least the warmup, or 0) resumes."""
+    with pytest.raises(ConfigError, match=r"optim.decay_steps=4 must be >= optim.warmup_steps=5 .* or 0 for"):
+        load_config(None, ["steps=6", "optim.decay_steps=4"])
+    for value in (5, 0):
+        assert _resume_advice(["steps=4"], ["steps=6", f"optim.decay_steps={value}"]) is None
 
 
 def test_keys_unknown_to_an_old_checkpoint_compare_as_defaults_and_new_keys_are_denied():
