@@ -152,6 +152,8 @@ def test_refusals_name_the_problem():
         ruler.make_cases("niah_single_2", byte, 4096, 1)
     with pytest.raises(ValueError, match="unknown"):
         ruler.make_cases("qa_1", byte, 4096, 1)
+    with pytest.raises(ValueError, match="freq_common=3 must exceed freq_rare=3"):
+        ruler.make_cases(dataclasses.replace(ruler.TASKS["cwe"], freq_common=3), byte, 4096, 1)
     ring = tiny_cfg("global_batch=4", "mesh.fsdp=4", "mesh.ring=2", "mesh.context=1")
     with pytest.raises(ConfigError, match=r"^ruler length 1020: not a sequence length this mesh takes \(.*\)$"):
         ruler.check_length(ring, 1020)
@@ -311,6 +313,9 @@ def test_scores_on_every_mesh_equal_one_device(mesh):
                                  lengths=[LENGTH], cases=2, seed=0)
         rows = ruler.evaluate_ruler(cfg, m, params, _tokenizer("byte"), suite, stats=stats)
         assert [(r["task"], r["cases"], r["correct"]) for r in rows] == [(t, 2, 0) for t in SMALL]
+        during_training = ruler.RulerValidator(cfg, m, _tokenizer("byte"), suite)  # cases made once
+        during_training.stats = stats  # what the trainer shares with its other per-token evaluation
+        assert during_training.run(params) == rows and len(during_training.cases) == 2 * len(SMALL)
         with pytest.raises(ConfigError, match="ruler length 500"):
             ruler.evaluate_ruler(cfg, m, params, _tokenizer("byte"), ruler.RulerSuite(lengths=[500]))
 

@@ -5,6 +5,7 @@ and TensorBoard scalars (`report`). docs/evaluation.md#ruler describes the tasks
 from jaxlong.evaluation.ruler.report import format_table, log_scalars, write_csv, write_heatmap, write_results
 from jaxlong.evaluation.ruler.score import (
     RulerSuite,
+    RulerValidator,
     check_length,
     evaluate_ruler,
     generate,
@@ -15,7 +16,7 @@ from jaxlong.evaluation.ruler.score import (
 from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, case_depths, corpus_tokens, make_cases
 
 __all__ = [
-    "format_table", "log_scalars", "write_csv", "write_heatmap", "write_results", "RulerSuite", "check_length",
-    "evaluate_ruler", "generate", "results", "score_cases", "score_on_mesh", "TASKS", "RulerCase", "Task",
-    "case_depths", "corpus_tokens", "make_cases",
+    "format_table", "log_scalars", "write_csv", "write_heatmap", "write_results", "RulerSuite", "RulerValidator",
+    "check_length", "evaluate_ruler", "generate", "results", "score_cases", "score_on_mesh", "TASKS", "RulerCase",
+    "Task", "case_depths", "corpus_tokens", "make_cases",
 ]

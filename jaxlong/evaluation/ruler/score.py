@@ -118,6 +118,38 @@ def score_on_mesh(cfg: Config, mesh, params: dict, cases: Sequence[RulerCase], *
     return score_cases(lambda b: stats(params, b)[1], cases, eval_batch_size(cfg), progress)
 
 
+class RulerValidator:
+    """RULER during training: the suite's cases generated once (lengths checked, nothing compiled), scored with
+    one shared `token_stats` program per length each time `run(params)` is called (e.g. when the trainer's
+    `Validator.due(step)`). Every process generates the same cases (a pure function of the seed) and feeds the
+    same host batches, as `token_stats` expects.
+
+    Raises (at construction): ConfigError and ValueError as `evaluate_ruler`.
+    """
+
+    def __init__(self, cfg: Config, mesh, tokenizer, suite: RulerSuite, corpus: np.ndarray | None = None):
+        from jaxlong.data.tokenizer import check_vocab  # noqa: PLC0415
+
+        for n in suite.lengths:
+            check_length(cfg, n)
+        try:
+            check_vocab(tokenizer, cfg.model.vocab_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.cfg, self.mesh = cfg, mesh
+        self.cases = generate(suite, tokenizer, corpus)
+        self.stats = None
+
+    def run(self, params: dict, progress: Callable[[int], None] | None = None) -> list[dict]:
+        """`results` rows (task, length, cases, correct, score) of `params`."""
+        if self.stats is None:
+            from jaxlong.evaluation.steps import token_stats  # noqa: PLC0415
+
+            self.stats = token_stats(self.cfg, self.mesh)
+        return results(self.cases, score_on_mesh(self.cfg, self.mesh, params, self.cases, stats=self.stats,
+                                                 progress=progress))
+
+
 def evaluate_ruler(cfg: Config, mesh, params: dict, tokenizer, suite: RulerSuite, *,
                    corpus: np.ndarray | None = None, stats=None,
                    progress: Callable[[int], None] | None = None) -> list[dict]:
@@ -136,13 +168,6 @@ def evaluate_ruler(cfg: Config, mesh, params: dict, tokenizer, suite: RulerSuite
       ConfigError: a length the mesh does not take, or a tokenizer larger than `model.vocab_size`.
       ValueError: a task that cannot be generated at a length (see `make_cases`).
     """
-    from jaxlong.data.tokenizer import check_vocab  # noqa: PLC0415
-
-    for n in suite.lengths:
-        check_length(cfg, n)
-    try:
-        check_vocab(tokenizer, cfg.model.vocab_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    cases = generate(suite, tokenizer, corpus)
-    return results(cases, score_on_mesh(cfg, mesh, params, cases, stats=stats, progress=progress))
+    validator = RulerValidator(cfg, mesh, tokenizer, suite, corpus)
+    validator.stats = stats
+    return validator.run(params, progress)

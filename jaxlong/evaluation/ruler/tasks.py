@@ -157,13 +157,22 @@ def make_cases(task: Task | str, tokenizer, length: int, n: int, *, seed: int = 
       seed: fixes every case. corpus: int32 tokens of the run's text (`corpus_tokens`), for "corpus" haystacks.
 
     Raises:
-      ValueError: an unknown task, a length too short for the task's fixed parts (the message gives the least
-        length), a value kind the tokenizer cannot spell, a corpus haystack without `corpus`.
+      ValueError: an unknown task or field value, a length too short for the task's fixed parts (the message
+        gives the least length), a value kind the tokenizer cannot spell, a corpus haystack without `corpus`.
     """
     if isinstance(task, str):
         if task not in TASKS:
             raise ValueError(f"ruler task {task!r} is unknown; give one of {sorted(TASKS)}")
         task = TASKS[task]
+    if task.family not in ("niah", "vt", "cwe", "fwe"):
+        raise ValueError(f"ruler task {task.name}: family={task.family!r}; give 'niah', 'vt', 'cwe' or 'fwe'")
+    if task.family == "niah" and task.haystack not in ("filler", "corpus", "needles"):
+        raise ValueError(f"ruler task {task.name}: haystack={task.haystack!r}; give 'filler', 'corpus' or 'needles'")
+    if task.family == "cwe" and not task.freq_common > task.freq_rare >= 1:
+        raise ValueError(f"ruler task {task.name}: freq_common={task.freq_common} must exceed freq_rare="
+                         f"{task.freq_rare} >= 1 (the common words must be the most common)")
+    if n < 1 or length < 1:
+        raise ValueError(f"ruler task {task.name}: give at least one case (n={n}) of a positive length ({length})")
     pieces = Pieces(tokenizer)
     lex = Lexicon(pieces)
     if task.family in ("niah", "vt"):
