@@ -16,8 +16,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxlong.config import Config, ConfigError, validate
+from jaxlong.data.tokenizer import check_vocab
+from jaxlong.evaluation.heldout import eval_batch_size
 from jaxlong.evaluation.probes import passkey_batch
 from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, make_cases
+from jaxlong.evaluation.steps import token_stats
 
 
 @dataclass(frozen=True)
@@ -109,9 +112,6 @@ def score_on_mesh(cfg: Config, mesh, params: dict, cases: Sequence[RulerCase], *
     Raises:
       ConfigError: a case length the mesh does not take.
     """
-    from jaxlong.evaluation.heldout import eval_batch_size  # noqa: PLC0415
-    from jaxlong.evaluation.steps import token_stats  # noqa: PLC0415
-
     for n in sorted({c.length for c in cases}):
         check_length(cfg, n)
     stats = stats or token_stats(cfg, mesh)
@@ -128,8 +128,6 @@ class RulerValidator:
     """
 
     def __init__(self, cfg: Config, mesh, tokenizer, suite: RulerSuite, corpus: np.ndarray | None = None):
-        from jaxlong.data.tokenizer import check_vocab  # noqa: PLC0415
-
         for n in suite.lengths:
             check_length(cfg, n)
         try:
@@ -143,8 +141,6 @@ class RulerValidator:
     def run(self, params: dict, progress: Callable[[int], None] | None = None) -> list[dict]:
         """`results` rows (task, length, cases, correct, score) of `params`."""
         if self.stats is None:
-            from jaxlong.evaluation.steps import token_stats  # noqa: PLC0415
-
             self.stats = token_stats(self.cfg, self.mesh)
         return results(self.cases, score_on_mesh(self.cfg, self.mesh, params, self.cases, stats=self.stats,
                                                  progress=progress))
