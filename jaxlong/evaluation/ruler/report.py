@@ -1,0 +1,88 @@
+"""RULER results: a CSV (task, length, cases, correct, score), the task x length heatmap (PNG, the familiar RULER
+grid), a text table and TensorBoard scalars. `rows` are `jaxlong.evaluation.ruler.score.results` rows."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+COLUMNS = ("task", "length", "cases", "correct", "score")
+
+
+def grid(rows: list[dict]) -> tuple[list[str], list[int], np.ndarray]:
+    """`(tasks, lengths, scores)`: scores float `[tasks, lengths]` (nan where a pair was not run)."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    lengths = sorted({r["length"] for r in rows})
+    out = np.full((len(tasks), len(lengths)), np.nan)
+    for r in rows:
+        out[tasks.index(r["task"]), lengths.index(r["length"])] = r["score"]
+    return tasks, lengths, out
+
+
+def _length_label(n: int) -> str:
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def format_table(rows: list[dict]) -> str:
+    """Scores in percent, a task per line and a length per column, with the mean over tasks last."""
+    tasks, lengths, g = grid(rows)
+    width = max([len(t) for t in tasks] + [4])
+    lines = [f"{'RULER':<{width}}  " + "  ".join(f"{_length_label(n):>6}" for n in lengths)]
+    for t, row in zip(tasks, g):
+        lines.append(f"{t:<{width}}  " + "  ".join("     -" if np.isnan(x) else f"{100 * x:6.1f}" for x in row))
+    lines.append(f"{'mean':<{width}}  " + "  ".join(f"{100 * x:6.1f}" for x in np.nanmean(g, axis=0)))
+    return "\n".join(lines)
+
+
+def write_csv(path: str | Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_heatmap(path: str | Path, rows: list[dict], title: str = "RULER") -> None:
+    """Score by task (rows) and length (columns), 0 red to 1 green, each cell annotated."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    tasks, lengths, g = grid(rows)
+    fig, ax = plt.subplots(figsize=(1.0 * len(lengths) + 3, 0.45 * len(tasks) + 1.8))
+    im = ax.imshow(g, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(lengths)), [_length_label(n) for n in lengths])
+    ax.set_yticks(range(len(tasks)), tasks)
+    for i, row in enumerate(g):
+        for j, x in enumerate(row):
+            ax.text(j, i, "-" if np.isnan(x) else f"{100 * x:.0f}", ha="center", va="center", fontsize=8)
+    ax.set(xlabel="context length (tokens)", title=title)
+    fig.colorbar(im, ax=ax, label="exact match")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def log_scalars(writer, rows: list[dict], step: int, prefix: str = "eval/ruler") -> None:
+    """`prefix/<task>/<length>` for each row, `prefix/<task>` (mean over lengths) and `prefix/mean` (over all
+    rows), through any writer with `add_scalar(tag, value, step)` (tensorboardX's `SummaryWriter`)."""
+    tasks, lengths, g = grid(rows)
+    for r in rows:
+        writer.add_scalar(f"{prefix}/{r['task']}/{r['length']:08d}", float(r["score"]), step)
+    for t, row in zip(tasks, g):
+        writer.add_scalar(f"{prefix}/{t}", float(np.nanmean(row)), step)
+    writer.add_scalar(f"{prefix}/mean", float(np.mean([r["score"] for r in rows])), step)
+
+
+def write_results(out: str | Path, rows: list[dict], title: str = "RULER") -> list[Path]:
+    """`out/ruler.csv` and `out/ruler.png`; returns their paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "ruler.csv", rows)
+    write_heatmap(out / "ruler.png", rows, title)
+    return [out / "ruler.csv", out / "ruler.png"]

@@ -1,0 +1,169 @@
+"""RULER scoring on the training mesh: teacher-forced exact match (Hsieh et al., arXiv 2404.06654, scored as
+greedy decoding would be, without a decode loop).
+
+A case counts when, given its input, the argmax at every answer position is the answer's token: the first answer
+token predicted from the question, each later one from the question and the answer's earlier tokens (teacher
+forcing), so the case is right exactly when greedy decoding would produce the whole answer. One forward per case,
+through `jaxlong.evaluation.steps.token_stats` — the train step's forward on the run's mesh (FSDP, Ulysses, U-Pipe,
+ring and the hybrids), tiled so that `[seq, vocab]` logits never exist — hence at any length the mesh trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jaxlong.config import Config, ConfigError, validate
+from jaxlong.data.tokenizer import check_vocab
+from jaxlong.evaluation.heldout import eval_batch_size
+from jaxlong.evaluation.probes import passkey_batch
+from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, make_cases
+from jaxlong.evaluation.steps import token_stats
+
+
+@dataclass(frozen=True)
+class RulerSuite:
+    """What to run: `tasks` (names in `TASKS`, or `Task`s), context `lengths` (tokens, each a sequence length
+    the mesh takes), `cases` per task and length (needle depths evenly spaced over them), `seed`."""
+
+    tasks: Sequence[str | Task] = field(default_factory=lambda: list(TASKS))
+    lengths: Sequence[int] = (4096,)
+    cases: int = 8
+    seed: int = 0
+
+
+def check_length(cfg: Config, length: int, option: str = "ruler length") -> None:
+    """Raise ConfigError (one line: the option, the length, the rule) unless `length` is a sequence length the
+    run's mesh takes: `jaxlong.config.validate` with `seq_len=length` (divisible by mesh.context, by 2 *
+    mesh.ring * mesh.context under ring attention, attention blocks and `tiling.mlp_tiles` dividing the local
+    sequence). The loss tile is chosen per length by the stats step, so `tiling.loss_tile` is not checked."""
+    try:
+        validate(replace(cfg, seq_len=int(length), tiling=replace(cfg.tiling, loss_tile=0)))
+    except ConfigError as e:
+        raise ConfigError(f"{option} {length}: not a sequence length this mesh takes ({e})".replace("\n", " ")) \
+            from None
+
+
+def score_cases(predict: Callable[[dict], np.ndarray], cases: Sequence[RulerCase], batch_size: int,
+                progress: Callable[[int], None] | None = None) -> np.ndarray:
+    """Teacher-forced exact match of each case.
+
+    Args:
+      predict: `batch -> argmax` int `[b, S]` (host numpy), called with `jaxlong.evaluation.probes.passkey_batch`
+        batches (`inputs`, `targets`, `mask` on the answer, `positions`, `segment_ids`, `[batch_size, S]`) of
+        same-length cases; a last short batch is filled with copies of its last case (their results dropped).
+      cases: any order and lengths (batched by length). batch_size: rows per forward.
+      progress: called with the number of real cases after each forward.
+
+    Returns:
+      bool `[len(cases)]`: whether the argmax equals the target at every answer position.
+    """
+    right = np.zeros(len(cases), bool)
+    by_length: dict[int, list[int]] = {}
+    for i, c in enumerate(cases):
+        by_length.setdefault(c.length, []).append(i)
+    for idx in by_length.values():
+        for s in range(0, len(idx), batch_size):
+            chunk = idx[s:s + batch_size]
+            rows = [cases[i] for i in chunk] + [cases[chunk[-1]]] * (batch_size - len(chunk))
+            batch = passkey_batch(rows)
+            argmax = np.asarray(predict(batch))
+            for k, i in enumerate(chunk):
+                a = cases[i].answer
+                right[i] = bool(np.all(argmax[k, a] == batch["targets"][k, a]))
+            if progress:
+                progress(len(chunk))
+    return right
+
+
+def results(cases: Sequence[RulerCase], right: np.ndarray) -> list[dict]:
+    """One row per (task, length), in first-seen order: `task`, `length`, `cases`, `correct`, `score` (the
+    fraction correct)."""
+    rows: dict[tuple[str, int], dict] = {}
+    for c, r in zip(cases, right, strict=True):
+        row = rows.setdefault((c.task, c.length), {"task": c.task, "length": c.length, "cases": 0, "correct": 0})
+        row["cases"] += 1
+        row["correct"] += int(r)
+    return [{**r, "score": r["correct"] / r["cases"]} for r in rows.values()]
+
+
+def generate(suite: RulerSuite, tokenizer, corpus: np.ndarray | None = None) -> list[RulerCase]:
+    """Every case of the suite (task-major, then length). Raises ValueError as `make_cases`."""
+    return [c for t in suite.tasks for n in suite.lengths
+            for c in make_cases(t, tokenizer, n, suite.cases, seed=suite.seed, corpus=corpus)]
+
+
+def score_on_mesh(cfg: Config, mesh, params: dict, cases: Sequence[RulerCase], *, stats=None,
+                  progress: Callable[[int], None] | None = None) -> np.ndarray:
+    """`score_cases` of `cases` by `params` on `mesh`: each case length checked first (`check_length`, before
+    anything compiles), then one `token_stats` forward per `eval_batch_size(cfg)` cases of a length.
+
+    Args:
+      cfg, mesh: the run's config and mesh; params: FSDP-sharded as `jaxlong.training.step.abstract_state`.
+      cases: `make_cases` cases, token ids below `model.vocab_size`.
+      stats: a `jaxlong.evaluation.steps.token_stats(cfg, mesh)` to share (its jitted program is compiled once
+        per length and kept), or None to make one.
+      progress: called with the number of cases after each forward.
+
+    Returns: bool `[len(cases)]`, as `score_cases`.
+
+    Raises:
+      ConfigError: a case length the mesh does not take.
+    """
+    for n in sorted({c.length for c in cases}):
+        check_length(cfg, n)
+    stats = stats or token_stats(cfg, mesh)
+    return score_cases(lambda b: stats(params, b)[1], cases, eval_batch_size(cfg), progress)
+
+
+class RulerValidator:
+    """RULER during training: the suite's cases generated once (lengths checked, nothing compiled), scored with
+    one shared `token_stats` program per length each time `run(params)` is called (e.g. when the trainer's
+    `Validator.due(step)`). Every process generates the same cases (a pure function of the seed) and feeds the
+    same host batches, as `token_stats` expects.
+
+    Raises (at construction): ConfigError and ValueError as `evaluate_ruler`.
+    """
+
+    def __init__(self, cfg: Config, mesh, tokenizer, suite: RulerSuite, corpus: np.ndarray | None = None):
+        for n in suite.lengths:
+            check_length(cfg, n)
+        try:
+            check_vocab(tokenizer, cfg.model.vocab_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.cfg, self.mesh = cfg, mesh
+        self.cases = generate(suite, tokenizer, corpus)
+        self.stats = None
+
+    def run(self, params: dict, progress: Callable[[int], None] | None = None) -> list[dict]:
+        """`results` rows (task, length, cases, correct, score) of `params`."""
+        if self.stats is None:
+            self.stats = token_stats(self.cfg, self.mesh)
+        return results(self.cases, score_on_mesh(self.cfg, self.mesh, params, self.cases, stats=self.stats,
+                                                 progress=progress))
+
+
+def evaluate_ruler(cfg: Config, mesh, params: dict, tokenizer, suite: RulerSuite, *,
+                   corpus: np.ndarray | None = None, stats=None,
+                   progress: Callable[[int], None] | None = None) -> list[dict]:
+    """RULER scores of `params` on `mesh`: every length checked (`check_length`) and every case generated before
+    anything compiles, then scored by `score_on_mesh`.
+
+    Args:
+      cfg, mesh, params, stats, progress: as `score_on_mesh`.
+      tokenizer: the run's (`jaxlong.data.get_tokenizer(cfg.data.tokenizer)`). suite: tasks, lengths, cases.
+      corpus: int32 tokens of the run's text for the corpus haystacks (`corpus_tokens`).
+
+    Returns:
+      `results(...)` rows: task, length, cases, correct, score.
+
+    Raises:
+      ConfigError: a length the mesh does not take, or a tokenizer larger than `model.vocab_size`.
+      ValueError: a task that cannot be generated at a length (see `make_cases`).
+    """
+    validator = RulerValidator(cfg, mesh, tokenizer, suite, corpus)
+    validator.stats = stats
+    return validator.run(params, progress)
