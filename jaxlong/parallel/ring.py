@@ -198,7 +198,8 @@ class BlockKernel:
         if self.backend == "cudnn":
             return cudnn_kernel.cudnn_attention_fwd(q, k, v, causal=False)
         if self.backend == "pallas":
-            starts = None if q_ids is None else _kv_starts(q_ids, k_starts, k.shape[1] // len(k_starts))
+            chunk = k.shape[1] // max(len(k_starts), 1)
+            starts = None if q_ids is None else kv_starts_of_chunks(q_ids, k_starts, chunk)
             return pallas_kernel.pallas_attention_fwd(q, k, v, causal=False, kv_starts=starts, **self._pallas())
         ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
         return blockwise_attention_fwd(q, k, v, causal=False, **ids, **self._tiles())
@@ -207,14 +208,15 @@ class BlockKernel:
         if self.backend == "cudnn":
             return cudnn_kernel.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=False)
         if self.backend == "pallas":
-            starts = None if q_ids is None else _kv_starts(q_ids, k_starts, k.shape[1] // len(k_starts))
+            chunk = k.shape[1] // max(len(k_starts), 1)
+            starts = None if q_ids is None else kv_starts_of_chunks(q_ids, k_starts, chunk)
             return pallas_kernel.pallas_attention_bwd(q, k, v, out, lse, dout, causal=False, kv_starts=starts,
                                                       **self._pallas())
         ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
         return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=False, **ids, **self._tiles())
 
 
-def _kv_starts(q_runs, k_starts, chunk: int):
+def kv_starts_of_chunks(q_runs: jax.Array, k_starts, chunk: int) -> jax.Array:
     """The Pallas kernel's `kv_starts` `[b, Lq]` for a key block of zigzag chunks of `chunk` tokens starting at
     the original positions `k_starts` (increasing, every key before every query): the number of the block's keys
     before each query's run start `q_runs` `[b, Lq]`, so key j is seen iff j >= it (same document)."""
