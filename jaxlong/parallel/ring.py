@@ -35,7 +35,8 @@ block of rank `src`:
 One call per step: either case is one unmasked kernel call of 2c x c scores, 2c queries to c keys or c queries
 to 2c keys (`lax.cond` on src < r), so every rank does the same work at every step and no block is ever fully
 masked. The slices a call takes (the first K/V chunk, or the second chunk of q, out and dout) are the only
-copies: selecting between the two cases element by element would copy ten c-token halves per step. Token positions (RoPE) follow the permutation (`zigzag_positions`); the
+copies: selecting between the two cases element by element would copy ten c-token halves per step. Token positions
+(RoPE) follow the permutation (`zigzag_positions`); the
 loss, a mean over tokens, is unchanged when inputs, targets and mask are permuted together.
 
 The per-block kernel (`BlockKernel`) is the one `attention.backend` resolves to: cuDNN flash attention on GPUs
@@ -52,7 +53,8 @@ them, so no ids travel around the ring. The diagonal block is the kernel's causa
 off-diagonal block (all its keys before all its queries) masks query i from key j unless their run ids are
 equal (`kv_segment_ids` of the blockwise kernel; the Pallas kernel's `kv_starts`, the number of the block's
 keys before the query's run start, counted over the block's chunks, is the same mask since keys precede
-queries). A query may then see no key of a block: that block's lse is -inf and its merge weight 0. Run ids never decrease along a chunk, so the kernel skips the tiles whose id ranges do not
+queries). A query may then see no key of a block: that block's lse is -inf and its merge weight 0. Run ids never
+decrease along a chunk, so the kernel skips the tiles whose id ranges do not
 meet, forward and backward: with many short documents most remote blocks cost next to nothing. Nothing
 `[S, S]`-shaped or per head is added.
 
