@@ -11,8 +11,10 @@ Layout (everywhere in this module):
 * output: same shape and dtype as `q`.
 * `lse` (log-sum-exp of the scaled scores per query row): float32 `[batch, heads, seq]`.
 
-Queries and keys share one sequence length and, for `causal=True`, one origin (query `t`
-sees keys `0..t`). Scores are `q . k / sqrt(head_dim)`.
+For `causal=True` queries and keys share one sequence length and one origin (query `t` sees keys
+`0..t`); an unmasked call (`causal=False`) may take a key block of another length `kv_seq`
+(`k`, `v`: `[batch, kv_seq, kv_heads, head_dim]`, ring attention's remote blocks). Scores are
+`q . k / sqrt(head_dim)`.
 
 Packed documents (`segment_ids`, int32 `[batch, seq]`, 0 = padding): a query attends only to
 the earlier keys of its own *run* of equal segment ids (document masking, block-diagonal causal).
@@ -65,8 +67,9 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_shapes(q, k, v):
-    """Validate the layout; return (batch, seq, heads, kv_heads, head_dim)."""
+def _check_shapes(q, k, v, causal: bool = True):
+    """Validate the layout; return (batch, seq, heads, kv_heads, head_dim). The keys' sequence may differ
+    from the queries' only without the causal mask (module docstring)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             "q, k, v must be 4-D [batch, seq, heads, head_dim]; got shapes "
@@ -75,9 +78,9 @@ def _check_shapes(q, k, v):
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
     b, s, h, d = q.shape
-    if k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
+    if k.shape[0] != b or (causal and k.shape[1] != s) or k.shape[3] != d:
         raise ValueError(
-            f"k/v shape {k.shape} does not match q shape {q.shape} in batch, seq or head_dim"
+            f"k/v shape {k.shape} does not match q shape {q.shape} in batch, seq (causal) or head_dim"
         )
     kvh = k.shape[2]
     if kvh == 0 or h % kvh != 0:
@@ -186,7 +189,7 @@ def reference_attention(q, k, v, *, causal: bool = True, segment_ids=None):
 
 
 def reference_attention_with_lse(q, k, v, *, causal: bool, segment_ids=None):
-    b, s, h, kvh, d = _check_shapes(q, k, v)
+    b, s, h, kvh, d = _check_shapes(q, k, v, causal)
     segment_ids = _check_segments(segment_ids, q, causal)
     q5 = _split_heads(q.astype(_F32), kvh)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q5, k.astype(_F32)) / math.sqrt(d)
@@ -214,9 +217,8 @@ def _tiling(q, k, v, block_q, block_k, segment_ids, kv_segment_ids, causal):
     """The checks and tile sizes shared by the forward and backward kernels: `((b, s, h, kvh, d), (bq, bk),
     (pair, q_ids, kv_ids, segment_ids))`. With `kv_segment_ids` (`pair`) the query and key ids are checked as a
     pair (`q_ids`, `kv_ids`) and `segment_ids` becomes None."""
-    dims = _check_shapes(q, k, v)
-    s = dims[1]
-    tiles = _check_block("block_q", block_q, s), _check_block("block_k", block_k, s)
+    dims = _check_shapes(q, k, v, causal)
+    tiles = _check_block("block_q", block_q, dims[1]), _check_block("block_k", block_k, k.shape[1])
     pair = kv_segment_ids is not None
     q_ids = kv_ids = None
     if pair:
@@ -230,12 +232,13 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
     """FlashAttention-2 forward (Dao 2023, Alg. 1) in pure JAX; returns `(out, lse)`.
 
     Args:
-      q: `[batch, seq, heads, head_dim]`; k, v: `[batch, seq, kv_heads, head_dim]`.
+      q: `[batch, seq, heads, head_dim]`; k, v: `[batch, kv_seq, kv_heads, head_dim]` (`kv_seq` = `seq`
+        when `causal`).
       causal: mask keys after the query position.
-      block_q, block_k: query / key tile lengths (may differ). Each is clamped to `seq`
-        and must then divide `seq`.
+      block_q, block_k: query / key tile lengths (may differ). Each is clamped to its sequence
+        (`seq`, `kv_seq`) and must then divide it.
       segment_ids: int `[batch, seq]` or None: document masking (module docstring).
-      kv_segment_ids: int `[batch, seq]` or None: the keys' ids when q and k are different
+      kv_segment_ids: int `[batch, kv_seq]` or None: the keys' ids when q and k are different
         blocks of a sequence (ring attention's off-diagonal blocks); then `causal=False` and
         query `i` sees key `j` iff `segment_ids[i] == kv_segment_ids[j]`. Both must be
         non-decreasing along the sequence (e.g. each token's document start): kv tiles whose id
@@ -246,8 +249,9 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
       `out` with the shape and dtype of `q`; `lse` float32 `[batch, heads, seq]`.
 
     Raises:
-      ValueError: malformed shapes, a block size that does not divide `seq`, or segment ids
-        that are not `[batch, seq]` integers (or come with `causal=False`).
+      ValueError: malformed shapes (q and k of different lengths with `causal`), a block size that
+        does not divide its sequence, or segment ids that are not `[batch, seq]` integers (or come
+        with `causal=False`).
 
     Query tiles are processed by `lax.map`; each runs an online softmax over kv tiles in a
     `lax.fori_loop` whose upper bound (for `causal`) is the last kv tile that touches
@@ -257,7 +261,7 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
     """
     (b, s, h, kvh, d), (bq, bk), (pair, q_ids, kv_ids, segment_ids) = _tiling(
         q, k, v, block_q, block_k, segment_ids, kv_segment_ids, causal)
-    g, nq, nk = h // kvh, s // bq, s // bk
+    g, nq, nk = h // kvh, s // bq, k.shape[1] // bk
     scale = 1.0 / math.sqrt(d)
     q5 = _split_heads(q, kvh)
     if segment_ids is not None:
@@ -352,7 +356,8 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
     """
     (b, s, h, kvh, d), (bq, bk), (pair, q_ids, kv_ids, segment_ids) = _tiling(
         q, k, v, block_q, block_k, segment_ids, kv_segment_ids, causal)
-    g, nq, nk = h // kvh, s // bq, s // bk
+    sk = k.shape[1]
+    g, nq, nk = h // kvh, s // bq, sk // bk
     scale = 1.0 / math.sqrt(d)
     q5, do5 = _split_heads(q, kvh), _split_heads(dout.astype(q.dtype), kvh)
     lse4 = lse.astype(_F32).reshape(b, kvh, g, s)
@@ -414,8 +419,8 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
     dq_acc = _full((b, s, kvh, g, d), 0, *refs)
     dq_acc, (dks, dvs) = lax.scan(kv_tile, dq_acc, jnp.arange(nk))  # dks: [nk, b, bk, kvh, d]
     dq = dq_acc.reshape(b, s, h, d).astype(q.dtype)
-    dk = jnp.moveaxis(dks, 0, 1).reshape(b, s, kvh, d)
-    dv = jnp.moveaxis(dvs, 0, 1).reshape(b, s, kvh, d)
+    dk = jnp.moveaxis(dks, 0, 1).reshape(b, sk, kvh, d)
+    dv = jnp.moveaxis(dvs, 0, 1).reshape(b, sk, kvh, d)
     return dq, dk, dv
 
 
@@ -454,9 +459,9 @@ def blockwise_attention(q, k, v, *, causal: bool = True, block_q: int = 512,
     `lax.scan`, `shard_map` and `jax.checkpoint`. Shapes, dtypes and errors as for
     `blockwise_attention_fwd` (checked eagerly, before tracing the custom_vjp).
     """
-    _, s, _, _, _ = _check_shapes(q, k, v)
+    _, s, _, _, _ = _check_shapes(q, k, v, causal)
     bq = _check_block("block_q", block_q, s)
-    bk = _check_block("block_k", block_k, s)
+    bk = _check_block("block_k", block_k, k.shape[1])
     segment_ids = _check_segments(segment_ids, q, causal)
     return _blockwise(q, k, v, segment_ids, bool(causal), bq, bk)
 

@@ -108,13 +108,14 @@ def _api():
     return fa
 
 
-def _check(q, k, v, segment_ids):
+def _check(q, k, v, segment_ids, causal: bool = True):
     """Validate shapes, dtypes and sizes before anything is traced into cuDNN; return head_dim."""
     if segment_ids is not None:
         raise ValueError("attention.backend=cudnn does not support segment ids (document masking): cuDNN's packed "
                          "layout is not usable at long context (see jaxlong.kernels.cudnn); use "
                          "attention.backend=pallas (GPUs) or attention.backend=blockwise")
-    b, s, h, d = check_qkv(q, k, v, "cudnn attention")
+    b, s, h, d = check_qkv(q, k, v, "cudnn attention", causal)
+    s = max(s, k.shape[1])
     if not (jnp.dtype(q.dtype) == jnp.dtype(k.dtype) == jnp.dtype(v.dtype)) or \
             jnp.dtype(q.dtype) not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"attention.backend=cudnn needs bfloat16 or float16 q, k, v (compute_dtype); got "
@@ -144,7 +145,8 @@ def cudnn_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None):
     """cuDNN flash attention forward; returns `(out, lse)`.
 
     Args:
-      q: `[batch, seq, heads, head_dim]` bf16/fp16; k, v: `[batch, seq, kv_heads, head_dim]` (same dtype).
+      q: `[batch, seq, heads, head_dim]` bf16/fp16; k, v: `[batch, kv_seq, kv_heads, head_dim]` (same dtype;
+        `kv_seq` = `seq` when `causal`: an unmasked call may take a key block of another length).
       causal: query t sees keys 0..t.
       segment_ids: must be None (see the module docstring).
 
@@ -157,7 +159,7 @@ def cudnn_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None):
       ConfigError: a tensor of 2**31 or more elements (`MAX_ELEMENTS`).
       RuntimeError: this JAX lacks the private cuDNN module (`CHECKED_JAX`).
     """
-    d = _check(q, k, v, segment_ids)
+    d = _check(q, k, v, segment_ids, causal)
     fa = _api()
     outs, lses = [], []
     for lo, hi, kv_lo, kv_hi in _calls(q, k, _forward_heads_per_call(q, k)):
@@ -208,7 +210,7 @@ def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment
     Raises:
       as `cudnn_attention_fwd`, and ValueError when `out`/`dout`/`lse` have the wrong shapes.
     """
-    d = _check(q, k, v, segment_ids)
+    d = _check(q, k, v, segment_ids, causal)
     b, s, h, _ = q.shape
     if out.shape != q.shape or dout.shape != q.shape or lse.shape != (b, h, s):
         raise ValueError(f"cudnn attention backward: out {out.shape} and dout {dout.shape} must have q's shape "

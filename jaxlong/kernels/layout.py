@@ -4,9 +4,11 @@ supports (used by the kernels, by `attention.backend=auto` and by `jaxlong.confi
 from __future__ import annotations
 
 
-def check_qkv(q, k, v, name: str) -> tuple[int, int, int, int]:
-    """Check q `[batch, seq, heads, head_dim]`, k, v `[batch, seq, kv_heads, head_dim]` (grouped-query attention:
-    heads a multiple of kv_heads) before anything is traced into a kernel; return `(batch, seq, heads, head_dim)`.
+def check_qkv(q, k, v, name: str, causal: bool = True) -> tuple[int, int, int, int]:
+    """Check q `[batch, seq, heads, head_dim]`, k, v `[batch, kv_seq, kv_heads, head_dim]` (grouped-query
+    attention: heads a multiple of kv_heads) before anything is traced into a kernel; return
+    `(batch, seq, heads, head_dim)`. `kv_seq` must equal `seq` for `causal` attention; unmasked calls may
+    attend to a key block of another length (ring attention's remote blocks, `jaxlong.parallel.ring`).
 
     Raises:
       ValueError: naming the kernel `name` ("cudnn attention", "pallas attention") and the shapes given.
@@ -15,9 +17,9 @@ def check_qkv(q, k, v, name: str) -> tuple[int, int, int, int]:
         raise ValueError(f"{name}: q must be [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, "
                          f"head_dim] of one shape; got {q.shape}, {k.shape}, {v.shape}")
     b, s, h, d = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (b, s, d) or h % k.shape[2]:
-        raise ValueError(f"{name}: k/v shape {k.shape} does not fit q shape {q.shape} (same batch, seq and "
-                         f"head_dim; heads a multiple of kv_heads)")
+    if (k.shape[0], k.shape[3]) != (b, d) or h % k.shape[2] or (causal and k.shape[1] != s):
+        raise ValueError(f"{name}: k/v shape {k.shape} does not fit q shape {q.shape} (same batch and head_dim, "
+                         f"heads a multiple of kv_heads, and for causal attention the same seq)")
     return b, s, h, d
 
 

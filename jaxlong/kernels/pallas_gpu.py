@@ -17,9 +17,10 @@ sees at least itself, so no softmax row is empty (padding attends to earlier pad
 starts (and run ends, for the backward's bounds) are computed once outside the kernels, O(seq) int32.
 
 Ring attention's off-diagonal blocks (`jaxlong.parallel.ring`: every key before every query) take `kv_starts`
-instead (int32 `[batch, seq]`, `causal=False`): query t sees key j iff `j >= kv_starts[t]`, its document's start
-relative to the key block's first token. A query may see no key of the block: its output row is 0 and its lse
--inf (the ring's merge gives it weight 0).
+instead (int32 `[batch, seq]`, `causal=False`): query t sees key j iff `j >= kv_starts[t]`, the number of the
+block's keys before its document's start. A query may see no key of the block: its output row is 0 and its lse
+-inf (the ring's merge gives it weight 0). Without the causal mask the key block may have another length than
+the queries (k, v `[batch, kv_seq, kv_heads, head_dim]`).
 
 Algorithm (T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning", 2023):
   - Forward (§3.1, Algorithm 1): one program per (query tile, batch, head); it keeps the query tile, the
@@ -79,7 +80,7 @@ def _pow2(n: int) -> bool:
 
 def _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts=None):
     """Validate before tracing; return (segment_ids as int32 or None, block_q, block_k)."""
-    b, s, h, d = check_qkv(q, k, v, "pallas attention")
+    b, s, h, d = check_qkv(q, k, v, "pallas attention", causal)
     if kv_starts is not None:
         if causal or segment_ids is not None:
             raise ValueError("pallas attention: kv_starts (ring attention's off-diagonal blocks) requires "
@@ -105,14 +106,19 @@ def _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts=None):
                              f"{tuple(segment_ids.shape)}")
         segment_ids = segment_ids.astype(jnp.int32)
     # Blocks larger than the (power-of-two-padded) sequence only add padding.
-    cap = max(16, 1 << (s - 1).bit_length())
+    cap = max(16, 1 << (max(s, k.shape[1]) - 1).bit_length())
     block_q, block_k = min(int(block_q), cap), min(int(block_k), cap)
-    padded = -(-s // max(block_q, block_k)) * max(block_q, block_k)
+    padded = _padded(max(s, k.shape[1]), block_q, block_k)
     if b * padded * h * d > MAX_ELEMENTS:
         raise ValueError(f"attention.backend=pallas: q {tuple(q.shape)} (seq padded to {padded}) has more than "
                          f"{MAX_ELEMENTS:,} elements, beyond the kernels' int32 offsets; use a larger "
                          f"mesh.context, U-Pipe with fewer attention.heads_per_stage, or attention.backend=blockwise")
     return segment_ids, block_q, block_k
+
+
+def _padded(seq: int, block_q: int, block_k: int) -> int:
+    """`seq` padded to a multiple of both tiles (both are powers of two)."""
+    return -(-seq // max(block_q, block_k)) * max(block_q, block_k)
 
 
 def _runs(segment_ids, padded: int):
@@ -209,12 +215,12 @@ def _vary_alike(*xs):
     return out, lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, **kw)
 
 
-def _starts(segment_ids, kv_starts, padded: int):
+def _starts(segment_ids, kv_starts, padded: int, padded_keys: int):
     """The per-query bound the kernels mask keys with, int32 `[batch, padded]`: run starts (`segment_ids`) or
-    `kv_starts` (padded rows see no key)."""
+    `kv_starts` (padded rows see none of the `padded_keys` keys)."""
     if kv_starts is None:
         return _runs(segment_ids, padded)[0]
-    return _pad_seq(kv_starts.astype(jnp.int32), padded, value=padded)
+    return _pad_seq(kv_starts.astype(jnp.int32), padded, value=padded_keys)
 
 
 def _pad_seq(x, padded: int, axis: int = 1, value=0):
@@ -232,8 +238,8 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
     """FlashAttention-2 forward (Pallas, Triton lowering); returns `(out, lse)`.
 
     Args:
-      q: `[batch, seq, heads, head_dim]`; k, v: `[batch, seq, kv_heads, head_dim]` (one dtype: bf16, fp16 or
-        fp32; head_dim a power of two in [16, 256]).
+      q: `[batch, seq, heads, head_dim]`; k, v: `[batch, kv_seq, kv_heads, head_dim]` (one dtype: bf16, fp16
+        or fp32; head_dim a power of two in [16, 256]; `kv_seq` = `seq` when `causal`).
       causal: query t sees keys 0..t.
       segment_ids: int `[batch, seq]` or None: document masking (module docstring), needs `causal`.
       block_q, block_k: tile lengths, powers of two >= 16; seq is padded to a multiple of both.
@@ -253,18 +259,19 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
     """
     segment_ids, bq, bk = _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts)
     b, s, h, d = q.shape
-    g = h // k.shape[2]
-    sp = -(-s // max(bq, bk)) * max(bq, bk)
-    q_, k_, v_ = (_pad_seq(x, sp) for x in (q, k, v))
+    sk, g = k.shape[1], h // k.shape[2]
+    sp, skp = _padded(s, bq, bk), _padded(sk, bq, bk)
+    q_ = _pad_seq(q, sp)
+    k_, v_ = (_pad_seq(x, skp) for x in (k, v))
     segments = segment_ids is not None or kv_starts is not None
     kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(d), causal=bool(causal), segments=segments,
-                               bq=bq, bk=bk, nk=sp // bk, seq=s, padded=sp != s)
+                               bq=bq, bk=bk, nk=skp // bk, seq=sk, padded=skp != sk)
     tile = pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0))
-    whole_kv = pl.BlockSpec((None, sp, None, d), lambda i, bb, hh: (bb, 0, lax.div(hh, g), 0))
+    whole_kv = pl.BlockSpec((None, skp, None, d), lambda i, bb, hh: (bb, 0, lax.div(hh, g), 0))
     in_specs, args = [tile, whole_kv, whole_kv], [q_, k_, v_]
     if segments:
         in_specs.append(pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)))
-        args.append(_starts(segment_ids, kv_starts, sp))
+        args.append(_starts(segment_ids, kv_starts, sp, skp))
     args, sds = _vary_alike(*args)
     out, lse = pl.pallas_call(
         kernel, grid=(sp // bq, b, h), in_specs=in_specs,
@@ -358,24 +365,25 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
     """
     segment_ids, bq, bk = _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts)
     b, s, h, d = q.shape
-    kvh = k.shape[2]
+    sk, kvh = k.shape[1], k.shape[2]
     g = h // kvh
     if out.shape != q.shape or dout.shape != q.shape or lse.shape != (b, h, s):
         raise ValueError(f"pallas attention backward: out {out.shape} and dout {dout.shape} must have q's shape "
                          f"{q.shape} and lse {lse.shape} must be [batch, heads, seq] = {(b, h, s)}")
-    sp = -(-s // max(bq, bk)) * max(bq, bk)
+    sp, skp = _padded(s, bq, bk), _padded(sk, bq, bk)
     # D_i = rowsum(dO_i * O_i) (Algorithm 2, line 4), float32 [b, h, s]
     delta = jnp.einsum("bshd,bshd->bhs", dout.astype(_F32), out.astype(_F32))
-    q_, k_, v_, do_ = (_pad_seq(x, sp) for x in (q, k, v, dout.astype(q.dtype)))
+    q_, do_ = (_pad_seq(x, sp) for x in (q, dout.astype(q.dtype)))
+    k_, v_ = (_pad_seq(x, skp) for x in (k, v))
     # padded rows (q = 0, dout = 0): lse = +max keeps their P = exp(S - lse) at 0, so they add nothing
     lse_, delta_ = _pad_seq(lse.astype(_F32), sp, 2, -_NEG), _pad_seq(delta, sp, 2)
     segments = segment_ids is not None or kv_starts is not None
     if kv_starts is not None:
-        runs = (_starts(None, kv_starts, sp),)
+        runs = (_starts(None, kv_starts, sp, skp),)
     else:
         runs = _runs(segment_ids, sp) if segments else None
-    common = dict(scale=1.0 / math.sqrt(d), causal=bool(causal), segments=segments, bq=bq, bk=bk, seq=s,
-                  padded=sp != s)
+    common = dict(scale=1.0 / math.sqrt(d), causal=bool(causal), segments=segments, bq=bq, bk=bk, seq=sk,
+                  padded=skp != sk)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
     # dK, dV: grid (kv tile, batch, kv head); q, dout, lse, delta of the group's g query heads, whole sequence.
@@ -391,25 +399,25 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
         args += list(runs)
     args, sds = _vary_alike(*args)
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, nq=sp // bq, g=g, **common), grid=(sp // bk, b, kvh),
+        functools.partial(_dkdv_kernel, nq=sp // bq, g=g, **common), grid=(skp // bk, b, kvh),
         in_specs=in_specs, out_specs=[kv_tile, kv_tile],
-        out_shape=[sds((b, sp, kvh, d), k.dtype), sds((b, sp, kvh, d), v.dtype)],
+        out_shape=[sds((b, skp, kvh, d), k.dtype), sds((b, skp, kvh, d), v.dtype)],
         compiler_params=params, interpret=interpret, name="jaxlong_flash_bwd_dkdv")(*args)
 
     # dQ: grid (query tile, batch, head); k, v of the head's kv head, whole sequence.
     q_tile = pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0))
     stat_tile = pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i))
-    whole_kv = pl.BlockSpec((None, sp, None, d), lambda i, bb, hh: (bb, 0, lax.div(hh, g), 0))
+    whole_kv = pl.BlockSpec((None, skp, None, d), lambda i, bb, hh: (bb, 0, lax.div(hh, g), 0))
     in_specs, args = [q_tile, whole_kv, whole_kv, q_tile, stat_tile, stat_tile], [q_, k_, v_, do_, lse_, delta_]
     if segments:
         in_specs.append(pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)))
         args.append(runs[0])
     args, sds = _vary_alike(*args)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, nk=sp // bk, **common), grid=(sp // bq, b, h), in_specs=in_specs,
+        functools.partial(_dq_kernel, nk=skp // bk, **common), grid=(sp // bq, b, h), in_specs=in_specs,
         out_specs=q_tile, out_shape=sds((b, sp, h, d), q.dtype),
         compiler_params=params, interpret=interpret, name="jaxlong_flash_bwd_dq")(*args)
-    return dq[:, :s], dk[:, :s], dv[:, :s]
+    return dq[:, :s], dk[:, :sk], dv[:, :sk]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

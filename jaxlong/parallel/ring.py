@@ -7,11 +7,24 @@ log-sum-exp (Ring Attention, arXiv 2310.01889, §3; FlashAttention-2, arXiv 2307
 
     lse = logaddexp(lse_a, lse_b),  out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b.
 
-The backward (a `custom_vjp`) saves only q, k, v, the output and the lse -- nothing per ring step. It sends
+Backward (a `custom_vjp`; it saves only q, k, v, the output and the lse -- nothing per ring step). It sends
 K/V around the ring again; the dK/dV accumulator of each block travels with it, every rank adds its
 contribution, and one last `ppermute` hands the finished dK/dV back to the block's owner. Each step's
 `ppermute` of the next K/V block is issued before the step's attention, so XLA can overlap the transfer with
-the compute.
+the compute. The accumulators (dQ of the local queries, the travelling dK/dV) are kept in the dtype of q, k, v
+and every contribution is added in float32 and rounded once (`add_rounded`), the rule of U-Pipe's sums over a
+KV group's stages and of the cuDNN kernel's sums over head calls; float32 accumulators would be 3 more
+`[b, S/R, h, d]` bf16-sized buffers at the backward's peak (7.4 GiB per H100 at 1.3M tokens per GPU on
+Llama-3.1-8B). In bf16, dK/dV are then rounded once per ring step.
+
+Memory that does not grow with the ring (the context per GPU holds from R = 2 to R = 8, measured on the GPU
+compile: `docs/multi-node.md`). The device holds one visiting K/V block and one pair of travelling
+accumulators at a time. The loops over the middle ring steps are `lax.while_loop`s: a `fori_loop` of static
+length is a `scan`, and when the forward runs under `jax.checkpoint` (layer remat replays it), JAX's partial
+evaluation of that scan can split it and stack every step's K/V halves, `[R-2, b, S/(2R), h, d]` each.
+`ring_attention_fwd` / `ring_attention_bwd` can take the caller's dK/dV accumulators (`dkv`) and send the K/V
+block home after its trip (`return_kv`), so U-Pipe keeps no second copy of a KV group's K/V and dK/dV while its
+stages run the ring.
 
 Zigzag layout (causal load balance, as in `zigzag_ring_flash_attn`): the sequence is cut into 2R chunks of
 c = S/(2R) tokens and ring rank r holds chunks r and 2R-1-r, in that order (`zigzag`). Then with the K/V
@@ -19,9 +32,11 @@ block of rank `src`:
   - src == r: ordinary causal attention on the local 2c tokens (local order is causal order);
   - src <  r: all 2c queries see the first K/V chunk (chunk src) and none of the second;
   - src >  r: only the second query chunk (chunk 2R-1-r) sees the K/V block, all of it.
-Both off-diagonal cases are two c x c unmasked blocks, so every rank does the same work at every step:
-block X = (second query chunk, first K/V chunk) always, and block Y = (first, first) or (second, second).
-No block is ever fully masked. Token positions (RoPE) follow the permutation (`zigzag_positions`); the
+One call per step: either case is one unmasked kernel call of 2c x c scores, 2c queries to c keys or c queries
+to 2c keys (`lax.cond` on src < r), so every rank does the same work at every step and no block is ever fully
+masked. The slices a call takes (the first K/V chunk, or the second chunk of q, out and dout) are the only
+copies: selecting between the two cases element by element would copy ten c-token halves per step. Token positions
+(RoPE) follow the permutation (`zigzag_positions`); the
 loss, a mean over tokens, is unchanged when inputs, targets and mask are permuted together.
 
 The per-block kernel (`BlockKernel`) is the one `attention.backend` resolves to: cuDNN flash attention on GPUs
@@ -36,9 +51,10 @@ model makes them once per step where it gathers the segment ids (`jaxlong.parall
 `ids_are_runs=True`); a direct call with segment ids converts them -- and slices each step's K/V block's ids from
 them, so no ids travel around the ring. The diagonal block is the kernel's causal document mask; an
 off-diagonal block (all its keys before all its queries) masks query i from key j unless their run ids are
-equal (`kv_segment_ids` of the blockwise kernel; the Pallas kernel's `kv_starts`, the query's run id minus the
-key block's first position, is the same mask since keys precede queries). A query may then see no key of a block: that block's lse is -inf and
-its merge weight 0. Run ids never decrease along a chunk, so the kernel skips the tiles whose id ranges do not
+equal (`kv_segment_ids` of the blockwise kernel; the Pallas kernel's `kv_starts`, the number of the block's
+keys before the query's run start, counted over the block's chunks, is the same mask since keys precede
+queries). A query may then see no key of a block: that block's lse is -inf and its merge weight 0. Run ids never
+decrease along a chunk, so the kernel skips the tiles whose id ranges do not
 meet, forward and backward: with many short documents most remote blocks cost next to nothing. Nothing
 `[S, S]`-shaped or per head is added.
 
@@ -47,8 +63,8 @@ and runs `ring_attention_local` over `ring` (USP, Fang & Zhao 2024, arXiv 2405.0
 for each stage's heads.
 
 Memory per device: q, k, v, out (`[b, S/R, h, d]` each, h the heads this device holds), the lse, one extra
-K/V block in flight, and the kernels' O(tile^2) scratch: O(S/R) for a fixed head count, O(S/(R*C)) per
-device with Ulysses over C (heads split C ways).
+K/V block in flight, the accumulators and one call's slices, and the kernels' O(tile^2) scratch: O(S/R) for a
+fixed head count, O(S/(R*C)) per device with Ulysses over C (heads split C ways), whatever R.
 """
 
 from __future__ import annotations
@@ -149,9 +165,10 @@ class BlockKernel:
     interpreter for CPU tests). Arrays as `ring_attention_fwd`'s local ones.
 
     `diagonal_*` is the rank's own block (`causal`, segment ids = run ids of the block); `block_*` an
-    off-diagonal block, unmasked or, with run ids, query i sees key j iff their run ids are equal
-    (`k_start`: the original position of the key block's first token, for the Pallas kernel's `kv_starts`).
-    The backwards take the global output and lse of the block's queries."""
+    off-diagonal block of `[b, Lk]` keys for `[b, Lq]` queries (Lk and Lq each S/(2R) or S/R), unmasked or, with
+    run ids, query i sees key j iff their run ids are equal (`k_starts`: the original positions of the first
+    tokens of the key block's zigzag chunks, in order, for the Pallas kernel's `kv_starts`). The backwards take
+    the global output and lse of the block's queries."""
 
     backend: str = "blockwise"
     block_q: int = 512
@@ -179,24 +196,33 @@ class BlockKernel:
                                                       **self._pallas())
         return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal, segment_ids=ids, **self._tiles())
 
-    def block_fwd(self, q, k, v, q_ids=None, k_ids=None, k_start=None):
+    def block_fwd(self, q, k, v, q_ids=None, k_ids=None, k_starts=()):
         if self.backend == "cudnn":
             return cudnn_kernel.cudnn_attention_fwd(q, k, v, causal=False)
         if self.backend == "pallas":
-            starts = None if q_ids is None else q_ids - k_start
+            chunk = k.shape[1] // max(len(k_starts), 1)
+            starts = None if q_ids is None else kv_starts_of_chunks(q_ids, k_starts, chunk)
             return pallas_kernel.pallas_attention_fwd(q, k, v, causal=False, kv_starts=starts, **self._pallas())
         ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
         return blockwise_attention_fwd(q, k, v, causal=False, **ids, **self._tiles())
 
-    def block_bwd(self, q, k, v, out, lse, dout, q_ids=None, k_ids=None, k_start=None):
+    def block_bwd(self, q, k, v, out, lse, dout, q_ids=None, k_ids=None, k_starts=()):
         if self.backend == "cudnn":
             return cudnn_kernel.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=False)
         if self.backend == "pallas":
-            starts = None if q_ids is None else q_ids - k_start
+            chunk = k.shape[1] // max(len(k_starts), 1)
+            starts = None if q_ids is None else kv_starts_of_chunks(q_ids, k_starts, chunk)
             return pallas_kernel.pallas_attention_bwd(q, k, v, out, lse, dout, causal=False, kv_starts=starts,
                                                       **self._pallas())
         ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
         return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=False, **ids, **self._tiles())
+
+
+def kv_starts_of_chunks(q_runs: jax.Array, k_starts, chunk: int) -> jax.Array:
+    """The Pallas kernel's `kv_starts` `[b, Lq]` for a key block of zigzag chunks of `chunk` tokens starting at
+    the original positions `k_starts` (increasing, every key before every query): the number of the block's keys
+    before each query's run start `q_runs` `[b, Lq]`, so key j is seen iff j >= it (same document)."""
+    return sum(jnp.clip(q_runs - start, 0, chunk) for start in k_starts)
 
 
 def ring_kernel(backend: str, block_q: int = 512, block_k: int = 512) -> BlockKernel:
@@ -204,11 +230,6 @@ def ring_kernel(backend: str, block_q: int = 512, block_k: int = 512) -> BlockKe
     Pallas as named, the blockwise kernel for anything else (`blockwise`, and `reference`, which has no
     per-block form)."""
     return BlockKernel(backend if backend in ("cudnn", "pallas") else "blockwise", int(block_q), int(block_k))
-
-
-def _halves(x: jax.Array, axis: int):
-    n = x.shape[axis] // 2
-    return lax.slice_in_dim(x, 0, n, axis=axis), lax.slice_in_dim(x, n, 2 * n, axis=axis)
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
@@ -222,69 +243,89 @@ def _merge(out_a, lse_a, out_b, lse_b):
     return wa * out_a + wb * out_b.astype(_F32), lse
 
 
-def _where(c, a, b):
-    return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
-
-
-def _fwd_block(q, k, v, out, lse, q_ids, k_ids, k_start, kernel: BlockKernel):
-    """Merge the attention of q to one K/V block (unmasked, or with run ids only same-run pairs) into
-    `(out, lse)`."""
-    return _merge(out, lse, *kernel.block_fwd(q, k, v, q_ids, k_ids, k_start))
-
-
 def _chunk_starts(src, n: int, c: int):
     """Original positions of the first tokens of ring rank `src`'s two zigzag chunks of `c` tokens."""
     return src * c, (2 * n - 1 - src) * c
 
 
+def _head(x, c: int, axis: int = 1):
+    return None if x is None else lax.slice_in_dim(x, 0, c, axis=axis)
+
+
+def _tail(x, c: int, axis: int = 1):
+    return None if x is None else lax.slice_in_dim(x, c, 2 * c, axis=axis)
+
+
+def add_rounded(total: jax.Array, part: jax.Array) -> jax.Array:
+    """`total + part` added in float32 and rounded to `total`'s dtype: how the ring's (and U-Pipe's)
+    sequence-sized gradient accumulators sum contributions (module docstring, "Backward")."""
+    return (total.astype(_F32) + part.astype(_F32)).astype(total.dtype)
+
+
+def _add_at(total, part, start: int):
+    """`add_rounded` of `part` into `total[:, start:start + len(part)]` (a zigzag chunk along axis 1)."""
+    end = start + part.shape[1]
+    return total.at[:, start:end].set(add_rounded(total[:, start:end], part))
+
+
 def _fwd_step(q, k, v, out, lse, before, causal, kernel: BlockKernel, q_ids=None, k_ids=None, src=None, n=1):
-    """Merge the attention of local queries to one remote K/V block (`before`: the block's owner `src` precedes
-    this rank in the ring of `n`) into `(out, lse)`. `q_ids`, `k_ids`: run ids `[b, S/R]` of the queries and of
-    the block (`run_ids`), or None."""
+    """Merge the attention of the local queries to one remote K/V block (owner `src` of the ring of `n`;
+    `before`: src precedes this rank) into `(out, lse)`: one kernel call (module docstring, "One call per
+    step"). `q_ids`, `k_ids`: run ids `[b, S/R]` of the queries and of the block (`run_ids`), or None."""
     if not causal:
-        return _fwd_block(q, k, v, out, lse, None, None, None, kernel)
-    q0, q1 = _halves(q, 1)
-    k0, k1 = _halves(k, 1)
-    v0, v1 = _halves(v, 1)
-    (out0, out1), (lse0, lse1) = _halves(out, 1), _halves(lse, 2)
-    (qi0, qi1), (ki0, ki1) = ((None, None), (None, None)) if q_ids is None else (_halves(q_ids, 1), _halves(k_ids, 1))
-    start0, start1 = _chunk_starts(src, n, q0.shape[1])
-    out1, lse1 = _fwd_block(q1, k0, v0, out1, lse1, qi1, ki0, start0, kernel)  # block X, every step
-    qy, ky, vy, qiy, kiy = _where(before, (q0, k0, v0, qi0, ki0), (q1, k1, v1, qi1, ki1))  # block Y
-    ta, tl = _where(before, (out0, lse0), (out1, lse1))
-    m, ml = _fwd_block(qy, ky, vy, ta, tl, qiy, kiy, jnp.where(before, start0, start1), kernel)
-    out0, lse0 = _where(before, (m, ml), (out0, lse0))
-    out1, lse1 = _where(before, (out1, lse1), (m, ml))
-    return jnp.concatenate([out0, out1], 1), jnp.concatenate([lse0, lse1], 2)
+        return _merge(out, lse, *kernel.block_fwd(q, k, v))
+    c = q.shape[1] // 2
+    first, second = _chunk_starts(src, n, c)
+
+    def early(out, lse):  # every local query sees the block's first chunk, none of its second
+        o, l = kernel.block_fwd(q, _head(k, c), _head(v, c), q_ids, _head(k_ids, c), (first,))
+        return _merge(out, lse, o, l)
+
+    def late(out, lse):  # only the second query chunk sees the block, all of it
+        o, l = kernel.block_fwd(_tail(q, c), k, v, _tail(q_ids, c), k_ids, (first, second))
+        m, ml = _merge(_tail(out, c), _tail(lse, c, 2), o, l)
+        return out.at[:, c:].set(m), lse.at[:, :, c:].set(ml)
+
+    return lax.cond(before, early, late, out, lse)
 
 
-def _bwd_block(q, k, v, o, l, do, q_ids, k_ids, k_start, kernel: BlockKernel):
-    """float32 `(dq, dk, dv)` of one block (see `_fwd_block`)."""
-    return tuple(g.astype(_F32) for g in kernel.block_bwd(q, k, v, o, l, do, q_ids, k_ids, k_start))
-
-
-def _bwd_step(q, k, v, out, lse, dout, before, causal, kernel: BlockKernel, q_ids=None, k_ids=None, src=None,
-              n=1):
-    """Gradient contributions `(dq, dk, dv)` (float32) of one remote K/V block; see `_fwd_step`."""
+def _bwd_step(q, k, v, out, lse, dout, acc, before, causal, kernel: BlockKernel, q_ids=None, k_ids=None,
+              src=None, n=1):
+    """Add the gradient contributions of one remote K/V block (see `_fwd_step`) into `acc` = (dq of the local
+    queries, dk and dv of the block), in the accumulators' dtypes (`add_rounded`): one kernel call."""
+    dq, dk, dv = acc
     if not causal:
-        return _bwd_block(q, k, v, out, lse, dout, None, None, None, kernel)
-    halves = [_halves(a, 1) for a in (q, k, v, out, dout)] + [_halves(lse, 2)]
-    (q0, q1), (k0, k1), (v0, v1), (o0, o1), (do0, do1), (l0, l1) = halves
-    (qi0, qi1), (ki0, ki1) = ((None, None), (None, None)) if q_ids is None else (_halves(q_ids, 1), _halves(k_ids, 1))
-    start0, start1 = _chunk_starts(src, n, q0.shape[1])
-    dqx, dkx, dvx = _bwd_block(q1, k0, v0, o1, l1, do1, qi1, ki0, start0, kernel)
-    ys = _where(before, (q0, k0, v0, o0, l0, do0, qi0, ki0), (q1, k1, v1, o1, l1, do1, qi1, ki1))
-    dqy, dky, dvy = _bwd_block(*ys, jnp.where(before, start0, start1), kernel)
-    zero = jnp.zeros_like(dqy)
-    dq = jnp.concatenate([jnp.where(before, dqy, zero), dqx + jnp.where(before, zero, dqy)], 1)
-    zk = jnp.zeros_like(dky)
-    dk = jnp.concatenate([dkx + jnp.where(before, dky, zk), jnp.where(before, zk, dky)], 1)
-    dv = jnp.concatenate([dvx + jnp.where(before, dvy, zk), jnp.where(before, zk, dvy)], 1)
-    return dq, dk, dv
+        gq, gk, gv = kernel.block_bwd(q, k, v, out, lse, dout)
+        return add_rounded(dq, gq), add_rounded(dk, gk), add_rounded(dv, gv)
+    c = q.shape[1] // 2
+    first, second = _chunk_starts(src, n, c)
+
+    def early(dq, dk, dv):
+        gq, gk, gv = kernel.block_bwd(q, _head(k, c), _head(v, c), out, lse, dout, q_ids, _head(k_ids, c), (first,))
+        return add_rounded(dq, gq), _add_at(dk, gk, 0), _add_at(dv, gv, 0)
+
+    def late(dq, dk, dv):
+        gq, gk, gv = kernel.block_bwd(_tail(q, c), k, v, _tail(out, c), _tail(lse, c, 2), _tail(dout, c),
+                                      _tail(q_ids, c), k_ids, (first, second))
+        return _add_at(dq, gq, c), add_rounded(dk, gk), add_rounded(dv, gv)
+
+    return lax.cond(before, early, late, dq, dk, dv)
 
 
 def _ring_perm(n: int):
     return [(i, (i + 1) % n) for i in range(n)]  # rank i sends to i+1, receives from i-1
+
+
+def _middle_steps(n: int, body, carry):
+    """Run `body(i, carry) -> carry` for the ring steps i = 1 .. n-2 (the last step, which sends no K/V on, is
+    the caller's). A `lax.while_loop`, not `fori_loop`: a loop of static length is a `scan`, which JAX's partial
+    evaluation may split into a loop that stacks per-step values (every step's K/V halves, `[n-2, ...]`) for a
+    second loop, when the ring runs in a forward that `jax.checkpoint` replays (module docstring, memory)."""
+    if n <= 2:
+        return carry
+    i, carry = lax.while_loop(lambda ic: ic[0] < n - 1, lambda ic: (ic[0] + 1, body(ic[0], ic[1])),
+                              (jnp.int32(1), carry))
+    return carry
 
 
 def _block_ids(segment_ids, q, n: int, axis_name: str, causal: bool, ids_are_runs: bool = False):
@@ -311,7 +352,8 @@ def _block_ids(segment_ids, q, n: int, axis_name: str, causal: bool, ids_are_run
 
 
 def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = True, block_q: int = 512,
-                       block_k: int = 512, segment_ids=None, backend: str = "blockwise", ids_are_runs: bool = False):
+                       block_k: int = 512, segment_ids=None, backend: str = "blockwise", ids_are_runs: bool = False,
+                       return_kv: bool = False):
     """Ring attention forward inside `jax.shard_map`; returns `(out, lse)` like
     `jaxlong.kernels.backend.attention_fwd_with_lse`.
 
@@ -326,9 +368,12 @@ def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = Tr
         step slices its K/V block's ids from them, so no ids travel around the ring. Requires `causal`.
       backend: the blocks' kernel, a resolved `attention.backend` (`ring_kernel`: cuDNN, Pallas or blockwise).
       ids_are_runs: `segment_ids` are already run ids (`run_ids`; the model computes them once per step).
+      return_kv: the K/V block makes one more hop, home, and is returned too: a caller that needs k, v again
+        (U-Pipe's next stage of the KV group) holds no copy of its own while the ring runs.
 
     Returns:
-      out `[batch, S/R, heads, head_dim]` (dtype of q), lse float32 `[batch, heads, S/R]`.
+      out `[batch, S/R, heads, head_dim]` (dtype of q), lse float32 `[batch, heads, S/R]`; with `return_kv`
+      also k, v (the same values, back from their trip).
 
     Raises:
       ValueError: an odd local length with `causal`, tiles not dividing the blocks, or segment ids without
@@ -344,52 +389,66 @@ def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = Tr
     out, lse = kernel.diagonal_fwd(q, k, v, causal, q_ids)
     out = out.astype(_F32)
     if n == 1:
-        return out.astype(q.dtype), lse
+        return (out.astype(q.dtype), lse) + ((k, v) if return_kv else ())
     r = lax.axis_index(axis_name)
 
-    def step(i, carry, last=False):
-        out, lse, k_i, v_i = carry
-        nxt = (k_i, v_i) if last else lax.ppermute((k_i, v_i), axis_name, _ring_perm(n))
+    def step(i, out, lse, k_i, v_i):
         src = (r - i) % n
-        out, lse = _fwd_step(q, k_i, v_i, out, lse, src < r, causal, kernel, q_ids, ids_of(src), src, n)
-        return (out, lse, *nxt)
+        return _fwd_step(q, k_i, v_i, out, lse, src < r, causal, kernel, q_ids, ids_of(src), src, n)
 
-    carry = lax.fori_loop(1, n - 1, step, (out, lse, *nxt))
-    out, lse, _, _ = step(n - 1, carry, last=True)
-    return out.astype(q.dtype), lse
+    def body(i, carry):
+        out, lse, k_i, v_i = carry
+        nxt = lax.ppermute((k_i, v_i), axis_name, _ring_perm(n))  # issued before this step's block
+        return (*step(i, out, lse, k_i, v_i), *nxt)
+
+    out, lse, k_i, v_i = _middle_steps(n, body, (out, lse, *nxt))
+    out, lse = step(n - 1, out, lse, k_i, v_i)
+    home = lax.ppermute((k_i, v_i), axis_name, _ring_perm(n)) if return_kv else ()
+    return (out.astype(q.dtype), lse, *home)
 
 
 def ring_attention_bwd(q, k, v, out, lse, dout, *, axis_name: str = RING_AXIS, causal: bool = True,
                        block_q: int = 512, block_k: int = 512, segment_ids=None, backend: str = "blockwise",
-                       ids_are_runs: bool = False):
+                       ids_are_runs: bool = False, dkv=None, return_kv: bool = False):
     """Ring attention backward inside `jax.shard_map`; returns `(dq, dk, dv)` (dtypes of q, k, v).
 
     `out` and `lse` are `ring_attention_fwd`'s, `segment_ids`, `backend`, `ids_are_runs` the same as its (each
-    block's backward gets the global out and lse of its queries); K/V travel around the ring
-    again and each block's dK/dV accumulator (float32) travels with it, arriving back at its owner after R
-    sends. Raises as `ring_attention_fwd`."""
+    block's backward gets the global out and lse of its queries). K/V travel around the ring again and each
+    block's dK/dV accumulator travels with it, arriving back at its owner after R sends (module docstring,
+    "Backward"). `dkv`: None, or accumulators (dk, dv) (shapes of k, v) that this call's gradients are added
+    into (U-Pipe's sums over a KV group's stages): they start the trip, so the caller keeps no copy meanwhile,
+    and the returned dk, dv are in their dtype. `return_kv`: as `ring_attention_fwd`'s, then returns
+    `(dq, dk, dv, k, v)`. Raises as `ring_attention_fwd`."""
     kernel = ring_kernel(backend, block_q, block_k)
     n = lax.axis_size(axis_name)
     ids_of, q_ids = _block_ids(segment_ids, q, n, axis_name, causal, ids_are_runs)
     if n > 1:
         nxt = lax.ppermute((k, v), axis_name, _ring_perm(n))
-    dq, dk, dv = (g.astype(_F32) for g in kernel.diagonal_bwd(q, k, v, out, lse, dout, causal, q_ids))
+    dq, dk, dv = kernel.diagonal_bwd(q, k, v, out, lse, dout, causal, q_ids)
+    dq, dk, dv = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    if dkv is not None:
+        dk, dv = add_rounded(dkv[0], dk), add_rounded(dkv[1], dv)
     if n == 1:
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        return (dq, dk, dv) + ((k, v) if return_kv else ())
     r = lax.axis_index(axis_name)
-    dkv = lax.ppermute((dk, dv), axis_name, _ring_perm(n))
+    dkv = lax.ppermute((dk, dv), axis_name, _ring_perm(n))  # this rank's dK/dV start their trip
 
-    def step(i, carry, last=False):
-        dq, k_i, v_i, dk_i, dv_i = carry
-        nxt = (k_i, v_i) if last else lax.ppermute((k_i, v_i), axis_name, _ring_perm(n))
+    def step(i, dq, k_i, v_i, dk_i, dv_i):
         src = (r - i) % n
-        gq, gk, gv = _bwd_step(q, k_i, v_i, out, lse, dout, src < r, causal, kernel, q_ids, ids_of(src), src, n)
-        dkv = lax.ppermute((dk_i + gk, dv_i + gv), axis_name, _ring_perm(n))  # on to the next rank / owner
-        return (dq + gq, *nxt, *dkv)
+        return _bwd_step(q, k_i, v_i, out, lse, dout, (dq, dk_i, dv_i), src < r, causal, kernel, q_ids,
+                         ids_of(src), src, n)
 
-    carry = lax.fori_loop(1, n - 1, step, (dq, *nxt, *dkv))
-    dq, _, _, dk, dv = step(n - 1, carry, last=True)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    def body(i, carry):
+        dq, k_i, v_i, dk_i, dv_i = carry
+        nxt = lax.ppermute((k_i, v_i), axis_name, _ring_perm(n))
+        dq, dk_i, dv_i = step(i, dq, k_i, v_i, dk_i, dv_i)
+        return (dq, *nxt, *lax.ppermute((dk_i, dv_i), axis_name, _ring_perm(n)))  # on to the next rank
+
+    dq, k_i, v_i, dk_i, dv_i = _middle_steps(n, body, (dq, *nxt, *dkv))
+    dq, dk_i, dv_i = step(n - 1, dq, k_i, v_i, dk_i, dv_i)
+    home = (k_i, v_i) if return_kv else ()
+    dk, dv, *home = lax.ppermute((dk_i, dv_i, *home), axis_name, _ring_perm(n))  # back to their owner
+    return (dq, dk, dv, *home)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))

@@ -28,6 +28,9 @@ dV W_v^T at a group's end) is added into dx in place, one block of rows at a tim
 product never exists beside dx (at 10M tokens on Llama-3.1-8B, C = 8, it was a 10 GiB buffer at the
 backward's peak). Differentiating a plain scan instead would stack every stage's
 residuals and give the saving back (`tests/test_upipe_memory.py` checks the compiled gradient for this).
+With mesh.ring > 1 each stage's attention is ring attention (`jaxlong.parallel.ring`): the KV group's K/V and
+its dK/dV accumulators travel the ring with the stage (`return_kv`, `dkv`) and come home for the next stage,
+so the device holds one K/V block and one pair of accumulators at a time, whatever the ring degree.
 
 Fused attention sublayer (`norm_scale=`, `out_weight=`, what `jaxlong.models.llama` uses). The op can take the raw
 layer input and the attention RMSNorm's scale and normalize inside: the forward then saves the layer input
@@ -99,7 +102,7 @@ from jaxlong.core.ordering import opaque_one, zeros_after
 from jaxlong.kernels.backend import attention_bwd, attention_fwd_with_lse, resolve_backend
 from jaxlong.layers import blocks as L
 from jaxlong.layers.remat import ATTENTION_NAMES
-from jaxlong.parallel.ring import ring_attention_bwd, ring_attention_fwd, zigzag_positions
+from jaxlong.parallel.ring import add_rounded, ring_attention_bwd, ring_attention_fwd, zigzag_positions
 from jaxlong.parallel.ulysses import check_heads, ulysses_attention
 
 
@@ -116,16 +119,23 @@ def _ring_size() -> int:
 def _attention_fwd(q, k, v, kernel: dict, seg=None, runs: bool = False):
     """The stage's attention on `[b, S/R, U/C, d]`: ring attention over `ring` (U-Pipe x ring) when R > 1, its
     blocks on `kernel["backend"]` (resolved for the mesh's devices); `seg`: segment ids of the whole sequence
-    `[b, S]` (document masking; zigzag layout with ring attention, where `runs` says they are run ids)."""
+    `[b, S]` (document masking; zigzag layout with ring attention, where `runs` says they are run ids).
+    Returns (out, lse, k, v): under ring attention the KV group's K/V come back from their trip around the ring
+    (`return_kv`), so the next stage uses them and no second copy stays on the device while the ring runs."""
     if _ring_size() > 1:
-        return ring_attention_fwd(q, k, v, segment_ids=seg, ids_are_runs=runs, **kernel)
-    return attention_fwd_with_lse(q, k, v, segment_ids=seg, **kernel)
+        return ring_attention_fwd(q, k, v, segment_ids=seg, ids_are_runs=runs, return_kv=True, **kernel)
+    return (*attention_fwd_with_lse(q, k, v, segment_ids=seg, **kernel), k, v)
 
 
-def _attention_bwd(q, k, v, o, lse, do, kernel: dict, seg=None, runs: bool = False):
+def _attention_bwd(q, k, v, o, lse, do, dkv, kernel: dict, seg=None, runs: bool = False):
+    """The stage's attention backward: (dq, the KV group's accumulators `dkv` with this stage's dK, dV added,
+    k, v); under ring attention the accumulators and K/V travel the ring (`ring_attention_bwd`'s `dkv`,
+    `return_kv`), so the device holds one KV block and one pair of accumulators at a time."""
     if _ring_size() > 1:
-        return ring_attention_bwd(q, k, v, o, lse, do, segment_ids=seg, ids_are_runs=runs, **kernel)
-    return attention_bwd(q, k, v, o, lse, do, segment_ids=seg, **kernel)
+        return ring_attention_bwd(q, k, v, o, lse, do, segment_ids=seg, ids_are_runs=runs, dkv=dkv,
+                                  return_kv=True, **kernel)
+    dq, dk, dv = attention_bwd(q, k, v, o, lse, do, segment_ids=seg, **kernel)
+    return dq, add_rounded(dkv[0], dk), add_rounded(dkv[1], dv), k, v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,12 +416,14 @@ def _forward(x, wq, wk, wv, pos, seg, sch: Schedule, opts: dict, qk=None, fold=N
         k = _seq_to_heads(_project(x, _kv_weight(wk, t, sch), cos, sin, True, kn, eps, fold))
         v = _seq_to_heads(_project(x, _kv_weight(wv, t, sch), cos, sin, False, fold=fold))
 
-        def stage(out, u):
+        def stage(carry, u):
+            out, k, v = carry
             q = _seq_to_heads(_project(x, _stage_get(wq, t, u, 1, sch), cos, sin, True, qn, eps, fold))
-            o, lse = _attention_fwd(q, k, v, opts["kernel"], seg, opts.get("runs", False))
-            return _stage_set(out, _heads_to_seq(o), t, u, 2, sch), lse
+            o, lse, k, v = _attention_fwd(q, k, v, opts["kernel"], seg, opts.get("runs", False))
+            return (_stage_set(out, _heads_to_seq(o), t, u, 2, sch), k, v), lse
 
-        return jax.lax.scan(stage, out, jnp.arange(sch.stages_per_group))
+        (out, _, _), lse = jax.lax.scan(stage, (out, k, v), jnp.arange(sch.stages_per_group))
+        return out, lse
 
     return jax.lax.scan(group, out, jnp.arange(sch.groups))
 
@@ -449,9 +461,6 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
     acc = x.dtype
     eps = opts["eps"]
 
-    def add(total, part):
-        return (total.astype(f32) + part.astype(f32)).astype(total.dtype)
-
     def rope_norm(y, scale):  # rope(norm(y)) of a projection y, differentiated with jax.vjp
         return _rope(L.rms_norm(y, scale, eps), cos, sin)
 
@@ -476,7 +485,7 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
         v = _seq_to_heads(_project(x, wv_t, cos, sin, False, fold=fold))
 
         def stage(carry, xs):
-            dx, dwq, dwo, dk_acc, dv_acc, dqk = carry
+            dx, dwq, dwo, dk_acc, dv_acc, dqk, k, v = carry
             u, lse_s = xs
             wq_s = _stage_get(wq, t, u, 1, sch) * one
             if qk is None:
@@ -497,7 +506,8 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
             o, do = _seq_to_heads(o_s), _seq_to_heads(do_s)
             if wo is not None:  # dW_o's rows first: the stage's output slice then dies before the attention backward
                 o, do, dwo = jax.lax.optimization_barrier((o, do, dwo))
-            dq, dk, dv = _attention_bwd(q, k, v, o, lse_s, do, opts["kernel"], seg, opts.get("runs", False))
+            dq, dk_acc, dv_acc, k, v = _attention_bwd(q, k, v, o, lse_s, do, (dk_acc, dv_acc), opts["kernel"], seg,
+                                                      opts.get("runs", False))
             if qk is None:
                 dq = _rope(_heads_to_seq(dq), cos, -sin)  # transpose of the rotation
             else:  # through RoPE and the q norm
@@ -505,11 +515,11 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
                 dqk = (dqk[0] + dqn.astype(f32), dqk[1])
             dx, dwq_s = pull(dx, wq_s, dq)
             dwq = _stage_set(dwq, dwq_s, t, u, 1, sch)
-            return (dx, dwq, dwo, add(dk_acc, dk), add(dv_acc, dv), dqk), None
+            return (dx, dwq, dwo, dk_acc, dv_acc, dqk, k, v), None
 
         zeros_kv = zeros_after(k, k.shape, acc, _all_axes())
-        (dx, dwq, dwo, dk, dv, dqk), _ = jax.lax.scan(
-            stage, (dx, dwq, dwo, zeros_kv, zeros_kv, dqk), (jnp.arange(sch.stages_per_group), lse_t)
+        (dx, dwq, dwo, dk, dv, dqk, _, _), _ = jax.lax.scan(
+            stage, (dx, dwq, dwo, zeros_kv, zeros_kv, dqk, k, v), (jnp.arange(sch.stages_per_group), lse_t)
         )
         dv = _heads_to_seq(dv.astype(x.dtype))
         if qk is None:

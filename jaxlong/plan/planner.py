@@ -308,14 +308,14 @@ def ladder(cfg: Config) -> list[tuple[str, str, Config]]:
 
 def max_context(cfg: Config, budget: int, *, target=None, host_budget: int | None = None, headroom: str = "2%",
                 collective_buffers: int | None = None, granularity: int = 65536, start: int = 65536,
-                limit: int = 1 << 25) -> tuple[int, dict | None]:
+                limit: int = 1 << 30) -> tuple[int, dict | None]:
     """Largest multiple of `granularity` tokens whose plan fits `budget` per device (and `host_budget` per node).
 
     Memory is close to linear in the sequence length, so the search brackets the answer by doubling from
     `start`, then narrows the bracket with linear interpolation of the plans' excess over the budget
     (regula falsi, Illinois variant), falling back to bisection; every probe is a compiled plan. Returns
     (seq_len, plan) or (0, None) if even `start` does not fit. `target`, `headroom`, `collective_buffers` as
-    for `plan`.
+    for `plan`. The doubling stops at `limit` tokens (2**30; several nodes of U-Pipe x ring fit more than 2**25).
 
     Raises:
       ConfigError: the config is invalid at `start` tokens (e.g. heads not divisible by the context degree).

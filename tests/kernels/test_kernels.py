@@ -247,3 +247,23 @@ def test_bf16_inputs_keep_dtype():
     grads = _grads(attn, q, k, v, w)
     assert [g.dtype for g in grads] == [jnp.bfloat16] * 3
     assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in grads)
+
+
+@pytest.mark.parametrize("sq,sk", [(64, 32), (32, 64)])
+def test_unmasked_call_with_a_key_block_of_another_length_matches_reference(sq, sk):
+    """Without the causal mask the keys may be a block of another length (ring attention's remote blocks: a
+    rank's 2c queries to c keys, or its c second-chunk queries to 2c keys): out, lse and dq, dk, dv as the
+    dense reference; the causal mask still needs one length."""
+    q = _inputs(sq, 8, 2)[0]
+    _, k, v, _ = _inputs(sk, 8, 2, seed=1)
+    w = _inputs(sq, 8, 2, seed=2)[3]
+    out, lse = K.blockwise_attention_fwd(q, k, v, causal=False, block_q=16, block_k=16)
+    np.testing.assert_allclose(out, _reference(q, k, v, causal=False), **TOL)
+    np.testing.assert_allclose(lse, _ref_lse(q, k, causal=False), **TOL)
+    got = K.blockwise_attention_bwd(q, k, v, out, lse, w, causal=False, block_q=16, block_k=16)
+    want = _grads(functools.partial(K.reference_attention, causal=False), q, k, v, w)
+    for name, g, r in zip("qkv", got, want):
+        assert g.shape == r.shape
+        np.testing.assert_allclose(g, r, err_msg=f"d{name}", **TOL)
+    with pytest.raises(ValueError, match="does not match q shape"):
+        K.blockwise_attention_fwd(q, k, v, causal=True, block_q=16, block_k=16)

@@ -125,6 +125,34 @@ def test_kv_starts_block_equals_the_blockwise_kernels_run_id_mask():
         PG.pallas_attention_fwd(*blk, causal=True, kv_starts=kv_starts, interpret=True)
 
 
+def test_kv_starts_over_a_two_chunk_key_block_of_another_length():
+    """Ring attention's remote block of a later rank: a rank's second query chunk (tokens [96, 120)) to the whole
+    key block of a rank that holds the zigzag chunks [24, 48) and [72, 96) (48 keys for 24 queries).
+    `kv_starts` counts the block's keys before each query's document start
+    (`jaxlong.parallel.ring.kv_starts_of_chunks`); forward, lse and the backward equal the blockwise kernel's run-id mask."""
+    from jaxlong.parallel.ring import kv_starts_of_chunks
+
+    c = 24
+    seg = _segments([(1, 30), (2, 50), (3, 40)], [(4, 70), (5, 50)])  # [2, 120]
+    runs = K.segment_starts(seg)
+    q, k, v, do = _inputs(2, 5 * c, 4, 2, 16, seed=6)
+    full_out, full_lse = K.blockwise_attention_fwd(q, k, v, segment_ids=seg, block_q=8, block_k=8)
+    qs, keys = slice(4 * c, 5 * c), jnp.r_[c:2 * c, 3 * c:4 * c]
+    blk = (q[:, qs], k[:, keys], v[:, keys])
+    ids = dict(causal=False, segment_ids=runs[:, qs], kv_segment_ids=runs[:, keys])
+    kv_starts = kv_starts_of_chunks(runs[:, qs], (c, 3 * c), c)
+    want = K.blockwise_attention_fwd(*blk, block_q=8, block_k=8, **ids)
+    got = PG.pallas_attention_fwd(*blk, causal=False, kv_starts=kv_starts, block_q=16, block_k=16, interpret=True)
+    np.testing.assert_allclose(got[1], want[1], **TOL)
+    np.testing.assert_allclose(got[0], jnp.nan_to_num(want[0]), **TOL)
+    glob = (full_out[:, qs], full_lse[:, :, qs], do[:, qs])
+    grads = PG.pallas_attention_bwd(*blk, *glob, causal=False, kv_starts=kv_starts, block_q=16, block_k=16,
+                                    interpret=True)
+    for g, r in zip(grads, K.blockwise_attention_bwd(*blk, *glob, block_q=8, block_k=8, **ids)):
+        assert g.shape == r.shape
+        np.testing.assert_allclose(g, r, **TOL)
+
+
 @pytest.mark.slow
 def test_tiles_of_other_documents_and_above_the_diagonal_are_not_visited():
     """NaN planted where only a visited tile could read it (0 * NaN is NaN in a matmul, masked or not): two

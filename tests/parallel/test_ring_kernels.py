@@ -2,8 +2,8 @@
 
 On the CPU the GPU kernels are swapped for checking fakes that record each call and compute it exactly (the
 blockwise kernel; a dense masked softmax for the Pallas kernel's `kv_starts`): the ring calls the diagonal block
-causal and the off-diagonal ones unmasked (cuDNN), or with `kv_starts` from the block's run ids and first position
-(Pallas, packed documents), and its forward and gradients, computed from those blocks with the global (out, lse)
+causal and each off-diagonal one as one unmasked call (cuDNN), or with `kv_starts` from the run ids and the block's
+chunk positions (Pallas, packed documents), and its forward and gradients, computed from those blocks with the global (out, lse)
 in every backward, equal the dense reference (float32, rtol 1e-5). The Pallas kernel's own `kv_starts` mask is
 tested against the blockwise kernel in `tests/kernels/test_pallas_attention.py`. On compile-only H100s the whole
 train step of Ulysses x ring and U-Pipe x ring runs its attention through cuDNN or Triton calls only.
@@ -118,13 +118,16 @@ def _ring_matches_reference(ring: int, backend: str, seg=None):
 
 
 def test_ring_runs_cudnn_causal_on_its_own_block_and_unmasked_on_the_others(fake_kernels):
-    """Ring 4 over 64 tokens: each rank's 16-token block is one causal cuDNN call; the remote blocks are 8 x 8
-    unmasked calls (zigzag halves), forward and backward, every backward with the queries' global lse."""
+    """Ring 4 over 64 tokens: each rank's 16-token block is one causal cuDNN call; each remote block is one
+    unmasked call, the rank's 16 queries to the first 8-token chunk of an earlier rank's block or its second
+    8-token chunk of queries to a later rank's whole block, forward and backward, every backward with the
+    queries' global lse."""
     _ring_matches_reference(4, "cudnn")
     c = S // 8
     assert set(fake_kernels) == {
-        ("cudnn", "fwd", True, None, 2 * c, 2 * c, None), ("cudnn", "fwd", False, None, c, c, None),
-        ("cudnn", "bwd", True, None, 2 * c, 2 * c, 2 * c), ("cudnn", "bwd", False, None, c, c, c)}
+        ("cudnn", "fwd", True, None, 2 * c, 2 * c, None), ("cudnn", "fwd", False, None, 2 * c, c, None),
+        ("cudnn", "fwd", False, None, c, 2 * c, None), ("cudnn", "bwd", True, None, 2 * c, 2 * c, 2 * c),
+        ("cudnn", "bwd", False, None, 2 * c, c, 2 * c), ("cudnn", "bwd", False, None, c, 2 * c, c)}
 
 
 def test_ring_runs_pallas_with_documents_and_kv_starts_on_the_remote_blocks(fake_kernels):
@@ -135,8 +138,10 @@ def test_ring_runs_pallas_with_documents_and_kv_starts_on_the_remote_blocks(fake
     _ring_matches_reference(4, "pallas", seg)
     c = S // 8
     assert set(fake_kernels) == {
-        ("pallas", "fwd", True, "segments", 2 * c, 2 * c, None), ("pallas", "fwd", False, "kv_starts", c, c, None),
-        ("pallas", "bwd", True, "segments", 2 * c, 2 * c, 2 * c), ("pallas", "bwd", False, "kv_starts", c, c, c)}
+        ("pallas", "fwd", True, "segments", 2 * c, 2 * c, None),
+        ("pallas", "bwd", True, "segments", 2 * c, 2 * c, 2 * c),
+        ("pallas", "fwd", False, "kv_starts", 2 * c, c, None), ("pallas", "fwd", False, "kv_starts", c, 2 * c, None),
+        ("pallas", "bwd", False, "kv_starts", 2 * c, c, 2 * c), ("pallas", "bwd", False, "kv_starts", c, 2 * c, c)}
 
 
 def test_explicit_gpu_kernels_under_ring_are_accepted_by_the_config():
