@@ -405,6 +405,12 @@ def format_summary(summary: dict) -> str:
                          f"{10.0 ** -pk['digits']:.0e}): the model has not learned to copy a fact from far back in "
                          f"its context, as small models trained briefly on text do not; a pretrained model "
                          f"(model.from_hf) or training on retrieval data (experiments/passkey.py) would")
+    if "ruler" in summary:
+        from jaxlong.evaluation import ruler  # noqa: PLC0415
+
+        rl = summary["ruler"]
+        lines += ["", f"RULER exact match, % ({rl['cases']} cases per task and length), mean "
+                      f"{100 * rl['mean']:.1f}:", ruler.format_table(rl["rows"])]
     return "\n".join(lines)
 
 

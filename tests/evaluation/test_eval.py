@@ -285,7 +285,7 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
     # the progress bar counts 2 batches of 2 validation sequences once each, and 2 x 2 cells of 2 passkey examples
     out, err = capsys.readouterr()
     assert "| 12/12 [" in err and "| 6/6 [" in err  # and the 2 x 3 RULER cases
-    assert "RULER         384\nniah_single_1" in out
+    assert "RULER             384\nniah_single_1     " in out and "niah_single_2     " in out
     (res,) = (run_dir / "eval").glob("mesh_1x2x1x4-*/step_3")  # the run's mesh; flags not at their defaults
     summary = json.loads((res / "summary.json").read_text())
     assert summary["setup"]["mesh"] == {"data": 1, "fsdp": 2, "ring": 1, "context": 4}
