@@ -82,6 +82,7 @@ NOT_RUN = [
     (r"--config configs/(llama3_1_8b|llama3_2_3b|llama3_2_1b|qwen3_32b)\.yaml",
      "a multi-billion-parameter model sized for GPUs: on the CPU its step exceeds host memory"),
     (r"--ruler-lengths 65536,262144,1048576 ", "RULER at up to 1M tokens: hours on 2 CPU cores"),
+    (r"^python experiments/ruler_demo\.py", "a CPU training experiment of about 30 minutes on 2 cores"),
     (r"data\.path=my_corpus\.jsonl", "reads the reader's own corpus file"),
     (r"data\.tokenizer=/models/", "needs a Hugging Face tokenizer.json under /models"),
     (r"^python -m jaxlong\.train steps=100 seq_len=16384 ",
