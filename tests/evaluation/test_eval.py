@@ -1,6 +1,7 @@
 """Evaluation: held-out split, eval loss on the training mesh against one device, per-token stats, passkey
 scoring checked on predictors that cannot fail and cannot succeed, the train-loop hook and the CLI."""
 
+import dataclasses
 import functools
 import json
 
@@ -461,6 +462,9 @@ def test_training_refuses_a_ruler_length_the_mesh_cannot_take_before_compiling(t
                    f"run_dir={tmp_path}")
     with pytest.raises(ConfigError, match="^ruler_lengths 514: not a sequence length this mesh takes .*mesh.context=4"):
         run(cfg)
+    with pytest.raises(ConfigError, match="ruler_tasks=\\['niah_single_1', 'nope'\\]: unknown task\\(s\\) 'nope'; "
+                                          "choose from niah_single_1, niah_single_2"):
+        run(dataclasses.replace(cfg, ruler_tasks=["niah_single_1", "nope"], ruler_lengths=[512]))
     assert "compiled" not in capsys.readouterr().out
     assert not (tmp_path / "r" / "checkpoints").exists()
 

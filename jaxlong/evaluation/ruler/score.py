@@ -120,9 +120,17 @@ def score_on_mesh(cfg: Config, mesh, params: dict, cases: Sequence[RulerCase], *
 
 def validation_suite(cfg: Config) -> RulerSuite | None:
     """The suite the trainer scores with each validation: `ruler_tasks` at `ruler_lengths` (default `[seq_len]`),
-    `ruler_cases` cases each, seeded by `seed`; None when `ruler_tasks` is empty."""
+    `ruler_cases` cases each, seeded by `seed`; None when `ruler_tasks` is empty.
+
+    Raises:
+      ConfigError: a name in `ruler_tasks` that is not in `TASKS`.
+    """
     if not cfg.ruler_tasks:
         return None
+    unknown = [t for t in cfg.ruler_tasks if t not in TASKS]
+    if unknown:
+        raise ConfigError(f"ruler_tasks={cfg.ruler_tasks}: unknown task(s) {', '.join(map(repr, unknown))}; "
+                          f"choose from {', '.join(TASKS)}")
     return RulerSuite(list(cfg.ruler_tasks), list(cfg.ruler_lengths or [cfg.seq_len]), cfg.ruler_cases, cfg.seed)
 
 
