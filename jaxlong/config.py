@@ -197,6 +197,9 @@ class Config:
     eval_every: int = 10  # validation every N steps and after the last step; 0 disables it
     eval_batches: int = 2  # held-out batches (of global_batch / grad_accum sequences) per validation
     eval_fraction: float = 0.01  # share of the corpus's documents held out for validation (fixed by seed)
+    ruler_tasks: list[str] = field(default_factory=list)  # RULER tasks scored with each validation; [] disables it
+    ruler_lengths: list[int] = field(default_factory=list)  # their context lengths (tokens); [] means [seq_len]
+    ruler_cases: int = 4  # RULER cases per task and length (needle depths evenly spread)
 
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -469,6 +472,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"eval_every={cfg.eval_every} must be >= 0 (0 disables validation)")
     if not 0.0 < cfg.eval_fraction < 1.0:
         raise ConfigError(f"eval_fraction={cfg.eval_fraction} must be in (0, 1), e.g. 0.01 (1% of the documents)")
+    validate_ruler(cfg)
     for key in ("rope_theta", "norm_eps", "init_std"):
         if not getattr(m, key) > 0:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be positive")
@@ -513,6 +517,28 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         check_upipe_schedule(m.heads, m.kv_heads, context, cfg.attention.heads_per_stage or context)
         if cfg.remat.policy == "custom":
             check_upipe_remat_names(cfg.remat.save + cfg.remat.offload)
+
+
+def validate_ruler(cfg: Config) -> None:
+    """The RULER validation keys: positive `ruler_lengths` and `ruler_cases`, no task listed twice, and
+    `eval_every` > 0 when tasks are set. The task names and whether the mesh takes each length are checked when the
+    trainer builds its `RulerValidator` (`jaxlong.evaluation.ruler.validation_suite`, `check_length`), before
+    compiling.
+
+    Raises:
+      ConfigError: naming the key, its value and what would work.
+    """
+    if len(set(cfg.ruler_tasks)) != len(cfg.ruler_tasks):
+        raise ConfigError(f"ruler_tasks={cfg.ruler_tasks}: a task is listed twice")
+    bad = [n for n in cfg.ruler_lengths if n <= 0]
+    if bad:
+        raise ConfigError(f"ruler_lengths={cfg.ruler_lengths}: lengths must be positive token counts, e.g. "
+                          f"[{cfg.seq_len}]")
+    if cfg.ruler_cases <= 0:
+        raise ConfigError(f"ruler_cases={cfg.ruler_cases} must be positive (cases per task and length)")
+    if cfg.ruler_tasks and not cfg.eval_every:
+        raise ConfigError(f"ruler_tasks={cfg.ruler_tasks} runs with validation, which eval_every=0 disables; set "
+                          f"eval_every=N, or ruler_tasks=[]")
 
 
 def schedule_length(steps: int, warmup_steps: int, decay_steps: int) -> int:

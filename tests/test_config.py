@@ -64,6 +64,12 @@ def test_string_options_keep_their_text():
         (["data.tokenizer=gpt2"], "data.tokenizer='gpt2' is not allowed; choose one of: byte"),
         (["data.max_tokens=0"], "data.max_tokens=0 must be positive"),
         (["seed=-1"], "seed=-1 must be >= 0"),
+        (["ruler_tasks=[vt, vt]"], "ruler_tasks=\\['vt', 'vt'\\]: a task is listed twice"),
+        (["ruler_tasks=vt"], "'ruler_tasks' must be of type list, got 'vt'"),
+        (["ruler_tasks=[vt]", "ruler_lengths=[512, 0]"], "ruler_lengths=\\[512, 0\\]: lengths must be positive"),
+        (["ruler_tasks=[vt]", "ruler_cases=0"], "ruler_cases=0 must be positive"),
+        (["ruler_tasks=[vt]", "eval_every=0"], "ruler_tasks=\\['vt'\\] runs with validation, which eval_every=0 "
+                                               "disables"),
     ],
 )
 def test_bad_configs_raise_clear_errors(overrides, match):

@@ -56,6 +56,9 @@ RUN = {
     "python -m jaxlong.eval runs/default": AFTER_DEFAULT,
     "python -m jaxlong.eval runs/default --step 20 --lengths 512,1024,2048,4096 --depths 0,0.25,0.5,0.75,1 "
     "--per-cell 2": AFTER_DEFAULT,
+    "python -m jaxlong.eval runs/default --ruler --ruler-cases 2": AFTER_DEFAULT,
+    "python -m jaxlong.train run_name=ruler steps=4 eval_every=2 'ruler_tasks=[niah_single_1,vt]' "
+    "'ruler_lengths=[1024,4096]' ruler_cases=2": "a fresh directory",
 }
 
 # The commands the slow tier does not run: (regular expression searched in the command, why). The first match
@@ -78,6 +81,8 @@ NOT_RUN = [
                     "cover it)")),
     (r"--config configs/(llama3_1_8b|llama3_2_3b|llama3_2_1b|qwen3_32b)\.yaml",
      "a multi-billion-parameter model sized for GPUs: on the CPU its step exceeds host memory"),
+    (r"--ruler-lengths 65536,262144,1048576 ", "RULER at up to 1M tokens: hours on 2 CPU cores"),
+    (r"^python experiments/ruler_demo\.py", "a CPU training experiment of about 30 minutes on 2 cores"),
     (r"data\.path=my_corpus\.jsonl", "reads the reader's own corpus file"),
     (r"data\.tokenizer=/models/", "needs a Hugging Face tokenizer.json under /models"),
     (r"^python -m jaxlong\.train steps=100 seq_len=16384 ",

@@ -8,13 +8,17 @@ was trained with (`key=value` overrides change it, e.g. `mesh.context=8`), then 
 * loss by position: mean per-token loss of the same held-out sequences in log-spaced position buckets
   (0, 1, 2-3, 4-7, ..., up to seq_len), as a table, a CSV and a PNG;
 * passkey retrieval, teacher-forced, on a needle depth x context length grid (`--depths`, `--lengths`), drawn as a
-  heatmap.
+  heatmap;
+* with `--ruler`, RULER's synthetic tasks (`jaxlong.evaluation.ruler`; `--ruler-tasks`, `--ruler-lengths`,
+  `--ruler-cases`), scored teacher-forced by exact match: a table, `ruler.csv`, `ruler.png` (score by task and
+  length) and `eval/ruler/...` scalars. Corpus haystacks are cut from the held-out documents.
 
 Each evaluation setup has its own directory, `RUN_DIR/eval/<setup>/`, named by the mesh it ran on
 (`mesh_<data>x<fsdp>x<ring>x<context>`) and, when other config keys or flags differ from the run's config and the
 flags' defaults, a short hash of them (`mesh_1x2x1x4-3f9a0c1e`): results go to `<setup>/step_N/` (`summary.json`,
 which records the setup, `loss_by_position.{csv,png}`, `passkey.{csv,png}`) and to TensorBoard events in
-`<setup>/` (`eval/loss`, `eval/perplexity`, `eval/passkey_accuracy`, `eval/loss_by_position/<start>`; one
+`<setup>/` (`eval/loss`, `eval/perplexity`, `eval/passkey_accuracy`, `eval/loss_by_position/<start>`,
+`eval/ruler/<task>/<length>`; one
 TensorBoard run per setup, beside the trainer's). Evaluations of other setups never overwrite each other; the
 same evaluation run again replaces its own results and events. Launched as several processes, as the trainer is
 (`srun`, or `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`; `jaxlong.core.distributed`), it
@@ -22,6 +26,7 @@ evaluates on one mesh over all of them and process 0 prints and writes the resul
 
     python -m jaxlong.eval runs/default
     python -m jaxlong.eval runs/default --step 20 --lengths 512,1024,2048,4096 --depths 0,0.5,1 --per-cell 8
+    python -m jaxlong.eval runs/default --ruler --ruler-tasks niah_single_1,vt --ruler-lengths 1024,4096
 """
 
 from __future__ import annotations
@@ -47,6 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--per-cell", type=int, default=4, help="passkey examples per depth x length cell")
     p.add_argument("--digits", type=int, default=5, help="passkey digits")
     p.add_argument("--no-passkey", dest="passkey", action="store_false")
+    p.add_argument("--ruler", action="store_true", help="run RULER's synthetic tasks (docs/evaluation.md#ruler)")
+    p.add_argument("--ruler-tasks", default="", help="RULER tasks, comma-separated (default: all 11: "
+                                                     "niah_single_1,...,vt,cwe,fwe)")
+    p.add_argument("--ruler-lengths", default="", help="RULER context lengths, comma-separated (default: those of "
+                                                       "S/8,S/4,S/2,S the mesh takes; pairs too short for a task "
+                                                       "are skipped)")
+    p.add_argument("--ruler-cases", type=int, default=8, help="RULER cases per task and length")
     p.add_argument("overrides", nargs="*", help="config key=value overrides (e.g. mesh.context=8)")
     return p.parse_intermixed_args(argv)
 
@@ -91,7 +103,56 @@ def resolve(args) -> tuple[Path, int, object]:
     if any(not 0 <= d <= 1 for d in depths):
         raise ConfigError(f"--depths {args.depths}: depths must be in [0, 1]")
     args.lengths_list, args.depths_list = sorted(set(lengths)), depths
+    resolve_ruler(cfg, args)
     return run_dir, step, cfg
+
+
+def resolve_ruler(cfg, args) -> None:
+    """Check the RULER flags (before jax starts): `args.ruler_tasks_list` (names in `ruler.TASKS`) and
+    `args.ruler_lengths_list` (each a length the mesh takes: `ruler.check_length`).
+
+    Raises:
+      ConfigError: naming the flag, its value and what would work.
+    """
+    from jaxlong.evaluation import ruler  # noqa: PLC0415
+
+    args.ruler_tasks_list = [t.strip() for t in args.ruler_tasks.split(",") if t.strip()] or list(ruler.TASKS)
+    args.ruler_lengths_list = []
+    if not args.ruler:
+        if args.ruler_tasks or args.ruler_lengths:
+            raise ConfigError("--ruler-tasks and --ruler-lengths take effect with --ruler; add --ruler")
+        return
+    unknown = [t for t in args.ruler_tasks_list if t not in ruler.TASKS]
+    if unknown:
+        raise ConfigError(f"--ruler-tasks {args.ruler_tasks}: unknown task(s) {', '.join(unknown)}; choose from "
+                          f"{', '.join(ruler.TASKS)}")
+    if args.ruler_cases <= 0:
+        raise ConfigError(f"--ruler-cases={args.ruler_cases} must be positive")
+    if args.ruler_lengths:
+        try:
+            lengths = [int(x) for x in args.ruler_lengths.split(",")]
+        except ValueError:
+            raise ConfigError(f"--ruler-lengths {args.ruler_lengths!r}: give comma-separated token counts, e.g. "
+                              f"1024,4096") from None
+        for n in lengths:
+            if n <= 0:
+                raise ConfigError(f"--ruler-lengths {n}: a length must be a positive token count")
+            ruler.check_length(cfg, n, "--ruler-lengths")
+    else:
+        lengths = [n for n in (cfg.seq_len // 8, cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len)
+                   if n > 0 and _ruler_takes(cfg, n)] or [cfg.seq_len]
+        ruler.check_length(cfg, lengths[-1], "--ruler-lengths (default: seq_len)")
+    args.ruler_lengths_list = sorted(set(lengths))
+
+
+def _ruler_takes(cfg, length: int) -> bool:
+    from jaxlong.evaluation import ruler  # noqa: PLC0415
+
+    try:
+        ruler.check_length(cfg, length)
+    except ConfigError:
+        return False
+    return True
 
 
 def check_passkey_length(cfg, length: int) -> None:
@@ -165,7 +226,10 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     lengths = passkey_lengths(cfg, args, tokenizer) if args.passkey else []
     source = data_lib.DocumentSource(cfg.data.path, cfg.data.text_field)
     # The trainer's held-out split; more batches than it used take more documents (the same ones first).
-    _, batches = ev.validation_split(cfg, source, tokenizer, args.batches)
+    held_out, batches = ev.validation_split(cfg, source, tokenizer, args.batches)
+    ruler_cases, skipped = ruler_suite(cfg, args, tokenizer, source, held_out) if args.ruler else ([], [])
+    for note in skipped:
+        say(note)
     params = restore_params(cfg, mesh, run_dir, step)
     compiled = ev.compile_eval_step(cfg, mesh)
     say(format_compiled(compiled, "eval step"))
@@ -174,11 +238,23 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     grid = ev.PasskeyGrid(lengths, args.depths_list, args.per_cell, args.digits) if lengths else None
     bar = tqdm(total=ev.sequences_to_evaluate(cfg, batches, grid), desc="eval", unit="seq", dynamic_ncols=True,
                disable=not main)
+    stats = ev.token_stats(cfg, mesh)  # one jitted program per batch shape, shared by the probes
     result = ev.evaluate_params(cfg, mesh, params, batches, eval_step=compiled, encode=tokenizer.encode,
-                                passkey=grid, progress=bar.update)
+                                passkey=grid, progress=bar.update, stats=stats)
     bar.close()
     setup = evaluation_setup(cfg, run_dir, step, dict(mesh.shape), args)
     summary = {**result.summary(step, grid), "setup": setup}
+    if ruler_cases:
+        from jaxlong.evaluation import ruler  # noqa: PLC0415
+
+        bar = tqdm(total=len(ruler_cases), desc="ruler", unit="case", dynamic_ncols=True, disable=not main)
+        right = ruler.score_on_mesh(cfg, mesh, params, ruler_cases, stats=stats, progress=bar.update)
+        bar.close()
+        rows = ruler.results(ruler_cases, right)
+        summary["ruler"] = {"tasks": list(dict.fromkeys(r["task"] for r in rows)),
+                            "lengths": sorted({r["length"] for r in rows}), "cases": args.ruler_cases,
+                            "seed": cfg.seed, "rows": rows, "mean": float(np.mean([r["score"] for r in rows])),
+                            "skipped": skipped}
     if not main:
         return summary
     setup_dir = run_dir / "eval" / setup["name"]
@@ -193,10 +269,48 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
         writer.add_scalar(f"eval/loss_by_position/{row['start']:08d}", row["loss"], step)
     if result.passkey is not None:
         writer.add_scalar("eval/passkey_accuracy", float(np.mean(result.passkey)), step)
+    if "ruler" in summary:
+        from jaxlong.evaluation import ruler  # noqa: PLC0415
+
+        ruler.log_scalars(writer, summary["ruler"]["rows"], step)
+        ruler.write_results(out, summary["ruler"]["rows"], f"RULER, step {step}")
     writer.close()
     print(format_summary(summary))
     print(f"results in {out}/ and TensorBoard (tensorboard --logdir {run_dir})")
     return summary
+
+
+def ruler_suite(cfg, args, tokenizer, source, held_out) -> tuple[list, list[str]]:
+    """Every RULER case of `--ruler-tasks` x `--ruler-lengths` (`--ruler-cases` each, seeded by the run's `seed`),
+    generated before anything compiles; corpus haystacks from the held-out documents `held_out` of `source`.
+    Returns `(cases, notes)`: with default lengths, a (task, length) pair too short for the task is skipped
+    with a note.
+
+    Raises:
+      ConfigError: a length given by `--ruler-lengths` is too short for a task, or the tokenizer is larger than
+        `model.vocab_size`.
+    """
+    from jaxlong.data.tokenizer import check_vocab  # noqa: PLC0415
+    from jaxlong.evaluation import ruler  # noqa: PLC0415
+
+    try:
+        check_vocab(tokenizer, cfg.model.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    suite = ruler.RulerSuite(args.ruler_tasks_list, args.ruler_lengths_list, args.ruler_cases, cfg.seed)
+    corpus = ruler.suite_corpus(suite, (source[i] for i in held_out), tokenizer)
+    cases, notes = [], []
+    for task in suite.tasks:
+        for n in suite.lengths:
+            try:
+                cases += ruler.make_cases(task, tokenizer, n, suite.cases, seed=suite.seed, corpus=corpus)
+            except ValueError as e:
+                if args.ruler_lengths:
+                    raise ConfigError(f"--ruler-lengths {n}: {e}") from None
+                notes.append(f"note: RULER {task} skipped at {n} tokens ({e})")
+    if not cases:
+        raise ConfigError(f"--ruler: no task fits the lengths {suite.lengths}; give longer --ruler-lengths")
+    return cases, notes
 
 
 def passkey_lengths(cfg, args, tokenizer) -> list[int]:
@@ -238,7 +352,8 @@ def evaluation_setup(cfg, run_dir: Path, step: int, mesh_shape: dict, args) -> d
     saved = from_dict(saved_config(run_dir / "checkpoints", step))
     mine, trained = to_dict(dataclasses.replace(cfg, mesh=saved.mesh)), to_dict(saved)
     defaults = vars(parse_args([str(run_dir)]))
-    flags = {k: getattr(args, k) for k in ("batches", "lengths", "depths", "per_cell", "digits", "passkey")
+    flags = {k: getattr(args, k) for k in ("batches", "lengths", "depths", "per_cell", "digits", "passkey", "ruler",
+                                           "ruler_tasks", "ruler_lengths", "ruler_cases")
              if getattr(args, k) != defaults[k]}
     name = "mesh_" + "x".join(str(mesh_shape[a]) for a in ("data", "fsdp", "ring", "context"))
     if mine != trained or flags:
@@ -290,6 +405,12 @@ def format_summary(summary: dict) -> str:
                          f"{10.0 ** -pk['digits']:.0e}): the model has not learned to copy a fact from far back in "
                          f"its context, as small models trained briefly on text do not; a pretrained model "
                          f"(model.from_hf) or training on retrieval data (experiments/passkey.py) would")
+    if "ruler" in summary:
+        from jaxlong.evaluation import ruler  # noqa: PLC0415
+
+        rl = summary["ruler"]
+        lines += ["", f"RULER exact match, % ({rl['cases']} cases per task and length), mean "
+                      f"{100 * rl['mean']:.1f}:", ruler.format_table(rl["rows"])]
     return "\n".join(lines)
 
 

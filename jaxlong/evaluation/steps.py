@@ -196,6 +196,7 @@ class Validator:
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, batches: list[dict]):
         self.cfg, self.mesh, self.batches = cfg, mesh, batches
         self.compiled = None
+        self.ruler = None  # a `jaxlong.evaluation.ruler.RulerValidator` run after the loss (`ruler_tasks`)
 
     def compile(self):
         """AOT-compile the eval step; returns the `jax.stages.Compiled` (for its `memory_analysis`)."""
@@ -260,7 +261,8 @@ def sequences_to_evaluate(cfg: Config, batches: list[dict], passkey: PasskeyGrid
 
 def evaluate_params(cfg: Config, mesh: jax.sharding.Mesh, params: dict, batches: list[dict], *,
                     eval_step=None, encode: Callable[[str], np.ndarray] | None = None,
-                    passkey: PasskeyGrid | None = None, progress: Callable[[int], None] | None = None) -> Evaluation:
+                    passkey: PasskeyGrid | None = None, progress: Callable[[int], None] | None = None,
+                    stats=None) -> Evaluation:
     """Validation loss, loss by position and (with `passkey` and `encode`) passkey retrieval of `params` on
     `mesh`, every batch in the train step's input layout (`jaxlong.training.step.put_batch`): on any mesh the result
     equals one device's up to float32 rounding.
@@ -273,9 +275,11 @@ def evaluate_params(cfg: Config, mesh: jax.sharding.Mesh, params: dict, batches:
       encode: tokenizer `str -> int [n]` (passkey); passkey: the grid, or None to skip it.
       progress: called with the number of sequences (validation sequences, then passkey examples) once each is
         done: a validation sequence counts once, after both of its forwards (loss sum, per-token loss).
+      stats: a `token_stats(cfg, mesh)` to share with other probes (e.g. RULER's `score_on_mesh`: its jitted
+        program is compiled once per batch shape), or None to make one.
     """
     step = eval_step or make_eval_step(cfg, mesh)
-    stats = token_stats(cfg, mesh)
+    stats = stats or token_stats(cfg, mesh)
     by_pos, token_loss = PositionLoss(cfg.seq_len), []
 
     def per_token(batch: dict) -> None:  # right after the batch's loss sum

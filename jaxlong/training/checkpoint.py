@@ -229,7 +229,8 @@ def abstract_like(state: dict) -> dict:
 # method; the state is resharded on restore), logging and checkpointing, and `steps` (extending a run). Every
 # other key, including keys added later, must equal the checkpoint's (deny by default).
 RESUMABLE_KEYS = ("mesh.*", "remat.*", "tiling.*", "attention.*", "run_name", "run_dir", "log_every",
-                  "checkpoint_every", "keep_checkpoints", "profile_steps", "steps")
+                  "checkpoint_every", "keep_checkpoints", "profile_steps", "steps", "ruler_tasks", "ruler_lengths",
+                  "ruler_cases")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

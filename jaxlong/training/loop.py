@@ -5,7 +5,8 @@ feeds batches already sharded on the mesh, and writes TensorBoard scalars under 
 `loss`, `lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `mfu` (when the device's peak is known),
 `device_memory/*` (where the backend reports it), `packing_efficiency` (the fraction of tokens that are not
 padding), and every `eval_every` steps `eval/loss` and `eval/perplexity` on held-out documents
-(`jaxlong.evaluation.steps.Validator`). In a multi-process run only process 0 prints, writes TensorBoard and shows the
+(`jaxlong.evaluation.steps.Validator`), with `ruler_tasks` RULER scores `eval/ruler/...`
+(`jaxlong.evaluation.ruler.RulerValidator`, built before anything compiles). In a multi-process run only process 0 prints, writes TensorBoard and shows the
 progress bar.
 """
 
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 from jaxlong import data as data_lib
 from jaxlong import evaluation as eval_lib
+from jaxlong.evaluation import ruler
 from jaxlong.config import Config, ConfigError, to_dict, validate
 from jaxlong.core import xla_log
 from jaxlong.core.memstats import compiled_bytes, device_memory, format_compiled
@@ -230,6 +232,10 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     if cfg.eval_every:  # whole documents held out for validation, left out of training
         held_out, eval_batches = eval_lib.validation_split(cfg, source, tokenizer)
         validator = eval_lib.Validator(cfg, mesh, eval_batches)
+        suite = ruler.validation_suite(cfg)
+        if suite:  # cases generated and lengths checked now, before anything compiles
+            corpus = ruler.suite_corpus(suite, (source[i] for i in held_out), tokenizer)
+            validator.ruler = ruler.RulerValidator(cfg, mesh, tokenizer, suite, corpus, option="ruler_lengths")
     batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out,
                                       rows=step_lib.process_rows(mesh, cfg.global_batch))
 
@@ -435,6 +441,13 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
                 if main:
                     bar.write(f"step {done}: eval loss {ev['loss']:.4f} (perplexity {ev['perplexity']:.2f}, "
                               f"{ev['tokens']:.0f} held-out tokens)")
+                if validator.ruler is not None:
+                    rows = validator.ruler.run(state["params"])
+                    if writer is not None:
+                        ruler.log_scalars(writer, rows, done)
+                    if main:
+                        bar.write(f"step {done}: ruler " + ", ".join(
+                            f"{r['task']}@{r['length']} {r['correct']}/{r['cases']}" for r in rows))
             bar.update(1)
             fault("before_save", step)
             if ckpt.should_save(done):

@@ -1,6 +1,7 @@
 """Evaluation: held-out split, eval loss on the training mesh against one device, per-token stats, passkey
 scoring checked on predictors that cannot fail and cannot succeed, the train-loop hook and the CLI."""
 
+import dataclasses
 import functools
 import json
 
@@ -262,22 +263,30 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
 
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "seq_len=128", "global_batch=4", "grad_accum=2",
                    "data.max_tokens=200000", "model.vocab_size=257", "steps=3", "eval_every=2", "eval_batches=2",
-                   "eval_fraction=0.2", "checkpoint_every=3", "run_name=r", f"run_dir={tmp_path}")
+                   "eval_fraction=0.2", "checkpoint_every=3", "run_name=r", f"run_dir={tmp_path}",
+                   "ruler_tasks=[niah_single_1]", "ruler_lengths=[384]", "ruler_cases=2")
     run(cfg)
     out = capsys.readouterr().out
     assert "eval step, per device (compiled memory_analysis)" in out
+    assert "step 2: ruler niah_single_1@384 " in out and "step 3: ruler niah_single_1@384 " in out
     run_dir = tmp_path / "r"
     events = EventAccumulator(str(run_dir)).Reload()
+    assert [e.step for e in events.Scalars("eval/ruler/niah_single_1/00000384")] == [2, 3]
+    assert [e.step for e in events.Scalars("eval/ruler/mean")] == [2, 3]
     evals = events.Scalars("eval/loss")
     assert [e.step for e in evals] == [2, 3]  # every 2 steps and after the last
     assert all(np.isfinite(e.value) for e in evals)
     ppl = events.Scalars("eval/perplexity")
     np.testing.assert_allclose([p.value for p in ppl], np.exp([e.value for e in evals]), rtol=1e-5)
 
-    code = eval_cli.main([str(run_dir), "--lengths", "128,256", "--depths", "0,1", "--per-cell", "2"])
+    code = eval_cli.main([str(run_dir), "--lengths", "128,256", "--depths", "0,1", "--per-cell", "2", "--ruler",
+                          "--ruler-tasks", "niah_single_1,niah_single_2", "--ruler-lengths", "384",
+                          "--ruler-cases", "3"])
     assert code == 0
     # the progress bar counts 2 batches of 2 validation sequences once each, and 2 x 2 cells of 2 passkey examples
-    assert "| 12/12 [" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "| 12/12 [" in err and "| 6/6 [" in err  # and the 2 x 3 RULER cases
+    assert "RULER             384\nniah_single_1     " in out and "niah_single_2     " in out
     (res,) = (run_dir / "eval").glob("mesh_1x2x1x4-*/step_3")  # the run's mesh; flags not at their defaults
     summary = json.loads((res / "summary.json").read_text())
     assert summary["setup"]["mesh"] == {"data": 1, "fsdp": 2, "ring": 1, "context": 4}
@@ -287,9 +296,17 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
     total = sum(r["loss"] * r["tokens"] for r in rows) / sum(r["tokens"] for r in rows)
     np.testing.assert_allclose(total, summary["loss"], rtol=1e-5)  # buckets partition the same tokens
     assert np.asarray(summary["passkey"]["accuracy"]).shape == (2, 2)
-    for name in ("loss_by_position.csv", "loss_by_position.png", "passkey.csv", "passkey.png"):
+    for name in ("loss_by_position.csv", "loss_by_position.png", "passkey.csv", "passkey.png", "ruler.csv",
+                 "ruler.png"):
         assert (res / name).stat().st_size > 0
-    assert "eval/passkey_accuracy" in EventAccumulator(str(res.parent)).Reload().Tags()["scalars"]
+    rl = summary["ruler"]
+    assert rl["tasks"] == ["niah_single_1", "niah_single_2"] and rl["lengths"] == [384] and rl["skipped"] == []
+    assert [(r["task"], r["length"], r["cases"]) for r in rl["rows"]] == [("niah_single_1", 384, 3),
+                                                                          ("niah_single_2", 384, 3)]
+    assert (res / "ruler.csv").read_text().startswith(
+        "task,length,cases,correct,score\nniah_single_1,384,3,")
+    tags = EventAccumulator(str(res.parent)).Reload().Tags()["scalars"]
+    assert {"eval/passkey_accuracy", "eval/ruler/niah_single_2/00000384", "eval/ruler/mean"} <= set(tags)
     # the trainer's own eval/loss stays alone in the run's events: the evaluation logs to its setup's directory
     assert [e.step for e in EventAccumulator(str(run_dir)).Reload().Scalars("eval/loss")] == [2, 3]
 
@@ -399,3 +416,76 @@ def test_the_summary_says_when_passkey_retrieval_is_at_chance_level():
     high = format_summary({"step": 3, "loss": 2.0, "perplexity": 7.4, "tokens": 8, "loss_by_position": rows,
                            "passkey": {**pk, "accuracy": [[1.0], [0.5]], "mean": 0.75}})
     assert "chance level" not in high
+
+
+def test_ruler_flags_are_checked_before_anything_compiles(tmp_path, capsys):
+    """`--ruler`: tasks and lengths are checked on the checkpoint's config before jax starts; a length the mesh
+    cannot take is refused in one line (exit 2) — the fake checkpoint has no parameters, so reaching the restore or
+    a compile would fail otherwise. Default lengths are those of S/8..S the mesh takes."""
+    from jaxlong.config import ConfigError
+    from jaxlong.eval import __main__ as eval_cli
+    from jaxlong.evaluation import ruler
+
+    _fake_checkpoint(tmp_path, 3, tiny_cfg("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "seq_len=1024"))
+
+    def resolved(*argv):
+        args = eval_cli.parse_args([str(tmp_path), *argv])
+        eval_cli.resolve(args)
+        return args
+
+    args = resolved("--ruler")
+    assert args.ruler_tasks_list == list(ruler.TASKS) and args.ruler_lengths_list == [128, 256, 512, 1024]
+    args = resolved("--ruler", "--ruler-tasks", "vt,niah_single_1", "--ruler-lengths", "2048,512")
+    assert args.ruler_tasks_list == ["vt", "niah_single_1"] and args.ruler_lengths_list == [512, 2048]
+    for argv, match in ((["--ruler-lengths", "1000"], "--ruler-lengths 1000: not a sequence length this mesh takes "
+                                                       "\\(.*2\\*mesh.ring\\*mesh.context"),
+                        (["--ruler-tasks", "niah,vt"], "--ruler-tasks niah,vt: unknown task\\(s\\) niah; choose from "
+                                                       "niah_single_1"),
+                        (["--ruler-cases", "0"], "--ruler-cases=0 must be positive"),
+                        (["--ruler-lengths", "4k"], "--ruler-lengths '4k': give comma-separated token counts")):
+        with pytest.raises(ConfigError, match=match):
+            resolved("--ruler", *argv)
+    with pytest.raises(ConfigError, match="take effect with --ruler"):
+        resolved("--ruler-tasks", "vt")
+    capsys.readouterr()
+    assert eval_cli.main([str(tmp_path), "--ruler", "--ruler-lengths", "512,1000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --ruler-lengths 1000: not a sequence length this mesh takes") and err.count("\n") == 1
+
+
+def test_training_refuses_a_ruler_length_the_mesh_cannot_take_before_compiling(tmp_path, capsys):
+    from jaxlong.config import ConfigError
+    from jaxlong.training.loop import run
+
+    cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "seq_len=128", "model.vocab_size=257", "data.max_tokens=50000",
+                   "eval_fraction=0.2", "ruler_tasks=[niah_single_1]", "ruler_lengths=[512, 514]", "run_name=r",
+                   f"run_dir={tmp_path}")
+    with pytest.raises(ConfigError, match="^ruler_lengths 514: not a sequence length this mesh takes .*mesh.context=4"):
+        run(cfg)
+    with pytest.raises(ConfigError, match="ruler_tasks=\\['niah_single_1', 'nope'\\]: unknown task\\(s\\) 'nope'; "
+                                          "choose from niah_single_1, niah_single_2"):
+        run(dataclasses.replace(cfg, ruler_tasks=["niah_single_1", "nope"], ruler_lengths=[512]))
+    assert "compiled" not in capsys.readouterr().out
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_ruler_pairs_too_short_for_a_task_are_skipped_by_default_and_refused_when_asked(tmp_path):
+    """Default lengths: a (task, length) pair too short for the task is left out with a note; a `--ruler-lengths`
+    length too short for a task is refused, naming the flag, the length and the shortest that works."""
+    from jaxlong.config import ConfigError
+    from jaxlong.eval import __main__ as eval_cli
+
+    cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "seq_len=512", "model.vocab_size=257")
+    _fake_checkpoint(tmp_path, 3, cfg)
+
+    def suite(*argv):
+        args = eval_cli.parse_args([str(tmp_path), "--ruler", "--ruler-cases", "2", *argv])
+        _, _, cfg = eval_cli.resolve(args)
+        return eval_cli.ruler_suite(cfg, args, ByteTokenizer(), TEXTS, range(len(TEXTS)))
+
+    cases, notes = suite("--ruler-tasks", "niah_single_1,niah_single_2")
+    assert {(c.task, c.length) for c in cases} == {("niah_single_1", 512), ("niah_single_2", 512)}
+    assert len(cases) == 4 and len(notes) == 6  # 64, 128, 256 too short for both
+    assert notes[0].startswith("note: RULER niah_single_1 skipped at 64 tokens (") and "use at least" in notes[0]
+    with pytest.raises(ConfigError, match="--ruler-lengths 256: ruler task vt: length 256 is too short.*use at least"):
+        suite("--ruler-tasks", "vt", "--ruler-lengths", "256,512")

@@ -12,11 +12,13 @@ from jaxlong.evaluation.ruler.score import (
     results,
     score_cases,
     score_on_mesh,
+    suite_corpus,
+    validation_suite,
 )
 from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, case_depths, corpus_tokens, make_cases
 
 __all__ = [
     "format_table", "log_scalars", "write_csv", "write_heatmap", "write_results", "RulerSuite", "RulerValidator",
-    "check_length", "evaluate_ruler", "generate", "results", "score_cases", "score_on_mesh", "TASKS", "RulerCase",
+    "check_length", "evaluate_ruler", "generate", "results", "score_cases", "score_on_mesh", "suite_corpus", "validation_suite", "TASKS", "RulerCase",
     "Task", "case_depths", "corpus_tokens", "make_cases",
 ]

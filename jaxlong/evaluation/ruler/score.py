@@ -19,7 +19,7 @@ from jaxlong.config import Config, ConfigError, validate
 from jaxlong.data.tokenizer import check_vocab
 from jaxlong.evaluation.heldout import eval_batch_size
 from jaxlong.evaluation.probes import passkey_batch
-from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, make_cases
+from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, corpus_tokens, make_cases
 from jaxlong.evaluation.steps import token_stats
 
 
@@ -118,18 +118,45 @@ def score_on_mesh(cfg: Config, mesh, params: dict, cases: Sequence[RulerCase], *
     return score_cases(lambda b: stats(params, b)[1], cases, eval_batch_size(cfg), progress)
 
 
+def validation_suite(cfg: Config) -> RulerSuite | None:
+    """The suite the trainer scores with each validation: `ruler_tasks` at `ruler_lengths` (default `[seq_len]`),
+    `ruler_cases` cases each, seeded by `seed`; None when `ruler_tasks` is empty.
+
+    Raises:
+      ConfigError: a name in `ruler_tasks` that is not in `TASKS`.
+    """
+    if not cfg.ruler_tasks:
+        return None
+    unknown = [t for t in cfg.ruler_tasks if t not in TASKS]
+    if unknown:
+        raise ConfigError(f"ruler_tasks={cfg.ruler_tasks}: unknown task(s) {', '.join(map(repr, unknown))}; "
+                          f"choose from {', '.join(TASKS)}")
+    return RulerSuite(list(cfg.ruler_tasks), list(cfg.ruler_lengths or [cfg.seq_len]), cfg.ruler_cases, cfg.seed)
+
+
+def suite_corpus(suite: RulerSuite, texts, tokenizer) -> np.ndarray | None:
+    """The corpus haystack of `suite` (`corpus_tokens` of `texts`, the run's held-out documents, as many tokens
+    as twice its longest length), or None when none of its tasks uses one."""
+    tasks = [TASKS[t] if isinstance(t, str) else t for t in suite.tasks]
+    if not any(t.family == "niah" and t.haystack == "corpus" for t in tasks):
+        return None
+    return corpus_tokens(texts, tokenizer, max_tokens=2 * max(suite.lengths))
+
+
 class RulerValidator:
     """RULER during training: the suite's cases generated once (lengths checked, nothing compiled), scored with
     one shared `token_stats` program per length each time `run(params)` is called (e.g. when the trainer's
     `Validator.due(step)`). Every process generates the same cases (a pure function of the seed) and feeds the
     same host batches, as `token_stats` expects.
 
-    Raises (at construction): ConfigError and ValueError as `evaluate_ruler`.
+    Raises (at construction): ConfigError and ValueError as `evaluate_ruler`; a length error names `option`
+    (the key or flag that gave the lengths).
     """
 
-    def __init__(self, cfg: Config, mesh, tokenizer, suite: RulerSuite, corpus: np.ndarray | None = None):
+    def __init__(self, cfg: Config, mesh, tokenizer, suite: RulerSuite, corpus: np.ndarray | None = None,
+                 option: str = "ruler length"):
         for n in suite.lengths:
-            check_length(cfg, n)
+            check_length(cfg, n, option)
         try:
             check_vocab(tokenizer, cfg.model.vocab_size)
         except ValueError as e:
@@ -148,7 +175,7 @@ class RulerValidator:
 
 def evaluate_ruler(cfg: Config, mesh, params: dict, tokenizer, suite: RulerSuite, *,
                    corpus: np.ndarray | None = None, stats=None,
-                   progress: Callable[[int], None] | None = None) -> list[dict]:
+                   progress: Callable[[int], None] | None = None, option: str = "ruler length") -> list[dict]:
     """RULER scores of `params` on `mesh`: every length checked (`check_length`) and every case generated before
     anything compiles, then scored by `score_on_mesh`.
 
@@ -164,6 +191,6 @@ def evaluate_ruler(cfg: Config, mesh, params: dict, tokenizer, suite: RulerSuite
       ConfigError: a length the mesh does not take, or a tokenizer larger than `model.vocab_size`.
       ValueError: a task that cannot be generated at a length (see `make_cases`).
     """
-    validator = RulerValidator(cfg, mesh, tokenizer, suite, corpus)
+    validator = RulerValidator(cfg, mesh, tokenizer, suite, corpus, option)
     validator.stats = stats
     return validator.run(params, progress)
