@@ -269,14 +269,15 @@ def _ring_row(K, backend: str, smoke: bool, gpu: bool) -> dict:
             ids = (None, None) if runs is None else (runs[:, :c], runs[:, c:])
             o0, l0 = kernel.diagonal_fwd(q[:, :c], k[:, :c], v[:, :c], True, ids[0])  # rank 0's own block
             o1, l1 = kernel.diagonal_fwd(own(q), own(k), own(v), True, ids[1])
-            ob, lb = kernel.block_fwd(own(q), k[:, :c], v[:, :c], ids[1], ids[0], 0)  # the remote block
+            ob, lb = kernel.block_fwd(own(q), k[:, :c], v[:, :c], ids[1], ids[0], (0,))  # the remote block
             lse1 = jnp.logaddexp(l1, lb)
             w = lambda a: jnp.swapaxes(jnp.exp(a - lse1), 1, 2)[..., None]
             o1 = (w(l1) * o1.astype(jnp.float32) + w(lb) * ob.astype(jnp.float32)).astype(q.dtype)
             out, lse = jnp.concatenate([o0, o1], 1), jnp.concatenate([l0, lse1], 2)
             g0 = kernel.diagonal_bwd(q[:, :c], k[:, :c], v[:, :c], out[:, :c], lse[:, :, :c], do[:, :c], True, ids[0])
             g1 = kernel.diagonal_bwd(own(q), own(k), own(v), own(out), lse[:, :, c:], own(do), True, ids[1])
-            gb = kernel.block_bwd(own(q), k[:, :c], v[:, :c], own(out), lse[:, :, c:], own(do), ids[1], ids[0], 0)
+            gb = kernel.block_bwd(own(q), k[:, :c], v[:, :c], own(out), lse[:, :, c:], own(do), ids[1], ids[0],
+                                  (0,))
             f = lambda x: x.astype(jnp.float32)
             dq = jnp.concatenate([f(g0[0]), f(g1[0]) + f(gb[0])], 1)
             dk = jnp.concatenate([f(g0[1]) + f(gb[1]), f(g1[1])], 1)

