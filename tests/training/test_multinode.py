@@ -27,6 +27,11 @@ LAYOUTS = {
                                 "hand", "slurm"),
     "ring-spans-batch2": (["mesh.ring=2", "mesh.context=4", "global_batch=2"], "hand", "hand"),
     "context-spans-batch1": (["mesh.ring=1", "mesh.context=8", "global_batch=1"], "slurm", "hand"),
+    # the other attention x global_batch pairs of the same two layouts
+    "ring-spans-batch1": (["mesh.ring=2", "mesh.context=4", "global_batch=1"], "slurm", "hand"),
+    "upipe-ring-spans-batch2": (["mesh.ring=2", "mesh.context=4", "attention.impl=upipe", "global_batch=2"],
+                                "hand", "hand"),
+    "context-spans-batch2": (["mesh.ring=1", "mesh.context=8", "global_batch=2"], "hand", "slurm"),
 }
 EVAL = ["--lengths", "128", "--depths", "0.5", "--per-cell", "2"]  # one passkey cell at the training length
 
