@@ -28,7 +28,7 @@ from jaxlong.data.tokenizer import TOKENIZERS
 from jaxlong.kernels.backend import Backend, check_backend
 from jaxlong.kernels.blockwise import check_attention_block
 from jaxlong.layers.blocks import RopeScaling
-from jaxlong.layers.remat import RematPolicy, check_offload_every
+from jaxlong.layers.remat import RematPolicy, check_keep_attention, check_offload_every
 from jaxlong.models.hf_config import model_settings_from_hf
 from jaxlong.parallel.dispatch import AttentionImpl
 from jaxlong.parallel.ring import check_ring
@@ -129,6 +129,8 @@ class RematConfig:
     save: list[str] = field(default_factory=list)  # custom: names kept on device
     offload: list[str] = field(default_factory=list)  # custom: names moved to pinned host memory
     offload_every: int = 1  # offload: keep every k-th layer input on host, recompute the groups (grouped checkpointing)
+    keep_attention: int = 0  # full/offload: the first N layers keep attention output + lse (forward runs once)
+    keep_attention_memory: str = "host"  # where they are kept: "host" (pinned host memory) or "device"
 
 
 @dataclass
@@ -447,6 +449,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     _check_choice("attention.backend", cfg.attention.backend, Backend)
     _check_choice("remat.policy", cfg.remat.policy, RematPolicy)
     check_offload_every(cfg.remat.offload_every, cfg.remat.policy, m.layers)
+    check_keep_attention(cfg.remat.keep_attention, cfg.remat.keep_attention_memory, cfg.remat.policy, m.layers)
     if cfg.tiling.loss_tile < 0 or cfg.tiling.mlp_tiles < 0:
         raise ConfigError("tiling.loss_tile and tiling.mlp_tiles must be >= 0 (0 = derived default)")
     if cfg.seed < 0:

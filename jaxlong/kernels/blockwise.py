@@ -48,6 +48,7 @@ from jax import lax
 
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.ordering import varying_axes, zeros_after
+from jaxlong.layers.remat import keep_attention_residuals
 
 __all__ = [
     "segment_starts",
@@ -436,6 +437,7 @@ def _blockwise(q, k, v, segment_ids, causal, block_q, block_k):
 def _blockwise_vjp_fwd(q, k, v, segment_ids, causal, block_q, block_k):
     out, lse = blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
                                        block_k=block_k, segment_ids=segment_ids)
+    out, lse = keep_attention_residuals(out, lse)  # `remat.keep_attention` may keep them
     return out, (q, k, v, segment_ids, out, lse)  # O(seq) residuals only: no score tiles
 
 

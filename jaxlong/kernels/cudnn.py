@@ -80,6 +80,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlong.core.errors import ConfigError
+from jaxlong.layers.remat import keep_attention_residuals
 from jaxlong.kernels.layout import check_qkv, cudnn_head_dim_ok
 
 __all__ = ["CHECKED_JAX", "MAX_ELEMENTS", "cudnn_attention", "cudnn_attention_bwd", "cudnn_attention_fwd"]
@@ -266,6 +267,7 @@ def _cudnn(q, k, v, causal):
 
 def _cudnn_vjp_fwd(q, k, v, causal):
     out, lse = cudnn_attention_fwd(q, k, v, causal=causal)
+    out, lse = keep_attention_residuals(out, lse)  # `remat.keep_attention` may keep them
     return out, (q, k, v, out, lse)
 
 

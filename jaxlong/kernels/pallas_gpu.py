@@ -63,6 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxlong.core.ordering import varying_axes
+from jaxlong.layers.remat import keep_attention_residuals
 from jaxlong.kernels.blockwise import segment_starts
 from jaxlong.kernels.layout import check_qkv, pallas_head_dim_ok
 
@@ -427,6 +428,7 @@ def _pallas(q, k, v, segment_ids, causal, opts):
 
 def _pallas_vjp_fwd(q, k, v, segment_ids, causal, opts):
     out, lse = pallas_attention_fwd(q, k, v, causal=causal, segment_ids=segment_ids, **dict(opts))
+    out, lse = keep_attention_residuals(out, lse)  # `remat.keep_attention` may keep them
     return out, (q, k, v, segment_ids, out, lse)  # O(seq) residuals: no score tiles
 
 

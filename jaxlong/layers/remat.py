@@ -12,6 +12,18 @@ which of them the backward pass may keep (on device or in pinned host memory) in
              waits for its backward in pinned host memory (`offloads_attention_output`).
   custom     `remat.save` names are kept on device, `remat.offload` names go to pinned host memory.
 
+Keeping attention (`remat.keep_attention=N`, with `full` or `offload`): the first N layers also keep their
+attention output and its log-sum-exp (the softmax statistic of every query row), in pinned host memory
+(`remat.keep_attention_memory=host`) or on the device. Every differentiable attention op (the kernels' own
+`custom_vjp`s under Ulysses, ring attention's, U-Pipe's) tags the two tensors of its saved residuals
+(`keep_attention_residuals`); the policy keeps them, so the backward's recomputation of the layer finds them
+and its attention forward (a function of q, k, v whose outputs are all kept) is dead code: each kept layer
+runs attention forward once per step instead of twice, and the kernel's backward takes the kept output and
+lse (FlashAttention-2, arXiv 2307.08691, Alg. 2 needs only q, k, v, out, lse and dout). The attention output
+is `[b, S/C, heads, head_dim]` per device, the size of the layer input when heads x head_dim = hidden; the
+lse is `[b, heads/C, S]` float32. The recomputation still projects q, k, v (cheap, and the backward needs
+them). MEMO (arXiv 2407.12117) and FPDT (arXiv 2408.16978) keep attention's results the same way.
+
 Grouped (hierarchical) checkpointing, `remat.offload_every=k` with `offload` (`scan_layers`): the layer scan
 runs over groups of k layers and only each group's input stays in host memory for the whole step. The backward
 pass recomputes a group's forward from that input (its k layer inputs go to host memory, one group at a time),
@@ -39,6 +51,12 @@ POLICIES = get_args(RematPolicy)
 
 LAYER_INPUT = "layer_input"
 GROUP_INPUT = "group_input"  # [b, s, hidden] the input of a group of `remat.offload_every` layers
+# What `remat.keep_attention` keeps: the attention output (before W_o, in the layout the kernel's backward takes)
+# and its log-sum-exp, tagged inside every attention op's custom_vjp forward (`keep_attention_residuals`).
+KEPT_OUTPUT = "kept_attention_output"
+KEPT_LSE = "kept_attention_lse"
+KEPT_NAMES = (KEPT_OUTPUT, KEPT_LSE)
+KEEP_MEMORY = ("host", "device")  # `remat.keep_attention_memory`
 # The attention sublayer's tensors (tagged by the Ulysses sublayer; U-Pipe computes them inside its op).
 ATTENTION_NAMES = (
     "attn_norm_out",  # [b, s, hidden]
@@ -55,8 +73,16 @@ NAMES = (
 )
 
 
-def make_policy(cfg):
-    """The `jax.checkpoint` policy for `cfg.policy` (`cfg`: a `jaxlong.config.RematConfig`), or None for `none`.
+def keep_attention_residuals(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Tag an attention op's output and log-sum-exp (the residuals its backward takes besides q, k, v) so that
+    `remat.keep_attention` can keep them; identity otherwise. Call it in the op's `custom_vjp` forward rule on
+    the arrays it returns as residuals. Shapes are the op's (e.g. `[b, S, h, d]` and `[b, h, S]` per device)."""
+    return checkpoint_name(out, KEPT_OUTPUT), checkpoint_name(lse, KEPT_LSE)
+
+
+def make_policy(cfg, keep: bool = False):
+    """The `jax.checkpoint` policy for `cfg.policy` (`cfg`: a `jaxlong.config.RematConfig`), or None for `none`;
+    `keep`: the layer keeps its attention output and lse (`KEPT_NAMES`) in `cfg.keep_attention_memory`.
 
     Raises:
       ConfigError: unknown policy, or a `custom` name that the layer does not tag.
@@ -64,6 +90,11 @@ def make_policy(cfg):
     policies = jax.checkpoint_policies
     if cfg.policy == "none":
         return None
+    if keep:
+        host = cfg.keep_attention_memory == "host"
+        saved = ([] if host else list(KEPT_NAMES))
+        offloaded = (list(KEPT_NAMES) if host else []) + ([LAYER_INPUT] if cfg.policy == "offload" else [])
+        return _save_offload(saved, offloaded)
     if cfg.policy == "full":
         return policies.nothing_saveable
     if cfg.policy == "save_dots":
@@ -76,20 +107,35 @@ def make_policy(cfg):
             if unknown:
                 raise ConfigError(f"{key}: unknown tensor names {unknown}; the layer tags: {', '.join(NAMES)} "
                                   f"(the attention ones with attention.impl=ulysses only)")
-        return policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=list(cfg.save),
-            names_which_can_be_offloaded=list(cfg.offload),
-            offload_src="device",
-            offload_dst="pinned_host",
-        )
+        return _save_offload(list(cfg.save), list(cfg.offload))
     raise ConfigError(f"remat.policy={cfg.policy!r}; choose one of: {', '.join(POLICIES)}")
 
 
-def offloads_attention_output(cfg) -> bool:
+def offloads_attention_output(cfg, keep: bool = False) -> bool:
     """Whether U-Pipe keeps its output buffer (the attention output before W_o, the op's saved residual) in pinned
     host memory from its forward to its backward: with `remat.policy=offload` (`cfg`: a
-    `jaxlong.config.RematConfig`)."""
-    return cfg.policy == "offload"
+    `jaxlong.config.RematConfig`), in a layer that does not keep its attention (`keep`; the policy then keeps
+    the buffer, where `remat.keep_attention_memory` says)."""
+    return cfg.policy == "offload" and not keep
+
+
+def check_keep_attention(keep: int, memory: str, policy: str, layers: int) -> None:
+    """Validate `remat.keep_attention` (layers, from the first, whose attention output and lse are kept) and
+    `remat.keep_attention_memory` for `remat.policy` and `model.layers`.
+
+    Raises:
+      ConfigError: a count outside [0, layers], an unknown memory, or keeping with a policy that does not
+        recompute the layer (only `full` and `offload` rerun attention in the backward).
+    """
+    if not isinstance(keep, int) or isinstance(keep, bool) or not 0 <= keep <= layers:
+        raise ConfigError(f"remat.keep_attention={keep!r} must be an integer from 0 (none) to model.layers={layers} "
+                          f"(every layer keeps its attention output and log-sum-exp)")
+    if memory not in KEEP_MEMORY:
+        raise ConfigError(f"remat.keep_attention_memory={memory!r}; choose one of: {', '.join(KEEP_MEMORY)}")
+    if keep and policy not in ("full", "offload"):
+        raise ConfigError(f"remat.keep_attention={keep} keeps what the backward's recomputation of a layer would "
+                          f"run again, and needs remat.policy=full or offload (got {policy!r}); set "
+                          f"remat.keep_attention=0 or remat.policy=offload")
 
 
 def check_offload_every(offload_every: int, policy: str, layers: int) -> None:
@@ -126,21 +172,26 @@ def host_layer_inputs(layers: int, offload_every: int) -> int:
     return -(-layers // offload_every) + offload_every
 
 
-def remat(fn, cfg):
-    """Wrap a scan body `fn(carry, xs)` in `jax.checkpoint` with the configured policy (identity for `none`)."""
-    policy = make_policy(cfg)
+def remat(fn, cfg, keep: bool = False):
+    """Wrap a scan body `fn(carry, xs)` in `jax.checkpoint` with the configured policy (identity for `none`);
+    `keep`: the policy also keeps the attention output and lse (`remat.keep_attention`)."""
+    policy = make_policy(cfg, keep)
     if cfg.policy == "none":
         return fn
     return jax.checkpoint(fn, policy=policy, prevent_cse=False)
 
 
-def _offload_only(name: str):
+def _save_offload(saved: list[str], offloaded: list[str]):
     return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[name], offload_src="device",
+        names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded, offload_src="device",
         offload_dst="pinned_host")
 
 
-def scan_layers(layer, x: jax.Array, stacked, cfg, group_params=None) -> jax.Array:
+def _offload_only(name: str):
+    return _save_offload([], [name])
+
+
+def scan_layers(layer, x: jax.Array, stacked, cfg, group_params=None, keep_layer=None) -> jax.Array:
     """Run `x` through the stacked decoder layers with the remat policy of `cfg` (a `jaxlong.config.RematConfig`).
 
     `layer(carry, layer_params) -> (carry, None)` is one decoder layer on `x` `[batch, seq, hidden]`; `stacked`
@@ -158,10 +209,31 @@ def scan_layers(layer, x: jax.Array, stacked, cfg, group_params=None) -> jax.Arr
     layer applies anyway, so both buffers are half the size (0.2 GiB less per device for Llama-3.1-8B, k = 4,
     FSDP over 8) and values and gradients are unchanged.
 
+    `keep_layer`: the layer as it runs where it keeps its attention (`cfg.keep_attention` > 0; the model's
+    layer with U-Pipe's own output offload off, the policy keeping that buffer instead). The first
+    `cfg.keep_attention` layers run `keep_layer` under the policy that also keeps their attention output and
+    lse (`make_policy(cfg, keep=True)`), the others `layer`; with grouped checkpointing each part is grouped
+    on its own. When only some layers keep, the two parts' parameters are sliced apart (after `group_params`,
+    so a copy in the compute dtype).
+
     Returns the output of the last layer `[batch, seq, hidden]`.
     """
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    keep = min(getattr(cfg, "keep_attention", 0), n) if cfg.policy in ("full", "offload") else 0
+    if not keep:
+        return _scan_part(layer, x, stacked, cfg, group_params, keep=False)
+    if keep == n:
+        return _scan_part(keep_layer, x, stacked, cfg, group_params, keep=True)
+    cast = group_params or (lambda p: p)
+    params = cast(stacked)
+    x = _scan_part(keep_layer, x, jax.tree.map(lambda a: a[:keep], params), cfg, None, keep=True)
+    return _scan_part(layer, x, jax.tree.map(lambda a: a[keep:], params), cfg, None, keep=False)
+
+
+def _scan_part(layer, x, stacked, cfg, group_params, keep: bool) -> jax.Array:
+    """`scan_layers` over one part of the stack, every layer keeping its attention or none (`keep`)."""
     k = cfg.offload_every
-    inner = remat(layer, cfg)
+    inner = remat(layer, cfg, keep)
     if cfg.policy != "offload" or k <= 1:
         return jax.lax.scan(inner, x, stacked)[0]
 
@@ -171,7 +243,12 @@ def scan_layers(layer, x: jax.Array, stacked, cfg, group_params=None) -> jax.Arr
         carry = checkpoint_name(carry, GROUP_INPUT)
         return jax.lax.scan(inner, carry, cast(params))[0], None
 
-    outer = jax.checkpoint(group, policy=_offload_only(GROUP_INPUT), prevent_cse=False)
+    # Host-kept attention: the group's recomputation runs its layers' attention forward again and offloads what
+    # each layer keeps, one group at a time (XLA cannot offload a residual of the inner remat a second time);
+    # device-kept: the group keeps its layers' attention too, and its recomputation skips the kernel as well.
+    device_kept = keep and cfg.keep_attention_memory == "device"
+    outer_policy = _save_offload(list(KEPT_NAMES), [GROUP_INPUT]) if device_kept else _offload_only(GROUP_INPUT)
+    outer = jax.checkpoint(group, policy=outer_policy, prevent_cse=False)
     n = jax.tree.leaves(stacked)[0].shape[0]
     groups, rest = divmod(n, k)
     if groups:

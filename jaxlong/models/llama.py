@@ -49,6 +49,7 @@ class Runtime:
 
     mesh: jax.sharding.Mesh
     cfg: Config
+    keep_attention: bool = False  # the layer keeps its attention output and lse (`remat.keep_attention`)
 
     @property
     def compute_dtype(self):
@@ -74,7 +75,7 @@ class Runtime:
             heads_per_stage=a.heads_per_stage, head_dim=m.head_dim, rope_theta=m.rope_theta,
             rope_scaling=m.rope_scaling, norm_eps=m.norm_eps, compute_dtype=self.compute_dtype,
             recompute_projection=self.cfg.remat.policy in ("full", "offload"),
-            offload_attention_output=R.offloads_attention_output(self.cfg.remat))
+            offload_attention_output=R.offloads_attention_output(self.cfg.remat, self.keep_attention))
 
     def constrain(self, x: jax.Array, spec: P) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -205,12 +206,15 @@ class Llama(nnx.Module):
             segment_ids = gather_segment_ids(segment_ids, rt.mesh)
         layer_def, layer_state = nnx.split(self.layers)
 
-        def body(carry, state):
-            return nnx.merge(layer_def, state)(carry, positions, rt, segment_ids), None
+        def layer(rt):
+            def body(carry, state):
+                return nnx.merge(layer_def, state)(carry, positions, rt, segment_ids), None
+            return body
 
         cd = rt.compute_dtype
-        x = R.scan_layers(body, x, layer_state, rt.cfg.remat,
-                          group_params=lambda p: jax.tree.map(lambda a: a.astype(cd) if a.ndim > 2 else a, p))
+        x = R.scan_layers(layer(rt), x, layer_state, rt.cfg.remat,
+                          group_params=lambda p: jax.tree.map(lambda a: a.astype(cd) if a.ndim > 2 else a, p),
+                          keep_layer=layer(dataclasses.replace(rt, keep_attention=True)))
         return L.rms_norm(x, self.final_norm[...], self.norm_eps)
 
 

@@ -83,6 +83,7 @@ from jaxlong.core.mesh import RING_AXIS
 from jaxlong.kernels import cudnn as cudnn_kernel
 from jaxlong.kernels import pallas_gpu as pallas_kernel
 from jaxlong.kernels.blockwise import blockwise_attention_bwd, blockwise_attention_fwd, segment_starts
+from jaxlong.layers.remat import keep_attention_residuals
 
 _F32 = jnp.float32
 
@@ -460,6 +461,7 @@ def _ring(q, k, v, segment_ids, axis_name, causal, opts):
 def _ring_vjp_fwd(q, k, v, segment_ids, axis_name, causal, opts):
     out, lse = ring_attention_fwd(q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids,
                                   **dict(opts))
+    out, lse = keep_attention_residuals(out, lse)  # `remat.keep_attention` may keep them
     return out, (q, k, v, segment_ids, out, lse)  # nothing per ring step
 
 

@@ -101,7 +101,7 @@ from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, axis_size, se
 from jaxlong.core.ordering import opaque_one, zeros_after
 from jaxlong.kernels.backend import attention_bwd, attention_fwd_with_lse, resolve_backend
 from jaxlong.layers import blocks as L
-from jaxlong.layers.remat import ATTENTION_NAMES
+from jaxlong.layers.remat import ATTENTION_NAMES, keep_attention_residuals
 from jaxlong.parallel.ring import add_rounded, ring_attention_bwd, ring_attention_fwd, zigzag_positions
 from jaxlong.parallel.ulysses import check_heads, ulysses_attention
 
@@ -555,6 +555,7 @@ def _upipe_local(x, wq, wk, wv, qk, pos, seg, sch, opts):
 
 def _upipe_local_fwd(x, wq, wk, wv, qk, pos, seg, sch, opts):
     out, lse = _forward(x, wq, wk, wv, pos, seg, sch, opts, qk)
+    out, lse = keep_attention_residuals(out, lse)  # `remat.keep_attention` may keep them
     return out, (x, wq, wk, wv, qk, pos, seg, out, lse)
 
 
@@ -580,6 +581,9 @@ def _upipe_norm_local(x, scale, wq, wk, wv, wo, qk, pos, seg, sch, opts):
 def _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, pos, seg, sch, opts):
     r = L.inv_rms(x, opts["eps"])  # the norm itself is folded into the projections
     out, lse = _forward(x, wq, wk, wv, pos, seg, sch, opts, qk, fold=(r, scale))
+    # Tagged for `remat.keep_attention`: a layer that keeps them finds the output buffer and lse where the policy
+    # kept them, and its recomputation skips the stages' attention (y is then formed from the kept buffer).
+    out, lse = keep_attention_residuals(out, lse)
     y = out if wo is None else x + jnp.einsum("bsnd,ndh->bsh", out, wo).astype(x.dtype)
     if opts.get("offload_output"):  # kept in pinned host memory until the backward's stages fetch their slices
         out = jax.device_put(out, jax.memory.Space.Host)
