@@ -19,6 +19,11 @@ floating-point order):
               budget, which prunes nothing.
   tiled loss  off, on (`tiling.loss_tile` derived from its byte budget).
   tiled MLP   off, ALST's tile count, 4x as many tiles.
+  kept attention  with full and offload remat: every layer keeps its attention output and lse in host memory
+              (`remat.keep_attention`: the backward does not run attention's forward again), as many layers as
+              the host budget leaves room for after the offloaded layer inputs (`keep_levels`), or none. Spends
+              host memory for speed. With no remat and save_dots the dimension has one level (nothing to keep):
+              the first with no remat (every residual is kept), the last with save_dots (attention recomputed).
 
 Within one mesh split every dimension is ordered from the fastest expected level (index 0) to the most
 memory-saving one, and the search assumes both orders are monotone: a candidate whose every level is at least
@@ -64,7 +69,7 @@ from jaxlong.plan import planner
 from jaxlong.training.metrics import PEAK_FLOPS, flops_per_token
 
 REMAT_LEVELS = ("none", "save_dots", "full", "offload")
-DIM_NAMES = ("attention", "remat", "tiled loss", "tiled MLP")
+DIM_NAMES = ("attention", "remat", "tiled loss", "tiled MLP", "kept attention")
 
 
 class FitError(ConfigError):
@@ -161,8 +166,27 @@ def mesh_splits(cfg: Config, devices_per_node: int, nodes: int) -> list[tuple[st
     return out
 
 
-def dimension_levels(cfg: Config) -> list[list[tuple[str, ...]]]:
-    """Per dimension (`DIM_NAMES`), the overrides of each level, fastest expected first, for `cfg`'s mesh."""
+def keep_levels(cfg: Config, host_budget: int | None) -> list[int]:
+    """Layers that keep their attention (`remat.keep_attention`), fastest first: every layer, then as many as fit
+    `host_budget` bytes per node beside the offloaded layer inputs, then none. Per node, a layer's kept attention
+    is its output `[b, S, heads, head_dim]` in the compute dtype and its float32 lse `[b, heads, S]` over the
+    node's share of the sequence; a layer input is `[b, S, hidden]` (the compile decides whether a candidate fits;
+    this only picks the count worth compiling)."""
+    m, layers = cfg.model, cfg.model.layers
+    if host_budget is None:
+        return [layers, 0]
+    nodes = max(cfg.mesh.num_devices // 8, 1)
+    tokens = cfg.global_batch * cfg.seq_len / nodes  # per node: the sequence is split over the nodes (ring)
+    itemsize = 2 if cfg.compute_dtype in ("bfloat16", "float16") else 4
+    kept = tokens * m.heads * (m.head_dim * itemsize + 4)
+    inputs = tokens * m.hidden * itemsize * layers
+    some = int((host_budget - inputs) // kept) if kept else 0
+    return [layers, some, 0] if 0 < some < layers else [layers, 0]
+
+
+def dimension_levels(cfg: Config, host_budget: int | None = None) -> list[list[tuple[str, ...]]]:
+    """Per dimension (`DIM_NAMES`), the overrides of each level, fastest expected first, for `cfg`'s mesh;
+    `host_budget` (bytes per node) sizes the kept-attention level between all and none (`keep_levels`)."""
 
     m = cfg.model
     _, _, ring, context = resolve_mesh_shape(cfg.mesh, cfg.mesh.num_devices)
@@ -185,11 +209,25 @@ def dimension_levels(cfg: Config) -> list[list[tuple[str, ...]]]:
         more = next((d for d in _divisors(s_local) if d >= 4 * base), None)
         if more is not None and more > base:
             mlp.append(("tiling.mlp=true", f"tiling.mlp_tiles={more}"))
-    return [attention, remat, loss, mlp]
+    keep = [(f"remat.keep_attention={n}",) for n in keep_levels(cfg, host_budget)]
+    return [attention, remat, loss, mlp, keep]
 
 
-def candidate_space(cfg: Config, devices_per_node: int, nodes: int) -> tuple[list[tuple[str, ...]], list[Candidate],
-                                                                             list[dict]]:
+def _keep_level(remat_level: tuple[str, ...], levels: int) -> int:
+    """The one kept-attention level of a remat level that recomputes no layer: the first with no remat (every
+    residual is kept, as fast as keeping attention), the last with save_dots (attention is recomputed, as when
+    none is kept), so that the search's speed order holds across the two dimensions."""
+    return 0 if "remat.policy=none" in remat_level else levels - 1
+
+
+def _recomputes_layers(remat_level: tuple[str, ...]) -> bool:
+    """Whether a remat level's policy recomputes whole layers in the backward (full, offload): only then is there
+    an attention forward to keep."""
+    return any(o in ("remat.policy=full", "remat.policy=offload") for o in remat_level)
+
+
+def candidate_space(cfg: Config, devices_per_node: int, nodes: int,
+                    host_budget: int | None = None) -> tuple[list[tuple[str, ...]], list[Candidate], list[dict]]:
     """(mesh splits, valid candidates in expected-speed order, invalid ones as `{"overrides", "reason"}`).
 
     A split whose fastest candidate `validate` rejects (e.g. `global_batch` not divisible by `mesh.fsdp`) is
@@ -205,9 +243,14 @@ def candidate_space(cfg: Config, devices_per_node: int, nodes: int) -> tuple[lis
         except ConfigError as e:
             invalid.append({"overrides": " ".join(split), "reason": f"invalid: {e}", "by": None})
             continue
-        dims = dimension_levels(base)
+        dims = dimension_levels(base, host_budget)
         for levels in itertools.product(*(range(len(d)) for d in dims)):
-            ov = tuple(split) + tuple(o for d, lv in zip(dims, levels) for o in d[lv])
+            parts = [d[lv] for d, lv in zip(dims, levels)]
+            if not _recomputes_layers(parts[1]):  # nothing to keep: one kept-attention level
+                if levels[4] != _keep_level(parts[1], len(dims[4])):
+                    continue
+                parts[4] = ("remat.keep_attention=0",)
+            ov = tuple(split) + tuple(o for part in parts for o in part)
             c = Candidate(i, tuple(levels), ov)
             try:
                 validate(configure(cfg, ov))
@@ -221,8 +264,8 @@ def candidate_space(cfg: Config, devices_per_node: int, nodes: int) -> tuple[lis
 
 def _prior(c: Candidate) -> float:
     """Expected slowness used only to order the search: remat costs most, then U-Pipe stages, then tiling."""
-    attention, remat, loss, mlp = c.levels
-    return 10 * remat + 3 * attention + loss + 2 * mlp
+    attention, remat, loss, mlp, keep = c.levels
+    return 10 * remat + 5 * keep + 3 * attention + loss + 2 * mlp
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,7 +295,8 @@ def analytic_flops(cfg: Config) -> tuple[float, float]:
     sequence (forward + backward = 3 forwards). Recomputed FLOPs (factor = executed / model): save_dots
     recomputes attention's forward, full and offload the whole layer's forward (grouped offload,
     `remat.offload_every` > 1, twice), U-Pipe attention's forward once more (its backward recomputes it), tiled
-    loss the logits' forward, tiled MLP the MLP's forward.
+    loss the logits' forward, tiled MLP the MLP's forward; layers that keep their attention
+    (`remat.keep_attention`) recompute the layer without its attention forward.
     """
     m, s, b = cfg.model, cfg.seq_len, cfg.global_batch
     tokens = s * b
@@ -270,6 +314,8 @@ def analytic_flops(cfg: Config) -> tuple[float, float]:
         extra += m.layers * layer_fwd
         if policy == "offload" and cfg.remat.offload_every > 1:
             extra += m.layers * layer_fwd  # the group's forward, recomputed before its layers' backward
+        if policy in ("full", "offload"):  # kept layers' recomputation skips the attention forward
+            extra -= min(cfg.remat.keep_attention, m.layers) * attn_fwd
     if cfg.attention.impl == "upipe":
         extra += m.layers * attn_fwd
     if cfg.tiling.loss:
@@ -369,7 +415,7 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
         (min(cfg.mesh.num_devices, 8), max(cfg.mesh.num_devices // 8, 1))
     if per_node * nodes != (target.devices if target is not None else cfg.mesh.num_devices):
         per_node, nodes = cfg.mesh.num_devices, 1
-    _, cands, pruned = candidate_space(cfg, per_node, nodes)
+    _, cands, pruned = candidate_space(cfg, per_node, nodes, host_budget)
     if not cands:
         reasons = "; ".join(sorted({p["reason"] for p in pruned}))[:600]
         raise FitError(f"no candidate configuration is valid for {cfg.model.name} at seq_len={cfg.seq_len} on "

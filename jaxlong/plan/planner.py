@@ -84,6 +84,12 @@ HYBRID_LADDER = [
 ]
 
 
+# The last rung spends memory on speed instead: every layer keeps its attention output and log-sum-exp (pinned host
+# memory), so the backward's recomputation of a layer skips the attention forward (`jaxlong.layers.remat`).
+KEEP_RUNG = ("+kept attention", "every layer's attention output and lse kept in host memory: attention forward "
+             "once per step", ["remat.keep_attention={layers}", "remat.keep_attention_memory=host"])
+
+
 # The host memory per node the planner allows for offloaded residuals (`--host-budget`): what an 8-GPU node can pin
 # for them. A DGX H100 or H200 node has 2 TB (1.82 TiB) of RAM; the OS, the page cache, the data pipeline and the
 # host copy of the train state that an asynchronous checkpoint stages (Llama-3.1-8B's float32 parameters and Adam
@@ -123,10 +129,13 @@ def _host_residual_bytes(cfg: Config, mesh) -> int:
     """Per-device bytes of the residuals the remat policy keeps in host memory (from the loss's jaxpr); with
     grouped checkpointing (`remat.offload_every` > 1) plus the layer inputs of the group being recomputed, which
     the backward pass moves to the host one group at a time (`jaxlong.layers.remat.host_layer_inputs`); with
-    U-Pipe and `remat.policy=offload` plus one layer's output buffer (`offloads_attention_output`)."""
-    if cfg.remat.policy not in ("offload", "custom") or (cfg.remat.policy == "custom" and not cfg.remat.offload):
+    U-Pipe and `remat.policy=offload` plus one layer's output buffer (`offloads_attention_output`); with
+    `remat.keep_attention` in host memory, the kept layers' attention output and float32 lse (the jaxpr's
+    residuals; under grouping, one group's layers at a time)."""
+    keep = min(cfg.remat.keep_attention, cfg.model.layers) if cfg.remat.keep_attention_memory == "host" else 0
+    if not keep and (cfg.remat.policy not in ("offload", "custom")
+                     or (cfg.remat.policy == "custom" and not cfg.remat.offload)):
         return 0
-
 
     try:
         from jax.ad_checkpoint import saved_residuals  # noqa: PLC0415
@@ -140,14 +149,21 @@ def _host_residual_bytes(cfg: Config, mesh) -> int:
     activation_shards = mesh.size  # activations are split over every mesh axis (batch x sequence)
     host = sum(math.prod(a.shape) * a.dtype.itemsize for a, _ in res if "<host>" in a.str_short())
     k, layers = cfg.remat.offload_every, cfg.model.layers
+    b = batch["inputs"].shape[0]
+    kept_layer = b * cfg.seq_len * cfg.model.heads * (cfg.model.head_dim * _itemsize(res) + 4)  # output, f32 lse
     if cfg.remat.policy == "offload" and k > 1:  # the saved ones are the ceil(L/k) group inputs
-        host = host // -(-layers // k) * host_layer_inputs(layers, k)
-    if cfg.attention.impl == "upipe" and offloads_attention_output(cfg.remat):
+        # the kept attention of a group's layers is made by the group's recomputation: one group's at a time
+        host = host // -(-layers // k) * host_layer_inputs(layers, k) + min(keep, k) * kept_layer
+    if cfg.attention.impl == "upipe" and offloads_attention_output(cfg.remat, keep == layers):
         # U-Pipe's output buffer `[b, S, H, d]` of the layer in its backward (not a remat residual: the op
         # moves it itself), in the residuals' dtype
-        itemsize = next((a.dtype.itemsize for a, _ in res if "<host>" in a.str_short()), 4)
-        host += batch["inputs"].shape[0] * cfg.seq_len * cfg.model.heads * cfg.model.head_dim * itemsize
+        host += b * cfg.seq_len * cfg.model.heads * cfg.model.head_dim * _itemsize(res)
     return host // activation_shards
+
+
+def _itemsize(residuals) -> int:
+    """Bytes per element of the offloaded residuals (the compute dtype of the CPU approximation's compile)."""
+    return next((a.dtype.itemsize for a, _ in residuals if "<host>" in a.str_short()), 4)
 
 
 def _gpu_devices_present() -> bool:
@@ -287,7 +303,7 @@ def apply_rung(cfg: Config, overrides: list[str], n: int, **sizes: int) -> Confi
 def ladder(cfg: Config) -> list[tuple[str, str, Config]]:
     """The configs of the ladder rungs for `cfg`'s model and sequence length, cumulative, in paper order;
     with `mesh.ring` = R > 1, then the hybrid rungs (`HYBRID_LADDER`: Ulysses x ring, U-Pipe x ring, with
-    context N/R)."""
+    context N/R); last, the speed rung `KEEP_RUNG` (attention kept for every layer), which spends host memory."""
     n, r = cfg.mesh.num_devices, cfg.mesh.ring
     rungs, cur = [], copy.deepcopy(cfg)
     cur.mesh.num_devices = n
@@ -303,6 +319,8 @@ def ladder(cfg: Config) -> list[tuple[str, str, Config]]:
         for name, what, overrides in HYBRID_LADDER:
             cur = apply_rung(cur, overrides, n, r=r, c=n // r, k=k)
             rungs.append((name, what.format(r=r, c=n // r), copy.deepcopy(cur)))
+    name, what, overrides = KEEP_RUNG
+    rungs.append((name, what, apply_rung(cur, overrides, n, layers=cfg.model.layers)))
     return rungs
 
 

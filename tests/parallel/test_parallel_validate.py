@@ -69,14 +69,16 @@ def test_ladder_adds_hybrid_rungs_when_the_mesh_has_a_ring():
     cfg = load_config(LLAMA_8B, [*NODES_2, "mesh.ring=2", "mesh.context=8"])
     rungs = ladder(cfg)
     names = [name for name, _, _ in rungs]
-    assert names[-2:] == ["+ulysses x ring", "+U-Pipe x ring"]
+    assert names[-3:] == ["+ulysses x ring", "+U-Pipe x ring", "+kept attention"]
     assert rungs[0][2].mesh.ring == 1 and rungs[6][2].mesh.context == 16  # single-axis rungs: Ulysses over 16
-    for (_, what, c), impl in zip(rungs[-2:], ("ulysses", "upipe")):
+    for (_, what, c), impl in zip(rungs[-3:-1], ("ulysses", "upipe")):
         assert (c.mesh.ring, c.mesh.context, c.mesh.num_devices, c.attention.impl) == (2, 8, 16, impl)
         assert (c.remat.policy, c.remat.offload_every, c.tiling.loss, c.tiling.mlp) == ("offload", 4, True, True)
         assert "8 devices" in what and "2" in what
+    assert rungs[-1][2].remat.keep_attention == 32 and rungs[-1][2].attention.impl == "upipe"  # the speed rung
+    assert rungs[-2][2].remat.keep_attention == 0
     one_node = [name for name, _, _ in ladder(load_config(LLAMA_8B, []))]  # one node: no hybrid rungs
-    assert one_node[-2:] == ["+U-Pipe", "+grouped offload"] and len(one_node) == 8
+    assert one_node[-3:] == ["+U-Pipe", "+grouped offload", "+kept attention"] and len(one_node) == 9
 
 
 def test_memory_cli_validates_for_the_target_topology(capsys):

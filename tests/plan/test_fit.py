@@ -28,7 +28,8 @@ def _levels(cfg):
     att = 0 if cfg.attention.impl == "ulysses" else 1 + cfg.model.heads // max(cfg.attention.heads_per_stage, 1)
     remat = fit_lib.REMAT_LEVELS.index(cfg.remat.policy)
     mlp = 0 if not cfg.tiling.mlp else (1 if cfg.tiling.mlp_tiles == 0 else 2)
-    return att, remat, int(cfg.tiling.loss), mlp
+    keep = 0 if cfg.remat.policy == "none" or cfg.remat.keep_attention == cfg.model.layers else 1
+    return att, remat, int(cfg.tiling.loss), mlp, keep
 
 
 class FakeModel:
@@ -36,8 +37,8 @@ class FakeModel:
 
     def __init__(self, seed: int):
         r = random.Random(seed)
-        self.mem_w = [r.uniform(0.5, 8) for _ in range(4)]
-        self.cost_w = [r.uniform(0.01, 1) for _ in range(4)]
+        self.mem_w = [r.uniform(0.5, 8) for _ in range(5)]
+        self.cost_w = [r.uniform(0.01, 1) for _ in range(5)]
         self.mesh_mem = {c: r.uniform(0, 10) for c in (1, 2, 4, 8)}
         self.mesh_cost = {c: r.uniform(0, 1) for c in (1, 2, 4, 8)}
         self.calls = 0
@@ -46,7 +47,7 @@ class FakeModel:
         self.calls += 1
         lv = _levels(cfg)
         total = (60 + self.mesh_mem[cfg.mesh.context] - sum(w * x for w, x in zip(self.mem_w, lv))) * GiB
-        host = 40 * GiB if cfg.remat.policy == "offload" else 0
+        host = (40 * GiB if cfg.remat.policy == "offload" else 0) + 20 * GiB * cfg.remat.keep_attention
         return {"peak": total * 0.9, "total": total, "host": host / 8, "host_per_node": host,
                 "source": "fake", "estimate": {"step_seconds": self.cost(cfg)}}
 
@@ -223,10 +224,10 @@ def test_train_fit_applies_and_prints_the_winners_overrides(monkeypatch, capsys)
     model = FakeModel(11)
     monkeypatch.setattr(planner, "plan", model.plan)
     monkeypatch.setattr(fit_cli.distributed, "gpu_driver_present", lambda: True)  # the GPUs the fake plans for
-    args = train.parse_args(["--fit", "--budget", "50GiB", "--max-compiles", "40", *TINY])
+    args = train.parse_args(["--fit", "--budget", "50GiB", "--max-compiles", "80", *TINY])
     cfg = fit_cli.fit_for_training(args, load_config(None, args.overrides), args.overrides)
     out = capsys.readouterr().out
-    assert model.calls <= 40
+    assert model.calls <= 80
     expected, _ = _brute_force(load_config(None, TINY), model, 50 * GiB, 2048 * GiB)
     base = load_config(None, TINY)
     assert cfg == fit_lib.configure(base, expected[0].split())
