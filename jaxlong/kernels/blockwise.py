@@ -48,7 +48,7 @@ from jax import lax
 
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.ordering import varying_axes, zeros_after
-from jaxlong.layers.remat import keep_attention_residuals
+from jaxlong.core.kept import keep_attention_residuals
 
 __all__ = [
     "segment_starts",

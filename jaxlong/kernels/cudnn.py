@@ -80,7 +80,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlong.core.errors import ConfigError
-from jaxlong.layers.remat import keep_attention_residuals
+from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels.layout import check_qkv, cudnn_head_dim_ok
 
 __all__ = ["CHECKED_JAX", "MAX_ELEMENTS", "cudnn_attention", "cudnn_attention_bwd", "cudnn_attention_fwd"]

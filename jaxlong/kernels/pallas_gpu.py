@@ -63,7 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxlong.core.ordering import varying_axes
-from jaxlong.layers.remat import keep_attention_residuals
+from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels.blockwise import segment_starts
 from jaxlong.kernels.layout import check_qkv, pallas_head_dim_ok
 

@@ -16,13 +16,14 @@ Keeping attention (`remat.keep_attention=N`, with `full` or `offload`): the firs
 attention output and its log-sum-exp (the softmax statistic of every query row), in pinned host memory
 (`remat.keep_attention_memory=host`) or on the device. Every differentiable attention op (the kernels' own
 `custom_vjp`s under Ulysses, ring attention's, U-Pipe's) tags the two tensors of its saved residuals
-(`keep_attention_residuals`); the policy keeps them, so the backward's recomputation of the layer finds them
-and its attention forward (a function of q, k, v whose outputs are all kept) is dead code: each kept layer
-runs attention forward once per step instead of twice, and the kernel's backward takes the kept output and
-lse (FlashAttention-2, arXiv 2307.08691, Alg. 2 needs only q, k, v, out, lse and dout). The attention output
-is `[b, S/C, heads, head_dim]` per device, the size of the layer input when heads x head_dim = hidden; the
-lse is `[b, heads/C, S]` float32. The recomputation still projects q, k, v (cheap, and the backward needs
-them). MEMO (arXiv 2407.12117) and FPDT (arXiv 2408.16978) keep attention's results the same way.
+(`jaxlong.core.kept.keep_attention_residuals`); the policy keeps them, so the backward's recomputation of the
+layer finds them and its attention forward (a function of q, k, v whose outputs are all kept) is dead code:
+each kept layer runs attention forward once per step instead of twice, and the kernel's backward takes the kept
+output and lse (FlashAttention-2, arXiv 2307.08691, Alg. 2 needs only q, k, v, out, lse and dout). The output
+is `[b, S/C, heads, head_dim]` per device, the size of the layer input when heads x head_dim = hidden; the lse
+is `[b, heads/C, S]` float32. The recomputation still projects q, k, v (cheap, and the backward needs them).
+MEMO (arXiv 2407.12117) and FPDT (arXiv 2408.16978) keep attention's results the same way. With U-Pipe the
+policy keeps the op's output buffer, so the op does not move it to the host itself (`offloads_attention_output`).
 
 Grouped (hierarchical) checkpointing, `remat.offload_every=k` with `offload` (`scan_layers`): the layer scan
 runs over groups of k layers and only each group's input stays in host memory for the whole step. The backward
@@ -45,17 +46,13 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxlong.core.errors import ConfigError
+from jaxlong.core.kept import KEPT_NAMES
 
 RematPolicy = Literal["none", "full", "save_dots", "offload", "custom"]  # `remat.policy`
 POLICIES = get_args(RematPolicy)
 
 LAYER_INPUT = "layer_input"
 GROUP_INPUT = "group_input"  # [b, s, hidden] the input of a group of `remat.offload_every` layers
-# What `remat.keep_attention` keeps: the attention output (before W_o, in the layout the kernel's backward takes)
-# and its log-sum-exp, tagged inside every attention op's custom_vjp forward (`keep_attention_residuals`).
-KEPT_OUTPUT = "kept_attention_output"
-KEPT_LSE = "kept_attention_lse"
-KEPT_NAMES = (KEPT_OUTPUT, KEPT_LSE)
 KEEP_MEMORY = ("host", "device")  # `remat.keep_attention_memory`
 # The attention sublayer's tensors (tagged by the Ulysses sublayer; U-Pipe computes them inside its op).
 ATTENTION_NAMES = (
@@ -71,13 +68,6 @@ NAMES = (
     "mlp_norm_out",  # [b, s, hidden]; not with tiling.mlp (the tiles normalize their own tokens)
     "mlp_hidden",  # [b, s, mlp_hidden], silu(gate) * up; not with tiling.mlp (the tiles recompute it)
 )
-
-
-def keep_attention_residuals(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Tag an attention op's output and log-sum-exp (the residuals its backward takes besides q, k, v) so that
-    `remat.keep_attention` can keep them; identity otherwise. Call it in the op's `custom_vjp` forward rule on
-    the arrays it returns as residuals. Shapes are the op's (e.g. `[b, S, h, d]` and `[b, h, S]` per device)."""
-    return checkpoint_name(out, KEPT_OUTPUT), checkpoint_name(lse, KEPT_LSE)
 
 
 def make_policy(cfg, keep: bool = False):
@@ -239,15 +229,29 @@ def _scan_part(layer, x, stacked, cfg, group_params, keep: bool) -> jax.Array:
 
     cast = group_params or (lambda p: p)
 
+    # Kept attention under grouping. In host memory: the group keeps its layers' attention output and lse in host
+    # memory for the whole step (with its input), so neither the group's recomputation nor a layer's runs the
+    # attention forward again. Its k layers are then unrolled in the group (XLA cannot offload a residual that a
+    # scan nested in the group's scan stacks); each layer saves the kept tensors its group brought back to the
+    # device and offloads its input. On the device: the group saves them too, and its inner scan stays.
+    host_kept = keep and cfg.keep_attention_memory == "host"
+    layer_kept = jax.checkpoint(layer, policy=_save_offload(list(KEPT_NAMES), [LAYER_INPUT]), prevent_cse=False)
+
     def group(carry, params):
         carry = checkpoint_name(carry, GROUP_INPUT)
-        return jax.lax.scan(inner, carry, cast(params))[0], None
+        params = cast(params)
+        if host_kept:
+            for i in range(jax.tree.leaves(params)[0].shape[0]):
+                carry = layer_kept(carry, jax.tree.map(lambda a: a[i], params))[0]
+            return carry, None
+        return jax.lax.scan(inner, carry, params)[0], None
 
-    # Host-kept attention: the group's recomputation runs its layers' attention forward again and offloads what
-    # each layer keeps, one group at a time (XLA cannot offload a residual of the inner remat a second time);
-    # device-kept: the group keeps its layers' attention too, and its recomputation skips the kernel as well.
-    device_kept = keep and cfg.keep_attention_memory == "device"
-    outer_policy = _save_offload(list(KEPT_NAMES), [GROUP_INPUT]) if device_kept else _offload_only(GROUP_INPUT)
+    if host_kept:
+        outer_policy = _save_offload([], [GROUP_INPUT, *KEPT_NAMES])
+    elif keep:
+        outer_policy = _save_offload(list(KEPT_NAMES), [GROUP_INPUT])
+    else:
+        outer_policy = _offload_only(GROUP_INPUT)
     outer = jax.checkpoint(group, policy=outer_policy, prevent_cse=False)
     n = jax.tree.leaves(stacked)[0].shape[0]
     groups, rest = divmod(n, k)

@@ -80,10 +80,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import RING_AXIS
+from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels import cudnn as cudnn_kernel
 from jaxlong.kernels import pallas_gpu as pallas_kernel
 from jaxlong.kernels.blockwise import blockwise_attention_bwd, blockwise_attention_fwd, segment_starts
-from jaxlong.layers.remat import keep_attention_residuals
 
 _F32 = jnp.float32
 

@@ -99,9 +99,10 @@ from jax.sharding import PartitionSpec as P
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, axis_size, seq_axes
 from jaxlong.core.ordering import opaque_one, zeros_after
+from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels.backend import attention_bwd, attention_fwd_with_lse, resolve_backend
 from jaxlong.layers import blocks as L
-from jaxlong.layers.remat import ATTENTION_NAMES, keep_attention_residuals
+from jaxlong.layers.remat import ATTENTION_NAMES
 from jaxlong.parallel.ring import add_rounded, ring_attention_bwd, ring_attention_fwd, zigzag_positions
 from jaxlong.parallel.ulysses import check_heads, ulysses_attention
 
