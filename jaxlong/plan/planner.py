@@ -131,7 +131,7 @@ def _host_residual_bytes(cfg: Config, mesh) -> int:
     the backward pass moves to the host one group at a time (`jaxlong.layers.remat.host_layer_inputs`); with
     U-Pipe and `remat.policy=offload` plus one layer's output buffer (`offloads_attention_output`); with
     `remat.keep_attention` in host memory, the kept layers' attention output and float32 lse (the jaxpr's
-    residuals; under grouping, one group's layers at a time)."""
+    residuals)."""
     keep = min(cfg.remat.keep_attention, cfg.model.layers) if cfg.remat.keep_attention_memory == "host" else 0
     if not keep and (cfg.remat.policy not in ("offload", "custom")
                      or (cfg.remat.policy == "custom" and not cfg.remat.offload)):
@@ -152,8 +152,8 @@ def _host_residual_bytes(cfg: Config, mesh) -> int:
     b = batch["inputs"].shape[0]
     kept_layer = b * cfg.seq_len * cfg.model.heads * (cfg.model.head_dim * _itemsize(res) + 4)  # output, f32 lse
     if cfg.remat.policy == "offload" and k > 1:  # the saved ones are the ceil(L/k) group inputs
-        # the kept attention of a group's layers is made by the group's recomputation: one group's at a time
-        host = host // -(-layers // k) * host_layer_inputs(layers, k) + min(keep, k) * kept_layer
+        inputs = max(host - keep * kept_layer, 0)  # the rest are the kept layers' attention, for the whole step
+        host = inputs // -(-layers // k) * host_layer_inputs(layers, k) + keep * kept_layer
     if cfg.attention.impl == "upipe" and offloads_attention_output(cfg.remat, keep == layers):
         # U-Pipe's output buffer `[b, S, H, d]` of the layer in its backward (not a remat residual: the op
         # moves it itself), in the residuals' dtype
