@@ -44,6 +44,9 @@ def describe(overrides: str) -> str:
     if o.get("tiling.mlp") == "true":
         tiles = int(o.get("tiling.mlp_tiles", "0"))  # 0: the default count (ALST's)
         parts.append("tiled MLP" + (f" ({tiles} tiles)" if tiles else ""))
+    keep = int(o.get("remat.keep_attention", "0"))
+    if keep:
+        parts.append(f"attention kept in {keep} layers")
     return ", ".join(parts)
 
 
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the Markdown file to write")
     ap.add_argument("--config", default="configs/llama3_1_8b.yaml", help="the searches' config (for the commands)")
     ap.add_argument("--target", default="h100", help="the searches' --target (for the commands)")
+    ap.add_argument("--max-compiles", type=int, default=40, help="the searches' --max-compiles (for the commands)")
     ap.add_argument("--stem", default="experiments/results/fit_llama3.1-8b",
                     help="the JSON files' path before `_<seq_len>_<target>.json` (for the commands)")
     args = ap.parse_args(argv)
@@ -133,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
            "```bash",
            "for s in " + " ".join(str(d["seq_len"]) for d in runs) + "; do",
            f"  python -m jaxlong.memory --fit --target {args.target} --config {args.config} seq_len=$s \\",
-           f"      --max-compiles 40 --out {args.stem}_${{s}}_{args.target}.json",
+           f"      --max-compiles {args.max_compiles} --out {args.stem}_${{s}}_{args.target}.json",
            "done",
            f"python experiments/fit_report.py {args.stem}_*_{args.target}.json \\",
            f"    --out {args.out}",
