@@ -1,20 +1,31 @@
 """Does a model trained on one RULER task family solve it, and where does it fail with length? Train a tiny Llama
-from scratch on the CPU on a mix of corpus text and generated `niah_single_1` cases (a single needle "One of the
-special magic numbers for KEY is: VALUE." in repeated filler, the question naming KEY; the answer the 7-digit
-VALUE), then score the suite with the eval command at the training length and beyond.
+from scratch on the CPU on a mix of corpus text and generated needle-in-a-haystack cases (RULER's NIAH family:
+needles "One of the special magic numbers for KEY is: VALUE." in repeated filler, the question naming the key(s);
+the answer the 7-digit value(s)), then score `niah_single_1` with the eval command at the training length and
+beyond.
 
-1. Corpus: `--cases` training cases (`jaxlong.evaluation.ruler.make_cases`, seeds other than the eval's) at lengths
-   drawn from `--case-lengths` (byte-level, so that a case with BOS and EOS fits one `seq_len` sequence), as
-   `{"text": ...}` lines, mixed with `--corpus-docs` documents of the default corpus (the Python standard library's
-   sources, each cut to `--corpus-chars` characters), shuffled, written to `<work>/corpus.jsonl`.
-2. `python -m jaxlong.train` on it (a tiny Llama, byte-level, one device) with RULER validation every `eval_every`
-   steps (`ruler_tasks`, `ruler_lengths`, `ruler_cases`).
-3. `python -m jaxlong.eval <run> --ruler --ruler-tasks ... --ruler-lengths ... --ruler-cases ...`.
+Two ways to train, one scoring:
 
+* Default: `python -m jaxlong.train` (the product's trainer) on a corpus file: `--cases` cases of the `--mix`
+  tasks (`jaxlong.evaluation.ruler.make_cases`, seeds other than the eval's, each at a length drawn from its
+  range, byte-level so that a case with BOS and EOS fits one `seq_len` sequence) as `{"text": ...}` lines, mixed
+  with `--corpus-docs` documents of the default corpus (the Python standard library's sources, each cut to
+  `--corpus-chars` characters), shuffled, written to `<work>/corpus.jsonl`; RULER validation every `eval_every`
+  steps (`ruler_tasks`, `ruler_lengths`, `ruler_cases`). The trainer weighs every token alike, so the answer is
+  8 of ~470 tokens of a case.
+* `--copy-weight W`: the same model and optimizer through the library (`jaxlong.training.step`: the trainer's
+  compiled step, fed by this script): each batch `global_batch` cases of one `--mix` task at `seq_len` tokens, the
+  answer's tokens weighted W in the loss (the `mask` the step already takes as per-token weights), every
+  `--corpus-every`-th batch the standard library corpus as the trainer reads it; the parameters are saved as the
+  trainer's checkpoint (its config included), so the eval command reads the run unchanged.
+
+Then `python -m jaxlong.eval <run> --ruler --ruler-tasks niah_single_1 --ruler-lengths ... --ruler-cases ...`.
 Writes `<out>.md` (the commands, the machine, the times, the scores), `<out>.csv` and `<out>.png` (the eval's
 ruler.csv and ruler.png).
 
-  python experiments/ruler_demo.py                      # about 15 min on 2 shared cores
+  python experiments/ruler_demo.py --copy-weight 30 --steps 2400 --eval-every 200 --checkpoint-every 400
+                                                        # the result in experiments/results/ruler_demo.md
+  python experiments/ruler_demo.py                      # the trainer, unweighted (not learned in 2,000 steps)
   python experiments/ruler_demo.py --skip-train         # score the trained run again
 """
 
@@ -38,28 +49,57 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CPU demonstration (no CUDA probing)
 sys.path.insert(0, str(ROOT))
 
-MODEL = ["model.hidden=128", "model.layers=2", "model.heads=4", "model.kv_heads=4", "model.head_dim=32",
-         "model.mlp_hidden=384", "model.vocab_size=257", "model.rope_theta=10000"]
+
+def train_tasks():
+    """The training mix's tasks: `TASKS` plus NIAH variants with a filler haystack and several answers per case
+    (more values to copy per sequence than the single needle's one)."""
+    from jaxlong.evaluation import ruler
+
+    return {**ruler.TASKS,
+            "niah_multivalue_filler": ruler.Task("niah_multivalue_filler", "niah", "filler", num_values=2),
+            "niah_multiquery_filler": ruler.Task("niah_multiquery_filler", "niah", "filler", num_queries=2),
+            "niah_single_uuids": ruler.Task("niah_single_uuids", "niah", "filler", values="uuids"),
+            "niah_single_uuid_keys": ruler.Task("niah_single_uuid_keys", "niah", "filler", keys="uuids",
+                                                values="uuids")}
+
+
+def model_keys(args) -> list[str]:
+    """The tiny Llama: hidden 128, head_dim 32, byte-level."""
+    return ["model.hidden=128", f"model.layers={args.layers}", f"model.heads={args.heads}",
+            f"model.kv_heads={args.heads}", "model.head_dim=32", "model.mlp_hidden=384", "model.vocab_size=257",
+            "model.rope_theta=10000"]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", default="niah_single_1")
-    p.add_argument("--cases", type=int, default=6000, help="training cases")
-    p.add_argument("--case-lengths", default="380,430,470,505", help="training case lengths (tokens)")
-    p.add_argument("--corpus-docs", type=int, default=600, help="corpus documents mixed in")
+    p.add_argument("--task", default="niah_single_1", help="the task scored")
+    p.add_argument("--mix", default="niah_single_1:360-505,niah_multivalue_filler:440-505,"
+                                    "niah_multiquery_filler:475-505",
+                   help="training tasks, each TASK:MIN-MAX (case lengths in tokens, drawn uniformly), equal counts")
+    p.add_argument("--cases", type=int, default=20000, help="training cases (all tasks together)")
+    p.add_argument("--corpus-docs", type=int, default=300, help="corpus documents mixed in")
     p.add_argument("--corpus-chars", type=int, default=1500)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--checkpoint-every", type=int, default=500, help="0: at the end only")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--lengths", default="512,1024,2048,4096", help="--ruler-lengths of the final evaluation")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--eval-every", type=int, default=500)
+    p.add_argument("--lengths", default="512,768,1024,2048,4096", help="--ruler-lengths of the final evaluation")
     p.add_argument("--eval-cases", type=int, default=20, help="--ruler-cases of the final evaluation")
     p.add_argument("--work", default="runs/ruler_demo", help="run directory root (corpus and run)")
     p.add_argument("--out", default="experiments/results/ruler_demo")
     p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--copy-weight", type=float, default=0.0,
+                   help="> 0: train through the library (`jaxlong.training.step`) instead of `python -m "
+                        "jaxlong.train`, on cases generated at `--seq-len` with the answer's tokens weighted this "
+                        "much in the loss (the trainer weighs every token alike), every `--corpus-every`-th batch "
+                        "corpus text; the run is saved as the trainer's checkpoint, so the eval command reads it")
+    p.add_argument("--corpus-every", type=int, default=8, help="with --copy-weight: every k-th batch is corpus")
     p.add_argument("--resume-to", type=int, default=0,
                    help="continue the trained run to this many steps (`--resume-with-changes steps=N`: the cosine "
                         "schedule is stretched to N), then score it")
@@ -71,12 +111,15 @@ def build_corpus(args, path: Path) -> dict:
     from jaxlong.evaluation import ruler
 
     tok = data.get_tokenizer("byte")
-    lengths = [int(x) for x in args.case_lengths.split(",")]
+    tasks = train_tasks()
+    mix = [(name, *map(int, span.split("-"))) for name, span in (x.split(":") for x in args.mix.split(","))]
     rng = np.random.default_rng(1234)
-    texts, per = [], -(-args.cases // len(lengths))
-    for i, n in enumerate(lengths):  # seeds 1000+: the eval's cases use seed = the run's seed (0)
-        for c in ruler.make_cases(args.task, tok, n, per, seed=1000 + i):
-            texts.append(bytes(c.tokens[1:].astype(np.uint8).tolist()).decode())  # without BOS: the trainer adds it
+    texts, per = [], -(-args.cases // len(mix))
+    for t, (name, lo, hi) in enumerate(mix):  # seeds 1000+: the eval's cases use seed = the run's seed (0)
+        lengths = rng.integers(lo, hi + 1, size=per)
+        for n in np.unique(lengths):
+            for c in ruler.make_cases(tasks[name], tok, int(n), int(np.sum(lengths == n)), seed=1000 + 1000 * t):
+                texts.append(bytes(c.tokens[1:].astype(np.uint8).tolist()).decode())  # no BOS: the trainer adds it
     source = data.DocumentSource(None)
     picks = rng.choice(len(source), size=min(args.corpus_docs, len(source)), replace=False)
     corpus = [source[int(i)][:args.corpus_chars] for i in picks]
@@ -91,6 +134,74 @@ def build_corpus(args, path: Path) -> dict:
             "case_bytes": sum(len(t.encode()) for t in texts)}
 
 
+def copy_weights(case, pieces, weight: float) -> np.ndarray:
+    """float32 `[length]` loss weights of one NIAH case: `weight` on the targets that copy from earlier in the
+    sequence (the answer, and every mention of an asked key after the haystack: the question names it, then the
+    answer's lead-in repeats it), 1 elsewhere. The needles themselves are random, so unpredictable: weight 1."""
+    targets = case.tokens[1:]
+    w = np.ones(targets.shape, np.float32)
+    w[case.answer] = weight
+    end = case.context[1]  # input index where the question starts
+    for key in case.query:
+        sub = pieces.slot(key)
+        for p in range(end, targets.size - sub.size + 1):
+            if np.array_equal(targets[p:p + sub.size], sub):
+                w[p:p + sub.size] = weight
+    return w
+
+
+def train_weighted(args, overrides: list[str], log: Path) -> float:
+    """Train through the library with the answers weighted (`--copy-weight`); writes the checkpoint of the last step
+    under `<run_dir>/<run_name>/checkpoints` with the run's config, as `python -m jaxlong.train` would; returns the
+    wall time (s). Batches: one task of `--mix` per batch (in turn), `global_batch` cases at `seq_len` tokens
+    (seeds 100000+, needle depths spread over each batch), loss weights `copy_weights`; every `--corpus-every`-th batch the run's corpus (`data.path`) as the trainer reads it."""
+    import jax
+
+    from jaxlong import data
+    from jaxlong.config import load_config, to_dict
+    from jaxlong.core.mesh import build_mesh
+    from jaxlong.evaluation import passkey_batch, ruler
+    from jaxlong.training import step as step_lib
+    from jaxlong.evaluation.ruler.words import Pieces
+    from jaxlong.training.checkpoint import Checkpointer
+
+    cfg = load_config(None, overrides)
+    mesh, tok, tasks = build_mesh(cfg.mesh), data.get_tokenizer(cfg.data.tokenizer), train_tasks()
+    names = [x.split(":")[0] for x in args.mix.split(",")]
+    corpus, pieces = data.batch_iterator(cfg, tok), Pieces(tok)
+    suite = ruler.RulerSuite([args.task], [cfg.seq_len], 8, cfg.seed)
+    t0 = time.time()
+    state, train_step = step_lib.init_state(cfg, mesh), step_lib.compile_train_step(cfg, mesh)
+    ckpt = Checkpointer(Path(cfg.run_dir) / cfg.run_name / "checkpoints", every=cfg.checkpoint_every,
+                        keep=cfg.keep_checkpoints, final_step=cfg.steps)
+    with open(log, "w") as f:
+        def say(line):
+            print(line, flush=True)
+            f.write(line + "\n")
+            f.flush()
+
+        for i in range(1, cfg.steps + 1):
+            if i % args.corpus_every == 0:
+                batch = next(corpus)
+            else:
+                cases = ruler.make_cases(tasks[names[i % len(names)]], tok, cfg.seq_len, cfg.global_batch,
+                                         seed=100_000 + i)
+                batch = passkey_batch(cases)
+                batch["mask"] = np.stack([copy_weights(c, pieces, args.copy_weight) for c in cases])
+            state, metrics = jax.block_until_ready(train_step(state, step_lib.put_batch(batch, mesh)))
+            if i % cfg.log_every == 0:
+                say(f"step {i}: loss {float(metrics['loss']):.4f} ({(time.time() - t0) / 60:.1f} min)")
+            if i % cfg.eval_every == 0 or i == cfg.steps:
+                rows = ruler.evaluate_ruler(cfg, mesh, state["params"], tok, suite)
+                say(f"step {i}: ruler " + ", ".join(f"{r['task']}@{r['length']} {r['correct']}/{r['cases']}"
+                                                    for r in rows))
+            if ckpt.should_save(i) or i == cfg.steps:
+                ckpt.save(state, to_dict(cfg), force=True)
+        ckpt.wait()
+        ckpt.close()
+    return time.time() - t0
+
+
 def run(cmd: list[str], log: Path) -> float:
     print("$", shlex.join(cmd), flush=True)
     t0 = time.time()
@@ -103,8 +214,9 @@ def run(cmd: list[str], log: Path) -> float:
 
 
 def answer_tokens_right(run_dir: Path, step: int, task: str, lengths: list[int], n: int) -> dict[int, float]:
-    """The fraction of answer tokens whose argmax is right (each teacher-forced on the right earlier ones), over
-    the eval's cases at each length: how close the model comes when whole answers fail (chance 0.1 per digit)."""
+    """The fraction of the value's digits whose argmax is right (each teacher-forced on the right earlier ones;
+    the answer's leading space, the same in every case, left out), over the eval's cases at each length: how close
+    the model comes when whole answers fail (chance 0.1 per digit)."""
     from jaxlong.config import from_dict
     from jaxlong.core.mesh import build_mesh
     from jaxlong.data import get_tokenizer
@@ -123,7 +235,8 @@ def answer_tokens_right(run_dir: Path, step: int, task: str, lengths: list[int],
             rows = cases[s:s + size]
             batch = passkey_batch(rows + [rows[-1]] * (size - len(rows)))
             argmax = stats(params, batch)[1]
-            right += [np.mean(argmax[k, c.answer] == batch["targets"][k, c.answer]) for k, c in enumerate(rows)]
+            right += [np.mean(argmax[k, c.answer[1:]] == batch["targets"][k, c.answer[1:]])
+                      for k, c in enumerate(rows)]
         out[length] = float(np.mean(right))
     return out
 
@@ -134,11 +247,11 @@ def main(argv=None):
     run_name = "run"
     train_cmd = [sys.executable, "-m", "jaxlong.train", f"run_dir={work}", f"run_name={run_name}",
                  f"data.path={work / 'corpus.jsonl'}", "data.tokenizer=byte", f"seq_len={args.seq_len}",
-                 f"global_batch={args.batch}", f"steps={args.steps}", f"optim.lr={args.lr}", "optim.warmup_steps=30",
+                 f"global_batch={args.batch}", f"steps={args.steps}", f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup}",
                  "mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1", "log_every=10",
-                 f"checkpoint_every={args.steps}", f"eval_every={args.eval_every}", "eval_batches=1",
+                 f"checkpoint_every={args.checkpoint_every or args.steps}", "keep_checkpoints=100", f"eval_every={args.eval_every}", "eval_batches=1",
                  "eval_fraction=0.02", f"ruler_tasks=[{args.task}]", f"ruler_lengths=[{args.seq_len}]",
-                 "ruler_cases=8", *MODEL]
+                 "ruler_cases=8", *model_keys(args)]
     eval_cmd = [sys.executable, "-m", "jaxlong.eval", str(work / run_name), "--ruler", "--ruler-tasks", args.task,
                 "--ruler-lengths", args.lengths, "--ruler-cases", str(args.eval_cases), "--no-passkey",
                 "--batches", "1"]
@@ -151,6 +264,14 @@ def main(argv=None):
         args.steps = args.resume_to
         t_train = run(train_cmd, work / "train_resume.log")
         print(f"trained on in {t_train / 60:.1f} min", flush=True)
+    elif args.copy_weight:
+        if work.exists():
+            shutil.rmtree(work)
+        work.mkdir(parents=True)
+        overrides = [a for a in train_cmd[3:] if not a.startswith(("data.path=", "ruler_", "eval_"))]
+        t_train = train_weighted(args, [*overrides, f"eval_every={args.eval_every}"], work / "train.log")
+        train_cmd = []
+        print(f"trained in {t_train / 60:.1f} min", flush=True)
     elif not args.skip_train:
         if work.exists():
             shutil.rmtree(work)
@@ -168,33 +289,38 @@ def main(argv=None):
     shutil.copy(step_dir / "ruler.csv", out.with_suffix(".csv"))
     shutil.copy(step_dir / "ruler.png", out.with_suffix(".png"))
     train_log = "".join((work / f).read_text() for f in ("train.log", "train_resume.log") if (work / f).exists())
-    during = [line for line in train_log.splitlines() if "ruler" in line.lower() and line.startswith("step ")]
+    during = [line for line in train_log.replace("\r", "\n").splitlines()
+              if line.startswith("step ") and ("ruler" in line or "eval loss" in line)]
     rows = summary["ruler"]["rows"]
     lengths = [r["length"] for r in rows]
     digits = answer_tokens_right(work / run_name, args.steps, args.task, lengths, args.eval_cases)
     load = os.getloadavg()
     md = [f"# RULER {args.task}: a tiny Llama trained on the task, scored by length", "",
           "Commands:", "", "```", shlex.join(["python", "experiments/ruler_demo.py", *(argv or sys.argv[1:])]),
-          "# which runs", shlex.join(["python", *train_cmd[1:]]), shlex.join(["python", *eval_cmd[1:]]), "```", "",
+          "# which runs", (shlex.join(["python", *train_cmd[1:]]) if train_cmd else
+                           "# (training through the library: train_weighted, --copy-weight)"),
+          shlex.join(["python", *eval_cmd[1:]]), "```", "",
           f"Machine: {platform.machine()} ({platform.processor() or 'CPU'}), 2 cores shared with other jobs (load "
           f"average {load[0]:.1f} at the end), one CPU device; started {started:%Y-%m-%d %H:%M} UTC.", "",
-          f"Model: {', '.join(MODEL)}; byte-level; seq_len {args.seq_len}, batch {args.batch}, {args.steps} steps, "
-          f"AdamW lr {args.lr} (30 warmup steps, cosine decay)." if not args.skip_train else "", "",
-          (f"Corpus: {stats['cases']} `{args.task}` cases at lengths {args.case_lengths} (seeds 1000+, not the "
-           f"eval's), mixed with {stats['corpus_docs']} documents of the Python standard library's sources (first "
-           f"{args.corpus_chars} characters each); {stats['bytes']} bytes, {100 * stats['case_bytes'] / stats['bytes']:.0f}% "
-           f"of them in cases.") if stats else "", "",
-          f"Time: training {t_train / 60:.1f} min wall" if t_train else "Time: (training not rerun)",
-          f"; final evaluation {t_eval / 60:.1f} min wall.", "",
+          (f"Model: {', '.join(model_keys(args))}; byte-level; seq_len {args.seq_len}, batch {args.batch}, "
+           f"{args.steps} steps, AdamW lr {args.lr} ({args.warmup} warmup steps, cosine decay to 0.1x).")
+          if not args.skip_train else "", "",
+          (f"Corpus: {stats['cases']} generated cases, equal numbers of each `--mix` entry ({args.mix}: task and "
+           f"case lengths in tokens; seeds 1000+, not the eval's), mixed with {stats['corpus_docs']} documents of "
+           f"the Python standard library's sources (first {args.corpus_chars} characters each); {stats['bytes']} "
+           f"bytes, {100 * stats['case_bytes'] / stats['bytes']:.0f}% of them in cases.") if stats else "", "",
+          (f"Time: training {t_train / 60:.1f} min wall" if t_train else "Time: (training not rerun)")
+          + f"; final evaluation {t_eval / 60:.1f} min wall.", "",
           f"Final scores, teacher-forced exact match of the 7-digit value, {args.eval_cases} cases per length (needle "
           "depths evenly spread), chance about 1e-7:", "",
           "| task | " + " | ".join(str(r["length"]) for r in rows) + " |",
           "|---|" + "---|" * len(rows),
           f"| {args.task} | " + " | ".join(f"{r['correct']}/{r['cases']} ({100 * r['score']:.0f}%)" for r in rows) + " |",
-          "| answer digits right (chance 0.10) | " + " | ".join(f"{digits[n]:.2f}" for n in lengths) + " |",
+          "| value digits right (chance 0.10) | " + " | ".join(f"{digits[n]:.2f}" for n in lengths) + " |",
           "", f"![RULER grid]({out.with_suffix('.png').name})", ""]
     if during:
-        md += ["RULER validation during training (8 cases at the training length, `ruler_*` config keys):", "",
+        md += ["Validation during training (held-out loss; RULER `niah_single_1`, 8 cases at the training length, the "
+               "`ruler_*` config keys):", "",
                "```", *during, "```", ""]
     md += ["Eval output:", "", "```", *[ln for ln in eval_log.splitlines() if not ln.startswith("eval:")][-25:],
            "```", ""]
