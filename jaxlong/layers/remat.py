@@ -209,7 +209,7 @@ def scan_layers(layer, x: jax.Array, stacked, cfg, group_params=None, keep_layer
     Returns the output of the last layer `[batch, seq, hidden]`.
     """
     n = jax.tree.leaves(stacked)[0].shape[0]
-    keep = min(getattr(cfg, "keep_attention", 0), n) if cfg.policy in ("full", "offload") else 0
+    keep = min(cfg.keep_attention, n) if cfg.policy in ("full", "offload") else 0
     if not keep:
         return _scan_part(layer, x, stacked, cfg, group_params, keep=False)
     if keep == n:
@@ -232,17 +232,16 @@ def _scan_part(layer, x, stacked, cfg, group_params, keep: bool) -> jax.Array:
     # Kept attention under grouping. In host memory: the group keeps its layers' attention output and lse in host
     # memory for the whole step (with its input), so neither the group's recomputation nor a layer's runs the
     # attention forward again. Its k layers are then unrolled in the group (XLA cannot offload a residual that a
-    # scan nested in the group's scan stacks); each layer saves the kept tensors its group brought back to the
-    # device and offloads its input. On the device: the group saves them too, and its inner scan stays.
+    # scan nested in the group's scan stacks), each under the layer's own policy. On the device: the group saves
+    # them too, and its inner scan stays.
     host_kept = keep and cfg.keep_attention_memory == "host"
-    layer_kept = jax.checkpoint(layer, policy=_save_offload(list(KEPT_NAMES), [LAYER_INPUT]), prevent_cse=False)
 
     def group(carry, params):
         carry = checkpoint_name(carry, GROUP_INPUT)
         params = cast(params)
         if host_kept:
             for i in range(jax.tree.leaves(params)[0].shape[0]):
-                carry = layer_kept(carry, jax.tree.map(lambda a: a[i], params))[0]
+                carry = inner(carry, jax.tree.map(lambda a: a[i], params))[0]
             return carry, None
         return jax.lax.scan(inner, carry, params)[0], None
 
