@@ -27,11 +27,6 @@ LAYOUTS = {
                                 "hand", "slurm"),
     "ring-spans-batch2": (["mesh.ring=2", "mesh.context=4", "global_batch=2"], "hand", "hand"),
     "context-spans-batch1": (["mesh.ring=1", "mesh.context=8", "global_batch=1"], "slurm", "hand"),
-    # the other attention x global_batch pairs of the same two layouts
-    "ring-spans-batch1": (["mesh.ring=2", "mesh.context=4", "global_batch=1"], "slurm", "hand"),
-    "upipe-ring-spans-batch2": (["mesh.ring=2", "mesh.context=4", "attention.impl=upipe", "global_batch=2"],
-                                "hand", "hand"),
-    "context-spans-batch2": (["mesh.ring=1", "mesh.context=8", "global_batch=2"], "hand", "slurm"),
 }
 EVAL = ["--lengths", "128", "--depths", "0.5", "--per-cell", "2"]  # one passkey cell at the training length
 
@@ -52,7 +47,12 @@ def test_any_axis_across_processes_trains_resumes_and_evaluates_like_one(tmp_pat
     """Two processes of 4 devices with ring, or context, spanning them (every process builds every row and places
     its sequence slices): 2 steps, a checkpoint, a resume to step 3 in two processes and `python -m jaxlong.eval` in
     two processes give the losses, validation loss and evaluation of one process of 8 devices on the same mesh."""
-    overrides, first, then = LAYOUTS[layout]
+    check_layout(tmp_path, layout, *LAYOUTS[layout])
+
+
+def check_layout(tmp_path: Path, layout: str, overrides: list[str], first: str, then: str):
+    """The test above for one layout: `overrides` (mesh, attention, batch), `first` the launcher of the first run,
+    `then` that of the resume and the evaluation ("hand" or "slurm")."""
     args = [*ACROSS, *overrides, f"run_dir={tmp_path}"]
     ref = _launch([*args, "steps=3", "run_name=one"], 1)
     _ok(ref)

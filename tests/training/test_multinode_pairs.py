@@ -1,0 +1,23 @@
+"""The other attention x global_batch pairs of test_multinode's two layouts (ring, or context, spanning two processes of
+4 simulated CPU devices each), checked the same way; a file of their own, so that the slow tier's workers run the
+two halves side by side."""
+
+import pytest
+from test_multinode import check_layout
+
+# layout: (overrides, the launcher of the first run, the launcher of the resume and the evaluation)
+PAIRS = {
+    "ring-spans-batch1": (["mesh.ring=2", "mesh.context=4", "global_batch=1"], "slurm", "hand"),
+    "upipe-ring-spans-batch2": (["mesh.ring=2", "mesh.context=4", "attention.impl=upipe", "global_batch=2"],
+                                "hand", "hand"),
+    "context-spans-batch2": (["mesh.ring=1", "mesh.context=8", "global_batch=2"], "hand", "slurm"),
+}
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(PAIRS))
+def test_more_layouts_train_resume_and_evaluate_like_one(tmp_path, layout):
+    """Two processes, ring or context spanning them, with the attention and batch pairs test_multinode does not
+    run: the same losses, validation loss and evaluation as one process of 8 devices."""
+    check_layout(tmp_path, layout, *PAIRS[layout])
