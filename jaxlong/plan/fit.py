@@ -13,15 +13,16 @@ floating-point order):
   attention   Ulysses, then U-Pipe with heads per stage U from H down to C (the values `check_upipe_schedule`
               allows): fewer heads per stage, less attention memory, more stages.
   remat       none, save_dots, full, offload (layer inputs in pinned host memory), grouped offload (one layer
-              input per group of `remat.offload_every` layers on the host, `jaxlong.layers.remat`; only for models
-              where grouping saves host memory). Grouped offload needs slightly more device memory than offload
+              input per group of `remat.offload_every` layers on the host, `jaxlong.layers.remat`; groups of 2
+              and of `default_offload_every`, where grouping saves host memory: `offload_groupings`). Grouped offload needs slightly more device memory than offload
               (a group's recompute), so the device order of its level is approximate: it exists to pass the host
               budget, which prunes nothing.
   tiled loss  off, on (`tiling.loss_tile` derived from its byte budget).
   tiled MLP   off, ALST's tile count, 4x as many tiles.
   kept attention  with full and offload remat: every layer keeps its attention output and lse in host memory
               (`remat.keep_attention`: the backward does not run attention's forward again), as many layers as
-              the host budget leaves room for after the offloaded layer inputs (`keep_levels`), or none. Spends
+              the host budget leaves room for after the offloaded layer inputs of each offload level
+              (`keep_levels`), or none. Spends
               host memory for speed. With no remat and save_dots the dimension has one level (nothing to keep):
               the first with no remat (every residual is kept), the last with save_dots (attention recomputed).
 
@@ -62,7 +63,7 @@ from typing import Callable
 from jaxlong.config import Config, ConfigError, apply_setting, parse_override, validate
 from jaxlong.core.mesh import resolve_mesh_shape
 from jaxlong.core.units import fmt_gib
-from jaxlong.layers.remat import default_offload_every
+from jaxlong.layers.remat import default_offload_every, host_layer_inputs
 from jaxlong.layers.tiled import default_mlp_tiles
 from jaxlong.parallel.upipe import check_upipe_schedule
 from jaxlong.plan import planner
@@ -166,22 +167,41 @@ def mesh_splits(cfg: Config, devices_per_node: int, nodes: int) -> list[tuple[st
     return out
 
 
-def keep_levels(cfg: Config, host_budget: int | None) -> list[int]:
-    """Layers that keep their attention (`remat.keep_attention`), fastest first: every layer, then as many as fit
-    `host_budget` bytes per node beside the offloaded layer inputs, then none. Per node, a layer's kept attention
-    is its output `[b, S, heads, head_dim]` in the compute dtype and its float32 lse `[b, heads, S]` over the
-    node's share of the sequence; a layer input is `[b, S, hidden]` (the compile decides whether a candidate fits;
-    this only picks the count worth compiling)."""
+def kept_layers_that_fit(cfg: Config, host_budget: int, offload_every: int = 1) -> int:
+    """How many layers (0 to `model.layers`) can keep their attention (`remat.keep_attention`) within `host_budget`
+    bytes per node beside the layer inputs that `remat.policy=offload` with `remat.offload_every` puts on the host
+    (`host_layer_inputs`). Per node, a layer's kept attention is its output `[b, S, heads, head_dim]` in the compute
+    dtype and its float32 lse `[b, heads, S]` over the node's share of the sequence; a layer input is
+    `[b, S, hidden]`. An analytic count: the compile decides whether a candidate fits."""
     m, layers = cfg.model, cfg.model.layers
-    if host_budget is None:
-        return [layers, 0]
     nodes = max(cfg.mesh.num_devices // 8, 1)
     tokens = cfg.global_batch * cfg.seq_len / nodes  # per node: the sequence is split over the nodes (ring)
     itemsize = 2 if cfg.compute_dtype in ("bfloat16", "float16") else 4
     kept = tokens * m.heads * (m.head_dim * itemsize + 4)
-    inputs = tokens * m.hidden * itemsize * layers
-    some = int((host_budget - inputs) // kept) if kept else 0
-    return [layers, some, 0] if 0 < some < layers else [layers, 0]
+    inputs = tokens * m.hidden * itemsize * host_layer_inputs(layers, offload_every)
+    return max(0, min(layers, int((host_budget - inputs) // kept))) if kept else 0
+
+
+def keep_levels(cfg: Config, host_budget: int | None) -> list[int]:
+    """Layers that keep their attention (`remat.keep_attention`), fastest first: every layer, then as many as fit
+    `host_budget` bytes per node beside the offloaded layer inputs of each offload level the search tries (plain
+    offload, groups of 2, groups of `default_offload_every`; `kept_layers_that_fit`), then none. Grouping puts
+    fewer layer inputs on the host and so leaves room to keep more layers."""
+    layers = cfg.model.layers
+    if host_budget is None:
+        return [layers, 0]
+    some = {kept_layers_that_fit(cfg, host_budget, k) for k in offload_groupings(layers)}
+    return [layers, *sorted((n for n in some if 0 < n < layers), reverse=True), 0]
+
+
+def offload_groupings(layers: int) -> list[int]:
+    """The `remat.offload_every` values of the search's offload levels: 1 (every layer input on the host), 2 (the
+    smallest group: the least device memory for a group's recompute; with kept attention, the group's kept
+    outputs are on the device together in its backward) and `default_offload_every` (the fewest host inputs),
+    those that divide `layers` and save host memory."""
+    k = default_offload_every(layers)
+    return [1, *(g for g in sorted({2, k}) if 1 < g <= k and layers % g == 0 and
+                 host_layer_inputs(layers, g) < layers)]
 
 
 def dimension_levels(cfg: Config, host_budget: int | None = None) -> list[list[tuple[str, ...]]]:
@@ -198,9 +218,7 @@ def dimension_levels(cfg: Config, host_budget: int | None = None) -> list[list[t
             continue
         attention.append(("attention.impl=upipe", f"attention.heads_per_stage={u}"))
     remat = [(f"remat.policy={p}", "remat.offload_every=1") for p in REMAT_LEVELS]
-    k = default_offload_every(m.layers)
-    if k > 1:
-        remat.append(("remat.policy=offload", f"remat.offload_every={k}"))
+    remat += [("remat.policy=offload", f"remat.offload_every={k}") for k in offload_groupings(m.layers)[1:]]
     loss = [("tiling.loss=false", "tiling.loss_tile=0"), ("tiling.loss=true", "tiling.loss_tile=0")]
     mlp = [("tiling.mlp=false", "tiling.mlp_tiles=0"), ("tiling.mlp=true", "tiling.mlp_tiles=0")]
     s_local = cfg.seq_len // (ring * context)

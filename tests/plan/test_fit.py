@@ -339,3 +339,20 @@ def test_a_candidate_that_does_not_fit_says_nothing_about_another_heads_per_stag
     res = fit_lib.fit(cfg, None, budget=budget, host_budget=2048 * GiB, max_compiles=10**6, cost_model=model.cost,
                       plan_fn=model.plan, progress=False)
     assert res.winner["overrides"] == expected[0]
+
+
+def test_kept_attention_levels_count_what_each_offload_grouping_leaves_room_for():
+    """Llama-3.1-8B at 4M tokens on 8 GPUs with 1.5 TiB of host per node: a layer input and a layer's kept attention
+    (bf16 output + float32 lse) are 32 GiB and 32.25 GiB per node. Plain offload holds 32 inputs (room to keep 15
+    layers), groups of 2 hold 16 + 2 (29 layers), groups of 4 hold 8 + 4 (all 32): the search tries 32, 29, 15
+    and 0 kept layers, and groups of 2 and 4 as offload levels."""
+    cfg = load_config(str(ROOT / "configs/llama3_1_8b.yaml"), ["seq_len=4194304", "mesh.num_devices=8"])
+    budget = 1536 * GiB
+    assert fit_lib.offload_groupings(32) == [1, 2, 4]
+    assert [fit_lib.kept_layers_that_fit(cfg, budget, k) for k in (1, 2, 4)] == [15, 29, 32]
+    assert fit_lib.keep_levels(cfg, budget) == [32, 29, 15, 0]
+    remat = fit_lib.dimension_levels(cfg, budget)[1]
+    assert remat[-2:] == [("remat.policy=offload", "remat.offload_every=2"),
+                          ("remat.policy=offload", "remat.offload_every=4")]
+    assert fit_lib.keep_levels(cfg, None) == [32, 0]  # no host budget (CPU approximation): all or none
+    assert fit_lib.offload_groupings(4) == [1]  # 4 layers: groups of 2 hold 2 + 2 inputs, no fewer than 4
