@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
            f"      --max-compiles {args.max_compiles} --out {args.stem}_${{s}}_{args.target}.json",
            "done",
            f"python experiments/fit_report.py {args.stem}_*_{args.target}.json \\",
-           f"    --out {args.out}",
+           f"    --max-compiles {args.max_compiles} --stem {args.stem} --out {args.out}",
            "```",
            "",
            "| seq_len | compiles | winner | device total | host / node | est. tokens/s/GPU | recompute |",

@@ -7,8 +7,10 @@
 Each row is one GPU compile of the train step for compile-only devices (no GPU used) with `--estimate`'s roofline
 (`jaxlong.plan.cost.roofline`). The stacks are those of `estimate_llama3.1-8b_h100.md` (offload, tiled loss and
 MLP, 8-way Ulysses, FSDP over the node; U-Pipe with U = C); each keeps attention for every layer when the host
-budget holds it, else for as many layers as `jaxlong.plan.fit.keep_levels` leaves room for, and the compiled host
-bytes are checked against the budget. The rows without kept attention are read from
+budget holds it, else for as many layers as `jaxlong.plan.fit.kept_layers_that_fit` leaves room for, or with grouped offload
+(`remat.offload_every` = 2 or 4: fewer layer inputs on the host, room for more kept layers,
+`jaxlong.plan.fit.kept_layers_that_fit`) when that is faster and fits; the compiled host and device bytes are checked
+against the budgets. The rows without kept attention are read from
 `estimate_llama3.1-8b_h100.csv` (the same estimate, same target).
 """
 
@@ -27,9 +29,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin compiles for co
 from experiments.provenance import commit, machine  # noqa: E402
 from jaxlong.config import apply_setting, load_config, parse_override  # noqa: E402
 from jaxlong.core.units import GiB, parse_bytes  # noqa: E402
-from jaxlong.layers.remat import default_offload_every  # noqa: E402
 from jaxlong.plan import planner  # noqa: E402
-from jaxlong.plan.fit import keep_levels  # noqa: E402
+from jaxlong.plan.fit import kept_layers_that_fit, offload_groupings  # noqa: E402
 from jaxlong.plan.target import parse_target  # noqa: E402
 
 ALST = ["remat.policy=offload", "tiling.loss=true", "tiling.mlp=true"]
@@ -64,22 +65,21 @@ def main(argv=None) -> int:
         for impl, (label, extra) in STACKS.items():
             base = _cfg(args.config, seq, extra)
             base.mesh.num_devices = target.devices
-            keep = keep_levels(base, host_budget)
-            n = keep[0] if len(keep) == 2 else keep[1]
+            n = kept_layers_that_fit(base, host_budget, 1)
             t0 = time.perf_counter()
             p = planner.plan(_cfg(args.config, seq, [*extra, f"remat.keep_attention={n}"]), target, estimate=True)
             if p["host_per_node"] > host_budget and n > 1:  # the analytic count was generous: scale it down
                 n = max(1, int(n * host_budget / p["host_per_node"]) - 1)
                 p = planner.plan(_cfg(args.config, seq, [*extra, f"remat.keep_attention={n}"]), target, estimate=True)
             grouping = 1
-            if n < base.model.layers:  # every layer kept beside one layer input per group of k on the host
-                k = default_offload_every(base.model.layers)
-                q = planner.plan(_cfg(args.config, seq, [*extra, f"remat.offload_every={k}",
-                                                         f"remat.keep_attention={base.model.layers}"]),
-                                 target, estimate=True)
-                if planner.fits(q, target.device_memory, host_budget) and \
-                        q["estimate"]["step_seconds"] < p["estimate"]["step_seconds"]:
-                    p, n, grouping = q, base.model.layers, k
+            if n < base.model.layers:  # grouped offload: fewer layer inputs on the host, room to keep more layers
+                for k in offload_groupings(base.model.layers)[1:]:
+                    m = kept_layers_that_fit(base, host_budget, k)
+                    q = planner.plan(_cfg(args.config, seq, [*extra, f"remat.offload_every={k}",
+                                                             f"remat.keep_attention={m}"]), target, estimate=True)
+                    if planner.fits(q, target.device_memory, host_budget) and \
+                            q["estimate"]["step_seconds"] < p["estimate"]["step_seconds"]:
+                        p, n, grouping = q, m, k
             e = p["estimate"]
             old = before.get((seq, impl), {})
             paper = old.get("paper_tokens_per_s_per_gpu", "")
@@ -130,9 +130,9 @@ def write_markdown(path, rows, args, host_budget) -> None:
         f.write("Both stacks: `remat.policy=offload tiling.loss=true tiling.mlp=true`, 8-way Ulysses, FSDP over the node, "
                 "bf16 compute, cuDNN attention, batch 1, plus `remat.keep_attention=N` (host memory): N = 32 (every "
                 f"layer) where the host budget ({host_budget / GiB:,.0f} GiB per node) holds it; else the faster that fits of "
-                "the count `--fit` would try (`jaxlong.plan.fit.keep_levels`) and every layer kept with grouped offload "
-                "(`remat.offload_every=k`: one layer input per group of k on the host, the groups recomputed without "
-                "their attention). Head-calls: cuDNN attention calls per step "
+                "the count that fits beside plain offload (`jaxlong.plan.fit.kept_layers_that_fit`) and the count that fits beside grouped offload "
+                "(`remat.offload_every=k`, k = 2 and 4: one layer input per group of k on the host, the groups "
+                "recomputed without their attention; `kept_layers_that_fit`). Head-calls: cuDNN attention calls per step "
                 "weighted by their heads, forward / backward, counted in the compiled HLO.\n\n")
         f.write("| seq_len | stack | kept layers (grouping k) | total GiB/device | host GiB/node | recompute (before) | head-calls "
                 "fwd / bwd | est. tokens/s per GPU | before | × before | paper | × paper | est. MFU (before) |\n")
