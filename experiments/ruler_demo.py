@@ -100,6 +100,19 @@ def parse_args(argv=None):
                         "much in the loss (the trainer weighs every token alike), every `--corpus-every`-th batch "
                         "corpus text; the run is saved as the trainer's checkpoint, so the eval command reads it")
     p.add_argument("--corpus-every", type=int, default=8, help="with --copy-weight: every k-th batch is corpus")
+    p.add_argument("--bootstrap", type=int, default=0,
+                   help="with --copy-weight: the first N steps train on passkey documents at `--seq-len` (the "
+                        "eval's passkey probe, keys of 3-8 digits, the key's repeat inside the needle and the answer "
+                        "weighted): a copy ~15 tokens after its first occurrence, from which a copying circuit "
+                        "forms before the task's long copies")
+    p.add_argument("--passkey-every", type=int, default=0,
+                   help="with --copy-weight, after the bootstrap: every k-th task batch is passkey documents (0: none)")
+    p.add_argument("--repeats", type=int, default=0,
+                   help="with --copy-weight: the first N steps train on repeat documents (`repeat_batch`: random "
+                        "strings in filler, each repeated later, the repeats weighted): an induction head forms on "
+                        "them before the task's single copy")
+    p.add_argument("--repeats-every", type=int, default=0,
+                   help="with --copy-weight, after --repeats: every k-th task batch is repeat documents (0: none)")
     p.add_argument("--resume-to", type=int, default=0,
                    help="continue the trained run to this many steps (`--resume-with-changes steps=N`: the cosine "
                         "schedule is stretched to N), then score it")
@@ -150,6 +163,80 @@ def copy_weights(case, pieces, weight: float) -> np.ndarray:
     return w
 
 
+def passkey_weights(example, weight: float) -> np.ndarray:
+    """float32 loss weights of one passkey document: `weight` on the key's copies (its repeat inside the needle and
+    the answer), 1 elsewhere; the key's first occurrence is random, so unpredictable: weight 1."""
+    targets = example.tokens[1:]
+    digit = np.flatnonzero((targets >= 48) & (targets <= 57))
+    w = np.ones(targets.shape, np.float32)
+    w[digit[len(example.key):]] = weight
+    return w
+
+
+def repeat_batch(rng, length: int, rows: int, weight: float, strings: int | None = None) -> dict:
+    """A host batch `[rows, length]` of repeat documents, byte-level: RULER's filler sentences with `strings` random
+    strings (default one per 48 tokens) (3-10 characters of digits and lowercase letters) planted in the first half and each repeated once, in
+    another order, in the second; loss weight `weight` on each repeat's targets after its first character (those
+    an induction head predicts: the token that followed the previous occurrence of the current one), 1 elsewhere.
+    The copy that RULER's NIAH answers need (`...: 9607540` in the needle, `...: 9607540` in the answer) in its
+    plainest form."""
+    from jaxlong.evaluation import FILLER
+
+    strings = strings or max(3, length // 48)  # 10 at 512 tokens: up to 120 of the first half's 256 bytes
+    sentences = [" " + x.strip() + "." for x in FILLER.split(".") if x.strip()]
+    alphabet = np.frombuffer(b"0123456789abcdefghijklmnopqrstuvwxyz", np.uint8)
+
+    def filler(n):
+        out = b""
+        while len(out) < n:
+            out += sentences[rng.integers(len(sentences))].encode()
+        return out[:n]
+
+    inputs, targets, mask = [], [], []
+    for _ in range(rows):
+        words = [bytes(rng.choice(alphabet, size=int(rng.integers(3, 11)))) for _ in range(strings)]
+        half = length // 2
+        gaps = rng.multinomial(half - sum(len(w) + 2 for w in words), np.ones(strings + 1) / (strings + 1))
+        first = b"".join(filler(g) + b" " + w + b" " for g, w in zip(gaps, words)) + filler(gaps[-1])
+        order = rng.permutation(strings)
+        rest = length + 1 - 1 - len(first) - sum(len(words[j]) + 2 for j in order)
+        gaps = rng.multinomial(max(rest, 0), np.ones(strings + 1) / (strings + 1))
+        body, weights = bytearray(first), [1.0] * len(first)
+        for g, j in zip(gaps, order):
+            part = filler(g) + b" "
+            body += part + words[j] + b" "
+            weights += [1.0] * len(part) + [1.0] + [weight] * (len(words[j]) - 1) + [1.0]
+        body += filler(gaps[-1])
+        weights += [1.0] * gaps[-1]
+        tokens = np.array([256, *body[:length]], np.int32)  # BOS, then bytes
+        inputs.append(tokens[:-1])
+        targets.append(tokens[1:])
+        mask.append(np.array(weights[:length], np.float32)[:length])
+    b = len(inputs)
+    return {"inputs": np.stack(inputs), "targets": np.stack(targets), "mask": np.stack(mask),
+            "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy(),
+            "segment_ids": np.ones((b, length), np.int32)}
+
+
+def copies_right(stats, params, batch) -> float:
+    """The fraction of a repeat batch's weighted targets (the repeats' predictable characters) whose argmax is
+    right."""
+    argmax = stats(params, batch)[1]
+    w = batch["mask"] > 1
+    return float(np.mean(argmax[w] == batch["targets"][w]))
+
+
+def digits_right(stats, params, cases) -> float:
+    """The fraction of the answer's value digits (its leading space left out) whose argmax is right, each
+    teacher-forced on the right earlier ones, over `cases` (one batch)."""
+    from jaxlong.evaluation import passkey_batch
+
+    batch = passkey_batch(cases)
+    argmax = stats(params, batch)[1]
+    return float(np.mean([np.mean(argmax[k, c.answer[1:]] == batch["targets"][k, c.answer[1:]])
+                          for k, c in enumerate(cases)]))
+
+
 def train_weighted(args, overrides: list[str], log: Path) -> float:
     """Train through the library with the answers weighted (`--copy-weight`); writes the checkpoint of the last step
     under `<run_dir>/<run_name>/checkpoints` with the run's config, as `python -m jaxlong.train` would; returns the
@@ -160,7 +247,7 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
     from jaxlong import data
     from jaxlong.config import load_config, to_dict
     from jaxlong.core.mesh import build_mesh
-    from jaxlong.evaluation import passkey_batch, ruler
+    from jaxlong.evaluation import passkey_batch, passkey_example, random_key, ruler, token_stats
     from jaxlong.training import step as step_lib
     from jaxlong.evaluation.ruler.words import Pieces
     from jaxlong.training.checkpoint import Checkpointer
@@ -170,6 +257,9 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
     names = [x.split(":")[0] for x in args.mix.split(",")]
     corpus, pieces = data.batch_iterator(cfg, tok), Pieces(tok)
     suite = ruler.RulerSuite([args.task], [cfg.seq_len], 8, cfg.seed)
+    held_out = ruler.make_cases(tasks[args.task], tok, cfg.seq_len, cfg.global_batch, seed=cfg.seed)
+    stats = token_stats(cfg, mesh)
+    held_repeats = repeat_batch(np.random.default_rng(99), cfg.seq_len, cfg.global_batch, args.copy_weight)
     t0 = time.time()
     state, train_step = step_lib.init_state(cfg, mesh), step_lib.compile_train_step(cfg, mesh)
     ckpt = Checkpointer(Path(cfg.run_dir) / cfg.run_name / "checkpoints", every=cfg.checkpoint_every,
@@ -180,9 +270,21 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
             f.write(line + "\n")
             f.flush()
 
+        def passkey_docs(i):
+            examples = [passkey_example(tok.encode, cfg.seq_len, float(rng.random()),
+                                        random_key(rng, int(rng.integers(3, 9)))) for _ in range(cfg.global_batch)]
+            b = passkey_batch(examples)
+            b["mask"] = np.stack([passkey_weights(e, args.copy_weight) for e in examples])
+            return b
+
+        rng = np.random.default_rng(7)
         for i in range(1, cfg.steps + 1):
             if i % args.corpus_every == 0:
                 batch = next(corpus)
+            elif i <= args.repeats or (args.repeats_every and i % args.repeats_every == 0):
+                batch = repeat_batch(rng, cfg.seq_len, cfg.global_batch, args.copy_weight)
+            elif i <= args.repeats + args.bootstrap or (args.passkey_every and i % args.passkey_every == 0):
+                batch = passkey_docs(i)
             else:
                 cases = ruler.make_cases(tasks[names[i % len(names)]], tok, cfg.seq_len, cfg.global_batch,
                                          seed=100_000 + i)
@@ -194,7 +296,9 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
             if i % cfg.eval_every == 0 or i == cfg.steps:
                 rows = ruler.evaluate_ruler(cfg, mesh, state["params"], tok, suite)
                 say(f"step {i}: ruler " + ", ".join(f"{r['task']}@{r['length']} {r['correct']}/{r['cases']}"
-                                                    for r in rows))
+                                                    for r in rows)
+                    + f", value digits right {digits_right(stats, state['params'], held_out):.2f}"
+                    + f", repeats right {copies_right(stats, state['params'], held_repeats):.2f}")
             if ckpt.should_save(i) or i == cfg.steps:
                 ckpt.save(state, to_dict(cfg), force=True)
         ckpt.wait()
