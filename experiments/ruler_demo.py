@@ -19,6 +19,11 @@ Two ways to train, one scoring:
   `--corpus-every`-th batch the standard library corpus as the trainer reads it; the parameters are saved as the
   trainer's checkpoint (its config included), so the eval command reads the run unchanged.
 
+With `--copy-weight`, two warm-ups that put a short copy before the task's long one: `--bootstrap N` (the first N
+steps on passkey documents, whose key repeats ~15 tokens after its first occurrence) and `--repeats N` (the first N
+steps on `repeat_batch`: random strings in the filler, each repeated later); `--passkey-every` and `--repeats-every`
+keep mixing them in afterwards.
+
 Then `python -m jaxlong.eval <run> --ruler --ruler-tasks niah_single_1 --ruler-lengths ... --ruler-cases ...`.
 Writes `<out>.md` (the commands, the machine, the times, the scores), `<out>.csv` and `<out>.png` (the eval's
 ruler.csv and ruler.png).
