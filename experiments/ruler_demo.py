@@ -168,16 +168,6 @@ def copy_weights(case, pieces, weight: float) -> np.ndarray:
     return w
 
 
-def passkey_weights(example, weight: float) -> np.ndarray:
-    """float32 loss weights of one passkey document: `weight` on the key's copies (its repeat inside the needle and
-    the answer), 1 elsewhere; the key's first occurrence is random, so unpredictable: weight 1."""
-    targets = example.tokens[1:]
-    digit = np.flatnonzero((targets >= 48) & (targets <= 57))
-    w = np.ones(targets.shape, np.float32)
-    w[digit[len(example.key):]] = weight
-    return w
-
-
 def repeat_batch(rng, length: int, rows: int, weight: float, strings: int | None = None) -> dict:
     """A host batch `[rows, length]` of repeat documents, byte-level: RULER's filler sentences with `strings` random
     strings (default one per 48 tokens) (3-10 characters of digits and lowercase letters) planted in the first half and each repeated once, in
@@ -252,6 +242,7 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
     from jaxlong import data
     from jaxlong.config import load_config, to_dict
     from jaxlong.core.mesh import build_mesh
+    from experiments.passkey import copy_weights as passkey_weights
     from jaxlong.evaluation import passkey_batch, passkey_example, random_key, ruler, token_stats
     from jaxlong.training import step as step_lib
     from jaxlong.evaluation.ruler.words import Pieces
