@@ -7,10 +7,10 @@
 Each row is one GPU compile of the train step for compile-only devices (no GPU used) with `--estimate`'s roofline
 (`jaxlong.plan.cost.roofline`). The stacks are those of `estimate_llama3.1-8b_h100.md` (offload, tiled loss and
 MLP, 8-way Ulysses, FSDP over the node; U-Pipe with U = C); each keeps attention for every layer when the host
-budget holds it, else for as many layers as `jaxlong.plan.fit.kept_layers_that_fit` leaves room for, or with grouped offload
-(`remat.offload_every` = 2 or 4: fewer layer inputs on the host, room for more kept layers,
-`jaxlong.plan.fit.kept_layers_that_fit`) when that is faster and fits; the compiled host and device bytes are checked
-against the budgets. The rows without kept attention are read from
+budget holds it, else for as many layers as `jaxlong.plan.fit.kept_layers_that_fit` leaves room for beside the
+offloaded layer inputs, of plain offload or of grouped offload (`remat.offload_every` = 2 or 4: fewer layer inputs
+on the host, room for more kept layers), whichever is faster and fits; the compiled host and device bytes are
+checked against the budgets. The rows without kept attention are read from
 `estimate_llama3.1-8b_h100.csv` (the same estimate, same target).
 """
 
@@ -127,13 +127,13 @@ def write_markdown(path, rows, args, host_budget) -> None:
                 "Table 3: full checkpointing, which runs attention's forward twice per step).\n\n")
         f.write(f"Machine: {machine()}; commit {commit()}. Command:\n\n```bash\npython experiments/"
                 f"keep_attention_estimate.py --target {args.target} --config {args.config} --out {args.out}\n```\n\n")
-        f.write("Both stacks: `remat.policy=offload tiling.loss=true tiling.mlp=true`, 8-way Ulysses, FSDP over the node, "
-                "bf16 compute, cuDNN attention, batch 1, plus `remat.keep_attention=N` (host memory): N = 32 (every "
-                f"layer) where the host budget ({host_budget / GiB:,.0f} GiB per node) holds it; else the faster that fits of "
-                "the count that fits beside plain offload (`jaxlong.plan.fit.kept_layers_that_fit`) and the count that fits beside grouped offload "
-                "(`remat.offload_every=k`, k = 2 and 4: one layer input per group of k on the host, the groups "
-                "recomputed without their attention; `kept_layers_that_fit`). Head-calls: cuDNN attention calls per step "
-                "weighted by their heads, forward / backward, counted in the compiled HLO.\n\n")
+        f.write("Both stacks: `remat.policy=offload tiling.loss=true tiling.mlp=true`, 8-way Ulysses, FSDP over the "
+                "node, bf16 compute, cuDNN attention, batch 1, plus `remat.keep_attention=N` (host memory): N = 32 "
+                f"(every layer) where the host budget ({host_budget / GiB:,.0f} GiB per node) holds it; else the "
+                "faster that fits of the count that fits beside plain offload and the count that fits beside grouped "
+                "offload (`remat.offload_every=k`, k = 2 and 4: one layer input per group of k on the host, the groups "
+                "recomputed without their attention; `jaxlong.plan.fit.kept_layers_that_fit`). Head-calls: cuDNN "
+                "attention calls per step weighted by their heads, forward / backward, counted in the compiled HLO.\n\n")
         f.write("| seq_len | stack | kept layers (grouping k) | total GiB/device | host GiB/node | recompute (before) | head-calls "
                 "fwd / bwd | est. tokens/s per GPU | before | × before | paper | × paper | est. MFU (before) |\n")
         f.write("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")

@@ -266,7 +266,7 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
             f.write(line + "\n")
             f.flush()
 
-        def passkey_docs(i):
+        def passkey_docs():
             examples = [passkey_example(tok.encode, cfg.seq_len, float(rng.random()),
                                         random_key(rng, int(rng.integers(3, 9)))) for _ in range(cfg.global_batch)]
             b = passkey_batch(examples)
@@ -280,7 +280,7 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
             elif i <= args.repeats or (args.repeats_every and i % args.repeats_every == 0):
                 batch = repeat_batch(rng, cfg.seq_len, cfg.global_batch, args.copy_weight)
             elif i <= args.repeats + args.bootstrap or (args.passkey_every and i % args.passkey_every == 0):
-                batch = passkey_docs(i)
+                batch = passkey_docs()
             else:
                 cases = ruler.make_cases(tasks[names[i % len(names)]], tok, cfg.seq_len, cfg.global_batch,
                                          seed=100_000 + i)

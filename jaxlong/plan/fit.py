@@ -14,17 +14,17 @@ floating-point order):
               allows): fewer heads per stage, less attention memory, more stages.
   remat       none, save_dots, full, offload (layer inputs in pinned host memory), grouped offload (one layer
               input per group of `remat.offload_every` layers on the host, `jaxlong.layers.remat`; groups of 2
-              and of `default_offload_every`, where grouping saves host memory: `offload_groupings`). Grouped offload needs slightly more device memory than offload
-              (a group's recompute), so the device order of its level is approximate: it exists to pass the host
-              budget, which prunes nothing.
+              and of `default_offload_every`, where grouping saves host memory: `offload_groupings`). Grouped
+              offload needs slightly more device memory than offload (a group's recompute), so the device order
+              of its levels is approximate: they exist to pass the host budget, which prunes nothing.
   tiled loss  off, on (`tiling.loss_tile` derived from its byte budget).
   tiled MLP   off, ALST's tile count, 4x as many tiles.
   kept attention  with full and offload remat: every layer keeps its attention output and lse in host memory
               (`remat.keep_attention`: the backward does not run attention's forward again), as many layers as
               the host budget leaves room for after the offloaded layer inputs of each offload level
-              (`keep_levels`), or none. Spends
-              host memory for speed. With no remat and save_dots the dimension has one level (nothing to keep):
-              the first with no remat (every residual is kept), the last with save_dots (attention recomputed).
+              (`keep_levels`), or none. Spends host memory for speed. With no remat and save_dots the dimension
+              has one level (nothing to keep): the first with no remat (every residual is kept), the last with
+              save_dots (attention recomputed).
 
 Within one mesh split every dimension is ordered from the fastest expected level (index 0) to the most
 memory-saving one, and the search assumes both orders are monotone: a candidate whose every level is at least
@@ -199,9 +199,10 @@ def offload_groupings(layers: int) -> list[int]:
     smallest group: the least device memory for a group's recompute; with kept attention, the group's kept
     outputs are on the device together in its backward) and `default_offload_every` (the fewest host inputs),
     those that divide `layers` and save host memory."""
-    k = default_offload_every(layers)
-    return [1, *(g for g in sorted({2, k}) if 1 < g <= k and layers % g == 0 and
-                 host_layer_inputs(layers, g) < layers)]
+    k = default_offload_every(layers)  # 1 when no grouping saves host memory
+    if k == 1:
+        return [1]
+    return [1, *(g for g in sorted({2, k}) if layers % g == 0 and host_layer_inputs(layers, g) < layers)]
 
 
 def dimension_levels(cfg: Config, host_budget: int | None = None) -> list[list[tuple[str, ...]]]:

@@ -48,7 +48,8 @@ CASES = {
 FAST = {"ulysses-documents-offload-all", "upipe-concat-grouped-some"}
 REMAT = {"offload": ("remat.policy=offload",), "full": ("remat.policy=full",),
          "grouped": ("remat.policy=offload", "remat.offload_every=2")}
-KEEP = {"all": (f"remat.keep_attention={LAYERS}",), "some": ("remat.keep_attention=2",), "three": ("remat.keep_attention=3",),
+KEEP = {"all": (f"remat.keep_attention={LAYERS}",), "some": ("remat.keep_attention=2",),
+        "three": ("remat.keep_attention=3",),
         "device": (f"remat.keep_attention={LAYERS}", "remat.keep_attention_memory=device")}
 DOCUMENTS = [[20, 30, 10], [40, 24]]  # tokens per document in each row of 64; row 0 ends with 4 padding tokens
 
