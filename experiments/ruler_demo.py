@@ -4,34 +4,33 @@ needles "One of the special magic numbers for KEY is: VALUE." in repeated filler
 the answer the 7-digit value(s)), then score `niah_single_1` with the eval command at the training length and
 beyond.
 
-Two ways to train, one scoring:
+The recipe that learns (experiments/results/ruler_demo.md, about 25 minutes on 2 cores):
 
-* Default: `python -m jaxlong.train` (the product's trainer) on a corpus file: `--cases` cases of the `--mix`
-  tasks (`jaxlong.evaluation.ruler.make_cases`, seeds other than the eval's, each at a length drawn from its
-  range, byte-level so that a case with BOS and EOS fits one `seq_len` sequence) as `{"text": ...}` lines, mixed
-  with `--corpus-docs` documents of the default corpus (the Python standard library's sources, each cut to
-  `--corpus-chars` characters), shuffled, written to `<work>/corpus.jsonl`; RULER validation every `eval_every`
-  steps (`ruler_tasks`, `ruler_lengths`, `ruler_cases`). The trainer weighs every token alike, so the answer is
-  8 of ~470 tokens of a case.
-* `--copy-weight W`: the same model and optimizer through the library (`jaxlong.training.step`: the trainer's
-  compiled step, fed by this script): each batch `global_batch` cases of one `--mix` task at `seq_len` tokens, the
-  answer's tokens weighted W in the loss (the `mask` the step already takes as per-token weights), every
-  `--corpus-every`-th batch the standard library corpus as the trainer reads it; the parameters are saved as the
-  trainer's checkpoint (its config included), so the eval command reads the run unchanged.
+  python experiments/ruler_demo.py --bpe 4096 --tie-embeddings --copy-weight 30 --mix niah_single_1:96 \
+      --seq-len 128 --batch 32 --steps 1800 --lr 3e-3 --eval-every 300 --checkpoint-every 600 --corpus-every 8 \
+      --lengths 96,112,128,160,192,256,512,1024,2048 --eval-cases 40
 
-With `--copy-weight`, two warm-ups that put a short copy before the task's long one: `--bootstrap N` (the first N
-steps on passkey documents, whose key repeats ~15 tokens after its first occurrence) and `--repeats N` (the first N
-steps on `repeat_batch`: random strings in the filler, each repeated later); `--passkey-every` and `--repeats-every`
-keep mixing them in afterwards.
+* `--bpe 4096`: a byte-level BPE tokenizer trained for the run (`build_bpe`: Llama 3's pre-tokenizer, so a 7-digit
+  value is 3 tokens, `960` `754` `0`, that rarely repeat), saved as a Hugging Face `tokenizer.json` and used as
+  `data.tokenizer`; a case fits 96-128 tokens.
+* `--tie-embeddings`: the output projection is the embedding's transpose (as in Llama 3.2 1B and 3B), so copying a
+  token from the input needs no per-token output weights.
+* `--copy-weight W`: training through the library (`jaxlong.training.step`: the trainer's compiled step, fed by
+  this script): each batch `global_batch` cases of one `--mix` task at one length from its least to `seq_len`
+  (padded at the end), the copies (the answer, the asked key's mentions after the haystack) weighted W in the
+  loss (the `mask` the step takes as per-token weights), every `--corpus-every`-th batch the standard library
+  corpus through the trainer's pipeline; the parameters are saved as the trainer's checkpoint (its config
+  included), so the eval command reads the run unchanged.
 
 Then `python -m jaxlong.eval <run> --ruler --ruler-tasks niah_single_1 --ruler-lengths ... --ruler-cases ...`.
 Writes `<out>.md` (the commands, the machine, the times, the scores), `<out>.csv` and `<out>.png` (the eval's
 ruler.csv and ruler.png).
 
-  python experiments/ruler_demo.py --copy-weight 30 --steps 2400 --eval-every 200 --checkpoint-every 400
-                                                        # the result in experiments/results/ruler_demo.md
-  python experiments/ruler_demo.py                      # the trainer, unweighted (not learned in 2,000 steps)
-  python experiments/ruler_demo.py --skip-train         # score the trained run again
+Byte-level recipes that did not learn in 500-2,200 steps (the same report lists them): the default, `python -m
+jaxlong.train` unweighted on a corpus file of `--cases` cases mixed with `--corpus-docs` documents; `--copy-weight`
+with bytes; and two warm-ups that put a short copy before the task's long one, `--bootstrap N` (passkey documents
+first) and `--repeats N` (repeated random strings first; `token_repeat_batch` with `--bpe`), with
+`--passkey-every` / `--repeats-every` mixing them in afterwards. `--skip-train` scores the trained run again.
 """
 
 from __future__ import annotations
@@ -68,24 +67,72 @@ def train_tasks():
                                                 values="uuids")}
 
 
-def model_keys(args) -> list[str]:
-    """The tiny Llama: hidden 128, head_dim 32, byte-level."""
+def model_keys(args, vocab_size: int = 257) -> list[str]:
+    """The tiny Llama: hidden 128, head_dim 32, the tokenizer's vocabulary (257: byte-level)."""
     return ["model.hidden=128", f"model.layers={args.layers}", f"model.heads={args.heads}",
-            f"model.kv_heads={args.heads}", "model.head_dim=32", "model.mlp_hidden=384", "model.vocab_size=257",
-            "model.rope_theta=10000"]
+            f"model.kv_heads={args.heads}", "model.head_dim=32", "model.mlp_hidden=384",
+            f"model.vocab_size={vocab_size}", "model.rope_theta=10000",
+            f"model.tie_embeddings={str(args.tie_embeddings).lower()}"]
+
+
+# Llama 3's pre-tokenizer pattern (its tokenizer.json): numbers split into chunks of at most 3 digits.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def build_bpe(directory: Path, vocab: int, seed: int = 0) -> Path:
+    """Train a byte-level BPE `tokenizer.json` the way Llama 3's is built (its pre-tokenizer pattern, byte-level
+    alphabet, `<|end_of_text|>` as BOS and EOS), with the `tokenizers` library, on the standard library corpus, the
+    RULER templates with their filler, keys and numbers, and every 3-digit chunk (so a 7-digit value is 3 tokens,
+    as with Llama 3: `960` `754` `0`). Writes `tokenizer.json` and `tokenizer_config.json` under `directory`
+    and returns the `tokenizer.json` path (for `data.tokenizer`)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxlong import data
+    from jaxlong.evaluation import ruler
+    from jaxlong.evaluation.ruler import words
+
+    rng = np.random.default_rng(seed)
+    source = data.DocumentSource(None)
+    texts = [source[int(i)][:3000] for i in rng.choice(len(source), size=min(400, len(source)), replace=False)]
+    byte = data.get_tokenizer("byte")
+    texts += [bytes(c.tokens[1:].astype(np.uint8).tolist()).decode()
+              for name in ("niah_single_1", "niah_multikey_2") for c in ruler.make_cases(name, byte, 800, 100, seed=7)]
+    texts += [" ".join(f"{i:03d}" for i in rng.permutation(1000)) for _ in range(100)]
+    texts += [" ".join(rng.permutation(words.NOUNS + words.ADJECTIVES)) for _ in range(50)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|end_of_text|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|end_of_text|>",
+                                                                 "eos_token": "<|end_of_text|>"}))
+    return directory / "tokenizer.json"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="niah_single_1", help="the task scored")
+    p.add_argument("--bpe", type=int, default=0,
+                   help="> 0: train a byte-level BPE tokenizer of this vocabulary (`build_bpe`, Llama 3's pattern) "
+                        "into <work>/tokenizer and use it (data.tokenizer) instead of bytes")
     p.add_argument("--mix", default="niah_single_1:360-505,niah_multivalue_filler:440-505,"
                                     "niah_multiquery_filler:475-505",
-                   help="training tasks, each TASK:MIN-MAX (case lengths in tokens, drawn uniformly), equal counts")
+                   help="training tasks, each TASK:MIN-MAX (case lengths in tokens, drawn uniformly), equal "
+                        "counts; with --copy-weight, TASK or TASK:MIN(-MAX): one length per batch from MIN to "
+                        "seq_len, padded at the end to seq_len")
     p.add_argument("--cases", type=int, default=20000, help="training cases (all tasks together)")
     p.add_argument("--corpus-docs", type=int, default=300, help="corpus documents mixed in")
     p.add_argument("--corpus-chars", type=int, default=1500)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="model.tie_embeddings=true: the output projection is the embedding's transpose, so copying a "
+                        "token needs no per-token output weights (as in Llama 3.2 1B and 3B)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--checkpoint-every", type=int, default=500, help="0: at the end only")
@@ -121,7 +168,10 @@ def parse_args(argv=None):
     p.add_argument("--resume-to", type=int, default=0,
                    help="continue the trained run to this many steps (`--resume-with-changes steps=N`: the cosine "
                         "schedule is stretched to N), then score it")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.bpe and not args.copy_weight:
+        p.error("--bpe trains through the library: give --copy-weight too (e.g. --copy-weight 30)")
+    return args
 
 
 def build_corpus(args, path: Path) -> dict:
@@ -138,9 +188,7 @@ def build_corpus(args, path: Path) -> dict:
         for n in np.unique(lengths):
             for c in ruler.make_cases(tasks[name], tok, int(n), int(np.sum(lengths == n)), seed=1000 + 1000 * t):
                 texts.append(bytes(c.tokens[1:].astype(np.uint8).tolist()).decode())  # no BOS: the trainer adds it
-    source = data.DocumentSource(None)
-    picks = rng.choice(len(source), size=min(args.corpus_docs, len(source)), replace=False)
-    corpus = [source[int(i)][:args.corpus_chars] for i in picks]
+    corpus = corpus_docs(args)
     docs = texts + corpus
     rng.shuffle(docs)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +198,24 @@ def build_corpus(args, path: Path) -> dict:
     n_tok = sum(len(d.encode()) for d in docs)
     return {"cases": len(texts), "corpus_docs": len(corpus), "bytes": n_tok,
             "case_bytes": sum(len(t.encode()) for t in texts)}
+
+
+def corpus_docs(args) -> list[str]:
+    """`--corpus-docs` documents of the default corpus (the Python standard library's sources), each cut to
+    `--corpus-chars` characters."""
+    from jaxlong import data
+
+    source = data.DocumentSource(None)
+    picks = np.random.default_rng(1234).choice(len(source), size=min(args.corpus_docs, len(source)), replace=False)
+    return [source[int(i)][:args.corpus_chars] for i in picks]
+
+
+def write_corpus(args, path: Path) -> dict:
+    """`corpus_docs` as `{"text": ...}` lines at `path`."""
+    docs = corpus_docs(args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return {"corpus_docs": len(docs), "bytes": sum(len(d.encode()) for d in docs)}
 
 
 def copy_weights(case, pieces, weight: float) -> np.ndarray:
@@ -170,7 +236,8 @@ def copy_weights(case, pieces, weight: float) -> np.ndarray:
 
 def repeat_batch(rng, length: int, rows: int, weight: float, strings: int | None = None) -> dict:
     """A host batch `[rows, length]` of repeat documents, byte-level: RULER's filler sentences with `strings` random
-    strings (default one per 48 tokens) (3-10 characters of digits and lowercase letters) planted in the first half and each repeated once, in
+    strings (default one per 48 tokens) (3-10 characters of digits and lowercase letters) planted in the first half
+    and each repeated once, in
     another order, in the second; loss weight `weight` on each repeat's targets after its first character (those
     an induction head predicts: the token that followed the previous occurrence of the current one), 1 elsewhere.
     The copy that RULER's NIAH answers need (`...: 9607540` in the needle, `...: 9607540` in the answer) in its
@@ -213,6 +280,45 @@ def repeat_batch(rng, length: int, rows: int, weight: float, strings: int | None
             "segment_ids": np.ones((b, length), np.int32)}
 
 
+def token_repeat_batch(rng, length: int, rows: int, weight: float, ids: np.ndarray, bos: int) -> dict:
+    """A host batch `[rows, length]` of repeat documents for a Hugging Face tokenizer: after BOS, a string of
+    `period` distinct tokens drawn from `ids` (period drawn per row from 8 to `length // 2`) repeated to fill the
+    row; loss weight `weight` on every target after the first period (each is the token that followed the
+    previous occurrence of the current one: what an induction head predicts), 1 elsewhere."""
+    inputs, targets, mask = [], [], []
+    for _ in range(rows):
+        period = int(rng.integers(8, length // 2 + 1))
+        body = np.resize(rng.choice(ids, size=period, replace=False), length)
+        tokens = np.concatenate([[bos], body]).astype(np.int32)
+        w = np.ones(length, np.float32)
+        w[period:] = weight  # target index t predicts body[t]: a repeat once t >= period
+        inputs.append(tokens[:-1])
+        targets.append(tokens[1:])
+        mask.append(w)
+    b = len(inputs)
+    return {"inputs": np.stack(inputs), "targets": np.stack(targets), "mask": np.stack(mask),
+            "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy(),
+            "segment_ids": np.ones((b, length), np.int32)}
+
+
+def number_chunk_ids(tok) -> np.ndarray:
+    """The ids of the number chunks `000`-`999` (and `0`-`99`) that the tokenizer spells as one token: what a
+    7-digit value is made of."""
+    ids = {int(t[0]) for n in range(1000) for text in {f"{n:03d}", str(n)} if (t := tok.encode(text)).size == 1}
+    return np.array(sorted(ids), np.int32)
+
+
+def padded(batch: dict, mask: np.ndarray, length: int, pad: int) -> dict:
+    """`batch` (rows of n <= `length` tokens) with loss weights `mask` `[rows, n]`, padded at the end to `length`
+    with `pad` tokens of weight 0 (causal attention: the case's tokens never see the padding)."""
+    b, n = mask.shape
+    out = {k: np.pad(v, ((0, 0), (0, length - n)), constant_values=pad if k in ("inputs", "targets") else 1)
+           for k, v in batch.items() if k != "mask"}
+    out["positions"] = np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy()
+    out["mask"] = np.pad(mask, ((0, 0), (0, length - n)))
+    return out
+
+
 def copies_right(stats, params, batch) -> float:
     """The fraction of a repeat batch's weighted targets (the repeats' predictable characters) whose argmax is
     right."""
@@ -236,7 +342,8 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
     """Train through the library with the answers weighted (`--copy-weight`); writes the checkpoint of the last step
     under `<run_dir>/<run_name>/checkpoints` with the run's config, as `python -m jaxlong.train` would; returns the
     wall time (s). Batches: one task of `--mix` per batch (in turn), `global_batch` cases at `seq_len` tokens
-    (seeds 100000+, needle depths spread over each batch), loss weights `copy_weights`; every `--corpus-every`-th batch the run's corpus (`data.path`) as the trainer reads it."""
+    (seeds 100000+, needle depths spread over each batch), loss weights `copy_weights`; every `--corpus-every`-th
+    batch the run's corpus (`data.path`) as the trainer reads it."""
     import jax
 
     from jaxlong import data
@@ -250,12 +357,21 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
 
     cfg = load_config(None, overrides)
     mesh, tok, tasks = build_mesh(cfg.mesh), data.get_tokenizer(cfg.data.tokenizer), train_tasks()
-    names = [x.split(":")[0] for x in args.mix.split(",")]
+    mix = [(x.split(":")[0], int(x.split(":")[1].split("-")[0]) if ":" in x else cfg.seq_len)
+           for x in args.mix.split(",")]  # (task, the least case length); cases at most seq_len
     corpus, pieces = data.batch_iterator(cfg, tok), Pieces(tok)
     suite = ruler.RulerSuite([args.task], [cfg.seq_len], 8, cfg.seed)
     held_out = ruler.make_cases(tasks[args.task], tok, cfg.seq_len, cfg.global_batch, seed=cfg.seed)
     stats = token_stats(cfg, mesh)
-    held_repeats = repeat_batch(np.random.default_rng(99), cfg.seq_len, cfg.global_batch, args.copy_weight)
+    if tok.name == "byte":
+        def repeats(r):
+            return repeat_batch(r, cfg.seq_len, cfg.global_batch, args.copy_weight)
+    else:
+        chunks = number_chunk_ids(tok)
+
+        def repeats(r):
+            return token_repeat_batch(r, cfg.seq_len, cfg.global_batch, args.copy_weight, chunks, tok.bos_id)
+    held_repeats = repeats(np.random.default_rng(99))
     t0 = time.time()
     state, train_step = step_lib.init_state(cfg, mesh), step_lib.compile_train_step(cfg, mesh)
     ckpt = Checkpointer(Path(cfg.run_dir) / cfg.run_name / "checkpoints", every=cfg.checkpoint_every,
@@ -278,14 +394,15 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
             if i % args.corpus_every == 0:
                 batch = next(corpus)
             elif i <= args.repeats or (args.repeats_every and i % args.repeats_every == 0):
-                batch = repeat_batch(rng, cfg.seq_len, cfg.global_batch, args.copy_weight)
+                batch = repeats(rng)
             elif i <= args.repeats + args.bootstrap or (args.passkey_every and i % args.passkey_every == 0):
                 batch = passkey_docs()
             else:
-                cases = ruler.make_cases(tasks[names[i % len(names)]], tok, cfg.seq_len, cfg.global_batch,
-                                         seed=100_000 + i)
-                batch = passkey_batch(cases)
-                batch["mask"] = np.stack([copy_weights(c, pieces, args.copy_weight) for c in cases])
+                name, lo = mix[i % len(mix)]
+                n = int(rng.integers(lo, cfg.seq_len + 1))
+                cases = ruler.make_cases(tasks[name], tok, n, cfg.global_batch, seed=100_000 + i)
+                batch = padded(passkey_batch(cases), np.stack([copy_weights(c, pieces, args.copy_weight)
+                                                               for c in cases]), cfg.seq_len, tok.eos_id)
             state, metrics = jax.block_until_ready(train_step(state, step_lib.put_batch(batch, mesh)))
             if i % cfg.log_every == 0:
                 say(f"step {i}: loss {float(metrics['loss']):.4f} ({(time.time() - t0) / 60:.1f} min)")
@@ -293,13 +410,40 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
                 rows = ruler.evaluate_ruler(cfg, mesh, state["params"], tok, suite)
                 say(f"step {i}: ruler " + ", ".join(f"{r['task']}@{r['length']} {r['correct']}/{r['cases']}"
                                                     for r in rows)
-                    + f", value digits right {digits_right(stats, state['params'], held_out):.2f}"
-                    + f", repeats right {copies_right(stats, state['params'], held_repeats):.2f}")
+                    + f", value {'digits' if tok.name == 'byte' else 'tokens'} right "
+                    + f"{digits_right(stats, state['params'], held_out):.2f}"
+                    + (f", repeats right {copies_right(stats, state['params'], held_repeats):.2f}"
+                       if args.repeats or args.repeats_every else ""))
             if ckpt.should_save(i) or i == cfg.steps:
                 ckpt.save(state, to_dict(cfg), force=True)
         ckpt.wait()
         ckpt.close()
     return time.time() - t0
+
+
+def corpus_line(args, stats: dict) -> str:
+    """The report's line on the training data."""
+    if not stats:
+        return ""
+    if "cases" not in stats:  # --copy-weight with --bpe: the corpus file of write_corpus
+        return (f"Data: batches of `--mix` ({args.mix}) cases generated at one length per batch, from the task's "
+                f"least (seq_len if none) to seq_len, padded at the end to seq_len (seeds 100,000+, not the eval's), "
+                f"the copies weighted {args.copy_weight:g}; every {args.corpus_every}th batch the corpus file, "
+                f"{stats['corpus_docs']} documents of the Python standard library's sources (first "
+                f"{args.corpus_chars} characters each, {stats['bytes']} bytes).")
+    return (f"Corpus: {stats['cases']} generated cases, equal numbers of each `--mix` entry ({args.mix}: task and "
+            f"case lengths in tokens; seeds 1000+, not the eval's), mixed with {stats['corpus_docs']} documents of "
+            f"the Python standard library's sources (first {args.corpus_chars} characters each); {stats['bytes']} "
+            f"bytes, {100 * stats['case_bytes'] / stats['bytes']:.0f}% of them in cases.")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "CPU"
 
 
 def run(cmd: list[str], log: Path) -> float:
@@ -326,7 +470,8 @@ def answer_tokens_right(run_dir: Path, step: int, task: str, lengths: list[int],
 
     cfg = from_dict(saved_config(run_dir / "checkpoints", step))
     mesh = build_mesh(cfg.mesh)
-    params, stats, tok = restore_params(cfg, mesh, run_dir, step), token_stats(cfg, mesh), get_tokenizer("byte")
+    params, stats = restore_params(cfg, mesh, run_dir, step), token_stats(cfg, mesh)
+    tok = get_tokenizer(cfg.data.tokenizer)
     out, size = {}, eval_batch_size(cfg)
     for length in lengths:
         cases = ruler.make_cases(task, tok, length, n, seed=cfg.seed)
@@ -345,13 +490,25 @@ def main(argv=None):
     args = parse_args(argv)
     work = Path(args.work)
     run_name = "run"
+    fresh = not (args.resume_to or args.skip_train)
+    if fresh and work.exists():
+        shutil.rmtree(work)
+    tokenizer, vocab = "byte", 257
+    if args.bpe:
+        from jaxlong.data import get_tokenizer
+
+        path = work / "tokenizer" / "tokenizer.json"
+        tokenizer = str((build_bpe(path.parent, args.bpe) if fresh else path).resolve())
+        vocab = get_tokenizer(tokenizer).vocab_size
     train_cmd = [sys.executable, "-m", "jaxlong.train", f"run_dir={work}", f"run_name={run_name}",
-                 f"data.path={work / 'corpus.jsonl'}", "data.tokenizer=byte", f"seq_len={args.seq_len}",
-                 f"global_batch={args.batch}", f"steps={args.steps}", f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup}",
+                 f"data.path={work / 'corpus.jsonl'}", f"data.tokenizer={tokenizer}", f"seq_len={args.seq_len}",
+                 f"global_batch={args.batch}", f"steps={args.steps}", f"optim.lr={args.lr}",
+                 f"optim.warmup_steps={args.warmup}",
                  "mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1", "log_every=10",
-                 f"checkpoint_every={args.checkpoint_every or args.steps}", "keep_checkpoints=100", f"eval_every={args.eval_every}", "eval_batches=1",
+                 f"checkpoint_every={args.checkpoint_every or args.steps}", "keep_checkpoints=100",
+                 f"eval_every={args.eval_every}", "eval_batches=1",
                  "eval_fraction=0.02", f"ruler_tasks=[{args.task}]", f"ruler_lengths=[{args.seq_len}]",
-                 "ruler_cases=8", *model_keys(args)]
+                 "ruler_cases=8", *model_keys(args, vocab)]
     eval_cmd = [sys.executable, "-m", "jaxlong.eval", str(work / run_name), "--ruler", "--ruler-tasks", args.task,
                 "--ruler-lengths", args.lengths, "--ruler-cases", str(args.eval_cases), "--no-passkey",
                 "--batches", "1"]
@@ -365,16 +522,15 @@ def main(argv=None):
         t_train = run(train_cmd, work / "train_resume.log")
         print(f"trained on in {t_train / 60:.1f} min", flush=True)
     elif args.copy_weight:
-        if work.exists():
-            shutil.rmtree(work)
-        work.mkdir(parents=True)
+        work.mkdir(parents=True, exist_ok=True)
         overrides = [a for a in train_cmd[3:] if not a.startswith(("data.path=", "ruler_", "eval_"))]
+        if args.bpe:  # the corpus batches from a small file: the trainer's pipeline tokenizes documents whole
+            stats = write_corpus(args, work / "corpus.jsonl")
+            overrides.append(f"data.path={work / 'corpus.jsonl'}")
         t_train = train_weighted(args, [*overrides, f"eval_every={args.eval_every}"], work / "train.log")
         train_cmd = []
         print(f"trained in {t_train / 60:.1f} min", flush=True)
     elif not args.skip_train:
-        if work.exists():
-            shutil.rmtree(work)
         stats = build_corpus(args, work / "corpus.jsonl")
         print("corpus:", stats, flush=True)
         t_train = run(train_cmd, work / "train.log")
@@ -400,23 +556,24 @@ def main(argv=None):
           "# which runs", (shlex.join(["python", *train_cmd[1:]]) if train_cmd else
                            "# (training through the library: train_weighted, --copy-weight)"),
           shlex.join(["python", *eval_cmd[1:]]), "```", "",
-          f"Machine: {platform.machine()} ({platform.processor() or 'CPU'}), 2 cores shared with other jobs (load "
+          f"Machine: {platform.machine()} ({cpu_name()}), {os.cpu_count()} cores shared with other jobs (load "
           f"average {load[0]:.1f} at the end), one CPU device; started {started:%Y-%m-%d %H:%M} UTC.", "",
-          (f"Model: {', '.join(model_keys(args))}; byte-level; seq_len {args.seq_len}, batch {args.batch}, "
-           f"{args.steps} steps, AdamW lr {args.lr} ({args.warmup} warmup steps, cosine decay to 0.1x).")
-          if not args.skip_train else "", "",
-          (f"Corpus: {stats['cases']} generated cases, equal numbers of each `--mix` entry ({args.mix}: task and "
-           f"case lengths in tokens; seeds 1000+, not the eval's), mixed with {stats['corpus_docs']} documents of "
-           f"the Python standard library's sources (first {args.corpus_chars} characters each); {stats['bytes']} "
-           f"bytes, {100 * stats['case_bytes'] / stats['bytes']:.0f}% of them in cases.") if stats else "", "",
+          (f"Model: {', '.join(model_keys(args, vocab))}; " + (
+              f"a byte-level BPE tokenizer of {vocab} tokens trained by `build_bpe` (Llama 3's pre-tokenizer)"
+              if args.bpe else "byte-level")
+           + f"; seq_len {args.seq_len}, batch {args.batch}, {args.steps} steps, AdamW lr {args.lr} ({args.warmup} "
+           "warmup steps, cosine decay to 0.1x).") if not args.skip_train else "", "",
+          corpus_line(args, stats), "",
           (f"Time: training {t_train / 60:.1f} min wall" if t_train else "Time: (training not rerun)")
           + f"; final evaluation {t_eval / 60:.1f} min wall.", "",
           f"Final scores, teacher-forced exact match of the 7-digit value, {args.eval_cases} cases per length (needle "
           "depths evenly spread), chance about 1e-7:", "",
           "| task | " + " | ".join(str(r["length"]) for r in rows) + " |",
           "|---|" + "---|" * len(rows),
-          f"| {args.task} | " + " | ".join(f"{r['correct']}/{r['cases']} ({100 * r['score']:.0f}%)" for r in rows) + " |",
-          "| value digits right (chance 0.10) | " + " | ".join(f"{digits[n]:.2f}" for n in lengths) + " |",
+          f"| {args.task} | " + " | ".join(f"{r['correct']}/{r['cases']} ({100 * r['score']:.0f}%)" for r in rows)
+          + " |",
+          f"| value {'tokens' if args.bpe else 'digits'} right | " + " | ".join(f"{digits[n]:.2f}" for n in lengths)
+          + " |",
           "", f"![RULER grid]({out.with_suffix('.png').name})", ""]
     if during:
         md += ["Validation during training (held-out loss; RULER `niah_single_1`, 8 cases at the training length, the "
