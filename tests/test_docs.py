@@ -423,17 +423,34 @@ def _tail(proc: subprocess.CompletedProcess) -> str:
 
 
 RUN_COMMANDS = list(dict.fromkeys(c.text for c in COMMANDS if c.text in RUN))
+# The quick start and the commands that continue its run, in the docs' order; the others start afresh, each with its
+# own run_name (checked in the fast tier), and run in a second slow test (tests/test_docs_fresh.py) beside the first.
+DEFAULT_CHAIN = [c for c in RUN_COMMANDS if c == DEFAULT or RUN[c] == AFTER_DEFAULT]
+FRESH_COMMANDS = [c for c in RUN_COMMANDS if c not in DEFAULT_CHAIN]
+
+
+def test_commands_that_start_afresh_have_their_own_run_names():
+    """Each slow-tier command that starts afresh names a `run_name` of its own (not the default's), so running them
+    apart from the default run's chain is what pasting every command into one directory would do."""
+    names = [next((a.split("=", 1)[1] for a in shlex.split(c) if a.startswith("run_name=")), None)
+             for c in FRESH_COMMANDS]
+    assert FRESH_COMMANDS and None not in names and "default" not in names, dict(zip(FRESH_COMMANDS, names))
+    assert len(set(names)) == len(names), names
+
+
+def run_in_order(commands: list[str], cwd: Path) -> None:
+    """Paste `commands` in order into `cwd`: each must exit with 0 and print no traceback."""
+    for text in commands:
+        proc = _run(text, cwd)
+        assert proc.returncode == 0, f"{text}\n{_tail(proc)}"
+        assert "Traceback" not in proc.stdout + proc.stderr, f"{text}\n{_tail(proc)}"
 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_the_commands_run_when_pasted_in_order(tmp_path):
-    """The CPU-sized commands of the README and docs/, pasted in the order a reader meets them into one fresh
-    directory (with `configs/`), each exit with 0 and print no traceback: every example after the quick start
-    has its own `run_name` or continues `runs/default` as it says."""
-    cwd = _workdir(tmp_path / "work")
+    """The quick start's command and the CPU-sized commands of the README and docs/ that continue its run
+    (`runs/default`), pasted in the order a reader meets them into one fresh directory (with `configs/`): each
+    exits with 0 and prints no traceback."""
     assert RUN_COMMANDS[0] == DEFAULT, "the quick start's command comes first"
-    for text in RUN_COMMANDS:
-        proc = _run(text, cwd)
-        assert proc.returncode == 0, f"{text}\n{_tail(proc)}"
-        assert "Traceback" not in proc.stdout + proc.stderr, f"{text}\n{_tail(proc)}"
+    run_in_order(DEFAULT_CHAIN, _workdir(tmp_path / "work"))
