@@ -4,15 +4,19 @@ needles "One of the special magic numbers for KEY is: VALUE." in repeated filler
 the answer the 7-digit value(s)), then score `niah_single_1` with the eval command at the training length and
 beyond.
 
-The recipe that learns (experiments/results/ruler_demo.md, about 25 minutes on 2 cores):
+The recipe that learns (experiments/results/ruler_demo.md: 78% exact matches at 128 tokens, 0% at 256-2048;
+about 21 minutes on 2 cores):
 
-  python experiments/ruler_demo.py --bpe 4096 --tie-embeddings --copy-weight 30 --mix niah_single_1:96 \
-      --seq-len 128 --batch 32 --steps 1800 --lr 3e-3 --eval-every 300 --checkpoint-every 600 --corpus-every 8 \
-      --lengths 96,112,128,160,192,256,512,1024,2048 --eval-cases 40
+  python experiments/ruler_demo.py --bpe 4096 --tie-embeddings --copy-weight 30 --mix niah_single_1 \
+      --seq-len 128 --batch 32 --steps 1500 --lr 3e-3 --eval-every 250 --checkpoint-every 500 --corpus-every 8 \
+      --lengths 128,256,512,1024,2048 --eval-cases 40
+
+and on cases of 96-128 tokens (experiments/results/ruler_demo_mixed.md): `--mix niah_single_1:96 --steps 1800
+--eval-every 300 --checkpoint-every 600 --lengths 96,112,128,160,192,256,512,1024,2048`.
 
 * `--bpe 4096`: a byte-level BPE tokenizer trained for the run (`build_bpe`: Llama 3's pre-tokenizer, so a 7-digit
   value is 3 tokens, `960` `754` `0`, that rarely repeat), saved as a Hugging Face `tokenizer.json` and used as
-  `data.tokenizer`; a case fits 96-128 tokens.
+  `data.tokenizer`; a `niah_single_1` case fits in 96 tokens.
 * `--tie-embeddings`: the output projection is the embedding's transpose (as in Llama 3.2 1B and 3B), so copying a
   token from the input needs no per-token output weights.
 * `--copy-weight W`: training through the library (`jaxlong.training.step`: the trainer's compiled step, fed by
