@@ -100,7 +100,7 @@ def build_bpe(directory: Path, vocab: int, seed: int = 0) -> Path:
     source = data.DocumentSource(None)
     texts = [source[int(i)][:3000] for i in rng.choice(len(source), size=min(400, len(source)), replace=False)]
     byte = data.get_tokenizer("byte")
-    texts += [bytes(c.tokens[1:].astype(np.uint8).tolist()).decode()
+    texts += [byte.decode(c.tokens[1:])
               for name in ("niah_single_1", "niah_multikey_2") for c in ruler.make_cases(name, byte, 800, 100, seed=7)]
     texts += [" ".join(f"{i:03d}" for i in rng.permutation(1000)) for _ in range(100)]
     texts += [" ".join(rng.permutation(words.NOUNS + words.ADJECTIVES)) for _ in range(50)]
@@ -191,7 +191,7 @@ def build_corpus(args, path: Path) -> dict:
         lengths = rng.integers(lo, hi + 1, size=per)
         for n in np.unique(lengths):
             for c in ruler.make_cases(tasks[name], tok, int(n), int(np.sum(lengths == n)), seed=1000 + 1000 * t):
-                texts.append(bytes(c.tokens[1:].astype(np.uint8).tolist()).decode())  # no BOS: the trainer adds it
+                texts.append(tok.decode(c.tokens[1:]))  # no BOS: the trainer adds it
     corpus = corpus_docs(args)
     docs = texts + corpus
     rng.shuffle(docs)
@@ -258,7 +258,7 @@ def repeat_batch(rng, length: int, rows: int, weight: float, strings: int | None
             out += sentences[rng.integers(len(sentences))].encode()
         return out[:n]
 
-    inputs, targets, mask = [], [], []
+    docs, mask = [], []
     for _ in range(rows):
         words = [bytes(rng.choice(alphabet, size=int(rng.integers(3, 11)))) for _ in range(strings)]
         half = length // 2
@@ -274,14 +274,9 @@ def repeat_batch(rng, length: int, rows: int, weight: float, strings: int | None
             weights += [1.0] * len(part) + [1.0] + [weight] * (len(words[j]) - 1) + [1.0]
         body += filler(gaps[-1])
         weights += [1.0] * gaps[-1]
-        tokens = np.array([256, *body[:length]], np.int32)  # BOS, then bytes
-        inputs.append(tokens[:-1])
-        targets.append(tokens[1:])
-        mask.append(np.array(weights[:length], np.float32)[:length])
-    b = len(inputs)
-    return {"inputs": np.stack(inputs), "targets": np.stack(targets), "mask": np.stack(mask),
-            "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy(),
-            "segment_ids": np.ones((b, length), np.int32)}
+        docs.append(np.array([256, *body[:length]], np.int32))  # BOS, then bytes
+        mask.append(np.array(weights[:length], np.float32))
+    return document_rows(np.stack(docs), np.stack(mask))
 
 
 def token_repeat_batch(rng, length: int, rows: int, weight: float, ids: np.ndarray, bos: int) -> dict:
@@ -289,20 +284,15 @@ def token_repeat_batch(rng, length: int, rows: int, weight: float, ids: np.ndarr
     `period` distinct tokens drawn from `ids` (period drawn per row from 8 to `length // 2`) repeated to fill the
     row; loss weight `weight` on every target after the first period (each is the token that followed the
     previous occurrence of the current one: what an induction head predicts), 1 elsewhere."""
-    inputs, targets, mask = [], [], []
+    docs, mask = [], []
     for _ in range(rows):
         period = int(rng.integers(8, length // 2 + 1))
         body = np.resize(rng.choice(ids, size=period, replace=False), length)
-        tokens = np.concatenate([[bos], body]).astype(np.int32)
+        docs.append(np.concatenate([[bos], body]).astype(np.int32))
         w = np.ones(length, np.float32)
         w[period:] = weight  # target index t predicts body[t]: a repeat once t >= period
-        inputs.append(tokens[:-1])
-        targets.append(tokens[1:])
         mask.append(w)
-    b = len(inputs)
-    return {"inputs": np.stack(inputs), "targets": np.stack(targets), "mask": np.stack(mask),
-            "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy(),
-            "segment_ids": np.ones((b, length), np.int32)}
+    return document_rows(np.stack(docs), np.stack(mask))
 
 
 def number_chunk_ids(tok) -> np.ndarray:
@@ -312,15 +302,22 @@ def number_chunk_ids(tok) -> np.ndarray:
     return np.array(sorted(ids), np.int32)
 
 
+def document_rows(tokens: np.ndarray, mask: np.ndarray) -> dict:
+    """A host batch of one document per row: `tokens` int32 `[rows, length + 1]` (inputs and targets shifted by
+    one), loss weights `mask` float32 `[rows, length]`."""
+    b, length = mask.shape
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask,
+            "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy(),
+            "segment_ids": np.ones((b, length), np.int32)}
+
+
 def padded(batch: dict, mask: np.ndarray, length: int, pad: int) -> dict:
     """`batch` (rows of n <= `length` tokens) with loss weights `mask` `[rows, n]`, padded at the end to `length`
     with `pad` tokens of weight 0 (causal attention: the case's tokens never see the padding)."""
-    b, n = mask.shape
-    out = {k: np.pad(v, ((0, 0), (0, length - n)), constant_values=pad if k in ("inputs", "targets") else 1)
-           for k, v in batch.items() if k != "mask"}
-    out["positions"] = np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy()
-    out["mask"] = np.pad(mask, ((0, 0), (0, length - n)))
-    return out
+    n = mask.shape[1]
+    tokens = np.concatenate([batch["inputs"][:, :1], batch["targets"]], axis=1)
+    return document_rows(np.pad(tokens, ((0, 0), (0, length - n)), constant_values=pad),
+                         np.pad(mask, ((0, 0), (0, length - n))))
 
 
 def copies_right(stats, params, batch) -> float:
