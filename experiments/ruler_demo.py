@@ -357,7 +357,7 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
     from jaxlong.training.checkpoint import Checkpointer
 
     cfg = load_config(None, overrides)
-    mesh, tok, tasks = build_mesh(cfg.mesh), data.get_tokenizer(cfg.data.tokenizer), train_tasks()
+    mesh, tok, tasks = build_mesh(cfg.mesh), data.run_tokenizer(cfg), train_tasks()
     mix = [(x.split(":")[0], int(x.split(":")[1].split("-")[0]) if ":" in x else cfg.seq_len)
            for x in args.mix.split(",")]  # (task, the least case length); cases at most seq_len
     corpus, pieces = data.batch_iterator(cfg, tok), Pieces(tok)
@@ -464,7 +464,7 @@ def answer_tokens_right(run_dir: Path, step: int, task: str, lengths: list[int],
     the model comes when whole answers fail (chance 0.1 per digit)."""
     from jaxlong.config import from_dict
     from jaxlong.core.mesh import build_mesh
-    from jaxlong.data import get_tokenizer
+    from jaxlong.data import run_tokenizer
     from jaxlong.eval.__main__ import restore_params
     from jaxlong.evaluation import eval_batch_size, passkey_batch, ruler, token_stats
     from jaxlong.training.checkpoint import saved_config
@@ -472,7 +472,7 @@ def answer_tokens_right(run_dir: Path, step: int, task: str, lengths: list[int],
     cfg = from_dict(saved_config(run_dir / "checkpoints", step))
     mesh = build_mesh(cfg.mesh)
     params, stats = restore_params(cfg, mesh, run_dir, step), token_stats(cfg, mesh)
-    tok = get_tokenizer(cfg.data.tokenizer)
+    tok = run_tokenizer(cfg)
     out, size = {}, eval_batch_size(cfg)
     for length in lengths:
         cases = ruler.make_cases(task, tok, length, n, seed=cfg.seed)

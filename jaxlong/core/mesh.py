@@ -83,14 +83,25 @@ def resolve_mesh_shape(mesh, num_devices: int) -> tuple[int, int, int, int]:
     return sizes["data"], sizes["fsdp"], sizes["ring"], sizes["context"]
 
 
+def run_devices(cfg) -> list:
+    """The devices a run's mesh spans (`cfg` a `jaxlong.config.MeshConfig`): on the CPU in one process, the first
+    `mesh.num_devices` simulated devices (XLA_FLAGS may have asked for more, e.g. in a test process, and a
+    `mesh.num_devices` override means what it says); on GPUs, and in a launch of several processes (where
+    `mesh.num_devices` sets each process's share), every device."""
+    devices = jax.devices()
+    if jax.default_backend() == "cpu" and jax.process_count() == 1 and 0 < cfg.num_devices < len(devices):
+        return devices[:cfg.num_devices]
+    return devices
+
+
 def build_mesh(cfg, devices: list | None = None) -> jax.sharding.Mesh:
-    """A `data x fsdp x ring x context` mesh over `devices` (default: all devices), with Auto axis types; `cfg` is
-    a `jaxlong.config.MeshConfig`.
+    """A `data x fsdp x ring x context` mesh over `devices` (default: `run_devices(cfg)`), with Auto axis types;
+    `cfg` is a `jaxlong.config.MeshConfig`.
 
     Raises:
       ConfigError: the axis sizes do not multiply to the device count.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    devices = list(run_devices(cfg) if devices is None else devices)
     shape = resolve_mesh_shape(cfg, len(devices))
     return jax.make_mesh(
         shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices

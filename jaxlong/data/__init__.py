@@ -21,10 +21,18 @@ from jaxlong.data.pipeline import (
     packing_efficiency,
 )
 from jaxlong.data.sources import DocumentSource, corpus_files, stdlib_files
-from jaxlong.data.tokenizer import TOKENIZERS, ByteTokenizer, HFTokenizer, Tokenizer, check_vocab, get_tokenizer
+from jaxlong.data.tokenizer import (
+    TOKENIZERS,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    check_vocab,
+    get_tokenizer,
+    run_tokenizer,
+)
 
 __all__ = [
-    "Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "check_vocab", "TOKENIZERS",
+    "Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "run_tokenizer", "check_vocab", "TOKENIZERS",
     "DocumentSource", "stdlib_files", "corpus_files",
     "document_tokens", "document_pairs", "DocumentSubset", "make_dataset", "merge_states", "batch_iterator",
     "packing_efficiency",

@@ -20,7 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "TOKENIZERS", "TOKENIZER_FILES"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "run_tokenizer", "TOKENIZERS",
+           "TOKENIZER_FILES"]
 
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>")
 _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|im_end|>")
@@ -181,6 +182,19 @@ def get_tokenizer(name: str) -> Tokenizer:
         return HFTokenizer(name)
     raise ValueError(f"data.tokenizer={name!r} is not supported; give one of {sorted(TOKENIZERS)} or the path of a "
                      f"Hugging Face tokenizer.json")
+
+
+def run_tokenizer(cfg) -> Tokenizer:
+    """The tokenizer of a run, for training, evaluation and every probe alike: the checkpoint's own `tokenizer.json`
+    when the model starts from a Hugging Face checkpoint (`model.from_hf`), else `data.tokenizer`. `cfg` is a
+    `jaxlong.config.Config` (read as `cfg.model.from_hf` and `cfg.data.tokenizer`).
+
+    Raises:
+      ValueError: as `get_tokenizer`, or `HFTokenizer` naming `model.from_hf`.
+    """
+    if cfg.model.from_hf:
+        return HFTokenizer(cfg.model.from_hf, option="model.from_hf")
+    return get_tokenizer(cfg.data.tokenizer)
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:

@@ -215,14 +215,14 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     from jaxlong import evaluation as ev  # noqa: PLC0415
     from jaxlong.config import validate  # noqa: PLC0415
     from jaxlong.core.memstats import format_compiled  # noqa: PLC0415
-    from jaxlong.core.mesh import build_mesh, check_process_layout  # noqa: PLC0415
+    from jaxlong.core.mesh import build_mesh, check_process_layout, run_devices  # noqa: PLC0415
 
-    validate(cfg, num_devices=len(jax.devices()))
+    validate(cfg, num_devices=len(run_devices(cfg.mesh)))
     mesh = build_mesh(cfg.mesh)
     check_process_layout(mesh)
     main = jax.process_index() == 0  # process 0 prints and writes; every process computes
     say = print if main else (lambda *a, **k: None)
-    tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
+    tokenizer = data_lib.run_tokenizer(cfg)  # the trainer's: the checkpoint's tokenizer.json under model.from_hf
     lengths = passkey_lengths(cfg, args, tokenizer) if args.passkey else []
     source = data_lib.DocumentSource(cfg.data.path, cfg.data.text_field)
     # The trainer's held-out split; more batches than it used take more documents (the same ones first).
@@ -248,9 +248,10 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
         from jaxlong.evaluation import ruler  # noqa: PLC0415
 
         bar = tqdm(total=len(ruler_cases), desc="ruler", unit="case", dynamic_ncols=True, disable=not main)
-        right = ruler.score_on_mesh(cfg, mesh, params, ruler_cases, stats=stats, progress=bar.update)
+        answers = ruler.answers_on_mesh(cfg, mesh, params, ruler_cases, stats=stats, progress=bar.update)
         bar.close()
-        rows = ruler.results(ruler_cases, right)
+        rows = ruler.results(ruler_cases, ruler.is_right(ruler_cases, answers))
+        ruler_case_rows = ruler.case_rows(ruler_cases, answers, tokenizer.decode)
         summary["ruler"] = {"tasks": list(dict.fromkeys(r["task"] for r in rows)),
                             "lengths": sorted({r["length"] for r in rows}), "cases": args.ruler_cases,
                             "seed": cfg.seed, "rows": rows, "mean": float(np.mean([r["score"] for r in rows])),
@@ -273,7 +274,7 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
         from jaxlong.evaluation import ruler  # noqa: PLC0415
 
         ruler.log_scalars(writer, summary["ruler"]["rows"], step)
-        ruler.write_results(out, summary["ruler"]["rows"], f"RULER, step {step}")
+        ruler.write_results(out, summary["ruler"]["rows"], f"RULER, step {step}", cases=ruler_case_rows)
     writer.close()
     print(format_summary(summary))
     print(f"results in {out}/ and TensorBoard (tensorboard --logdir {run_dir})")

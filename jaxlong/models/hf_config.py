@@ -3,9 +3,11 @@
 before any device exists. `model_settings_from_hf` returns plain values (a nested dict of `model.*` keys), which
 `jaxlong.config` turns into a `ModelConfig`; this module imports nothing of the config tree.
 
-Every field of `config.json` is either mapped (`MAPPED`), ignorable (`IGNORED`: metadata, token ids, caching
-and dropout settings at their inert values) or an error naming it, so a checkpoint with an architecture
-variant jaxlong does not implement (biases, sliding windows, partial rotary, ...) never loads silently wrong.
+Every field of `config.json` is either mapped (`MAPPED`), ignorable (`IGNORED`: what transformers'
+`PretrainedConfig` writes for every model, 4.x and 5.x: metadata and names starting with "_", token ids, label
+maps, output and generation flags, dtype; caching and dropout settings at their inert values) or an error
+naming it, so a checkpoint with an architecture variant jaxlong does not implement (biases, sliding windows,
+partial rotary, ...) never loads silently wrong.
 Both spellings of RoPE settings are read: `rope_theta` + `rope_scaling` (transformers 4.x) and
 `rope_parameters` (transformers 5).
 """
@@ -26,18 +28,32 @@ MAPPED = {
     "tie_word_embeddings": "tie_embeddings", "initializer_range": "init_std",
     "max_position_embeddings": "max_position_embeddings",
 }
-# Fields that do not change the computation jaxlong does (metadata, generation and caching settings).
+# Fields that do not change the computation jaxlong does: what transformers' `PretrainedConfig` writes for every
+# model (metadata, token ids, label maps, output and generation flags, dtype; 4.x and 5.x), and caching settings.
+# Any field whose name starts with "_" is metadata too (`_name_or_path`, `_model_name_or_path`, `_commit_hash`).
 IGNORED = (
     "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "bos_token_id",
-    "eos_token_id", "pad_token_id", "use_cache", "attention_dropout", "pretraining_tp", "output_attentions",
-    "output_hidden_states", "return_dict", "_name_or_path", "name_or_path", "sliding_window", "max_window_layers",
+    "eos_token_id", "pad_token_id", "unk_token_id", "sep_token_id", "cls_token_id", "mask_token_id",
+    "decoder_start_token_id", "use_cache", "attention_dropout", "pretraining_tp", "output_attentions",
+    "output_hidden_states", "return_dict", "name_or_path", "sliding_window", "max_window_layers",
     "layer_types", "use_sliding_window", "attention_bias", "mlp_bias", "hidden_act", "rope_scaling",
-    "rope_parameters", "partial_rotary_factor", "use_return_dict", "chunk_size_feed_forward",
+    "rope_parameters", "partial_rotary_factor", "use_return_dict", "chunk_size_feed_forward", "id2label",
+    "label2id", "num_labels", "problem_type", "is_encoder_decoder", "is_decoder", "add_cross_attention",
+    "tie_encoder_decoder", "cross_attention_hidden_size", "finetuning_task", "task_specific_params",
+    "tokenizer_class", "prefix", "torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads",
+    "output_scores", "return_dict_in_generate", "output_router_logits", "max_length", "min_length", "do_sample",
+    "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p",
+    "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "num_return_sequences", "forced_bos_token_id", "forced_eos_token_id",
+    "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "quantization_config",
 )
 # Ignorable fields that must still have one of these values (anything else is a variant jaxlong lacks).
 REQUIRED_VALUES = {
     "hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,), "use_sliding_window": (False,),
     "attention_dropout": (0, 0.0), "pretraining_tp": (1, None), "partial_rotary_factor": (1, 1.0, None),
+    "pruned_heads": ({}, None), "is_encoder_decoder": (False,), "add_cross_attention": (False,),
+    "quantization_config": (None,),
 }
 ROPE_KEYS = {
     "factor": "factor", "original_max_position_embeddings": "original_max_position_embeddings",
@@ -102,10 +118,12 @@ def model_settings_from_hf(directory: str | Path) -> dict:
     mt = hf.get("model_type")
     if mt not in MODEL_TYPES:
         raise ConfigError(f"{where}: model_type {mt!r} is not supported; supported: {', '.join(MODEL_TYPES)}")
-    unknown = sorted(k for k in hf if k not in MAPPED and k not in IGNORED)
+    unknown = sorted(k for k in hf if k not in MAPPED and k not in IGNORED and not k.startswith("_"))
     if unknown:
-        raise ConfigError(f"{where}: fields {unknown} are not supported by jaxlong's {mt} (supported: "
-                          f"{', '.join(sorted(MAPPED))}; ignored: {', '.join(sorted(IGNORED))})")
+        raise ConfigError(f"{where}: fields {unknown} are not supported by jaxlong's {mt}: they may change the "
+                          f"computation (mapped: {', '.join(sorted(MAPPED))}; the fields transformers writes for "
+                          f"every model, such as token ids, label maps, output flags, dtype and names starting "
+                          f"with '_', are ignored)")
     for key, allowed in REQUIRED_VALUES.items():
         if key in hf and hf[key] not in allowed:
             raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported (jaxlong implements {allowed[0]!r})")

@@ -30,7 +30,7 @@ from jaxlong.config import Config, ConfigError, to_dict, validate
 from jaxlong.core import xla_log
 from jaxlong.core.memstats import compiled_bytes, device_memory, format_compiled
 from jaxlong.core.distributed import allgather_json
-from jaxlong.core.mesh import build_mesh, check_process_layout, describe_param_sharding
+from jaxlong.core.mesh import build_mesh, check_process_layout, describe_param_sharding, run_devices
 from jaxlong.core.units import fmt_bytes
 from jaxlong.models import hf
 from jaxlong.training import step as step_lib
@@ -180,7 +180,7 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_chang
 
 def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals: _Signals, fault) -> dict:
     try:
-        validate(cfg, num_devices=len(jax.devices()))
+        validate(cfg, num_devices=len(run_devices(cfg.mesh)))
     except ConfigError as e:
         if jax.process_count() == 1:
             raise
@@ -194,12 +194,9 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     mesh = build_mesh(cfg.mesh)
     check_process_layout(mesh)
     run_dir = Path(cfg.run_dir) / cfg.run_name
-    if cfg.model.from_hf:  # the checkpoint's tokenizer.json; its tensors are checked before compiling
-
+    if cfg.model.from_hf:  # its tensors are checked before compiling
         hf.check_checkpoint(cfg.model.from_hf, cfg)
-        tokenizer = data_lib.HFTokenizer(cfg.model.from_hf, option="model.from_hf")
-    else:
-        tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
+    tokenizer = data_lib.run_tokenizer(cfg)  # the checkpoint's tokenizer.json under model.from_hf
     try:
         data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
     except ValueError as e:
@@ -224,7 +221,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     check_state_fits_host(cfg, mesh)  # before the data and the compile
     run_dir.mkdir(parents=True, exist_ok=True)
     _say(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
-          f"mesh {dict(mesh.shape)} on {len(jax.devices())} x {jax.devices()[0].device_kind}, "
+          f"mesh {dict(mesh.shape)} on {mesh.size} x {jax.devices()[0].device_kind}, "
           f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
     # Data first: a bad corpus fails before the (possibly long) compile.
     source = data_lib.DocumentSource(cfg.data.path, cfg.data.text_field)
@@ -422,7 +419,7 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
                 metrics["step_time_s"] = (now - t_last) / n_steps
                 metrics["tokens_per_s"] = tokens_per_step / metrics["step_time_s"]
                 if peak:
-                    metrics["mfu"] = metrics["tokens_per_s"] * flops / (peak * len(jax.devices()))
+                    metrics["mfu"] = metrics["tokens_per_s"] * flops / (peak * mesh.size)
                 for k, v in device_memory().items():
                     metrics[f"device_memory/{k}"] = v
                 for i, (k, v) in enumerate(metrics.items()):

@@ -456,6 +456,31 @@ def test_released_configs_read_as_the_shipped_configs(tmp_path, hf_json, yaml):
     assert back.get("rope_scaling") == (dict(hf_json["rope_scaling"]) if hf_json["rope_scaling"] else None)
 
 
+def test_transformers5_config_imports_and_computation_fields_are_refused(tmp_path):
+    """A config.json as transformers 5.25's save_pretrained writes it (SmolLM2-135M: `_model_name_or_path`,
+    `unk_token_id`, `dtype`, `rope_parameters`) and the fields `PretrainedConfig` adds for every model read as
+    the architecture; a field that changes the computation is still refused, naming it."""
+    import smollm2  # noqa: PLC0415
+
+    every_model = {"_name_or_path": "x", "_commit_hash": None, "id2label": {"0": "LABEL_0"},
+                   "label2id": {"LABEL_0": 0}, "problem_type": None, "output_hidden_states": False,
+                   "return_dict": True, "is_encoder_decoder": False, "chunk_size_feed_forward": 0,
+                   "torch_dtype": "bfloat16", "sep_token_id": None, "pruned_heads": {}}
+    (tmp_path / "config.json").write_text(json.dumps({**smollm2.CONFIG, **every_model}))
+    got = model_config_from_hf(tmp_path)
+    assert (got.vocab_size, got.hidden, got.layers, got.heads, got.kv_heads, got.head_dim, got.mlp_hidden) == \
+        (49152, 576, 30, 9, 3, 64, 1536)
+    assert (got.rope_theta, got.tie_embeddings, got.norm_eps, got.rope_scaling.type) == \
+        (100000.0, True, smollm2.CONFIG["rms_norm_eps"], "none")
+    for field, value, match in (("pruned_heads", {"0": [1]}, "pruned_heads=.* is not supported"),
+                                ("is_encoder_decoder", True, "is_encoder_decoder=True is not supported"),
+                                ("num_experts", 8, r"fields \['num_experts'\] are not supported"),
+                                ("hidden_act", "gelu", "hidden_act='gelu' is not supported")):
+        (tmp_path / "config.json").write_text(json.dumps({**smollm2.CONFIG, field: value}))
+        with pytest.raises(ConfigError, match=match):
+            model_config_from_hf(tmp_path)
+
+
 def test_rope_scaling_options_are_validated():
     from helpers import tiny_cfg  # noqa: PLC0415
 

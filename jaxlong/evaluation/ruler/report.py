@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 COLUMNS = ("task", "length", "cases", "correct", "score")
+CASE_COLUMNS = ("task", "length", "index", "depth", "correct", "answer", "predicted")
 
 
 def grid(rows: list[dict]) -> tuple[list[str], list[int], np.ndarray]:
@@ -46,6 +47,27 @@ def write_csv(path: str | Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
+def case_rows(cases, answers, decode) -> list[dict]:
+    """One row per case (`CASE_COLUMNS`): task, length, index, `depth` (the first answer-bearing needle's depth in
+    [0, 1], empty for cwe and fwe), `correct` (0 or 1), the `answer` text and the `predicted` text, the teacher-
+    forced argmax at the answer's positions decoded with `decode` (the run's `tokenizer.decode`)."""
+    rows = []
+    for c, a in zip(cases, answers, strict=True):
+        rows.append({"task": c.task, "length": c.length, "index": c.index,
+                     "depth": f"{c.depths[0]:.3f}" if c.depths else "",
+                     "correct": int(np.array_equal(a, c.tokens[1:][c.answer])),
+                     "answer": c.answer_text, "predicted": decode(a)})
+    return rows
+
+
+def write_cases(path: str | Path, rows: list[dict]) -> None:
+    """`case_rows` as a CSV: what the model answered to each case."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, CASE_COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+
+
 def write_heatmap(path: str | Path, rows: list[dict], title: str = "RULER") -> None:
     """Score by task (rows) and length (columns), 0 red to 1 green, each cell annotated."""
     import matplotlib  # noqa: PLC0415
@@ -79,10 +101,16 @@ def log_scalars(writer, rows: list[dict], step: int, prefix: str = "eval/ruler")
     writer.add_scalar(f"{prefix}/mean", float(np.mean([r["score"] for r in rows])), step)
 
 
-def write_results(out: str | Path, rows: list[dict], title: str = "RULER") -> list[Path]:
-    """`out/ruler.csv` and `out/ruler.png`; returns their paths."""
+def write_results(out: str | Path, rows: list[dict], title: str = "RULER",
+                  cases: list[dict] | None = None) -> list[Path]:
+    """`out/ruler.csv` and `out/ruler.png`, and with `cases` (`case_rows`) `out/ruler_cases.csv`; returns their
+    paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "ruler.csv", rows)
     write_heatmap(out / "ruler.png", rows, title)
-    return [out / "ruler.csv", out / "ruler.png"]
+    paths = [out / "ruler.csv", out / "ruler.png"]
+    if cases is not None:
+        write_cases(out / "ruler_cases.csv", cases)
+        paths.append(out / "ruler_cases.csv")
+    return paths

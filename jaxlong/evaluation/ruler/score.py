@@ -46,9 +46,9 @@ def check_length(cfg: Config, length: int, option: str = "ruler length") -> None
             from None
 
 
-def score_cases(predict: Callable[[dict], np.ndarray], cases: Sequence[RulerCase], batch_size: int,
-                progress: Callable[[int], None] | None = None) -> np.ndarray:
-    """Teacher-forced exact match of each case.
+def predict_answers(predict: Callable[[dict], np.ndarray], cases: Sequence[RulerCase], batch_size: int,
+                    progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
+    """What the model answers to each case, teacher-forced: the argmax at the case's answer positions.
 
     Args:
       predict: `batch -> argmax` int `[b, S]` (host numpy), called with `jaxlong.evaluation.probes.passkey_batch`
@@ -58,9 +58,10 @@ def score_cases(predict: Callable[[dict], np.ndarray], cases: Sequence[RulerCase
       progress: called with the number of real cases after each forward.
 
     Returns:
-      bool `[len(cases)]`: whether the argmax equals the target at every answer position.
+      per case, int32 `[len(case.answer)]`: the most likely token at each answer position, given the input and
+      the answer's earlier tokens (the case's answer tokens are `case.tokens[1:][case.answer]`).
     """
-    right = np.zeros(len(cases), bool)
+    out: list[np.ndarray | None] = [None] * len(cases)
     by_length: dict[int, list[int]] = {}
     for i, c in enumerate(cases):
         by_length.setdefault(c.length, []).append(i)
@@ -68,14 +69,28 @@ def score_cases(predict: Callable[[dict], np.ndarray], cases: Sequence[RulerCase
         for s in range(0, len(idx), batch_size):
             chunk = idx[s:s + batch_size]
             rows = [cases[i] for i in chunk] + [cases[chunk[-1]]] * (batch_size - len(chunk))
-            batch = passkey_batch(rows)
-            argmax = np.asarray(predict(batch))
+            argmax = np.asarray(predict(passkey_batch(rows)))
             for k, i in enumerate(chunk):
-                a = cases[i].answer
-                right[i] = bool(np.all(argmax[k, a] == batch["targets"][k, a]))
+                out[i] = argmax[k, cases[i].answer].astype(np.int32)
             if progress:
                 progress(len(chunk))
-    return right
+    return out
+
+
+def is_right(cases: Sequence[RulerCase], answers: Sequence[np.ndarray]) -> np.ndarray:
+    """bool `[len(cases)]`: whether each predicted answer (`predict_answers`) is the case's answer, token for
+    token (RULER's exact match)."""
+    return np.array([np.array_equal(a, c.tokens[1:][c.answer]) for c, a in zip(cases, answers, strict=True)], bool)
+
+
+def score_cases(predict: Callable[[dict], np.ndarray], cases: Sequence[RulerCase], batch_size: int,
+                progress: Callable[[int], None] | None = None) -> np.ndarray:
+    """Teacher-forced exact match of each case: `is_right` of `predict_answers` (same arguments).
+
+    Returns:
+      bool `[len(cases)]`: whether the argmax equals the target at every answer position.
+    """
+    return is_right(cases, predict_answers(predict, cases, batch_size, progress))
 
 
 def results(cases: Sequence[RulerCase], right: np.ndarray) -> list[dict]:
@@ -95,9 +110,9 @@ def generate(suite: RulerSuite, tokenizer, corpus: np.ndarray | None = None) -> 
             for c in make_cases(t, tokenizer, n, suite.cases, seed=suite.seed, corpus=corpus)]
 
 
-def score_on_mesh(cfg: Config, mesh, params: dict, cases: Sequence[RulerCase], *, stats=None,
-                  progress: Callable[[int], None] | None = None) -> np.ndarray:
-    """`score_cases` of `cases` by `params` on `mesh`: each case length checked first (`check_length`, before
+def answers_on_mesh(cfg: Config, mesh, params: dict, cases: Sequence[RulerCase], *, stats=None,
+                    progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
+    """`predict_answers` of `cases` by `params` on `mesh`: each case length checked first (`check_length`, before
     anything compiles), then one `token_stats` forward per `eval_batch_size(cfg)` cases of a length.
 
     Args:
@@ -107,7 +122,7 @@ def score_on_mesh(cfg: Config, mesh, params: dict, cases: Sequence[RulerCase], *
         per length and kept), or None to make one.
       progress: called with the number of cases after each forward.
 
-    Returns: bool `[len(cases)]`, as `score_cases`.
+    Returns: per case, the argmax tokens at its answer positions, as `predict_answers`.
 
     Raises:
       ConfigError: a case length the mesh does not take.
@@ -115,7 +130,13 @@ def score_on_mesh(cfg: Config, mesh, params: dict, cases: Sequence[RulerCase], *
     for n in sorted({c.length for c in cases}):
         check_length(cfg, n)
     stats = stats or token_stats(cfg, mesh)
-    return score_cases(lambda b: stats(params, b)[1], cases, eval_batch_size(cfg), progress)
+    return predict_answers(lambda b: stats(params, b)[1], cases, eval_batch_size(cfg), progress)
+
+
+def score_on_mesh(cfg: Config, mesh, params: dict, cases: Sequence[RulerCase], *, stats=None,
+                  progress: Callable[[int], None] | None = None) -> np.ndarray:
+    """bool `[len(cases)]`, as `score_cases`: `is_right` of `answers_on_mesh` (same arguments and errors)."""
+    return is_right(cases, answers_on_mesh(cfg, mesh, params, cases, stats=stats, progress=progress))
 
 
 def validation_suite(cfg: Config) -> RulerSuite | None:
@@ -181,7 +202,7 @@ def evaluate_ruler(cfg: Config, mesh, params: dict, tokenizer, suite: RulerSuite
 
     Args:
       cfg, mesh, params, stats, progress: as `score_on_mesh`.
-      tokenizer: the run's (`jaxlong.data.get_tokenizer(cfg.data.tokenizer)`). suite: tasks, lengths, cases.
+      tokenizer: the run's (`jaxlong.data.run_tokenizer(cfg)`). suite: tasks, lengths, cases.
       corpus: int32 tokens of the run's text for the corpus haystacks (`corpus_tokens`).
 
     Returns:
