@@ -53,6 +53,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # the docs' pasted commands ~640, the multi-process runs ~450, the planner's compiles ~300.
 LONGEST_FIRST = (
     "training/test_multinode.py",
+    "evaluation/test_real_model_eval.py",
+    "evaluation/test_real_model_ruler.py",
     "training/test_faults.py",
     "test_docs.py",
     "training/test_multiprocess.py",
@@ -63,6 +65,7 @@ LONGEST_FIRST = (
     "parallel/test_ring_segments.py",
     "training/test_train.py",
     "plan/test_fit.py",
+    "models/test_real_model.py",
 )
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 

@@ -250,8 +250,9 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
         bar = tqdm(total=len(ruler_cases), desc="ruler", unit="case", dynamic_ncols=True, disable=not main)
         answers = ruler.answers_on_mesh(cfg, mesh, params, ruler_cases, stats=stats, progress=bar.update)
         bar.close()
-        rows = ruler.results(ruler_cases, ruler.is_right(ruler_cases, answers))
-        ruler_case_rows = ruler.case_rows(ruler_cases, answers, tokenizer.decode)
+        right = ruler.is_right(ruler_cases, answers)
+        rows, ruler_case_rows = ruler.results(ruler_cases, right), ruler.case_rows(ruler_cases, answers, right,
+                                                                                   tokenizer.decode)
         summary["ruler"] = {"tasks": list(dict.fromkeys(r["task"] for r in rows)),
                             "lengths": sorted({r["length"] for r in rows}), "cases": args.ruler_cases,
                             "seed": cfg.seed, "rows": rows, "mean": float(np.mean([r["score"] for r in rows])),

@@ -63,3 +63,21 @@ def test_only_one_layer_of_gathered_weights_is_live():
     layer_bytes = 4 * (m.hidden * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.hidden
                        + 3 * m.hidden * m.mlp_hidden)
     assert (t8 - t2) / 6 < 0.5 * layer_bytes, (t2, t8, layer_bytes)
+
+
+def test_a_run_spans_its_mesh_num_devices_of_the_simulated_devices():
+    """On the CPU in one process the mesh takes the first `mesh.num_devices` devices (this process has 8), so a
+    `mesh.num_devices=1` override of the trainer or `python -m jaxlong.eval` means one device; a -1 axis fills
+    up to `mesh.num_devices`, and more devices than exist is refused."""
+    from jaxlong.config import MeshConfig  # noqa: PLC0415
+    from jaxlong.core.errors import ConfigError  # noqa: PLC0415
+    from jaxlong.core.mesh import build_mesh, run_devices  # noqa: PLC0415
+
+    assert len(jax.devices()) == 8
+    one = build_mesh(MeshConfig(fsdp=1, context=1, num_devices=1))
+    assert one.devices.size == 1 and one.devices.flat[0] == jax.devices()[0]
+    assert dict(build_mesh(MeshConfig(fsdp=-1, ring=2, context=1, num_devices=4)).shape) == \
+        {"data": 1, "fsdp": 2, "ring": 2, "context": 1}
+    assert run_devices(MeshConfig(num_devices=8)) == jax.devices()
+    with pytest.raises(ConfigError, match="= 16, but there are 8 devices"):
+        build_mesh(MeshConfig(fsdp=4, context=4, num_devices=16))

@@ -1,6 +1,7 @@
 """Evaluation: held-out split, eval loss on the training mesh against one device, per-token stats, passkey
 scoring checked on predictors that cannot fail and cannot succeed, the train-loop hook and the CLI."""
 
+import csv
 import dataclasses
 import functools
 import json
@@ -305,6 +306,12 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
                                                                           ("niah_single_2", 384, 3)]
     assert (res / "ruler.csv").read_text().startswith(
         "task,length,cases,correct,score\nniah_single_1,384,3,")
+    with open(res / "ruler_cases.csv") as f:  # each case: what the model answered, agreeing with the counts
+        cases = list(csv.DictReader(f))
+    assert [(c["task"], c["index"]) for c in cases] == [(t, str(i)) for t in rl["tasks"] for i in range(3)]
+    assert [sum(int(c["correct"]) for c in cases if c["task"] == r["task"]) for r in rl["rows"]] == \
+        [r["correct"] for r in rl["rows"]]
+    assert all(c["answer"].strip().isdigit() and c["depth"] for c in cases)
     tags = EventAccumulator(str(res.parent)).Reload().Tags()["scalars"]
     assert {"eval/passkey_accuracy", "eval/ruler/niah_single_2/00000384", "eval/ruler/mean"} <= set(tags)
     # the trainer's own eval/loss stays alone in the run's events: the evaluation logs to its setup's directory

@@ -47,17 +47,14 @@ def write_csv(path: str | Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def case_rows(cases, answers, decode) -> list[dict]:
+def case_rows(cases, answers, right, decode) -> list[dict]:
     """One row per case (`CASE_COLUMNS`): task, length, index, `depth` (the first answer-bearing needle's depth in
-    [0, 1], empty for cwe and fwe), `correct` (0 or 1), the `answer` text and the `predicted` text, the teacher-
-    forced argmax at the answer's positions decoded with `decode` (the run's `tokenizer.decode`)."""
-    rows = []
-    for c, a in zip(cases, answers, strict=True):
-        rows.append({"task": c.task, "length": c.length, "index": c.index,
-                     "depth": f"{c.depths[0]:.3f}" if c.depths else "",
-                     "correct": int(np.array_equal(a, c.tokens[1:][c.answer])),
-                     "answer": c.answer_text, "predicted": decode(a)})
-    return rows
+    [0, 1], empty for cwe and fwe), `correct` (`right`, `jaxlong.evaluation.ruler.is_right`: 0 or 1), the `answer`
+    text and the `predicted` text: the teacher-forced argmax at the answer's positions (`answers`,
+    `predict_answers`) decoded with `decode` (the run's `tokenizer.decode`)."""
+    return [{"task": c.task, "length": c.length, "index": c.index, "depth": f"{c.depths[0]:.3f}" if c.depths else "",
+             "correct": int(r), "answer": c.answer_text, "predicted": decode(a)}
+            for c, a, r in zip(cases, answers, right, strict=True)]
 
 
 def write_cases(path: str | Path, rows: list[dict]) -> None:
