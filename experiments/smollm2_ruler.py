@@ -16,7 +16,7 @@ This script gathers what those evaluations wrote (`runs/smol/eval/<setup>/step_1
 
 writes `smollm2_ruler.csv` (task, length, cases, correct, score, setup), `smollm2_ruler_cases.csv` (every case:
 what the model answered) and `smollm2_ruler.png` (the task x length grid, YaRN's 16K as its own column), and
-prints the table in Markdown.
+prints the table and how many misses differ from the answer only in the whitespace before it.
 """
 
 from __future__ import annotations
@@ -29,15 +29,17 @@ from pathlib import Path
 from jaxlong.evaluation.ruler import format_table, write_heatmap
 
 
+def _yarn(summary: dict) -> bool:
+    return any(o.startswith("model.rope_scaling.type=yarn") for o in summary["setup"]["overrides"])
+
+
 def collect(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """(score rows, case rows) of every RULER evaluation of step 1 under `run_dir/eval/`; a length evaluated
     with YaRN (a `model.rope_scaling` override) is labelled `<length> yarn` in the case rows and kept apart."""
     rows, cases = [], []
-    for summary in sorted(run_dir.glob("eval/*/step_1/summary.json")):
-        s = json.loads(summary.read_text())
-        if "ruler" not in s:
-            continue
-        yarn = any(o.startswith("model.rope_scaling.type=yarn") for o in s["setup"]["overrides"])
+    summaries = [(p, json.loads(p.read_text())) for p in sorted(run_dir.glob("eval/*/step_1/summary.json"))]
+    for summary, s in sorted((x for x in summaries if "ruler" in x[1]), key=lambda x: _yarn(x[1])):  # YaRN last
+        yarn = _yarn(s)
         setup = s["setup"]["name"] + (" (YaRN)" if yarn else "")
         for r in s["ruler"]["rows"]:
             rows.append({**r, "task": r["task"] + (" +YaRN" if yarn else ""), "setup": setup})
@@ -60,6 +62,10 @@ def main() -> None:
             w.writerows(data)
     write_heatmap(args.out / "smollm2_ruler.png", rows, "SmolLM2-135M-Instruct, RULER exact match (CPU)")
     print(format_table(rows))
+    missed = [c for c in cases if c["correct"] == "0"]
+    spaced = [c for c in missed if c["predicted"].strip() == c["answer"].strip()]
+    print(f"\n{len(missed)} of {len(cases)} cases missed; in {len(spaced)} of them only the whitespace before the "
+          f"answer differs (e.g. a newline where the answer has a space)")
 
 
 if __name__ == "__main__":
