@@ -50,11 +50,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # The test files that take longest, started first. pytest-xdist (`--dist loadfile`) hands each worker whole files
 # in collection order (`--no-loadscope-reorder`, pyproject.toml); started last, a long file leaves the other worker
 # idle at the end of the run. Measured in the slow tier (seconds on one worker, 2 cores): the kill matrix ~1,250,
+# the real model's RULER families ~750 and its evaluation ~470,
 # the docs' pasted commands ~640, the multi-process runs ~450, the planner's compiles ~300.
 LONGEST_FIRST = (
     "training/test_multinode.py",
-    "evaluation/test_real_model_eval.py",
     "evaluation/test_real_model_ruler.py",
+    "evaluation/test_real_model_eval.py",
     "training/test_faults.py",
     "test_docs.py",
     "training/test_multiprocess.py",
