@@ -53,15 +53,16 @@ def _say(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
-def check_fits(compiled) -> None:
+def check_fits(compiled, devices: int | None = None) -> None:
     """Raise ConfigError before allocating anything when the compiled step cannot fit device memory.
 
-    Uses the device's `bytes_limit` where the backend reports one (GPUs); the CPU reports none.
+    Uses the device's `bytes_limit` where the backend reports one (GPUs); the CPU reports none, and there the
+    `devices` simulated devices of the mesh (default: all) share the host's memory.
     """
     limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
     need = compiled_bytes(compiled)["peak"]
     if limit is None and jax.default_backend() == "cpu":  # simulated devices share the host's memory
-        need *= len(jax.devices())
+        need *= devices or len(jax.devices())
         limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if limit and need > limit:
         raise ConfigError(
@@ -243,7 +244,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     _say(format_compiled(compiled))
     for line in log.summary():
         _say(line)
-    check_fits(compiled)
+    check_fits(compiled, mesh.size)
     if validator:
         _say(format_compiled(validator.compile(), "eval step"))
     fault("after_compile", start + 1)

@@ -68,7 +68,7 @@ def test_only_one_layer_of_gathered_weights_is_live():
 def test_a_run_spans_its_mesh_num_devices_of_the_simulated_devices():
     """On the CPU in one process the mesh takes the first `mesh.num_devices` devices (this process has 8), so a
     `mesh.num_devices=1` override of the trainer or `python -m jaxlong.eval` means one device; a -1 axis fills
-    up to `mesh.num_devices`, and more devices than exist is refused."""
+    up to `mesh.num_devices`; fixed axes over more devices than exist are refused."""
     from jaxlong.config import MeshConfig  # noqa: PLC0415
     from jaxlong.core.errors import ConfigError  # noqa: PLC0415
     from jaxlong.core.mesh import build_mesh, run_devices  # noqa: PLC0415
@@ -79,5 +79,6 @@ def test_a_run_spans_its_mesh_num_devices_of_the_simulated_devices():
     assert dict(build_mesh(MeshConfig(fsdp=-1, ring=2, context=1, num_devices=4)).shape) == \
         {"data": 1, "fsdp": 2, "ring": 2, "context": 1}
     assert run_devices(MeshConfig(num_devices=8)) == jax.devices()
+    assert run_devices(MeshConfig(num_devices=3)) == jax.devices()[:3]
     with pytest.raises(ConfigError, match="= 16, but there are 8 devices"):
         build_mesh(MeshConfig(fsdp=4, context=4, num_devices=16))

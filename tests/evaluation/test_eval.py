@@ -311,7 +311,7 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
     assert [(c["task"], c["index"]) for c in cases] == [(t, str(i)) for t in rl["tasks"] for i in range(3)]
     assert [sum(int(c["correct"]) for c in cases if c["task"] == r["task"]) for r in rl["rows"]] == \
         [r["correct"] for r in rl["rows"]]
-    assert all(c["answer"].strip().isdigit() and c["depth"] for c in cases)
+    assert all(c["answer"].strip().isdigit() and 0 <= float(c["depth"]) <= 1 for c in cases)
     tags = EventAccumulator(str(res.parent)).Reload().Tags()["scalars"]
     assert {"eval/passkey_accuracy", "eval/ruler/niah_single_2/00000384", "eval/ruler/mean"} <= set(tags)
     # the trainer's own eval/loss stays alone in the run's events: the evaluation logs to its setup's directory

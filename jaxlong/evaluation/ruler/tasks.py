@@ -152,7 +152,7 @@ def make_cases(task: Task | str, tokenizer, length: int, n: int, *, seed: int = 
     """`n` cases of `task` at exactly `length` tokens (see the module docstring).
 
     Args:
-      task: a `Task` or a name in `TASKS`. tokenizer: the run's (`jaxlong.data.get_tokenizer`). length: tokens
+      task: a `Task` or a name in `TASKS`. tokenizer: the run's (`jaxlong.data.run_tokenizer`). length: tokens
         per input (the case holds length + 1). n: cases; case i's asked needle at depth `case_depths(n)[i]`.
       seed: fixes every case. corpus: int32 tokens of the run's text (`corpus_tokens`), for "corpus" haystacks.
 
