@@ -202,6 +202,7 @@ class Config:
     ruler_tasks: list[str] = field(default_factory=list)  # RULER tasks scored with each validation; [] disables it
     ruler_lengths: list[int] = field(default_factory=list)  # their context lengths (tokens); [] means [seq_len]
     ruler_cases: int = 4  # RULER cases per task and length (needle depths evenly spread)
+    lost_process_timeout_s: float = 120  # several processes: one silent this long ends the others (docs/multi-node.md)
 
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -475,6 +476,9 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"eval_every={cfg.eval_every} must be >= 0 (0 disables validation)")
     if not 0.0 < cfg.eval_fraction < 1.0:
         raise ConfigError(f"eval_fraction={cfg.eval_fraction} must be in (0, 1), e.g. 0.01 (1% of the documents)")
+    if not cfg.lost_process_timeout_s >= 1:
+        raise ConfigError(f"lost_process_timeout_s={cfg.lost_process_timeout_s} must be >= 1 second (default 120; "
+                          f"longer than any pause of a process, such as a slow checkpoint read)")
     validate_ruler(cfg)
     for key in ("rope_theta", "norm_eps", "init_std"):
         if not getattr(m, key) > 0:

@@ -23,6 +23,7 @@ import os
 import jax
 import numpy as np
 
+from jaxlong.core import liveness
 from jaxlong.core.errors import ConfigError
 
 
@@ -89,10 +90,11 @@ def slurm_local_device_ids() -> list[int] | None:
     return list(range(count)) or None
 
 
-def start(mesh_cfg) -> int:
+def start(mesh_cfg, lost_process_timeout_s: float = 120) -> int:
     """Start a launch before jax has a backend: check that `mesh_cfg.num_devices` (a `jaxlong.config.MeshConfig`)
     splits over the processes, ask for `num_devices / processes` simulated devices on the CPU
-    (`set_host_device_count`) and `initialize`. Returns the process count. The mesh's split over the processes is
+    (`set_host_device_count`) and `initialize` (with `lost_process_timeout_s`, seconds). Returns the process
+    count. The mesh's split over the processes is
     checked once it is built (`jaxlong.core.mesh.check_process_layout`), before anything compiles.
 
     Raises:
@@ -104,11 +106,14 @@ def start(mesh_cfg) -> int:
         raise ConfigError(f"mesh.num_devices={mesh_cfg.num_devices} is not divisible by the {processes} processes "
                           f"of this launch; use a multiple of {processes}")
     set_host_device_count(mesh_cfg.num_devices // processes)
-    return initialize()
+    return initialize(lost_process_timeout_s)
 
 
-def initialize() -> int:
-    """`jax.distributed.initialize()` when launched as several processes; returns the process count.
+def initialize(lost_process_timeout_s: float = 120) -> int:
+    """`jax.distributed.initialize()` when launched as several processes; returns the process count. Each
+    process then runs a `jaxlong.core.liveness.Watchdog`: a process silent for `lost_process_timeout_s` seconds
+    ends the others with one line (JAX's own heartbeat timeout is set longer,
+    `liveness.jax_heartbeat_timeout`).
 
     Raises:
       ValueError: JAX_COORDINATOR_ADDRESS is set without JAX_NUM_PROCESSES / JAX_PROCESS_ID (or not integers).
@@ -120,13 +125,16 @@ def initialize() -> int:
         return 1
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes; ignored by GPUs
+    heartbeat = liveness.jax_heartbeat_timeout(lost_process_timeout_s)
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         pid = _int_env("JAX_PROCESS_ID")
         if pid is None:
             raise ValueError("JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES are set but JAX_PROCESS_ID is not")
-        jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=n, process_id=pid)
-    else:
-        jax.distributed.initialize(local_device_ids=slurm_local_device_ids())  # SLURM / Open MPI auto-detection
+        jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=n, process_id=pid,
+                                   heartbeat_timeout_seconds=heartbeat)
+    else:  # SLURM / Open MPI auto-detection
+        jax.distributed.initialize(local_device_ids=slurm_local_device_ids(), heartbeat_timeout_seconds=heartbeat)
+    liveness.start_watchdog(jax.process_index(), n, lost_process_timeout_s)
     return n
 
 

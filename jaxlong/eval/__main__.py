@@ -134,14 +134,13 @@ def resolve_ruler(cfg, args) -> None:
         except ValueError:
             raise ConfigError(f"--ruler-lengths {args.ruler_lengths!r}: give comma-separated token counts, e.g. "
                               f"1024,4096") from None
-        for n in lengths:
-            if n <= 0:
-                raise ConfigError(f"--ruler-lengths {n}: a length must be a positive token count")
-            ruler.check_length(cfg, n, "--ruler-lengths")
+        option = "--ruler-lengths"
     else:
         lengths = [n for n in (cfg.seq_len // 8, cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len)
                    if n > 0 and _ruler_takes(cfg, n)] or [cfg.seq_len]
-        ruler.check_length(cfg, lengths[-1], "--ruler-lengths (default: seq_len)")
+        option = "--ruler-lengths (default: seq_len and the fractions of it the mesh takes)"
+    # every length checked, every problem named, before a case is generated
+    ruler.check_lengths(cfg, lengths, option, cases=args.ruler_cases, tasks=len(args.ruler_tasks_list))
     args.ruler_lengths_list = sorted(set(lengths))
 
 
@@ -191,11 +190,18 @@ def main(argv=None) -> int:
         return fail(e)
     from jaxlong.core import distributed  # noqa: PLC0415
 
-    try:
-        distributed.start(cfg.mesh)  # several processes (srun, or JAX_COORDINATOR_ADDRESS ...): one mesh over them
+    from jaxlong.core import liveness  # noqa: PLC0415
+
+    try:  # several processes (srun, or JAX_COORDINATOR_ADDRESS ...): one mesh over them
+        distributed.start(cfg.mesh, cfg.lost_process_timeout_s)
         run(cfg, run_dir, step, args)
     except (FileNotFoundError, ValueError) as e:  # a bad override, a corpus that cannot be read
         return fail(e)
+    except Exception:  # a collective that failed because another process died: its one line
+        liveness.explain_failure()
+        raise
+    finally:
+        liveness.stop_watchdog()
     return 0
 
 
@@ -301,15 +307,17 @@ def ruler_suite(cfg, args, tokenizer, source, held_out) -> tuple[list, list[str]
         raise ConfigError(str(e)) from None
     suite = ruler.RulerSuite(args.ruler_tasks_list, args.ruler_lengths_list, args.ruler_cases, cfg.seed)
     corpus = ruler.suite_corpus(suite, (source[i] for i in held_out), tokenizer)
-    cases, notes = [], []
-    for task in suite.tasks:
-        for n in suite.lengths:
+    cases, notes, short = [], [], []
+    for n in suite.lengths:  # shortest first: a length too short for a task is found before longer cases are made
+        for task in suite.tasks:
             try:
                 cases += ruler.make_cases(task, tokenizer, n, suite.cases, seed=suite.seed, corpus=corpus)
             except ValueError as e:
-                if args.ruler_lengths:
-                    raise ConfigError(f"--ruler-lengths {n}: {e}") from None
-                notes.append(f"note: RULER {task} skipped at {n} tokens ({e})")
+                (short if args.ruler_lengths else notes).append(
+                    f"--ruler-lengths {n}: {e}" if args.ruler_lengths else
+                    f"note: RULER {task} skipped at {n} tokens ({e})")
+    if short:  # every (task, length) that is too short, at once
+        raise ConfigError("; ".join(short))
     if not cases:
         raise ConfigError(f"--ruler: no task fits the lengths {suite.lengths}; give longer --ruler-lengths")
     return cases, notes

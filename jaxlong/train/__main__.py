@@ -66,11 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, ValueError) as e:
             return fail(e)
     try:
-        distributed.start(cfg.mesh)
+        distributed.start(cfg.mesh, cfg.lost_process_timeout_s)
     except (ConfigError, ValueError) as e:
         return fail(e)
     from jaxlong.training.checkpoint import CheckpointError  # noqa: PLC0415
     from jaxlong.training.loop import run  # noqa: PLC0415 (start-up: the train loop's modules load after parsing)
+
+    from jaxlong.core import liveness  # noqa: PLC0415
 
     resume = args.resume or args.resume_with_changes
     try:
@@ -78,9 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:  # a bad option, a corpus that cannot be read, nothing to resume
         return fail(e)
     except CheckpointError as e:
+        liveness.explain_failure()  # a save that failed because a process was lost: that process's line
         return fail(e, FAILED)
     except KeyboardInterrupt as e:  # SIGINT/SIGTERM: 128 + the signal's number, as a shell reports it
         return 128 + getattr(e, "signum", signal.SIGINT)
+    except Exception:  # e.g. gloo's "Connection reset by peer" when another process died
+        liveness.explain_failure()  # a lost process: one line and exit status 4, from the watchdog
+        raise
+    finally:
+        liveness.stop_watchdog()
     return 0
 
 

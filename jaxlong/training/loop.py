@@ -27,7 +27,7 @@ from jaxlong import data as data_lib
 from jaxlong import evaluation as eval_lib
 from jaxlong.evaluation import ruler
 from jaxlong.config import Config, ConfigError, to_dict, validate
-from jaxlong.core import xla_log
+from jaxlong.core import liveness, xla_log
 from jaxlong.core.memstats import compiled_bytes, device_memory, format_compiled
 from jaxlong.core.distributed import allgather_json
 from jaxlong.core.mesh import build_mesh, check_process_layout, describe_param_sharding, run_devices
@@ -231,7 +231,8 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
         held_out, eval_batches = eval_lib.validation_split(cfg, source, tokenizer)
         validator = eval_lib.Validator(cfg, mesh, eval_batches)
         suite = ruler.validation_suite(cfg)
-        if suite:  # cases generated and lengths checked now, before anything compiles
+        if suite:  # lengths checked, then cases generated now, before anything compiles
+            ruler.check_lengths(cfg, suite.lengths, "ruler_lengths", cases=suite.cases, tasks=len(suite.tasks))
             corpus = ruler.suite_corpus(suite, (source[i] for i in held_out), tokenizer)
             validator.ruler = ruler.RulerValidator(cfg, mesh, tokenizer, suite, corpus, option="ruler_lengths")
     batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out,
@@ -270,6 +271,15 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
         except Exception as e:  # noqa: BLE001 (a failure already reported; never hide the original error)
             remove_tmp_dirs(ckpt.directory)
             _say(f"closing the checkpoint manager: {type(e).__name__}: {e}")
+
+
+def latest_checkpoint_text(directory: Path) -> str:
+    """`latest complete checkpoint: step N in DIR; relaunch every process with --resume`, or that there is none
+    (the end of a lost process's line, `jaxlong.core.liveness.Watchdog`)."""
+    step = Checkpointer.latest_in(directory)
+    if step is None:
+        return f"no complete checkpoint in {directory} yet"
+    return f"latest complete checkpoint: step {step} in {directory}; relaunch every process with --resume"
 
 
 def _restore_data(batches, data_state: dict | None, start: int) -> None:
@@ -382,9 +392,21 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
     # the two assignments below, since the handler only records it.
     # `data_state` is the input pipeline's state after the batch of step `done`: saved with that state.
     done, started, data_state = start, None, batches.get_state()
+    several = jax.process_count() > 1
+    if liveness.watchdog() is not None:  # a lost process's line names the latest checkpoint
+        liveness.watchdog().checkpoints = lambda: latest_checkpoint_text(ckpt.directory)
     try:
         t_last = time.perf_counter()
-        while done < cfg.steps and signals.received is None:
+        while done < cfg.steps:
+            # Several processes stop together: after the step where any of them received SIGTERM/SIGINT.
+            stop = liveness.agree_stop(done, signals.received) if several else \
+                ((0, signals.received) if signals.received is not None else None)
+            if stop is not None:
+                own, signals.received = signals.received, stop[1]  # every process: the agreed signal
+                if own is None:
+                    _say(f"process {stop[0]} received {signal.Signals(stop[1]).name}: every process stops after "
+                         f"step {done}, then saves it")
+                break
             step = done + 1
             fault("before_batch", step)
             if profile and step == profile_start + 1:
@@ -395,7 +417,7 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
             fault("before_put", step)
             batch = step_lib.put_batch(host_batch, mesh, batches.rows, cfg.global_batch)
             fault("before_dispatch", step)
-            if signals.received is not None:
+            if signals.received is not None and not several:  # several processes stop where they agree
                 break
             new_state, m = compiled(state, batch)  # donates `state`
             fault("after_step", step)

@@ -460,6 +460,44 @@ def test_ruler_flags_are_checked_before_anything_compiles(tmp_path, capsys):
     assert err.startswith("error: --ruler-lengths 1000: not a sequence length this mesh takes") and err.count("\n") == 1
 
 
+def test_every_ruler_length_is_checked_and_every_problem_named_before_a_case_is_generated(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """A list of RULER lengths with several problems is refused in one line that names each: a length that is not
+    positive, one the mesh cannot split (with the nearest lengths it takes, each of which it does take), and one
+    whose cases alone would exceed this host's memory (10^8 tokens: generating it grew past 5 GB before). Nothing
+    is generated: case generation fails the test if reached."""
+    from jaxlong.config import ConfigError
+    from jaxlong.eval import __main__ as eval_cli
+    from jaxlong.evaluation import ruler
+    from jaxlong.evaluation.ruler import score, tasks
+
+    cfg = tiny_cfg("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "seq_len=1024", "attention.block_q=64")
+    _fake_checkpoint(tmp_path, 3, cfg)
+
+    def never(*a, **k):
+        raise AssertionError("a case was generated")
+
+    for module in (tasks, score, ruler, eval_cli):
+        for name in ("make_cases", "corpus_tokens", "generate"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, never)
+    assert eval_cli.main([str(tmp_path), "--ruler", "--ruler-lengths", "512,0,1000,100000000,2048"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --ruler-lengths 0: a length must be a positive token "
+                                                    "count; --ruler-lengths 1000: not a sequence length this mesh "
+                                                    "takes ("), err
+    assert "--ruler-lengths 100000000: 100000000 tokens need at least " in err and "of host memory" in err
+    assert "--ruler-lengths 512" not in err and "--ruler-lengths 2048" not in err  # the good ones pass
+    near = [int(n) for n in err.split("nearby lengths it takes: ")[1].split(";")[0].split(" or ")]
+    assert len(near) == 2 and near[0] < 1000 < near[1], near
+    for n in near:  # each suggestion is taken, and none is taken between them and 1000
+        ruler.check_length(cfg, n)
+    for n in range(near[0] + 1, near[1]):
+        if n != 1000:
+            with pytest.raises(ConfigError):
+                ruler.check_length(cfg, n)
+
+
 def test_training_refuses_a_ruler_length_the_mesh_cannot_take_before_compiling(tmp_path, capsys):
     from jaxlong.config import ConfigError
     from jaxlong.training.loop import run

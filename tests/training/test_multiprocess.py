@@ -11,9 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY
+from helpers import TINY, tiny_cfg
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_train import TRAIN
+
+from jaxlong.training.checkpoint import committed_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,23 +125,101 @@ def one_process(tmp_path_factory) -> dict[int, float]:
     return losses
 
 
-@pytest.mark.subprocess
-@pytest.mark.slow
-def test_two_processes_train_and_resume_like_one(tmp_path, one_process):
-    """Losses of 2 x 4 devices equal those of 1 x 8; a two-process run stopped at a checkpoint and resumed by
-    both processes (orbax restores each process's shards) continues with the same losses."""
-    args = _args(tmp_path)
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    """A two-process run stopped at a checkpoint (steps=3) and resumed by both processes to step 6: its run
+    directory and the resumed launch's processes."""
+    run_dir = tmp_path_factory.mktemp("two-processes")
+    args = _args(run_dir)
     for extra in (["steps=3"], ["steps=6", "--resume"]):  # stopped after step 3, then resumed
         two = _launch([*args, *extra, "run_name=two"], 2)
         for r in two:
             assert r.returncode == 0, r.stdout[-3000:]
+    return run_dir / "two", two
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_two_processes_train_and_resume_like_one(one_process, two_processes):
+    """Losses of 2 x 4 devices equal those of 1 x 8; a two-process run stopped at a checkpoint and resumed by
+    both processes (orbax restores each process's shards) continues with the same losses."""
+    run_dir, two = two_processes
     assert "on 8 x cpu" in two[0].stdout.lower()  # one mesh over the devices of both processes
     assert "resumed from" in two[0].stdout and "resumed from" not in two[1].stdout  # process 0 logs
-    ref, got = [one_process[s] for s in sorted(one_process)], _losses(tmp_path / "two")
+    ref, got = [one_process[s] for s in sorted(one_process)], _losses(run_dir)
     assert len(got) == 6
     assert got[:3] == pytest.approx(ref[:3], rel=1e-5)
     assert got[3:] == pytest.approx(ref[3:], rel=1e-5)  # after the resume
-    assert (tmp_path / "two" / "checkpoints" / "6").is_dir()
+    assert (run_dir / "checkpoints" / "6").is_dir()
+
+
+def _final_state(run_dir: Path, step: int) -> dict:
+    """The train state of checkpoint `step` of a run of `_args`, restored in this process (8 devices)."""
+    import jax
+    import numpy as np
+
+    from jaxlong.core.mesh import build_mesh
+    from jaxlong.training import step as step_lib
+    from jaxlong.training.checkpoint import Checkpointer
+
+    cfg = tiny_cfg(*TRAIN, "checkpoint_every=3", "optim.decay_steps=6")
+    ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=100)
+    try:
+        _, state = ckpt.restore(step_lib.abstract_state(cfg, build_mesh(cfg.mesh)), step)
+    finally:
+        ckpt.manager.close()
+    return jax.tree.map(np.asarray, state)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path, two_processes):
+    """SIGTERM reaches process 1 alone, after its step 3 (as a cluster may signal one task, or the tasks at
+    different steps): the processes agree to stop after step 3, both save it and exit with 128 + 15, and `--resume`
+    reaches final parameters bit-equal to the run stopped at step 3 by its config and resumed."""
+    import numpy as np
+
+    args = [*_args(tmp_path), "steps=6", "run_name=two"]
+    stopped = _launch(args, 2, faults={1: "after_step@3:SIGTERM"}, timeout=600)
+    assert [r.returncode for r in stopped] == [143, 143], stopped[0].stdout[-3000:] + stopped[1].stdout[-3000:]
+    assert "process 1 received SIGTERM: every process stops after step 3, then saves it" in stopped[0].stdout
+    assert "stopped by SIGTERM after step 3; latest committed checkpoint: step 3" in stopped[0].stdout
+    assert committed_steps(tmp_path / "two" / "checkpoints") == [3]
+    _ok(_launch([*args, "--resume"], 2))
+    reference, got = _final_state(two_processes[0], 6), _final_state(tmp_path / "two", 6)
+    import jax
+
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(reference)[0], jax.tree.leaves(got)):
+        assert np.array_equal(x, y), f"{jax.tree_util.keystr(path)} differs"
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", [1, 0])
+def test_a_lost_process_ends_the_others(tmp_path, lost):
+    """Process `lost` is killed (SIGKILL) as it starts the step-6 save, the other left running (at that point the
+    step-3 checkpoint is committed: a save starts after the previous one commits).
+
+    Process 1 lost: within the configured `lost_process_timeout_s` (3 s here) process 0's watchdog ends it with
+    exit status 4 and one line naming the lost process and the latest complete checkpoint (step 3), no traceback.
+    Process 0 lost: it ran JAX's coordination service, and JAX's client ends process 1 at once with its own
+    message (jaxlong cannot replace it, `jaxlong.core.liveness`). Either way the step-3 checkpoint is whole."""
+    args = [*_args(tmp_path), "steps=6", "run_name=two", "lost_process_timeout_s=3"]
+    runs = _launch(args, 2, faults={lost: "during_save@6:SIGKILL"}, timeout=300)
+    survivor = runs[1 - lost]
+    assert runs[lost].returncode == -9
+    assert committed_steps(tmp_path / "two" / "checkpoints") == [3]
+    if lost == 0:
+        assert survivor.returncode != 0
+        assert "the JAX distributed service detected fatal errors" in survivor.stdout, survivor.stdout[-3000:]
+        return
+    assert survivor.returncode == 4, survivor.stdout[-3000:]
+    errors = [line for line in survivor.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, survivor.stdout[-3000:]
+    assert errors[0].startswith("error: process 1 of 2 is lost (its heartbeat stopped for 3 s, "
+                                "lost_process_timeout_s=3); latest complete checkpoint: step 3 in "), errors[0]
+    assert errors[0].endswith("relaunch every process with --resume; process 0 stops")
+    assert "Traceback" not in survivor.stdout and "Fatal" not in survivor.stdout
 
 
 @pytest.mark.subprocess

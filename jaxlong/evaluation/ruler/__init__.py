@@ -16,6 +16,9 @@ from jaxlong.evaluation.ruler.score import (
     RulerValidator,
     answers_on_mesh,
     check_length,
+    check_lengths,
+    generation_bytes,
+    nearby_lengths,
     evaluate_ruler,
     generate,
     is_right,
@@ -30,7 +33,8 @@ from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, case_depths, 
 
 __all__ = [
     "case_rows", "format_table", "log_scalars", "write_cases", "write_csv", "write_heatmap", "write_results",
-    "RulerSuite", "RulerValidator", "answers_on_mesh", "check_length", "evaluate_ruler", "generate", "is_right",
+    "RulerSuite", "RulerValidator", "answers_on_mesh", "check_length", "check_lengths", "evaluate_ruler",
+    "generation_bytes", "nearby_lengths", "generate", "is_right",
     "predict_answers", "results", "score_cases", "score_on_mesh", "suite_corpus", "validation_suite", "TASKS",
     "RulerCase", "Task", "case_depths", "corpus_tokens", "make_cases",
 ]

@@ -10,12 +10,15 @@ ring and the hybrids), tiled so that `[seq, vocab]` logits never exist — hence
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
 
 from jaxlong.config import Config, ConfigError, validate
+from jaxlong.core.distributed import gpu_driver_present
+from jaxlong.core.units import fmt_bytes
 from jaxlong.data.tokenizer import check_vocab
 from jaxlong.evaluation.heldout import eval_batch_size
 from jaxlong.evaluation.probes import passkey_batch
@@ -44,6 +47,76 @@ def check_length(cfg: Config, length: int, option: str = "ruler length") -> None
     except ConfigError as e:
         raise ConfigError(f"{option} {length}: not a sequence length this mesh takes ({e})".replace("\n", " ")) \
             from None
+
+
+def nearby_lengths(cfg: Config, length: int, tries: int = 256) -> list[int]:
+    """The nearest sequence lengths below and above `length` that the run's mesh takes (`check_length`): at most
+    one each, searched over multiples of the mesh's sequence split (`mesh.context`, times `2 * mesh.ring` under
+    ring attention), `tries` of them each way."""
+    unit = cfg.mesh.context * (2 * cfg.mesh.ring if cfg.mesh.ring > 1 else 1)
+    below = [unit * k for k in range(length // unit, max(length // unit - tries, 0), -1) if unit * k != length]
+    above = [unit * k for k in range(length // unit + 1, length // unit + 1 + tries)]
+    found = []
+    for side in (below, above):
+        for n in side:
+            if _takes(cfg, n):
+                found.append(n)
+                break
+    return found
+
+
+def _takes(cfg: Config, length: int) -> bool:
+    try:
+        check_length(cfg, length)
+    except ConfigError:
+        return False
+    return True
+
+
+def generation_bytes(cfg: Config, length: int, cases: int, tasks: int, cpu: bool = True) -> int:
+    """A lower bound of the host memory (bytes) that generating and scoring `cases` cases of each of `tasks` tasks
+    at `length` tokens needs: the cases' int32 tokens and targets (8 bytes a token), the corpus haystack (twice the
+    length, `suite_corpus`, int32) and, with `cpu` (the run's devices are the CPU's, sharing host memory), one eval
+    batch's hidden states at `compute_dtype` (`eval_batch_size` x length x model.hidden)."""
+    need = 8 * length * cases * tasks + 4 * 2 * length
+    if cpu:
+        item = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.compute_dtype]
+        need += eval_batch_size(cfg) * length * cfg.model.hidden * item
+    return need
+
+
+def check_lengths(cfg: Config, lengths: Sequence[int], option: str = "ruler length", *, cases: int = 1,
+                  tasks: int = 1, host_bytes: int | None = None) -> None:
+    """Check every RULER length before any case is generated, and name every problem at once in one line: a
+    length that is not positive, one whose cases do not fit this host's memory (`generation_bytes` of `cases`
+    cases of `tasks` tasks against `host_bytes`, default the host's physical memory), one the mesh cannot split
+    (`check_length`, with the nearest lengths it takes, `nearby_lengths`).
+
+    Raises:
+      ConfigError: `<option> <length>: <its problem>` for each bad length, joined by "; ".
+    """
+    host = host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpu = os.environ.get("JAX_PLATFORMS") == "cpu" or not gpu_driver_present()  # without starting a backend
+    problems = {}
+    for n in dict.fromkeys(int(x) for x in lengths):
+        if n <= 0:
+            problems[n] = "a length must be a positive token count"
+        elif generation_bytes(cfg, n, cases, tasks, cpu) > host:
+            problems[n] = (f"{n} tokens need at least {fmt_bytes(generation_bytes(cfg, n, cases, tasks, cpu))} of host "
+                           f"memory to generate and score {cases} case(s) of {tasks} task(s), and this host has "
+                           f"{fmt_bytes(host)}")
+        elif not _takes(cfg, n):
+            try:
+                check_length(cfg, n, option)
+            except ConfigError as e:
+                why = str(e).split(": not a sequence length this mesh takes ", 1)[-1]
+            if "; use " in why:  # the rule's own advice is about the option it names; a length is wanted here
+                why = why[:why.index("; use ")] + ")"
+            near = nearby_lengths(cfg, n)
+            problems[n] = (f"not a sequence length this mesh takes {why}"
+                           + (f"; nearby lengths it takes: {' or '.join(map(str, near))}" if near else ""))
+    if problems:
+        raise ConfigError("; ".join(f"{option} {n}: {why}" for n, why in problems.items()))
 
 
 def predict_answers(predict: Callable[[dict], np.ndarray], cases: Sequence[RulerCase], batch_size: int,
@@ -176,8 +249,7 @@ class RulerValidator:
 
     def __init__(self, cfg: Config, mesh, tokenizer, suite: RulerSuite, corpus: np.ndarray | None = None,
                  option: str = "ruler length"):
-        for n in suite.lengths:
-            check_length(cfg, n, option)
+        check_lengths(cfg, suite.lengths, option, cases=suite.cases, tasks=len(suite.tasks))
         try:
             check_vocab(tokenizer, cfg.model.vocab_size)
         except ValueError as e:
@@ -197,7 +269,7 @@ class RulerValidator:
 def evaluate_ruler(cfg: Config, mesh, params: dict, tokenizer, suite: RulerSuite, *,
                    corpus: np.ndarray | None = None, stats=None,
                    progress: Callable[[int], None] | None = None, option: str = "ruler length") -> list[dict]:
-    """RULER scores of `params` on `mesh`: every length checked (`check_length`) and every case generated before
+    """RULER scores of `params` on `mesh`: every length checked (`check_lengths`) and every case generated before
     anything compiles, then scored by `score_on_mesh`.
 
     Args:
