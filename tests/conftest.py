@@ -35,6 +35,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
+from tiers import TIERS  # noqa: E402
 
 # pytest-xdist's `--dist loadfile` with a worker that dies: the run goes on, the test reruns once (crash_retry.py).
 from crash_retry import (  # noqa: E402, F401
@@ -71,8 +73,29 @@ LONGEST_FIRST = (
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
+def _name(item) -> str:
+    return os.path.relpath(str(item.path), _TESTS).replace(os.sep, "/")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Order the collected tests so that the files of `LONGEST_FIRST` come first (in its order), the rest after in
-    the order pytest collected them."""
+    """Check that every collected file joins a tier explicitly (`tests/tiers.py`: listed, and its tests in the
+    tiers it declares), then order the tests so that the files of `LONGEST_FIRST` come first (in its order), the
+    rest after in the order pytest collected them.
+
+    Raises:
+      pytest.UsageError: a file that is not listed in `TIERS`, or has a test in a tier it does not declare.
+    """
+    found: dict[str, set[str]] = {}
+    for item in items:
+        found.setdefault(_name(item), set()).add("slow" if item.get_closest_marker("slow") else "fast")
+    for name, tiers in sorted(found.items()):
+        declared = TIERS.get(name)
+        if declared is None:
+            raise pytest.UsageError(f"tests/{name} joins no tier: add it to TIERS in tests/tiers.py as \"fast\", "
+                                    f"\"slow\" or \"fast+slow\" (it has {' and '.join(sorted(tiers))} tests)")
+        if not tiers <= set(declared.split("+")):
+            raise pytest.UsageError(f"tests/{name} is declared {declared!r} in tests/tiers.py but has "
+                                    f"{' and '.join(sorted(tiers - set(declared.split('+'))))} tests; declare "
+                                    f"\"fast+slow\" or move them")
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(os.path.relpath(str(item.path), _TESTS).replace(os.sep, "/"), len(rank)))
+    items.sort(key=lambda item: rank.get(_name(item), len(rank)))

@@ -145,3 +145,15 @@ def test_every_jaxlong_name_the_scripts_and_tests_import_exists():
                 missing += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
                             if not hasattr(module, a.name) and f"{node.module}.{a.name}" not in MODULES]
     assert missing == []
+
+
+def test_every_test_file_joins_a_tier_explicitly():
+    """Every `test_*.py` under tests/ is listed in `tests/tiers.py` (and nothing listed is missing); collection
+    then checks that its tests are in the tiers it declares (`tests/conftest.py`)."""
+    from tiers import BUDGET_S, TIERS
+
+    on_disk = {str(p.relative_to(ROOT / "tests")).replace("\\", "/") for p in (ROOT / "tests").rglob("test_*.py")}
+    assert sorted(on_disk - set(TIERS)) == [], "add these to TIERS in tests/tiers.py"
+    assert sorted(set(TIERS) - on_disk) == [], "remove these from TIERS in tests/tiers.py"
+    assert set(TIERS.values()) <= {"fast", "slow", "fast+slow"}
+    assert set(BUDGET_S) == {"fast", "slow"}
