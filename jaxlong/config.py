@@ -155,6 +155,11 @@ class DataConfig:
     packing: Packing = "documents"  # "documents" (whole documents, segment ids) or "concat" (concatenate and cut)
     split_positions: SplitPositions = "restart"  # pieces of a document longer than seq_len: "restart" at 0 or "continue"
     shuffle: bool = True  # shuffle the documents each epoch (seeded by `seed` and the epoch)
+    # Per packing stream: threads that read and tokenize ahead, and documents read ahead (Grain's ReadOptions;
+    # its defaults of 16 and 500 cost seconds of start-up per stream and are slower on a few cores). No batch
+    # depends on them.
+    read_threads: int = 4
+    read_buffer: int = 64
 
 
 @dataclass
@@ -466,6 +471,10 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                   segment_ids=cfg.data.packing == "documents")
     if not str(cfg.data.text_field).strip():
         raise ConfigError("data.text_field is empty; give the name of the field that holds each document's text")
+    if cfg.data.read_threads < 0:
+        raise ConfigError(f"data.read_threads={cfg.data.read_threads} must be >= 0 (0 reads in the training thread)")
+    if cfg.data.read_buffer < 1:
+        raise ConfigError(f"data.read_buffer={cfg.data.read_buffer} must be >= 1 document")
     if cfg.data.max_tokens is not None and cfg.data.max_tokens <= 0:
         raise ConfigError(f"data.max_tokens={cfg.data.max_tokens} must be positive, or null for the whole corpus")
     for key in ("seq_len", "global_batch", "steps", "log_every", "checkpoint_every", "keep_checkpoints",

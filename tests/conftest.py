@@ -16,14 +16,12 @@ import os
 import shutil
 import tempfile
 
-# LLVM's optimization level 0 for the CPU code: the suite's programs are tiny, so compiling them costs far more
-# than running them, and level 0 halves the compile. It changes no HLO pass: the buffer assignment, and so
-# every compiled memory figure the tests assert on, is the same as at the default level.
-_flags = os.environ.get("XLA_FLAGS", "")
-for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
-    if _flag.split("=")[0] not in _flags:
-        _flags += " " + _flag
-os.environ["XLA_FLAGS"] = _flags.strip()
+# 8 simulated devices, and XLA:CPU flags that compile the suite's tiny programs faster (tests/xla_flags.py): they
+# cost far more to compile than to run. No HLO pass changes: the buffer assignment, and so every compiled memory
+# figure the tests assert on, is the same as with the default flags.
+from xla_flags import COMPILE_SPEED, DEFAULT_EMITTERS, DEVICES, with_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), (DEVICES, *COMPILE_SPEED))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -99,3 +97,15 @@ def pytest_collection_modifyitems(config, items):
                                     f"\"fast+slow\" or move them")
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(_name(item), len(rank)))
+
+
+@pytest.fixture
+def default_emitters(monkeypatch):
+    """Every program the test compiles uses XLA's default CPU fusion emitters (tests/xla_flags.py): for the tests
+    that compare compiled buffer sizes or HLO with a model rather than with another program."""
+    real = jax.stages.Lowered.compile
+
+    def compile(self, compiler_options=None, **kwargs):
+        return real(self, {**DEFAULT_EMITTERS, **(compiler_options or {})}, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile)

@@ -63,6 +63,8 @@ def test_string_options_keep_their_text():
         (["data.path="], "data.path is empty"),
         (["data.tokenizer=gpt2"], "data.tokenizer='gpt2' is not allowed; choose one of: byte"),
         (["data.max_tokens=0"], "data.max_tokens=0 must be positive"),
+        (["data.read_threads=-1"], "data.read_threads=-1 must be >= 0"),
+        (["data.read_buffer=0"], "data.read_buffer=0 must be >= 1 document"),
         (["seed=-1"], "seed=-1 must be >= 0"),
         (["ruler_tasks=[vt, vt]"], "ruler_tasks=\\['vt', 'vt'\\]: a task is listed twice"),
         (["ruler_tasks=vt"], "'ruler_tasks' must be of type list, got 'vt'"),

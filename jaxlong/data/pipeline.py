@@ -10,6 +10,8 @@ Stages (`grain.MapDataset` until packing, then `grain.IterDataset`):
    the processes, every row when only the sequence axes do) and reads only their documents; the global batch is
    the same whatever the number of processes and whichever mesh axes span them.
 2. `shuffle(seed + s)` then `repeat()`: a new permutation every epoch (Grain reseeds per epoch), endless.
+   Each stream reads ahead `data.read_buffer` documents on `data.read_threads` threads (Grain's `ReadOptions`);
+   the batches do not depend on either.
 3. `map`: tokenize one document to `[BOS] ids [EOS]` (`jaxlong.data.tokenizer`) and turn it into
    next-token pairs `inputs = x[:-1]`, `targets = x[1:]`, `positions = 0..n-1`. Targets are built inside
    a document, so no target ever crosses a document boundary, whatever the packing.
@@ -114,7 +116,8 @@ def _finalize(row: dict) -> dict:
 
 def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, global_batch: int, seed: int,
                  packing: str = "documents", split_positions: str = "restart", shuffle: bool = True,
-                 max_tokens: int | None = None, rows=None, exclude=(), repeat: bool = True) -> ProcessBatches:
+                 max_tokens: int | None = None, rows=None, exclude=(), repeat: bool = True,
+                 read_threads: int = 4, read_buffer: int = 64) -> ProcessBatches:
     """The Grain pipeline of the module docstring; iterating it yields the rows `rows` of every global batch.
 
     Args:
@@ -129,6 +132,8 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
       repeat: True (training): endless epochs. False (validation): one pass over the documents as one packing
         stream (rows in document order); the last bins are flushed and the iteration ends before the first
         incomplete batch.
+      read_threads, read_buffer: `data.read_threads` threads tokenizing ahead, `data.read_buffer` documents
+        read ahead, per packing stream (Grain's `ReadOptions`); they change no batch.
 
     Returns:
       `ProcessBatches`: iterating it gives batch dicts with `[len(rows), seq_len]` arrays (`[global_batch,
@@ -141,6 +146,8 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
         raise ValueError(f"data.packing={packing!r} is not allowed; choose documents or concat")
     if split_positions not in SPLIT_POSITIONS:
         raise ValueError(f"data.split_positions={split_positions!r} is not allowed; choose restart or continue")
+    if read_threads < 0 or read_buffer < 1:
+        raise ValueError(f"data.read_threads={read_threads} must be >= 0 and data.read_buffer={read_buffer} >= 1")
     rows = np.arange(global_batch) if rows is None else np.asarray(rows, np.int64)
     if rows.size == 0 or rows.min() < 0 or rows.max() >= global_batch:
         raise ValueError(f"rows {rows.tolist()} must be row indices of the global batch of {global_batch}")
@@ -163,7 +170,8 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
 
     ds = ds.map_with_index(tokenize).filter(lambda d: d["inputs"].size > 0)
     per = global_batch // n
-    streams = {s: _row_stream(ds[s::n], seed + s, seq_len, packing, split_positions, shuffle, _bins(n), repeat)
+    read = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=read_buffer)
+    streams = {s: _row_stream(ds[s::n], seed + s, seq_len, packing, split_positions, shuffle, _bins(n), read, repeat)
                .batch(per, drop_remainder=True) for s in sorted({int(r) // per for r in rows})}
     return ProcessBatches(streams, rows, per)
 
@@ -237,12 +245,12 @@ def _bins(streams: int) -> int:
 
 
 def _row_stream(ds: grain.MapDataset, seed: int, seq_len: int, packing: str, split_positions: str, shuffle: bool,
-                bins: int, repeat: bool = True) -> grain.IterDataset:
+                bins: int, read: grain.ReadOptions, repeat: bool = True) -> grain.IterDataset:
     """One stream's documents shuffled, repeated (unless `repeat=False`) and packed into rows of `seq_len`
     (stages 2-4)."""
     if shuffle:
         ds = ds.shuffle(seed=seed)
-    it = (ds.repeat() if repeat else ds).to_iter_dataset()
+    it = (ds.repeat() if repeat else ds).to_iter_dataset(read_options=read)
     lengths = {k: seq_len for k in _FEATURES}
     if packing == "documents":
         it = FlatMapIterDataset(it, SplitLongDocuments(seq_len, split_positions == "continue"))
@@ -288,7 +296,7 @@ def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source:
     ds = make_dataset(source, tokenizer, seq_len=cfg.seq_len,
                       global_batch=cfg.global_batch, seed=cfg.seed, packing=d.packing,
                       split_positions=d.split_positions, shuffle=d.shuffle, max_tokens=d.max_tokens,
-                      rows=rows, exclude=exclude)
+                      rows=rows, exclude=exclude, read_threads=d.read_threads, read_buffer=d.read_buffer)
     it = iter(ds)
     if state is not None:
         it.set_state(state)

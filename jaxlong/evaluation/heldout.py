@@ -53,7 +53,8 @@ def validation_batches(cfg: Config, source, tokenizer, indices, n_batches: int) 
     d = cfg.data
     ds = make_dataset(DocumentSubset(source, indices), tokenizer, seq_len=cfg.seq_len,
                       global_batch=eval_batch_size(cfg), seed=cfg.seed, packing=d.packing,
-                      split_positions=d.split_positions, shuffle=False, repeat=False)
+                      split_positions=d.split_positions, shuffle=False, repeat=False,
+                      read_threads=d.read_threads, read_buffer=d.read_buffer)
     return list(itertools.islice(iter(ds), n_batches))
 
 

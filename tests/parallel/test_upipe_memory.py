@@ -23,6 +23,9 @@ from jaxlong.layers.blocks import apply_rope, rope_tables
 from jaxlong.parallel.ulysses import heads_to_seq, seq_to_heads
 from jaxlong.parallel.upipe import accumulate_product, attention_layer, attention_memory_model
 
+# Every program here is compiled with XLA's default CPU fusion emitters: its buffers are compared with the memory
+# model (tests/xla_flags.py).
+pytestmark = pytest.mark.usefixtures("default_emitters")
 S, C, BLOCK = 262144, 8, 1024
 SHAPES = {  # heads, kv_heads, head_dim, hidden
     "llama3-8b": (32, 8, 128, 4096),

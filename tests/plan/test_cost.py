@@ -42,7 +42,7 @@ def test_matmuls_in_a_scan_count_trip_count_times():
     assert c.flops == 15 * matmul and not c.warnings
 
 
-def test_cpu_train_step_matmul_flops_match_xla_cost_analysis():
+def test_cpu_train_step_matmul_flops_match_xla_cost_analysis(default_emitters):
     """One layer (no loop: XLA's CPU `cost_analysis()` counts a loop body once, so it is comparable only without
     loops) with the reference attention (plain dots). XLA counts every elementwise op as FLOPs too (about 2% of
     this step: optimizer update, softmax, norms) while the counter counts matmuls only, so the counter is at most

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers import TINY, tiny_cfg
+from xla_flags import for_children
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_train import TRAIN
 
@@ -59,11 +60,16 @@ def _launch(args: list[str], n: int, timeout: float = 900, faults: dict | None =
     """`python -m <module> *args` as n processes (n = 1: an ordinary single-process run) started as `launcher`
     starts them (`_launcher_env`). `faults` maps a process id to its `JAXLONG_FAULT`; with `kill_all_when_one_dies`
     the others are killed (SIGKILL) as soon as one exits, as a cluster scheduler ends a job whose task died."""
-    # No persistent compilation cache here: these programs run with cross-process (gloo) collectives, and an
-    # entry written by a one-process run of the same program is not known to be valid for them.
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR") and not k.startswith(("SLURM_", "JAX_COORD"))}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    # Each process sets its device count (mesh.num_devices / processes); the compile-speed flags change no result.
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=for_children(os.environ.get("XLA_FLAGS", "")))
+    # The test run's compilation cache; the runs of several processes share a directory of their own in it, as
+    # their programs run cross-process (gloo) collectives: an entry written by a one-process run of the same
+    # program is not known to be valid for them. A resume and an evaluation then reuse the first run's programs.
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache / "multiprocess" if n > 1 else cache)
     starts = _launcher_env(launcher, n) if n > 1 else [{}]
     procs = []
     for i in range(n):

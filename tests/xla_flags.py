@@ -1,0 +1,34 @@
+"""The XLA flags of a test run (set by tests/conftest.py before jax is imported, and given to the child processes
+the tests start). Imports nothing heavy, so that conftest can read it first.
+
+`DEVICES` simulates 8 CPU devices in the test processes. `COMPILE_SPEED` makes XLA:CPU compile the suite's tiny
+programs faster, changing no HLO pass (the buffer assignment, and so every compiled memory figure the tests assert,
+is the same): LLVM at optimization level 0, and one LLVM module per program rather than a split for parallel
+codegen. The third, the elemental IR emitters rather than the MLIR fusion emitters, halves the compile time again
+but fuses differently: buffer sizes change (a ratio between two programs holds; one U-Pipe layer's temporaries
+against the memory model's figure do not) and some fusions become loops. The tests that compare a program's
+buffers or HLO with a model compile with XLA's defaults (`DEFAULT_EMITTERS`). Measured in docs/testing.md.
+"""
+
+DEVICES = "--xla_force_host_platform_device_count=8"
+COMPILE_SPEED = ("--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1",
+                 "--xla_cpu_use_fusion_emitters=false")
+# XLA's default fusion emitters, for the programs whose HLO or buffer sizes a test compares with a model
+# (conftest's `default_emitters` fixture passes it to every compile of the test).
+DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
+
+
+def with_flags(existing: str, flags) -> str:
+    """`existing` XLA_FLAGS with each of `flags` added unless a value for that flag is already there."""
+    out = existing
+    for flag in flags:
+        if flag.split("=")[0] not in out:
+            out += " " + flag
+    return out.strip()
+
+
+def for_children(existing: str = "") -> str:
+    """XLA_FLAGS for a child process that sets its own device count (a trainer, a docs command, one process of a
+    multi-process launch): `COMPILE_SPEED` only, added to `existing` less any device count."""
+    kept = " ".join(f for f in existing.split() if not f.startswith("--xla_force_host_platform_device_count"))
+    return with_flags(kept, COMPILE_SPEED)
