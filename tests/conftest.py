@@ -16,12 +16,12 @@ import os
 import shutil
 import tempfile
 
-# 8 simulated devices, and XLA:CPU flags that compile the suite's tiny programs faster (tests/xla_flags.py): they
-# cost far more to compile than to run. No HLO pass changes: the buffer assignment, and so every compiled memory
-# figure the tests assert on, is the same as with the default flags.
-from xla_flags import COMPILE_SPEED, DEFAULT_EMITTERS, DEVICES, with_flags  # noqa: E402
+# 8 simulated devices, XLA:CPU flags that compile the suite's tiny programs faster (they cost far more to compile
+# than to run) and a patient collective timeout: tests/xla_flags.py says what each changes.
+from xla_flags import COMPILE_SPEED, DEFAULT_EMITTERS, DEVICES, PATIENT_COLLECTIVES, with_flags  # noqa: E402
 
-os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), (DEVICES, *COMPILE_SPEED))
+_FLAGS = (DEVICES, *COMPILE_SPEED, *PATIENT_COLLECTIVES)
+os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), _FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

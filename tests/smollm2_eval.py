@@ -5,7 +5,9 @@ layout, no tiled statistics) that every result of the CLI must equal (`check_rul
 `check_loss`)."""
 
 import csv
+import hashlib
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -27,6 +29,11 @@ RING8 = ("mesh.num_devices=8", "mesh.fsdp=1", "mesh.ring=8", "mesh.context=1")
 ONE_DEVICE = ("mesh.num_devices=1", "mesh.fsdp=1", "mesh.ring=1", "mesh.context=1")
 PASSKEY = ("--lengths", "1024", "--depths", "0,0.5,1", "--per-cell", "1")
 FAMILIES = ("niah_single_1", "vt", "cwe", "fwe")  # retrieval, tracing, aggregation (both)
+# The hand-scored forward's answers to the RULER cases of tests/evaluation/test_real_model_ruler.py (one case of
+# each family at 2K and 4K, vt and fwe at 1K), written by `python tests/smollm2_eval.py` (about 10 min on one core):
+# the 4K forwards, not the checks, are that test's cost.
+RULER_ANSWERS = Path(__file__).parent / "fixtures" / "smollm2" / "ruler_answers.json"
+RULER_SETS = ((("vt", "fwe"), (1024,)), (FAMILIES, (2048, 4096)))
 
 
 def train_one_step(smol: Path, root: Path) -> Path:
@@ -46,14 +53,15 @@ def train_one_step(smol: Path, root: Path) -> Path:
 
 
 class Hand:
-    """The forward scored by hand: one device, the weights of the Hugging Face directory, full logits."""
+    """The forward scored by hand: one device, the weights of the Hugging Face directory, full logits. Its answers
+    and losses are kept by input, so that the checks of the CLI on several meshes run each forward once."""
 
     def __init__(self, smol: Path):
         self.smol, self.tokenizer = smol, HFTokenizer(smol)
         self.cfg = load_config(None, [f"model.from_hf={smol}", "seq_len=512", "global_batch=1", *ONE_DEVICE])
         self.mesh = build_mesh(self.cfg.mesh)
         self.params = hf.load_params(smol, self.cfg, self.mesh)
-        self._runs = {}
+        self._runs, self._memo = {}, {}
 
     def logits(self, tokens: np.ndarray, positions=None, segment_ids=None) -> np.ndarray:
         """Float32 `[b, s, vocab]` logits of `tokens` `[b, s]`."""
@@ -71,7 +79,19 @@ class Hand:
 
     def answer(self, tokens: np.ndarray, answer: np.ndarray) -> np.ndarray:
         """The argmax at the answer positions (targets' indexes) of a case's `tokens` `[length + 1]`."""
-        return self.logits(tokens[None, :-1])[0, answer].argmax(-1)
+        key = ("answer", np.asarray(tokens).tobytes(), np.asarray(answer).tobytes())
+        if key not in self._memo:
+            self._memo[key] = self.logits(tokens[None, :-1])[0, answer].argmax(-1)
+        return self._memo[key]
+
+    def token_losses(self, batch: dict) -> np.ndarray:
+        """Float64 `[b, s]` next-token losses of a packed batch (positions and segment ids)."""
+        key = ("loss", *(np.asarray(batch[k]).tobytes() for k in ("inputs", "targets", "positions", "segment_ids")))
+        if key not in self._memo:
+            logits = self.logits(batch["inputs"], batch["positions"], batch["segment_ids"]).astype(np.float64)
+            lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+            self._memo[key] = lse - np.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+        return self._memo[key]
 
 
 def evaluate(run_dir: Path, *args: str) -> tuple[dict, list[dict]]:
@@ -84,18 +104,53 @@ def evaluate(run_dir: Path, *args: str) -> tuple[dict, list[dict]]:
     return json.loads((out / "summary.json").read_text()), cases
 
 
-def check_ruler(hand: Hand, cases: list[dict], tasks, lengths, n: int) -> None:
-    """The CLI's RULER answers (`ruler_cases.csv`) equal the hand-scored forward's, case by case."""
-    got = {(r["task"], int(r["length"]), int(r["index"])): r for r in cases}
-    assert len(got) == len(tasks) * len(lengths) * n
+def _case_key(task: str, length: int, index: int) -> str:
+    return f"{task}/{length}/{index}"
+
+
+def hand_ruler_answers(hand: Hand, tasks, lengths, n: int) -> dict:
+    """The hand-scored forward's answer to each case (seed 0): `{"task/length/index": {"tokens_sha256", "correct",
+    "predicted", "answer"}}`, `tokens_sha256` of the case's int32 tokens (the case the answer belongs to)."""
+    out = {}
     for task in tasks:
         for length in lengths:
             for c in make_cases(task, hand.tokenizer, length, n, seed=0):
                 mine = hand.answer(c.tokens, c.answer)
-                right = int(np.array_equal(mine, c.tokens[1:][c.answer]))
-                row = got[(task, length, c.index)]
-                assert (int(row["correct"]), row["predicted"], row["answer"]) == \
-                    (right, hand.tokenizer.decode(mine), c.answer_text), (task, length, c.index)
+                out[_case_key(task, length, c.index)] = {
+                    "tokens_sha256": hashlib.sha256(np.asarray(c.tokens, np.int32).tobytes()).hexdigest(),
+                    "correct": int(np.array_equal(mine, c.tokens[1:][c.answer])),
+                    "predicted": hand.tokenizer.decode(mine), "answer": c.answer_text}
+    return out
+
+
+def stored_ruler_answers(hand: Hand, tasks, lengths, n: int) -> dict:
+    """`hand_ruler_answers` as `RULER_ANSWERS` stores them, after checking that its cases are the ones
+    `make_cases` generates today (token by token, through the hash); a changed generator asks for a new file."""
+    stored = json.loads(RULER_ANSWERS.read_text())
+    out = {}
+    for task in tasks:
+        for length in lengths:
+            for c in make_cases(task, hand.tokenizer, length, n, seed=0):
+                key = _case_key(task, length, c.index)
+                assert key in stored, f"{RULER_ANSWERS.name} has no {key}: run python tests/smollm2_eval.py"
+                sha = hashlib.sha256(np.asarray(c.tokens, np.int32).tobytes()).hexdigest()
+                assert stored[key]["tokens_sha256"] == sha, \
+                    f"{key}: make_cases generates another case than {RULER_ANSWERS.name} answers; run " \
+                    "python tests/smollm2_eval.py to score the new cases by hand"
+                out[key] = stored[key]
+    return out
+
+
+def check_ruler(hand: Hand, cases: list[dict], tasks, lengths, n: int, answers: dict | None = None) -> None:
+    """The CLI's RULER answers (`ruler_cases.csv`) equal the hand-scored forward's, case by case: computed here,
+    or `answers` (`stored_ruler_answers`)."""
+    got = {(r["task"], int(r["length"]), int(r["index"])): r for r in cases}
+    assert len(got) == len(tasks) * len(lengths) * n
+    want = answers if answers is not None else hand_ruler_answers(hand, tasks, lengths, n)
+    for (task, length, index), row in got.items():
+        w = want[_case_key(task, length, index)]
+        assert (int(row["correct"]), row["predicted"], row["answer"]) == (w["correct"], w["predicted"], w["answer"]), \
+            (task, length, index)
 
 
 def check_passkey(hand: Hand, summary: dict) -> None:
@@ -118,12 +173,22 @@ def check_loss(hand: Hand, run_dir: Path, summary: dict) -> None:
     _, batches = validation_split(cfg, DocumentSource(cfg.data.path, cfg.data.text_field), hand.tokenizer, 1)
     by_pos, total, count = PositionLoss(cfg.seq_len), 0.0, 0.0
     for b in batches:
-        logits = hand.logits(b["inputs"], b["positions"], b["segment_ids"]).astype(np.float64)
-        lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-        loss = lse - np.take_along_axis(logits, b["targets"][..., None], -1)[..., 0]
+        loss = hand.token_losses(b)
         mask = np.asarray(b["mask"], np.float64)
         by_pos.add(loss, mask)
         total, count = total + float((loss * mask).sum()), count + float(mask.sum())
     assert abs(summary["loss"] - total / count) < 1e-4 and summary["tokens"] == count
     for got, want in zip(summary["loss_by_position"], by_pos.rows(), strict=True):
         assert got["tokens"] == want["tokens"] and abs(got["loss"] - want["loss"]) < 1e-3, (got, want)
+
+
+if __name__ == "__main__":  # python tests/smollm2_eval.py [MODEL_DIR]: write RULER_ANSWERS
+    import smollm2  # noqa: PLC0415
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    hand = Hand(Path(sys.argv[1]) if len(sys.argv) > 1 else smollm2.build())
+    answers = {}
+    for tasks, lengths in RULER_SETS:
+        answers.update(hand_ruler_answers(hand, tasks, lengths, 1))
+    RULER_ANSWERS.write_text(json.dumps(answers, indent=1, sort_keys=True) + "\n")
+    print(f"{RULER_ANSWERS}: {sum(a['correct'] for a in answers.values())} of {len(answers)} answered")

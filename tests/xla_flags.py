@@ -13,6 +13,10 @@ buffers or HLO with a model compile with XLA's defaults (`DEFAULT_EMITTERS`). Me
 DEVICES = "--xla_force_host_platform_device_count=8"
 COMPILE_SPEED = ("--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1",
                  "--xla_cpu_use_fusion_emitters=false")
+# 8 simulated devices share 2 cores: under load one device's thread can reach a collective long after the others,
+# and XLA:CPU aborts the process when one waits past 40 s (`--xla_cpu_collective_call_terminate_timeout_seconds`;
+# seen with the real model's train step). A test run waits up to 15 minutes instead.
+PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=900",)
 # XLA's default fusion emitters, for the programs whose HLO or buffer sizes a test compares with a model
 # (conftest's `default_emitters` fixture passes it to every compile of the test).
 DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
@@ -29,6 +33,6 @@ def with_flags(existing: str, flags) -> str:
 
 def for_children(existing: str = "") -> str:
     """XLA_FLAGS for a child process that sets its own device count (a trainer, a docs command, one process of a
-    multi-process launch): `COMPILE_SPEED` only, added to `existing` less any device count."""
+    multi-process launch): `COMPILE_SPEED` and `PATIENT_COLLECTIVES`, added to `existing` less any device count."""
     kept = " ".join(f for f in existing.split() if not f.startswith("--xla_force_host_platform_device_count"))
-    return with_flags(kept, COMPILE_SPEED)
+    return with_flags(kept, (*COMPILE_SPEED, *PATIENT_COLLECTIVES))
