@@ -46,6 +46,10 @@ from crash_retry import (  # noqa: E402, F401
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# `JAXLONG_TEST_TIMING=DIR python -m pytest ...` records where each test's time goes (tests/timing.py).
+if os.environ.get("JAXLONG_TEST_TIMING"):
+    pytest_plugins = ["timing"]
+
 
 # The test files that take longest, started first. pytest-xdist (`--dist loadfile`) hands each worker whole files
 # in collection order (`--no-loadscope-reorder`, pyproject.toml); started last, a long file leaves the other worker

@@ -2,7 +2,7 @@
 MLIR, getting executables (XLA compiles and persistent-cache reads) and the rest (running programs, orbax, data,
 child processes), per test, from JAX's own duration events (`jax.monitoring`).
 
-    JAXLONG_TEST_TIMING=/tmp/timing python -m pytest -p timing [...]
+    JAXLONG_TEST_TIMING=/tmp/timing python -m pytest [...]     # tests/conftest.py loads this plugin then
     python tests/timing.py /tmp/timing          # the table: per file and the slowest tests
 
 Each pytest-xdist worker writes `<dir>/<worker>.csv`. Time spent in child processes (trainer runs, the
