@@ -3,7 +3,7 @@ MLIR, getting executables (XLA compiles and persistent-cache reads) and the rest
 child processes), per test, from JAX's own duration events (`jax.monitoring`).
 
     JAXLONG_TEST_TIMING=/tmp/timing python -m pytest [...]     # tests/conftest.py loads this plugin then
-    python tests/timing.py /tmp/timing          # the table: per file and the slowest tests
+    python tests/timing.py /tmp/timing [10] [fast|slow]    # the tables: per file and the 10 slowest tests
 
 Each pytest-xdist worker writes `<dir>/<worker>.csv`. Time spent in child processes (trainer runs, the
 multi-process launches) counts as "rest" of the test that waits for them. Measured tables: docs/testing.md.
@@ -25,7 +25,8 @@ EVENTS = {
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
     "/jax/core/compile/backend_compile_duration": "compile_s",
 }
-FIELDS = ("test", "wall_s", "trace_s", "lower_s", "compile_s", "compiles", "cache_hits")
+FIELDS = ("test", "wall_s", "trace_s", "lower_s", "compile_s", "compiles", "cache_hits", "tier")
+NUMBERS = FIELDS[1:-1]
 _now: dict = defaultdict(float)
 
 
@@ -60,26 +61,28 @@ def pytest_runtest_protocol(item, nextitem):
     if writer is not None:
         writer.writerow([item.nodeid, round(time.perf_counter() - start, 3),
                          *(round(_now[k], 3) for k in ("trace_s", "lower_s", "compile_s")),
-                         int(_now["compiles"]), int(_now["cache_hits"])])
+                         int(_now["compiles"]), int(_now["cache_hits"]),
+                         "slow" if item.get_closest_marker("slow") else "fast"])
         item.config._timing_file.flush()
 
 
-def table(directory: str, top: int = 10) -> str:
-    """Markdown tables of the CSVs in `directory`: seconds per file (wall, and its tracing, lowering, compiles)
-    and the `top` slowest tests."""
+def table(directory: str, top: int = 10, tier: str | None = None) -> str:
+    """Markdown tables of the CSVs in `directory` (of one `tier`, "fast" or "slow", if given): seconds per file
+    (wall, and its tracing, lowering, compiles) and the `top` slowest tests."""
     rows = []
     for f in Path(directory).glob("*.csv"):
         rows += [dict(zip(FIELDS, r)) for r in csv.reader(open(f))]
+    rows = [r for r in rows if tier is None or r.get("tier") == tier]
     for r in rows:
-        for k in FIELDS[1:]:
+        for k in NUMBERS:
             r[k] = float(r[k])
     per = defaultdict(lambda: defaultdict(float))
     for r in rows:
         p = per[r["test"].split("::")[0]]
-        for k in FIELDS[1:]:
+        for k in NUMBERS:
             p[k] += r[k]
         p["tests"] += 1
-    total = {k: sum(r[k] for r in rows) for k in FIELDS[1:]}
+    total = {k: sum(r[k] for r in rows) for k in NUMBERS}
     out = [f"{len(rows)} tests, {total['wall_s']:.0f} s of worker time: tracing {total['trace_s']:.0f} s, lowering "
            f"{total['lower_s']:.0f} s, getting executables (compiles and cache reads) {total['compile_s']:.0f} s "
            f"({total['compiles']:.0f}, {total['cache_hits']:.0f} from the cache), the rest "
@@ -97,5 +100,5 @@ def table(directory: str, top: int = 10) -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":
-    print(table(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10))
+if __name__ == "__main__":  # python tests/timing.py DIR [TOP] [fast|slow]
+    print(table(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10, sys.argv[3] if len(sys.argv) > 3 else None))
