@@ -18,10 +18,12 @@ import tempfile
 
 # 8 simulated devices, XLA:CPU flags that compile the suite's tiny programs faster (they cost far more to compile
 # than to run) and a patient collective timeout: tests/xla_flags.py says what each changes.
-from xla_flags import COMPILE_SPEED, DEFAULT_EMITTERS, DEVICES, PATIENT_COLLECTIVES, with_flags  # noqa: E402
+from xla_flags import COMPILE_SPEED, DEFAULT_EMITTERS, DEVICES, LITTLE_OPTIMIZATION, PATIENT_COLLECTIVES, \
+    with_flags  # noqa: E402
 
 _FLAGS = (DEVICES, *COMPILE_SPEED, *PATIENT_COLLECTIVES)
 os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), _FLAGS)
+os.environ.setdefault(LITTLE_OPTIMIZATION, "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -53,24 +55,29 @@ if os.environ.get("JAXLONG_TEST_TIMING"):
 
 # The test files that take longest, started first. pytest-xdist (`--dist loadfile`) hands each worker whole files
 # in collection order (`--no-loadscope-reorder`, pyproject.toml); started last, a long file leaves the other worker
-# idle at the end of the run. Measured in the slow tier (seconds on one worker, 2 cores): the kill matrix ~1,250,
-# the real model's RULER families ~750 and its evaluation ~470,
-# the docs' pasted commands ~640, the multi-process runs ~450, the planner's compiles ~300.
+# idle at the end of the run. Measured in the slow tier of a CI run (seconds on one worker, 2 cores; docs/testing.md):
+# the docs' pasted commands ~590 and ~250, the real model's evaluation ~550 and RULER families ~520 (before they
+# compiled fully optimized), the kill matrix ~290, the multi-process runs ~230, ~120 and ~100.
 LONGEST_FIRST = (
-    "training/test_multinode.py",
-    "evaluation/test_real_model_ruler.py",
-    "evaluation/test_real_model_eval.py",
-    "training/test_faults.py",
     "test_docs.py",
+    "evaluation/test_real_model_eval.py",
+    "evaluation/test_real_model_ruler.py",
+    "training/test_faults.py",
+    "test_docs_fresh.py",
+    "training/test_multinode.py",
+    "layers/test_keep_attention.py",
     "training/test_multiprocess.py",
+    "training/test_multinode_pairs.py",
     "plan/test_memory.py",
+    "test_gpu_check_smoke.py",
+    "parallel/test_ring_segments.py",
     "evaluation/test_eval.py",
+    "models/test_real_model.py",
+    "plan/test_plan_gpu.py",
     "parallel/test_ring.py",
     "parallel/test_packing.py",
-    "parallel/test_ring_segments.py",
     "training/test_train.py",
     "plan/test_fit.py",
-    "models/test_real_model.py",
 )
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -113,3 +120,13 @@ def default_emitters(monkeypatch):
         return real(self, {**DEFAULT_EMITTERS, **(compiler_options or {})}, **kwargs)
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", compile)
+
+
+@pytest.fixture(scope="module")
+def optimized():
+    """The programs of a module compiled fully optimized (tests/xla_flags.py: `LITTLE_OPTIMIZATION`), for the tests
+    whose programs run longer than they compile (a real model)."""
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)

@@ -1,18 +1,22 @@
 """The XLA flags of a test run (set by tests/conftest.py before jax is imported, and given to the child processes
-the tests start). Imports nothing heavy, so that conftest can read it first.
+the tests start). Imports nothing heavy, so that conftest can read it first. Measured in docs/testing.md.
 
-`DEVICES` simulates 8 CPU devices in the test processes. `COMPILE_SPEED` makes XLA:CPU compile the suite's tiny
-programs faster, changing no HLO pass (the buffer assignment, and so every compiled memory figure the tests assert,
-is the same): LLVM at optimization level 0, and one LLVM module per program rather than a split for parallel
-codegen. The third, the elemental IR emitters rather than the MLIR fusion emitters, halves the compile time again
-but fuses differently: buffer sizes change (a ratio between two programs holds; one U-Pipe layer's temporaries
-against the memory model's figure do not) and some fusions become loops. The tests that compare a program's
-buffers or HLO with a model compile with XLA's defaults (`DEFAULT_EMITTERS`). Measured in docs/testing.md.
+`DEVICES` simulates 8 CPU devices in the test processes. `COMPILE_SPEED` makes XLA:CPU compile faster: one LLVM
+module per program rather than a split for parallel codegen, and the elemental IR emitters rather than the MLIR
+fusion emitters, which fuse differently: buffer sizes change (a ratio between two programs holds; one U-Pipe
+layer's temporaries against the memory model's figure do not) and some fusions become loops. The tests that
+compare a program's buffers or HLO with a model compile with XLA's defaults (`DEFAULT_EMITTERS`).
+
+`LITTLE_OPTIMIZATION` (JAX's `jax_disable_most_optimizations`: LLVM at level 0, its expensive passes off) is set
+in the test processes and inherited by the trainers and multi-process runs they start: the suite's programs are
+tiny, so compiling them costs far more than running them, and no HLO pass changes. A real model's programs run
+3 times slower so (a 4K-token forward of the 135M model: 55 s against 18 s on one core), so its tests compile
+fully optimized (conftest's `optimized` fixture), as do the docs' commands, which run as a user runs them.
 """
 
 DEVICES = "--xla_force_host_platform_device_count=8"
-COMPILE_SPEED = ("--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1",
-                 "--xla_cpu_use_fusion_emitters=false")
+COMPILE_SPEED = ("--xla_cpu_parallel_codegen_split_count=1", "--xla_cpu_use_fusion_emitters=false")
+LITTLE_OPTIMIZATION = "JAX_DISABLE_MOST_OPTIMIZATIONS"  # an environment variable, "1" in a test run
 # 8 simulated devices share 2 cores: under load one device's thread can reach a collective long after the others,
 # and XLA:CPU aborts the process when one waits past 40 s (`--xla_cpu_collective_call_terminate_timeout_seconds`;
 # seen with the real model's train step). A test run waits up to 15 minutes instead.

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smol():
+def smol(optimized):  # the real model runs longer than it compiles (tests/xla_flags.py)
     return smollm2.build()
 
 

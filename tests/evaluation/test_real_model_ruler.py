@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 RING2 = ("mesh.num_devices=2", "mesh.fsdp=1", "mesh.ring=2", "mesh.context=1")
 
 
-def test_every_task_family_at_1k_to_4k_equals_the_hand_scored_forward(tmp_path):
+def test_every_task_family_at_1k_to_4k_equals_the_hand_scored_forward(tmp_path, optimized):
     smol = smollm2.build()
     run_dir = train_one_step(smol, tmp_path)
     hand = Hand(smol)

@@ -42,7 +42,7 @@ MESHES = {
 
 
 @pytest.fixture(scope="module")
-def smol():
+def smol(optimized):  # the real model runs longer than it compiles (tests/xla_flags.py)
     return smollm2.build()
 
 
