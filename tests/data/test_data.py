@@ -517,3 +517,25 @@ def test_train_cli_on_a_parquet_corpus(tmp_path, capsys):
     assert main([*args, "run_name=bad", "data.text_field=body"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "c.parquet has no column 'body' (data.text_field='body')" in err
+
+
+def test_read_ahead_changes_no_batch_and_no_state(tmp_path):
+    """`data.read_threads` / `data.read_buffer` (Grain's read-ahead) change neither the batches nor the saved state:
+    reading in the consuming thread one document ahead and on 8 threads 100 ahead give the same, and a state saved
+    under one continues under the other."""
+    path, _ = _jsonl(tmp_path, [3, 30, 7, 1, 22, 9, 14, 2, 5, 40, 11, 6] * 2)
+    src = data.DocumentSource(path)
+
+    def make(threads, buffer):
+        return iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=4, seed=0, read_threads=threads,
+                                      read_buffer=buffer))
+
+    slow, fast = make(0, 1), make(8, 100)
+    for _ in range(10):
+        assert _same(next(slow), next(fast))
+    assert slow.get_state() == fast.get_state()
+    resumed = make(8, 100)
+    resumed.set_state(slow.get_state())
+    assert _same(next(resumed), next(slow))
+    with pytest.raises(ValueError, match="data.read_threads=-1 must be >= 0"):
+        make(-1, 1)
