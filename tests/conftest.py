@@ -61,7 +61,6 @@ if os.environ.get("JAXLONG_TEST_TIMING"):
 LONGEST_FIRST = (
     "test_docs.py",
     "evaluation/test_real_model_eval.py",
-    "evaluation/test_real_model_ruler.py",
     "training/test_faults.py",
     "test_docs_fresh.py",
     "training/test_multinode.py",

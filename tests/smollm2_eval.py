@@ -1,23 +1,25 @@
-"""The real model's evaluation checks (tests/evaluation/test_real_model_*.py): a run trained one step at learning
-rate 0 (`train_one_step`), `python -m jaxlong.eval` on it (`evaluate`), and the forward scored by hand (`Hand`: one
-device, the weights of the Hugging Face directory, its tokenizer.json, full `[seq, vocab]` logits, no zigzag
-layout, no tiled statistics) that every result of the CLI must equal (`check_ruler`, `check_passkey`,
-`check_loss`)."""
+"""The real model's evaluation checks (tests/evaluation/test_real_model_eval.py): a run trained one step at
+learning rate 0 by `python -m jaxlong.train` (`train_one_step`), `python -m jaxlong.eval` on it (`evaluate`), both
+run as a user runs them, in a child process, and the forward scored by hand (`Hand`: one device, the weights of the
+Hugging Face directory, its tokenizer.json, full `[seq, vocab]` logits, no zigzag layout, no tiled statistics) that
+every result of the CLI must equal (`check_ruler`, `check_passkey`, `check_loss`)."""
 
 import csv
 import hashlib
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from xla_flags import user_env
 
 from jaxlong.config import load_config
 from jaxlong.core.mesh import build_mesh
 from jaxlong.data import DocumentSource, HFTokenizer
-from jaxlong.eval.__main__ import main as eval_main
 from jaxlong.eval.__main__ import restore_params
 from jaxlong.evaluation import PositionLoss, validation_split
 from jaxlong.evaluation.probes import passkey_example, random_key
@@ -25,26 +27,36 @@ from jaxlong.evaluation.ruler import make_cases
 from jaxlong.models import hf
 from jaxlong.models.llama import Runtime, forward, model_graphdef
 
+ROOT = Path(__file__).resolve().parents[1]
 RING8 = ("mesh.num_devices=8", "mesh.fsdp=1", "mesh.ring=8", "mesh.context=1")
 ONE_DEVICE = ("mesh.num_devices=1", "mesh.fsdp=1", "mesh.ring=1", "mesh.context=1")
 PASSKEY = ("--lengths", "1024", "--depths", "0,0.5,1", "--per-cell", "1")
 FAMILIES = ("niah_single_1", "vt", "cwe", "fwe")  # retrieval, tracing, aggregation (both)
-# The hand-scored forward's answers to the RULER cases of tests/evaluation/test_real_model_ruler.py (one case of
+# The hand-scored forward's answers to the RULER cases of tests/evaluation/test_real_model_eval.py (one case of
 # each family at 2K and 4K, vt and fwe at 1K), written by `python tests/smollm2_eval.py` (about 10 min on one core):
 # the 4K forwards, not the checks, are that test's cost.
 RULER_ANSWERS = Path(__file__).parent / "fixtures" / "smollm2" / "ruler_answers.json"
 RULER_SETS = ((("vt", "fwe"), (1024,)), (FAMILIES, (2048, 4096)))
 
 
+def cli(module: str, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` in a child process, as a user runs it (tests/xla_flags.py `user_env`); fails the
+    test with the exit status and the output's tail (a crash's signal and message included) unless it exits 0."""
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=user_env(dict(os.environ), str(ROOT)),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, f"python -m {module} {' '.join(args)}: exit {proc.returncode}\n--- stdout\n" \
+                                 f"{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    return proc
+
+
 def train_one_step(smol: Path, root: Path) -> Path:
     """A run directory as `python -m jaxlong.train model.from_hf=DIR seq_len=512 global_batch=1 mesh.ring=8
     mesh.context=1 mesh.fsdp=1 steps=1` leaves it (under `root`); its checkpoint holds the pretrained weights
     exactly (learning rate 0 at step 1, checked)."""
-    from jaxlong.training.loop import run  # noqa: PLC0415
-
-    cfg = load_config(None, [f"model.from_hf={smol}", "seq_len=512", "global_batch=1", *RING8, "steps=1",
-                             "eval_every=0", "checkpoint_every=1", f"run_dir={root}", "run_name=smol"])
-    run(cfg)
+    overrides = [f"model.from_hf={smol}", "seq_len=512", "global_batch=1", *RING8, "steps=1", "eval_every=0",
+                 "checkpoint_every=1", f"run_dir={root}", "run_name=smol"]
+    cli("jaxlong.train", *overrides)
+    cfg = load_config(None, overrides)
     mesh = build_mesh(cfg.mesh)
     restored, imported = restore_params(cfg, mesh, root / "smol", 1), hf.load_params(smol, cfg, mesh)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(restored)[0], jax.tree.leaves(imported)):
@@ -95,9 +107,9 @@ class Hand:
 
 
 def evaluate(run_dir: Path, *args: str) -> tuple[dict, list[dict]]:
-    """`python -m jaxlong.eval RUN_DIR ARGS`: its summary.json and ruler_cases.csv rows."""
+    """`python -m jaxlong.eval RUN_DIR ARGS` (`cli`): its summary.json and ruler_cases.csv rows."""
     before = set(run_dir.glob("eval/*/step_1/summary.json"))
-    assert eval_main([str(run_dir), *args]) == 0
+    cli("jaxlong.eval", str(run_dir), *args)
     out = max(set(run_dir.glob("eval/*/step_1/summary.json")) - before or run_dir.glob("eval/*/step_1/summary.json"),
               key=lambda p: p.stat().st_mtime).parent
     cases = list(csv.DictReader(open(out / "ruler_cases.csv"))) if (out / "ruler_cases.csv").is_file() else []

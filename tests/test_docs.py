@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from xla_flags import LITTLE_OPTIMIZATION, for_children
+from xla_flags import user_env
 from helpers import LLAMA31_8B
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -402,9 +402,7 @@ def _env() -> dict:
     """The test run's environment as a user's shell would have it: no device count in XLA_FLAGS (each command sets
     its own) and full optimization, the checkout importable; the shared compilation cache and the compile-speed
     flags are kept (tests/xla_flags.py)."""
-    env = {k: v for k, v in os.environ.items() if k != LITTLE_OPTIMIZATION}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=for_children(os.environ.get("XLA_FLAGS", "")))
-    return env
+    return user_env(dict(os.environ), str(ROOT))
 
 
 def _workdir(path: Path) -> Path:

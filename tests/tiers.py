@@ -18,7 +18,6 @@ TIERS = {
     "data/test_data.py": "fast+slow",
     "evaluation/test_eval.py": "fast+slow",
     "evaluation/test_real_model_eval.py": "slow",
-    "evaluation/test_real_model_ruler.py": "slow",
     "evaluation/test_ruler.py": "fast+slow",
     "kernels/test_cudnn_attention.py": "fast+slow",
     "kernels/test_kernels.py": "fast+slow",

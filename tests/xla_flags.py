@@ -40,3 +40,13 @@ def for_children(existing: str = "") -> str:
     multi-process launch): `COMPILE_SPEED` and `PATIENT_COLLECTIVES`, added to `existing` less any device count."""
     kept = " ".join(f for f in existing.split() if not f.startswith("--xla_force_host_platform_device_count"))
     return with_flags(kept, (*COMPILE_SPEED, *PATIENT_COLLECTIVES))
+
+
+def user_env(environ: dict, root: str) -> dict:
+    """The environment of a command a test runs as a user types it (a docs command, the real model's trainer and
+    evaluation): `environ` less `LITTLE_OPTIMIZATION` (fully optimized, as a user compiles), `JAX_PLATFORMS=cpu`,
+    the checkout `root` importable, XLA_FLAGS `for_children` (each command sets its own device count); the
+    compilation cache (`JAX_COMPILATION_CACHE_DIR`) is kept."""
+    env = {k: v for k, v in environ.items() if k != LITTLE_OPTIMIZATION}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=root, XLA_FLAGS=for_children(environ.get("XLA_FLAGS", "")))
+    return env
