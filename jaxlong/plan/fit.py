@@ -37,10 +37,17 @@ another's needs no more device memory and runs no faster. Hence, without compili
     fitting one is not compiled.
 The memory order does not cross attention settings: the compiled memory is not monotone in them (U-Pipe with
 U = H can need more than Ulysses, U = 16 more than U = 32), so a candidate that does not fit prunes only
-candidates with its own attention setting. Host memory (offload) is
-not monotone in the remat order, so a candidate that fails only the host budget prunes nothing. The next candidate compiled is the unresolved one that settles the most others whichever way
-it goes (it bisects the space), ties broken by expected speed; the most memory-saving candidate of each mesh
-split is compiled first, so a run that can fit gets an answer even within a small `--max-compiles`.
+candidates with its own attention setting. Host memory (offload) is not monotone in the remat order, so a
+candidate that fails only the host budget prunes nothing.
+
+The order of compiles: the candidates are sorted by expected speed, `analytic_cost` (FLOPs with each technique's
+recompute, fastest first). The most memory-saving candidate of each mesh split is compiled first, so a run that
+can fit gets an answer even within a small `--max-compiles`. Then a binary search along the speed order: the
+median of the unresolved candidates between the slowest known not to fit and the fastest known to fit. Memory
+falls roughly along that order, so each compile halves the stretch where the fastest fitting candidate lies, and
+the default budget reaches the fast end (at 128K tokens on 8 x H100: no remat, no offload). The order only
+chooses what to compile; the memory order above alone prunes. When no candidate expected faster than a known fit
+is left, the next is the one that settles the most others whichever way it goes.
 
 Candidates are ranked by `cost_model(cfg, plan) -> seconds per step`; the default (`estimated_cost`) reads
 `plan["estimate"]["step_seconds"]`, the roofline estimate of the compiled GPU program from
@@ -271,18 +278,20 @@ def candidate_space(cfg: Config, devices_per_node: int, nodes: int,
                 parts[4] = ("remat.keep_attention=0",)
             ov = tuple(split) + tuple(o for part in parts for o in part)
             c = Candidate(i, tuple(levels), ov)
+            c_cfg = configure(cfg, ov)
             try:
-                validate(configure(cfg, ov))
+                validate(c_cfg)
             except ConfigError as e:
                 invalid.append({"overrides": c.key, "reason": f"invalid: {e}", "by": None})
                 continue
-            cands.append(c)
-    cands.sort(key=lambda c: (_prior(c), c.mesh))
-    return splits, cands, invalid
+            cands.append((analytic_cost(c_cfg), _prior(c), c.mesh, len(cands), c))
+    cands.sort()
+    return splits, [entry[-1] for entry in cands], invalid
 
 
 def _prior(c: Candidate) -> float:
-    """Expected slowness used only to order the search: remat costs most, then U-Pipe stages, then tiling."""
+    """Expected slowness among candidates of equal analytic estimate (which sees no memory technique that costs
+    no FLOPs): remat first, then kept attention, U-Pipe stages, tiling."""
     attention, remat, loss, mlp, keep = c.levels
     return 10 * remat + 5 * keep + 3 * attention + loss + 2 * mlp
 
@@ -445,7 +454,7 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
     unresolved = list(cands)  # expected-speed order
     rank = {c: i for i, c in enumerate(cands)}
     rows, probed = [], set()
-    compiles, best, best_rank = 0, None, None
+    compiles, best, best_rank, fastest_fit = 0, None, None, None
 
     def faster(seconds: float, c: Candidate) -> bool:
         """Faster than the best fitting row; an equal estimate (a roofline does not see tile or stage launches)
@@ -465,7 +474,7 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
                         settle(c, f"estimated no faster than #{best['index']}, which fits", best)
                 if not unresolved:
                     break
-            c = _next(unresolved, probed)
+            c = _next(unresolved, probed, rank, fastest_fit)
             ck = (tag, c.key)
             if ck not in cache and compiles >= max_compiles:
                 for rest in list(unresolved):
@@ -494,6 +503,7 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
             row["index"] = len(rows)
             device_ok = p["total"] <= budget
             if row["fits"]:
+                fastest_fit = rank[c] if fastest_fit is None else min(fastest_fit, rank[c])
                 if faster(row["step_seconds"], c):
                     best, best_rank = row, rank[c]
                 for o in [o for o in unresolved if c.below(o)]:
@@ -515,20 +525,25 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
     return FitResult(rows, pruned, best, closest, compiles, len(cands))
 
 
-def _next(unresolved: list[Candidate], probed: set[int]) -> Candidate:
-    """The most memory-saving candidate of a mesh split not yet probed, else the one that settles the most
-    others whichever way it goes (min of the candidates it would prune if it fits and if it does not)."""
+def _next(unresolved: list[Candidate], probed: set[int], rank: dict, fastest_fit: int | None) -> Candidate:
+    """The next candidate to compile. First the most memory-saving candidate of each mesh split not yet probed
+    (whether the split can fit at all). Then a bisection of the candidates expected faster (`rank`, the order of
+    `analytic_cost`) than the fastest one known to fit (`fastest_fit`; all of them while none is known): the
+    one that settles the most of them whichever way it goes (min of those it would prune if it fits and if it
+    does not), ties to the faster. Each fit narrows that set to what could still beat it, so the compiles move
+    towards the fast end; when it is empty, the same bisection over every unresolved candidate."""
     fresh = [c for c in unresolved if c.mesh not in probed]
     if fresh:
         mesh = fresh[0].mesh
         return max((c for c in fresh if c.mesh == mesh), key=lambda c: sum(c.levels))
+    focus = [c for c in unresolved if fastest_fit is None or rank[c] < fastest_fit] or unresolved
 
     def score(c: Candidate) -> int:
-        up = sum(1 for o in unresolved if c.below(o))
-        down = sum(1 for o in unresolved if o.needs_more_memory(c))
+        up = sum(1 for o in focus if c.below(o))
+        down = sum(1 for o in focus if o.needs_more_memory(c))
         return min(up, down)
 
-    return max(unresolved, key=lambda c: (score(c), -unresolved.index(c)))
+    return max(focus, key=lambda c: (score(c), -rank[c]))
 
 
 def _row(c: Candidate, cfg: Config, p: dict, budget, host_budget, cost_model, cached: bool) -> dict:

@@ -3,17 +3,21 @@ memory and cost model, respects its compile budget and cache, names the closest 
 runs end to end on a real CPU compile through `python -m jaxlong.memory --fit`."""
 
 import json
+import os
 import pathlib
 import random
 import re
+import subprocess
 import sys
 
 import pytest
 from helpers import tiered
+from xla_flags import user_env
 
 from jaxlong.config import load_config
 from jaxlong.memory import fit_options as fit_cli
 from jaxlong.plan import fit as fit_lib
+from jaxlong.plan.target import cuda_plugin_available
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -92,6 +96,37 @@ def test_pruned_search_finds_the_brute_force_winner_and_skips_nothing_better(see
         fits = q["total"] <= budget and q["host_per_node"] <= host_budget
         assert not (fits and (res.winner is None or model.cost(cc) < res.winner["step_seconds"])), p
     assert res.compiles == len(res.rows) < n  # pruning saved compiles
+
+
+def test_candidates_are_searched_in_order_of_their_analytic_estimate():
+    """The expected-speed order the search bisects is `analytic_cost`, fastest first: the lightest candidate
+    (no remat, Ulysses, no tiling) first."""
+    cfg = load_config(None, TINY)
+    _, cands, _ = fit_lib.candidate_space(cfg, 8, 1)
+    costs = [fit_lib.analytic_cost(fit_lib.configure(cfg, c.overrides)) for c in cands]
+    assert costs == sorted(costs) and costs[0] < costs[-1]
+    assert cands[0].levels == (0, 0, 0, 0, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_compile
+@pytest.mark.subprocess
+@pytest.mark.skipif(not cuda_plugin_available(), reason="the CUDA plugin (pip install 'jax[cuda12]') is not installed")
+def test_the_default_fit_at_128k_on_8_h100_uses_no_remat_and_no_offload(tmp_path):
+    """The documented `python -m jaxlong.memory --fit --target h100 --config configs/llama3_1_8b.yaml
+    seq_len=131072` with the default 12 compiles (GPU compile, no GPU): Llama-3.1-8B fits 128K tokens with no
+    remat, so the winner spends no speed on remat or host offload (a search that compiles memory savers first
+    spent its 12 compiles before it reached them and picked offload)."""
+    out = tmp_path / "fit.json"
+    proc = subprocess.run([sys.executable, "-m", "jaxlong.memory", "--fit", "--target", "h100", "--config",
+                           "configs/llama3_1_8b.yaml", "seq_len=131072", "--out", str(out)], cwd=ROOT,
+                          env=user_env(dict(os.environ), str(ROOT)), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["compiles"] <= 12 and res["winner"] is not None
+    winner = res["winner"]
+    assert "remat.policy=none" in winner["overrides"] and winner["host_per_node"] == 0, winner["overrides"]
+    assert winner["total"] <= res["budget"]
 
 
 def test_compile_budget_is_respected_and_the_rest_is_listed():
