@@ -23,6 +23,7 @@ import yaml
 
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import resolve_mesh_shape
+from jaxlong.data.mixture import source_name
 from jaxlong.data.pipeline import Packing, SplitPositions
 from jaxlong.data.tokenizer import TOKENIZERS
 from jaxlong.kernels.backend import Backend, check_backend
@@ -145,8 +146,24 @@ class TilingConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One corpus of a data mixture (`data.sources`, `jaxlong.data.mixture`): its share of the training tokens
+    and its length rules, in tokens of `data.tokenizer` (a document is `[BOS] text [EOS]`)."""
+
+    path: str | None = None  # as `data.path`; null: the embedded corpus
+    weight: float = 1.0  # share of the training tokens, relative to the other sources' weights
+    name: str = ""  # the name TensorBoard's data/share/NAME uses; "" derives it from the path
+    text_field: str | None = None  # null: `data.text_field`
+    min_doc_tokens: int = 0  # shorter documents are dropped
+    max_doc_tokens: int | None = None  # longer documents are dropped (null: none)
+    long_doc_tokens: int = 0  # a document this long or longer is "long"; 0: seq_len // 2
+    upsample_long: float = 1.0  # long documents are drawn this many times as often (>= 1)
+
+
+@dataclass
 class DataConfig:
-    """Training text. `path: null` is the embedded corpus: the Python standard library's source files."""
+    """Training text. `path: null` is the embedded corpus: the Python standard library's source files.
+    `sources` (a list of `SourceConfig`) mixes several corpora instead; `path` must be null then."""
 
     path: str | None = None
     tokenizer: str = "byte"  # "byte", or a path to a Hugging Face tokenizer.json
@@ -160,6 +177,7 @@ class DataConfig:
     # depends on them.
     read_threads: int = 4
     read_buffer: int = 64
+    sources: list[SourceConfig] = field(default_factory=list)
 
 
 @dataclass
@@ -268,6 +286,22 @@ def apply_setting(obj: Any, key: str, value: Any, raw: str | None = None) -> Non
                 raise ConfigError(f"config key {key!r} is a section; give a mapping or set its fields")
             for k, v in value.items():
                 apply_setting(obj, f"{key}.{k}", v)
+            return
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if item is not None and dataclasses.is_dataclass(item):  # a list of sections, each a mapping
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                raise ConfigError(f"config key {key!r} is a list of sections; give a list of mappings, e.g. "
+                                  f"{key}=[{{path: a.jsonl, weight: 0.6}}, {{path: b.jsonl, weight: 0.4}}]")
+            sections = []
+            for i, v in enumerate(value):
+                section = item()
+                for k, x in v.items():
+                    try:
+                        apply_setting(section, k, x)
+                    except ConfigError as e:
+                        raise ConfigError(f"{key}[{i}]: {e}") from None
+                sections.append(section)
+            setattr(target, part, sections)
             return
         if tp is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
@@ -475,6 +509,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         raise ConfigError(f"data.read_threads={cfg.data.read_threads} must be >= 0 (0 reads in the training thread)")
     if cfg.data.read_buffer < 1:
         raise ConfigError(f"data.read_buffer={cfg.data.read_buffer} must be >= 1 document")
+    validate_sources(cfg)
     if cfg.data.max_tokens is not None and cfg.data.max_tokens <= 0:
         raise ConfigError(f"data.max_tokens={cfg.data.max_tokens} must be positive, or null for the whole corpus")
     for key in ("seq_len", "global_batch", "steps", "log_every", "checkpoint_every", "keep_checkpoints",
@@ -533,6 +568,49 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         check_upipe_schedule(m.heads, m.kv_heads, context, cfg.attention.heads_per_stage or context)
         if cfg.remat.policy == "custom":
             check_upipe_remat_names(cfg.remat.save + cfg.remat.offload)
+
+
+def validate_sources(cfg: Config) -> None:
+    """`data.sources`: a mixture, each source's weight and length rules (`jaxlong.data.mixture`); whether each
+    corpus exists is checked when the pipeline opens it, before anything compiles.
+
+    Raises:
+      ConfigError: naming `data.sources[i].KEY`, its value and what would work.
+    """
+    d = cfg.data
+    if not d.sources:
+        return
+    if d.path is not None:
+        raise ConfigError(f"data.path={d.path!r} and data.sources are both set: give the corpus as one of "
+                          "data.sources (with its weight), or drop data.sources")
+    if d.max_tokens is not None:
+        raise ConfigError("data.max_tokens caps one corpus; with data.sources use each source's own rules "
+                          "(min_doc_tokens, max_doc_tokens) or drop data.max_tokens")
+    names = set()
+    for i, src in enumerate(d.sources):
+        at = f"data.sources[{i}]"
+        if src.path is not None and not str(src.path).strip():
+            raise ConfigError(f"{at}.path is empty; give a .txt/.jsonl/.parquet file or directory, or null for "
+                              "the embedded corpus")
+        if not src.weight > 0:
+            raise ConfigError(f"{at}.weight={src.weight} must be > 0 (its share of the training tokens); drop "
+                              "the source to leave it out")
+        if src.min_doc_tokens < 0:
+            raise ConfigError(f"{at}.min_doc_tokens={src.min_doc_tokens} must be >= 0")
+        if src.max_doc_tokens is not None and src.max_doc_tokens <= src.min_doc_tokens:
+            raise ConfigError(f"{at}.max_doc_tokens={src.max_doc_tokens} must be > min_doc_tokens="
+                              f"{src.min_doc_tokens}, or null")
+        if src.long_doc_tokens < 0:
+            raise ConfigError(f"{at}.long_doc_tokens={src.long_doc_tokens} must be >= 0 (0: seq_len // 2)")
+        if not src.upsample_long >= 1:
+            raise ConfigError(f"{at}.upsample_long={src.upsample_long} must be >= 1 (1: long documents as often "
+                              "as the corpus has them; drop long ones with max_doc_tokens)")
+        if src.text_field is not None and not str(src.text_field).strip():
+            raise ConfigError(f"{at}.text_field is empty; give the field that holds each document's text, or null")
+        name = source_name(src, i)
+        if name in names:
+            raise ConfigError(f"{at}: another source has the name {name!r}; give each a distinct name")
+        names.add(name)
 
 
 def validate_ruler(cfg: Config) -> None:

@@ -8,6 +8,8 @@ Batches go onto the mesh with `jaxlong.training.step.put_batch` (the input layou
   tokenizer's own config files).
 * `jaxlong.data.pipeline` — shuffle, tokenize, pack (`data.packing=documents|concat`) and batch with Grain;
   batches carry `segment_ids` and per-document `positions`; the iterator state goes into checkpoints.
+* `jaxlong.data.mixture` — `data.sources`: several corpora mixed by their share of the tokens, with length rules
+  and long-document upsampling per source.
 """
 from __future__ import annotations
 
@@ -16,10 +18,14 @@ from jaxlong.data.pipeline import (
     batch_iterator,
     document_pairs,
     document_tokens,
+    first_source,
     make_dataset,
     merge_states,
+    mixture_sources,
     packing_efficiency,
+    source_shares,
 )
+from jaxlong.data.mixture import SOURCE_FEATURE, MixedSource, TokenShareMix, source_name
 from jaxlong.data.sources import DocumentSource, corpus_files, stdlib_files
 from jaxlong.data.tokenizer import (
     TOKENIZERS,
@@ -35,6 +41,6 @@ __all__ = [
     "Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "run_tokenizer", "check_vocab", "TOKENIZERS",
     "DocumentSource", "stdlib_files", "corpus_files",
     "document_tokens", "document_pairs", "DocumentSubset", "make_dataset", "merge_states", "batch_iterator",
-    "packing_efficiency",
+    "packing_efficiency", "first_source", "mixture_sources", "source_shares", "SOURCE_FEATURE", "MixedSource", "TokenShareMix", "source_name",
 ]
 

@@ -47,11 +47,13 @@ from grain.experimental import (
     FlatMapTransform,
 )
 
+from jaxlong.data.mixture import SOURCE_FEATURE, MixedSource, TokenShareMix, source_name
 from jaxlong.data.sources import DocumentSource
 from jaxlong.data.tokenizer import Tokenizer
 
 __all__ = ["document_tokens", "document_pairs", "SplitLongDocuments", "DocumentSubset", "token_limit", "make_dataset",
-           "ProcessBatches", "ProcessIterator", "merge_states", "batch_iterator", "packing_efficiency", "PACKING_BINS"]
+           "ProcessBatches", "ProcessIterator", "merge_states", "batch_iterator", "packing_efficiency", "PACKING_BINS",
+           "first_source", "mixture_sources", "source_shares"]
 
 Packing = Literal["documents", "concat"]  # `data.packing`
 SplitPositions = Literal["restart", "continue"]  # `data.split_positions`
@@ -87,7 +89,7 @@ class SplitLongDocuments(FlatMapTransform):
             return [element]
         pieces = []
         for start in range(0, n, L):
-            piece = {k: element[k][start:start + L] for k in ("inputs", "targets")}
+            piece = {k: element[k][start:start + L] for k in element if k != "positions"}
             m = piece["inputs"].size
             piece["positions"] = np.arange(m, dtype=np.int32) + (start if self.continue_positions else 0)
             pieces.append(piece)
@@ -109,15 +111,17 @@ def token_limit(source: DocumentSource, tokenizer: Tokenizer, max_tokens: int) -
 
 def _finalize(row: dict) -> dict:
     seg = row["inputs_segment_ids"].astype(np.int32)
-    return {"inputs": row["inputs"].astype(np.int32), "targets": row["targets"].astype(np.int32),
-            "positions": row["positions"].astype(np.int32), "segment_ids": seg,
-            "mask": (seg > 0).astype(np.float32)}
+    out = {"inputs": row["inputs"].astype(np.int32), "targets": row["targets"].astype(np.int32),
+           "positions": row["positions"].astype(np.int32), "segment_ids": seg, "mask": (seg > 0).astype(np.float32)}
+    if SOURCE_FEATURE in row:  # a mixture: the source of every token (0 on padding)
+        out[SOURCE_FEATURE] = np.where(seg > 0, row[SOURCE_FEATURE], 0).astype(np.int32)
+    return out
 
 
 def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, global_batch: int, seed: int,
                  packing: str = "documents", split_positions: str = "restart", shuffle: bool = True,
                  max_tokens: int | None = None, rows=None, exclude=(), repeat: bool = True,
-                 read_threads: int = 4, read_buffer: int = 64) -> ProcessBatches:
+                 read_threads: int = 4, read_buffer: int = 64, mixture=None) -> ProcessBatches:
     """The Grain pipeline of the module docstring; iterating it yields the rows `rows` of every global batch.
 
     Args:
@@ -134,6 +138,9 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
         incomplete batch.
       read_threads, read_buffer: `data.read_threads` threads tokenizing ahead, `data.read_buffer` documents
         read ahead, per packing stream (Grain's `ReadOptions`); they change no batch.
+      mixture: None, or `(random-access source, MixedSource)` per source of `data.sources`
+        (`jaxlong.data.mixture`): `source` is then the first of them (`exclude` applies to it), and the batches
+        carry `source` int32 `[B, L]` (source index + 1 per token, 0 on padding).
 
     Returns:
       `ProcessBatches`: iterating it gives batch dicts with `[len(rows), seq_len]` arrays (`[global_batch,
@@ -154,6 +161,13 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
     if exclude:
         skip = {int(i) for i in exclude}
         source = DocumentSubset(source, [i for i in range(len(source)) if i not in skip])
+    if mixture is not None:
+        if not repeat or max_tokens is not None:
+            raise ValueError("a data mixture is for training: endless (repeat=True), without data.max_tokens")
+        docs = [source, *(src for src, _ in mixture[1:])]
+        return _mixed_batches(docs, [m for _, m in mixture], tokenizer, seq_len, global_batch, seed, packing,
+                              split_positions, shuffle, rows, grain.ReadOptions(num_threads=read_threads,
+                                                                                prefetch_buffer_size=read_buffer))
     ds = grain.MapDataset.source(source)
     cut = None
     if max_tokens is not None:
@@ -251,14 +265,54 @@ def _row_stream(ds: grain.MapDataset, seed: int, seq_len: int, packing: str, spl
     if shuffle:
         ds = ds.shuffle(seed=seed)
     it = (ds.repeat() if repeat else ds).to_iter_dataset(read_options=read)
-    lengths = {k: seq_len for k in _FEATURES}
+    return _pack(it, seed, seq_len, packing, split_positions, bins)
+
+
+def _pack(it: grain.IterDataset, seed: int, seq_len: int, packing: str, split_positions: str,
+          bins: int) -> grain.IterDataset:
+    """Documents (`document_pairs` dicts, with `source` in a mixture) packed into rows of `seq_len` (stage 4)."""
+    mixed = isinstance(it, TokenShareMix)
+    features = (*_FEATURES, SOURCE_FEATURE) if mixed else _FEATURES
+    lengths = {k: seq_len for k in features}
     if packing == "documents":
         it = FlatMapIterDataset(it, SplitLongDocuments(seq_len, split_positions == "continue"))
         return FirstFitPackIterDataset(it, length_struct=lengths, num_packing_bins=bins, seed=seed,
                                        shuffle_bins=False, meta_features=("positions",)).map(_finalize)
-    it = ConcatThenSplitIterDataset(it.map(lambda d: {k: d[k] for k in ("inputs", "targets")}),
-                                    length_struct={"inputs": seq_len, "targets": seq_len})
+    kept = ("inputs", "targets", SOURCE_FEATURE) if mixed else ("inputs", "targets")
+    it = ConcatThenSplitIterDataset(it.map(lambda d: {k: d[k] for k in kept}),
+                                    length_struct={k: seq_len for k in kept})
     return it.map(lambda r: _finalize({**r, "positions": np.arange(seq_len, dtype=np.int32)}))
+
+
+def _mixed_batches(docs: list, mixed: list[MixedSource], tokenizer: Tokenizer, seq_len: int, global_batch: int,
+                   seed: int, packing: str, split_positions: str, shuffle: bool, rows: np.ndarray,
+                   read: grain.ReadOptions) -> ProcessBatches:
+    """`make_dataset` of a mixture: each packing stream s mixes document `[s::n]` of every source
+    (`TokenShareMix`), then packs as one corpus does (stages 4-5)."""
+    for src, m in zip(docs, mixed):
+        if len(src) == 0:
+            raise ValueError(f"data.sources: source {m.name!r} has no documents")
+    n = max(d for d in range(1, global_batch + 1) if global_batch % d == 0 and d <= min(len(x) for x in docs))
+    per = global_batch // n
+
+    def tokenize(text):
+        return document_pairs(document_tokens(text, tokenizer))
+
+    def documents(i: int, s: int, salt: int) -> grain.IterDataset:
+        ds = grain.MapDataset.source(docs[i])[s::n]
+        if shuffle:
+            ds = ds.shuffle(seed=seed + s + 7919 * (i + 1) + 104729 * salt)
+        return ds.repeat().to_iter_dataset(read_options=read).map(tokenize)
+
+    streams = {}
+    for s in sorted({int(r) // per for r in rows}):
+        main = [documents(i, s, 0) for i in range(len(docs))]
+        extra = [documents(i, s, 1) if m.upsample > 1 else None for i, m in enumerate(mixed)]
+        sizes = [len(range(s, len(x), n)) for x in docs]
+        mixed_docs = TokenShareMix(main, extra, mixed, sizes)
+        streams[s] = _pack(mixed_docs, seed + s, seq_len, packing, split_positions, _bins(n)).batch(
+            per, drop_remainder=True)
+    return ProcessBatches(streams, rows, per)
 
 
 def _concat(parts: tuple) -> dict:
@@ -284,23 +338,67 @@ def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source:
     """The batch iterator of a run's `Config` (`ProcessIterator`) for the rows `rows` of every global batch (this
     process's, `jaxlong.training.step.process_rows`; None: every row), at `state` if given (from `get_state()` of
     an earlier iterator, or `merge_states`: the next batch is the one that iterator would have yielded).
-    `source`: the corpus (default: `DocumentSource` of `data.path`); `exclude`: document indices left
-    out (validation).
+    `source`: the corpus (default: `DocumentSource` of `data.path`; with `data.sources`, of the first source,
+    the one validation holds documents out of); `exclude`: document indices of `source` left out (validation).
 
     Raises:
       ValueError: see `DocumentSource`, `make_dataset` and `ProcessIterator.set_state`.
     """
 
     d = cfg.data
-    source = DocumentSource(d.path, d.text_field) if source is None else source
+    mixture = mixture_sources(cfg, source) if d.sources else None
+    if source is None:
+        source = mixture[0][0] if mixture else DocumentSource(d.path, d.text_field)
     ds = make_dataset(source, tokenizer, seq_len=cfg.seq_len,
                       global_batch=cfg.global_batch, seed=cfg.seed, packing=d.packing,
                       split_positions=d.split_positions, shuffle=d.shuffle, max_tokens=d.max_tokens,
-                      rows=rows, exclude=exclude, read_threads=d.read_threads, read_buffer=d.read_buffer)
+                      rows=rows, exclude=exclude, read_threads=d.read_threads, read_buffer=d.read_buffer,
+                      mixture=mixture)
     it = iter(ds)
     if state is not None:
         it.set_state(state)
     return it
+
+
+def first_source(cfg) -> DocumentSource:
+    """The corpus validation holds documents out of: `data.path`, or with `data.sources` the first source.
+
+    Raises:
+      ValueError: see `DocumentSource` (with `data.sources[0]` named).
+    """
+    if not cfg.data.sources:
+        return DocumentSource(cfg.data.path, cfg.data.text_field)
+    src = cfg.data.sources[0]
+    try:
+        return DocumentSource(src.path, src.text_field or cfg.data.text_field)
+    except ValueError as e:
+        raise ValueError(f"data.sources[0]: {e}") from None
+
+
+def mixture_sources(cfg, first=None) -> list[tuple]:
+    """`(DocumentSource, MixedSource)` per source of `data.sources` (`jaxlong.data.mixture`), the first one
+    `first` when given (the same corpus, already open).
+
+    Raises:
+      ValueError: a source's corpus is missing or empty (the message names `data.sources[i]`).
+    """
+    out = []
+    for i, src in enumerate(cfg.data.sources):
+        try:
+            docs = first if i == 0 and first is not None else \
+                DocumentSource(src.path, src.text_field or cfg.data.text_field)
+        except ValueError as e:
+            raise ValueError(f"data.sources[{i}]: {e}") from None
+        out.append((docs, MixedSource(source_name(src, i), src.weight, src.min_doc_tokens, src.max_doc_tokens,
+                                      src.long_doc_tokens or max(cfg.seq_len // 2, 1), src.upsample_long)))
+    return out
+
+
+def source_shares(source: np.ndarray, names: list[str]) -> dict[str, int]:
+    """Tokens of each source (by name) in a mixture's batch, from its `source` int32 `[B, L]` (source index + 1
+    per token, 0 on padding)."""
+    counts = np.bincount(np.asarray(source).ravel(), minlength=len(names) + 1)
+    return {name: int(counts[i + 1]) for i, name in enumerate(names)}
 
 
 def packing_efficiency(batch: dict) -> float:

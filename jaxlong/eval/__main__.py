@@ -230,7 +230,7 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     say = print if main else (lambda *a, **k: None)
     tokenizer = data_lib.run_tokenizer(cfg)  # the trainer's: the checkpoint's tokenizer.json under model.from_hf
     lengths = passkey_lengths(cfg, args, tokenizer) if args.passkey else []
-    source = data_lib.DocumentSource(cfg.data.path, cfg.data.text_field)
+    source = data_lib.first_source(cfg)  # data.path, or the first of data.sources
     # The trainer's held-out split; more batches than it used take more documents (the same ones first).
     held_out, batches = ev.validation_split(cfg, source, tokenizer, args.batches)
     ruler_cases, skipped = ruler_suite(cfg, args, tokenizer, source, held_out) if args.ruler else ([], [])

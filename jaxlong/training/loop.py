@@ -4,7 +4,8 @@ The trainer knows no model internals: it builds the mesh, the state and the jitt
 feeds batches already sharded on the mesh, and writes TensorBoard scalars under `<run_dir>/<run_name>/`:
 `loss`, `lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `mfu` (when the device's peak is known),
 `device_memory/*` (where the backend reports it), `packing_efficiency` (the fraction of tokens that are not
-padding), and every `eval_every` steps `eval/loss` and `eval/perplexity` on held-out documents
+padding), with `data.sources` `data/share/NAME` (each source's share of the tokens fed to process 0 since the
+run started or resumed, padding excluded: `jaxlong.data.mixture`), and every `eval_every` steps `eval/loss` and `eval/perplexity` on held-out documents
 (`jaxlong.evaluation.steps.Validator`), with `ruler_tasks` RULER scores `eval/ruler/...`
 (`jaxlong.evaluation.ruler.RulerValidator`, built before anything compiles). In a multi-process run only process 0 prints, writes TensorBoard and shows the
 progress bar.
@@ -225,7 +226,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
           f"mesh {dict(mesh.shape)} on {mesh.size} x {jax.devices()[0].device_kind}, "
           f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
     # Data first: a bad corpus fails before the (possibly long) compile.
-    source = data_lib.DocumentSource(cfg.data.path, cfg.data.text_field)
+    source = data_lib.first_source(cfg)  # data.path, or the first of data.sources
     validator, held_out = None, ()
     if cfg.eval_every:  # whole documents held out for validation, left out of training
         held_out, eval_batches = eval_lib.validation_split(cfg, source, tokenizer)
@@ -385,6 +386,8 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
     flops, peak = flops_per_token(cfg), peak_flops()
     metrics: dict = {}
     packed: list[float] = []
+    names = [data_lib.source_name(src, i) for i, src in enumerate(cfg.data.sources)]
+    mixed = dict.fromkeys(names, 0)  # tokens of each source of a mixture since this run (re)started
     profiling = False
     profile_start = start + 1  # skip the first step (allocation, warm-up)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=not main)
@@ -414,6 +417,9 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
                 profiling = True
             host_batch = next(batches)
             packed.append(data_lib.packing_efficiency(host_batch))
+            if data_lib.SOURCE_FEATURE in host_batch:  # a mixture: the tokens of each source in this batch
+                for name, n in data_lib.source_shares(host_batch.pop(data_lib.SOURCE_FEATURE), names).items():
+                    mixed[name] += n
             fault("before_put", step)
             batch = step_lib.put_batch(host_batch, mesh, batches.rows, cfg.global_batch)
             fault("before_dispatch", step)
@@ -437,6 +443,8 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
                 fault("during_metrics", step)
                 metrics = {k: float(v) for k, v in fetched.items()}
                 metrics["packing_efficiency"], packed = sum(packed) / max(len(packed), 1), []
+                for name, n in mixed.items():  # the realised share of the tokens this process was fed
+                    metrics[f"data/share/{name}"] = n / max(sum(mixed.values()), 1)
                 now = time.perf_counter()
                 n_steps = min(cfg.log_every, done - start)
                 metrics["step_time_s"] = (now - t_last) / n_steps

@@ -1,0 +1,179 @@
+"""Data mixtures (`data.sources`, jaxlong.data.mixture): each source's realised share of the training tokens holds
+its weight, the mixture is deterministic by seed and resumes exactly, long-document upsampling raises the share
+of long documents, the length rules drop what they say, bad mixtures are one-line errors before compiling, and
+the trainer logs the realised shares."""
+import json
+
+import numpy as np
+import pytest
+from helpers import TINY
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from jaxlong import data
+from jaxlong.config import ConfigError, load_config
+from jaxlong.training.checkpoint import config_changes
+
+BYTE = data.ByteTokenizer()
+WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+
+
+def _corpus(path, lengths, seed):
+    """A .jsonl corpus of documents of about `lengths` bytes each (words of 4-6 bytes with spaces)."""
+    rng = np.random.default_rng(seed)
+    docs = [" ".join(rng.choice(WORDS, size=max(n // 6, 1))) for n in lengths]
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """Three sources of different document lengths: short (30-200 bytes), medium (100-500), long (300-2,000)."""
+    d = tmp_path_factory.mktemp("corpora")
+    rng = np.random.default_rng(0)
+    return {"short": _corpus(d / "short.jsonl", rng.integers(30, 200, 400), 1),
+            "medium": _corpus(d / "medium.jsonl", rng.integers(100, 500, 200), 2),
+            "long": _corpus(d / "long.jsonl", rng.integers(300, 2000, 120), 3)}
+
+
+def _cfg(corpora, weights, *extra, seq_len=256, global_batch=4, **rules):
+    sources = ", ".join("{" + ", ".join([f"path: {corpora[name]}", f"weight: {w}",
+                                         *(f"{k}: {v}" for k, v in rules.get(name, {}).items())]) + "}"
+                        for name, w in weights.items())
+    return load_config(None, [*TINY, f"seq_len={seq_len}", f"global_batch={global_batch}",
+                              f"data.sources=[{sources}]", *extra])
+
+
+def _shares(it, names, tokens):
+    """Realised token shares of the batches of `it` until `tokens` tokens (padding excluded), and the batches."""
+    counts, batches = dict.fromkeys(names, 0), []
+    while sum(counts.values()) < tokens:
+        b = next(it)
+        batches.append(b)
+        for k, v in data.source_shares(b[data.SOURCE_FEATURE], names).items():
+            counts[k] += v
+    total = sum(counts.values())
+    return {k: v / total for k, v in counts.items()}, batches
+
+
+@pytest.mark.parametrize("weights", [{"short": 0.6, "long": 0.4}, {"short": 0.1, "medium": 0.3, "long": 0.6}],
+                         ids=["two", "three"])
+def test_realised_token_shares_are_within_2_percent_of_the_weights(corpora, weights):
+    """Over 10^5 tokens each source's share of the non-padding tokens is its weight (relative) +- 0.02, though
+    the sources' documents differ 10x in length (a mixture by documents would be far off)."""
+    cfg = _cfg(corpora, weights)
+    shares, batches = _shares(data.batch_iterator(cfg, BYTE), list(weights), 100_000)
+    total = sum(weights.values())
+    for name, w in weights.items():
+        assert abs(shares[name] - w / total) <= 0.02, (name, shares)
+    for b in batches:  # the source feature marks exactly the tokens that are not padding
+        assert np.array_equal(b[data.SOURCE_FEATURE] > 0, b["segment_ids"] > 0)
+
+
+def test_the_mixture_is_deterministic_by_seed_and_resumes_with_the_next_batch(corpora):
+    weights = {"short": 0.5, "medium": 0.2, "long": 0.3}
+    cfg = _cfg(corpora, weights, long={"upsample_long": 2})
+    a = data.batch_iterator(cfg, BYTE)
+    first = [next(a) for _ in range(7)]
+    state = json.loads(json.dumps(a.get_state()))  # as a checkpoint stores it
+    rest = [next(a) for _ in range(6)]
+    b = data.batch_iterator(cfg, BYTE)
+    assert all(np.array_equal(x[k], y[k]) for x, y in zip(first, (next(b) for _ in range(7))) for k in x)
+    resumed = data.batch_iterator(cfg, BYTE, state=state)
+    assert all(np.array_equal(x[k], y[k]) for x, y in zip(rest, (next(resumed) for _ in range(6))) for k in x)
+    other = data.batch_iterator(_cfg(corpora, weights, "seed=1", long={"upsample_long": 2}), BYTE)
+    assert not np.array_equal(next(other)["inputs"], first[0]["inputs"])
+
+
+def _long_share(batches, source: int, threshold: int) -> float:
+    """Share of a source's tokens in documents of at least `threshold` tokens (each a segment of a row: the
+    documents here are shorter than seq_len, so none is split)."""
+    long = total = 0
+    for b in batches:
+        for seg, src in zip(b["segment_ids"], b[data.SOURCE_FEATURE]):
+            for s in np.unique(seg[seg > 0]):
+                sel = seg == s
+                if src[sel][0] == source:
+                    n = int(sel.sum())
+                    total += n
+                    long += n if n >= threshold else 0
+    return long / total
+
+
+def test_upsampling_long_documents_raises_their_share_and_keeps_the_source_shares(corpora):
+    """`upsample_long: 3` on the medium source (documents of 100-500 tokens, long from seq_len // 2 = 256):
+    its long documents' share of its tokens goes from p to about 3p / (3p + 1 - p); the sources' shares hold."""
+    weights = {"short": 0.5, "medium": 0.5}
+    before, plain = _shares(data.batch_iterator(_cfg(corpora, weights, seq_len=512), BYTE), list(weights), 100_000)
+    after, upsampled = _shares(data.batch_iterator(_cfg(corpora, weights, seq_len=512,
+                                                        medium={"upsample_long": 3}), BYTE), list(weights), 100_000)
+    p, q = _long_share(plain, 2, 256), _long_share(upsampled, 2, 256)
+    assert 0.2 < p < 0.8 and abs(q - 3 * p / (3 * p + 1 - p)) < 0.05, (p, q)
+    for shares in (before, after):
+        assert abs(shares["medium"] - 0.5) <= 0.02, shares
+
+
+def test_length_rules_drop_documents_outside_them(corpora):
+    """`min_doc_tokens` / `max_doc_tokens` keep only documents within them (each document one segment)."""
+    cfg = _cfg(corpora, {"short": 0.5, "long": 0.5}, seq_len=2048, global_batch=2,
+               short={"min_doc_tokens": 100}, long={"max_doc_tokens": 800})
+    _, batches = _shares(data.batch_iterator(cfg, BYTE), ["short", "long"], 30_000)
+    for b in batches:
+        for seg, src in zip(b["segment_ids"], b[data.SOURCE_FEATURE]):
+            for s in np.unique(seg[seg > 0]):
+                n, which = int((seg == s).sum()), int(src[seg == s][0])
+                assert (n >= 100) if which == 1 else (n <= 800), (which, n)
+
+
+def test_a_rule_that_keeps_no_document_names_the_source_and_the_rule(corpora):
+    cfg = _cfg(corpora, {"short": 0.5, "long": 0.5}, short={"min_doc_tokens": 5000})
+    with pytest.raises(ValueError, match=r"source 'short' has no document within its length rules \(tokens 5000\.\.: min_doc_tokens"):
+        next(data.batch_iterator(cfg, BYTE))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.sources=[{path: A, weight: 0}]", r"data.sources\[0\].weight=0.0 must be > 0"),
+    ("data.sources=[{path: A, upsample_long: 0.5}]", r"data.sources\[0\].upsample_long=0.5 must be >= 1"),
+    ("data.sources=[{path: A, min_doc_tokens: 50, max_doc_tokens: 10}]", r"max_doc_tokens=10 must be > min_doc_tokens"),
+    ("data.sources=[{path: A}, {path: A}]", r"data.sources\[1\]: another source has the name 'A'"),
+    ("data.sources=[{path: A, weights: 1}]", r"data.sources\[0\]: unknown config key 'weights'"),
+    ("data.sources=A", r"data.sources' is a list of sections"),
+], ids=["weight", "upsample", "min-max", "same-name", "unknown-key", "not-a-list"])
+def test_bad_mixtures_are_one_line_config_errors(override, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(None, [override])
+    assert "\n" not in str(e.value)
+
+
+def test_data_path_and_sources_together_are_refused():
+    with pytest.raises(ConfigError, match="data.path='x.jsonl' and data.sources are both set"):
+        load_config(None, ["data.path=x.jsonl", "data.sources=[{path: y.jsonl}]"])
+
+
+def test_a_changed_mixture_is_a_data_change_on_resume(corpora):
+    """`--resume` refuses a changed `data.sources` (the batches would change) as it refuses a changed corpus."""
+    a = _cfg(corpora, {"short": 0.6, "long": 0.4})
+    b = _cfg(corpora, {"short": 0.5, "long": 0.5})
+    from jaxlong.config import Config, to_dict
+    changes = config_changes(to_dict(a), to_dict(b), to_dict(Config()))
+    assert len(changes) == 1 and changes[0].startswith("data.sources:"), changes
+
+
+def test_the_trainer_logs_the_realised_shares_and_a_missing_source_is_one_line(corpora, tmp_path, capsys):
+    """`python -m jaxlong.train data.sources=[...]` trains on the mixture (validation holds documents out of the
+    first source) and writes `data/share/NAME` to TensorBoard; a source that does not exist is one line naming
+    it, exit 2, before anything compiles."""
+    from jaxlong.train.__main__ import main
+
+    sources = f"data.sources=[{{path: {corpora['short']}, weight: 0.7}}, {{path: {corpora['long']}, weight: 0.3}}]"
+    args = [*TINY, "mesh.fsdp=2", "mesh.context=4", "seq_len=128", "global_batch=4", "model.vocab_size=257",
+            "steps=2", "eval_every=2", "eval_batches=1", f"run_dir={tmp_path}", "run_name=mix", sources]
+    assert main(args) == 0
+    ea = EventAccumulator(str(tmp_path / "mix")).Reload()
+    shares = {n: ea.Scalars(f"data/share/{n}")[-1].value for n in ("short", "long")}
+    assert abs(sum(shares.values()) - 1) < 1e-6 and shares["short"] > shares["long"]
+    assert len(ea.Scalars("eval/loss")) == 1
+    capsys.readouterr()
+    missing = sources.replace(str(corpora["long"]), str(tmp_path / "nowhere.jsonl"))
+    assert main([*args, "run_name=bad", missing]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: data.sources[1]:") and "nowhere.jsonl" in err, err
