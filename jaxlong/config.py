@@ -193,6 +193,9 @@ class OptimConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float | None = 1.0  # global-norm gradient clipping; null disables it
+    # The global step at which this schedule's warmup starts (a recipe's stage, `jaxlong.training.recipe`): the
+    # learning rate at step s is the schedule's at s - schedule_start, over `steps - schedule_start` steps.
+    schedule_start: int = 0
 
 
 @dataclass
@@ -226,6 +229,10 @@ class Config:
     ruler_lengths: list[int] = field(default_factory=list)  # their context lengths (tokens); [] means [seq_len]
     ruler_cases: int = 4  # RULER cases per task and length (needle depths evenly spread)
     lost_process_timeout_s: float = 120  # several processes: one silent this long ends the others (docs/multi-node.md)
+    # A recipe (docs/recipes.md, `jaxlong.training.recipe`): a list of stages, each a mapping of `name`, its own
+    # `steps` and any config keys it changes; a run of one stage has `stage` set to its index.
+    stages: list[dict] = field(default_factory=list)
+    stage: int = 0
 
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -510,6 +517,13 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if cfg.data.read_buffer < 1:
         raise ConfigError(f"data.read_buffer={cfg.data.read_buffer} must be >= 1 document")
     validate_sources(cfg)
+    if not 0 <= cfg.optim.schedule_start < cfg.steps:
+        raise ConfigError(f"optim.schedule_start={cfg.optim.schedule_start} must be >= 0 and below steps={cfg.steps} "
+                          "(the global step a recipe's stage starts at)")
+    if cfg.stage < 0:
+        raise ConfigError(f"stage={cfg.stage} must be >= 0 (a recipe's stage index)")
+    if not all(isinstance(st, dict) for st in cfg.stages):
+        raise ConfigError("stages must be a list of mappings, each with its steps and the keys it changes")
     if cfg.data.max_tokens is not None and cfg.data.max_tokens <= 0:
         raise ConfigError(f"data.max_tokens={cfg.data.max_tokens} must be positive, or null for the whole corpus")
     for key in ("seq_len", "global_batch", "steps", "log_every", "checkpoint_every", "keep_checkpoints",

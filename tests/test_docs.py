@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from xla_flags import user_env
 from helpers import LLAMA31_8B
 
@@ -60,6 +61,7 @@ RUN = {
     "python -m jaxlong.eval runs/default --ruler --ruler-cases 2": AFTER_DEFAULT,
     "python -m jaxlong.train run_name=ruler steps=4 eval_every=2 'ruler_tasks=[niah_single_1,vt]' "
     "'ruler_lengths=[1024,4096]' ruler_cases=2": "a fresh directory",
+    "python -m jaxlong.train --config configs/recipes/tiny_extension.yaml": "a fresh directory",
 }
 
 # The commands the slow tier does not run: (regular expression searched in the command, why). The first match
@@ -430,10 +432,17 @@ FRESH_COMMANDS = [c for c in RUN_COMMANDS if c not in DEFAULT_CHAIN]
 
 
 def test_commands_that_start_afresh_have_their_own_run_names():
-    """Each slow-tier command that starts afresh names a `run_name` of its own (not the default's), so running them
+    """Each slow-tier command that starts afresh names a `run_name` of its own (not the default's; on the command
+    line or in its `--config` file), so running them
     apart from the default run's chain is what pasting every command into one directory would do."""
-    names = [next((a.split("=", 1)[1] for a in shlex.split(c) if a.startswith("run_name=")), None)
-             for c in FRESH_COMMANDS]
+    def run_name(command: str) -> str | None:
+        argv = shlex.split(command)
+        given = next((a.split("=", 1)[1] for a in argv if a.startswith("run_name=")), None)
+        if given is None and "--config" in argv:  # the config file's own run_name
+            given = (yaml.safe_load((ROOT / argv[argv.index("--config") + 1]).read_text()) or {}).get("run_name")
+        return given
+
+    names = [run_name(c) for c in FRESH_COMMANDS]
     assert FRESH_COMMANDS and None not in names and "default" not in names, dict(zip(FRESH_COMMANDS, names))
     assert len(set(names)) == len(names), names
 

@@ -55,4 +55,5 @@ TIERS = {
     "training/test_multiprocess.py": "slow",
     "training/test_reliability.py": "fast",
     "training/test_train.py": "fast+slow",
+    "training/test_recipe.py": "fast+slow",
 }

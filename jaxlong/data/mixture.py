@@ -8,14 +8,15 @@ arXiv 2402.10171, section 3). `data.sources` (`jaxlong.config.SourceConfig`) giv
 (`long_doc_tokens`, default `seq_len // 2`) that many times as often.
 
 Within each packing stream of `jaxlong.data.pipeline`, every source is an endless stream of tokenized documents
-(its own seeded shuffle each epoch, as a single corpus is), and `TokenShareMix` takes the next document from the
-source furthest below its share of the tokens taken so far (`weight / sum of weights`): the realised shares
-differ from the weights by at most one document's tokens at any point, and the order depends only on the data
-and the seed. Upsampling draws from a second stream of the same source, shuffled with another seed, that keeps
-its long documents only: after the main stream has given `n` long-document tokens, the second has given about
-`(upsample_long - 1) * n`. The mixer's state (tokens per source and stream, and each stream's Grain state) is
-part of the pipeline's, saved in every checkpoint: a resumed run continues with the next document of the same
-mixture.
+(its own seeded shuffle each epoch, as a single corpus is), cut into pieces of at most `seq_len` tokens, and
+`TokenShareMix` takes the next piece from the source furthest below its share of the tokens taken so far
+(`weight / sum of weights`): the realised shares differ from the weights by at most one piece's tokens at any
+point, however long the documents, and the order depends only on the data and the seed. Length rules and
+"long" apply to whole documents. Upsampling draws from a second stream of the same source, shuffled with another
+seed, that keeps its long documents only: after the main stream has given `n` long-document tokens, the second
+has given about `(upsample_long - 1) * n`. The mixer's state (token counts, each stream's Grain state before the
+document it is cutting, and the pieces taken from it) is part of the pipeline's, saved in every checkpoint: a
+resumed run continues with the next piece of the same mixture.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class MixedSource:
 
 
 class TokenShareMix(grain.IterDataset):
-    """Documents from several endless streams, each stream's share of the tokens held at its source's weight.
+    """Pieces of documents from several endless streams, each source's share of the tokens held at its weight.
 
     Args:
       main: per source, a Grain `IterDataset` of tokenized documents (`document_pairs` dicts), endless.
@@ -67,14 +68,18 @@ class TokenShareMix(grain.IterDataset):
       sources: per source, `MixedSource`.
       documents: per source, the number of documents in one epoch of its stream (how long to look for a
         document the length rules keep before saying that there is none).
+      split: a document -> its pieces of at most `seq_len` tokens (`jaxlong.data.pipeline.SplitLongDocuments`).
 
-    Each output is the document's dict with `source` (int32 `[n]`, the source index + 1 at every token) added.
+    The mixer takes one piece at a time, so the shares hold to within a piece (at most `seq_len` tokens) however
+    long the documents are; a document's length rules and whether it is long are judged on the whole document.
+    Each output is the piece's dict with `source` (int32 `[n]`, the source index + 1 at every token) added.
     """
 
-    def __init__(self, main, extra, sources: list[MixedSource], documents: list[int]):
+    def __init__(self, main, extra, sources: list[MixedSource], documents: list[int], split):
         parents = [*main, *(e for e in extra if e is not None)]
         super().__init__(parents)
         self._main, self._extra, self._sources, self._documents = list(main), list(extra), sources, documents
+        self._split = split
 
     def __iter__(self) -> "_TokenShareMixIterator":
         return _TokenShareMixIterator(self)
@@ -86,18 +91,24 @@ class _TokenShareMixIterator(grain.DatasetIterator):
         extras = [None if e is None else iter(e) for e in ds._extra]
         super().__init__([*mains, *(e for e in extras if e is not None)])
         self._mains, self._extras = mains, extras
-        self._sources, self._documents = ds._sources, ds._documents
+        self._sources, self._documents, self._split = ds._sources, ds._documents, ds._split
         total = sum(s.weight for s in ds._sources)
         self._shares = [s.weight / total for s in ds._sources]
         k = len(ds._sources)
         self._tokens = [0] * k  # tokens taken from each source (both streams)
-        self._long = [0] * k  # long-document tokens taken from each main stream
-        self._upsampled = [0] * k  # tokens taken from each extra stream
+        self._long = [0] * k  # long-document tokens drawn from each main stream
+        self._upsampled = [0] * k  # tokens drawn from each extra stream
+        # per source, the document whose pieces are being taken: the stream it came from ("main" or "extra"),
+        # that stream's state before it was drawn, its pieces, and the next piece's index
+        self._open: list[dict | None] = [None] * k
 
-    def _pull(self, it, i: int, long_only: bool) -> dict:
-        """The next document of stream `it` (source `i`) that the length rules keep (and that is long, from the
-        upsampling stream)."""
-        src = self._sources[i]
+    def _stream(self, i: int, which: str):
+        return self._mains[i] if which == "main" else self._extras[i]
+
+    def _pull(self, i: int, which: str) -> dict:
+        """The next document of source `i`'s `which` stream that the length rules keep (and that is long, from
+        the upsampling stream)."""
+        src, it, long_only = self._sources[i], self._stream(i, which), which == "extra"
         for _ in range(2 * self._documents[i] + 1):
             doc = next(it)
             n = int(doc["inputs"].size)
@@ -110,36 +121,63 @@ class _TokenShareMixIterator(grain.DatasetIterator):
                          f"{bounds}: min_doc_tokens..max_doc_tokens) in a whole epoch of its "
                          f"{self._documents[i]} documents; loosen the rules or drop the source")
 
+    def _draw(self, i: int) -> None:
+        """Open source `i`'s next document: from the upsampling stream while it is behind `upsample - 1` times
+        the long tokens drawn from the main one, else from the main stream."""
+        src = self._sources[i]
+        which = "extra" if self._extras[i] is not None and (src.upsample - 1) * self._long[i] > self._upsampled[i] \
+            else "main"
+        before = self._stream(i, which).get_state()
+        doc = self._pull(i, which)
+        n = int(doc["inputs"].size)
+        if which == "extra":
+            self._upsampled[i] += n
+        elif n >= src.long_tokens:
+            self._long[i] += n
+        self._open[i] = {"from": which, "before": before, "pieces": self._split(doc), "next": 0}
+
     def __next__(self) -> dict:
         total = sum(self._tokens)
         i = max(range(len(self._shares)), key=lambda j: (self._shares[j] * total - self._tokens[j], -j))
-        src = self._sources[i]
-        extra = self._extras[i]
-        if extra is not None and (src.upsample - 1) * self._long[i] > self._upsampled[i]:
-            doc = self._pull(extra, i, long_only=True)
-            self._upsampled[i] += int(doc["inputs"].size)
-        else:
-            doc = self._pull(self._mains[i], i, long_only=False)
-            if doc["inputs"].size >= src.long_tokens:
-                self._long[i] += int(doc["inputs"].size)
-        n = int(doc["inputs"].size)
+        if self._open[i] is None or self._open[i]["next"] >= len(self._open[i]["pieces"]):
+            self._draw(i)
+        cur = self._open[i]
+        piece = cur["pieces"][cur["next"]]
+        cur["next"] += 1
+        n = int(piece["inputs"].size)
         self._tokens[i] += n
-        return {**doc, "source": np.full(n, i + 1, np.int32)}
+        return {**piece, "source": np.full(n, i + 1, np.int32)}
 
     def get_state(self) -> dict:
-        return {"main": [m.get_state() for m in self._mains],
-                "extra": [None if e is None else e.get_state() for e in self._extras],
-                "tokens": list(self._tokens), "long": list(self._long), "upsampled": list(self._upsampled)}
+        """The streams' states as of before each open document was drawn, where that document is and how many of
+        its pieces were taken, and the token counts: restoring draws the open documents again."""
+        main = [m.get_state() for m in self._mains]
+        extra = [None if e is None else e.get_state() for e in self._extras]
+        cursors = []
+        for i, cur in enumerate(self._open):
+            if cur is None:
+                cursors.append(None)
+                continue
+            (main if cur["from"] == "main" else extra)[i] = cur["before"]
+            cursors.append({"from": cur["from"], "next": cur["next"]})
+        return {"main": main, "extra": extra, "open": cursors, "tokens": list(self._tokens),
+                "long": list(self._long), "upsampled": list(self._upsampled)}
 
     def set_state(self, state: dict) -> None:
         if len(state["main"]) != len(self._mains):
             raise ValueError(f"the data state holds a mixture of {len(state['main'])} sources, not "
                              f"{len(self._mains)}: data.sources changed (resume with the sources it was saved with)")
-        for it, s in zip(self._mains, state["main"]):
-            it.set_state(s)
-        for it, s in zip(self._extras, state["extra"]):
-            if (it is None) != (s is None):
+        for it, st in zip(self._mains, state["main"]):
+            it.set_state(st)
+        for it, st in zip(self._extras, state["extra"]):
+            if (it is None) != (st is None):
                 raise ValueError("the data state's upsampling streams differ from data.sources' upsample_long")
             if it is not None:
-                it.set_state(s)
+                it.set_state(st)
         self._tokens, self._long, self._upsampled = (list(map(int, state[k])) for k in ("tokens", "long", "upsampled"))
+        self._open = [None] * len(self._mains)
+        for i, cur in enumerate(state.get("open", [None] * len(self._mains))):
+            if cur is not None:  # draw the open document again (the counters already hold it)
+                before = self._stream(i, cur["from"]).get_state()
+                self._open[i] = {"from": cur["from"], "before": before, "pieces": self._split(self._pull(i, cur["from"])),
+                                 "next": int(cur["next"])}

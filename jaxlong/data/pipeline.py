@@ -59,6 +59,7 @@ Packing = Literal["documents", "concat"]  # `data.packing`
 SplitPositions = Literal["restart", "continue"]  # `data.split_positions`
 PACKINGS, SPLIT_POSITIONS = get_args(Packing), get_args(SplitPositions)
 PACKING_BINS = 16  # rows first-fit packing fills at once (more bins: less padding)
+STAGE_SEED = 1_000_003  # a recipe's stage k shuffles with seed + k * STAGE_SEED (another order for each stage)
 _FEATURES = ("inputs", "targets", "positions")
 
 
@@ -309,7 +310,8 @@ def _mixed_batches(docs: list, mixed: list[MixedSource], tokenizer: Tokenizer, s
         main = [documents(i, s, 0) for i in range(len(docs))]
         extra = [documents(i, s, 1) if m.upsample > 1 else None for i, m in enumerate(mixed)]
         sizes = [len(range(s, len(x), n)) for x in docs]
-        mixed_docs = TokenShareMix(main, extra, mixed, sizes)
+        split = SplitLongDocuments(seq_len, split_positions == "continue").flat_map  # mixed piece by piece
+        mixed_docs = TokenShareMix(main, extra, mixed, sizes, split)
         streams[s] = _pack(mixed_docs, seed + s, seq_len, packing, split_positions, _bins(n)).batch(
             per, drop_remainder=True)
     return ProcessBatches(streams, rows, per)
@@ -337,7 +339,8 @@ def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source:
                    exclude=(), rows=None) -> ProcessIterator:
     """The batch iterator of a run's `Config` (`ProcessIterator`) for the rows `rows` of every global batch (this
     process's, `jaxlong.training.step.process_rows`; None: every row), at `state` if given (from `get_state()` of
-    an earlier iterator, or `merge_states`: the next batch is the one that iterator would have yielded).
+    an earlier iterator, or `merge_states`: the next batch is the one that iterator would have yielded). A
+    recipe's stage `stage` shuffles with `seed + stage * STAGE_SEED`.
     `source`: the corpus (default: `DocumentSource` of `data.path`; with `data.sources`, of the first source,
     the one validation holds documents out of); `exclude`: document indices of `source` left out (validation).
 
@@ -350,7 +353,7 @@ def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source:
     if source is None:
         source = mixture[0][0] if mixture else DocumentSource(d.path, d.text_field)
     ds = make_dataset(source, tokenizer, seq_len=cfg.seq_len,
-                      global_batch=cfg.global_batch, seed=cfg.seed, packing=d.packing,
+                      global_batch=cfg.global_batch, seed=cfg.seed + STAGE_SEED * cfg.stage, packing=d.packing,
                       split_positions=d.split_positions, shuffle=d.shuffle, max_tokens=d.max_tokens,
                       rows=rows, exclude=exclude, read_threads=d.read_threads, read_buffer=d.read_buffer,
                       mixture=mixture)

@@ -10,6 +10,7 @@ With no arguments it trains the default tiny Llama on the Python standard librar
     python -m jaxlong.train --resume            # continue runs/<run_name> from its latest checkpoint
     python -m jaxlong.train --resume-with-changes optim.lr=1e-3   # resume although the config changed
     python -m jaxlong.train --fit --config configs/llama3_1_8b.yaml seq_len=131072   # fastest setup that fits
+    python -m jaxlong.train --config configs/recipes/tiny_extension.yaml   # a recipe: its stages in order
 
 The config is validated before any device exists; on the CPU, `mesh.num_devices` simulated devices are created
 (`--xla_force_host_platform_device_count`), which must happen before jax creates its backend.
@@ -51,8 +52,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stages = None
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.stages:  # a recipe: one validated config per stage, before anything starts
+            from jaxlong.training.recipe import expand  # noqa: PLC0415
+
+            if args.fit:
+                raise ConfigError("--fit plans one stage at a time: run python -m jaxlong.memory --fit with a "
+                                  "stage's seq_len and keys, and put the overrides it prints into that stage")
+            stages = expand(cfg, args.overrides)
+            cfg = stages[0].cfg
     except ConfigError as e:
         return fail(e)
     if args.fit:  # search the fastest configuration that fits, then train with it
@@ -76,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
     resume = args.resume or args.resume_with_changes
     try:
-        run(cfg, resume=resume, profile=args.profile, allow_changes=args.resume_with_changes)
+        if stages:
+            from jaxlong.training.recipe import run_recipe  # noqa: PLC0415
+
+            run_recipe(stages, resume=resume, profile=args.profile)
+        else:
+            run(cfg, resume=resume, profile=args.profile, allow_changes=args.resume_with_changes)
     except (FileNotFoundError, ValueError) as e:  # a bad option, a corpus that cannot be read, nothing to resume
         return fail(e)
     except CheckpointError as e:

@@ -263,7 +263,8 @@ def config_changes(saved: dict, new: dict, defaults: dict) -> list[str]:
     cur = {**flat_defaults, **_flatten(new)}
     for d in (old, cur):
         if "optim.decay_steps" in d:
-            d["optim.decay_steps"] = schedule_length(d["steps"], d["optim.warmup_steps"], d["optim.decay_steps"])
+            d["optim.decay_steps"] = schedule_length(d["steps"] - d.get("optim.schedule_start", 0),
+                                                     d["optim.warmup_steps"], d["optim.decay_steps"])
     missing = object()
     changes = []
     for key in sorted(set(old) | set(cur)):

@@ -4,7 +4,7 @@ The trainer knows no model internals: it builds the mesh, the state and the jitt
 feeds batches already sharded on the mesh, and writes TensorBoard scalars under `<run_dir>/<run_name>/`:
 `loss`, `lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `mfu` (when the device's peak is known),
 `device_memory/*` (where the backend reports it), `packing_efficiency` (the fraction of tokens that are not
-padding), with `data.sources` `data/share/NAME` (each source's share of the tokens fed to process 0 since the
+padding), `seq_len` and `stage` (a recipe's stage index, `jaxlong.training.recipe`), with `data.sources` `data/share/NAME` (each source's share of the tokens fed to process 0 since the
 run started or resumed, padding excluded: `jaxlong.data.mixture`), and every `eval_every` steps `eval/loss` and `eval/perplexity` on held-out documents
 (`jaxlong.evaluation.steps.Validator`), with `ruler_tasks` RULER scores `eval/ruler/...`
 (`jaxlong.evaluation.ruler.RulerValidator`, built before anything compiles). In a multi-process run only process 0 prints, writes TensorBoard and shows the
@@ -255,7 +255,11 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     try:
         if resume:
             state = _restore(ckpt, step_lib.abstract_state(cfg, mesh), start)
-            _restore_data(batches, ckpt.restore_data(start), start)
+            saved = saved_config(ckpt_dir, start) or {}
+            if saved.get("stage", 0) == cfg.stage:
+                _restore_data(batches, ckpt.restore_data(start), start - cfg.optim.schedule_start)
+            else:  # a recipe's next stage: its own data from its first batch (jaxlong.training.recipe)
+                _say(f"stage {cfg.stage} starts at step {start}: seq_len {cfg.seq_len}, its data from the start")
             _say(f"resumed from {ckpt.directory / str(start)}")
         elif cfg.model.from_hf:
             state = step_lib.init_state(cfg, mesh, hf.load_params(cfg.model.from_hf, cfg, mesh))
@@ -284,8 +288,9 @@ def latest_checkpoint_text(directory: Path) -> str:
 
 
 def _restore_data(batches, data_state: dict | None, start: int) -> None:
-    """Continue the data iterator where checkpoint `start` left it: from its saved state, or, for a checkpoint
-    without one (or one that lacks this process's packing streams), by replaying the `start` batches it consumed."""
+    """Continue the data iterator where a checkpoint left it: from its saved state, or, for a checkpoint without
+    one (or one that lacks this process's packing streams), by replaying the `start` batches it consumed (since
+    its stage began)."""
     if data_state is not None:
         try:
             batches.set_state(data_state)
@@ -443,6 +448,7 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
                 fault("during_metrics", step)
                 metrics = {k: float(v) for k, v in fetched.items()}
                 metrics["packing_efficiency"], packed = sum(packed) / max(len(packed), 1), []
+                metrics["seq_len"], metrics["stage"] = cfg.seq_len, cfg.stage
                 for name, n in mixed.items():  # the realised share of the tokens this process was fed
                     metrics[f"data/share/{name}"] = n / max(sum(mixed.values()), 1)
                 now = time.perf_counter()

@@ -39,15 +39,21 @@ from jaxlong.parallel.ring import zigzag_order
 
 
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """optax AdamW behind global-norm clipping, with linear warmup then cosine decay to `lr * min_lr_ratio`."""
+    """optax AdamW behind global-norm clipping, with linear warmup then cosine decay to `lr * min_lr_ratio`, from
+    global step `optim.schedule_start` (0; a recipe's stage starts its own) to `steps`."""
     o = cfg.optim
-    schedule = optax.warmup_cosine_decay_schedule(
+    stage_schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=o.lr,
         warmup_steps=o.warmup_steps,
-        decay_steps=schedule_length(cfg.steps, o.warmup_steps, o.decay_steps),
+        decay_steps=schedule_length(cfg.steps - o.schedule_start, o.warmup_steps, o.decay_steps),
         end_value=o.lr * o.min_lr_ratio,
     )
+    if o.schedule_start:  # a recipe's stage: its own warmup and decay from its first step
+        def schedule(count):
+            return stage_schedule(jnp.maximum(count - o.schedule_start, 0))
+    else:
+        schedule = stage_schedule
     tx = optax.chain(
         optax.clip_by_global_norm(o.clip_norm) if o.clip_norm is not None else optax.identity(),
         optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay),

@@ -166,11 +166,12 @@ def test_the_trainer_logs_the_realised_shares_and_a_missing_source_is_one_line(c
 
     sources = f"data.sources=[{{path: {corpora['short']}, weight: 0.7}}, {{path: {corpora['long']}, weight: 0.3}}]"
     args = [*TINY, "mesh.fsdp=2", "mesh.context=4", "seq_len=128", "global_batch=4", "model.vocab_size=257",
-            "steps=2", "eval_every=2", "eval_batches=1", f"run_dir={tmp_path}", "run_name=mix", sources]
+            "steps=6", "eval_every=6", "eval_batches=1", f"run_dir={tmp_path}", "run_name=mix", sources]
     assert main(args) == 0
     ea = EventAccumulator(str(tmp_path / "mix")).Reload()
     shares = {n: ea.Scalars(f"data/share/{n}")[-1].value for n in ("short", "long")}
-    assert abs(sum(shares.values()) - 1) < 1e-6 and shares["short"] > shares["long"]
+    # 3,072 tokens over 4 packing streams: within about one 128-token piece per stream of the weights
+    assert abs(sum(shares.values()) - 1) < 1e-6 and abs(shares["short"] - 0.7) < 0.1, shares
     assert len(ea.Scalars("eval/loss")) == 1
     capsys.readouterr()
     missing = sources.replace(str(corpora["long"]), str(tmp_path / "nowhere.jsonl"))

@@ -1,0 +1,72 @@
+"""The results page of a recipe run (docs/recipes.md): per stage its steps, `seq_len`, first and last loss,
+learning rate, the realised data shares and the wall-clock time, read from the run's TensorBoard events.
+
+    python -m jaxlong.train --config configs/recipes/tiny_extension.yaml run_dir=/tmp/recipe
+    python experiments/recipe_report.py /tmp/recipe/tiny_extension --config configs/recipes/tiny_extension.yaml \
+        --seconds 120 --out experiments/results/recipe_tiny_extension.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+
+def scalars(run: Path) -> dict[str, dict[int, float]]:
+    """Every scalar of the run's event files, `{tag: {step: value}}` (later files win)."""
+    out: dict[str, dict[int, float]] = {}
+    for f in sorted(run.glob("events.out.tfevents.*")):
+        ea = EventAccumulator(str(f)).Reload()
+        for tag in ea.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in ea.Scalars(tag)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", type=Path, help="the recipe's run directory (run_dir/run_name)")
+    ap.add_argument("--config", required=True, help="the recipe file")
+    ap.add_argument("--seconds", type=float, required=True, help="the command's wall-clock time")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    s = scalars(args.run)
+    stages = sorted({int(v) for v in s["stage"].values()})
+    shares = sorted(t for t in s if t.startswith("data/share/"))
+    head = "| stage | steps | seq_len | loss (first → last) | peak lr | " + " | ".join(
+        f"share {t.rsplit('/', 1)[1]}" for t in shares) + " |"
+    rows = [head, "|" + "---|" * (5 + len(shares))]
+    for k in stages:
+        steps = sorted(st for st, v in s["stage"].items() if int(v) == k)
+        loss = [s["loss"][st] for st in steps]
+        rows.append(f"| {k} | {steps[0]}-{steps[-1]} | {int(s['seq_len'][steps[0]]):,} | {loss[0]:.3f} → "
+                    f"{loss[-1]:.3f} | {max(s['lr'][st] for st in steps):.2g} | "
+                    + " | ".join(f"{s[t][steps[-1]]:.3f}" for t in shares) + " |")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    text = f"""# Recipe: `{args.config}`
+
+Machine: {platform.processor() or platform.machine()}, {platform.system()}, Python {platform.python_version()},
+CPU only (8 simulated devices); commit {commit}. Wall-clock time of the whole recipe: {args.seconds:.0f} s.
+
+```bash
+python -m jaxlong.train --config {args.config} run_dir=/tmp/recipe
+python experiments/recipe_report.py /tmp/recipe/{args.run.name} --config {args.config} \\
+    --seconds {args.seconds:.0f} --out {args.out}
+```
+
+{chr(10).join(rows)}
+
+Shares: each source's share of the non-padding tokens fed since the stage started (`data/share/NAME`, the last
+step of the stage). They hold the weights to within about one piece of a document (at most `seq_len` tokens) per
+packing stream, so a short stage of a few rows per stream sits a few points off them. Each stage warms up from a
+learning rate of 0 at its first step (`optim.schedule_start`).
+"""
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Context-extension recipes: several training stages in one config, run in order in one run directory.
+
+A pretrained model's context is extended in stages, not in one jump: LWM (Liu et al., arXiv 2402.08268, section
+3.1) grew Llama-2-7B from 32K to 1M tokens in five stages, raising RoPE's theta at each and starting each from
+the previous one's weights; ProLong (Gao et al., arXiv 2410.02660, section 3) trains 64K then 512K on a
+mixture of long and short data. A recipe is a config with `stages:`, a list of mappings:
+
+    stages:
+      - {name: 8k, steps: 200, seq_len: 8192, model: {rope_theta: 500000}}
+      - {name: 32k, steps: 100, seq_len: 32768, model.rope_theta: 2000000, optim.warmup_steps: 10}
+
+Each stage sets its own `steps` (the stage's length) and any config keys (nested or dotted): `seq_len`, RoPE
+(`model.rope_theta`, `model.rope_scaling.*`), the data (`data.sources`, a mixture with its length rules), the
+learning rate and schedule (`optim.*`: each stage warms up and decays over its own steps), the mesh, attention,
+remat and tiling. `expand` turns the recipe into one ordinary, validated `Config` per stage before anything
+compiles (every stage's errors at once): the base config, then the stage's keys, then the command line's
+overrides, with `steps` = the stage's last global step, `optim.schedule_start` = its first, `stage` = its index.
+
+`run_recipe` runs each stage with the trainer (`jaxlong.training.loop.run`): the first from the base weights
+(or `model.from_hf`), each next one from the checkpoint the previous stage ended with, its parameters and
+optimizer state, on its own mesh and compiled step, with its own data from the start (shuffled with another
+seed: `jaxlong.data.pipeline.STAGE_SEED`). The global step runs on across stages; TensorBoard shows one run with
+`seq_len` and `stage` as scalars. Checkpoints record their stage (the config saved with them), so `--resume`
+after a kill anywhere continues the stage the latest checkpoint belongs to: mid-stage with its data state, at
+a boundary with the next stage. Running a stage is exactly `python -m jaxlong.train --resume-with-changes` with
+that stage's config: a recipe is the chain of runs a user would otherwise type by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+from jaxlong.config import Config, ConfigError, apply_setting, parse_override, validate
+from jaxlong.training.checkpoint import Checkpointer
+from jaxlong.training.loop import run
+
+__all__ = ["Stage", "expand", "run_recipe", "stage_of_step"]
+
+STAGE_KEYS = ("name", "steps")  # a stage's own keys; every other key is a config key
+
+
+@dataclasses.dataclass
+class Stage:
+    """One stage of a recipe: `index`, `name`, its global steps `(start, end]` and its validated `cfg`."""
+
+    index: int
+    name: str
+    start: int
+    end: int
+    cfg: Config
+
+
+def expand(cfg: Config, overrides=()) -> list[Stage]:
+    """The stages of a recipe config (`cfg.stages`), each an ordinary validated `Config`.
+
+    Args:
+      cfg: the recipe as `jaxlong.config.load_config` read it (its `stages` not applied).
+      overrides: the command line's `key=value` overrides, applied to every stage after the stage's own keys.
+
+    Returns:
+      `Stage` per stage, in order; stage i's `cfg` has `steps` = the sum of the stages' steps through i,
+      `optim.schedule_start` = the sum before it, `stage` = i and no `stages`.
+
+    Raises:
+      ConfigError: one line naming every stage that is wrong (no `steps` or `steps` < 1, an unknown key, a wrong
+        type, a combination `validate` refuses, e.g. a `seq_len` the stage's mesh cannot split) and why.
+    """
+    if not cfg.stages:
+        raise ConfigError("the config has no stages: a recipe needs `stages:`, a list of mappings with `steps`")
+    if cfg.stage or cfg.optim.schedule_start:
+        raise ConfigError("stage and optim.schedule_start are set by a recipe's stages; leave them out of it")
+    stages, errors, start = [], [], 0
+    for i, raw in enumerate(cfg.stages):
+        name = str(raw.get("name") or f"stage{i}")
+        at = f"stage {i} ({name})"
+        steps = raw.get("steps")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            errors.append(f"{at}: steps={steps!r}; give the stage's number of steps (an integer >= 1)")
+            continue
+        out = copy.deepcopy(cfg)
+        out.stages = []
+        try:
+            for key, value in raw.items():
+                if key not in STAGE_KEYS:
+                    apply_setting(out, key, value)
+            for text in overrides:
+                apply_setting(out, *parse_override(text))
+            out.steps, out.optim.schedule_start, out.stage = start + steps, start, i
+            validate(out)
+        except ConfigError as e:
+            errors.append(f"{at}: {e}")
+            start += steps
+            continue
+        stages.append(Stage(i, name, start, start + steps, out))
+        start += steps
+    if errors:
+        raise ConfigError("; ".join(errors))
+    names = [s.name for s in stages]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"the stages' names repeat ({', '.join(names)}); give each a distinct name")
+    return stages
+
+
+def stage_of_step(stages: list[Stage], step: int) -> int:
+    """The index of the first stage not finished at global step `step` (a checkpoint's), `len(stages)` when all
+    are."""
+    return next((s.index for s in stages if step < s.end), len(stages))
+
+
+def run_recipe(stages: list[Stage], *, resume: bool = False, profile: bool = False, say=print) -> dict:
+    """Run `stages` in order in their run directory (`jaxlong.training.loop.run` per stage, each after the first
+    resuming the previous stage's last checkpoint with its changes). With `resume`, start at the stage of the
+    latest checkpoint (mid-stage: that stage goes on; at a boundary: the next one starts).
+
+    Returns: the last stage's `run` result (`metrics`, `run_dir`).
+
+    Raises: what `run` raises (`Preempted` on SIGTERM/SIGINT, after saving the last finished step).
+    """
+    first = stages[0].cfg
+    ckpt_dir = Path(first.run_dir) / first.run_name / "checkpoints"
+    latest = Checkpointer.latest_in(ckpt_dir) if resume else None
+    begin = 0 if latest is None else stage_of_step(stages, latest)
+    out = {"metrics": {}, "run_dir": str(ckpt_dir.parent)}
+    if begin == len(stages):
+        say(f"nothing to do: the latest checkpoint is step {latest}, the end of the recipe's last stage "
+            f"({stages[-1].name})")
+        return out
+    for s in stages[begin:]:
+        say(f"recipe: stage {s.index} ({s.name}), steps {s.start + 1}-{s.end}, seq_len {s.cfg.seq_len}")
+        out = run(s.cfg, resume=resume or s.index > 0, profile=profile, allow_changes=True)
+        resume = True
+    return out
