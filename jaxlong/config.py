@@ -306,7 +306,7 @@ def apply_setting(obj: Any, key: str, value: Any, raw: str | None = None) -> Non
                     try:
                         apply_setting(section, k, x)
                     except ConfigError as e:
-                        raise ConfigError(f"{key}[{i}]: {e}") from None
+                        raise ConfigError(f"{key}[{i}]: {str(e).replace('the top level', f'{key}[{i}]')}") from None
                 sections.append(section)
             setattr(target, part, sections)
             return
@@ -517,6 +517,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if cfg.data.read_buffer < 1:
         raise ConfigError(f"data.read_buffer={cfg.data.read_buffer} must be >= 1 document")
     validate_sources(cfg)
+    if cfg.steps < 1:
+        raise ConfigError(f"steps={cfg.steps} must be >= 1")
     if not 0 <= cfg.optim.schedule_start < cfg.steps:
         raise ConfigError(f"optim.schedule_start={cfg.optim.schedule_start} must be >= 0 and below steps={cfg.steps} "
                           "(the global step a recipe's stage starts at)")

@@ -375,7 +375,7 @@ def first_source(cfg) -> DocumentSource:
     try:
         return DocumentSource(src.path, src.text_field or cfg.data.text_field)
     except ValueError as e:
-        raise ValueError(f"data.sources[0]: {e}") from None
+        raise ValueError(f"data.sources[0]: {str(e).replace('data.path=', 'path=')}") from None
 
 
 def mixture_sources(cfg, first=None) -> list[tuple]:
@@ -391,7 +391,7 @@ def mixture_sources(cfg, first=None) -> list[tuple]:
             docs = first if i == 0 and first is not None else \
                 DocumentSource(src.path, src.text_field or cfg.data.text_field)
         except ValueError as e:
-            raise ValueError(f"data.sources[{i}]: {e}") from None
+            raise ValueError(f"data.sources[{i}]: {str(e).replace('data.path=', 'path=')}") from None
         out.append((docs, MixedSource(source_name(src, i), src.weight, src.min_doc_tokens, src.max_doc_tokens,
                                       src.long_doc_tokens or max(cfg.seq_len // 2, 1), src.upsample_long)))
     return out

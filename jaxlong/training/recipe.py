@@ -32,11 +32,12 @@ import copy
 import dataclasses
 from pathlib import Path
 
+from jaxlong import data as data_lib
 from jaxlong.config import Config, ConfigError, apply_setting, parse_override, validate
 from jaxlong.training.checkpoint import Checkpointer
 from jaxlong.training.loop import run
 
-__all__ = ["Stage", "expand", "run_recipe", "stage_of_step"]
+__all__ = ["Stage", "check_sources", "expand", "run_recipe", "stage_of_step"]
 
 STAGE_KEYS = ("name", "steps")  # a stage's own keys; every other key is a config key
 
@@ -71,6 +72,9 @@ def expand(cfg: Config, overrides=()) -> list[Stage]:
         raise ConfigError("the config has no stages: a recipe needs `stages:`, a list of mappings with `steps`")
     if cfg.stage or cfg.optim.schedule_start:
         raise ConfigError("stage and optim.schedule_start are set by a recipe's stages; leave them out of it")
+    if cfg.steps != Config().steps or any(t.split("=", 1)[0].strip() == "steps" for t in overrides):
+        raise ConfigError(f"steps={cfg.steps}: a recipe's stages set their own steps; drop the top-level or "
+                          "command-line steps and give each stage its steps")
     stages, errors, start = [], [], 0
     for i, raw in enumerate(cfg.stages):
         name = str(raw.get("name") or f"stage{i}")
@@ -83,6 +87,9 @@ def expand(cfg: Config, overrides=()) -> list[Stage]:
         out.stages = []
         try:
             for key, value in raw.items():
+                if key in ("stage", "stages", "optim.schedule_start") or \
+                        (key == "optim" and isinstance(value, dict) and "schedule_start" in value):
+                    raise ConfigError(f"{key} is set by the recipe (the stage's index, its first step); leave it out")
                 if key not in STAGE_KEYS:
                     apply_setting(out, key, value)
             for text in overrides:
@@ -103,6 +110,29 @@ def expand(cfg: Config, overrides=()) -> list[Stage]:
     return stages
 
 
+def check_sources(stages: list[Stage]) -> None:
+    """Open every stage's corpora (`data.path` or each of `data.sources`) before the first stage starts, so that a
+    missing or empty corpus of a later stage is found before hours of the earlier ones.
+
+    Raises:
+      ValueError: one line naming the stage and the source (`jaxlong.data.sources.DocumentSource`).
+    """
+    seen = set()
+    for s in stages:
+        d = s.cfg.data
+        key = repr((d.path, d.text_field, [(x.path, x.text_field) for x in d.sources]))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            if d.sources:
+                data_lib.mixture_sources(s.cfg)
+            else:
+                data_lib.first_source(s.cfg)
+        except ValueError as e:
+            raise ValueError(f"stage {s.index} ({s.name}): {e}") from None
+
+
 def stage_of_step(stages: list[Stage], step: int) -> int:
     """The index of the first stage not finished at global step `step` (a checkpoint's), `len(stages)` when all
     are."""
@@ -116,8 +146,10 @@ def run_recipe(stages: list[Stage], *, resume: bool = False, profile: bool = Fal
 
     Returns: the last stage's `run` result (`metrics`, `run_dir`).
 
-    Raises: what `run` raises (`Preempted` on SIGTERM/SIGINT, after saving the last finished step).
+    Raises: ValueError from `check_sources` before the first stage; what `run` raises (`Preempted` on
+      SIGTERM/SIGINT, after saving the last finished step).
     """
+    check_sources(stages)
     first = stages[0].cfg
     ckpt_dir = Path(first.run_dir) / first.run_name / "checkpoints"
     latest = Checkpointer.latest_in(ckpt_dir) if resume else None

@@ -108,6 +108,22 @@ def test_every_bad_stage_is_named_in_one_line_before_anything_compiles(tmp_path)
     assert len(proc.stderr.strip().splitlines()) == 1 and "stage 1 (b)" in proc.stderr
 
 
+def test_what_a_recipe_sets_itself_and_a_later_stage_s_missing_corpus_are_refused_before_training(tmp_path):
+    """`steps` outside the stages, and `stage` or `optim.schedule_start` in one, are refused (the recipe sets
+    them); a corpus that a later stage names but that does not exist stops the recipe before its first stage
+    trains, naming the stage and the source."""
+    with pytest.raises(ConfigError, match="a recipe's stages set their own steps"):
+        expand(load_config(_recipe(tmp_path), [*BASE, "steps=100"]), [*BASE, "steps=100"])
+    with pytest.raises(ConfigError, match=r"stage 0 \(64\): stage is set by the recipe"):
+        expand(load_config(_recipe(tmp_path, [{**STAGES[0], "stage": 3}, STAGES[1]]), BASE), BASE)
+    missing = [STAGES[0], {**STAGES[1], "data": {"sources": [SOURCES[0], {"path": str(tmp_path / "gone.jsonl")}]}}]
+    proc = _train("--config", str(_recipe(tmp_path, missing)), *BASE, f"run_dir={tmp_path}")
+    assert proc.returncode == 2 and "done:" not in proc.stdout, proc.stdout[-2000:]
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: stage 1 (128): data.sources[1]: path=") \
+        and "gone.jsonl" in err, err
+
+
 def test_a_recipe_runs_its_stages_in_one_run(tmp_path):
     """One command runs the three stages: one TensorBoard run with a global step, `seq_len` and `stage` per step,
     each stage warming up from its first step, every stage's checkpoint in one directory."""
