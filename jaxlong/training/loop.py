@@ -313,7 +313,9 @@ def _check_resume_config(cfg: Config, ckpt_dir: Path, step: int, allow_changes: 
         _say(f"note: checkpoint {step} holds no config; resuming without comparing configs")
         return
     changes = check_resume_config(cfg, saved, step, allow_changes)
-    if changes:
+    if changes and saved.get("stage", 0) != cfg.stage:  # a recipe's next stage (jaxlong.training.recipe)
+        _say(f"stage {cfg.stage} changes from checkpoint {step}: {'; '.join(changes)}")
+    elif changes:
         _say(f"--resume-with-changes: resuming checkpoint {step} with {'; '.join(changes)}")
 
 
