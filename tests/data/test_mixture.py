@@ -69,6 +69,15 @@ def test_realised_token_shares_are_within_2_percent_of_the_weights(corpora, weig
         assert np.array_equal(b[data.SOURCE_FEATURE] > 0, b["segment_ids"] > 0)
 
 
+def test_concat_packing_mixes_by_token_share_too(corpora):
+    """`data.packing=concat` (full rows, no padding): every token carries its source and the shares hold."""
+    weights = {"short": 0.6, "long": 0.4}
+    shares, batches = _shares(data.batch_iterator(_cfg(corpora, weights, "data.packing=concat"), BYTE),
+                              list(weights), 100_000)
+    assert all((b[data.SOURCE_FEATURE] > 0).all() for b in batches)
+    assert abs(shares["short"] - 0.6) <= 0.02, shares
+
+
 def test_the_mixture_is_deterministic_by_seed_and_resumes_with_the_next_batch(corpora):
     weights = {"short": 0.5, "medium": 0.2, "long": 0.3}
     cfg = _cfg(corpora, weights, long={"upsample_long": 2})
