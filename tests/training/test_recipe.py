@@ -29,10 +29,15 @@ from jaxlong.training.recipe import expand, stage_of_step
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [{"path": None, "name": "short", "weight": 0.4, "max_doc_tokens": 2048},
            {"path": None, "name": "long", "weight": 0.6, "min_doc_tokens": 2049}]
+# The 8B recipe's shape (configs/recipes/llama3_1_8b_4m.yaml): a stage with Ulysses, full remat, kept attention
+# and the tiled loss, then one with U-Pipe, grouped offload, kept attention and tiled loss and MLP.
 STAGES = [
     {"name": "64", "steps": 2, "seq_len": 64},
-    {"name": "128", "steps": 2, "seq_len": 128, "model.rope_theta": 100000.0},
+    {"name": "128", "steps": 2, "seq_len": 128, "model.rope_theta": 100000.0,
+     "remat": {"policy": "full", "keep_attention": 2}, "tiling": {"loss": True}},
     {"name": "256", "steps": 2, "seq_len": 256, "model": {"rope_theta": 500000.0}, "optim": {"warmup_steps": 1},
+     "attention": {"impl": "upipe", "heads_per_stage": 4},
+     "remat": {"policy": "offload", "offload_every": 2, "keep_attention": 1}, "tiling": {"loss": True, "mlp": True},
      "data": {"sources": [SOURCES[0], {**SOURCES[1], "upsample_long": 2}]}},
 ]
 BASE = [t for t in TINY if not t.startswith("seq_len=")] + [
@@ -157,9 +162,13 @@ def test_a_recipe_equals_its_stages_run_by_hand(tmp_path, whole):
     upsampled = "data.sources=" + yaml.safe_dump(STAGES[2]["data"]["sources"], default_flow_style=True).strip()
     _ok(_train(*BASE, f"run_dir={hand}", sources, "optim.warmup_steps=2", "seq_len=64", "steps=2"))
     _ok(_train("--resume-with-changes", *BASE, f"run_dir={hand}", sources, "optim.warmup_steps=2", "seq_len=128",
-               "model.rope_theta=100000.0", "steps=4", "optim.schedule_start=2", "stage=1"))
+               "model.rope_theta=100000.0", "remat.policy=full", "remat.keep_attention=2", "tiling.loss=true",
+               "steps=4", "optim.schedule_start=2", "stage=1"))
     _ok(_train("--resume-with-changes", *BASE, f"run_dir={hand}", upsampled, "seq_len=256",
-               "model.rope_theta=500000.0", "optim.warmup_steps=1", "steps=6", "optim.schedule_start=4", "stage=2"))
+               "model.rope_theta=500000.0", "optim.warmup_steps=1", "attention.impl=upipe",
+               "attention.heads_per_stage=4", "remat.policy=offload", "remat.offload_every=2",
+               "remat.keep_attention=1", "tiling.loss=true", "tiling.mlp=true", "steps=6", "optim.schedule_start=4",
+               "stage=2"))
     a, b = _scalars(whole / "recipe", "loss"), _scalars(hand / "recipe", "loss")
     assert sorted(a) == sorted(b) == list(range(1, 7))
     np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(b)], rtol=1e-6)
