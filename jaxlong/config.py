@@ -196,6 +196,10 @@ class OptimConfig:
     # The global step at which this schedule's warmup starts (a recipe's stage, `jaxlong.training.recipe`): the
     # learning rate at step s is the schedule's at s - schedule_start, over `steps - schedule_start` steps.
     schedule_start: int = 0
+    # Start AdamW afresh (moments zero, bias correction from 1) at a recipe stage's first step, or where a resumed
+    # checkpoint's config did not ask for it (`--resume-with-changes optim.reset_state=true`), instead of carrying
+    # the checkpoint's optimizer state; the parameters and the schedule's global step carry on.
+    reset_state: bool = False
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The error every layer raises for a bad option (which option, what value, what would work), and the one form in
 which every command (`python -m jaxlong.train`, `.eval`, `.memory`, `.export`) reports an error: one line on
 stderr, `error: <message>`, exit code 2 for bad input (`BAD_INPUT`: options, files, checkpoints, refused before
-anything compiles) and 1 for a failure while running (`FAILED`: a checkpoint that could not be written)."""
+anything compiles), 1 for a failure while running (`FAILED`: a checkpoint that could not be written) and 3 for a
+recipe stopped by a stage's gate (`GATE_FAILED`, `jaxlong.training.gates`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 
 BAD_INPUT = 2
 FAILED = 1
+GATE_FAILED = 3
 
 
 class ConfigError(ValueError):

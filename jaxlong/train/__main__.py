@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         return fail(e)
     from jaxlong.training.checkpoint import CheckpointError  # noqa: PLC0415
+    from jaxlong.training.gates import GateFailed  # noqa: PLC0415
     from jaxlong.training.loop import run  # noqa: PLC0415 (start-up: the train loop's modules load after parsing)
 
     from jaxlong.core import liveness  # noqa: PLC0415
@@ -94,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             run(cfg, resume=resume, profile=args.profile, allow_changes=args.resume_with_changes)
     except (FileNotFoundError, ValueError) as e:  # a bad option, a corpus that cannot be read, nothing to resume
         return fail(e)
+    except GateFailed as e:  # a recipe's stage missed its gate: its checkpoint is saved, the recipe stops there
+        return fail(e, GateFailed.EXIT_CODE)
     except CheckpointError as e:
         liveness.explain_failure()  # a save that failed because a process was lost: that process's line
         return fail(e, FAILED)

@@ -260,6 +260,11 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
                 _restore_data(batches, ckpt.restore_data(start), start - cfg.optim.schedule_start)
             else:  # a recipe's next stage: its own data from its first batch (jaxlong.training.recipe)
                 _say(f"stage {cfg.stage} starts at step {start}: seq_len {cfg.seq_len}, its data from the start")
+            # a fresh optimizer where this config asks for one and the checkpoint's did not, or at a stage's start
+            if cfg.optim.reset_state and (saved.get("stage", 0) != cfg.stage or
+                                          not saved.get("optim", {}).get("reset_state", False)):
+                state = step_lib.reset_optimizer(cfg, mesh, state)
+                _say(f"optim.reset_state: a fresh optimizer state from step {start} (AdamW's moments zero)")
             _say(f"resumed from {ckpt.directory / str(start)}")
         elif cfg.model.from_hf:
             state = step_lib.init_state(cfg, mesh, hf.load_params(cfg.model.from_hf, cfg, mesh))

@@ -22,7 +22,8 @@ optimizer state, on its own mesh and compiled step, with its own data from the s
 seed: `jaxlong.data.pipeline.STAGE_SEED`). The global step runs on across stages; TensorBoard shows one run with
 `seq_len` and `stage` as scalars. Checkpoints record their stage (the config saved with them), so `--resume`
 after a kill anywhere continues the stage the latest checkpoint belongs to: mid-stage with its data state, at
-a boundary with the next stage. Running a stage is exactly `python -m jaxlong.train --resume-with-changes` with
+a boundary with the next stage. A stage may end with a gate (`jaxlong.training.gates`): an evaluation of its
+last checkpoint with thresholds, which stops the recipe (`GateFailed`) or warns when one is missed. Running a stage is exactly `python -m jaxlong.train --resume-with-changes` with
 that stage's config: a recipe is the chain of runs a user would otherwise type by hand.
 """
 
@@ -34,23 +35,26 @@ from pathlib import Path
 
 from jaxlong import data as data_lib
 from jaxlong.config import Config, ConfigError, apply_setting, parse_override, validate
+from jaxlong.training import gates as gate_lib
 from jaxlong.training.checkpoint import Checkpointer
-from jaxlong.training.loop import run
+from jaxlong.training.loop import _say, run
 
 __all__ = ["Stage", "check_sources", "expand", "run_recipe", "stage_of_step"]
 
-STAGE_KEYS = ("name", "steps")  # a stage's own keys; every other key is a config key
+STAGE_KEYS = ("name", "steps", "gate")  # a stage's own keys; every other key is a config key
 
 
 @dataclasses.dataclass
 class Stage:
-    """One stage of a recipe: `index`, `name`, its global steps `(start, end]` and its validated `cfg`."""
+    """One stage of a recipe: `index`, `name`, its global steps `(start, end]`, its validated `cfg` and its
+    `gate` (`jaxlong.training.gates.Gate`, evaluated on the stage's last checkpoint; None: no gate)."""
 
     index: int
     name: str
     start: int
     end: int
     cfg: Config
+    gate: gate_lib.Gate | None = None
 
 
 def expand(cfg: Config, overrides=()) -> list[Stage]:
@@ -96,11 +100,12 @@ def expand(cfg: Config, overrides=()) -> list[Stage]:
                 apply_setting(out, *parse_override(text))
             out.steps, out.optim.schedule_start, out.stage = start + steps, start, i
             validate(out)
+            gate = gate_lib.parse_gate(raw["gate"], out) if raw.get("gate") is not None else None
         except ConfigError as e:
             errors.append(f"{at}: {e}")
             start += steps
             continue
-        stages.append(Stage(i, name, start, start + steps, out))
+        stages.append(Stage(i, name, start, start + steps, out, gate))
         start += steps
     if errors:
         raise ConfigError("; ".join(errors))
@@ -111,8 +116,9 @@ def expand(cfg: Config, overrides=()) -> list[Stage]:
 
 
 def check_sources(stages: list[Stage]) -> None:
-    """Open every stage's corpora (`data.path` or each of `data.sources`) before the first stage starts, so that a
-    missing or empty corpus of a later stage is found before hours of the earlier ones.
+    """Open every stage's corpora (`data.path` or each of `data.sources`) and check its gate's passkey prompt
+    against its tokenizer before the first stage starts, so that a missing or empty corpus of a later stage is
+    found before hours of the earlier ones.
 
     Raises:
       ValueError: one line naming the stage and the source (`jaxlong.data.sources.DocumentSource`).
@@ -131,6 +137,12 @@ def check_sources(stages: list[Stage]) -> None:
                 data_lib.first_source(s.cfg)
         except ValueError as e:
             raise ValueError(f"stage {s.index} ({s.name}): {e}") from None
+    for s in stages:
+        if s.gate is not None:
+            try:
+                gate_lib.check_prompt(s.gate, s.cfg)
+            except ValueError as e:
+                raise ValueError(f"stage {s.index} ({s.name}): {e}") from None
 
 
 def stage_of_step(stages: list[Stage], step: int) -> int:
@@ -139,22 +151,27 @@ def stage_of_step(stages: list[Stage], step: int) -> int:
     return next((s.index for s in stages if step < s.end), len(stages))
 
 
-def run_recipe(stages: list[Stage], *, resume: bool = False, profile: bool = False, say=print) -> dict:
+def run_recipe(stages: list[Stage], *, resume: bool = False, profile: bool = False, say=_say) -> dict:
     """Run `stages` in order in their run directory (`jaxlong.training.loop.run` per stage, each after the first
-    resuming the previous stage's last checkpoint with its changes). With `resume`, start at the stage of the
-    latest checkpoint (mid-stage: that stage goes on; at a boundary: the next one starts).
+    resuming the previous stage's last checkpoint with its changes), each stage's gate after it
+    (`jaxlong.training.gates.run_gate`). With `resume`, start at the stage of the latest checkpoint (mid-stage:
+    that stage goes on; at a boundary: the finished stage's gate is decided, from its record where it has one,
+    then the next stage starts).
 
     Returns: the last stage's `run` result (`metrics`, `run_dir`).
 
     Raises: ValueError from `check_sources` before the first stage; what `run` raises (`Preempted` on
-      SIGTERM/SIGINT, after saving the last finished step).
+      SIGTERM/SIGINT, after saving the last finished step); `GateFailed` when a gate with `action: stop` misses a
+      threshold (after the stage's checkpoint).
     """
     check_sources(stages)
     first = stages[0].cfg
-    ckpt_dir = Path(first.run_dir) / first.run_name / "checkpoints"
-    latest = Checkpointer.latest_in(ckpt_dir) if resume else None
+    run_dir = Path(first.run_dir) / first.run_name
+    latest = Checkpointer.latest_in(run_dir / "checkpoints") if resume else None
     begin = 0 if latest is None else stage_of_step(stages, latest)
-    out = {"metrics": {}, "run_dir": str(ckpt_dir.parent)}
+    out = {"metrics": {}, "run_dir": str(run_dir)}
+    if begin and latest == stages[begin - 1].end:  # resumed at a boundary: the finished stage's gate first
+        _gate(stages, begin - 1, run_dir, say)
     if begin == len(stages):
         say(f"nothing to do: the latest checkpoint is step {latest}, the end of the recipe's last stage "
             f"({stages[-1].name})")
@@ -163,4 +180,12 @@ def run_recipe(stages: list[Stage], *, resume: bool = False, profile: bool = Fal
         say(f"recipe: stage {s.index} ({s.name}), steps {s.start + 1}-{s.end}, seq_len {s.cfg.seq_len}")
         out = run(s.cfg, resume=resume or s.index > 0, profile=profile, allow_changes=True)
         resume = True
+        _gate(stages, s.index, run_dir, say)
     return out
+
+
+def _gate(stages: list[Stage], i: int, run_dir: Path, say) -> None:
+    s = stages[i]
+    if s.gate is not None:
+        nxt = stages[i + 1].name if i + 1 < len(stages) else None
+        gate_lib.run_gate(s.gate, s.index, s.name, s.end, run_dir, next_name=nxt, say=say)

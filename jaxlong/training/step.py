@@ -148,6 +148,23 @@ def init_state(cfg: Config, mesh: jax.sharding.Mesh, params: dict | None = None)
     return {"step": step, "params": params, "opt_state": opt_state}
 
 
+def reset_optimizer(cfg: Config, mesh: jax.sharding.Mesh, state: dict) -> dict:
+    """`state` with a fresh optimizer state for its parameters (`optim.reset_state`, at a recipe stage's first
+    step): AdamW's moments zero and its bias-correction count 0, as at initialization, while the learning-rate
+    schedule's count stays the global step `state['step']` (a stage's schedule starts at `optim.schedule_start`).
+    Created in the optimizer state's shardings (`abstract_state`); the old state is not donated."""
+    tx, _ = make_optimizer(cfg)
+    shardings = jax.tree.map(lambda x: x.sharding, abstract_state(cfg, mesh)["opt_state"])
+    scheduled = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+
+    def fresh(params, step):
+        return jax.tree.map(lambda x: x._replace(count=step.astype(x.count.dtype)) if scheduled(x) else x,
+                            tx.init(params), is_leaf=scheduled)
+
+    opt_state = jax.jit(fresh, out_shardings=shardings)(state["params"], state["step"])
+    return {**state, "opt_state": opt_state}
+
+
 def abstract_state(cfg: Config, mesh: jax.sharding.Mesh) -> dict:
     """`ShapeDtypeStruct`s (with shardings) of the train state; nothing is allocated."""
     params = model_lib.abstract_params(cfg)

@@ -6,6 +6,7 @@ errors in one line before anything compiles, and the recipe end to end (one run 
 `seq_len`, its own warmup). Slow tier: the recipe equals its stages typed by hand as `--resume-with-changes`
 runs, and a kill (SIGTERM, SIGKILL) mid-stage or at a stage boundary resumes with `--resume` to bit-equal final
 parameters."""
+import json
 import os
 import subprocess
 import sys
@@ -129,11 +130,67 @@ def test_what_a_recipe_sets_itself_and_a_later_stage_s_missing_corpus_are_refuse
         and "gone.jsonl" in err, err
 
 
-def test_a_recipe_runs_its_stages_in_one_run(tmp_path):
-    """One command runs the three stages: one TensorBoard run with a global step, `seq_len` and `stage` per step,
-    each stage warming up from its first step, every stage's checkpoint in one directory."""
-    _ok(_train("--config", str(_recipe(tmp_path)), *BASE, f"run_dir={tmp_path}"))
+def test_bad_gates_are_refused_in_one_line_before_anything_compiles(tmp_path):
+    """A gate on a RULER task that does not exist, an unknown metric or action, an accuracy outside [0, 1], a
+    length the stage's mesh cannot take, a threshold at a length the gate does not evaluate, a RULER length too
+    short for its task's prompt (with the stage's tokenizer, before the first stage trains)."""
+    def refused(gate: dict, match: str, stage: int = 1) -> None:
+        stages = [dict(s) for s in STAGES]
+        stages[stage]["gate"] = gate
+        with pytest.raises(ConfigError, match=match) as e:
+            expand(load_config(_recipe(tmp_path, stages), BASE), BASE)
+        assert "\n" not in str(e.value) and f"stage {stage} ({STAGES[stage]['name']}): gate" in str(e.value)
+
+    refused({"min": {"ruler/niah_single_9": 0.5}}, r"RULER has no task 'niah_single_9'; choose from niah_single_1")
+    refused({"ruler_tasks": ["vt", "qa"]}, r"gate.ruler_tasks: unknown task\(s\) qa")
+    refused({"max": {"los": 3.0}}, r"unknown metric 'los'; the metrics are loss, perplexity")
+    refused({"min": {"passkey": 80}}, r"gate.min.passkey=80: passkey scores are accuracies in \[0, 1\]")
+    refused({"max": {"loss": 3.0}, "action": "halt"}, r"gate.action='halt'; choose stop")
+    refused({"passkey_lengths": [100]}, r"gate.passkey_lengths: 100: not a sequence length this mesh takes")
+    refused({"min": {"passkey/64": 0.5}}, r"a threshold on passkey/64 but the gate evaluates passkey at \[128\]")
+    refused({"mni": {"loss": 1}}, r"gate: unknown key\(s\) mni")
+    refused({"max": {"loss": 3.0}}, r"a threshold on loss needs documents held out from training, and the stage "
+                                     r"has eval_every=0")
+    stages = [dict(s) for s in STAGES]
+    stages[2]["gate"] = {"min": {"ruler/niah_single_1": 0.5}}  # 256 tokens: too short for the task's prompt
+    proc = _train("--config", str(_recipe(tmp_path, stages)), *BASE, f"run_dir={tmp_path}")
+    assert proc.returncode == 2 and "compiled" not in proc.stdout, proc.stdout[-2000:]
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: stage 2 (256): gate.ruler_lengths 256: ruler task "
+                                                         "niah_single_1: length 256 is too short"), err
+
+
+def test_a_recipe_runs_its_stages_in_one_run_and_its_gates_decide(tmp_path):
+    """One command runs the stages: one TensorBoard run with a global step, `seq_len` and `stage` per step, each
+    stage warming up from its first step, every stage's checkpoint in one directory. Gates: stage 0's (held-out
+    loss below 100) passes and the recipe goes on; stage 1's (passkey accuracy >= 0.5: a tiny model trained a few
+    steps retrieves nothing) fails with `action: stop`: one line naming the gate, the metric and its value, exit
+    status 3, stage 2 not started. The same recipe with that gate's action set to warn, `--resume`: the gate is
+    decided from its record (no second evaluation), warns, and stage 2 runs, with a fresh optimizer state
+    (`optim.reset_state`: AdamW's count restarts while the schedule's stays global)."""
+    stages = [dict(s) for s in STAGES]
+    stages[0]["gate"] = {"max": {"loss": 100.0}}
+    stages[1]["gate"] = {"max": {"loss": 100.0}, "min": {"passkey": 0.5}, "per_cell": 2, "depths": [0, 1]}
+    stages[2]["optim"] = {**stages[2]["optim"], "reset_state": True}
+    base = [t.replace("eval_every=0", "eval_every=1000") for t in BASE]  # documents held out; validated at the ends
+    proc = _train("--config", str(_recipe(tmp_path, stages)), *base, f"run_dir={tmp_path}")
     run = tmp_path / "recipe"
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "gate of stage 0 (64) passed at step 2: loss " in proc.stdout
+    err = proc.stderr.strip().splitlines()[-1]  # after the progress bars, one line
+    assert proc.stderr.count("error:") == 1 and err.startswith("error: gate of stage 1 (128) failed at step 4: "
+                                                               "passkey = 0 (needs >= 0.5); results in "), err
+    assert "go on to stage 2 (256)" in err and "--resume" in err and "recipe: stage 2" not in proc.stdout
+    assert Checkpointer.latest_in(run / "checkpoints") == 4
+    summary = json.loads(next((run / "eval").glob("*/step_4/summary.json")).read_text())
+    assert summary["passkey"]["mean"] == 0 and summary["passkey"]["lengths"] == [128]
+
+    stages[1]["gate"]["action"] = "warn"
+    proc = _train("--resume", "--config", str(_recipe(tmp_path, stages)), *base, f"run_dir={tmp_path}")
+    _ok(proc)
+    assert "gate of stage 1 (128): decided from" in proc.stdout and "python -m jaxlong.eval" not in proc.stdout
+    assert "warning: gate of stage 1 (128) failed at step 4: passkey = 0" in proc.stdout
+    assert "optim.reset_state: a fresh optimizer state from step 4" in proc.stdout
     assert sorted(_scalars(run, "loss")) == [1, 2, 3, 4, 5, 6]
     assert _scalars(run, "seq_len") == {1: 64, 2: 64, 3: 128, 4: 128, 5: 256, 6: 256}
     assert _scalars(run, "stage") == {1: 0, 2: 0, 3: 1, 4: 1, 5: 2, 6: 2}
@@ -141,6 +198,14 @@ def test_a_recipe_runs_its_stages_in_one_run(tmp_path):
     assert lr[1] == 0 and lr[3] == 0 and lr[5] == 0 and lr[2] > 0 and lr[4] > 0  # each stage's warmup from 0
     assert {k for k in _scalars(run, "data/share/long")} == set(range(1, 7))
     assert Checkpointer.latest_in(run / "checkpoints") == 6
+    cfg = expand(load_config(_recipe(tmp_path, stages), [*base, f"run_dir={tmp_path}"]))[2].cfg
+    ckpt = Checkpointer(run / "checkpoints", every=1, keep=100)
+    try:
+        _, state = ckpt.restore(step_lib.abstract_state(cfg, build_mesh(cfg.mesh)), 5)
+    finally:
+        ckpt.manager.close()
+    adam, _, schedule = state["opt_state"][1]
+    assert int(adam.count) == 1 and int(schedule.count) == 5  # one step of a fresh AdamW, at global step 5
 
 
 @pytest.fixture(scope="module")
