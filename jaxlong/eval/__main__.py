@@ -205,6 +205,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def evaluate_checkpoint(argv: list[str]) -> tuple[dict, str]:
+    """`python -m jaxlong.eval ARGV` in this process (jax already started, e.g. by the trainer, on every process of
+    a multi-process run): what a recipe's gate runs (`jaxlong.training.gates.run_gate`). Returns the summary (the
+    same on every process) and the results directory `RUN_DIR/eval/<setup>/step_N`.
+
+    Raises: what `resolve` and `run` raise.
+    """
+    args = parse_args(argv)
+    run_dir, step, cfg = resolve(args)
+    summary = run(cfg, run_dir, step, args)
+    return summary, str(run_dir / "eval" / summary["setup"]["name"] / f"step_{step}")
+
+
 def run(cfg, run_dir: Path, step: int, args) -> dict:
     """Evaluate checkpoint `step` of `run_dir` under `cfg`; writes the results and returns the summary dict.
 

@@ -279,7 +279,7 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
         out_specs=[tile, pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i))],
         out_shape=[sds((b, sp, h, d), q.dtype), sds((b, h, sp), _F32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="jaxlong_flash_fwd")(*args)
+        interpret=interpret, name="jaxlong_flash_fwd" + ("_causal" if causal else ""))(*args)
     return out[:, :s], lse[:, :, :s]
 
 
@@ -403,7 +403,7 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
         functools.partial(_dkdv_kernel, nq=sp // bq, g=g, **common), grid=(skp // bk, b, kvh),
         in_specs=in_specs, out_specs=[kv_tile, kv_tile],
         out_shape=[sds((b, skp, kvh, d), k.dtype), sds((b, skp, kvh, d), v.dtype)],
-        compiler_params=params, interpret=interpret, name="jaxlong_flash_bwd_dkdv")(*args)
+        compiler_params=params, interpret=interpret, name="jaxlong_flash_bwd_dkdv" + ("_causal" if causal else ""))(*args)
 
     # dQ: grid (query tile, batch, head); k, v of the head's kv head, whole sequence.
     q_tile = pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0))
@@ -417,7 +417,7 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, nk=skp // bk, **common), grid=(sp // bq, b, h), in_specs=in_specs,
         out_specs=q_tile, out_shape=sds((b, sp, h, d), q.dtype),
-        compiler_params=params, interpret=interpret, name="jaxlong_flash_bwd_dq")(*args)
+        compiler_params=params, interpret=interpret, name="jaxlong_flash_bwd_dq" + ("_causal" if causal else ""))(*args)
     return dq[:, :s], dk[:, :sk], dv[:, :sk]
 
 

@@ -75,8 +75,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.fit:  # the fastest configuration that fits (`jaxlong.plan.fit`)
-        return fit_cli.main(args, args.overrides)
+    if args.fit:  # the fastest configuration that fits (`jaxlong.plan.fit`), for a config or each stage of a recipe
+        from jaxlong.memory import recipe_fit  # noqa: PLC0415
+
+        return recipe_fit.main(args, args.overrides)
     try:
         target = None
         if args.target:

@@ -125,6 +125,9 @@ def add_arguments(parser, *, planner_options: bool) -> None:
                             help=f"--fit: host memory per node (default {planner.HOST_BUDGET}: what a 2 TB node can pin)")
         parser.add_argument("--headroom", default="2%", help="--fit: fragmentation headroom")
         parser.add_argument("--out", default=None, help="--fit: JSON file (or directory) for the result")
+    else:
+        parser.add_argument("--write-recipe", default=None,
+                            help="--fit on a recipe: write it, each stage with its winner, to this YAML file")
 
 
 def resolve(args, cfg: Config):
@@ -167,9 +170,9 @@ def prepare_jax(cfg: Config, target) -> None:
 
 
 def run_cli(args, cfg: Config, target, budget: int, host_budget: int, collectives, argv_overrides: list[str],
-            base: Config):
-    """Run the search, print the table, the verdict and the train command (the winner's changes to `base`, the
-    config as loaded), write `--out`. Returns the result.
+            base: Config, show_command: bool = True):
+    """Run the search, print the table, the verdict and (with `show_command`) the train command (the winner's
+    changes to `base`, the config as loaded), write `--out`. Returns the result.
 
     Raises:
       FitError: see `fit`.
@@ -194,7 +197,7 @@ def run_cli(args, cfg: Config, target, budget: int, host_budget: int, collective
     for line in log.summary():
         print(line)
     command = train_command(args.config, argv_overrides, res, base) if res.winner else None
-    if command:
+    if command and show_command:
         print(f"\n{command}")
     if args.out:
         path = args.out

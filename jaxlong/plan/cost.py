@@ -16,6 +16,11 @@ None), and XLA's CPU `cost_analysis()` does not see cuDNN attention. So the comp
     4 x B x H x Sq x Sk x D (two matmuls, QK^T and PV), halved when the backend config's `mask_type` is causal;
     backward 2.5 x the forward (five matmuls: QK^T recomputed, dV, dP, dQ, dK; FlashAttention-2 §3.2).
     B, H, Sq, Sk are read from the config's `intermediate_tensor_shape`, D is the query's last dimension.
+    The Pallas attention kernels (`jaxlong.kernels.pallas_gpu`, Triton custom calls named by their op_name
+    `jaxlong_flash_{fwd,bwd_dkdv,bwd_dq}[_causal]`): 2 x B x H x Sq x Sk x D per matmul, halved when causal, with
+    2 matmuls forward, 4 for dK/dV (QK^T recomputed, dV, dP, dK) and 3 for dQ (QK^T, dP, dQ); B, Sq, H, D from
+    the query operand, Sk from the key operand. With segment ids (packed documents) the kernels skip the tiles
+    between documents, so this is the dense causal work: an upper bound.
     Elementwise work is not counted (it is memory bound; the HBM bytes carry it).
   HBM bytes (per device, per step) -- an approximation
     the operand + output bytes of every top-level op (fusions, custom calls, copies, collectives) of the entry
@@ -360,6 +365,21 @@ class _Walker:
             flops = fwd * (2.5 if kind == "backward" else 1.0)
             c.attention_flops += flops
             return flops
+        kernel = re.search(r"jaxlong_flash_(fwd|bwd_dkdv|bwd_dq)(_causal)?/", ins.attrs)
+        if target == "__gpu$xla.gpu.triton" and kernel:  # the Pallas attention kernels (jaxlong.kernels.pallas_gpu)
+            q, k = self.shape_of(comp, ins.operands[0]), self.shape_of(comp, ins.operands[1])
+            if not q or not k or len(q[0][1]) != 4:
+                c.warnings.append(f"{ins.name}: Pallas attention operands unreadable, attention FLOPs not counted")
+                return 0.0
+            (b, sq, h, d), sk = q[0][1], k[0][1][1]
+            matmuls = {"fwd": 2, "bwd_dkdv": 4, "bwd_dq": 3}[kernel.group(1)]  # FlashAttention-2 Algorithms 1, 2
+            flops = 2.0 * matmuls * b * h * sq * sk * d * (0.5 if kernel.group(2) else 1.0)
+            if kernel.group(1) != "bwd_dq":  # one call per direction, as cuDNN's
+                kind = "forward" if kernel.group(1) == "fwd" else "backward"
+                c.attention_calls[kind] = c.attention_calls.get(kind, 0) + 1
+                c.attention_head_calls[kind] = c.attention_head_calls.get(kind, 0) + b * h
+            c.attention_flops += flops
+            return flops
         return 0.0
 
 
@@ -472,8 +492,9 @@ def assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, ef
     net = f"{network_bandwidth / 1e9:.0f} GB/s between nodes" if network_bandwidth else "one node"
     return "\n".join([
         "Estimate, not a measurement: roofline of the compiled step (XLA's GPU compile, its HLO counted).",
-        f"Compute: matmul + cuDNN attention FLOPs at {efficiency:.0%} of {peak_flops / 1e12:.0f} TFLOP/s dense bf16 "
-        "(attention backward = 2.5x forward, causal = half); elementwise work is left to the memory term.",
+        f"Compute: matmul + attention FLOPs at {efficiency:.0%} of {peak_flops / 1e12:.0f} TFLOP/s dense bf16 "
+        "(cuDNN: backward = 2.5x forward; Pallas, for packed documents: forward 2, backward 7 matmuls, counted as "
+        "dense causal, an upper bound; causal = half); elementwise work is left to the memory term.",
         f"Memory: operand + output bytes of each top-level kernel at {hbm_bandwidth / 1e12:.2f} TB/s (approximation: "
         "no cache reuse); step = max(compute, memory) + exposed collectives.",
         f"Collectives: ring/pairwise wire bytes at {link_bandwidth / 1e9:.0f} GB/s NVLink per direction inside a node, "

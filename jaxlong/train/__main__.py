@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
             from jaxlong.training.recipe import expand  # noqa: PLC0415
 
             if args.fit:
-                raise ConfigError("--fit plans one stage at a time: run python -m jaxlong.memory --fit with a "
-                                  "stage's seq_len and keys, and put the overrides it prints into that stage")
+                raise ConfigError(f"--fit with a recipe: plan its stages with python -m jaxlong.memory --fit --config "
+                                  f"{args.config} --write-recipe PLANNED.yaml (add --target h100 to plan for "
+                                  f"GPUs), then train python -m jaxlong.train --config PLANNED.yaml")
             stages = expand(cfg, args.overrides)
             cfg = stages[0].cfg
     except ConfigError as e:
@@ -90,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         if stages:
             from jaxlong.training.recipe import run_recipe  # noqa: PLC0415
 
-            run_recipe(stages, resume=resume, profile=args.profile)
+            from jaxlong.eval.__main__ import evaluate_checkpoint  # noqa: PLC0415 (a stage's gate)
+
+            run_recipe(stages, resume=resume, profile=args.profile, evaluate=evaluate_checkpoint)
         else:
             run(cfg, resume=resume, profile=args.profile, allow_changes=args.resume_with_changes)
     except (FileNotFoundError, ValueError) as e:  # a bad option, a corpus that cannot be read, nothing to resume

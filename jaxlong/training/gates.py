@@ -12,7 +12,8 @@ held-out loss at the new length, retrieval of a fact planted far back (passkey),
 
 Metrics: `loss`, `perplexity`, `passkey` (mean over the grid), `passkey/<length>` (mean over depths), `ruler`
 (mean over every task and length), `ruler/<task>` (mean over lengths), `ruler/<task>/<length>`. The evaluation is
-`python -m jaxlong.eval` on the stage's last checkpoint, its own mesh and length (`jaxlong.eval.__main__.run`):
+`python -m jaxlong.eval` on the stage's last checkpoint, its own mesh and length (run in the trainer's processes
+through the `evaluate` the trainer passes, `jaxlong.eval.__main__.evaluate_checkpoint`):
 its results go where that command puts them (`RUN/eval/<setup>/step_N/`: summary.json, CSV, PNG; TensorBoard).
 Passkey runs when a `passkey*` metric or `passkey_lengths` is given, RULER when a `ruler*` metric or
 `ruler_tasks` is. The metrics are recorded in `RUN/gates/stage<i>.json`; a resumed recipe decides again from the
@@ -26,9 +27,14 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Callable
 
+import jax
+
+from jaxlong import data as data_lib
 from jaxlong.config import Config, ConfigError
 from jaxlong.core.errors import GATE_FAILED
+from jaxlong.evaluation import FILLER, passkey_min_length, ruler
 
 __all__ = ["Gate", "GateFailed", "check_prompt", "parse_gate", "gate_metrics", "decide", "run_gate"]
 
@@ -86,8 +92,6 @@ def parse_gate(raw, cfg: Config) -> Gate:
         exist, a threshold that is not a number (an accuracy outside [0, 1]), a length the stage's mesh cannot
         take, a metric's length the evaluation does not run.
     """
-    from jaxlong.evaluation import ruler  # noqa: PLC0415
-
     if not isinstance(raw, dict):
         raise ConfigError(f"gate: {raw!r}; give a mapping, e.g. {{max: {{loss: 3.0}}, action: stop}}")
     unknown = [k for k in raw if k not in OPTIONS]
@@ -153,14 +157,13 @@ def _check_metric(where: str, metric: str, value, tasks) -> None:
 
 
 def _check_lengths(gate: Gate, cfg: Config) -> None:
-    from jaxlong.eval.__main__ import check_passkey_length  # noqa: PLC0415
-    from jaxlong.evaluation import ruler  # noqa: PLC0415
-
-    for n in gate.passkey_lengths:
-        try:
-            check_passkey_length(cfg, int(n))
-        except (ConfigError, TypeError, ValueError) as e:
-            raise ConfigError(f"gate.passkey_lengths: {e}".replace("--lengths ", "")) from None
+    for key in ("passkey_lengths", "ruler_lengths"):
+        for n in getattr(gate, key):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 64:
+                raise ConfigError(f"gate.{key} {n!r}: give token counts >= 64")
+    if gate.passkey_lengths:  # sequence lengths the stage's mesh takes; every problem named, nearby lengths
+        ruler.check_lengths(cfg, gate.passkey_lengths, "gate.passkey_lengths", cases=gate.per_cell,
+                            tasks=len(gate.depths))
     if gate.ruler:
         ruler.check_lengths(cfg, gate.ruler_lengths, "gate.ruler_lengths", cases=gate.ruler_cases,
                             tasks=len(gate.ruler_tasks))
@@ -184,9 +187,6 @@ def check_prompt(gate: Gate, cfg: Config) -> None:
     """
     if not (gate.passkey or gate.ruler):
         return
-    from jaxlong import data as data_lib  # noqa: PLC0415
-    from jaxlong.evaluation import FILLER, passkey_min_length, ruler  # noqa: PLC0415
-
     tokenizer = data_lib.run_tokenizer(cfg)
     if gate.passkey:
         shortest = passkey_min_length(tokenizer.encode, 5)
@@ -266,10 +266,18 @@ def record_path(run_dir: Path, stage: int) -> Path:
     return run_dir / "gates" / f"stage{stage}.json"
 
 
+Evaluate = Callable[[list[str]], tuple[dict, str]]  # eval argv -> (summary, results directory)
+
+
 def run_gate(gate: Gate, stage: int, name: str, step: int, run_dir: Path, *, next_name: str | None,
-             say=print) -> dict:
+             evaluate: Evaluate, say=print) -> dict:
     """Evaluate `gate` on checkpoint `step` (the last of stage `stage`, `name`) of `run_dir` unless
     `RUN/gates/stage<i>.json` already holds every metric for that step, record the metrics, and decide.
+
+    Args:
+      evaluate: runs `python -m jaxlong.eval` with the given arguments (`eval_argv`) in this process, on every
+        process of the run, and returns its summary and results directory
+        (`jaxlong.eval.__main__.evaluate_checkpoint`).
 
     Returns: the record (`stage`, `name`, `step`, `metrics`, `results`: the evaluation's directory, `missed`).
 
@@ -281,9 +289,10 @@ def run_gate(gate: Gate, stage: int, name: str, step: int, run_dir: Path, *, nex
     path = record_path(run_dir, stage)
     record = json.loads(path.read_text()) if path.exists() else None
     if record is None or record.get("step") != step or any(m not in record["metrics"] for m in gate.metrics):
-        record = _evaluate(gate, stage, name, step, run_dir, say)
-        import jax  # noqa: PLC0415
-
+        argv = eval_argv(gate, run_dir, step)
+        say(f"gate of stage {stage} ({name}): python -m jaxlong.eval {' '.join(argv)}")
+        summary, results = evaluate(argv)
+        record = {"stage": stage, "name": name, "step": step, "metrics": gate_metrics(summary), "results": results}
         if jax.process_index() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -304,15 +313,3 @@ def run_gate(gate: Gate, stage: int, name: str, step: int, run_dir: Path, *, nex
     after = f"go on to stage {stage + 1} ({next_name})" if next_name else "end the recipe"
     raise GateFailed(f"{line}; to train the stage longer raise its steps, or to {after} as it is set its gate's "
                      f"action to warn (or loosen the threshold), then rerun with --resume")
-
-
-def _evaluate(gate: Gate, stage: int, name: str, step: int, run_dir: Path, say) -> dict:
-    from jaxlong.eval import __main__ as eval_cli  # noqa: PLC0415
-
-    argv = eval_argv(gate, run_dir, step)
-    say(f"gate of stage {stage} ({name}): python -m jaxlong.eval {' '.join(argv)}")
-    args = eval_cli.parse_args(argv)
-    _, _, cfg = eval_cli.resolve(args)  # the stage's config, saved with its checkpoint
-    summary = eval_cli.run(cfg, run_dir, step, args)
-    return {"stage": stage, "name": name, "step": step, "metrics": gate_metrics(summary),
-            "results": str(run_dir / "eval" / summary["setup"]["name"] / f"step_{step}")}

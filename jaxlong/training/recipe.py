@@ -33,11 +33,13 @@ import copy
 import dataclasses
 from pathlib import Path
 
+import jax
+
 from jaxlong import data as data_lib
 from jaxlong.config import Config, ConfigError, apply_setting, parse_override, validate
 from jaxlong.training import gates as gate_lib
 from jaxlong.training.checkpoint import Checkpointer
-from jaxlong.training.loop import _say, run
+from jaxlong.training.loop import run
 
 __all__ = ["Stage", "check_sources", "expand", "run_recipe", "stage_of_step"]
 
@@ -151,27 +153,39 @@ def stage_of_step(stages: list[Stage], step: int) -> int:
     return next((s.index for s in stages if step < s.end), len(stages))
 
 
-def run_recipe(stages: list[Stage], *, resume: bool = False, profile: bool = False, say=_say) -> dict:
+def _say(*args) -> None:
+    if jax.process_index() == 0:  # the other processes of a multi-process run stay quiet
+        print(*args)
+
+
+def run_recipe(stages: list[Stage], *, resume: bool = False, profile: bool = False,
+               evaluate: gate_lib.Evaluate | None = None, say=_say) -> dict:
     """Run `stages` in order in their run directory (`jaxlong.training.loop.run` per stage, each after the first
     resuming the previous stage's last checkpoint with its changes), each stage's gate after it
     (`jaxlong.training.gates.run_gate`). With `resume`, start at the stage of the latest checkpoint (mid-stage:
     that stage goes on; at a boundary: the finished stage's gate is decided, from its record where it has one,
     then the next stage starts).
 
+    `evaluate` runs a gate's evaluation (`jaxlong.training.gates.run_gate`; the trainer passes
+    `jaxlong.eval.__main__.evaluate_checkpoint`); a recipe with gates needs it.
+
     Returns: the last stage's `run` result (`metrics`, `run_dir`).
 
-    Raises: ValueError from `check_sources` before the first stage; what `run` raises (`Preempted` on
+    Raises: ValueError from `check_sources` before the first stage, or when a stage has a gate and no `evaluate`
+      is given; what `run` raises (`Preempted` on
       SIGTERM/SIGINT, after saving the last finished step); `GateFailed` when a gate with `action: stop` misses a
       threshold (after the stage's checkpoint).
     """
     check_sources(stages)
+    if evaluate is None and any(s.gate for s in stages):
+        raise ValueError("the recipe has gates and no evaluation to run them with (pass evaluate=)")
     first = stages[0].cfg
     run_dir = Path(first.run_dir) / first.run_name
     latest = Checkpointer.latest_in(run_dir / "checkpoints") if resume else None
     begin = 0 if latest is None else stage_of_step(stages, latest)
     out = {"metrics": {}, "run_dir": str(run_dir)}
     if begin and latest == stages[begin - 1].end:  # resumed at a boundary: the finished stage's gate first
-        _gate(stages, begin - 1, run_dir, say)
+        _gate(stages, begin - 1, run_dir, evaluate, say)
     if begin == len(stages):
         say(f"nothing to do: the latest checkpoint is step {latest}, the end of the recipe's last stage "
             f"({stages[-1].name})")
@@ -180,12 +194,12 @@ def run_recipe(stages: list[Stage], *, resume: bool = False, profile: bool = Fal
         say(f"recipe: stage {s.index} ({s.name}), steps {s.start + 1}-{s.end}, seq_len {s.cfg.seq_len}")
         out = run(s.cfg, resume=resume or s.index > 0, profile=profile, allow_changes=True)
         resume = True
-        _gate(stages, s.index, run_dir, say)
+        _gate(stages, s.index, run_dir, evaluate, say)
     return out
 
 
-def _gate(stages: list[Stage], i: int, run_dir: Path, say) -> None:
+def _gate(stages: list[Stage], i: int, run_dir: Path, evaluate, say) -> None:
     s = stages[i]
     if s.gate is not None:
         nxt = stages[i + 1].name if i + 1 < len(stages) else None
-        gate_lib.run_gate(s.gate, s.index, s.name, s.end, run_dir, next_name=nxt, say=say)
+        gate_lib.run_gate(s.gate, s.index, s.name, s.end, run_dir, next_name=nxt, evaluate=evaluate, say=say)

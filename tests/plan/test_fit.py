@@ -391,3 +391,51 @@ def test_kept_attention_levels_count_what_each_offload_grouping_leaves_room_for(
                           ("remat.policy=offload", "remat.offload_every=4")]
     assert fit_lib.keep_levels(cfg, None) == [32, 0]  # no host budget (CPU approximation): all or none
     assert fit_lib.offload_groupings(4) == [1]  # 4 layers: groups of 2 hold 2 + 2 inputs, no fewer than 4
+
+
+def test_a_recipe_is_planned_stage_by_stage_and_written_back(monkeypatch, capsys, tmp_path):
+    """`python -m jaxlong.memory --fit --config RECIPE.yaml`: each stage searched at its own length (here under a
+    fake planner: the brute-force winner of each stage's config), a table of the stages with the recipe's estimated
+    time (each stage's tokens over its winner's tokens/s over the devices), and `--write-recipe` writes the recipe
+    with every stage's winner in it: expanded again, each stage is its winner's config."""
+    import yaml
+
+    from jaxlong.memory import __main__ as memory
+    from jaxlong.memory import recipe_fit
+    from jaxlong.plan import planner
+    from jaxlong.training.recipe import expand
+
+    model = FakeModel(5)
+    monkeypatch.setattr(planner, "plan", model.plan)
+    monkeypatch.setattr(fit_cli.distributed, "gpu_driver_present", lambda: True)  # the GPUs the fake plans for
+    recipe, planned = tmp_path / "recipe.yaml", tmp_path / "planned.yaml"
+    recipe.write_text(yaml.safe_dump({"stages": [
+        {"name": "1k", "steps": 30, "seq_len": 1024, "remat.policy": "full"},
+        {"name": "2k", "steps": 10, "seq_len": 2048, "remat": {"policy": "offload"}, "model.rope_theta": 1e6}]}))
+    overrides = [t for t in TINY if not t.startswith("seq_len=")]
+    rc = memory.main(["--fit", "--config", str(recipe), "--budget", "50GiB", "--max-compiles", "80",
+                      "--write-recipe", str(planned), *overrides])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    stages = expand(load_config(recipe, overrides), overrides)
+    rows = [line for line in out.splitlines() if re.match(r"\| \d \((1k|2k)\) \|", line)]
+    assert len(rows) == 2 and "| 0 (1k) | 1,024 | 30 |" in rows[0] and "| 1 (2k) | 2,048 | 10 |" in rows[1]
+    command = re.search(r"train it with (python -m jaxlong.train .*)", out).group(1).split()
+    assert command[3:5] == ["--config", str(planned)] and "mesh.fsdp=-1" not in command  # the plan's keys win
+    again = expand(load_config(planned, command[5:]), command[5:])
+    total = 0.0
+    for s, p in zip(stages, again):
+        (key, cost), _ = _brute_force(s.cfg, model, 50 * GiB, 2048 * GiB)
+        want = fit_lib.configure(s.cfg, key.split())
+        for section in ("mesh", "attention", "remat", "tiling"):
+            assert getattr(p.cfg, section) == getattr(want, section), (s.name, section)
+        assert p.cfg.model.rope_theta == s.cfg.model.rope_theta and p.cfg.seq_len == s.cfg.seq_len
+        total += recipe_fit.stage_seconds(s.cfg, s.end - s.start, s.cfg.seq_len * s.cfg.global_batch / cost / 8)
+    hours = re.search(r"estimated time of the recipe's training steps: ([\d.,]+) (h|min|s)", out)
+    scale = {"h": 3600, "min": 60, "s": 1}[hours.group(2)]
+    assert float(hours.group(1).replace(",", "")) * scale == pytest.approx(total, rel=0.05)
+    assert "python -m jaxlong.train --config " + str(recipe) not in out  # no per-stage command: the recipe's
+    assert memory.main(["--fit", "--config", str(recipe), "--out", str(tmp_path / "x.json"), *overrides]) == 2
+    assert "give a directory" in capsys.readouterr().err
+    assert memory.main(["--fit", "--write-recipe", str(planned), *TINY]) == 2
+    assert "the config has no stages" in capsys.readouterr().err

@@ -146,7 +146,8 @@ def test_bad_gates_are_refused_in_one_line_before_anything_compiles(tmp_path):
     refused({"max": {"los": 3.0}}, r"unknown metric 'los'; the metrics are loss, perplexity")
     refused({"min": {"passkey": 80}}, r"gate.min.passkey=80: passkey scores are accuracies in \[0, 1\]")
     refused({"max": {"loss": 3.0}, "action": "halt"}, r"gate.action='halt'; choose stop")
-    refused({"passkey_lengths": [100]}, r"gate.passkey_lengths: 100: not a sequence length this mesh takes")
+    refused({"passkey_lengths": [100]}, r"gate.passkey_lengths 100: not a sequence length this mesh takes .*; "
+                                         r"nearby lengths it takes: 96 or 112")
     refused({"min": {"passkey/64": 0.5}}, r"a threshold on passkey/64 but the gate evaluates passkey at \[128\]")
     refused({"mni": {"loss": 1}}, r"gate: unknown key\(s\) mni")
     refused({"max": {"loss": 3.0}}, r"a threshold on loss needs documents held out from training, and the stage "
