@@ -196,7 +196,6 @@ class Validator:
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, batches: list[dict]):
         self.cfg, self.mesh, self.batches = cfg, mesh, batches
         self.compiled = None
-        self.ruler = None  # a `jaxlong.evaluation.ruler.RulerValidator` run after the loss (`ruler_tasks`)
 
     def compile(self):
         """AOT-compile the eval step; returns the `jax.stages.Compiled` (for its `memory_analysis`)."""

@@ -7,17 +7,20 @@ feeds batches already sharded on the mesh, and writes TensorBoard scalars under 
 padding), `seq_len` and `stage` (a recipe's stage index, `jaxlong.training.recipe`), with `data.sources` `data/share/NAME` (each source's share of the tokens fed to process 0 since the
 run started or resumed, padding excluded: `jaxlong.data.mixture`), and every `eval_every` steps `eval/loss` and `eval/perplexity` on held-out documents
 (`jaxlong.evaluation.steps.Validator`), with `ruler_tasks` RULER scores `eval/ruler/...`
-(`jaxlong.evaluation.ruler.RulerValidator`, built before anything compiles). In a multi-process run only process 0 prints, writes TensorBoard and shows the
-progress bar.
+(`jaxlong.evaluation.ruler.RulerValidator`, built before anything compiles), both run by the validation hook
+(`jaxlong.training.hooks`; `run(cfg, hooks=...)` adds others). In a multi-process run only process 0 prints,
+writes TensorBoard and shows the progress bar.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -45,6 +48,7 @@ from jaxlong.training.checkpoint import (
     remove_tmp_dirs,
     saved_config,
 )
+from jaxlong.training.hooks import Hook, StepContext, validation_hook
 from jaxlong.training.metrics import flops_per_token, peak_flops
 
 
@@ -155,11 +159,14 @@ def _fault_plan() -> list[tuple[str, int, int]]:
     return plan
 
 
-def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_changes: bool = False) -> dict:
+def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_changes: bool = False,
+        hooks: Sequence[Hook] = ()) -> dict:
     """Train for `cfg.steps` steps. Returns the last step's metrics and the run directory.
 
     `resume` continues the run's latest checkpoint; its saved config must equal `cfg` except for the keys in
-    `jaxlong.training.checkpoint.RESUMABLE_KEYS`, unless `allow_changes` (`--resume-with-changes`).
+    `jaxlong.training.checkpoint.RESUMABLE_KEYS`, unless `allow_changes` (`--resume-with-changes`). `hooks`
+    (`jaxlong.training.hooks.Hook`) run between steps after the run's own (validation and RULER every
+    `eval_every` steps), before the step's checkpoint is saved.
 
     Raises:
       ConfigError: the config is invalid for the devices present, or differs from the checkpoint's (checked
@@ -177,10 +184,11 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_chang
             os.kill(os.getpid(), entry[2])
 
     with _Signals() as signals:
-        return _run(cfg, resume, profile, allow_changes, signals, fault)
+        return _run(cfg, resume, profile, allow_changes, signals, fault, hooks)
 
 
-def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals: _Signals, fault) -> dict:
+def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals: _Signals, fault,
+         extra_hooks: Sequence[Hook]) -> dict:
     try:
         validate(cfg, num_devices=len(run_devices(cfg.mesh)))
     except ConfigError as e:
@@ -227,7 +235,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
           f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
     # Data first: a bad corpus fails before the (possibly long) compile.
     source = data_lib.first_source(cfg)  # data.path, or the first of data.sources
-    validator, held_out = None, ()
+    validator, suite_validator, held_out = None, None, ()
     if cfg.eval_every:  # whole documents held out for validation, left out of training
         held_out, eval_batches = eval_lib.validation_split(cfg, source, tokenizer)
         validator = eval_lib.Validator(cfg, mesh, eval_batches)
@@ -235,7 +243,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
         if suite:  # lengths checked, then cases generated now, before anything compiles
             ruler.check_lengths(cfg, suite.lengths, "ruler_lengths", cases=suite.cases, tasks=len(suite.tasks))
             corpus = ruler.suite_corpus(suite, (source[i] for i in held_out), tokenizer)
-            validator.ruler = ruler.RulerValidator(cfg, mesh, tokenizer, suite, corpus, option="ruler_lengths")
+            suite_validator = ruler.RulerValidator(cfg, mesh, tokenizer, suite, corpus, option="ruler_lengths")
     batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out,
                                       rows=step_lib.process_rows(mesh, cfg.global_batch))
 
@@ -273,7 +281,8 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
             state = step_lib.init_state(cfg, mesh)
         signals.deferred = True  # from here on a signal stops the loop between steps
         fault("after_state", start + 1)
-        return _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, signals, fault, validator)
+        hooks = ([validation_hook(validator, suite_validator)] if validator else []) + list(extra_hooks)
+        return _loop(_Loop(cfg, mesh, ckpt, batches, compiled, run_dir, profile, signals, fault, hooks), state, start)
     finally:
         signals.deferred = False
         try:
@@ -385,7 +394,27 @@ def _restore(ckpt: Checkpointer, abstract: dict, step: int) -> dict:
         ) from e
 
 
-def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, signals, fault, validator) -> dict:
+@dataclasses.dataclass
+class _Loop:
+    """What the loop runs with: the validated config, its mesh, the checkpointer, the data iterator, the compiled
+    step, the run directory, whether to profile, the signal state, the fault-injection function and the hooks."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    ckpt: Checkpointer
+    batches: object
+    compiled: object
+    run_dir: Path
+    profile: bool
+    signals: _Signals
+    fault: Callable[[str, int], None]
+    hooks: list[Hook]
+
+
+def _loop(lp: _Loop, state: dict, start: int) -> dict:
+    """Steps `start + 1` .. `cfg.steps` from `state` (the train state after step `start`)."""
+    cfg, mesh, ckpt, batches, compiled = lp.cfg, lp.mesh, lp.ckpt, lp.batches, lp.compiled
+    run_dir, profile, signals, fault = lp.run_dir, lp.profile, lp.signals, lp.fault
     sharded = describe_param_sharding(mesh, state["params"])
     replicated = [line for line in sharded if "replicated" in line]
     _say(f"FSDP: {len(sharded) - len(replicated)} of {len(sharded)} parameter leaves sharded over fsdp x ring x context"
@@ -474,21 +503,12 @@ def _loop(cfg, mesh, ckpt, state, start, batches, compiled, run_dir, profile, si
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
                                 packed=f"{metrics['packing_efficiency']:.2f}")
                 t_last = now
-            if validator and validator.due(done):
-                ev = validator.run(state["params"])
-                if writer is not None:
-                    writer.add_scalar("eval/loss", ev["loss"], done)
-                    writer.add_scalar("eval/perplexity", ev["perplexity"], done)
-                if main:
-                    bar.write(f"step {done}: eval loss {ev['loss']:.4f} (perplexity {ev['perplexity']:.2f}, "
-                              f"{ev['tokens']:.0f} held-out tokens)")
-                if validator.ruler is not None:
-                    rows = validator.ruler.run(state["params"])
-                    if writer is not None:
-                        ruler.log_scalars(writer, rows, done)
-                    if main:
-                        bar.write(f"step {done}: ruler " + ", ".join(
-                            f"{r['task']}@{r['length']} {r['correct']}/{r['cases']}" for r in rows))
+            due = [h for h in lp.hooks if h.due(done, cfg.steps)]
+            if due:
+                ctx = StepContext(done, state["params"], metrics, cfg, mesh, writer,
+                                  bar.write if main else (lambda line: None))
+                for hook in due:
+                    hook.fn(ctx)
             bar.update(1)
             fault("before_save", step)
             if ckpt.should_save(done):

@@ -18,8 +18,26 @@ def _cfg(tmp_path, *extra):
 
 
 def test_training_reduces_loss_and_writes_events_and_checkpoints(tmp_path):
+    """Eight steps: the loss falls, TensorBoard has its scalars, checkpoints every 4 steps; a hook every 3 steps
+    (`jaxlong.training.hooks.Hook`) runs after steps 3, 6 and the last, and sees that step's logged loss and its
+    parameters (those the last checkpoint holds)."""
+    import jax
+    import numpy as np
+
+    from jaxlong.core.mesh import build_mesh
+    from jaxlong.training import step as step_lib
+    from jaxlong.training.checkpoint import Checkpointer
+    from jaxlong.training.hooks import Hook
+
+    seen = []
+
+    def probe(ctx):
+        seen.append((ctx.step, ctx.metrics["loss"], jax.tree.map(np.asarray, ctx.params)))
+
     cfg = _cfg(tmp_path, "steps=8", "checkpoint_every=4", "keep_checkpoints=3", "run_name=a")
-    out = run(cfg)
+    with pytest.raises(ValueError, match="every=0"):
+        Hook(probe, every=0)
+    out = run(cfg, hooks=[Hook(probe, every=3)])
     run_dir = tmp_path / "a"
     events = EventAccumulator(str(run_dir)).Reload()
     losses = [e.value for e in events.Scalars("loss")]
@@ -30,6 +48,15 @@ def test_training_reduces_loss_and_writes_events_and_checkpoints(tmp_path):
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [4, 8]  # every 4 steps, the last 2 kept
     assert out["metrics"]["loss"] == pytest.approx(losses[-1])
+    assert [(step, loss) for step, loss, _ in seen] == [(3, pytest.approx(losses[2])), (6, pytest.approx(losses[5])),
+                                                        (8, pytest.approx(losses[7]))]
+    ckpt = Checkpointer(run_dir / "checkpoints", every=1, keep=10)
+    try:
+        _, state = ckpt.restore(step_lib.abstract_state(cfg, build_mesh(cfg.mesh)), 8)
+    finally:
+        ckpt.manager.close()
+    for a, b in zip(jax.tree.leaves(seen[-1][2]), jax.tree.leaves(state["params"])):
+        np.testing.assert_array_equal(a, np.asarray(b))
 
 
 @pytest.mark.slow
