@@ -424,7 +424,8 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
       cfg: the run; its mesh is re-split over `target.devices` (or `cfg.mesh.num_devices` without a target).
       target: `jaxlong.plan.target.Target` or None (the devices present, or the CPU approximation).
       budget, host_budget: bytes per device / per node (`planner.fits`).
-      max_compiles: at most this many compiles (cache hits are free).
+      max_compiles: at most this many compiles (cache hits are free, and so are setups the program refuses with
+        a ValueError while tracing, before XLA compiles, e.g. a kernel's size limit).
       cost_model: `(cfg, plan) -> seconds per step`; an attribute `static = True` means it ignores the plan,
         so candidates can be ranked (and pruned) before compiling.
       plan_fn: the planner (default `planner.plan`), called `plan_fn(cfg, target, headroom=, collective_buffers=)`.
@@ -487,16 +488,23 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
             if not hit:
                 bar.set_postfix_str(strip_implied(c.key).split("mesh.context=")[-1][:70], refresh=False)
                 t0 = time.perf_counter()
+                refused = False
                 try:
                     cache[ck] = plan_fn(c_cfg, target, headroom=headroom, collective_buffers=collective_buffers)
                 except Exception as e:  # noqa: BLE001 (a compiler error rules out this candidate, not the search)
-                    cache[ck] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+                    # a ValueError is the program refusing the setup while tracing (e.g. a kernel's size limit),
+                    # before XLA compiles: it costs no compile from the budget
+                    refused = isinstance(e, ValueError)
+                    cache[ck] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300],
+                                 "refused": refused}
                 cache[ck] = {**cache[ck], "compile_seconds": time.perf_counter() - t0}
-                compiles += 1
-                bar.update(1)
+                if not refused:
+                    compiles += 1
+                    bar.update(1)
             p = cache[ck]
             if "error" in p:
-                pruned.append({"overrides": c.key, "reason": f"does not compile: {p['error']}", "by": None})
+                why = "refused before compiling" if p.get("refused") else "does not compile"
+                pruned.append({"overrides": c.key, "reason": f"{why}: {p['error']}", "by": None})
                 continue
             row = _row(c, c_cfg, p, budget, host_budget, cost_model, hit)
             rows.append(row)

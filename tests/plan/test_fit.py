@@ -298,6 +298,27 @@ def test_a_candidate_that_fails_to_compile_is_listed_and_the_search_goes_on():
     assert res.winner is not None and "remat.policy=offload" not in res.winner["overrides"]
 
 
+def test_a_setup_the_program_refuses_while_tracing_costs_no_compile():
+    """A ValueError from tracing (e.g. the Pallas kernel's int32 limit on a long sequence of several heads) rules
+    the candidate out without spending the compile budget: the budget goes to setups XLA compiles."""
+    cfg = load_config(None, TINY)
+    model = FakeModel(3)
+
+    tried = []
+
+    def limited(c, target=None, **kw):
+        tried.append(c)
+        if len(tried) <= 5:  # the first five setups the search tries are refused
+            raise ValueError("attention.backend=pallas: q has more than 2,147,483,647 elements")
+        return model.plan(c, target, **kw)
+
+    res = fit_lib.fit(cfg, None, budget=50 * GiB, max_compiles=3, cost_model=model.cost, plan_fn=limited,
+                      progress=False)
+    refused = [p for p in res.pruned if p["reason"].startswith("refused before compiling: ValueError")]
+    assert len(refused) == 5
+    assert res.compiles == len(res.rows) == 3 and model.calls == 3  # three real compiles, none lost to refusals
+
+
 @pytest.mark.parametrize(*tiered("seed", range(8), fast={0, 1}))
 def test_equal_estimates_go_to_the_lighter_candidate(seed):
     """A roofline estimate does not see tile or stage launches, so candidates that differ only in the MLP tile
