@@ -9,6 +9,7 @@ learning rate, the realised data shares and the wall-clock time, read from the r
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import subprocess
 from pathlib import Path
@@ -45,6 +46,14 @@ def main() -> None:
         rows.append(f"| {k} | {steps[0]}-{steps[-1]} | {int(s['seq_len'][steps[0]]):,} | {loss[0]:.3f} → "
                     f"{loss[-1]:.3f} | {max(s['lr'][st] for st in steps):.2g} | "
                     + " | ".join(f"{s[t][steps[-1]]:.3f}" for t in shares) + " |")
+    gates = ["| stage | step | metrics | missed | results |", "|---|---:|---|---|---|"]
+    for path in sorted((args.run / "gates").glob("stage*.json")):  # each stage's gate (jaxlong.training.gates)
+        g = json.loads(path.read_text())
+        metrics = ", ".join(f"{k} {v:.3f}" for k, v in g["metrics"].items())
+        results = Path(g["results"]).relative_to(args.run.resolve()) if Path(g["results"]).is_absolute() \
+            else g["results"]
+        gates.append(f"| {g['stage']} ({g['name']}) | {g['step']} | {metrics} | {'; '.join(g.get('missed', [])) or 'none'}"
+                     f" | `{results}` |")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     text = f"""# Recipe: `{args.config}`
 
@@ -63,6 +72,12 @@ Shares: each source's share of the non-padding tokens fed since the stage starte
 step of the stage). They hold the weights to within about one piece of a document (at most `seq_len` tokens) per
 packing stream, so a short stage of a few rows per stream sits a few points off them. Each stage warms up from a
 learning rate of 0 at its first step (`optim.schedule_start`).
+
+Gates (docs/recipes.md#gates): the metrics each stage's gate measured on its last checkpoint (held-out loss in
+nats/token; RULER exact match in [0, 1]), recorded in the run's `gates/stage<i>.json`, and the thresholds it
+missed. The recipe's last gate warns (`action: warn`): a model this small, trained for seconds, does not retrieve.
+
+{chr(10).join(gates)}
 """
     args.out.write_text(text)
     print(f"wrote {args.out}")
