@@ -159,13 +159,16 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
     rows = np.arange(global_batch) if rows is None else np.asarray(rows, np.int64)
     if rows.size == 0 or rows.min() < 0 or rows.max() >= global_batch:
         raise ValueError(f"rows {rows.tolist()} must be row indices of the global batch of {global_batch}")
+    corpus = _corpus_key(source)
     if exclude:
         skip = {int(i) for i in exclude}
         source = DocumentSubset(source, [i for i in range(len(source)) if i not in skip])
     if mixture is not None:
         if not repeat or max_tokens is not None:
             raise ValueError("a data mixture is for training: endless (repeat=True), without data.max_tokens")
-        docs = [source, *(src for src, _ in mixture[1:])]
+        # another source reading the first one's corpus (e.g. its long documents) leaves the held-out ones out too
+        docs = [source, *(source if exclude and corpus is not None and _corpus_key(src) == corpus else src
+                          for src, _ in mixture[1:])]
         return _mixed_batches(docs, [m for _, m in mixture], tokenizer, seq_len, global_batch, seed, packing,
                               split_positions, shuffle, rows, grain.ReadOptions(num_threads=read_threads,
                                                                                 prefetch_buffer_size=read_buffer))
@@ -189,6 +192,11 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
     streams = {s: _row_stream(ds[s::n], seed + s, seq_len, packing, split_positions, shuffle, _bins(n), read, repeat)
                .batch(per, drop_remainder=True) for s in sorted({int(r) // per for r in rows})}
     return ProcessBatches(streams, rows, per)
+
+
+def _corpus_key(source) -> tuple | None:
+    """`(path, text_field)` of a `DocumentSource` (the embedded corpus: path None), None for other sources."""
+    return (source.path, source.text_field) if isinstance(source, DocumentSource) else None
 
 
 class ProcessBatches:

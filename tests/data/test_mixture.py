@@ -3,6 +3,7 @@ its weight, the mixture is deterministic by seed and resumes exactly, long-docum
 of long documents, the length rules drop what they say, bad mixtures are one-line errors before compiling, and
 the trainer logs the realised shares."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -187,3 +188,26 @@ def test_the_trainer_logs_the_realised_shares_and_a_missing_source_is_one_line(c
     assert main([*args, "run_name=bad", missing]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("error: data.sources[1]:") and "nowhere.jsonl" in err, err
+
+
+def test_held_out_documents_stay_out_of_every_source_that_reads_their_corpus(tmp_path):
+    """Two sources cut from one corpus by length (as the tiny recipe's short and long files): the documents held
+    out for validation (indices of the first source's corpus) are left out of both, not only the first."""
+    rng = np.random.default_rng(7)
+    docs = [f"Q{i:03d}Q " + " ".join(rng.choice(WORDS, size=int(rng.integers(10, 120)))) for i in range(120)]
+    path = tmp_path / "one.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    sources = (f"[{{path: {path}, name: short, weight: 0.5, max_doc_tokens: 300}}, "
+               f"{{path: {path}, name: long, weight: 0.5, min_doc_tokens: 301}}]")
+    cfg = load_config(None, [*TINY, "seq_len=256", "global_batch=4", f"data.sources={sources}"])
+    sizes = [len(BYTE.encode(d)) for d in docs]
+    held = [i for i in range(len(docs)) if i % 5 == 0]
+    assert {sizes[i] > 300 for i in held} == {True, False}  # held-out documents of both sources' lengths
+    it = iter(data.batch_iterator(cfg, BYTE, source=data.first_source(cfg), exclude=held))
+    seen = set()
+    for _ in range(60):
+        b = next(it)
+        text = bytes(int(t) for t in b["inputs"].ravel() if 0 < t < 256).decode("utf-8", "replace")
+        seen |= {int(m) for m in re.findall(r"Q(\d{3})Q", text)}
+    assert seen and not seen & set(held), sorted(seen & set(held))
+    assert len(seen) > 0.5 * (len(docs) - len(held))  # the rest is trained on
