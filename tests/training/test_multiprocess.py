@@ -4,6 +4,7 @@ after one process is killed. `_launch` starts several processes as docs/multi-no
 with the variables `srun` sets); tests/training/test_multinode.py runs ring and context across them."""
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -22,8 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port(low: int = 0, high: int = 0) -> int:
-    """A free TCP port on this machine (in `[low, high]` if given)."""
-    for port in range(low, high + 1) if low else [0]:
+    """A free TCP port on this machine (in `[low, high]` if given, tried in random order: two tests launching at
+    once on two pytest workers must not both take the lowest free port, or one job's processes join the other's
+    coordinator)."""
+    ports = random.SystemRandom().sample(range(low, high + 1), high + 1 - low) if low else [0]
+    for port in ports:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
