@@ -189,9 +189,9 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 class Validator:
     """Validation in the train loop: the fixed validation batches (`validation_split`) and the AOT-compiled
-    eval step. `compile()` compiles the eval step ahead of time; `due(step)` says whether to validate after
-    `step` (every `eval_every` steps and after the last); `run(params)` returns `{'loss', 'perplexity',
-    'tokens'}`."""
+    eval step. `compile()` compiles the eval step ahead of time; `run(params)` returns `{'loss', 'perplexity',
+    'tokens'}`. The train loop runs it every `eval_every` steps and after the last (the validation hook,
+    `jaxlong.training.hooks`)."""
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, batches: list[dict]):
         self.cfg, self.mesh, self.batches = cfg, mesh, batches
@@ -201,10 +201,6 @@ class Validator:
         """AOT-compile the eval step; returns the `jax.stages.Compiled` (for its `memory_analysis`)."""
         self.compiled = compile_eval_step(self.cfg, self.mesh)
         return self.compiled
-
-    def due(self, step: int) -> bool:
-        every = self.cfg.eval_every
-        return bool(every) and (step % every == 0 or step == self.cfg.steps)
 
     def run(self, params: dict) -> dict:
         return evaluate_loss(self.compiled, params, self.batches, self.mesh)

@@ -110,14 +110,12 @@ def format_plan(results, target) -> str:
             lines.append(f"| {s.index} ({s.name}) | {scfg.seq_len:,} | {s.end - s.start} | nothing fits | | | | |")
             continue
         changes = " ".join(fit_cli.winner_overrides(res, base)) or "(the stage's own setup)"
-        tps = w["tokens_per_s_per_gpu"]
+        tps = w["tokens_per_s_per_gpu"]  # None when the cost model gives no estimate
         secs = stage_seconds(scfg, s.end - s.start, tps) if tps else None
         total += secs or 0.0
+        speed = f"{tps:,.0f} | {_hours(secs)}" if tps else "n/a | n/a"
         lines.append(f"| {s.index} ({s.name}) | {scfg.seq_len:,} | {s.end - s.start} | `{changes}` | "
-                     f"{fmt_gib(w['total'], 1)} | {fmt_gib(w['host_per_node'], 1)} | "
-                     f"{tps:,.0f} | {_hours(secs) if secs else 'n/a'} |" if tps else
-                     f"| {s.index} ({s.name}) | {scfg.seq_len:,} | {s.end - s.start} | `{changes}` | "
-                     f"{fmt_gib(w['total'], 1)} | {fmt_gib(w['host_per_node'], 1)} | n/a | n/a |")
+                     f"{fmt_gib(w['total'], 1)} | {fmt_gib(w['host_per_node'], 1)} | {speed} |")
     lines.append("")
     lines.append(f"estimated time of the recipe's training steps: {_hours(total)} (checkpoints, gates and "
                  f"compiles not counted)")

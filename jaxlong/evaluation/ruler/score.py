@@ -239,9 +239,9 @@ def suite_corpus(suite: RulerSuite, texts, tokenizer) -> np.ndarray | None:
 
 class RulerValidator:
     """RULER during training: the suite's cases generated once (lengths checked, nothing compiled), scored with
-    one shared `token_stats` program per length each time `run(params)` is called (e.g. when the trainer's
-    `Validator.due(step)`). Every process generates the same cases (a pure function of the seed) and feeds the
-    same host batches, as `token_stats` expects.
+    one shared `token_stats` program per length each time `run(params)` is called (e.g. by the trainer's
+    validation hook, `jaxlong.training.hooks`). Every process generates the same cases (a pure function of the
+    seed) and feeds the same host batches, as `token_stats` expects.
 
     Raises (at construction): ConfigError and ValueError as `evaluate_ruler`; a length error names `option`
     (the key or flag that gave the lengths).
