@@ -23,7 +23,7 @@ import os
 import jax
 import numpy as np
 
-from jaxlong.core import liveness
+from jaxlong.core import coordinator, liveness
 from jaxlong.core.errors import ConfigError
 
 
@@ -130,10 +130,20 @@ def initialize(lost_process_timeout_s: float = 120) -> int:
         pid = _int_env("JAX_PROCESS_ID")
         if pid is None:
             raise ValueError("JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES are set but JAX_PROCESS_ID is not")
-        jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=n, process_id=pid,
-                                   heartbeat_timeout_seconds=heartbeat)
+        address, devices = os.environ["JAX_COORDINATOR_ADDRESS"], None
     else:  # SLURM / Open MPI auto-detection
-        jax.distributed.initialize(local_device_ids=slurm_local_device_ids(), heartbeat_timeout_seconds=heartbeat)
+        from jax._src import clusters  # noqa: PLC0415 (what jax.distributed.initialize itself detects)
+
+        address, n, pid, devices = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            None, None, None, slurm_local_device_ids(), None, 300)
+    bind = None
+    if pid == 0:  # the coordination service runs beside process 0, not in it (jaxlong.core.coordinator)
+        port = address.rsplit(":", 1)[1]
+        coordinator.start(os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", f"[::]:{port}"), n, heartbeat,
+                          lost_process_timeout_s)
+        bind = "127.0.0.1:0"  # the service jax.distributed.initialize starts in process 0: unused
+    jax.distributed.initialize(address, num_processes=n, process_id=pid, local_device_ids=devices,
+                               coordinator_bind_address=bind, heartbeat_timeout_seconds=heartbeat)
     liveness.start_watchdog(jax.process_index(), n, lost_process_timeout_s)
     return n
 

@@ -1,7 +1,7 @@
 """The processes of a multi-process launch watch each other, and agree on when to stop.
 
 Two problems of a launch of several processes (`jaxlong.core.distributed`), each solved through the key-value
-store and barriers of JAX's coordination service (it runs in process 0), outside the devices:
+store and barriers of JAX's coordination service (it runs beside process 0), outside the devices:
 
 * **A lost process.** A process killed (SIGKILL, the out-of-memory killer, a failed node) leaves the others
   blocked in a collective or failing in it (gloo: "Connection reset by peer"), and JAX's own heartbeat then
@@ -10,11 +10,8 @@ store and barriers of JAX's coordination service (it runs in process 0), outside
   counter has not moved for `timeout` seconds, or a coordinator that cannot be reached for as long, is lost. The
   watchdog then prints one line naming the lost process and the run's latest complete checkpoint and ends its own
   process with `LOST_PROCESS` (exit status 4), before JAX's heartbeat (set longer, `jax_heartbeat_timeout`) would.
-  The timeout is `lost_process_timeout_s` of the config. One case is JAX's alone: when process 0 itself is lost,
-  the coordination service goes with it, and JAX's client in every other process aborts it at once ("Terminating
-  process because the JAX distributed service detected fatal errors ... the leader task was preempted/died"),
-  before any Python runs; the jaxlib this package pins takes no error callback from Python that could replace it
-  (its `missed_heartbeat_callback` fails with `std::bad_cast`).
+  The timeout is `lost_process_timeout_s` of the config. Process 0 is no exception: the coordination service runs
+  beside it, not in it (`jaxlong.core.coordinator`), so its loss does not take the store along.
 * **A stop on some processes only.** SIGTERM or SIGINT may reach the tasks of a job at different steps, or one
   task only. A process that stops alone enters the checkpoint save's collectives while the others enter the next
   step's, and all hang. `agree_stop` runs at every step boundary: each process posts its pending signal under

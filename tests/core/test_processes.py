@@ -60,3 +60,41 @@ def test_slurm_task_per_node_drives_every_visible_gpu(monkeypatch, env, want):
         monkeypatch.setenv(k, v)
     assert distributed.slurm_local_device_ids() == want
     assert distributed.process_count_from_env() == int(env["SLURM_NTASKS"])
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_coordination_service_refuses_a_port_in_use_and_ends_after_process_0():
+    """Process 0 starts JAX's coordination service beside it (`jaxlong.core.coordinator`): on a port something
+    already listens on it refuses in one line (gRPC would share the port: two services, each with part of the
+    clients); started by a process that then exits with no client connected, it ends within seconds and frees the
+    port."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from jaxlong.core import coordinator
+    from jaxlong.core.errors import ConfigError
+
+    port = _port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(ConfigError, match=f"coordinator port {port} .* is in use: .* choose another port"):
+            coordinator.start(f"[::]:{port}", 2, 60, 3)
+    parent = subprocess.run([sys.executable, "-c", "from jaxlong.core import coordinator, distributed; "
+                             f"coordinator.start('[::]:{port}', 2, 60, 3); print(coordinator._listening('::', {port}))"],
+                            capture_output=True, text=True, timeout=120)
+    assert parent.returncode == 0 and parent.stdout.split() == ["True"], parent.stdout + parent.stderr
+    deadline = time.monotonic() + 30
+    while coordinator._listening("::", port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not coordinator._listening("::", port), "the service outlived its process 0 with no client"
+    assert coordinator._connections(port) == 0
