@@ -48,6 +48,7 @@ from jaxlong.training.checkpoint import (
     remove_tmp_dirs,
     saved_config,
 )
+from jaxlong.training.batches import BatchFn, StepBatches
 from jaxlong.training.hooks import Hook, StepContext, validation_hook
 from jaxlong.training.metrics import flops_per_token, peak_flops
 
@@ -160,13 +161,15 @@ def _fault_plan() -> list[tuple[str, int, int]]:
 
 
 def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_changes: bool = False,
-        hooks: Sequence[Hook] = ()) -> dict:
+        hooks: Sequence[Hook] = (), batches: BatchFn | None = None) -> dict:
     """Train for `cfg.steps` steps. Returns the last step's metrics and the run directory.
 
     `resume` continues the run's latest checkpoint; its saved config must equal `cfg` except for the keys in
     `jaxlong.training.checkpoint.RESUMABLE_KEYS`, unless `allow_changes` (`--resume-with-changes`). `hooks`
     (`jaxlong.training.hooks.Hook`) run between steps after the run's own (validation and RULER every
-    `eval_every` steps), before the step's checkpoint is saved.
+    `eval_every` steps), before the step's checkpoint is saved. `batches` (`jaxlong.training.batches.BatchFn`:
+    `batches(step, rows)`, a function of the global step) replaces the corpus pipeline as the source of the
+    training batches (the corpus is then read only for validation, when `eval_every` > 0).
 
     Raises:
       ConfigError: the config is invalid for the devices present, or differs from the checkpoint's (checked
@@ -184,11 +187,11 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_chang
             os.kill(os.getpid(), entry[2])
 
     with _Signals() as signals:
-        return _run(cfg, resume, profile, allow_changes, signals, fault, hooks)
+        return _run(cfg, resume, profile, allow_changes, signals, fault, hooks, batches)
 
 
 def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals: _Signals, fault,
-         extra_hooks: Sequence[Hook]) -> dict:
+         extra_hooks: Sequence[Hook], batch_fn: BatchFn | None) -> dict:
     try:
         validate(cfg, num_devices=len(run_devices(cfg.mesh)))
     except ConfigError as e:
@@ -234,7 +237,8 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
           f"mesh {dict(mesh.shape)} on {mesh.size} x {jax.devices()[0].device_kind}, "
           f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
     # Data first: a bad corpus fails before the (possibly long) compile.
-    source = data_lib.first_source(cfg)  # data.path, or the first of data.sources
+    # data.path, or the first of data.sources (with batches of one's own: for validation only)
+    source = data_lib.first_source(cfg) if batch_fn is None or cfg.eval_every else None
     validator, suite_validator, held_out = None, None, ()
     if cfg.eval_every:  # whole documents held out for validation, left out of training
         held_out, eval_batches = eval_lib.validation_split(cfg, source, tokenizer)
@@ -244,8 +248,11 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
             ruler.check_lengths(cfg, suite.lengths, "ruler_lengths", cases=suite.cases, tasks=len(suite.tasks))
             corpus = ruler.suite_corpus(suite, (source[i] for i in held_out), tokenizer)
             suite_validator = ruler.RulerValidator(cfg, mesh, tokenizer, suite, corpus, option="ruler_lengths")
-    batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out,
-                                      rows=step_lib.process_rows(mesh, cfg.global_batch))
+    rows = step_lib.process_rows(mesh, cfg.global_batch)
+    if batch_fn is None:
+        batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out, rows=rows)
+    else:
+        batches = StepBatches(batch_fn, rows, cfg.seq_len, start)
 
     t0 = time.perf_counter()
     with xla_log.collecting() as log:
@@ -264,7 +271,9 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
         if resume:
             state = _restore(ckpt, step_lib.abstract_state(cfg, mesh), start)
             saved = saved_config(ckpt_dir, start) or {}
-            if saved.get("stage", 0) == cfg.stage:
+            if isinstance(batches, StepBatches):
+                pass  # a function of the step: it starts after `start` already
+            elif saved.get("stage", 0) == cfg.stage:
                 _restore_data(batches, ckpt.restore_data(start), start - cfg.optim.schedule_start)
             else:  # a recipe's next stage: its own data from its first batch (jaxlong.training.recipe)
                 _say(f"stage {cfg.stage} starts at step {start}: seq_len {cfg.seq_len}, its data from the start")
@@ -315,10 +324,10 @@ def _restore_data(batches, data_state: dict | None, start: int) -> None:
         next(batches)
 
 
-def _all_streams(data_state: dict) -> dict:
-    """The data state of every packing stream, merged from all processes (a collective; what a checkpoint
-    saves, so that any process layout resumes from it)."""
-    return data_lib.merge_states(allgather_json(data_state))
+def _all_streams(batches, data_state: dict) -> dict:
+    """The data state of every packing stream (of `batches`), merged from all processes (a collective; what a
+    checkpoint saves, so that any process layout resumes from it)."""
+    return getattr(batches, "merge_states", data_lib.merge_states)(allgather_json(data_state))
 
 
 def _check_resume_config(cfg: Config, ckpt_dir: Path, step: int, allow_changes: bool) -> None:
@@ -512,13 +521,13 @@ def _loop(lp: _Loop, state: dict, start: int) -> dict:
             bar.update(1)
             fault("before_save", step)
             if ckpt.should_save(done):
-                started = ckpt.save(state, cfg_dict, data_state=_all_streams(data_state)) or started
+                started = ckpt.save(state, cfg_dict, data_state=_all_streams(batches, data_state)) or started
                 fault("during_save", step)  # the asynchronous commit may still be running
             fault("end_of_step", step)
         fault("after_loop", done)
         try:
             if done > start and started != done:  # interrupted between saves, or a final step the policy skipped
-                started = ckpt.save(state, cfg_dict, force=True, data_state=_all_streams(data_state)) or started
+                started = ckpt.save(state, cfg_dict, force=True, data_state=_all_streams(batches, data_state)) or started
                 fault("during_final_save", done)
             latest = ckpt.wait()
             fault("after_commit", done)

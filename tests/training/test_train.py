@@ -59,6 +59,66 @@ def test_training_reduces_loss_and_writes_events_and_checkpoints(tmp_path):
         np.testing.assert_array_equal(a, np.asarray(b))
 
 
+def _copy_task(step, rows, seen, seq_len=128, vocab=257):
+    """`run(cfg, batches=...)`'s batch of `step`: per row, random tokens and then the same tokens again, the loss
+    on the copy only; a function of the step and the row (`jaxlong.training.batches`). Records `(step, rows)`."""
+    import numpy as np
+
+    seen.append((step, [int(r) for r in rows]))
+    half = seq_len // 2
+    first = np.stack([np.random.default_rng([step, int(r)]).integers(1, vocab, half + 1) for r in rows])
+    tokens = np.concatenate([first, first[:, 1:]], axis=1)
+    mask = np.zeros((len(rows), seq_len), np.float32)
+    mask[:, half:] = 1.0
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask,
+            "positions": np.broadcast_to(np.arange(seq_len), (len(rows), seq_len)),
+            "segment_ids": np.ones((len(rows), seq_len), np.int32)}
+
+
+def test_batches_of_ones_own_train_checkpoint_and_resume_like_the_corpus(tmp_path):
+    """`run(cfg, batches=fn)` trains on `fn(step, rows)` instead of the corpus (never read: `data.path` does not
+    exist), with the trainer's checkpoints and `--resume`: stopped after step 2 and resumed, it is fed steps 3 and 4
+    and reaches the same losses and parameters as an uninterrupted run. A batch without a key is refused naming
+    it."""
+    import jax
+    import numpy as np
+
+    from jaxlong.core.mesh import build_mesh
+    from jaxlong.training import step as step_lib
+    from jaxlong.training.checkpoint import Checkpointer
+
+    def final_params(name):
+        ckpt = Checkpointer(tmp_path / name / "checkpoints", every=1, keep=10)
+        try:
+            return ckpt.restore(step_lib.abstract_state(cfg, build_mesh(cfg.mesh)), 4)[1]["params"]
+        finally:
+            ckpt.manager.close()
+
+    no_corpus = ("data.path=/nonexistent/corpus.txt", "eval_every=0", "checkpoint_every=2", "optim.decay_steps=4")
+    cfg = _cfg(tmp_path, "steps=4", "run_name=full", *no_corpus)
+    full_seen, split_seen = [], []
+    full = run(cfg, batches=lambda step, rows: _copy_task(step, rows, full_seen))
+    run(_cfg(tmp_path, "steps=2", "run_name=split", *no_corpus),
+        batches=lambda step, rows: _copy_task(step, rows, split_seen))
+    resumed = run(_cfg(tmp_path, "steps=4", "run_name=split", *no_corpus), resume=True,
+                  batches=lambda step, rows: _copy_task(step, rows, split_seen))
+    assert full_seen == [(s, [0, 1, 2, 3]) for s in (1, 2, 3, 4)]
+    assert split_seen == full_seen
+    full_losses = [e.value for e in EventAccumulator(str(tmp_path / "full")).Reload().Scalars("loss")]
+    split_losses = [e.value for e in EventAccumulator(str(tmp_path / "split")).Reload().Scalars("loss")]
+    assert split_losses == pytest.approx(full_losses, rel=1e-6) and len(full_losses) == 4
+    assert resumed["metrics"]["loss"] == pytest.approx(full["metrics"]["loss"], rel=1e-6)
+    for a, b in zip(jax.tree.leaves(final_params("full")), jax.tree.leaves(final_params("split"))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    def no_mask(step, rows):
+        return {k: v for k, v in _copy_task(step, rows, []).items() if k != "mask"}
+
+    with pytest.raises(ValueError, match=r"batches: fn\(1, rows\) returned no mask; a batch has inputs, targets, "
+                                         r"mask, positions, segment_ids, each \[rows=4, seq_len=128\]"):
+        run(_cfg(tmp_path, "steps=1", "run_name=bad", *no_corpus), batches=no_mask)
+
+
 @pytest.mark.slow
 def test_resume_gives_the_same_next_step_loss(tmp_path):
     full = run(_cfg(tmp_path, "steps=6", "checkpoint_every=3", "run_name=full"))

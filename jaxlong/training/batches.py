@@ -1,0 +1,79 @@
+"""Batches of one's own for the train loop: a function of the step in place of the corpus pipeline.
+
+The train loop (`jaxlong.training.loop.run`) reads its batches from the corpus (`jaxlong.data.batch_iterator`:
+packing, mixtures, its state saved with each checkpoint). A probe that trains on synthetic tasks (passkey
+retrieval, RULER's needles, copying) passes `run(cfg, batches=fn)` instead, where `fn(step, rows)` returns the
+host batch of global step `step` for the rows `rows` of the global batch; everything else is the trainer's own
+(mesh, compiled step, checkpoints, `--resume`, SIGTERM, TensorBoard, hooks). The function must depend on the
+step alone (seed a generator with it), so that a resumed run is fed exactly what an uninterrupted one was: the
+checkpoint records only the step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["BatchFn", "StepBatches", "BATCH_KEYS"]
+
+BatchFn = Callable[[int, np.ndarray], dict]
+# What the compiled train step reads (`jaxlong.training.step.abstract_batch`), with their dtypes.
+BATCH_KEYS = {"inputs": np.int32, "targets": np.int32, "mask": np.float32, "positions": np.int32,
+              "segment_ids": np.int32}
+
+
+class StepBatches:
+    """The train loop's batch iterator over `fn(step, rows)` (`BatchFn`).
+
+    Args:
+      fn: `fn(step, rows) -> dict` of numpy arrays `[len(rows), seq_len]` with the keys of `BATCH_KEYS`
+        (`inputs`, `targets` token ids; `mask` the loss weight of each target, float; `positions` within each
+        document; `segment_ids` the document of each token, 0 = padding); `step` is the global step (1-based),
+        `rows` this process's sorted global row indices (`jaxlong.training.step.process_rows`).
+      rows: those row indices.
+      seq_len: tokens per row.
+      start: the step already done (the run's first batch is `fn(start + 1, rows)`).
+    """
+
+    def __init__(self, fn: BatchFn, rows: np.ndarray, seq_len: int, start: int = 0):
+        self.fn, self.rows, self.seq_len, self.step = fn, np.asarray(rows, np.int64), int(seq_len), int(start)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        """The next step's batch, cast to `BATCH_KEYS`' dtypes.
+
+        Raises:
+          ValueError: a key is missing, or an array is not `[len(rows), seq_len]` (the message names it).
+        """
+        self.step += 1
+        batch = self.fn(self.step, self.rows)
+        want = (self.rows.size, self.seq_len)
+        missing = [k for k in BATCH_KEYS if k not in batch]
+        if missing:
+            raise ValueError(f"batches: fn({self.step}, rows) returned no {', '.join(missing)}; a batch has "
+                             f"{', '.join(BATCH_KEYS)}, each [rows={want[0]}, seq_len={want[1]}]")
+        out = {}
+        for k, dtype in BATCH_KEYS.items():
+            arr = np.asarray(batch[k])
+            if arr.shape != want:
+                raise ValueError(f"batches: fn({self.step}, rows)[{k!r}] has shape {arr.shape}; it must be [rows, "
+                                 f"seq_len] = {list(want)} (rows: this process's {want[0]} rows of the global "
+                                 f"batch)")
+            out[k] = arr.astype(dtype, copy=False)
+        return out
+
+    def get_state(self) -> dict:
+        """The step of the last batch (all a resume needs: the batches are a function of the step)."""
+        return {"step": self.step}
+
+    def set_state(self, state: dict) -> None:
+        """Continue after the state's step (`get_state`)."""
+        self.step = int(state["step"])
+
+    @staticmethod
+    def merge_states(states: list[dict]) -> dict:
+        """One state from every process's `get_state()` (all at the same step)."""
+        return states[0]
