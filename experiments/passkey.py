@@ -11,6 +11,9 @@ are the only tokens that need the context. The curriculum `--phases` (length, ba
 cores) trains short first, where retrieval (an induction circuit: find the key's digits, copy the next one) is
 learned in a few hundred steps, then longer; a phase before the last ends once every depth reaches `--target`
 `--patience` evaluations in a row. Every phase runs on the same 8-device mesh, so all training is context parallel.
+Each phase is a run of the trainer (`jaxlong.training.loop.run`) on this script's batches (`batches=`), the next
+resuming the previous one's checkpoint at its own length (`--work` holds the run); a hook scores retrieval and
+ends a phase early (`jaxlong.training.hooks`).
 Retrieval is scored teacher-forced (`jaxlong.evaluation.steps.score_passkey`) on held-out keys at `--depths` during
 training and at `--final-depths` at the end.
 
@@ -82,6 +85,7 @@ def parse_args(argv=None):
                    help="a phase ends once every depth reaches --target this many evaluations in a row")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "experiments/results/passkey"))
+    p.add_argument("--work", default="runs/passkey", help="the trainer's run directory (emptied first)")
     p.add_argument("overrides", nargs="*",
                    help="extra config key=value (after the small model: " + " ".join(MODEL) + ")")
     return p.parse_args(argv)
@@ -102,37 +106,42 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    import jax  # noqa: PLC0415 (after XLA_FLAGS)
+    import shutil  # noqa: PLC0415
 
     from jaxlong import data as data_lib  # noqa: PLC0415
     from jaxlong import evaluation as ev  # noqa: PLC0415
     from jaxlong.config import load_config  # noqa: PLC0415
     from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
-    from jaxlong.training import step as step_lib  # noqa: PLC0415
+    from jaxlong.training.hooks import Hook  # noqa: PLC0415
+    from jaxlong.training.loop import run  # noqa: PLC0415
 
     phases = parse_phases(args.phases)
     lo_digits, hi_digits = (int(x) for x in args.train_digits.split("-"))
     full_seq, full_batch = phases[-1][:2]
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    length = max(args.max_steps * len(phases), args.warmup)  # the schedule's (constant after warmup)
     cfg = load_config(None, [
         *MODEL, f"seq_len={full_seq}", f"global_batch={full_batch}", f"mesh.context={args.context}", "mesh.fsdp=-1",
         f"optim.lr={args.lr}", f"optim.warmup_steps={args.warmup}", f"steps={args.max_steps * len(phases)}",
-        "optim.min_lr_ratio=1.0", f"seed={args.seed}", *args.overrides])
+        f"optim.decay_steps={length}",
+        "optim.min_lr_ratio=1.0", f"seed={args.seed}", f"run_dir={work}", "run_name=run", "eval_every=0",
+        "log_every=1", f"checkpoint_every={length}", *args.overrides])
     mesh = build_mesh(cfg.mesh)
     tok = data_lib.get_tokenizer("byte")
     rng = np.random.default_rng([cfg.seed, 7])
     depths = [float(d) for d in args.depths.split(",")]
-    state = step_lib.init_state(cfg, mesh)
     history = []  # (step, seq_len, wall minutes, CPU minutes / 2, train loss, [accuracy per depth])
     start, cpu0 = time.perf_counter(), time.process_time()
     load = [os.getloadavg()[0]]
-    step = 0
+    step, end = 0, {}
 
-    def score(stats, seq, batch, depths, per_depth, seed):
+    def score(stats, params, seq, batch, depths, per_depth, seed):
         """Key accuracy per depth (`score_passkey`) and, as a diagnostic, the fraction of answer digits right."""
         digit_hits = []
 
         def predict(b):
-            argmax = stats(state["params"], b)[1]
+            argmax = stats(params, b)[1]
             digit_hits.append(np.mean(argmax[:, -args.digits:] == b["targets"][:, -args.digits:]))
             return argmax
 
@@ -140,56 +149,67 @@ def main(argv=None):
                                batch_size=batch, digits=args.digits, seed=seed)[:, 0]
         return acc, float(np.mean(digit_hits))
 
-    for seq, batch_size, minutes_budget, wall_budget in phases:
-        pcfg = dataclasses.replace(cfg, seq_len=seq, global_batch=batch_size, attention=dataclasses.replace(
-            cfg.attention, block_q=min(512, seq // args.context), block_k=min(512, seq // args.context)))
+    # Each phase is a run of the trainer (`jaxlong.training.loop.run`) on this script's batches, the next
+    # resuming the previous one's checkpoint at its own length; a hook scores and ends a phase early.
+    for index, (seq, batch_size, minutes_budget, wall_budget) in enumerate(phases):
+        pcfg = dataclasses.replace(cfg, seq_len=seq, global_batch=batch_size, steps=step + args.max_steps,
+                                   attention=dataclasses.replace(cfg.attention, block_q=min(512, seq // args.context),
+                                                                 block_k=min(512, seq // args.context)))
         corpus_batches = data_lib.batch_iterator(dataclasses.replace(
             pcfg, data=dataclasses.replace(pcfg.data, max_tokens=4_000_000)), tok) if args.corpus_every else None
         t0 = time.perf_counter()
-        train_step = step_lib.compile_train_step(pcfg, mesh)
         stats = ev.token_stats(pcfg, mesh)
-        print(f"phase {seq} tokens x {batch_size}: compiled in {time.perf_counter() - t0:.1f} s; mesh "
-              f"{dict(mesh.shape)}", flush=True)
-        phase_cpu0, phase_t0 = time.process_time(), time.perf_counter()
+        clock, hits = {}, [0]
+        last = index == len(phases) - 1
 
-        def train_batch(i):
+        def train_batch(i, rows, seq=seq, batch_size=batch_size, corpus_batches=corpus_batches, clock=clock):
+            """Step `i`'s batch, drawn in step order from one generator (a phase is not resumed mid-way)."""
+            if not clock:  # the phase's budget counts from its first batch, after the compile
+                clock.update(cpu=time.process_time(), wall=time.perf_counter())
+                print(f"phase {seq} tokens x {batch_size}: training {clock['wall'] - t0:.1f} s after the phase began "
+                      f"(compile, resume); mesh {dict(mesh.shape)}", flush=True)
             if args.corpus_every and i % args.corpus_every == 0:
-                return next(corpus_batches)
-            examples = [ev.passkey_example(tok.encode, seq, float(rng.random()),
-                                           ev.random_key(rng, int(rng.integers(lo_digits, hi_digits + 1))))
-                        for _ in range(batch_size)]
-            b = ev.passkey_batch(examples)
-            b["mask"] = np.stack([copy_weights(e, args.copy_weight) for e in examples])
-            return b
+                b = next(corpus_batches)
+            else:
+                examples = [ev.passkey_example(tok.encode, seq, float(rng.random()),
+                                               ev.random_key(rng, int(rng.integers(lo_digits, hi_digits + 1))))
+                            for _ in range(batch_size)]
+                b = ev.passkey_batch(examples)
+                b["mask"] = np.stack([copy_weights(e, args.copy_weight) for e in examples])
+            return {k: v[rows] for k, v in b.items()}
 
-        hits, phase_steps = 0, 0
-        while phase_steps < args.max_steps:
-            batch = step_lib.put_batch(train_batch(step + 1), mesh)
-            state, m = jax.block_until_ready(train_step(state, batch))  # one program in flight at a time
-            step += 1
-            phase_steps += 1
+        def evaluate(ctx, seq=seq, batch_size=batch_size, minutes_budget=minutes_budget, wall_budget=wall_budget,
+                     stats=stats, clock=clock, hits=hits, last=last, pcfg=pcfg):
             now = time.perf_counter()
-            spent = (time.process_time() - phase_cpu0) / 120 > minutes_budget or \
-                (now - phase_t0) / 60 > wall_budget or (now - start) / 60 > args.wall_minutes
-            if step % args.eval_every == 0 or spent:
-                loss = float(m["loss"])
-                acc, digit_acc = score(stats, seq, batch_size, depths, args.eval_per_depth, 10_000 + step)
+            spent = (time.process_time() - clock["cpu"]) / 120 > minutes_budget or \
+                (now - clock["wall"]) / 60 > wall_budget or (now - start) / 60 > args.wall_minutes
+            if ctx.step % args.eval_every == 0 or spent:
+                loss = ctx.metrics["loss"]
+                acc, digit_acc = score(stats, ctx.params, seq, batch_size, depths, args.eval_per_depth,
+                                       10_000 + ctx.step)
                 minutes, cpu_minutes = (time.perf_counter() - start) / 60, (time.process_time() - cpu0) / 120
                 load.append(os.getloadavg()[0])
-                history.append((step, seq, minutes, cpu_minutes, loss, acc.tolist(), digit_acc))
-                print(f"step {step} at {seq} tokens ({minutes:.1f} min wall, {cpu_minutes:.1f} min of 2 cores, load "
-                      f"{load[-1]:.1f}): loss {loss:.3f}, passkey accuracy by depth "
+                history.append((ctx.step, seq, minutes, cpu_minutes, loss, acc.tolist(), digit_acc))
+                print(f"step {ctx.step} at {seq} tokens ({minutes:.1f} min wall, {cpu_minutes:.1f} min of 2 cores, "
+                      f"load {load[-1]:.1f}): loss {loss:.3f}, passkey accuracy by depth "
                       f"{' '.join(f'{a:.2f}' for a in acc)} (mean {acc.mean():.2f}; answer digits right "
-                      f"{digit_acc:.2f})",
-                      flush=True)
-                hits = hits + 1 if acc.min() >= args.target else 0
-                if spent or (hits >= args.patience and seq != full_seq):
-                    break
-        if (time.perf_counter() - start) / 60 > args.wall_minutes:
+                      f"{digit_acc:.2f})", flush=True)
+                hits[0] = hits[0] + 1 if acc.min() >= args.target else 0
+                if spent or (hits[0] >= args.patience and seq != full_seq):
+                    ctx.request_stop("budget spent" if spent else f"every depth >= {args.target} {hits[0]} times")
+            over = (time.perf_counter() - start) / 60 > args.wall_minutes
+            if (ctx.stop_reason or ctx.step == pcfg.steps) and (last or over):  # the experiment ends here
+                end["spent"] = ((time.perf_counter() - start) / 60, (time.process_time() - cpu0) / 120)
+                end["final"] = score(stats, ctx.params, seq, batch_size, final_depths, args.final_per_depth, 99_999)
+                end["seq"], end["over"] = seq, over
+
+        final_depths = [float(d) for d in args.final_depths.split(",")]
+        result = run(pcfg, resume=index > 0, allow_changes=True, batches=train_batch,
+                     hooks=[Hook(evaluate, every=1, name="passkey")])
+        step = result["step"]
+        if end:
             break
-    minutes, cpu_minutes = (time.perf_counter() - start) / 60, (time.process_time() - cpu0) / 120
-    final_depths = [float(d) for d in args.final_depths.split(",")]
-    final, final_digits = score(stats, seq, batch_size, final_depths, args.final_per_depth, 99_999)
+    (minutes, cpu_minutes), (final, final_digits), seq = end["spent"], end["final"], end["seq"]
     total_minutes, total_cpu = (time.perf_counter() - start) / 60, (time.process_time() - cpu0) / 120
     print(f"final ({step} steps, {minutes:.1f} min wall, {cpu_minutes:.1f} min of 2 cores; with the final scoring "
           f"{total_minutes:.1f} / {total_cpu:.1f}): {' '.join(f'{a:.2f}' for a in final)} (mean {final.mean():.3f}; "

@@ -340,21 +340,24 @@ def digits_right(stats, params, cases) -> float:
 
 
 def train_weighted(args, overrides: list[str], log: Path) -> float:
-    """Train through the library with the answers weighted (`--copy-weight`); writes the checkpoint of the last step
-    under `<run_dir>/<run_name>/checkpoints` with the run's config, as `python -m jaxlong.train` would; returns the
+    """Train with the trainer (`jaxlong.training.loop.run`) on batches of the demo's own (`run(cfg,
+    batches=...)`) with the answers weighted (`--copy-weight`); the checkpoints land under
+    `<run_dir>/<run_name>/checkpoints` with the run's config, as `python -m jaxlong.train` writes them; returns the
     wall time (s). Batches: one task of `--mix` per batch (in turn), `global_batch` cases at `seq_len` tokens
     (seeds 100000+, needle depths spread over each batch), loss weights `copy_weights`; every `--corpus-every`-th
-    batch the run's corpus (`data.path`) as the trainer reads it."""
-    import jax
+    batch the run's corpus (`data.path`) as the trainer reads it. Two hooks log the loss every `log_every` steps
+    and score RULER every `eval_every` steps (`jaxlong.training.hooks`). The batches are drawn in step order from
+    one generator (as this demo always drew them), so a run of it is not resumed."""
+    import dataclasses
 
     from jaxlong import data
-    from jaxlong.config import load_config, to_dict
-    from jaxlong.core.mesh import build_mesh
+    from jaxlong.config import load_config
     from experiments.passkey import copy_weights as passkey_weights
     from jaxlong.evaluation import passkey_batch, passkey_example, random_key, ruler, token_stats
-    from jaxlong.training import step as step_lib
+    from jaxlong.core.mesh import build_mesh
     from jaxlong.evaluation.ruler.words import Pieces
-    from jaxlong.training.checkpoint import Checkpointer
+    from jaxlong.training.hooks import Hook
+    from jaxlong.training.loop import run
 
     cfg = load_config(None, overrides)
     mesh, tok, tasks = build_mesh(cfg.mesh), data.run_tokenizer(cfg), train_tasks()
@@ -373,52 +376,53 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
         def repeats(r):
             return token_repeat_batch(r, cfg.seq_len, cfg.global_batch, args.copy_weight, chunks, tok.bos_id)
     held_repeats = repeats(np.random.default_rng(99))
+    rng = np.random.default_rng(7)
+
+    def passkey_docs():
+        examples = [passkey_example(tok.encode, cfg.seq_len, float(rng.random()),
+                                    random_key(rng, int(rng.integers(3, 9)))) for _ in range(cfg.global_batch)]
+        b = passkey_batch(examples)
+        b["mask"] = np.stack([passkey_weights(e, args.copy_weight) for e in examples])
+        return b
+
+    def batch(i, rows):
+        if i % args.corpus_every == 0:
+            b = next(corpus)
+        elif i <= args.repeats or (args.repeats_every and i % args.repeats_every == 0):
+            b = repeats(rng)
+        elif i <= args.repeats + args.bootstrap or (args.passkey_every and i % args.passkey_every == 0):
+            b = passkey_docs()
+        else:
+            name, lo = mix[i % len(mix)]
+            n = int(rng.integers(lo, cfg.seq_len + 1))
+            cases = ruler.make_cases(tasks[name], tok, n, cfg.global_batch, seed=100_000 + i)
+            b = padded(passkey_batch(cases), np.stack([copy_weights(c, pieces, args.copy_weight) for c in cases]),
+                       cfg.seq_len, tok.eos_id)
+        return {k: v[rows] for k, v in b.items()}
+
     t0 = time.time()
-    state, train_step = step_lib.init_state(cfg, mesh), step_lib.compile_train_step(cfg, mesh)
-    ckpt = Checkpointer(Path(cfg.run_dir) / cfg.run_name / "checkpoints", every=cfg.checkpoint_every,
-                        keep=cfg.keep_checkpoints, final_step=cfg.steps)
     with open(log, "w") as f:
         def say(line):
             print(line, flush=True)
             f.write(line + "\n")
             f.flush()
 
-        def passkey_docs():
-            examples = [passkey_example(tok.encode, cfg.seq_len, float(rng.random()),
-                                        random_key(rng, int(rng.integers(3, 9)))) for _ in range(cfg.global_batch)]
-            b = passkey_batch(examples)
-            b["mask"] = np.stack([passkey_weights(e, args.copy_weight) for e in examples])
-            return b
+        def log_loss(ctx):
+            if ctx.step % cfg.log_every == 0:
+                say(f"step {ctx.step}: loss {ctx.metrics['loss']:.4f} ({(time.time() - t0) / 60:.1f} min)")
 
-        rng = np.random.default_rng(7)
-        for i in range(1, cfg.steps + 1):
-            if i % args.corpus_every == 0:
-                batch = next(corpus)
-            elif i <= args.repeats or (args.repeats_every and i % args.repeats_every == 0):
-                batch = repeats(rng)
-            elif i <= args.repeats + args.bootstrap or (args.passkey_every and i % args.passkey_every == 0):
-                batch = passkey_docs()
-            else:
-                name, lo = mix[i % len(mix)]
-                n = int(rng.integers(lo, cfg.seq_len + 1))
-                cases = ruler.make_cases(tasks[name], tok, n, cfg.global_batch, seed=100_000 + i)
-                batch = padded(passkey_batch(cases), np.stack([copy_weights(c, pieces, args.copy_weight)
-                                                               for c in cases]), cfg.seq_len, tok.eos_id)
-            state, metrics = jax.block_until_ready(train_step(state, step_lib.put_batch(batch, mesh)))
-            if i % cfg.log_every == 0:
-                say(f"step {i}: loss {float(metrics['loss']):.4f} ({(time.time() - t0) / 60:.1f} min)")
-            if i % cfg.eval_every == 0 or i == cfg.steps:
-                rows = ruler.evaluate_ruler(cfg, mesh, state["params"], tok, suite)
-                say(f"step {i}: ruler " + ", ".join(f"{r['task']}@{r['length']} {r['correct']}/{r['cases']}"
-                                                    for r in rows)
-                    + f", value {'digits' if tok.name == 'byte' else 'tokens'} right "
-                    + f"{digits_right(stats, state['params'], held_out):.2f}"
-                    + (f", repeats right {copies_right(stats, state['params'], held_repeats):.2f}"
-                       if args.repeats or args.repeats_every else ""))
-            if ckpt.should_save(i) or i == cfg.steps:
-                ckpt.save(state, to_dict(cfg), force=True)
-        ckpt.wait()
-        ckpt.close()
+        def score(ctx):
+            rows = ruler.evaluate_ruler(cfg, mesh, ctx.params, tok, suite)
+            say(f"step {ctx.step}: ruler " + ", ".join(f"{r['task']}@{r['length']} {r['correct']}/{r['cases']}"
+                                                       for r in rows)
+                + f", value {'digits' if tok.name == 'byte' else 'tokens'} right "
+                + f"{digits_right(stats, ctx.params, held_out):.2f}"
+                + (f", repeats right {copies_right(stats, ctx.params, held_repeats):.2f}"
+                   if args.repeats or args.repeats_every else ""))
+
+        # the trainer's own validation is off (the demo scores RULER itself); its corpus batches come from `corpus`
+        run(dataclasses.replace(cfg, eval_every=0), batches=batch,
+            hooks=[Hook(log_loss, every=cfg.log_every, name="loss"), Hook(score, every=cfg.eval_every, name="ruler")])
     return time.time() - t0
 
 

@@ -47,6 +47,7 @@ TIERS = {
     "test_crash_retry.py": "fast",
     "test_docs.py": "fast+slow",
     "test_docs_fresh.py": "slow",
+    "test_experiments.py": "slow",
     "test_gpu_check_smoke.py": "slow",
     "training/test_faults.py": "fast+slow",
     "training/test_grad_accum.py": "fast+slow",

@@ -26,7 +26,7 @@ class StepContext:
     """What a hook sees after step `step` (1-based, global): `params` (the FSDP-sharded parameters of that step;
     read them, do not keep them past the hook: the next step donates the state), `metrics` (the latest logged
     scalars, `loss`, `lr`, ...), `cfg`, `mesh`, `writer` (the run's TensorBoard `SummaryWriter` on process 0,
-    else None) and `say` (print a line above the progress bar, on process 0)."""
+    else None) and `say` (print a line above the progress bar, on process 0); `request_stop` ends the run."""
 
     step: int
     params: dict
@@ -35,6 +35,13 @@ class StepContext:
     mesh: jax.sharding.Mesh
     writer: Any
     say: Callable[[str], None]
+    stop_reason: str | None = None
+
+    def request_stop(self, reason: str) -> None:
+        """End the run after this step, before `steps` (early stopping, a budget spent): the loop saves this
+        step's checkpoint and `run` returns normally, its result's `stopped` = `reason`. In a multi-process run
+        every process must request it at the same step (a hook runs on every process)."""
+        self.stop_reason = reason
 
 
 @dataclasses.dataclass

@@ -162,7 +162,9 @@ def _fault_plan() -> list[tuple[str, int, int]]:
 
 def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_changes: bool = False,
         hooks: Sequence[Hook] = (), batches: BatchFn | None = None) -> dict:
-    """Train for `cfg.steps` steps. Returns the last step's metrics and the run directory.
+    """Train for `cfg.steps` steps (fewer where a hook requests a stop, `StepContext.request_stop`). Returns
+    `{"metrics": the last logged metrics, "run_dir", "step": the last step done, "stopped": a hook's reason or
+    None}`.
 
     `resume` continues the run's latest checkpoint; its saved config must equal `cfg` except for the keys in
     `jaxlong.training.checkpoint.RESUMABLE_KEYS`, unless `allow_changes` (`--resume-with-changes`). `hooks`
@@ -230,7 +232,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     if start >= cfg.steps:
         _say(f"nothing to do: the latest checkpoint is step {start} and steps={cfg.steps}; "
               f"pass steps=N with N > {start} to train further")
-        return {"metrics": {}, "run_dir": str(run_dir)}
+        return {"metrics": {}, "run_dir": str(run_dir), "step": start, "stopped": None}
     check_state_fits_host(cfg, mesh)  # before the data and the compile
     run_dir.mkdir(parents=True, exist_ok=True)
     _say(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
@@ -444,7 +446,7 @@ def _loop(lp: _Loop, state: dict, start: int) -> dict:
     # `done` is the step counter of the bound `state` (int(state['step'])): a signal cannot interrupt between
     # the two assignments below, since the handler only records it.
     # `data_state` is the input pipeline's state after the batch of step `done`: saved with that state.
-    done, started, data_state = start, None, batches.get_state()
+    done, started, data_state, stopped = start, None, batches.get_state(), None
     several = jax.process_count() > 1
     if liveness.watchdog() is not None:  # a lost process's line names the latest checkpoint
         liveness.watchdog().checkpoints = lambda: latest_checkpoint_text(ckpt.directory)
@@ -518,12 +520,15 @@ def _loop(lp: _Loop, state: dict, start: int) -> dict:
                                   bar.write if main else (lambda line: None))
                 for hook in due:
                     hook.fn(ctx)
+                stopped = ctx.stop_reason
             bar.update(1)
             fault("before_save", step)
             if ckpt.should_save(done):
                 started = ckpt.save(state, cfg_dict, data_state=_all_streams(batches, data_state)) or started
                 fault("during_save", step)  # the asynchronous commit may still be running
             fault("end_of_step", step)
+            if stopped is not None:  # a hook ended the run after this step (saved below)
+                break
         fault("after_loop", done)
         try:
             if done > start and started != done:  # interrupted between saves, or a final step the policy skipped
@@ -551,6 +556,7 @@ def _loop(lp: _Loop, state: dict, start: int) -> dict:
         _say(f"stopped by {name} after step {done}; latest committed checkpoint: step {latest}; "
               f"continue with --resume")
         raise Preempted(signals.received, f"stopped by {name} after step {done}")
-    _say(f"done: step {cfg.steps}, loss {metrics.get('loss', float('nan')):.4f}; "
+    ended = f"done: step {cfg.steps}" if stopped is None else f"stopped after step {done} by a hook ({stopped})"
+    _say(f"{ended}, loss {metrics.get('loss', float('nan')):.4f}; "
           f"TensorBoard: tensorboard --logdir {cfg.run_dir}; checkpoints in {ckpt.directory}")
-    return {"metrics": metrics, "run_dir": str(run_dir)}
+    return {"metrics": metrics, "run_dir": str(run_dir), "step": done, "stopped": stopped}

@@ -78,8 +78,8 @@ def _copy_task(step, rows, seen, seq_len=128, vocab=257):
 def test_batches_of_ones_own_train_checkpoint_and_resume_like_the_corpus(tmp_path):
     """`run(cfg, batches=fn)` trains on `fn(step, rows)` instead of the corpus (never read: `data.path` does not
     exist), with the trainer's checkpoints and `--resume`: stopped after step 2 and resumed, it is fed steps 3 and 4
-    and reaches the same losses and parameters as an uninterrupted run. A batch without a key is refused naming
-    it."""
+    and reaches the same losses and parameters as an uninterrupted run. A hook may end a run early. A batch without
+    a key is refused naming it."""
     import jax
     import numpy as np
 
@@ -110,6 +110,17 @@ def test_batches_of_ones_own_train_checkpoint_and_resume_like_the_corpus(tmp_pat
     assert resumed["metrics"]["loss"] == pytest.approx(full["metrics"]["loss"], rel=1e-6)
     for a, b in zip(jax.tree.leaves(final_params("full")), jax.tree.leaves(final_params("split"))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # a hook ends the run early (`StepContext.request_stop`): step 3's checkpoint is saved, `run` returns normally
+    from jaxlong.training.hooks import Hook
+
+    early_seen = []
+    early = run(_cfg(tmp_path, "steps=4", "run_name=early", *no_corpus),
+                batches=lambda step, rows: _copy_task(step, rows, early_seen),
+                hooks=[Hook(lambda ctx: ctx.step == 3 and ctx.request_stop("enough"), every=1)])
+    assert (early["step"], early["stopped"]) == (3, "enough") and [s for s, _ in early_seen] == [1, 2, 3]
+    assert sorted(int(p.name) for p in (tmp_path / "early" / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
+    assert full["step"] == 4 and full["stopped"] is None
 
     def no_mask(step, rows):
         return {k: v for k, v in _copy_task(step, rows, []).items() if k != "mask"}
