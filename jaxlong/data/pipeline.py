@@ -211,14 +211,22 @@ class ProcessBatches:
         return ProcessIterator(self)
 
 
+def _add_counts(a, b) -> list[int]:
+    """Two lists of per-source counts added, the shorter padded with zeros."""
+    n = max(len(a), len(b))
+    return [int(x) + int(y) for x, y in zip([*a, *[0] * (n - len(a))], [*b, *[0] * (n - len(b))])]
+
+
 class ProcessIterator:
     """Iterator over a `ProcessBatches`: batch dicts of the rows `rows` (attribute, sorted global row indices).
-    `get_state()` is `{'streams': {str(index): Grain state}}` of its streams; `set_state` takes the part of a
-    state (its own, or one merged over processes by `merge_states`) that names its streams."""
+    `get_state()` is `{'streams': {str(index): Grain state}}` of its streams, with a mixture also
+    `'source_tokens': {str(index): [tokens of source 0, 1, ...]}` fed by each stream so far; `set_state` takes
+    the part of a state (its own, or one merged over processes by `merge_states`) that names its streams."""
 
     def __init__(self, batches: ProcessBatches):
         self.rows = batches.rows
         self._iters = {s: iter(ds) for s, ds in batches.streams.items()}
+        self._tokens: dict = {}  # stream -> tokens of each source it fed (a mixture)
         order = list(self._iters)
         per = batches.per_stream
         self._take = np.array([order.index(int(r) // per) * per + int(r) % per for r in self.rows])
@@ -228,13 +236,28 @@ class ProcessIterator:
 
     def __next__(self) -> dict:
         parts = [next(it) for it in self._iters.values()]
+        for s, part in zip(self._iters, parts):
+            if SOURCE_FEATURE in part:  # source index + 1 per token, 0 on padding
+                counts = np.bincount(np.asarray(part[SOURCE_FEATURE]).ravel())[1:]
+                self._tokens[s] = _add_counts(self._tokens.get(s, []), counts)
         batch = parts[0] if len(parts) == 1 else _concat(parts)
         if self._take.size == len(batch["inputs"]) and np.array_equal(self._take, np.arange(self._take.size)):
             return batch
         return {k: v[self._take] for k, v in batch.items()}
 
     def get_state(self) -> dict:
-        return {"streams": {str(s): it.get_state() for s, it in self._iters.items()}}
+        state = {"streams": {str(s): it.get_state() for s, it in self._iters.items()}}
+        if self._tokens:
+            state["source_tokens"] = {str(s): list(n) for s, n in self._tokens.items()}
+        return state
+
+    def source_tokens(self) -> list[int]:
+        """Tokens of each source (by index) that this process's packing streams have fed since the stage began
+        (carried over a resume by the data state); [] without a mixture."""
+        total: list[int] = []
+        for counts in self._tokens.values():
+            total = _add_counts(total, counts)
+        return total
 
     def set_state(self, state: dict) -> None:
         """Continue from `state` (`get_state()` of this or another process's iterator, or `merge_states` of
@@ -254,12 +277,19 @@ class ProcessIterator:
                              f"{missing} of this process")
         for s, it in self._iters.items():
             it.set_state(streams[str(s)])
+        tokens = state.get("source_tokens", {})  # absent in checkpoints of older versions: counted from here
+        self._tokens = {s: list(tokens[str(s)]) for s in self._iters if str(s) in tokens}
 
 
 def merge_states(states: list[dict]) -> dict:
     """One data state from the `get_state()` of every process (`ProcessIterator`): every packing stream's state,
-    by stream index (processes building the same stream hold the same state for it)."""
-    return {"streams": {k: v for state in states for k, v in state["streams"].items()}}
+    by stream index (processes building the same stream hold the same state for it), and with a mixture the
+    tokens of each source each stream fed."""
+    merged = {"streams": {k: v for state in states for k, v in state["streams"].items()}}
+    tokens = {k: v for state in states for k, v in state.get("source_tokens", {}).items()}
+    if tokens:
+        merged["source_tokens"] = tokens
+    return merged
 
 
 def _bins(streams: int) -> int:

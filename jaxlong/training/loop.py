@@ -439,7 +439,6 @@ def _loop(lp: _Loop, state: dict, start: int) -> dict:
     metrics: dict = {}
     packed: list[float] = []
     names = [data_lib.source_name(src, i) for i, src in enumerate(cfg.data.sources)]
-    mixed = dict.fromkeys(names, 0)  # tokens of each source of a mixture since this run (re)started
     profiling = False
     profile_start = start + 1  # skip the first step (allocation, warm-up)
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=not main)
@@ -469,9 +468,7 @@ def _loop(lp: _Loop, state: dict, start: int) -> dict:
                 profiling = True
             host_batch = next(batches)
             packed.append(data_lib.packing_efficiency(host_batch))
-            if data_lib.SOURCE_FEATURE in host_batch:  # a mixture: the tokens of each source in this batch
-                for name, n in data_lib.source_shares(host_batch.pop(data_lib.SOURCE_FEATURE), names).items():
-                    mixed[name] += n
+            host_batch.pop(data_lib.SOURCE_FEATURE, None)  # a mixture's source per token: counted by `batches`
             fault("before_put", step)
             batch = step_lib.put_batch(host_batch, mesh, batches.rows, cfg.global_batch)
             fault("before_dispatch", step)
@@ -496,8 +493,10 @@ def _loop(lp: _Loop, state: dict, start: int) -> dict:
                 metrics = {k: float(v) for k, v in fetched.items()}
                 metrics["packing_efficiency"], packed = sum(packed) / max(len(packed), 1), []
                 metrics["seq_len"], metrics["stage"] = cfg.seq_len, cfg.stage
-                for name, n in mixed.items():  # the realised share of the tokens this process was fed
-                    metrics[f"data/share/{name}"] = n / max(sum(mixed.values()), 1)
+                fed = getattr(batches, "source_tokens", list)()  # since the stage began, over resumes
+                fed = [*fed, *[0] * (len(names) - len(fed))]
+                for name, n in zip(names, fed):  # the realised share of the tokens this process's streams fed
+                    metrics[f"data/share/{name}"] = n / max(sum(fed), 1)
                 now = time.perf_counter()
                 n_steps = min(cfg.log_every, done - start)
                 metrics["step_time_s"] = (now - t_last) / n_steps

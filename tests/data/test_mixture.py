@@ -90,6 +90,9 @@ def test_the_mixture_is_deterministic_by_seed_and_resumes_with_the_next_batch(co
     assert all(np.array_equal(x[k], y[k]) for x, y in zip(first, (next(b) for _ in range(7))) for k in x)
     resumed = data.batch_iterator(cfg, BYTE, state=state)
     assert all(np.array_equal(x[k], y[k]) for x, y in zip(rest, (next(resumed) for _ in range(6))) for k in x)
+    # the tokens each source fed count on from the state: the trainer's realised shares survive a resume
+    fed = np.bincount(np.concatenate([x[data.SOURCE_FEATURE].ravel() for x in first + rest]), minlength=4)[1:]
+    assert resumed.source_tokens() == a.source_tokens() == fed.tolist()
     other = data.batch_iterator(_cfg(corpora, weights, "seed=1", long={"upsample_long": 2}), BYTE)
     assert not np.array_equal(next(other)["inputs"], first[0]["inputs"])
 

@@ -251,18 +251,20 @@ def test_a_killed_recipe_resumes_to_the_same_parameters(tmp_path, whole, fault, 
     """Killed mid-stage (SIGTERM after step 3, inside the second stage: its checkpoint and data state) or at a
     stage boundary (SIGKILL right after the second stage's last checkpoint committed), `--resume` continues the
     stage of the latest checkpoint or starts the next one, and ends with the parameters of the uninterrupted run,
-    bit for bit. Each kind of kill and each place once (the other two pairs run the same code)."""
+    bit for bit, and logs the same realised source shares. Each kind of kill and each place once (the other two
+    pairs run the same code)."""
     recipe = _recipe(tmp_path)
     proc = _train("--config", str(recipe), *BASE, f"run_dir={tmp_path}", fault=fault)
     assert proc.returncode == code, proc.stderr[-3000:]
     _ok(_train("--resume", "--config", str(recipe), *BASE, f"run_dir={tmp_path}"))
     for x, y in zip(jax.tree.leaves(_final_params(whole, recipe)), jax.tree.leaves(_final_params(tmp_path, recipe))):
         np.testing.assert_array_equal(x, y)
-    want, got = _scalars(whole / "recipe", "loss"), _scalars(tmp_path / "recipe", "loss")
-    if code == -9:  # SIGKILL loses the TensorBoard events not yet flushed; the resumed steps are all there
-        assert {5, 6} <= set(got) and got == {k: want[k] for k in got}
-    else:
-        assert got == want
+    for tag in ("loss", "data/share/long"):  # the realised shares count on from the checkpoint's data state
+        want, got = _scalars(whole / "recipe", tag), _scalars(tmp_path / "recipe", tag)
+        if code == -9:  # SIGKILL loses the TensorBoard events not yet flushed; the resumed steps are all there
+            assert {5, 6} <= set(got) and got == {k: want[k] for k in got}, tag
+        else:
+            assert got == want, tag
 
 
 def test_the_shipped_recipes_expand_and_the_8b_stages_use_their_fit_winners():
