@@ -110,10 +110,10 @@ class Watchdog:
         where = f"; {self.checkpoints()}" if self.checkpoints else ""
         self.lost = (f"process {p} of {self.processes} is lost ({why}, lost_process_timeout_s={self.timeout:g})"
                      f"{where}; process {self.process} stops")
-        self._found.set()
         sys.stdout.flush()
         tqdm.write(f"error: {self.lost}", file=sys.stderr)  # on a line of its own, below a progress bar
         sys.stderr.flush()
+        self._found.set()
         os._exit(LOST_PROCESS)  # the main thread may be blocked in a collective that never returns
 
     def verdict(self, wait: float) -> str | None:
@@ -143,8 +143,8 @@ def explain_failure() -> None:
     collective) comes from a lost process, wait for the watchdog, which ends this process with its one line
     (exit status `LOST_PROCESS`); return when no process is lost within twice the timeout, or in a one-process
     run, so that the caller re-raises."""
-    if _WATCHDOG is not None:
-        _WATCHDOG.verdict(2 * _WATCHDOG.timeout + 10)
+    if _WATCHDOG is not None and _WATCHDOG.verdict(2 * _WATCHDOG.timeout + 10) is not None:
+        time.sleep(10)  # the watchdog has printed its line and is ending the process: no traceback after it
 
 
 def stop_watchdog() -> None:
