@@ -34,14 +34,15 @@ def linger_s(lost_process_timeout_s: float) -> float:
     return 2 * lost_process_timeout_s + 60
 
 
-def start(bind_address: str, processes: int, heartbeat_s: int, lost_process_timeout_s: float) -> None:
+def start(bind_address: str, processes: int, heartbeat_s: int, lost_process_timeout_s: float) -> bool:
     """Start the coordination service for `processes` processes in a child process bound to `bind_address`
     (`host:port`; JAX's heartbeat `heartbeat_s` seconds) and wait until it listens. Called by process 0 before
-    its own `jax.distributed.initialize`.
+    its own `jax.distributed.initialize`. Returns False, with a note on stderr, where the child could not start
+    the service (a jaxlib without the function it calls): JAX then runs it inside process 0, as by default.
 
     Raises:
       ConfigError: something already listens on the port (gRPC would share it: two services, each with part of
-        the clients), or the child exited before listening; the message names the port and what to do.
+        the clients); the message names the port and what to do.
     """
     global _CHILD
     host, port = bind_address.rsplit(":", 1)
@@ -57,9 +58,12 @@ def start(bind_address: str, processes: int, heartbeat_s: int, lost_process_time
     child.stdout.close()
     if ready != "listening":
         child.wait(30)
-        raise ConfigError(f"the coordination service for {processes} processes could not start on {bind_address}: "
-                          f"{ready or 'it exited with status ' + str(child.returncode)}")
+        print(f"note: the coordination service runs inside process 0 (its own process could not start it: "
+              f"{ready or 'exit status ' + str(child.returncode)}); losing process 0 ends the others with JAX's "
+              f"message", file=sys.stderr)
+        return False
     _CHILD = child
+    return True
 
 
 def _listening(host: str, port: int) -> bool:

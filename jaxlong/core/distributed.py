@@ -132,20 +132,32 @@ def initialize(lost_process_timeout_s: float = 120) -> int:
             raise ValueError("JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES are set but JAX_PROCESS_ID is not")
         address, devices = os.environ["JAX_COORDINATOR_ADDRESS"], None
     else:  # SLURM / Open MPI auto-detection
-        from jax._src import clusters  # noqa: PLC0415 (what jax.distributed.initialize itself detects)
-
-        address, n, pid, devices = clusters.ClusterEnv.auto_detect_unset_distributed_params(
-            None, None, None, slurm_local_device_ids(), None, 300)
+        address, n, pid, devices = _detect(n)
     bind = None
-    if pid == 0:  # the coordination service runs beside process 0, not in it (jaxlong.core.coordinator)
-        port = address.rsplit(":", 1)[1]
-        coordinator.start(os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", f"[::]:{port}"), n, heartbeat,
-                          lost_process_timeout_s)
-        bind = "127.0.0.1:0"  # the service jax.distributed.initialize starts in process 0: unused
-    jax.distributed.initialize(address, num_processes=n, process_id=pid, local_device_ids=devices,
-                               coordinator_bind_address=bind, heartbeat_timeout_seconds=heartbeat)
+    # The coordination service runs beside process 0, not in it (jaxlong.core.coordinator); then the one
+    # jax.distributed.initialize starts in process 0 listens on a free local port, unused.
+    if pid == 0:
+        own = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", f"[::]:{address.rsplit(':', 1)[1]}")
+        if coordinator.start(own, n, heartbeat, lost_process_timeout_s):
+            bind = "127.0.0.1:0"
+    jax.distributed.initialize(address, num_processes=n if address else None, process_id=pid,
+                               local_device_ids=devices, coordinator_bind_address=bind,
+                               heartbeat_timeout_seconds=heartbeat)
     liveness.start_watchdog(jax.process_index(), n, lost_process_timeout_s)
     return n
+
+
+def _detect(n: int) -> tuple:
+    """(coordinator address, process count, process id, local device ids) of a SLURM or Open MPI launch, as
+    `jax.distributed.initialize` detects them; where this jax hides its detection, (None, n, None, ...) and
+    `initialize` leaves it to JAX (the coordination service then runs inside process 0)."""
+    try:
+        from jax._src import clusters  # noqa: PLC0415 (what jax.distributed.initialize itself detects)
+
+        return clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, slurm_local_device_ids(),
+                                                                        None, 300)
+    except (ImportError, AttributeError, TypeError):
+        return None, n, None, slurm_local_device_ids()
 
 
 def is_main_process() -> bool:

@@ -70,11 +70,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_coordination_service_refuses_a_port_in_use_and_ends_after_process_0():
+def test_the_coordination_service_refuses_a_port_in_use_and_ends_after_process_0(monkeypatch, capsys):
     """Process 0 starts JAX's coordination service beside it (`jaxlong.core.coordinator`): on a port something
     already listens on it refuses in one line (gRPC would share the port: two services, each with part of the
     clients); started by a process that then exits with no client connected, it ends within seconds and frees the
-    port."""
+    port; where its process cannot start the service, a note says that JAX runs it inside process 0."""
     import socket
     import subprocess
     import sys
@@ -98,3 +98,6 @@ def test_the_coordination_service_refuses_a_port_in_use_and_ends_after_process_0
         time.sleep(0.1)
     assert not coordinator._listening("::", port), "the service outlived its process 0 with no client"
     assert coordinator._connections(port) == 0
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # a child that cannot start the service
+    assert coordinator.start(f"[::]:{port}", 2, 60, 3) is False
+    assert "the coordination service runs inside process 0" in capsys.readouterr().err
