@@ -88,7 +88,12 @@ def parse_args(argv=None):
     p.add_argument("--work", default="runs/passkey", help="the trainer's run directory (emptied first)")
     p.add_argument("overrides", nargs="*",
                    help="extra config key=value (after the small model: " + " ".join(MODEL) + ")")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        parse_phases(args.phases)
+    except ValueError:
+        p.error(f"--phases {args.phases}: give SEQ:BATCH:MINUTES[:WALL],... (e.g. 256:16:8:22,1024:4:3)")
+    return args
 
 
 def copy_weights(example, weight: float) -> np.ndarray:

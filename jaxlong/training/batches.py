@@ -33,11 +33,13 @@ class StepBatches:
         `rows` this process's sorted global row indices (`jaxlong.training.step.process_rows`).
       rows: those row indices.
       seq_len: tokens per row.
+      vocab_size: the model's vocabulary: `inputs` in [0, vocab_size), `targets` too or `IGNORE_INDEX` (-100).
       start: the step already done (the run's first batch is `fn(start + 1, rows)`).
     """
 
-    def __init__(self, fn: BatchFn, rows: np.ndarray, seq_len: int, start: int = 0):
+    def __init__(self, fn: BatchFn, rows: np.ndarray, seq_len: int, vocab_size: int, start: int = 0):
         self.fn, self.rows, self.seq_len, self.step = fn, np.asarray(rows, np.int64), int(seq_len), int(start)
+        self.vocab_size = int(vocab_size)
 
     def __iter__(self):
         return self
@@ -46,24 +48,57 @@ class StepBatches:
         """The next step's batch, cast to `BATCH_KEYS`' dtypes.
 
         Raises:
-          ValueError: a key is missing, or an array is not `[len(rows), seq_len]` (the message names it).
+          ValueError: not a dict, a key is missing, an array is not `[len(rows), seq_len]`, ids are not integers,
+            a token id is outside the vocabulary, a position or segment id is negative, or a mask weight is not a
+            finite number >= 0 (the message names the key and the step).
         """
         self.step += 1
         batch = self.fn(self.step, self.rows)
+        where = f"batches: fn({self.step}, rows)"
         want = (self.rows.size, self.seq_len)
+        if not isinstance(batch, dict):
+            raise ValueError(f"{where} returned {type(batch).__name__}; it must return a dict of "
+                             f"{', '.join(BATCH_KEYS)}, each [rows={want[0]}, seq_len={want[1]}]")
         missing = [k for k in BATCH_KEYS if k not in batch]
         if missing:
-            raise ValueError(f"batches: fn({self.step}, rows) returned no {', '.join(missing)}; a batch has "
+            raise ValueError(f"{where} returned no {', '.join(missing)}; a batch has "
                              f"{', '.join(BATCH_KEYS)}, each [rows={want[0]}, seq_len={want[1]}]")
         out = {}
         for k, dtype in BATCH_KEYS.items():
             arr = np.asarray(batch[k])
             if arr.shape != want:
-                raise ValueError(f"batches: fn({self.step}, rows)[{k!r}] has shape {arr.shape}; it must be [rows, "
+                raise ValueError(f"{where}[{k!r}] has shape {arr.shape}; it must be [rows, "
                                  f"seq_len] = {list(want)} (rows: this process's {want[0]} rows of the global "
                                  f"batch)")
+            numeric = np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_
+            if k == "mask" and not numeric or k != "mask" and not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"{where}[{k!r}] has dtype {arr.dtype}; it must be "
+                                 + ("a number per target (a loss weight)" if k == "mask" else "integers"))
             out[k] = arr.astype(dtype, copy=False)
+        self._check_values(out, where)
         return out
+
+    def _check_values(self, batch: dict, where: str) -> None:
+        """Ids in range, weights finite and >= 0 (an id outside the vocabulary would train on NaN silently)."""
+        from jaxlong.layers.loss import IGNORE_INDEX  # noqa: PLC0415
+
+        def bad(k, values, allowed):
+            raise ValueError(f"{where}[{k!r}] holds {values}; {allowed}")
+
+        v = self.vocab_size
+        if batch["inputs"].min() < 0 or batch["inputs"].max() >= v:
+            bad("inputs", f"ids {batch['inputs'].min()}..{batch['inputs'].max()}", f"token ids are in [0, {v}) "
+                f"(model.vocab_size={v})")
+        t = batch["targets"]
+        if ((t < 0) & (t != IGNORE_INDEX)).any() or t.max() >= v:
+            bad("targets", f"ids {t.min()}..{t.max()}", f"token ids are in [0, {v}) (model.vocab_size={v}), or "
+                f"{IGNORE_INDEX} for no loss")
+        for k in ("positions", "segment_ids"):
+            if batch[k].min() < 0:
+                bad(k, f"{batch[k].min()}", "they are >= 0 (segment id 0: padding)")
+        m = batch["mask"]
+        if not np.isfinite(m).all() or m.min() < 0:
+            bad("mask", f"weights {m.min()}..{m.max()}", "loss weights are finite and >= 0")
 
     def get_state(self) -> dict:
         """The step of the last batch (all a resume needs: the batches are a function of the step)."""

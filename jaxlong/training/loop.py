@@ -254,7 +254,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     if batch_fn is None:
         batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out, rows=rows)
     else:
-        batches = StepBatches(batch_fn, rows, cfg.seq_len, start)
+        batches = StepBatches(batch_fn, rows, cfg.seq_len, cfg.model.vocab_size, start)
 
     t0 = time.perf_counter()
     with xla_log.collecting() as log:
@@ -457,9 +457,9 @@ def _loop(lp: _Loop, state: dict, start: int) -> dict:
                 ((0, signals.received) if signals.received is not None else None)
             if stop is not None:
                 own, signals.received = signals.received, stop[1]  # every process: the agreed signal
-                if own is None:
-                    _say(f"process {stop[0]} received {signal.Signals(stop[1]).name}: every process stops after "
-                         f"step {done}, then saves it")
+                if own is None and main:  # on its own line, not on the progress bar's
+                    bar.write(f"process {stop[0]} received {signal.Signals(stop[1]).name}: every process stops "
+                              f"after step {done}, then saves it")
                 break
             step = done + 1
             fault("before_batch", step)
@@ -519,6 +519,9 @@ def _loop(lp: _Loop, state: dict, start: int) -> dict:
                                   bar.write if main else (lambda line: None))
                 for hook in due:
                     hook.fn(ctx)
+                if ctx.stop_reason is not None:  # this step is the last: the hooks due after the last run too
+                    for hook in [h for h in lp.hooks if all(h is not d for d in due)]:
+                        hook.fn(ctx)
                 stopped = ctx.stop_reason
             bar.update(1)
             fault("before_save", step)

@@ -114,20 +114,33 @@ def test_batches_of_ones_own_train_checkpoint_and_resume_like_the_corpus(tmp_pat
     # a hook ends the run early (`StepContext.request_stop`): step 3's checkpoint is saved, `run` returns normally
     from jaxlong.training.hooks import Hook
 
-    early_seen = []
+    early_seen, every_4 = [], []
     early = run(_cfg(tmp_path, "steps=4", "run_name=early", *no_corpus),
                 batches=lambda step, rows: _copy_task(step, rows, early_seen),
-                hooks=[Hook(lambda ctx: ctx.step == 3 and ctx.request_stop("enough"), every=1)])
+                hooks=[Hook(lambda ctx: ctx.step == 3 and ctx.request_stop("enough"), every=1),
+                       Hook(lambda ctx: every_4.append(ctx.step), every=4)])
     assert (early["step"], early["stopped"]) == (3, "enough") and [s for s, _ in early_seen] == [1, 2, 3]
+    assert every_4 == [3]  # the hooks due after the last step run after the step a hook made the last
     assert sorted(int(p.name) for p in (tmp_path / "early" / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
     assert full["step"] == 4 and full["stopped"] is None
 
-    def no_mask(step, rows):
-        return {k: v for k, v in _copy_task(step, rows, []).items() if k != "mask"}
+    def changed(**keys):
+        def fn(step, rows):
+            b = {k: v for k, v in _copy_task(step, rows, []).items() if k not in keys}
+            return None if keys.get("all") else {**b, **{k: v for k, v in keys.items() if v is not None}}
+        return fn
 
-    with pytest.raises(ValueError, match=r"batches: fn\(1, rows\) returned no mask; a batch has inputs, targets, "
-                                         r"mask, positions, segment_ids, each \[rows=4, seq_len=128\]"):
-        run(_cfg(tmp_path, "steps=1", "run_name=bad", *no_corpus), batches=no_mask)
+    bad = _cfg(tmp_path, "steps=1", "run_name=bad", *no_corpus)
+    for fn, message in [
+        (changed(mask=None), r"fn\(1, rows\) returned no mask; a batch has inputs, targets, mask, positions, "
+                             r"segment_ids, each \[rows=4, seq_len=128\]"),
+        (changed(all=True), r"fn\(1, rows\) returned NoneType; it must return a dict"),
+        (changed(inputs=np.full((4, 128), 257)), r"\['inputs'\] holds ids 257..257; token ids are in \[0, 257\)"),
+        (changed(targets=np.full((4, 128), 1.5)), r"\['targets'\] has dtype float64; it must be integers"),
+        (changed(mask=np.full((4, 128), np.nan)), r"\['mask'\] holds weights nan..nan; loss weights are finite"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            run(bad, batches=fn)
 
 
 @pytest.mark.slow
