@@ -15,6 +15,8 @@ from typing import Callable
 
 import numpy as np
 
+from jaxlong.layers.loss import IGNORE_INDEX
+
 __all__ = ["BatchFn", "StepBatches", "BATCH_KEYS"]
 
 BatchFn = Callable[[int, np.ndarray], dict]
@@ -80,8 +82,6 @@ class StepBatches:
 
     def _check_values(self, batch: dict, where: str) -> None:
         """Ids in range, weights finite and >= 0 (an id outside the vocabulary would train on NaN silently)."""
-        from jaxlong.layers.loss import IGNORE_INDEX  # noqa: PLC0415
-
         def bad(k, values, allowed):
             raise ValueError(f"{where}[{k!r}] holds {values}; {allowed}")
 
