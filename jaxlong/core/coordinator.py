@@ -97,7 +97,7 @@ def _connections(port: int) -> int | None:
 
 
 def _serve(bind_address: str, processes: int, heartbeat_s: int, parent: int, linger: float) -> None:
-    from jax._src.lib import _jax  # noqa: PLC0415 (jaxlib's service; importing jax itself is not needed)
+    from jax._src.lib import _jax  # noqa: PLC0415 (jaxlib's service; no backend or device is created)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a job's stop signal is for the trainers: they
         signal.signal(sig, signal.SIG_IGN)                        # still need the store to agree on it and save
