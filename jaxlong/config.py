@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import itertools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,10 +25,12 @@ import yaml
 
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import resolve_mesh_shape
+from jaxlong.core.suggest import advice, fixes, sides
+from jaxlong.data.imported import config_source
 from jaxlong.data.mixture import source_name
 from jaxlong.data.pipeline import Packing, SplitPositions
 from jaxlong.data.tokenizer import TOKENIZERS
-from jaxlong.kernels.backend import Backend, check_backend
+from jaxlong.kernels.backend import Backend, check_backend, check_kernel_size, kernel_that_runs
 from jaxlong.kernels.blockwise import check_attention_block
 from jaxlong.layers.blocks import RopeScaling
 from jaxlong.layers.remat import RematPolicy, check_keep_attention, check_offload_every
@@ -38,7 +42,8 @@ from jaxlong.parallel.upipe import check_upipe_remat_names, check_upipe_schedule
 
 __all__ = ["Config", "ModelConfig", "RopeScalingConfig", "MeshConfig", "AttentionConfig", "RematConfig", "TilingConfig",
            "DataConfig", "OptimConfig", "ConfigError", "load_config", "from_dict", "to_dict", "parse_override",
-           "apply_setting", "read_yaml", "validate", "validate_optim", "schedule_length"]
+           "apply_setting", "read_yaml", "validate", "validate_optim", "schedule_length", "refusal", "advise",
+           "with_settings", "changed_keys"]
 
 
 @dataclass
@@ -237,6 +242,9 @@ class Config:
     # `steps` and any config keys it changes; a run of one stage has `stage` set to its index.
     stages: list[dict] = field(default_factory=list)
     stage: int = 0
+    # Written by the trainer: the sha256 of each file the run copied into RUN_DIR/imported/ from model.from_hf or
+    # data.tokenizer's directory (`jaxlong.data.imported`), saved with every checkpoint so a changed copy is caught.
+    imported: dict = field(default_factory=dict)
 
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -359,12 +367,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(data, dict):
             raise ConfigError(f"--config {path} must hold a mapping of keys, got {type(data).__name__}")
         settings += [(k, v) for k, v in data.items()]
+    in_file = len(settings)
     settings += [parse_override(text) for text in overrides]
     for s in settings:
         apply_setting(cfg, *s)
     if cfg.model.from_hf:
         cfg = _with_hf_model(cfg, settings)
-    validate(cfg)
+    # advice about the options set here, the command line's first; a file's model is the model, not a knob
+    validate(cfg, changed=changed_keys(settings[in_file:]) +
+             [k for k in changed_keys(settings[:in_file]) if not k.startswith("model.")])
     return cfg
 
 
@@ -388,7 +399,10 @@ def model_config_from_hf(directory: str | Path) -> ModelConfig:
 def _with_hf_model(cfg: Config, settings: list[tuple]) -> Config:
     """`cfg` with its model taken from `model.from_hf`'s config.json, then the explicit settings applied again
     (so `model.rope_theta=...` or `model.rope_scaling.*` override the checkpoint's values)."""
-    base = model_config_from_hf(cfg.model.from_hf)
+    source = config_source(cfg)  # the run's copy once model.from_hf is moved away
+    base = model_config_from_hf(source)
+    if source != Path(cfg.model.from_hf):  # named as model.from_hf names it, not as the copy's directory
+        base.name, base.from_hf = Path(cfg.model.from_hf).name or base.name, cfg.model.from_hf
     out = Config()
     out.model = copy.deepcopy(base)
     for s in settings:
@@ -412,9 +426,10 @@ def from_dict(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config
     cfg = Config()
     for k, v in data.items():
         apply_setting(cfg, k, v)
-    for text in overrides:
-        apply_setting(cfg, *parse_override(text))
-    validate(cfg)
+    settings = [parse_override(text) for text in overrides]
+    for s in settings:
+        apply_setting(cfg, *s)
+    validate(cfg, changed=changed_keys(settings))
     return cfg
 
 
@@ -462,22 +477,47 @@ def _check_choice(key: str, value: str, tp: Any) -> None:
         raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
 
 
-def validate(cfg: Config, num_devices: int | None = None) -> None:
-    """Check every combination that can be checked before compiling.
+def validate(cfg: Config, num_devices: int | None = None, *, platform: str | None = None,
+             changed: typing.Sequence[str] = ()) -> None:
+    """Check every combination that can be checked before compiling, and where one fails, say what would pass.
 
-    `num_devices` defaults to `cfg.mesh.num_devices` (the device count the run will have).
+    Args:
+      cfg: the config.
+      num_devices: the device count the run will have (default `mesh.num_devices`); never suggested.
+      platform: the devices' platform (`cpu`, `gpu`) where it is known: the size limits of the GPU kernel that
+        `attention.backend=auto` picks there are checked too (`jaxlong.kernels.backend.kernel_that_runs`).
+      changed: the options the user set, most specific first (`changed_keys`): the advice is about the first of
+        them in the broken rule that has a passing value, else about the option whose rule broke.
 
     Raises:
-      ConfigError: naming the key, its value and what would work.
+      ConfigError: naming the key, its value and what would work (`advise`): its `suggestions` each pass
+        `validate` with the rest of `cfg` unchanged.
     """
+    error = refusal(cfg, num_devices, platform)
+    if error is not None:
+        raise advise(cfg, error, num_devices, platform, changed)
+
+
+def refusal(cfg: Config, num_devices: int | None = None, platform: str | None = None) -> ConfigError | None:
+    """The first rule of `validate` that `cfg` breaks, as a `ConfigError` without advice (its message the rule,
+    its fields the options involved), or None when `cfg` passes. Cheap: a search for passing values calls it."""
+    try:
+        _check(cfg, cfg.mesh.num_devices if num_devices is None else num_devices, platform)
+    except ConfigError as e:
+        return e
+    return None
+
+
+def _check(cfg: Config, n: int, platform: str | None) -> None:
     m = cfg.model
     for key in ("hidden", "layers", "heads", "kv_heads", "head_dim", "mlp_hidden", "vocab_size"):
         if getattr(m, key) <= 0:
-            raise ConfigError(f"model.{key}={getattr(m, key)} must be positive")
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be positive", key=f"model.{key}",
+                              value=getattr(m, key))
     if m.heads % m.kv_heads:
         raise ConfigError(
-            f"model.heads={m.heads} must be a multiple of model.kv_heads={m.kv_heads} (grouped-query attention)"
-        )
+            f"model.heads={m.heads} must be a multiple of model.kv_heads={m.kv_heads} (grouped-query attention)",
+            key="model.kv_heads", value=m.kv_heads, keys=("model.heads",))
     rs = m.rope_scaling
     _check_choice("model.rope_scaling.type", rs.type, RopeScaling)
     if m.rope_theta <= 0:
@@ -535,7 +575,7 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     for key in ("seq_len", "global_batch", "steps", "log_every", "checkpoint_every", "keep_checkpoints",
                 "grad_accum", "eval_batches", "profile_steps"):
         if getattr(cfg, key) <= 0:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be positive")
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be positive", key=key, value=getattr(cfg, key))
     if cfg.eval_every < 0:
         raise ConfigError(f"eval_every={cfg.eval_every} must be >= 0 (0 disables validation)")
     if not 0.0 < cfg.eval_fraction < 1.0:
@@ -549,50 +589,52 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be positive")
     validate_optim(cfg.optim)
     if cfg.attention.heads_per_stage < 0:
-        raise ConfigError(f"attention.heads_per_stage={cfg.attention.heads_per_stage} must be >= 0 (0: U = mesh.context)")
+        raise ConfigError(f"attention.heads_per_stage={cfg.attention.heads_per_stage} must be >= 0 (0: U = "
+                          f"mesh.context)", key="attention.heads_per_stage", value=cfg.attention.heads_per_stage)
     if cfg.mesh.num_devices <= 0:
-        raise ConfigError(f"mesh.num_devices={cfg.mesh.num_devices} must be a positive device count, e.g. 8")
+        raise ConfigError(f"mesh.num_devices={cfg.mesh.num_devices} must be a positive device count")
 
-    n = cfg.mesh.num_devices if num_devices is None else num_devices
     data, fsdp, ring, context = resolve_mesh_shape(cfg.mesh, n)
     if ring == 1 and cfg.seq_len % context:
-        raise ConfigError(
-            f"seq_len={cfg.seq_len} is not divisible by mesh.context={context}; "
-            f"use a multiple of {context}, e.g. {(cfg.seq_len // context + 1) * context}"
-        )
+        raise ConfigError(f"seq_len={cfg.seq_len} is not divisible by mesh.context={context}", key="seq_len",
+                          value=cfg.seq_len, keys=("mesh.context",))
     if ring > 1:
         check_ring(cfg.seq_len, ring, context, cfg.attention.block_q, cfg.attention.block_k)
     if cfg.global_batch % (data * fsdp):
         raise ConfigError(
             f"global_batch={cfg.global_batch} is not divisible by mesh.data*mesh.fsdp={data * fsdp} "
-            f"(the batch is sharded over both); use a multiple of {data * fsdp}"
-        )
+            f"(the batch is sharded over both)", key="global_batch", value=cfg.global_batch,
+            keys=("mesh.fsdp", "mesh.data"))
     if cfg.global_batch % (cfg.grad_accum * data * fsdp):
         raise ConfigError(
             f"grad_accum={cfg.grad_accum}: global_batch={cfg.global_batch} must be divisible by "
             f"grad_accum*mesh.data*mesh.fsdp={cfg.grad_accum * data * fsdp} (each micro-batch is sharded over "
-            f"data x fsdp); use global_batch={cfg.grad_accum * data * fsdp * max(1, cfg.global_batch // (cfg.grad_accum * data * fsdp))} "
-            f"or a grad_accum dividing {cfg.global_batch // (data * fsdp)}"
-        )
+            f"data x fsdp)", key="grad_accum", value=cfg.grad_accum, keys=("global_batch",))
     check_heads(m.heads, m.kv_heads, context)
     for key in ("block_q", "block_k"):
         check_attention_block(f"attention.{key}", getattr(cfg.attention, key), cfg.seq_len)
     s_local = cfg.seq_len // (ring * context)
     for key, value in (("tiling.loss_tile", cfg.tiling.loss_tile), ("tiling.mlp_tiles", cfg.tiling.mlp_tiles)):
         if value and s_local % value:
-            raise ConfigError(
-                f"{key}={value} must divide the local sequence length seq_len/(mesh.ring*mesh.context) = {s_local}; "
-                f"use a power of two up to {s_local & -s_local} or 0 for the default"
-            )
+            raise ConfigError(f"{key}={value} must divide the local sequence length "
+                              f"seq_len/(mesh.ring*mesh.context) = {s_local} (0: the default)", key=key, value=value,
+                              keys=("seq_len",))
+    u = cfg.attention.heads_per_stage or context
     if cfg.attention.impl == "upipe":
-        check_upipe_schedule(m.heads, m.kv_heads, context, cfg.attention.heads_per_stage or context)
+        check_upipe_schedule(m.heads, m.kv_heads, context, u)
         if cfg.remat.policy == "custom":
             check_upipe_remat_names(cfg.remat.save + cfg.remat.offload)
+    kernel = kernel_that_runs(cfg.attention.backend, platform, compute_dtype=cfg.compute_dtype,
+                              head_dim=m.head_dim, segment_ids=cfg.data.packing == "documents")
+    check_kernel_size(kernel, backend=cfg.attention.backend, batch=cfg.global_batch // (cfg.grad_accum * data * fsdp),
+                      seq=cfg.seq_len // ring, heads=(u if cfg.attention.impl == "upipe" else m.heads) // context,
+                      head_dim=m.head_dim)
 
 
 def validate_sources(cfg: Config) -> None:
-    """`data.sources`: a mixture, each source's weight and length rules (`jaxlong.data.mixture`); whether each
-    corpus exists is checked when the pipeline opens it, before anything compiles.
+    """`data.sources`: a mixture, each source's weight (finite, > 0) and length rules (`jaxlong.data.mixture`);
+    whether each corpus exists and whether its rules keep any of its documents are checked when the pipeline
+    opens it (`jaxlong.data.batch_iterator`), before anything compiles.
 
     Raises:
       ConfigError: naming `data.sources[i].KEY`, its value and what would work.
@@ -612,9 +654,9 @@ def validate_sources(cfg: Config) -> None:
         if src.path is not None and not str(src.path).strip():
             raise ConfigError(f"{at}.path is empty; give a .txt/.jsonl/.parquet file or directory, or null for "
                               "the embedded corpus")
-        if not src.weight > 0:
-            raise ConfigError(f"{at}.weight={src.weight} must be > 0 (its share of the training tokens); drop "
-                              "the source to leave it out")
+        if not 0 < src.weight < float("inf"):  # NaN fails too
+            raise ConfigError(f"{at}.weight={src.weight} must be > 0 and finite (its share of the training tokens, "
+                              "relative to the other sources' weights, e.g. 1); drop the source to leave it out")
         if src.min_doc_tokens < 0:
             raise ConfigError(f"{at}.min_doc_tokens={src.min_doc_tokens} must be >= 0")
         if src.max_doc_tokens is not None and src.max_doc_tokens <= src.min_doc_tokens:
@@ -693,3 +735,116 @@ def validate_optim(o: OptimConfig) -> None:
             raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1), e.g. 0.9 / 0.95")
     if not o.eps > 0:
         raise ConfigError(f"optim.eps={o.eps} must be positive, e.g. 1e-8")
+
+
+# ----------------------------------------------------------------------------------------------
+# Advice: values that pass, asked of `refusal` itself (`jaxlong.core.suggest`).
+
+
+def advise(cfg: Config, error: ConfigError, num_devices: int | None = None, platform: str | None = None,
+           changed: typing.Sequence[str] = ()) -> ConfigError:
+    """`error`, a `refusal` of `cfg`, with what would pass appended and in its `suggestions`: the nearest passing
+    values (below and above, or the passing choices) of the first option of the broken rule that the user set
+    (`changed`) and that has one; else of the option whose rule broke (`error.key`) or another option of the rule
+    outside the model; else two or three options to change together (`jaxlong.core.suggest.fixes`). Never the
+    device count, nor the shapes of a `model.from_hf` checkpoint. An error that names no option is returned as is.
+    """
+    if error.key is None:
+        return error
+    fixed = {"mesh.num_devices"} | ({f"model.{k}" for k in HF_SHAPE_KEYS} if cfg.model.from_hf else set())
+
+    def order(e: ConfigError) -> list[str]:
+        involved = (e.key, *e.keys)
+        keys = [k for k in changed if k in involved] + [e.key] + [k for k in e.keys if not k.startswith("model.")]
+        return [k for k in dict.fromkeys(keys) if k not in fixed]
+
+    def candidates(key: str, base: dict):
+        return () if key in fixed else _candidates(with_settings(cfg, base), key, num_devices)
+
+    found = fixes(error, lambda s: refusal(with_settings(cfg, s), num_devices, platform), candidates, order)
+    return ConfigError(f"{error}; {advice(found)}" if found else str(error), key=error.key, value=error.value,
+                       keys=error.keys, suggestions=found)
+
+
+def with_settings(cfg: Config, settings: dict) -> Config:
+    """A copy of `cfg` with the dotted `settings` (`{"mesh.context": 2}`) applied, `cfg` itself untouched (no
+    type check: see `apply_setting`)."""
+    for key, value in settings.items():
+        cfg = _replaced(cfg, key.split("."), value)
+    return cfg
+
+
+def _replaced(obj: Any, parts: list[str], value: Any) -> Any:
+    out = object.__new__(type(obj))  # a shallow copy, the one field replaced (a search makes thousands)
+    out.__dict__.update(obj.__dict__)
+    setattr(out, parts[0], value if len(parts) == 1 else _replaced(getattr(obj, parts[0]), parts[1:], value))
+    return out
+
+
+def changed_keys(*levels) -> list[str]:
+    """The dotted options that `levels` of settings set, for `validate(changed=...)`: each level a mapping or a
+    list of `(key, value, ...)` settings (`parse_override`'s), the most specific first (the command line, a
+    recipe's stage, a config file); a mapping's sections as dotted keys; each level's `seq_len` first."""
+    out: list[str] = []
+    for level in levels:
+        items = level.items() if isinstance(level, dict) else [(s[0], s[1]) for s in level]
+        keys = [k for key, value in items for k in _dotted(str(key), value)]
+        out += sorted(keys, key=lambda k: k != "seq_len")
+    return list(dict.fromkeys(out))
+
+
+def _dotted(key: str, value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [k for sub, v in value.items() for k in _dotted(f"{key}.{sub}", v)]
+    return [key]
+
+
+@functools.cache
+def _field_types(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _candidates(cfg: Config, key: str, num_devices: int | None) -> list:
+    """The values of option `key` a search tries, in sides nearest first (`jaxlong.core.suggest.sides`): the other
+    choices of a closed set (one side each), the other boolean, or integers around the value (around the default
+    when the value is out of range), within the option's range; () for other types."""
+    section, _, name = key.rpartition(".")
+    obj, default = cfg, Config()
+    for part in section.split(".") if section else ():
+        obj, default = getattr(obj, part), getattr(default, part)
+    tp, value = _field_types(type(obj)).get(name), getattr(obj, name)
+    if typing.get_origin(tp) is Literal:  # `reference` is the tests' dense attention, not a setting to suggest
+        return [[c] for c in typing.get_args(tp) if c != value and c != "reference"]
+    if tp is bool:
+        return [[not value]]
+    if tp is not int:
+        return ()
+    step, lo, hi = _int_range(cfg, key, cfg.mesh.num_devices if num_devices is None else num_devices)
+    if lo <= value and (hi is None or value <= hi):
+        return list(sides(value, step=step, lo=lo, hi=hi))
+    # out of range: one value, the nearest in range above it, else the default, else the nearest to either
+    start = hi if hi is not None and value > hi else getattr(default, name)
+    if start < lo or (hi is not None and start > hi):
+        start = lo
+    return [itertools.chain([start], *sides(start, step=step, lo=lo, hi=hi))]
+
+
+def _int_range(cfg: Config, key: str, n: int) -> tuple[int, int, int | None]:
+    """(step, lo, hi) of the integers option `key` may take: `seq_len` in multiples of the mesh's sequence split,
+    mesh axes from -1 (fill) to the device count, counts of tiles, stages and layers up to what they split."""
+    if key == "seq_len":
+        try:
+            _, _, ring, context = resolve_mesh_shape(cfg.mesh, n)
+        except ConfigError:
+            ring, context = 1, 1
+        unit = context * (2 * ring if ring > 1 else 1)
+        return unit, unit, None
+    if key.startswith("mesh."):
+        return 1, -1, n
+    hi = {"grad_accum": cfg.global_batch, "attention.block_q": cfg.seq_len, "attention.block_k": cfg.seq_len,
+          "attention.heads_per_stage": cfg.model.heads, "tiling.loss_tile": cfg.seq_len,
+          "tiling.mlp_tiles": cfg.seq_len, "remat.offload_every": cfg.model.layers,
+          "remat.keep_attention": cfg.model.layers}.get(key)
+    lo = 0 if key in ("attention.heads_per_stage", "tiling.loss_tile", "tiling.mlp_tiles",
+                      "remat.keep_attention") else 1
+    return 1, lo, hi

@@ -49,6 +49,7 @@ TIERS = {
     "test_docs_fresh.py": "slow",
     "test_experiments.py": "slow",
     "test_gpu_check_smoke.py": "slow",
+    "test_suggestions.py": "fast",
     "training/test_faults.py": "fast+slow",
     "training/test_grad_accum.py": "fast+slow",
     "training/test_multinode.py": "slow",

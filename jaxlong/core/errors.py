@@ -15,7 +15,26 @@ GATE_FAILED = 3
 
 
 class ConfigError(ValueError):
-    """A config key is unknown, has the wrong type, or the combination of values is impossible."""
+    """A config key is unknown, has the wrong type, or the combination of values is impossible.
+
+    `str(error)` is the one-line message. The fields say the same for code that acts on the error instead of
+    reading it (`jaxlong.core.suggest`, tests):
+
+    Attributes:
+      key: the option the broken rule is about (`seq_len`, `attention.block_q`, a flag such as `--lengths`), or
+        None.
+      value: that option's value.
+      keys: the other options the rule involves, each of which could also satisfy it (`("mesh.context",)`).
+      suggestions: settings that fix it, each a dict `{option: value}` to apply together (one entry: a single
+        option changed); each passes the whole validation with the rest of the config unchanged.
+      errors: the errors a joined one stands for (a recipe's stages, each keyed `stages[i].KEY`), else ().
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, value=None, keys: tuple[str, ...] = (),
+                 suggestions: tuple[dict, ...] = (), errors: tuple[ConfigError, ...] = ()):
+        super().__init__(message)
+        self.key, self.value, self.keys = key, value, tuple(keys)
+        self.suggestions, self.errors = tuple(suggestions), tuple(errors)
 
 
 def fail(error: BaseException | str, code: int = BAD_INPUT) -> int:

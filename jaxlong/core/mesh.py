@@ -58,11 +58,14 @@ def resolve_mesh_shape(mesh, num_devices: int) -> tuple[int, int, int, int]:
     """
     sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "ring": mesh.ring, "context": mesh.context}
     free = [k for k, v in sizes.items() if v == -1]
+    axes = tuple(f"mesh.{k}" for k in ("context", "ring", "fsdp", "data"))  # the usual order of a fix
     for k, v in sizes.items():
         if v == 0 or v < -1:
-            raise ConfigError(f"mesh.{k}={v}: an axis size must be a positive integer or -1 (fill)")
+            raise ConfigError(f"mesh.{k}={v}: an axis size must be a positive integer or -1 (fill)", key=f"mesh.{k}",
+                              value=v)
     if len(free) > 1:
-        raise ConfigError(f"mesh: only one axis may be -1, got {', '.join('mesh.' + k for k in free)}")
+        raise ConfigError(f"mesh: only one axis may be -1, got {', '.join('mesh.' + k for k in free)}",
+                          key=f"mesh.{free[-1]}", value=-1, keys=tuple(f"mesh.{k}" for k in free[:-1]))
     fixed = 1
     for k, v in sizes.items():
         if v != -1:
@@ -71,15 +74,15 @@ def resolve_mesh_shape(mesh, num_devices: int) -> tuple[int, int, int, int]:
         if num_devices % fixed:
             raise ConfigError(
                 f"mesh: {num_devices} devices are not divisible by the fixed axes' product {fixed} "
-                f"(data={mesh.data}, fsdp={mesh.fsdp}, ring={mesh.ring}, context={mesh.context})"
-            )
+                f"(data={mesh.data}, fsdp={mesh.fsdp}, ring={mesh.ring}, context={mesh.context})",
+                key="mesh.num_devices", value=num_devices, keys=axes)
         sizes[free[0]] = num_devices // fixed
     total = sizes["data"] * sizes["fsdp"] * sizes["ring"] * sizes["context"]
     if total != num_devices:
         raise ConfigError(
             f"mesh: data*fsdp*ring*context = {sizes['data']}*{sizes['fsdp']}*{sizes['ring']}*{sizes['context']} "
-            f"= {total}, but there are {num_devices} devices; set one axis to -1 to fill"
-        )
+            f"= {total}, but there are {num_devices} devices (-1 on one axis fills)", key="mesh.num_devices",
+            value=num_devices, keys=axes)
     return sizes["data"], sizes["fsdp"], sizes["ring"], sizes["context"]
 
 

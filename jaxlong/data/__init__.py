@@ -6,10 +6,12 @@ Batches go onto the mesh with `jaxlong.training.step.put_batch` (the input layou
   as a Grain data source, with every file checked before anything compiles.
 * `jaxlong.data.tokenizer` — the byte tokenizer and Hugging Face `tokenizer.json` files (BOS/EOS from the
   tokenizer's own config files).
+* `jaxlong.data.imported` — the run's copy of the tokenizer files it was imported with (`RUN_DIR/imported/`) and
+  the one tokenizer resolver, `run_tokenizer`.
 * `jaxlong.data.pipeline` — shuffle, tokenize, pack (`data.packing=documents|concat`) and batch with Grain;
   batches carry `segment_ids` and per-document `positions`; the iterator state goes into checkpoints.
 * `jaxlong.data.mixture` — `data.sources`: several corpora mixed by their share of the tokens, with length rules
-  and long-document upsampling per source.
+  and long-document upsampling per source, the rules checked and heavy repetition warned about before training.
 """
 from __future__ import annotations
 
@@ -25,7 +27,17 @@ from jaxlong.data.pipeline import (
     packing_efficiency,
     source_shares,
 )
-from jaxlong.data.mixture import SOURCE_FEATURE, MixedSource, TokenShareMix, source_name
+from jaxlong.data.mixture import (
+    SOURCE_FEATURE,
+    MixedSource,
+    SourceLengths,
+    TokenShareMix,
+    check_lengths,
+    measure_lengths,
+    repetition_warnings,
+    source_label,
+    source_name,
+)
 from jaxlong.data.sources import DocumentSource, corpus_files, stdlib_files
 from jaxlong.data.tokenizer import (
     TOKENIZERS,
@@ -34,13 +46,15 @@ from jaxlong.data.tokenizer import (
     Tokenizer,
     check_vocab,
     get_tokenizer,
-    run_tokenizer,
 )
+from jaxlong.data.imported import run_tokenizer, tokenizer_source
 
 __all__ = [
-    "Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "run_tokenizer", "check_vocab", "TOKENIZERS",
+    "Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "run_tokenizer", "tokenizer_source", "check_vocab", "TOKENIZERS",
     "DocumentSource", "stdlib_files", "corpus_files",
     "document_tokens", "document_pairs", "DocumentSubset", "make_dataset", "merge_states", "batch_iterator",
-    "packing_efficiency", "first_source", "mixture_sources", "source_shares", "SOURCE_FEATURE", "MixedSource", "TokenShareMix", "source_name",
+    "packing_efficiency", "first_source", "mixture_sources", "source_shares", "SOURCE_FEATURE", "MixedSource",
+    "TokenShareMix", "source_name", "source_label", "SourceLengths", "measure_lengths", "check_lengths",
+    "repetition_warnings",
 ]
 

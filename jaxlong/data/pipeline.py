@@ -36,6 +36,7 @@ from the start.
 
 from __future__ import annotations
 
+import re
 from typing import Literal, get_args
 
 import grain
@@ -47,7 +48,16 @@ from grain.experimental import (
     FlatMapTransform,
 )
 
-from jaxlong.data.mixture import SOURCE_FEATURE, MixedSource, TokenShareMix, source_name
+from jaxlong.data.mixture import (
+    SOURCE_FEATURE,
+    MixedSource,
+    TokenShareMix,
+    check_lengths,
+    measure_lengths,
+    repetition_warnings,
+    source_label,
+    source_name,
+)
 from jaxlong.data.sources import DocumentSource
 from jaxlong.data.tokenizer import Tokenizer
 
@@ -122,7 +132,8 @@ def _finalize(row: dict) -> dict:
 def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, global_batch: int, seed: int,
                  packing: str = "documents", split_positions: str = "restart", shuffle: bool = True,
                  max_tokens: int | None = None, rows=None, exclude=(), repeat: bool = True,
-                 read_threads: int = 4, read_buffer: int = 64, mixture=None) -> ProcessBatches:
+                 read_threads: int = 4, read_buffer: int = 64, mixture=None, steps: int | None = None,
+                 warn=None) -> ProcessBatches:
     """The Grain pipeline of the module docstring; iterating it yields the rows `rows` of every global batch.
 
     Args:
@@ -141,14 +152,21 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
         read ahead, per packing stream (Grain's `ReadOptions`); they change no batch.
       mixture: None, or `(random-access source, MixedSource)` per source of `data.sources`
         (`jaxlong.data.mixture`): `source` is then the first of them (`exclude` applies to it), and the batches
-        carry `source` int32 `[B, L]` (source index + 1 per token, 0 on padding).
+        carry `source` int32 `[B, L]` (source index + 1 per token, 0 on padding). Each source's documents are
+        measured first (`jaxlong.data.mixture.measure_lengths`: all, or a bounded sample) and its length rules
+        checked (`check_lengths`) before this returns.
+      steps, warn: with a mixture, the steps the run trains on it and a function that is given each warning line
+        of `jaxlong.data.mixture.repetition_warnings` (a source repeated more than once per step or more than
+        `REPEAT_EPOCHS` epochs); None: no warnings.
 
     Returns:
       `ProcessBatches`: iterating it gives batch dicts with `[len(rows), seq_len]` arrays (`[global_batch,
       seq_len]` without `rows`), rows in the order of `rows`.
 
     Raises:
-      ValueError: a bad option value, `max_tokens < 1`, or `rows` outside `[0, global_batch)`.
+      ValueError: a bad option value, `max_tokens < 1`, or `rows` outside `[0, global_batch)`; with a mixture, a
+        source without documents, one that cannot be read, or whose length rules keep none of its (measured)
+        documents (`jaxlong.data.mixture.check_lengths`), each naming `data.sources[i]` and its path.
     """
     if packing not in PACKINGS:
         raise ValueError(f"data.packing={packing!r} is not allowed; choose documents or concat")
@@ -169,9 +187,11 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
         # another source reading the first one's corpus (e.g. its long documents) leaves the held-out ones out too
         docs = [source, *(source if exclude and corpus is not None and _corpus_key(src) == corpus else src
                           for src, _ in mixture[1:])]
+        held = [len(skip) if exclude and d is source else 0 for d in docs]
         return _mixed_batches(docs, [m for _, m in mixture], tokenizer, seq_len, global_batch, seed, packing,
                               split_positions, shuffle, rows, grain.ReadOptions(num_threads=read_threads,
-                                                                                prefetch_buffer_size=read_buffer))
+                                                                                prefetch_buffer_size=read_buffer),
+                              held, steps, warn)
     ds = grain.MapDataset.source(source)
     cut = None
     if max_tokens is not None:
@@ -325,14 +345,20 @@ def _pack(it: grain.IterDataset, seed: int, seq_len: int, packing: str, split_po
 
 def _mixed_batches(docs: list, mixed: list[MixedSource], tokenizer: Tokenizer, seq_len: int, global_batch: int,
                    seed: int, packing: str, split_positions: str, shuffle: bool, rows: np.ndarray,
-                   read: grain.ReadOptions) -> ProcessBatches:
-    """`make_dataset` of a mixture: each packing stream s mixes document `[s::n]` of every source
-    (`TokenShareMix`), then packs as one corpus does (stages 4-5)."""
-    for src, m in zip(docs, mixed):
+                   read: grain.ReadOptions, held: list[int], steps: int | None, warn) -> ProcessBatches:
+    """`make_dataset` of a mixture: each source's documents measured and its length rules checked (repetition
+    warnings given to `warn`), then each packing stream s mixes document `[s::n]` of every source
+    (`TokenShareMix`) and packs as one corpus does (stages 4-5)."""
+    for src, m, h in zip(docs, mixed, held):
         if len(src) == 0:
-            raise ValueError(f"data.sources: source {m.name!r} has no documents")
+            raise ValueError(f"{m.label}: no documents to train on" + (f" ({h} held out for validation)" if h else ""))
     n = max(d for d in range(1, global_batch + 1) if global_batch % d == 0 and d <= min(len(x) for x in docs))
     per = global_batch // n
+    lengths = _measure(docs, mixed, tokenizer, held)
+    check_lengths(lengths, mixed, n)
+    if warn is not None and steps:
+        for line in repetition_warnings(lengths, mixed, global_batch * seq_len, steps):
+            warn(line)
 
     def tokenize(text):
         return document_pairs(document_tokens(text, tokenizer))
@@ -349,10 +375,31 @@ def _mixed_batches(docs: list, mixed: list[MixedSource], tokenizer: Tokenizer, s
         extra = [documents(i, s, 1) if m.upsample > 1 else None for i, m in enumerate(mixed)]
         sizes = [len(range(s, len(x), n)) for x in docs]
         split = SplitLongDocuments(seq_len, split_positions == "continue").flat_map  # mixed piece by piece
-        mixed_docs = TokenShareMix(main, extra, mixed, sizes, split)
+        mixed_docs = TokenShareMix(main, extra, mixed, sizes, split, (s, n), [len(x) for x in docs])
         streams[s] = _pack(mixed_docs, seed + s, seq_len, packing, split_positions, _bins(n)).batch(
             per, drop_remainder=True)
     return ProcessBatches(streams, rows, per)
+
+
+def _measure(docs: list, mixed: list[MixedSource], tokenizer: Tokenizer, held: list[int]) -> list:
+    """`measure_lengths` of every source's documents (once per corpus that several sources read), in tokens
+    of `[BOS] text [EOS]` as the pipeline counts them (next-token pairs); a read error names the source."""
+    seen: dict = {}
+    out = []
+    for d, m, h in zip(docs, mixed, held):
+        key = (_corpus_key(d) or id(d), h)
+        if key not in seen:
+            try:
+                seen[key] = measure_lengths(d, lambda text: document_tokens(text, tokenizer).size - 1, h)
+            except ValueError as e:
+                raise ValueError(f"{m.label}: {_reword(e)}") from None
+        out.append(seen[key])
+    return out
+
+
+def _reword(e: Exception) -> str:
+    """A `DocumentSource` error without its leading `data.path=...` (the message names the source instead)."""
+    return re.sub(r"^data\.path(=('[^']*'|\"[^\"]*\"|None))?:? ?", "", str(e))
 
 
 def _concat(parts: tuple) -> dict:
@@ -374,13 +421,16 @@ class DocumentSubset:
 
 
 def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source: DocumentSource | None = None,
-                   exclude=(), rows=None) -> ProcessIterator:
+                   exclude=(), rows=None, warn=None) -> ProcessIterator:
     """The batch iterator of a run's `Config` (`ProcessIterator`) for the rows `rows` of every global batch (this
     process's, `jaxlong.training.step.process_rows`; None: every row), at `state` if given (from `get_state()` of
     an earlier iterator, or `merge_states`: the next batch is the one that iterator would have yielded). A
     recipe's stage `stage` shuffles with `seed + stage * STAGE_SEED`.
     `source`: the corpus (default: `DocumentSource` of `data.path`; with `data.sources`, of the first source,
     the one validation holds documents out of); `exclude`: document indices of `source` left out (validation).
+    With `data.sources`, every source is opened and its length rules checked before this returns (before the
+    trainer compiles), and `warn` (e.g. `print`; None: silent) is given a line for each source the run's steps
+    (`steps - optim.schedule_start`) would repeat more than once per step or more than 10 epochs.
 
     Raises:
       ValueError: see `DocumentSource`, `make_dataset` and `ProcessIterator.set_state`.
@@ -394,7 +444,7 @@ def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source:
                       global_batch=cfg.global_batch, seed=cfg.seed + STAGE_SEED * cfg.stage, packing=d.packing,
                       split_positions=d.split_positions, shuffle=d.shuffle, max_tokens=d.max_tokens,
                       rows=rows, exclude=exclude, read_threads=d.read_threads, read_buffer=d.read_buffer,
-                      mixture=mixture)
+                      mixture=mixture, steps=cfg.steps - cfg.optim.schedule_start, warn=warn)
     it = iter(ds)
     if state is not None:
         it.set_state(state)
@@ -405,7 +455,7 @@ def first_source(cfg) -> DocumentSource:
     """The corpus validation holds documents out of: `data.path`, or with `data.sources` the first source.
 
     Raises:
-      ValueError: see `DocumentSource` (with `data.sources[0]` named).
+      ValueError: see `DocumentSource` (with `data.sources[0]` and its path named).
     """
     if not cfg.data.sources:
         return DocumentSource(cfg.data.path, cfg.data.text_field)
@@ -413,7 +463,7 @@ def first_source(cfg) -> DocumentSource:
     try:
         return DocumentSource(src.path, src.text_field or cfg.data.text_field)
     except ValueError as e:
-        raise ValueError(f"data.sources[0]: {str(e).replace('data.path=', 'path=')}") from None
+        raise ValueError(f"{source_label(src, 0)}: {_reword(e)}") from None
 
 
 def mixture_sources(cfg, first=None) -> list[tuple]:
@@ -421,7 +471,8 @@ def mixture_sources(cfg, first=None) -> list[tuple]:
     `first` when given (the same corpus, already open).
 
     Raises:
-      ValueError: a source's corpus is missing or empty (the message names `data.sources[i]`).
+      ValueError: a source's corpus is missing, empty or unreadable (see `DocumentSource`; the message names
+        `data.sources[i]` and its path: `data.sources[1] (b.jsonl): ...`).
     """
     out = []
     for i, src in enumerate(cfg.data.sources):
@@ -429,9 +480,10 @@ def mixture_sources(cfg, first=None) -> list[tuple]:
             docs = first if i == 0 and first is not None else \
                 DocumentSource(src.path, src.text_field or cfg.data.text_field)
         except ValueError as e:
-            raise ValueError(f"data.sources[{i}]: {str(e).replace('data.path=', 'path=')}") from None
+            raise ValueError(f"{source_label(src, i)}: {_reword(e)}") from None
         out.append((docs, MixedSource(source_name(src, i), src.weight, src.min_doc_tokens, src.max_doc_tokens,
-                                      src.long_doc_tokens or max(cfg.seq_len // 2, 1), src.upsample_long)))
+                                      src.long_doc_tokens or max(cfg.seq_len // 2, 1), src.upsample_long,
+                                      source_label(src, i))))
     return out
 
 

@@ -20,8 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "run_tokenizer", "TOKENIZERS",
-           "TOKENIZER_FILES"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "TOKENIZERS"]
 
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>")
 _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|im_end|>")
@@ -93,10 +92,6 @@ def _special_from_files(directory: Path) -> dict[str, str]:
     return found
 
 
-# The files of a Hugging Face checkpoint's tokenizer (copied by `jaxlong.export`).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
-
-
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` (see the module docstring for BOS/EOS), given as the file or as the
     checkpoint directory holding it (`model.from_hf=DIR`). In a checkpoint directory, `config.json`'s
@@ -111,19 +106,22 @@ class HFTokenizer:
         the vocabulary, or no EOS token is found (each message names the option and the file).
     """
 
-    def __init__(self, path: str | Path, option: str = "data.tokenizer"):
+    def __init__(self, path: str | Path, option: str | None = "data.tokenizer"):
         from tokenizers import Tokenizer as _HF  # noqa: PLC0415 (only needed for this tokenizer)
 
         p = Path(path)
         if p.is_dir():
             p = p / "tokenizer.json"
+        where = f"{option}={str(path)!r}" if option else str(path)
         if not p.is_file():
-            raise ValueError(f"{option}={str(path)!r}: no such file {p}; give 'byte' or the path of a Hugging Face "
-                             f"tokenizer.json (or its checkpoint directory)")
+            advice = ("give the Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+                      if option == "model.from_hf" else
+                      "give 'byte' or the path of a Hugging Face tokenizer.json (or its checkpoint directory)")
+            raise ValueError(f"{where}: no such file {p}; {advice}")
         try:
             self._tok = _HF.from_file(str(p))
         except Exception as e:  # noqa: BLE001 (the library raises a bare Exception on bad files)
-            raise ValueError(f"{option}={str(path)!r} cannot be read as a Hugging Face tokenizer.json ({e})") from e
+            raise ValueError(f"{where} cannot be read as a Hugging Face tokenizer.json ({e})") from e
         self.name = str(path)
         special = _special_from_files(p.parent)
         self.bos_id = self._find(special.get("bos_token"), _BOS_NAMES, p)
@@ -133,7 +131,7 @@ class HFTokenizer:
         if self.eos_id is None:
             self.eos_id = self._find(None, _EOS_NAMES, p)
         if self.eos_id is None:
-            raise ValueError(f"{option}={str(path)!r} has no EOS token: add 'eos_token' to "
+            raise ValueError(f"{where} has no EOS token: add 'eos_token' to "
                              f"{p.parent / 'tokenizer_config.json'} (or one of {list(_EOS_NAMES)} to the tokenizer)")
         self.eod_id = self.eos_id
         self.vocab_size = max(int(self._tok.get_vocab_size(with_added_tokens=True)), self.eos_id + 1)
@@ -182,19 +180,6 @@ def get_tokenizer(name: str) -> Tokenizer:
         return HFTokenizer(name)
     raise ValueError(f"data.tokenizer={name!r} is not supported; give one of {sorted(TOKENIZERS)} or the path of a "
                      f"Hugging Face tokenizer.json")
-
-
-def run_tokenizer(cfg) -> Tokenizer:
-    """The tokenizer of a run, for training, evaluation and every probe alike: the checkpoint's own `tokenizer.json`
-    when the model starts from a Hugging Face checkpoint (`model.from_hf`), else `data.tokenizer`. `cfg` is a
-    `jaxlong.config.Config` (read as `cfg.model.from_hf` and `cfg.data.tokenizer`).
-
-    Raises:
-      ValueError: as `get_tokenizer`, or `HFTokenizer` naming `model.from_hf`.
-    """
-    if cfg.model.from_hf:
-        return HFTokenizer(cfg.model.from_hf, option="model.from_hf")
-    return get_tokenizer(cfg.data.tokenizer)
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:

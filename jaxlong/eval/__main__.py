@@ -86,25 +86,47 @@ def resolve(args) -> tuple[Path, int, object]:
         raise FileNotFoundError(f"--step {step}: no checkpoint at that step in {run_dir / 'checkpoints'}; have {steps}")
     config_file = run_dir / "checkpoints" / str(step) / "config" / "metadata"
     cfg = from_dict(json.loads(config_file.read_text()), args.overrides)
-    if args.batches is not None and args.batches <= 0:
-        raise ConfigError(f"--batches={args.batches} must be positive")
-    if args.per_cell <= 0 or args.digits <= 0:
-        raise ConfigError(f"--per-cell={args.per_cell} and --digits={args.digits} must be positive")
+    check_flags(cfg, args)
+    return run_dir, step, cfg
+
+
+def _positive(flag: str, value: int | None, default: int, what: str) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"{flag}={value} must be positive; use {flag} {default} ({what})", key=flag, value=value,
+                          suggestions=({flag: default},))
+
+
+def _counts(flag: str, text: str, example: list[int]) -> list[int]:
     try:
-        lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else []
+        return [int(x) for x in text.split(",")] if text else []
     except ValueError:
-        raise ConfigError(f"--lengths {args.lengths!r}: give comma-separated token counts, e.g. 1024,4096") from None
+        raise ConfigError(f"{flag} {text!r}: give comma-separated token counts, e.g. {','.join(map(str, example))}",
+                          key=flag, value=text, suggestions=({flag: ",".join(map(str, example))},)) from None
+
+
+def check_flags(cfg, args) -> None:
+    """Check the evaluation flags against the run's config `cfg`, before jax starts, and set `args.lengths_list`,
+    `args.depths_list` (`resolve`) and the RULER flags' lists (`resolve_ruler`). `--fit`-like compiles are not
+    part of it: every check here is arithmetic on the config.
+
+    Raises:
+      ConfigError: naming the flag, its value and, where a value would pass, the nearest that do in its
+        `suggestions` (`{flag: value}`; for a list of lengths, a length to put in place of the bad one).
+    """
+    _positive("--batches", args.batches, cfg.eval_batches, "the run's eval_batches")
+    _positive("--per-cell", args.per_cell, 4, "the default")
+    _positive("--digits", args.digits, 5, "the default")
+    defaults = [n for n in (cfg.seq_len // 8, cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len) if _takes(cfg, n)]
+    lengths = _counts("--lengths", args.lengths, defaults or [cfg.seq_len])
     if args.passkey and not lengths:  # the default: S/8, S/4, S/2, S, those the mesh takes
-        lengths = [n for n in (cfg.seq_len // 8, cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len)
-                   if _takes(cfg, n)] or [cfg.seq_len]
+        lengths = defaults or [cfg.seq_len]
     for n in lengths if args.passkey else ():
         check_passkey_length(cfg, n)
     depths = [float(x) for x in args.depths.split(",")]
     if any(not 0 <= d <= 1 for d in depths):
-        raise ConfigError(f"--depths {args.depths}: depths must be in [0, 1]")
+        raise ConfigError(f"--depths {args.depths}: depths must be in [0, 1]", key="--depths", value=args.depths)
     args.lengths_list, args.depths_list = sorted(set(lengths)), depths
     resolve_ruler(cfg, args)
-    return run_dir, step, cfg
 
 
 def resolve_ruler(cfg, args) -> None:
@@ -126,19 +148,13 @@ def resolve_ruler(cfg, args) -> None:
     if unknown:
         raise ConfigError(f"--ruler-tasks {args.ruler_tasks}: unknown task(s) {', '.join(unknown)}; choose from "
                           f"{', '.join(ruler.TASKS)}")
-    if args.ruler_cases <= 0:
-        raise ConfigError(f"--ruler-cases={args.ruler_cases} must be positive")
-    if args.ruler_lengths:
-        try:
-            lengths = [int(x) for x in args.ruler_lengths.split(",")]
-        except ValueError:
-            raise ConfigError(f"--ruler-lengths {args.ruler_lengths!r}: give comma-separated token counts, e.g. "
-                              f"1024,4096") from None
-        option = "--ruler-lengths"
-    else:
-        lengths = [n for n in (cfg.seq_len // 8, cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len)
-                   if n > 0 and _ruler_takes(cfg, n)] or [cfg.seq_len]
-        option = "--ruler-lengths (default: seq_len and the fractions of it the mesh takes)"
+    _positive("--ruler-cases", args.ruler_cases, 8, "the default")
+    defaults = [n for n in (cfg.seq_len // 8, cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len)
+                if n > 0 and _ruler_takes(cfg, n)] or [cfg.seq_len]
+    lengths = _counts("--ruler-lengths", args.ruler_lengths, defaults)
+    option = "--ruler-lengths"
+    if not lengths:
+        lengths, option = defaults, "--ruler-lengths (default: seq_len and the fractions of it the mesh takes)"
     # every length checked, every problem named, before a case is generated
     ruler.check_lengths(cfg, lengths, option, cases=args.ruler_cases, tasks=len(args.ruler_tasks_list))
     args.ruler_lengths_list = sorted(set(lengths))
@@ -160,26 +176,36 @@ def check_passkey_length(cfg, length: int) -> None:
     attention, by `tiling.mlp_tiles` per device).
 
     Raises:
-      ConfigError: naming `--lengths`, the length and the rule it breaks.
+      ConfigError: naming `--lengths`, the length, the rule it breaks and the nearest lengths that pass
+        (`suggestions`, `{"--lengths": n}`: a length to put in its place).
     """
+    from jaxlong.core.suggest import nearest  # noqa: PLC0415
+
+    why = _passkey_refusal(cfg, length)
+    if why is None:
+        return
+    unit = max(cfg.mesh.context, 1) * (2 * cfg.mesh.ring if cfg.mesh.ring > 1 else 1)
+    near = nearest(lambda n: _takes(cfg, n), length, step=unit, lo=unit, tries=256)
+    raise ConfigError(f"--lengths {length}: {why}" + (f"; nearby lengths it takes: {' or '.join(map(str, near))}"
+                                                      if near else ""),
+                      key="--lengths", value=length, suggestions=tuple({"--lengths": n} for n in near))
+
+
+def _passkey_refusal(cfg, length: int) -> str | None:
+    """Why `length` cannot be a passkey length of this run, or None."""
     from dataclasses import replace  # noqa: PLC0415
 
-    from jaxlong.config import validate  # noqa: PLC0415
+    from jaxlong.config import refusal  # noqa: PLC0415
 
     if length < 64:
-        raise ConfigError(f"--lengths {length}: a passkey length must be >= 64 tokens (the needle and question)")
-    try:  # the loss tile is chosen per length by the stats step; every other sequence rule applies
-        validate(replace(cfg, seq_len=length, tiling=replace(cfg.tiling, loss_tile=0)))
-    except ConfigError as e:
-        raise ConfigError(f"--lengths {length}: not a sequence length this mesh takes ({e})") from None
+        return "a passkey length must be >= 64 tokens (the needle and question)"
+    # the loss tile is chosen per length by the stats step; every other sequence rule applies
+    rule = refusal(replace(cfg, seq_len=length, tiling=replace(cfg.tiling, loss_tile=0)))
+    return None if rule is None else f"not a sequence length this mesh takes ({rule})"
 
 
 def _takes(cfg, length: int) -> bool:
-    try:
-        check_passkey_length(cfg, length)
-    except ConfigError:
-        return False
-    return True
+    return _passkey_refusal(cfg, length) is None
 
 
 def main(argv=None) -> int:
@@ -236,12 +262,13 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     from jaxlong.core.memstats import format_compiled  # noqa: PLC0415
     from jaxlong.core.mesh import build_mesh, check_process_layout, run_devices  # noqa: PLC0415
 
-    validate(cfg, num_devices=len(run_devices(cfg.mesh)))
+    devices = run_devices(cfg.mesh)
+    validate(cfg, num_devices=len(devices), platform=devices[0].platform)
     mesh = build_mesh(cfg.mesh)
     check_process_layout(mesh)
     main = jax.process_index() == 0  # process 0 prints and writes; every process computes
     say = print if main else (lambda *a, **k: None)
-    tokenizer = data_lib.run_tokenizer(cfg)  # the trainer's: the checkpoint's tokenizer.json under model.from_hf
+    tokenizer = data_lib.run_tokenizer(cfg, run_dir)  # the trainer's: the run's copy, then model.from_hf
     lengths = passkey_lengths(cfg, args, tokenizer) if args.passkey else []
     source = data_lib.first_source(cfg)  # data.path, or the first of data.sources
     # The trainer's held-out split; more batches than it used take more documents (the same ones first).
@@ -363,8 +390,9 @@ def evaluation_setup(cfg, run_dir: Path, step: int, mesh_shape: dict, args) -> d
     `key=value` given) and `flags` (those that differ from their defaults).
 
     `name` is `mesh_<data>x<fsdp>x<ring>x<context>`, followed by `-<8 hex digits>` (a hash of the config apart from
-    the mesh, and of those flags) when the config differs from the checkpoint's in keys other than `mesh.*` or
-    a flag is not at its default: the same setup has the same name, another setup another name.
+    the mesh, and of those flags) when the config differs from the checkpoint's in keys other than `mesh.*`,
+    `model.from_hf` (where the tokenizer files are) and `imported`, or a flag is not at its default: the same setup has the same
+    name, another setup another name.
     """
     import dataclasses  # noqa: PLC0415
     import hashlib  # noqa: PLC0415
@@ -373,7 +401,11 @@ def evaluation_setup(cfg, run_dir: Path, step: int, mesh_shape: dict, args) -> d
     from jaxlong.training.checkpoint import saved_config  # noqa: PLC0415
 
     saved = from_dict(saved_config(run_dir / "checkpoints", step))
-    mine, trained = to_dict(dataclasses.replace(cfg, mesh=saved.mesh)), to_dict(saved)
+    # model.from_hf only says where the tokenizer files are (the weights are the checkpoint's): not a setup
+    same = dataclasses.replace(cfg, mesh=saved.mesh, model=dataclasses.replace(cfg.model, from_hf=saved.model.from_hf))
+    mine, trained = to_dict(same), to_dict(saved)
+    for d in (mine, trained):  # the digests of the run's tokenizer copy: checked, not a setup
+        d.pop("imported")
     defaults = vars(parse_args([str(run_dir)]))
     flags = {k: getattr(args, k) for k in ("batches", "lengths", "depths", "per_cell", "digits", "passkey", "ruler",
                                            "ruler_tasks", "ruler_lengths", "ruler_cases")

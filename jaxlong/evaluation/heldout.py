@@ -8,14 +8,16 @@ import itertools
 import numpy as np
 
 from jaxlong.config import Config
-from jaxlong.data import DocumentSubset, document_tokens, make_dataset
+from jaxlong.data import DocumentSubset, document_tokens, make_dataset, source_label
 
 
-def held_out_documents(source, tokenizer, fraction: float, seed: int, min_tokens: int = 0) -> list[int]:
+def held_out_documents(source, tokenizer, fraction: float, seed: int, min_tokens: int = 0,
+                       corpus: str = "the corpus") -> list[int]:
     """Hold out whole documents of a corpus (`jaxlong.data.DocumentSource` or any sequence of texts) for
     validation: taken in the order of `np.random.default_rng([seed, 1]).permutation(n_docs)`, at least
     `max(1, round(fraction * n_docs))` and more until their tokens (`[BOS] ids [EOS]` each) reach `min_tokens`,
-    never all of them. Only the documents taken are tokenized.
+    never all of them. Only the documents taken are tokenized. `corpus` names the corpus in messages
+    (`corpus_label`).
 
     Returns the held-out document indices, sorted (the training pipeline skips them).
 
@@ -26,7 +28,7 @@ def held_out_documents(source, tokenizer, fraction: float, seed: int, min_tokens
     n_docs = len(source)
     if n_docs < 2:
         raise ValueError(
-            f"eval_fraction={fraction}: the corpus has {n_docs} document(s); a held-out split needs at least 2 "
+            f"{corpus}: eval_fraction={fraction}: it has {n_docs} document(s); a held-out split needs at least 2 "
             f"(use a corpus of several documents, or eval_every=0 to train without validation)"
         )
     order = np.random.default_rng([seed, 1]).permutation(n_docs)
@@ -72,22 +74,32 @@ def validation_split(cfg: Config, source, tokenizer, n_batches: int | None = Non
 
     Raises:
       ValueError: fewer than two documents, or all documents but one cannot fill the batches (the message names
-        `eval_batches`, `eval_fraction` and `data.path`).
+        the corpus, `data.path` or `data.sources[0]` and its path (`corpus_label`), its documents and
+        `eval_batches` or `eval_fraction`).
     """
     n_batches = n_batches or cfg.eval_batches
     need = n_batches * eval_batch_size(cfg) * cfg.seq_len + 1
+    corpus = corpus_label(cfg)
     while True:
-        indices = held_out_documents(source, tokenizer, cfg.eval_fraction, cfg.seed, need)
+        indices = held_out_documents(source, tokenizer, cfg.eval_fraction, cfg.seed, need, corpus)
         batches = validation_batches(cfg, source, tokenizer, indices, n_batches)
         if len(batches) == n_batches:
             return indices, batches
         if len(indices) >= len(source) - 1:
             raise ValueError(
-                f"eval_batches={n_batches}: the corpus of {len(source)} documents ({cfg.data.path}) cannot fill "
-                f"{n_batches} validation batches of {eval_batch_size(cfg)} x seq_len={cfg.seq_len} tokens while "
-                f"keeping a document for training; lower eval_batches or seq_len, or use a larger corpus"
+                f"{corpus}: eval_batches={n_batches}: its {len(source)} documents cannot fill {n_batches} validation "
+                f"batches of {eval_batch_size(cfg)} x seq_len={cfg.seq_len} tokens while keeping a document for "
+                f"training; lower eval_batches or seq_len, use a larger corpus, or eval_every=0"
             )
         need += need // 2
+
+
+def corpus_label(cfg: Config) -> str:
+    """How messages name the corpus validation holds documents out of: `data.path='x.jsonl'` (`data.path=null
+    (the Python stdlib sources)`), or with `data.sources` the first source, `data.sources[0] (PATH)`."""
+    if cfg.data.sources:
+        return source_label(cfg.data.sources[0], 0)
+    return "data.path=null (the Python stdlib sources)" if cfg.data.path is None else f"data.path={cfg.data.path!r}"
 
 
 def eval_batch_size(cfg: Config) -> int:

@@ -3,8 +3,11 @@
 Reads `RUN_DIR/checkpoints/<step>` (default: the latest) with the config saved next to the state, restores
 only the parameters (onto all local devices, FSDP-sharded), and writes DIR with `config.json` (Llama or Qwen3,
 the trained context length as `max_position_embeddings`, the run's RoPE theta and scaling), sharded
-`model-*.safetensors` + `model.safetensors.index.json`, and the tokenizer files of the checkpoint the run
-started from (`model.from_hf`), so that `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it.
+`model-*.safetensors` + `model.safetensors.index.json`, and the run's tokenizer files (its copy in
+`RUN_DIR/imported/` of what `model.from_hf` or `data.tokenizer` gave it: tokenizer, chat template, generation
+config), so that `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`
+load it and `apply_chat_template` works. A run trained before run directories kept that copy, whose import
+directory has moved, names it: `python -m jaxlong.export RUN_DIR --out DIR model.from_hf=NEW_DIR`.
 See `jaxlong.models.hf.save_hf`. Errors are one line on stderr, exit code 2.
 """
 
@@ -26,9 +29,14 @@ def config_from_dict(data: dict):
     return cfg
 
 
-def restore_params(run_dir: str | Path, step: int | None = None):
+# What export's `key=value` arguments may set: where the tokenizer files are, for a run without its copy.
+EXPORT_KEYS = ("model.from_hf", "data.tokenizer")
+
+
+def restore_params(run_dir: str | Path, step: int | None = None, overrides: list[str] | tuple[str, ...] = ()):
     """(step, config, params) of the checkpoint at `step` (default: latest) in `run_dir/checkpoints`, the params
-    restored FSDP-sharded over all local devices; optimizer state is not read.
+    restored FSDP-sharded over all local devices; optimizer state is not read. `overrides` (`key=value`, keys in
+    `EXPORT_KEYS`) are applied to the saved config.
 
     Raises:
       FileNotFoundError: no checkpoint (at that step) in the run directory.
@@ -37,7 +45,7 @@ def restore_params(run_dir: str | Path, step: int | None = None):
     import jax  # noqa: PLC0415
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
-    from jaxlong.config import MeshConfig  # noqa: PLC0415
+    from jaxlong.config import MeshConfig, apply_setting, parse_override  # noqa: PLC0415
     from jaxlong.core.mesh import build_mesh, tree_shardings  # noqa: PLC0415
     from jaxlong.models.llama import abstract_params  # noqa: PLC0415
     from jaxlong.training.checkpoint import Checkpointer  # noqa: PLC0415
@@ -53,6 +61,8 @@ def restore_params(run_dir: str | Path, step: int | None = None):
     try:
         saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
         cfg = config_from_dict(saved)
+        for text in overrides:
+            apply_setting(cfg, *parse_override(text))
         cfg.mesh = MeshConfig(data=1, fsdp=-1, context=1, num_devices=len(jax.devices()))
         mesh = build_mesh(cfg.mesh)
         abstract = abstract_params(cfg)
@@ -80,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (new or empty)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard (default 2GiB)")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", help="model.from_hf=DIR or data.tokenizer=PATH: where the tokenizer "
+                                                     "files are, for a run trained before its directory kept a copy")
+    args = parser.parse_intermixed_args(argv)
     from jaxlong.core.distributed import cpu_unless_gpu_driver  # noqa: PLC0415
 
     cpu_unless_gpu_driver()  # before jax creates a backend: no CUDA-plugin traceback on a machine without a GPU
@@ -88,14 +100,20 @@ def main(argv: list[str] | None = None) -> int:
         from jaxlong.core.units import parse_bytes  # noqa: PLC0415
         from jaxlong.models.hf import save_hf  # noqa: PLC0415
 
+        from jaxlong.data import tokenizer_source  # noqa: PLC0415
+
         out = Path(args.out)
         if out.exists() and any(out.iterdir()):
             raise FileExistsError(f"--out {out}: the directory exists and is not empty; choose a new one")
-        step, cfg, params = restore_params(args.run_dir, args.step)
-        source = cfg.model.from_hf
-        if source and not (Path(source) / "tokenizer.json").is_file():
-            print(f"warning: {source} (model.from_hf) has no tokenizer.json any more; no tokenizer exported",
-                  file=sys.stderr)
+        for text in args.overrides:
+            if text.split("=", 1)[0].strip() not in EXPORT_KEYS:
+                raise ValueError(f"{text}: export takes only {' or '.join(k + '=...' for k in EXPORT_KEYS)} (where "
+                                 f"the run's tokenizer files are); the model is the checkpoint's")
+        step, cfg, params = restore_params(args.run_dir, args.step, args.overrides)
+        source = tokenizer_source(cfg, args.run_dir)  # the run's copy first: one resolver for every command
+        if source is None:
+            print(f"note: {args.run_dir} uses the byte tokenizer (data.tokenizer=byte), which transformers has no "
+                  f"file for; no tokenizer exported", file=sys.stderr)
         save_hf(params, cfg, out, source=source, max_shard_bytes=parse_bytes(args.max_shard_size))
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         return fail(e)

@@ -23,7 +23,7 @@ from jaxlong.kernels.blockwise import (
     reference_attention,
     reference_attention_with_lse,
 )
-from jaxlong.kernels.layout import cudnn_head_dim_ok, pallas_head_dim_ok
+from jaxlong.kernels.layout import cudnn_head_dim_ok, pallas_head_dim_ok, pallas_tiles
 
 Backend = Literal["auto", "blockwise", "cudnn", "pallas", "reference"]  # `attention.backend`
 BACKENDS = get_args(Backend)
@@ -66,14 +66,30 @@ def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = No
     if backend != "auto":
         return backend
     platform = jax.default_backend() if platform is None else platform
-    d = q.shape[-1]
-    if platform not in ("gpu", "cuda") or jnp.dtype(q.dtype) not in (jnp.bfloat16, jnp.float16):
+    return auto_backend(platform, jnp.dtype(q.dtype).name, q.shape[-1], segment_ids is not None)
+
+
+def auto_backend(platform: str, compute_dtype: str, head_dim: int, segment_ids: bool) -> str:
+    """What `attention.backend=auto` runs (`resolve_backend`, without arrays): on GPUs (`platform` `gpu` or
+    `cuda`) in bfloat16 or float16, cuDNN without segment ids and the Pallas kernel with them, where the kernel
+    takes `head_dim`; the blockwise kernel otherwise."""
+    if platform not in ("gpu", "cuda") or compute_dtype not in ("bfloat16", "float16"):
         return "blockwise"
-    if segment_ids is None and cudnn_head_dim_ok(d):
+    if not segment_ids and cudnn_head_dim_ok(head_dim):
         return "cudnn"
-    if segment_ids is not None and pallas_head_dim_ok(d):
+    if segment_ids and pallas_head_dim_ok(head_dim):
         return "pallas"
     return "blockwise"
+
+
+def kernel_that_runs(backend: str, platform: str | None, *, compute_dtype: str, head_dim: int,
+                     segment_ids: bool) -> str | None:
+    """The kernel a run's attention uses: an explicit `attention.backend` itself; `auto` resolved
+    (`auto_backend`) where the platform is known, None where it is not (a config checked before the devices
+    are known)."""
+    if backend != "auto":
+        return backend
+    return None if platform is None else auto_backend(platform, compute_dtype, head_dim, segment_ids)
 
 
 def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: int = 512,
@@ -150,20 +166,51 @@ def check_backend(backend: str, *, head_dim: int, compute_dtype: str, segment_id
       segment_ids: the batches carry segment ids (`data.packing=documents`).
 
     Raises:
-      ConfigError: cuDNN with segment ids or in float32, or a head_dim the kernel does not take (each names the
-        option and what works). Under ring attention (`ring` > 1) the same kernel runs its blocks.
+      ConfigError: cuDNN with segment ids or in float32, or a head_dim the kernel does not take (`key`
+        attention.backend, `keys` the option it conflicts with; `jaxlong.config.validate` adds what passes). Under
+        ring attention (`ring` > 1) the same kernel runs its blocks.
     """
+    at = dict(key="attention.backend", value=backend)
     if backend == "cudnn":
         if segment_ids:
-            raise ConfigError("attention.backend=cudnn cannot mask packed documents (cuDNN's packed layout is not "
-                              "usable at long context); use attention.backend=auto or pallas (GPUs) or blockwise, "
-                              "or data.packing=concat")
+            raise ConfigError("attention.backend=cudnn cannot mask packed documents (data.packing=documents; "
+                              "cuDNN's packed layout is not usable at long context)", keys=("data.packing",), **at)
         if compute_dtype not in ("bfloat16", "float16"):
             raise ConfigError(f"attention.backend=cudnn needs compute_dtype=bfloat16 or float16, got "
-                              f"{compute_dtype}; or use attention.backend=auto")
+                              f"{compute_dtype}", keys=("compute_dtype",), **at)
         if not cudnn_head_dim_ok(head_dim):
             raise ConfigError(f"attention.backend=cudnn needs model.head_dim a multiple of 8 and <= 256, got "
-                              f"{head_dim}; use attention.backend=auto or blockwise")
+                              f"{head_dim}", keys=("model.head_dim",), **at)
     if backend == "pallas" and not pallas_head_dim_ok(head_dim):
         raise ConfigError(f"attention.backend=pallas needs model.head_dim a power of two in [16, 256], got "
-                          f"{head_dim}; use attention.backend=auto or blockwise")
+                          f"{head_dim}", keys=("model.head_dim",), **at)
+
+
+def check_kernel_size(kernel: str, *, backend: str, batch: int, seq: int, heads: int, head_dim: int) -> None:
+    """The GPU kernels' limit of one call's tensors (int32 offsets: `MAX_ELEMENTS` of `jaxlong.kernels.cudnn` and
+    `jaxlong.kernels.pallas_gpu`), checked while tracing by the kernels and before it by `jaxlong.config.validate`.
+
+    Args:
+      kernel: the kernel that runs (`kernel_that_runs`); backend: `attention.backend` as set (named in the message).
+      batch: sequences per device per call; seq: tokens per call (the whole sequence after Ulysses' all-to-all,
+        or ring attention's local S/ring); heads: query heads per device per call (heads/context, or U-Pipe's
+        U/context); head_dim: `model.head_dim`.
+
+    Raises:
+      ConfigError: the Pallas kernel's padded query `[batch, padded seq, heads, head_dim]`, or one head's cuDNN call
+        `[batch, seq, 1, head_dim]`, would exceed the limit (`key` attention.backend).
+    """
+    if kernel == "pallas":
+        shape = (batch, pallas_tiles(seq, pallas_kernel.DEFAULT_BLOCK, pallas_kernel.DEFAULT_BLOCK)[2], heads, head_dim)
+        limit = pallas_kernel.MAX_ELEMENTS
+    elif kernel == "cudnn":
+        shape, limit = (batch, seq, 1, head_dim), cudnn_kernel.MAX_ELEMENTS
+    else:
+        return
+    elements = shape[0] * shape[1] * shape[2] * shape[3]
+    if elements > limit:
+        raise ConfigError(
+            f"attention.backend={backend} runs the {kernel} kernel on q of {list(shape)} (batch, sequence, heads per "
+            f"call and device, head_dim): {elements:,} elements, more than its {limit:,} (int32 offsets)",
+            key="attention.backend", value=backend,
+            keys=("mesh.context", "mesh.ring", "attention.impl", "attention.heads_per_stage", "grad_accum", "seq_len"))

@@ -476,11 +476,9 @@ def check_attention_block(key: str, block: int, seq: int) -> None:
       ConfigError: `block` <= 0, or min(block, seq) does not divide `seq` (`key` names the option).
     """
     if block <= 0:
-        raise ConfigError(f"{key}={block} must be a positive tile length, e.g. {min(256, seq)}")
+        raise ConfigError(f"{key}={block} must be a positive tile length", key=key, value=block)
     b = min(block, seq)
     if seq % b:
-        best = max(c for c in range(1, b + 1) if seq % c == 0)
         raise ConfigError(
-            f"{key}={block} must divide seq_len={seq} (attention sees the whole sequence after the all-to-all); "
-            f"use a divisor such as {best}, or a value >= {seq}"
-        )
+            f"{key}={block} must divide seq_len={seq} (attention sees the whole sequence after the all-to-all) or "
+            f"be at least as long", key=key, value=block, keys=("seq_len",))

@@ -31,3 +31,13 @@ def cudnn_head_dim_ok(d: int) -> bool:
 def pallas_head_dim_ok(d: int) -> bool:
     """The Pallas (Triton) kernel: head_dim a power of two in [16, 256] (Triton block shapes)."""
     return 16 <= d <= 256 and d & (d - 1) == 0
+
+
+def pallas_tiles(seq: int, block_q: int, block_k: int) -> tuple[int, int, int]:
+    """The Pallas kernel's `(block_q, block_k, padded)` for a sequence of `seq` tokens (the longer of the query
+    and key sequences): tiles larger than the sequence padded to a power of two (at least 16) only add padding and
+    are clamped to it, and the sequence is padded to a multiple of the larger tile."""
+    cap = max(16, 1 << (seq - 1).bit_length())
+    block_q, block_k = min(int(block_q), cap), min(int(block_k), cap)
+    tile = max(block_q, block_k)
+    return block_q, block_k, -(-seq // tile) * tile

@@ -65,7 +65,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxlong.core.ordering import varying_axes
 from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels.blockwise import segment_starts
-from jaxlong.kernels.layout import check_qkv, pallas_head_dim_ok
+from jaxlong.kernels.layout import check_qkv, pallas_head_dim_ok, pallas_tiles
 
 __all__ = ["MAX_ELEMENTS", "pallas_attention", "pallas_attention_bwd", "pallas_attention_fwd"]
 
@@ -106,11 +106,8 @@ def _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts=None):
             raise ValueError(f"segment_ids must be integer [batch, seq] = {[b, s]}; got {segment_ids.dtype} "
                              f"{tuple(segment_ids.shape)}")
         segment_ids = segment_ids.astype(jnp.int32)
-    # Blocks larger than the (power-of-two-padded) sequence only add padding.
-    cap = max(16, 1 << (max(s, k.shape[1]) - 1).bit_length())
-    block_q, block_k = min(int(block_q), cap), min(int(block_k), cap)
-    padded = _padded(max(s, k.shape[1]), block_q, block_k)
-    if b * padded * h * d > MAX_ELEMENTS:
+    block_q, block_k, padded = pallas_tiles(max(s, k.shape[1]), block_q, block_k)
+    if b * padded * h * d > MAX_ELEMENTS:  # also checked before tracing: jaxlong.kernels.backend.check_kernel_size
         raise ValueError(f"attention.backend=pallas: q {tuple(q.shape)} (seq padded to {padded}) has more than "
                          f"{MAX_ELEMENTS:,} elements, beyond the kernels' int32 offsets; use a larger "
                          f"mesh.context, U-Pipe with fewer attention.heads_per_stage, or attention.backend=blockwise")

@@ -117,15 +117,16 @@ def check_keep_attention(keep: int, memory: str, policy: str, layers: int) -> No
       ConfigError: a count outside [0, layers], an unknown memory, or keeping with a policy that does not
         recompute the layer (only `full` and `offload` rerun attention in the backward).
     """
+    at = dict(key="remat.keep_attention", value=keep)
     if not isinstance(keep, int) or isinstance(keep, bool) or not 0 <= keep <= layers:
         raise ConfigError(f"remat.keep_attention={keep!r} must be an integer from 0 (none) to model.layers={layers} "
-                          f"(every layer keeps its attention output and log-sum-exp)")
+                          f"(every layer keeps its attention output and log-sum-exp)", **at)
     if memory not in KEEP_MEMORY:
         raise ConfigError(f"remat.keep_attention_memory={memory!r}; choose one of: {', '.join(KEEP_MEMORY)}")
     if keep and policy not in ("full", "offload"):
         raise ConfigError(f"remat.keep_attention={keep} keeps what the backward's recomputation of a layer would "
-                          f"run again, and needs remat.policy=full or offload (got {policy!r}); set "
-                          f"remat.keep_attention=0 or remat.policy=offload")
+                          f"run again, and needs remat.policy=full or offload (got {policy!r})", keys=("remat.policy",),
+                          **at)
 
 
 def check_offload_every(offload_every: int, policy: str, layers: int) -> None:
@@ -134,15 +135,16 @@ def check_offload_every(offload_every: int, policy: str, layers: int) -> None:
     Raises:
       ConfigError: k < 1, k > 1 with a policy other than `offload`, or k larger than the layer count.
     """
+    at = dict(key="remat.offload_every", value=offload_every)
     if not isinstance(offload_every, int) or offload_every < 1:
         raise ConfigError(f"remat.offload_every={offload_every!r} must be an integer >= 1 (1: every layer input is "
-                          f"offloaded; k: one input per group of k layers, the groups recomputed)")
+                          f"offloaded; k: one input per group of k layers, the groups recomputed)", **at)
     if offload_every > 1 and policy != "offload":
         raise ConfigError(f"remat.offload_every={offload_every} groups offloaded layer inputs and needs "
-                          f"remat.policy=offload (got {policy!r}); set remat.policy=offload or remat.offload_every=1")
+                          f"remat.policy=offload (got {policy!r})", keys=("remat.policy",), **at)
     if offload_every > layers:
-        raise ConfigError(f"remat.offload_every={offload_every} exceeds model.layers={layers}; use a k from 2 to "
-                          f"{layers} (host memory is least near k = sqrt(layers) = {max(2, round(layers ** 0.5))})")
+        raise ConfigError(f"remat.offload_every={offload_every} exceeds model.layers={layers} (host memory is least "
+                          f"near k = sqrt(model.layers))", keys=("model.layers",), **at)
 
 
 def default_offload_every(layers: int) -> int:

@@ -44,7 +44,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong.config import Config, ConfigError, ModelConfig
 from jaxlong.core.mesh import tree_shardings
-from jaxlong.data.tokenizer import TOKENIZER_FILES, HFTokenizer
+from jaxlong.data.imported import FILES as IMPORTED_FILES
+from jaxlong.data.tokenizer import HFTokenizer
 from jaxlong.models.hf_config import hf_config_dict, read_config_json
 from jaxlong.models.llama import abstract_params
 
@@ -284,8 +285,10 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, source: str | Path | 
     Writes `config.json` (`hf_config_dict`: model_type `qwen3` when `model.qk_norm`, else `llama`;
     `max_position_embeddings` = max(`seq_len`, the checkpoint's), RoPE theta and scaling of the run), the
     weights in `param_dtype` as `model-0000k-of-0000n.safetensors` shards of at most `max_shard_bytes` with
-    `model.safetensors.index.json`, and, from `source` (the checkpoint the run started from, if any), the
-    tokenizer files and the token ids of its config.json. One tensor at a time is gathered to the host. Every
+    `model.safetensors.index.json`, and, from `source` (the run's tokenizer directory,
+    `jaxlong.data.tokenizer_source`: its copy in `RUN_DIR/imported/`, if any), the tokenizer files, the chat
+    template (`chat_template.jinja`, or the one in `tokenizer_config.json`), `generation_config.json` and the token
+    ids of its config.json: what transformers needs to load the model and its tokenizer and apply the template. One tensor at a time is gathered to the host. Every
     file gets the mode of a plain file write (0666 less the umask: 0644 under the usual umask 022).
 
     Raises:
@@ -302,13 +305,14 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, source: str | Path | 
     model_type = "qwen3" if m.qk_norm else "llama"
     config = hf_config_dict(m, model_type=model_type, context=max(cfg.seq_len, m.max_position_embeddings),
                             dtype=cfg.param_dtype)
-    if source is not None and (Path(source) / "config.json").is_file():
-        src = read_config_json(source)
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if key in src:
-                config[key] = src[key]
-        for f in TOKENIZER_FILES:
-            if (Path(source) / f).is_file():  # a new file (the umask's mode), not the source's mode
+    if source is not None:
+        if (Path(source) / "config.json").is_file():
+            src = read_config_json(source)
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                if key in src:
+                    config[key] = src[key]
+        for f in IMPORTED_FILES:
+            if f != "config.json" and (Path(source) / f).is_file():  # a new file (the umask's mode)
                 shutil.copyfile(Path(source) / f, out / f)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 

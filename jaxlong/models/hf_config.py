@@ -75,8 +75,9 @@ def read_config_json(directory: str | Path) -> dict:
     """
     path = Path(directory) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"model.from_hf={str(directory)!r}: no config.json in that directory; give a local "
-                          f"Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+        what = "no config.json in that directory" if Path(directory).is_dir() else "no such directory"
+        raise ConfigError(f"model.from_hf={str(directory)!r}: {what}; give a local Hugging Face checkpoint "
+                          f"directory (config.json, *.safetensors, tokenizer.json), where it is now")
     return json.loads(path.read_text())
 
 

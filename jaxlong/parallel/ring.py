@@ -536,13 +536,10 @@ def check_ring(seq_len: int, ring: int, context: int, block_q: int, block_k: int
     if seq_len % m:
         raise ConfigError(
             f"seq_len={seq_len} is not divisible by 2*mesh.ring*mesh.context = 2*{ring}*{context} = {m} (ring "
-            f"attention's zigzag layout); use a multiple of {m}, e.g. {(seq_len // m + 1) * m}"
-        )
+            f"attention's zigzag layout)", key="seq_len", value=seq_len, keys=("mesh.ring", "mesh.context"))
     block = seq_len // (2 * ring)
     for key, value in (("attention.block_q", block_q), ("attention.block_k", block_k)):
         if value <= 0 or block % min(value, block):
-            divisors = [1 << i for i in range(block.bit_length()) if block % (1 << i) == 0]
             raise ConfigError(
-                f"{key}={value} must divide ring attention's block of seq_len/(2*mesh.ring) = {block} tokens; "
-                f"use one of {divisors[-4:]} or a value >= {block}"
-            )
+                f"{key}={value} must divide ring attention's block of seq_len/(2*mesh.ring) = {block} tokens (or be "
+                f"at least as long)", key=key, value=value, keys=("seq_len", "mesh.ring"))

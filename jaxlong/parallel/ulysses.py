@@ -187,19 +187,15 @@ def check_heads(heads: int, kv_heads: int, context: int) -> None:
     """Ulysses splits heads over the context axis.
 
     Raises:
-      ConfigError: `heads` is not divisible by `context`, or neither of kv_heads and context divides the other;
-        the message lists the context degrees that work (`context_degrees`).
+      ConfigError: `heads` is not divisible by `context`, or neither of kv_heads and context divides the other
+        (`key` mesh.context; the degrees these heads take are `context_degrees`).
     """
-    valid = context_degrees(heads, kv_heads)
+    at = dict(key="mesh.context", value=context, keys=("mesh.ring", "model.heads", "model.kv_heads"))
     if heads % context:
         raise ConfigError(
             f"model.heads={heads} is not divisible by mesh.context={context}: Ulysses gives each device "
-            f"heads/context whole heads; use a context degree that divides {heads}: mesh.context in {valid} "
-            f"(put the rest of the sequence split on mesh.ring)"
-        )
+            f"heads/context whole heads (the rest of the sequence split can go on mesh.ring)", **at)
     if kv_heads % context and context % kv_heads:
         raise ConfigError(
             f"model.kv_heads={kv_heads} and mesh.context={context}: KV heads are split when kv_heads is "
-            f"divisible by context and replicated when context is divisible by kv_heads; neither holds; "
-            f"mesh.context in {valid} works"
-        )
+            f"divisible by context and replicated when context is divisible by kv_heads; neither holds", **at)

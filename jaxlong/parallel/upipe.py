@@ -794,17 +794,15 @@ def check_upipe_schedule(heads: int, kv_heads: int, context: int, heads_per_stag
         return m % g == 0 or g % m == 0
 
     u = heads_per_stage
-    valid = [v for v in range(context, heads + 1, context) if heads % v == 0 and fits_gqa(v // context)]
+    at = dict(key="attention.heads_per_stage", value=u, keys=("mesh.context",))
     if u <= 0 or u % context or heads % u:
         raise ConfigError(
             f"attention.heads_per_stage={u} must be a multiple of mesh.context={context} and divide "
-            f"model.heads={heads}; valid values: {valid}"
-        )
+            f"model.heads={heads}", **at)
     if not fits_gqa(u // context):
         raise ConfigError(
             f"attention.heads_per_stage={u}: per-device query heads per stage U/C={u // context} and query heads "
-            f"per KV head {g} must divide one another; valid values: {valid}"
-        )
+            f"per KV head {g} must divide one another", **at)
 
 
 def check_upipe_remat_names(names: list[str]) -> None:
@@ -818,5 +816,5 @@ def check_upipe_remat_names(names: list[str]) -> None:
     if inside:
         raise ConfigError(
             f"remat.save/remat.offload name {inside}, which attention.impl=upipe computes inside its op (it "
-            f"saves only the layer input and the attention output buffer); drop them or use attention.impl=ulysses"
-        )
+            f"saves only the layer input and the attention output buffer; drop those names)",
+            key="attention.impl", value="upipe")

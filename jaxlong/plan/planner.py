@@ -231,9 +231,9 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
     """
 
 
-    validate(cfg)
-    n = cfg.mesh.num_devices
     gpu = target is not None or _gpu_devices_present()
+    validate(cfg, platform="gpu" if gpu else "cpu")  # on GPUs, the limits of the kernel attention.backend=auto picks
+    n = cfg.mesh.num_devices
     measured, scale, device_memory, per_node = cfg, 1.0, None, min(n, 8)
     if target is not None:
         t = _target_for(target, n)

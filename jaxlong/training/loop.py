@@ -36,6 +36,7 @@ from jaxlong.core.memstats import compiled_bytes, device_memory, format_compiled
 from jaxlong.core.distributed import allgather_json
 from jaxlong.core.mesh import build_mesh, check_process_layout, describe_param_sharding, run_devices
 from jaxlong.core.units import fmt_bytes
+from jaxlong.data.imported import keep_imported
 from jaxlong.models import hf
 from jaxlong.training import step as step_lib
 from jaxlong.training.checkpoint import (
@@ -195,12 +196,13 @@ def run(cfg: Config, *, resume: bool = False, profile: bool = False, allow_chang
 def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals: _Signals, fault,
          extra_hooks: Sequence[Hook], batch_fn: BatchFn | None) -> dict:
     try:
-        validate(cfg, num_devices=len(run_devices(cfg.mesh)))
+        devices = run_devices(cfg.mesh)  # their platform: the GPU kernels' limits where attention.backend=auto
+        validate(cfg, num_devices=len(devices), platform=devices[0].platform)
     except ConfigError as e:
         if jax.process_count() == 1:
             raise
         raise ConfigError(f"{e} (this launch: {jax.process_count()} processes of {jax.local_device_count()} devices "
-                          f"each)") from None
+                          f"each)", key=e.key, value=e.value, keys=e.keys, suggestions=e.suggestions) from None
     if cfg.attention.backend in ("cudnn", "pallas") and jax.default_backend() != "gpu":
         raise ConfigError(
             f"attention.backend={cfg.attention.backend} needs an NVIDIA GPU, but jax runs on {jax.default_backend()}; "
@@ -209,15 +211,10 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     mesh = build_mesh(cfg.mesh)
     check_process_layout(mesh)
     run_dir = Path(cfg.run_dir) / cfg.run_name
-    if cfg.model.from_hf:  # its tensors are checked before compiling
-        hf.check_checkpoint(cfg.model.from_hf, cfg)
-    tokenizer = data_lib.run_tokenizer(cfg)  # the checkpoint's tokenizer.json under model.from_hf
-    try:
-        data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     ckpt_dir = run_dir / "checkpoints"
     latest = Checkpointer.latest_in(ckpt_dir)
+    if cfg.model.from_hf and not resume:  # its tensors are checked before compiling (a resume has its weights)
+        hf.check_checkpoint(cfg.model.from_hf, cfg)
     if resume and latest is None:
         raise FileNotFoundError(f"--resume: no checkpoint found in {ckpt_dir.absolute()}")
     if not resume and latest is not None:
@@ -235,6 +232,15 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
         return {"metrics": {}, "run_dir": str(run_dir), "step": start, "stopped": None}
     check_state_fits_host(cfg, mesh)  # before the data and the compile
     run_dir.mkdir(parents=True, exist_ok=True)
+    # The run's own copy of its tokenizer files (RUN_DIR/imported/), their digests saved with every checkpoint.
+    recorded = (saved_config(ckpt_dir, latest) or {}).get("imported", {}) if resume else None
+    cfg = dataclasses.replace(cfg, imported=keep_imported(cfg, run_dir, recorded=recorded,
+                                                          write=jax.process_index() == 0, say=_say))
+    tokenizer = data_lib.run_tokenizer(cfg, run_dir)  # the run's copy, then model.from_hf, then data.tokenizer
+    try:
+        data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _say(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
           f"mesh {dict(mesh.shape)} on {mesh.size} x {jax.devices()[0].device_kind}, "
           f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
@@ -252,7 +258,8 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
             suite_validator = ruler.RulerValidator(cfg, mesh, tokenizer, suite, corpus, option="ruler_lengths")
     rows = step_lib.process_rows(mesh, cfg.global_batch)
     if batch_fn is None:
-        batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out, rows=rows)
+        # data.sources: each source's length rules checked here, sources the run repeats heavily warned about
+        batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out, rows=rows, warn=_say)
     else:
         batches = StepBatches(batch_fn, rows, cfg.seq_len, cfg.model.vocab_size, start)
 
@@ -278,7 +285,8 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
             elif saved.get("stage", 0) == cfg.stage:
                 _restore_data(batches, ckpt.restore_data(start), start - cfg.optim.schedule_start)
             else:  # a recipe's next stage: its own data from its first batch (jaxlong.training.recipe)
-                _say(f"stage {cfg.stage} starts at step {start}: seq_len {cfg.seq_len}, its data from the start")
+                _say(f"stage {cfg.stage} starts from checkpoint {start}: steps {start + 1}-{cfg.steps}, seq_len "
+                     f"{cfg.seq_len}, its data from the start")
             # a fresh optimizer where this config asks for one and the checkpoint's did not, or at a stage's start
             if cfg.optim.reset_state and (saved.get("stage", 0) != cfg.stage or
                                           not saved.get("optim", {}).get("reset_state", False)):

@@ -36,7 +36,7 @@ from pathlib import Path
 import jax
 
 from jaxlong import data as data_lib
-from jaxlong.config import Config, ConfigError, apply_setting, parse_override, validate
+from jaxlong.config import Config, ConfigError, apply_setting, changed_keys, parse_override, validate
 from jaxlong.training import gates as gate_lib
 from jaxlong.training.checkpoint import Checkpointer
 from jaxlong.training.loop import run
@@ -72,7 +72,10 @@ def expand(cfg: Config, overrides=()) -> list[Stage]:
 
     Raises:
       ConfigError: one line naming every stage that is wrong (no `steps` or `steps` < 1, an unknown key, a wrong
-        type, a combination `validate` refuses, e.g. a `seq_len` the stage's mesh cannot split) and why.
+        type, a combination `validate` refuses, e.g. a `seq_len` the stage's mesh cannot split), why, and what
+        would pass: advice about the stage's own keys or the command line's first (`validate(changed=...)`). Its
+        `errors` hold one `ConfigError` per stage, whose key and suggestions name the stage's keys as
+        `stages[i].KEY`.
     """
     if not cfg.stages:
         raise ConfigError("the config has no stages: a recipe needs `stages:`, a list of mappings with `steps`")
@@ -82,12 +85,14 @@ def expand(cfg: Config, overrides=()) -> list[Stage]:
         raise ConfigError(f"steps={cfg.steps}: a recipe's stages set their own steps; drop the top-level or "
                           "command-line steps and give each stage its steps")
     stages, errors, start = [], [], 0
+    settings = [parse_override(text) for text in overrides]
     for i, raw in enumerate(cfg.stages):
         name = str(raw.get("name") or f"stage{i}")
         at = f"stage {i} ({name})"
         steps = raw.get("steps")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            errors.append(f"{at}: steps={steps!r}; give the stage's number of steps (an integer >= 1)")
+            errors.append(ConfigError(f"{at}: steps={steps!r}; give the stage's number of steps (an integer >= 1)",
+                                      key=f"stages[{i}].steps", value=steps))
             continue
         out = copy.deepcopy(cfg)
         out.stages = []
@@ -98,23 +103,37 @@ def expand(cfg: Config, overrides=()) -> list[Stage]:
                     raise ConfigError(f"{key} is set by the recipe (the stage's index, its first step); leave it out")
                 if key not in STAGE_KEYS:
                     apply_setting(out, key, value)
-            for text in overrides:
-                apply_setting(out, *parse_override(text))
+            for s in settings:
+                apply_setting(out, *s)
             out.steps, out.optim.schedule_start, out.stage = start + steps, start, i
-            validate(out)
+            own = {k: v for k, v in raw.items() if k not in STAGE_KEYS}
+            validate(out, changed=changed_keys(settings, own))
             gate = gate_lib.parse_gate(raw["gate"], out) if raw.get("gate") is not None else None
         except ConfigError as e:
-            errors.append(f"{at}: {e}")
+            errors.append(_in_stage(e, i, at))
             start += steps
             continue
         stages.append(Stage(i, name, start, start + steps, out, gate))
         start += steps
+    if len(errors) == 1:
+        raise errors[0]
     if errors:
-        raise ConfigError("; ".join(errors))
+        raise ConfigError("; ".join(map(str, errors)), errors=tuple(errors))
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise ConfigError(f"the stages' names repeat ({', '.join(names)}); give each a distinct name")
     return stages
+
+
+def _in_stage(error: ConfigError, i: int, at: str) -> ConfigError:
+    """`error` of stage `i` (`at`: "stage i (name)"), its message prefixed with `at` and its options named
+    `stages[i].KEY`, as a stage sets them (a suggestion set in the stage overrides the base config's value)."""
+    def staged(key: str) -> str:
+        return f"stages[{i}].{key}"
+
+    return ConfigError(f"{at}: {error}", key=staged(error.key) if error.key else None, value=error.value,
+                       keys=tuple(map(staged, error.keys)),
+                       suggestions=tuple({staged(k): v for k, v in s.items()} for s in error.suggestions))
 
 
 def check_sources(stages: list[Stage]) -> None:

@@ -1,7 +1,8 @@
 """Data mixtures (`data.sources`, jaxlong.data.mixture): each source's realised share of the training tokens holds
 its weight, the mixture is deterministic by seed and resumes exactly, long-document upsampling raises the share
-of long documents, the length rules drop what they say, bad mixtures are one-line errors before compiling, and
-the trainer logs the realised shares."""
+of long documents, the length rules drop what they say, bad mixtures are one-line errors before compiling (each
+naming data.sources[i] and its path), heavily repeated sources are warned about, and the trainer logs the realised
+shares."""
 import json
 import re
 
@@ -11,7 +12,9 @@ from helpers import TINY
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jaxlong import data
+from jaxlong import evaluation as eval_lib
 from jaxlong.config import ConfigError, load_config
+from jaxlong.data import mixture
 from jaxlong.training.checkpoint import config_changes
 
 BYTE = data.ByteTokenizer()
@@ -137,20 +140,93 @@ def test_length_rules_drop_documents_outside_them(corpora):
                 assert (n >= 100) if which == 1 else (n <= 800), (which, n)
 
 
-def test_a_rule_that_keeps_no_document_names_the_source_and_the_rule(corpora):
-    cfg = _cfg(corpora, {"short": 0.5, "long": 0.5}, short={"min_doc_tokens": 5000})
-    with pytest.raises(ValueError, match=r"source 'short' has no document within its length rules \(tokens 5000\.\.: min_doc_tokens"):
-        next(data.batch_iterator(cfg, BYTE))
+def _lengths(path) -> list[int]:
+    """Token counts (next-token pairs of `[BOS] text [EOS]`, as the length rules count) of a .jsonl corpus."""
+    return [len(BYTE.encode(json.loads(x)["text"])) + 1 for x in path.read_text().splitlines()]
+
+
+def test_a_rule_that_keeps_no_document_is_refused_when_the_data_is_opened(corpora):
+    """`batch_iterator` (what the trainer calls before compiling) measures every source and refuses rules that keep
+    none of its documents: one line naming data.sources[i], its path, the rule, the source's own document count (400,
+    not one packing stream's 100) and the lengths seen."""
+    longest, shortest = max(_lengths(corpora["short"])), min(_lengths(corpora["long"]))
+    cases = [({"short": {"min_doc_tokens": 5000}},
+              rf"^data.sources\[0\] \({corpora['short']}\): min_doc_tokens=5000 keeps none of its 400 documents: the "
+              rf"longest is {longest} tokens; use min_doc_tokens <= {longest}, or drop the source$"),
+             ({"long": {"max_doc_tokens": 20}},
+              rf"^data.sources\[1\] \({corpora['long']}\): max_doc_tokens=20 keeps none of its 120 documents: the "
+              rf"shortest is {shortest} tokens; use max_doc_tokens >= {shortest}, or drop the source$"),
+             ({"long": {"upsample_long": 2, "long_doc_tokens": 10**6}},
+              r"^data.sources\[1\] \(.*\): upsample_long=2 has no long document to draw: none of its 120 documents"),
+             ({"short": {"min_doc_tokens": longest}},  # 1 document kept: 3 of the 4 packing streams get none
+              rf"^data.sources\[0\] \(.*\): 1 of its 400 documents is within its length rules \(min_doc_tokens="
+              rf"{longest}\), and each of the 4 packing streams needs one")]
+    for rules, message in cases:
+        with pytest.raises(ValueError, match=message) as e:
+            data.batch_iterator(_cfg(corpora, {"short": 0.5, "long": 0.5}, **rules), BYTE)
+        assert "\n" not in str(e.value)
+
+
+def test_a_large_source_is_measured_on_a_sample_and_a_stream_without_a_kept_document_says_so(tmp_path, corpora,
+                                                                                                monkeypatch):
+    """A source larger than `SAMPLE_DOCUMENTS` is measured on a sample, runs of consecutive documents spread over
+    it; a rule that the sample passes but a packing stream's documents do not is refused when that stream first
+    reads, naming the source, its path and its own document count."""
+    monkeypatch.setattr(mixture, "SAMPLE_DOCUMENTS", 64)
+    texts = ["x" * 10] * 400
+    lengths = mixture.measure_lengths(texts, lambda t: len(t) + 1)
+    assert not lengths.complete and lengths.counted() == "64 documents sampled from its 400"
+    assert len(set((lengths.indices * 32 // 400).tolist())) == 32  # 2 documents from each of 32 runs
+    texts[int(lengths.indices[0])] = "y" * 100  # the one document min_doc_tokens keeps, in the sample
+    path = _corpus(tmp_path / "one_long.jsonl", [], 0)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    it = data.batch_iterator(_cfg({"one_long": path, **corpora}, {"one_long": 0.5, "long": 0.5},
+                                  one_long={"min_doc_tokens": 50}), BYTE)
+    with pytest.raises(ValueError, match=rf"^data.sources\[0\] \({path}\): no document within its length rules "
+                                         r"\(min_doc_tokens=50\) among the 100 of its 400 documents dealt to packing "
+                                         r"stream \d of 4 \(each stream needs one\)"):
+        for _ in range(20):
+            next(it)
+
+
+def test_a_source_repeated_heavily_is_warned_about_once_with_its_epochs(tmp_path, corpora, capsys):
+    """A two-document source at weight 0.9 (1,100 tokens; 4 x 1,024 tokens a step) is repeated ~3.4 times per step,
+    ~67 epochs over 20 steps: one warning line with its counts, none for the large source. Epochs alone (more than
+    10) warn too, and figures extrapolated from a sample carry '~'."""
+    tiny = tmp_path / "tiny.jsonl"  # 550 tokens each: [BOS] 549 bytes [EOS] is 550 next-token pairs
+    tiny.write_text("".join(json.dumps({"text": "x" * 549}) + "\n" for _ in range(2)), encoding="utf-8")
+    cfg = load_config(None, [*TINY, "seq_len=1024", "global_batch=4", "steps=20", f"data.sources=[{{path: "
+                             f"{corpora['long']}, weight: 0.1}}, {{path: {tiny}, weight: 0.9}}]"])
+    data.batch_iterator(cfg, BYTE, warn=print)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"warning: data.sources[1] ({tiny}): 2 documents, 1,100 tokens, at weight 0.9 (90% of the tokens) "
+                   "are repeated ~3.4 times per step (~67 epochs over the 20 steps); lower its weight or give it more "
+                   "documents"], out
+    src = data.MixedSource("b", 1.0, min_tokens=50, label="data.sources[0] (b.jsonl)")
+    full = data.SourceLengths(10, np.arange(10), np.full(10, 100))
+    assert mixture.repetition_warnings([full], [src], 10, 1000) == []  # 10 epochs: no warning
+    assert mixture.repetition_warnings([full], [src], 20, 1000) == [
+        "warning: data.sources[0] (b.jsonl): 10 documents within its length rules (min_doc_tokens=50), 1,000 tokens, "
+        "at weight 1 (100% of the tokens) are repeated over ~20 epochs in the 1,000 steps; lower its weight or give "
+        "it more documents"]
+    sampled = data.SourceLengths(1000, np.arange(10), np.full(10, 100))
+    (line,) = mixture.repetition_warnings([sampled], [src], 2_000, 1000)
+    assert "~1,000 documents within its length rules (min_doc_tokens=50), ~100,000 tokens" in line \
+        and "~20 epochs" in line, line
 
 
 @pytest.mark.parametrize("override, message", [
-    ("data.sources=[{path: A, weight: 0}]", r"data.sources\[0\].weight=0.0 must be > 0"),
+    ("data.sources=[{path: A, weight: 0}]", r"data.sources\[0\].weight=0.0 must be > 0 and finite"),
+    ("data.sources=[{path: A, weight: .inf}, {path: B}]", r"data.sources\[0\].weight=inf must be > 0 and finite"),
+    ("data.sources=[{path: A}, {path: B, weight: .nan}]", r"data.sources\[1\].weight=nan must be > 0 and finite"),
+    ("data.sources=[{path: A, weight: -1}]", r"data.sources\[0\].weight=-1.0 must be > 0 and finite"),
     ("data.sources=[{path: A, upsample_long: 0.5}]", r"data.sources\[0\].upsample_long=0.5 must be >= 1"),
     ("data.sources=[{path: A, min_doc_tokens: 50, max_doc_tokens: 10}]", r"max_doc_tokens=10 must be > min_doc_tokens"),
     ("data.sources=[{path: A}, {path: A}]", r"data.sources\[1\]: another source has the name 'A'"),
     ("data.sources=[{path: A, weights: 1}]", r"data.sources\[0\]: unknown config key 'weights'"),
     ("data.sources=A", r"data.sources' is a list of sections"),
-], ids=["weight", "upsample", "min-max", "same-name", "unknown-key", "not-a-list"])
+], ids=["weight", "inf-weight", "nan-weight", "negative-weight", "upsample", "min-max", "same-name", "unknown-key",
+        "not-a-list"])
 def test_bad_mixtures_are_one_line_config_errors(override, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_config(None, [override])
@@ -190,7 +266,26 @@ def test_the_trainer_logs_the_realised_shares_and_a_missing_source_is_one_line(c
     missing = sources.replace(str(corpora["long"]), str(tmp_path / "nowhere.jsonl"))
     assert main([*args, "run_name=bad", missing]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("error: data.sources[1]:") and "nowhere.jsonl" in err, err
+    assert "\n" not in err and err.startswith(f"error: data.sources[1] ({tmp_path / 'nowhere.jsonl'}): does not "
+                                              "exist;"), err
+
+
+def test_a_validation_split_the_first_source_cannot_fill_names_it_and_its_documents(corpora, tmp_path):
+    """With validation on, a first source of two documents that cannot fill the validation batches is one line
+    naming data.sources[0], its path and its own document count; so is one of a single document."""
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(json.dumps({"text": "x" * 548}) + "\n" for _ in range(2)), encoding="utf-8")
+    cfg = load_config(None, [*TINY, "seq_len=128", "global_batch=4", "eval_every=5", "eval_batches=2",
+                             f"data.sources=[{{path: {two}, weight: 0.9}}, {{path: {corpora['long']}, weight: 0.1}}]"])
+    with pytest.raises(ValueError, match=rf"^data.sources\[0\] \({two}\): eval_batches=2: its 2 documents cannot "
+                                         r"fill 2 validation batches of 4 x seq_len=128 tokens") as e:
+        eval_lib.validation_split(cfg, data.first_source(cfg), BYTE)
+    assert "\n" not in str(e.value)
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"text": "x"}) + "\n", encoding="utf-8")
+    cfg = load_config(None, [*TINY, "eval_every=5", f"data.sources=[{{path: {one}}}, {{path: {two}}}]"])
+    with pytest.raises(ValueError, match=rf"^data.sources\[0\] \({one}\): eval_fraction=.*: it has 1 document"):
+        eval_lib.validation_split(cfg, data.first_source(cfg), BYTE)
 
 
 def test_held_out_documents_stay_out_of_every_source_that_reads_their_corpus(tmp_path):

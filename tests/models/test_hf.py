@@ -494,3 +494,76 @@ def test_rope_scaling_options_are_validated():
                    "model.rope_scaling.original_max_position_embeddings=4096", "model.rope_scaling.attention_factor=1.2")
     assert cfg.model.rope_scaling == RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=4096,
                                                        attention_factor=1.2)
+
+
+# A chat template as transformers 5 writes it beside the tokenizer (chat_template.jinja).
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_run_directory_stands_alone(tmp_path, capsys):
+    """A run trained from a Hugging Face directory keeps its tokenizer files in RUN_DIR/imported/ (their sha256 in
+    the saved config). Once the directory is moved away, `python -m jaxlong.eval`, `python -m jaxlong.export` (the
+    tokenizer, chat template, generation config and token ids included) and `--resume` with the same command line
+    work, and so does a recipe's next stage; a changed copy is refused in one line; a run from before copies were kept names the override that works,
+    and with it evaluates into the same setup directory."""
+    import hashlib  # noqa: PLC0415
+
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    from jaxlong.eval import __main__ as eval_cli  # noqa: PLC0415
+    from jaxlong.export import __main__ as export_cli  # noqa: PLC0415
+    from jaxlong.training.checkpoint import saved_config  # noqa: PLC0415
+    from jaxlong.training.loop import run  # noqa: PLC0415
+    from jaxlong.training.recipe import expand, run_recipe  # noqa: PLC0415
+
+    imp, moved, run_dir = tmp_path / "imp", tmp_path / "moved", tmp_path / "runs" / "ft"
+    shutil.copytree(FIX / "llama31", imp)
+    (imp / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    text = (FIX / "corpus.txt").read_text()
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": text[i:i + 300]}) + "\n"
+                                              for i in range(0, len(text), 300)))
+    args = [f"model.from_hf={imp}", f"data.path={tmp_path / 'c.jsonl'}", f"run_dir={tmp_path / 'runs'}", "run_name=ft",
+            "seq_len=64", "global_batch=2", "attention.block_q=16", "attention.block_k=16", "mesh.num_devices=2",
+            "mesh.context=1", "checkpoint_every=1", "eval_every=0", "eval_fraction=0.2"]
+    run(load_config(None, [*args, "steps=1"]))
+    copied = sorted(p.name for p in (run_dir / "imported").iterdir())
+    assert copied == ["chat_template.jinja", "config.json", "generation_config.json", "tokenizer.json",
+                      "tokenizer_config.json"]
+    recorded = saved_config(run_dir / "checkpoints", 1)["imported"]
+    assert recorded == {n: hashlib.sha256((imp / n).read_bytes()).hexdigest() for n in copied}
+    imp.rename(moved)
+    evaluate = [str(run_dir), "--no-passkey", "--batches", "1"]
+    assert eval_cli.main(evaluate) == 0
+    assert export_cli.main([str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    for name in ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (moved / name).read_bytes(), name
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["eos_token_id"] == json.loads((moved / "config.json").read_text())["eos_token_id"]
+    assert Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json")).encode("hello").ids
+    out = run(load_config(None, [*args, "steps=2"]), resume=True)  # the same command line, its directory gone
+    assert out["step"] == 2 and saved_config(run_dir / "checkpoints", 2)["imported"] == recorded
+    capsys.readouterr()
+    assert eval_cli.main([*evaluate, "--step", "2"]) == 0
+    setup = [line.split("/step_")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("results in")]
+    recipe = load_config(None, [*args, "stages=[{name: a, steps: 2}, {name: b, steps: 1, seq_len: 32}]"])
+    assert run_recipe(expand(recipe, []), resume=True)["step"] == 3  # a recipe's next stage, the directory gone
+    assert "stage 1 starts from checkpoint 2: steps 3-3" in capsys.readouterr().out
+
+    conf = run_dir / "imported" / "tokenizer_config.json"
+    conf.write_text(conf.read_text() + " ")
+    assert eval_cli.main(evaluate) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "imported/tokenizer_config.json" in err and "put the original" in err
+
+    shutil.rmtree(run_dir / "imported")  # a run directory from before copies were kept
+    for f in (run_dir / "checkpoints").glob("*/config/metadata"):
+        saved = json.loads(f.read_text())
+        saved.pop("imported")
+        f.write_text(json.dumps(saved))
+    assert eval_cli.main(evaluate) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"model.from_hf={str(imp)!r}" in err and "model.from_hf=NEW_PATH" in err
+    assert eval_cli.main([*evaluate, "--step", "2", f"model.from_hf={moved}"]) == 0
+    again = [line.split("/step_")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("results in")]
+    assert setup and again == setup  # the same setup directory as with the run's copy

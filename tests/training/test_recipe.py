@@ -126,7 +126,7 @@ def test_what_a_recipe_sets_itself_and_a_later_stage_s_missing_corpus_are_refuse
     proc = _train("--config", str(_recipe(tmp_path, missing)), *BASE, f"run_dir={tmp_path}")
     assert proc.returncode == 2 and "done:" not in proc.stdout, proc.stdout[-2000:]
     err = proc.stderr.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: stage 1 (128): data.sources[1]: path=") \
+    assert len(err.splitlines()) == 1 and err.startswith("error: stage 1 (128): data.sources[1] (") \
         and "gone.jsonl" in err, err
 
 

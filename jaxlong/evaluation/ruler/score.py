@@ -16,8 +16,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxlong.config import Config, ConfigError, validate
+from jaxlong.config import Config, ConfigError, refusal
 from jaxlong.core.distributed import gpu_driver_present
+from jaxlong.core.suggest import nearest
 from jaxlong.core.units import fmt_bytes
 from jaxlong.data.tokenizer import check_vocab
 from jaxlong.evaluation.heldout import eval_batch_size
@@ -42,35 +43,28 @@ def check_length(cfg: Config, length: int, option: str = "ruler length") -> None
     run's mesh takes: `jaxlong.config.validate` with `seq_len=length` (divisible by mesh.context, by 2 *
     mesh.ring * mesh.context under ring attention, attention blocks and `tiling.mlp_tiles` dividing the local
     sequence). The loss tile is chosen per length by the stats step, so `tiling.loss_tile` is not checked."""
-    try:
-        validate(replace(cfg, seq_len=int(length), tiling=replace(cfg.tiling, loss_tile=0)))
-    except ConfigError as e:
-        raise ConfigError(f"{option} {length}: not a sequence length this mesh takes ({e})".replace("\n", " ")) \
-            from None
+    rule = _length_refusal(cfg, length)
+    if rule is not None:
+        raise ConfigError(f"{option} {length}: not a sequence length this mesh takes ({rule})", key=option,
+                          value=length)
+
+
+def _length_refusal(cfg: Config, length: int) -> ConfigError | None:
+    """The rule of `validate` a sequence of `length` tokens breaks on the run's mesh (no advice: a length is
+    wanted, not another option), or None."""
+    return refusal(replace(cfg, seq_len=int(length), tiling=replace(cfg.tiling, loss_tile=0)))
 
 
 def nearby_lengths(cfg: Config, length: int, tries: int = 256) -> list[int]:
     """The nearest sequence lengths below and above `length` that the run's mesh takes (`check_length`): at most
     one each, searched over multiples of the mesh's sequence split (`mesh.context`, times `2 * mesh.ring` under
-    ring attention), `tries` of them each way."""
-    unit = cfg.mesh.context * (2 * cfg.mesh.ring if cfg.mesh.ring > 1 else 1)
-    below = [unit * k for k in range(length // unit, max(length // unit - tries, 0), -1) if unit * k != length]
-    above = [unit * k for k in range(length // unit + 1, length // unit + 1 + tries)]
-    found = []
-    for side in (below, above):
-        for n in side:
-            if _takes(cfg, n):
-                found.append(n)
-                break
-    return found
+    ring attention), `tries` of them each way (`jaxlong.core.suggest.nearest`)."""
+    unit = max(cfg.mesh.context, 1) * (2 * cfg.mesh.ring if cfg.mesh.ring > 1 else 1)
+    return nearest(lambda n: _takes(cfg, n), length, step=unit, lo=unit, tries=tries)
 
 
 def _takes(cfg: Config, length: int) -> bool:
-    try:
-        check_length(cfg, length)
-    except ConfigError:
-        return False
-    return True
+    return _length_refusal(cfg, length) is None
 
 
 def generation_bytes(cfg: Config, length: int, cases: int, tasks: int, cpu: bool = True) -> int:
@@ -93,30 +87,33 @@ def check_lengths(cfg: Config, lengths: Sequence[int], option: str = "ruler leng
     (`check_length`, with the nearest lengths it takes, `nearby_lengths`).
 
     Raises:
-      ConfigError: `<option> <length>: <its problem>` for each bad length, joined by "; ".
+      ConfigError: `<option> <length>: <its problem>` for each bad length, joined by "; ": with one, that length's
+        error (`key` option, `value` the length, `suggestions` the nearby lengths, each `{option: length}` to put
+        in its place); with several, their errors in `errors`.
     """
     host = host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = os.environ.get("JAX_PLATFORMS") == "cpu" or not gpu_driver_present()  # without starting a backend
-    problems = {}
+    errors = []
     for n in dict.fromkeys(int(x) for x in lengths):
+        near = []
         if n <= 0:
-            problems[n] = "a length must be a positive token count"
+            why = "a length must be a positive token count"
         elif generation_bytes(cfg, n, cases, tasks, cpu) > host:
-            problems[n] = (f"{n} tokens need at least {fmt_bytes(generation_bytes(cfg, n, cases, tasks, cpu))} of host "
-                           f"memory to generate and score {cases} case(s) of {tasks} task(s), and this host has "
-                           f"{fmt_bytes(host)}")
-        elif not _takes(cfg, n):
-            try:
-                check_length(cfg, n, option)
-            except ConfigError as e:
-                why = str(e).split(": not a sequence length this mesh takes ", 1)[-1]
-            if "; use " in why:  # the rule's own advice is about the option it names; a length is wanted here
-                why = why[:why.index("; use ")] + ")"
+            why = (f"{n} tokens need at least {fmt_bytes(generation_bytes(cfg, n, cases, tasks, cpu))} of host "
+                   f"memory to generate and score {cases} case(s) of {tasks} task(s), and this host has "
+                   f"{fmt_bytes(host)}")
+        elif (rule := _length_refusal(cfg, n)) is not None:
             near = nearby_lengths(cfg, n)
-            problems[n] = (f"not a sequence length this mesh takes {why}"
-                           + (f"; nearby lengths it takes: {' or '.join(map(str, near))}" if near else ""))
-    if problems:
-        raise ConfigError("; ".join(f"{option} {n}: {why}" for n, why in problems.items()))
+            why = (f"not a sequence length this mesh takes ({rule})"
+                   + (f"; nearby lengths it takes: {' or '.join(map(str, near))}" if near else ""))
+        else:
+            continue
+        errors.append(ConfigError(f"{option} {n}: {why}", key=option, value=n,
+                                  suggestions=tuple({option: m} for m in near)))
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigError("; ".join(map(str, errors)), errors=tuple(errors))
 
 
 def predict_answers(predict: Callable[[dict], np.ndarray], cases: Sequence[RulerCase], batch_size: int,
