@@ -12,7 +12,8 @@ tokens). `build(cache)` turns it into what `model.from_hf` reads, without torch 
   `_model_name_or_path`, token ids), the form a user of a current transformers has on disk.
 - `tokenizer.json` (the GGUF's vocabulary and merges; llama.cpp's `smollm` pre-tokenizer: single digits, then
   GPT-2's byte-level split) and `tokenizer_config.json` (BOS `<|im_start|>`, EOS `<|im_end|>`, as transformers
-  converts this GGUF).
+  converts this GGUF), and `chat_template.jinja` (the GGUF's `tokenizer.chat_template`, where transformers 5
+  writes a template).
 
 `tests/fixtures/smollm2/golden.npz` holds transformers' own tokens and logits (its GGUF loader, float32) of a
 real text, the first 512 tokens of Python 3.11's `argparse.py` (`text`, stored with them): the second path that
@@ -125,6 +126,12 @@ def _tokenizer_json(reader) -> str:
     return tok.to_str()
 
 
+def _chat_template(reader) -> str:
+    """The GGUF's chat template (`tokenizer.chat_template`), as transformers 5 writes it: `chat_template.jinja`."""
+    f = reader.fields["tokenizer.chat_template"]
+    return bytes(f.parts[f.data[0]]).decode("utf-8")
+
+
 def build(cache: Path = DEFAULT_CACHE) -> Path:
     """The checkpoint directory `cache/smollm2-135m-instruct`, built once (into a temporary directory renamed into
     place, so that two test workers building at once both end with one whole checkpoint). Needs `gguf`,
@@ -134,6 +141,11 @@ def build(cache: Path = DEFAULT_CACHE) -> Path:
 
     out = Path(cache) / "smollm2-135m-instruct"
     if (out / "config.json").is_file():
+        if not (out / "chat_template.jinja").is_file():  # a cache built before the template was kept
+            template = _chat_template(gguf.GGUFReader(str(_gguf_file(Path(cache)))))
+            part = out / f".chat_template.jinja.{os.getpid()}"
+            part.write_text(template)
+            part.replace(out / "chat_template.jinja")
         return out
     Path(cache).mkdir(parents=True, exist_ok=True)
     reader = gguf.GGUFReader(str(_gguf_file(Path(cache))))
@@ -152,6 +164,7 @@ def build(cache: Path = DEFAULT_CACHE) -> Path:
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "tokenizer.json").write_text(_tokenizer_json(reader))
     (tmp / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
+    (tmp / "chat_template.jinja").write_text(_chat_template(reader))
     (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2, sort_keys=True) + "\n")
     try:
         tmp.rename(out)

@@ -59,6 +59,9 @@ RUN = {
     "python -m jaxlong.eval runs/default --step 20 --lengths 512,1024,2048,4096 --depths 0,0.25,0.5,0.75,1 "
     "--per-cell 2": AFTER_DEFAULT,
     "python -m jaxlong.eval runs/default --ruler --ruler-cases 2": AFTER_DEFAULT,
+    "python -m jaxlong.generate runs/default --prompt 'def fibonacci(n):' --max-new-tokens 64": AFTER_DEFAULT,
+    "python -m jaxlong.generate runs/default --prompt 'import os' --max-new-tokens 48 --temperature 0.8 --top-p 0.95 "
+    "--seed 1 mesh.fsdp=1 mesh.ring=2 mesh.context=4": AFTER_DEFAULT,
     "python -m jaxlong.train run_name=ruler steps=4 eval_every=2 'ruler_tasks=[niah_single_1,vt]' "
     "'ruler_lengths=[1024,4096]' ruler_cases=2": "a fresh directory",
     "python -m jaxlong.train --config configs/recipes/tiny_extension.yaml": "a fresh directory",
@@ -78,6 +81,8 @@ NOT_RUN = [
     (r"experiments/gpu_check\.py$", "needs an NVIDIA GPU"),
     (r"experiments/gpu_check\.py --smoke$", "run in the slow tier by test_gpu_check_smoke.py"),
     (r"model\.from_hf=ckpt/", "needs the downloaded Llama-3.1-8B checkpoint (and GPUs to train it)"),
+    (r"^python -m jaxlong\.generate ckpt/", ("needs a downloaded checkpoint (the same command on a Hugging Face "
+                                              "directory runs in tests/generation/test_generate.py)")),
     (r"^python -m jaxlong\.export runs/llama-1m ", "needs the 1M-token fine-tuning run above (GPUs)"),
     (r"--target ", ("deviceless GPU compiles of a multi-billion-parameter train step: 9-100 s each, and ladders, "
                     "max-context and --fit searches take several to dozens (the planner's own gpu_compile tests "
@@ -326,6 +331,13 @@ def check_jaxlong_command(cmd: Command, capsys) -> None:
         except ValueError as e:  # ConfigError, or a length that is not a number
             pytest.fail(f"{what}: {e}")
         assert all(0 <= float(d) <= 1 for d in args.depths.split(",")), f"{what}: --depths must be in [0, 1]"
+    elif module == "jaxlong.generate":
+        from jaxlong.generate import __main__ as generate
+
+        args = _parse(generate.parse_args, argv, capsys, what)
+        if args.source in EVAL_RUNS:  # a run directory: its config with the overrides
+            config, overrides = EVAL_RUNS[args.source]
+            _load(config, [*overrides, *args.overrides], what)
     elif module == "jaxlong.export":  # its parser is built inside `main`
         from jaxlong.export import __main__ as export
 

@@ -43,6 +43,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> np.ndarray: ...
 
+    def encode_prompt(self, text: str) -> np.ndarray: ...
+
     def decode(self, ids) -> str: ...
 
 
@@ -61,6 +63,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """A prompt as the documents it was trained on begin: the document token (256), then the bytes."""
+        return np.concatenate([[self.bos_id], self.encode(text)]).astype(np.int32)
 
     def decode(self, ids) -> str:
         ids = np.asarray(ids).reshape(-1)
@@ -147,6 +153,11 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """A plain prompt as transformers tokenizes it: with the tokenizer's own post-processor (`tokenizer.json`),
+        which adds BOS where the checkpoint's tokenizer does (Llama-3) and nothing where it does not."""
+        return np.asarray(self._tok.encode(text, add_special_tokens=True).ids, dtype=np.int32)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=True)

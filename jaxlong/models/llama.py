@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlong.config import Config, ModelConfig
-from jaxlong.core.mesh import RING_AXIS, activation_spec, axis_size, batch_spec, seq_shards, tree_shardings
+from jaxlong.core.mesh import BATCH_AXES, RING_AXIS, SEQ_AXES, activation_spec, axis_size, batch_spec, seq_shards, tree_shardings
 from jaxlong.core.ordering import grads_together
 from jaxlong.kernels.backend import resolve_backend
 from jaxlong.layers import blocks as L
@@ -144,6 +144,20 @@ def mlp_tiles(x: jax.Array, rt: Runtime) -> int:
     return rt.cfg.tiling.mlp_tiles or default_mlp_tiles(s_local, x.shape[-1])
 
 
+def project_kv(x: jax.Array, layer: DecoderLayer, positions: jax.Array, rt: Runtime) -> tuple[jax.Array, jax.Array]:
+    """The layer's keys and values as its attention computes them: `RoPE(k_norm(W_k RMSNorm(x)))` and
+    `W_v RMSNorm(x)`, `[b, s, kv_heads, head_dim]` in the compute dtype, from the layer input `x` `[b, s, hidden]` at
+    integer `positions` `[b, s]` (the cache of `jaxlong.generation`: prefill and each decoded token)."""
+    m = rt.cfg.model
+    h = L.rms_norm(x, layer.attn_norm[...], m.norm_eps)
+    k = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(layer.wk[...]))
+    v = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(layer.wv[...]))
+    if hasattr(layer, "k_norm"):  # Qwen3
+        k = L.rms_norm(k, layer.k_norm[...], m.norm_eps)
+    cos, sin = L.rope_tables(positions, m.head_dim, m.rope_theta, m.rope_scaling)
+    return L.apply_rope(k, cos, sin), v
+
+
 def mlp(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """The layer's SwiGLU MLP on the normalized `[b, s, hidden]`, untiled (`tiling.mlp` runs the whole sublayer
     in `jaxlong.layers.tiled.tiled_mlp` instead)."""
@@ -191,10 +205,9 @@ class Llama(nnx.Module):
         hidden, w = grads_together(hidden, w)
         return hidden, rt.gather(w)
 
-    def __call__(self, tokens: jax.Array, rt: Runtime, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
-        """`positions` int32 `[b, s]` (RoPE; default the global index) and `segment_ids` int32 `[b, s]`
-        (document masking, 0 = padding; default none) come from packed batches."""
+    def _inputs(self, tokens: jax.Array, rt: Runtime, positions: jax.Array | None,
+                segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """(embedded tokens `[b, s, hidden]`, positions `[b, s]`, segment ids gathered for every layer)."""
         b, s = tokens.shape
         x = jnp.take(rt.gather(self.embed[...]), tokens, axis=0)
         x = rt.constrain(x, activation_spec())
@@ -204,6 +217,33 @@ class Llama(nnx.Module):
         positions = rt.constrain(positions.astype(jnp.int32), batch_spec())
         if segment_ids is not None:  # whole sequences on every context device, once for all layers
             segment_ids = gather_segment_ids(segment_ids, rt.mesh)
+        return x, positions, segment_ids
+
+    def prefill(self, tokens: jax.Array, rt: Runtime, positions: jax.Array,
+                segment_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The forward of `__call__` (no remat: nothing is differentiated) that also returns every layer's post-RoPE
+        keys and values, computed from the layer's input where the layer holds it, sharded by sequence over
+        ring x context (zigzag layout when ring > 1): `(hidden [b, s, hidden], k, v [layers, b, s, kv_heads,
+        head_dim])`, the K/V of padding (segment id 0) zero. The cache of `jaxlong.generation`."""
+        x, positions, ids = self._inputs(tokens, rt, positions, segment_ids)
+        keep = rt.constrain(segment_ids > 0, batch_spec())[..., None, None]
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def body(x, state):
+            layer = nnx.merge(layer_def, state)
+            k, v = project_kv(x, layer, positions, rt)
+            spec = P(BATCH_AXES, SEQ_AXES, None, None)
+            k, v = (rt.constrain(jnp.where(keep, a, 0), spec) for a in (k, v))
+            return layer(x, positions, rt, ids), (k, v)
+
+        x, (k, v) = jax.lax.scan(body, x, layer_state)
+        return L.rms_norm(x, self.final_norm[...], self.norm_eps), k, v
+
+    def __call__(self, tokens: jax.Array, rt: Runtime, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """`positions` int32 `[b, s]` (RoPE; default the global index) and `segment_ids` int32 `[b, s]`
+        (document masking, 0 = padding; default none) come from packed batches."""
+        x, positions, segment_ids = self._inputs(tokens, rt, positions, segment_ids)
         layer_def, layer_state = nnx.split(self.layers)
 
         def layer(rt):

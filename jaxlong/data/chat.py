@@ -1,0 +1,114 @@
+"""A checkpoint's chat template, rendered as transformers renders it (`apply_chat_template`).
+
+The template is `chat_template.jinja` (where transformers 5 writes it) or `chat_template` in
+`tokenizer_config.json` (older checkpoints; a list of named templates takes the one named `default`), in the
+tokenizer's directory (a run's copy, `jaxlong.data.imported`). It is Jinja, rendered in a sandbox with the
+environment transformers uses: `trim_blocks`, `lstrip_blocks`, loop controls, the `{% generation %}` tag (its
+body rendered as is), `raise_exception`, `strftime_now` and a `tojson` that does not escape HTML; the special
+tokens of the tokenizer's config files (`bos_token`, `eos_token`, ...) are template variables. The rendered text
+is tokenized without the tokenizer's post-processor (the template places the special tokens), as transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+__all__ = ["ChatTemplate", "find_template"]
+
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _content(value):
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _config(directory: Path) -> dict:
+    f = directory / "tokenizer_config.json"
+    return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+
+
+def find_template(directory: str | Path) -> str | None:
+    """The chat template of the tokenizer directory `directory`, or None when it has none."""
+    directory = Path(directory)
+    f = directory / "chat_template.jinja"
+    if f.is_file():
+        return f.read_text(encoding="utf-8")
+    template = _config(directory).get("chat_template")
+    if isinstance(template, list):  # named templates
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
+
+
+class ChatTemplate:
+    """The chat template of a tokenizer directory.
+
+    Args:
+      directory: the tokenizer's directory (`chat_template.jinja`, `tokenizer_config.json`,
+        `special_tokens_map.json`).
+
+    Raises:
+      ValueError: the directory has no chat template (the message names where one is looked for), or the
+        template is not valid Jinja.
+    """
+
+    def __init__(self, directory: str | Path):
+        import jinja2  # noqa: PLC0415 (only chat needs it)
+        from jinja2.ext import Extension, loopcontrols  # noqa: PLC0415
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+
+        self.directory = Path(directory)
+        source = find_template(self.directory)
+        if source is None:
+            raise ValueError(f"{self.directory} has no chat template (chat_template.jinja, or chat_template in "
+                             f"tokenizer_config.json): --chat needs an instruct checkpoint's template; drop --chat "
+                             f"to continue plain text")
+
+        class Generation(Extension):  # `{% generation %}...{% endgeneration %}`: the body, as rendered
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+            def _body(self, caller):
+                return caller()
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[Generation, loopcontrols])
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{self.directory}: the chat template is not valid Jinja (line {e.lineno}: {e})") from None
+        self.special = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):
+            f = self.directory / name
+            data = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+            for key in SPECIAL_KEYS:
+                if _content(data.get(key)) is not None:
+                    self.special[key] = _content(data.get(key))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """The template's text for `messages` (`[{"role": ..., "content": ...}, ...]`), with the assistant turn's
+        opening when `add_generation_prompt`; `kwargs` are further template variables (e.g. `tools`).
+
+        Raises:
+          ValueError: the template raised (e.g. `raise_exception('roles must alternate')`).
+        """
+        import jinja2  # noqa: PLC0415
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **{**self.special, **kwargs})
+        except jinja2.TemplateError as e:
+            raise ValueError(f"{self.directory}: the chat template refused the messages: {e}") from None

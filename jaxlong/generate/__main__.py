@@ -1,0 +1,189 @@
+"""Generate text: `python -m jaxlong.generate SOURCE (--prompt TEXT | --prompt-file F) [--chat]
+[--max-new-tokens N] [--temperature T --top-p P --top-k K --seed S] [--stop TEXT ...] [--step N] [key=value ...]`.
+
+SOURCE is a run directory (its latest checkpoint, or `--step N`, on the mesh it was trained with; `key=value`
+overrides change it as in `python -m jaxlong.eval`, e.g. `mesh.context=8`) or a Hugging Face checkpoint directory
+(FSDP over every device unless overridden). The prompt is prefilled with the training forward on that mesh (any
+context-parallel mode), then decoded one token per step with a KV cache split by sequence over the devices
+(`jaxlong.generation`, docs/generation.md). Only the generated text goes to stdout, streamed as it comes;
+progress and figures go to stderr.
+
+A plain prompt is tokenized as transformers tokenizes it, with the checkpoint's own special-token rules (BOS
+where its tokenizer adds one; the byte tokenizer starts it as its documents start). `--chat` renders the prompt as
+a user turn with the checkpoint's chat template and opens the assistant's turn. Decoding stops at an EOS id (the
+tokenizer's and `generation_config.json`'s, a list for Llama-3.1-Instruct, which includes its end-of-turn
+token), at a `--stop` string, or after `--max-new-tokens`. `--temperature 0` (the default) is greedy; otherwise
+tokens are sampled with top-k / top-p from `--seed`. Launched as several processes, as the trainer is, it
+generates on one mesh over all of them and process 0 prints. Nothing is written. Errors are one line on stderr,
+exit code 2. Examples:
+
+    python -m jaxlong.generate runs/default --prompt "def fibonacci(n):" --max-new-tokens 64
+    python -m jaxlong.generate ckpt/smollm2-135m-instruct --chat --prompt "What is RoPE?" --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from jaxlong.config import ConfigError, from_dict, load_config
+from jaxlong.core.errors import ArgumentParser, fail
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = ArgumentParser(prog="python -m jaxlong.generate", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="a run directory (runs/<run_name>) or a Hugging Face checkpoint directory")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="the prompt text")
+    text.add_argument("--prompt-file", help="a UTF-8 file holding the prompt")
+    p.add_argument("--chat", action="store_true", help="render the prompt as a user turn of the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    p.add_argument("--stop", action="append", default=[], help="a string that ends the text (repeatable)")
+    p.add_argument("--step", type=int, default=None, help="a run's checkpoint step (default: the latest)")
+    p.add_argument("overrides", nargs="*", help="config key=value overrides (e.g. mesh.context=8)")
+    return p.parse_intermixed_args(argv)
+
+
+def resolve(args):
+    """(cfg, run_dir or None, step, token ids of the prompt, tokenizer, EOS ids) from the arguments, before jax
+    starts: every bad input is refused here, before anything loads or compiles.
+
+    Raises:
+      FileNotFoundError, ConfigError, ValueError: one line naming the argument and what would work.
+    """
+    from jaxlong.data import HFTokenizer, run_tokenizer, tokenizer_source  # noqa: PLC0415
+    from jaxlong.data.chat import ChatTemplate  # noqa: PLC0415
+    from jaxlong.generation.generate import check_positions  # noqa: PLC0415
+    from jaxlong.training.checkpoint import committed_steps, saved_config  # noqa: PLC0415
+
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise ConfigError(f"--temperature={args.temperature}, --top-p={args.top_p}, --top-k={args.top_k}: give a "
+                          f"temperature >= 0, a top-p in (0, 1] and a top-k >= 0")
+    if args.prompt_file is not None:
+        try:
+            prompt = Path(args.prompt_file).read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"--prompt-file {args.prompt_file}: no such file") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {e.start}: {e.reason}); "
+                             f"convert it, e.g. iconv -t UTF-8") from None
+    else:
+        prompt = args.prompt
+    if not prompt:
+        raise ConfigError("the prompt is empty: give --prompt TEXT or a --prompt-file with text")
+    source = Path(args.source)
+    run_dir, step = None, None
+    if (source / "checkpoints").is_dir():
+        run_dir = source
+        steps = committed_steps(source / "checkpoints")
+        if not steps:
+            raise FileNotFoundError(f"{source}: no checkpoint in {source / 'checkpoints'} (train first)")
+        step = steps[-1] if args.step is None else args.step
+        if step not in steps:
+            raise FileNotFoundError(f"--step {step}: no checkpoint at that step in {source / 'checkpoints'}; have "
+                                    f"{steps}")
+        cfg = from_dict(saved_config(source / "checkpoints", step), args.overrides)
+        tokenizer, directory = run_tokenizer(cfg, run_dir), tokenizer_source(cfg, run_dir)
+    elif (source / "config.json").is_file():
+        if args.step is not None:
+            raise ConfigError(f"--step {args.step}: {source} is a Hugging Face directory, which has no steps")
+        settings = [f"model.from_hf={source}", "mesh.fsdp=-1", "mesh.context=1", *args.overrides]
+        try:
+            cfg = load_config(None, settings)
+        except ConfigError as e:  # seq_len is the prompt's (`prompt_length`): any length the mesh takes will do
+            fix = next((f for f in e.suggestions if set(f) == {"seq_len"}), None)
+            if e.key != "seq_len" or fix is None or any(o.startswith("seq_len=") for o in args.overrides):
+                raise
+            cfg = load_config(None, [*settings, f"seq_len={fix['seq_len']}"])
+        tokenizer, directory = HFTokenizer(source, option="SOURCE"), source
+    else:
+        raise FileNotFoundError(f"SOURCE {source}: neither a run directory (with checkpoints/) nor a Hugging Face "
+                                f"checkpoint directory (with config.json)")
+    if args.chat:
+        if directory is None:
+            raise ConfigError(f"--chat: {source} uses the byte tokenizer, which has no chat template; drop --chat")
+        text = ChatTemplate(directory).render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = tokenizer.encode(text)  # the template places the special tokens
+    else:
+        ids = tokenizer.encode_prompt(prompt)
+    if len(ids) == 0:
+        raise ConfigError("the prompt has no tokens: give some text")
+    check_positions(cfg, len(ids), args.max_new_tokens, trained=None if run_dir is not None else 0)
+    eos = {tokenizer.eos_id}
+    gen = directory / "generation_config.json" if directory is not None else None
+    if gen is not None and gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        eos |= set(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+    return cfg, run_dir, step, ids, tokenizer, sorted(eos)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg, run_dir, step, ids, tokenizer, eos = resolve(args)
+    except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
+        return fail(e)
+    from jaxlong.core import distributed, liveness  # noqa: PLC0415
+
+    try:
+        distributed.start(cfg.mesh, cfg.lost_process_timeout_s)
+        return run(cfg, run_dir, step, ids, tokenizer, eos, args)
+    except (FileNotFoundError, ValueError) as e:
+        return fail(e)
+    finally:
+        liveness.stop_watchdog()
+
+
+def run(cfg, run_dir, step, ids, tokenizer, eos, args) -> int:
+    """Load the weights on the run's mesh, generate, stream the text to stdout (process 0)."""
+    import jax  # noqa: PLC0415 (after the device count is set)
+
+    from jaxlong.config import validate  # noqa: PLC0415
+    from jaxlong.core.mesh import build_mesh, check_process_layout, run_devices  # noqa: PLC0415
+    from jaxlong.generation.decode import Sampling  # noqa: PLC0415
+    from jaxlong.generation.generate import Generator  # noqa: PLC0415
+
+    validate(cfg, num_devices=len(run_devices(cfg.mesh)))
+    mesh = build_mesh(cfg.mesh)
+    check_process_layout(mesh)
+    main = jax.process_index() == 0
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if main else (lambda *a: None)
+    t0 = time.perf_counter()
+    if run_dir is not None:
+        from jaxlong.eval.__main__ import restore_params  # noqa: PLC0415
+
+        params = restore_params(cfg, mesh, run_dir, step)
+        say(f"restored {run_dir / 'checkpoints' / str(step)} on mesh {dict(mesh.shape)} in "
+            f"{time.perf_counter() - t0:.1f} s")
+    else:
+        from jaxlong.models import hf  # noqa: PLC0415
+
+        hf.check_checkpoint(cfg.model.from_hf, cfg)
+        params = hf.load_params(cfg.model.from_hf, cfg, mesh)
+        say(f"loaded {cfg.model.from_hf} on mesh {dict(mesh.shape)} in {time.perf_counter() - t0:.1f} s")
+    gen = Generator(cfg, mesh, params, tokenizer, max_new_tokens=args.max_new_tokens,
+                    sampling=Sampling(args.temperature, args.top_k, args.top_p), eos_ids=eos, stop=args.stop,
+                    trained=None if run_dir is not None else 0)
+    stream = (lambda row, text: print(text, end="", flush=True)) if main else None
+    t0 = time.perf_counter()
+    out = gen([ids], seed=args.seed, on_text=stream)[0]
+    if main:
+        print(flush=True)
+    seconds = time.perf_counter() - t0
+    say(f"prompt {len(ids)} tokens, {len(out.tokens)} generated (stopped: {out.reason}) in {seconds:.1f} s with "
+        f"compiles ({gen.timing()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Prefill and cached decode on the training mesh, with split-KV attention across the sequence shards.
+
+**Prefill** is the training forward (`jaxlong.models.llama.Llama.prefill`) on the run's mesh and attention method
+(FSDP, Ulysses, U-Pipe, ring and their hybrids). Each layer's post-RoPE keys and values are computed from the
+layer's input where the layer holds it, split by sequence over `ring x context` (in ring attention's zigzag
+order when ring > 1), and stay there: the prompt cache `[layers, batch, prompt, kv_heads, head_dim]`, sharded
+`P(None, (data, fsdp), (ring, context))`. One cache path serves every attention method; the methods' own code
+(`jaxlong.parallel.ulysses`, `upipe`, `ring`) is not touched.
+
+**Decode** (one token per row and step) is flash-decoding (Dao et al., "Flash-Decoding for long-context
+inference", 2023; vLLM's decode context parallelism): each device scores the new token's queries against its
+own slice of the prompt cache and returns a partial output with its log-sum-exp; the slices merge exactly with
+two small collectives per layer (`pmax` of the maxima, `psum` of the rescaled outputs and sums) over the sequence
+axes. The generated tokens' own keys and values go into a small cache `[layers, batch, max_new, kv_heads,
+head_dim]`, replicated over the sequence axes (each device holds the same, counted once), merged after the
+cross-device merge. Positions are true global positions (each row's prompt length onward); padding is masked out
+of the prompt cache by `valid`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxlong.core.mesh import BATCH_AXES, RING_AXIS, SEQ_AXES, axis_size
+from jaxlong.layers import blocks as L
+from jaxlong.models import llama as model_lib
+from jaxlong.parallel.ring import zigzag_order
+
+__all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "cache_shardings", "sample"]
+
+NEG = -1e30  # a masked score: finite, so a shard with no valid key gives exp(NEG - max) = 0, never NaN
+
+
+class Cache(NamedTuple):
+    """The KV cache of a batch being generated.
+
+    Attributes:
+      k, v: the prompt's post-RoPE keys and values `[layers, batch, prompt, kv_heads, head_dim]` (compute dtype),
+        sharded by batch over data x fsdp and by sequence over ring x context (zigzag order when ring > 1).
+      valid: bool `[batch, prompt]`, sharded like the tokens: False at padding.
+      new_k, new_v: the generated tokens' keys and values `[layers, batch, max_new, kv_heads, head_dim]`, batch over
+        data x fsdp, replicated over the sequence axes; slot t holds the t-th generated token's (the token fed at
+        decode step t).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    new_k: jax.Array
+    new_v: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn from the logits: `temperature` 0 is greedy (argmax); otherwise softmax of
+    logits / temperature restricted to the `top_k` most likely tokens (0: all) and to the smallest set whose
+    probability reaches `top_p` (1: all), drawn with the step's key."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+def sample(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
+    """The next token `[batch]` int32 from float32 `logits` `[batch, vocab]` under `s` (`Sampling`)."""
+    if s.temperature <= 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / s.temperature
+    if s.top_k:
+        kth = jax.lax.top_k(logits, s.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if s.top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above
+        sorted_logits = jnp.where(before >= s.top_p, -jnp.inf, sorted_logits)  # the top token always stays
+        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _specs():
+    big = P(None, BATCH_AXES, SEQ_AXES, None, None)
+    small = P(None, BATCH_AXES, None, None, None)
+    return Cache(big, big, P(BATCH_AXES, SEQ_AXES), small, small)
+
+
+def cache_shardings(mesh: jax.sharding.Mesh) -> Cache:
+    """The `NamedSharding` of each `Cache` field on `mesh`."""
+    return Cache(*(NamedSharding(mesh, s) for s in _specs()))
+
+
+def _head(params: dict, cfg) -> jax.Array:
+    return params["embed"].T if cfg.model.tie_embeddings else params["lm_head"]
+
+
+def make_prefill(cfg, mesh: jax.sharding.Mesh, max_new: int):
+    """`prefill(params, batch) -> (logits [batch, vocab] float32, Cache)`, jitted: the forward of the prompts
+    `batch` (`inputs`, `positions`, `segment_ids` `[batch, prompt]` int32 in the train step's input layout,
+    `jaxlong.training.step.put_batch`: left-padded, padding with segment id 0) on `mesh`, the logits of each
+    row's last token (the prompt's last slot), and the cache with room for `max_new` generated tokens.
+
+    `cfg.seq_len` is ignored: the prompt length is the batch's (one compile per batch shape)."""
+    rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
+    graphdef = model_lib.model_graphdef(cfg)
+    m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
+    ring = axis_size(mesh, RING_AXIS)
+
+    def prefill(params, batch):
+        model = nnx.merge(graphdef, params)
+        hidden, k, v = model.prefill(batch["inputs"], rt, batch["positions"], batch["segment_ids"])
+        s = batch["inputs"].shape[1]
+        last = int(np.argsort(zigzag_order(s, ring))[s - 1])  # the slot of the last token in the input layout
+        h = rt.constrain(hidden[:, last], P(BATCH_AXES, None))
+        logits = jnp.einsum("bh,hv->bv", h, rt.gather(_head(params, cfg))).astype(jnp.float32)
+        b = batch["inputs"].shape[0]
+        small = jnp.zeros((m.layers, b, max_new, m.kv_heads, m.head_dim), cd)
+        return logits, Cache(k, v, batch["segment_ids"] > 0, small, small)
+
+    return jax.jit(prefill, out_shardings=(NamedSharding(mesh, P(BATCH_AXES, None)), cache_shardings(mesh)))
+
+
+def _partial(q, k, v, valid):
+    """One shard's attention of the new queries `q` `[b, kv, g, d]` (float32, scaled) over its keys and values
+    `[b, n, kv, d]` with `valid` `[b, n]`: (unnormalized output `[b, kv, g, d]`, max `[b, kv, g]`, sum)."""
+    s = jnp.einsum("bkgd,bnkd->bkgn", q, k.astype(jnp.float32))
+    s = jnp.where(valid[:, None, None, :], s, NEG)
+    mx = jnp.max(s, axis=-1)
+    p = jnp.where(valid[:, None, None, :], jnp.exp(s - mx[..., None]), 0.0)
+    return jnp.einsum("bkgn,bnkd->bkgd", p, v.astype(jnp.float32)), mx, jnp.sum(p, axis=-1)
+
+
+def _merge(parts):
+    """Exact merge of (output, max, sum) partials of disjoint key sets: the softmax over their union."""
+    mx = parts[0][1]
+    for _, m, _ in parts[1:]:
+        mx = jnp.maximum(mx, m)
+    out = sum(o * jnp.exp(m - mx)[..., None] for o, m, _ in parts)
+    total = sum(s * jnp.exp(m - mx) for _, m, s in parts)
+    return out / total[..., None]
+
+
+def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling()):
+    """`step(params, cache, tokens [b], positions [b], t, key) -> (next tokens [b] int32, logits [b, vocab]
+    float32, cache)`, jitted with the cache donated: compiled once per batch and cache size, whatever the step.
+
+    Feeds `tokens` (each row's newest token) at global `positions`, writes their keys and values into slot `t` of
+    the small cache, attends to the valid prompt cache (split-KV over the sequence shards, merged exactly with a
+    `pmax` and a `psum`) and to the small cache's slots `<= t`, runs the layer's MLP, and draws the next token
+    (`sample`)."""
+    m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
+    rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
+    group = m.heads // m.kv_heads
+    scale = 1.0 / float(np.sqrt(m.head_dim))
+    seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
+
+    def shard_attention(q, k, v, valid):
+        o, mx, sm = _partial(q, k, v, valid)
+        if seq:
+            top = jax.lax.pmax(mx, seq)
+            w = jnp.exp(mx - top)
+            o, sm, mx = jax.lax.psum(o * w[..., None], seq), jax.lax.psum(sm * w, seq), top
+        return o, mx, sm
+
+    batch_q = P(BATCH_AXES, None, None, None)
+    prompt_attention = jax.shard_map(
+        shard_attention, mesh=mesh, check_vma=False,
+        in_specs=(batch_q, P(BATCH_AXES, SEQ_AXES, None, None), P(BATCH_AXES, SEQ_AXES, None, None),
+                  P(BATCH_AXES, SEQ_AXES)),
+        out_specs=(batch_q, P(BATCH_AXES, None, None), P(BATCH_AXES, None, None)))
+
+    def step(params, cache: Cache, tokens, positions, t, key):
+        b = tokens.shape[0]
+        x = jnp.take(rt.gather(params["embed"]), tokens, axis=0)[:, None, :]  # [b, 1, hidden]
+        x = rt.constrain(x, P(BATCH_AXES, None, None))
+        pos = positions[:, None].astype(jnp.int32)
+        cos, sin = L.rope_tables(pos, m.head_dim, m.rope_theta, m.rope_scaling)
+        seen = (jnp.arange(cache.new_k.shape[2]) <= t)[None, :].repeat(b, 0)
+        layers = params["layers"]
+
+        def body(carry, xs):
+            x, new_k, new_v = carry
+            w, k_cache, v_cache, i = xs
+            h = L.rms_norm(x, w["attn_norm"], m.norm_eps)
+            q = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wq"]))
+            k = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wk"]))
+            v = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wv"]))
+            if m.qk_norm:
+                q, k = L.rms_norm(q, w["q_norm"], m.norm_eps), L.rms_norm(k, w["k_norm"], m.norm_eps)
+            q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+            new_k = jax.lax.dynamic_update_slice(new_k, k[None].astype(cd), (i, 0, t, 0, 0))
+            new_v = jax.lax.dynamic_update_slice(new_v, v[None].astype(cd), (i, 0, t, 0, 0))
+            qg = (q[:, 0].astype(jnp.float32) * scale).reshape(b, m.kv_heads, group, m.head_dim)
+            parts = [prompt_attention(qg, k_cache, v_cache, cache.valid),
+                     _partial(qg, new_k[i], new_v[i], seen)]
+            attn = _merge(parts).reshape(b, 1, m.heads, m.head_dim).astype(cd)
+            x = x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(w["wo"]))
+            hm = L.rms_norm(x, w["mlp_norm"], m.norm_eps)
+            x = x + model_lib.mlp(hm, rt.gather(w["w_gate"]), rt.gather(w["w_up"]), rt.gather(w["w_down"]))
+            return (rt.constrain(x, P(BATCH_AXES, None, None)), new_k, new_v), None
+
+        xs = (layers, cache.k, cache.v, jnp.arange(m.layers))
+        (x, new_k, new_v), _ = jax.lax.scan(body, (x, cache.new_k, cache.new_v), xs)
+        h = L.rms_norm(x[:, 0], params["final_norm"], m.norm_eps)
+        logits = jnp.einsum("bh,hv->bv", h, rt.gather(_head(params, cfg))).astype(jnp.float32)
+        nxt = sample(logits, key, sampling)
+        return nxt, logits, cache._replace(new_k=new_k, new_v=new_v)
+
+    out = (NamedSharding(mesh, P(BATCH_AXES)), NamedSharding(mesh, P(BATCH_AXES, None)), cache_shardings(mesh))
+    return jax.jit(step, donate_argnums=(1,), out_shardings=out)

@@ -1,0 +1,204 @@
+"""Generate text on the training mesh: a batch of prompts of different lengths, prefilled once, then decoded one
+token per step (`jaxlong.generation.decode`) until EOS, a stop string or `max_new_tokens`.
+
+Prompts are **left-padded** to one prompt length the mesh takes (the least length `>=` the longest prompt that
+`jaxlong.config.validate` accepts as `seq_len`): padding has segment id 0, so it is masked out of attention and
+out of the cache (`Cache.valid`), and each row's tokens keep their true positions `0 .. n-1`; the first generated
+token of a row sits at position n. A batch whose row count the mesh's batch axes (data x fsdp) do not divide is
+filled with copies of its last prompt, whose output is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxlong.config import Config, ConfigError, validate
+from jaxlong.core.mesh import BATCH_AXES, axis_size
+from jaxlong.generation.decode import Sampling, make_decode_step, make_prefill, sample
+from jaxlong.training.step import put_batch
+
+__all__ = ["Generated", "Generator", "prompt_length", "check_positions"]
+
+
+@dataclasses.dataclass
+class Generated:
+    """One row's result: the generated `tokens` (EOS excluded), their `text`, and why it stopped (`eos`, `stop`:
+    a stop string, cut before it; `length`: `max_new_tokens`)."""
+
+    tokens: list[int]
+    text: str
+    reason: str
+
+
+def check_positions(cfg: Config, prompt_tokens: int, max_new: int, trained: int | None = None) -> None:
+    """Refuse a prompt plus `max_new` generated tokens beyond the model's positions: the largest of
+    `model.max_position_embeddings` (the checkpoint's), the trained length `trained` (default `cfg.seq_len`; 0 for
+    a Hugging Face directory) and, with RoPE scaling, its `original_max_position_embeddings x factor` (what the
+    scaling extends the pretraining context to).
+
+    Raises:
+      ConfigError: naming both counts, the limit and what would work.
+    """
+    rs = cfg.model.rope_scaling
+    scaled = int(rs.original_max_position_embeddings * rs.factor) if rs.type != "none" else 0
+    limit = max(cfg.model.max_position_embeddings or 0, cfg.seq_len if trained is None else trained, scaled)
+    if prompt_tokens + max_new > limit:
+        raise ConfigError(f"a prompt of {prompt_tokens} tokens plus --max-new-tokens={max_new} exceeds the model's "
+                          f"{limit} positions (the largest of model.max_position_embeddings, the trained seq_len and "
+                          f"the RoPE scaling's reach); shorten the prompt or generate at most "
+                          f"{max(limit - prompt_tokens, 0)} tokens, or extend the context with RoPE scaling "
+                          f"(model.rope_scaling.*, docs/hf-models.md)")
+
+
+def prompt_length(cfg: Config, longest: int, rows: int, search: int = 1 << 16) -> int:
+    """The least prompt length `>= longest` that the mesh takes as `seq_len` for a batch of `rows` (every rule of
+    `jaxlong.config.validate`: divisibility by the sequence axes, ring's zigzag, the kernels' blocks).
+
+    Raises:
+      ConfigError: no such length within `search` tokens above `longest`.
+    """
+    for n in range(max(longest, 1), longest + search):
+        try:
+            validate(dataclasses.replace(cfg, seq_len=n, global_batch=rows, grad_accum=1, steps=1,
+                                         optim=dataclasses.replace(cfg.optim, schedule_start=0, warmup_steps=0,
+                                                                   decay_steps=0)))
+            return n
+        except ConfigError:
+            continue
+    raise ConfigError(f"no prompt length from {longest} to {longest + search} tokens fits this mesh; change the mesh")
+
+
+class Generator:
+    """Generation with one model on one mesh; compiles the prefill per prompt length and the decode step once per
+    batch and cache size.
+
+    Args:
+      cfg: the run's `Config` (model, mesh, attention options). mesh: its mesh. params: the parameters, FSDP-sharded.
+      tokenizer: the run's (`jaxlong.data.run_tokenizer`): `decode` makes the text.
+      max_new_tokens: generated tokens per row at most (>= 1). sampling: `Sampling` (default greedy).
+      eos_ids: token ids that end a row. stop: strings that end a row (the text is cut before them).
+      trained: the context the model was trained to (`check_positions`; default `cfg.seq_len`, 0 for a Hugging
+        Face directory's model).
+    """
+
+    def __init__(self, cfg: Config, mesh, params: dict, tokenizer, *, max_new_tokens: int,
+                 sampling: Sampling = Sampling(), eos_ids: Sequence[int] = (), stop: Sequence[str] = (),
+                 trained: int | None = None):
+        if max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens={max_new_tokens} must be >= 1")
+        self.cfg, self.mesh, self.params, self.tokenizer = cfg, mesh, params, tokenizer
+        self.max_new, self.sampling, self.trained = max_new_tokens, sampling, trained
+        self.eos, self.stop = set(int(i) for i in eos_ids), [s for s in stop if s]
+        self.prefill = make_prefill(cfg, mesh, max_new_tokens)
+        self.step = make_decode_step(cfg, mesh, sampling)
+        # the first token in the decode step's own output sharding: every step then has one input signature
+        self.first = jax.jit(lambda logits, key: sample(logits, key, sampling),
+                             out_shardings=NamedSharding(mesh, P(BATCH_AXES)))
+        self.rows_unit = int(np.prod([axis_size(mesh, a) for a in BATCH_AXES]))
+
+    def batch(self, prompts: Sequence[np.ndarray]) -> tuple[dict, int]:
+        """The host batch of `prompts` (left-padded, see the module docstring) and its prompt length."""
+        rows = -(-len(prompts) // self.rows_unit) * self.rows_unit
+        prompts = list(prompts) + [prompts[-1]] * (rows - len(prompts))
+        n = prompt_length(self.cfg, max(len(p) for p in prompts), rows)
+        out = {k: np.zeros((rows, n), np.int32) for k in ("inputs", "positions", "segment_ids")}
+        for r, p in enumerate(prompts):
+            p = np.asarray(p, np.int32)
+            out["inputs"][r, n - len(p):] = p
+            out["positions"][r, n - len(p):] = np.arange(len(p))
+            out["segment_ids"][r, n - len(p):] = 1
+        return out, n
+
+    def __call__(self, prompts: Sequence[np.ndarray], *, seed: int = 0,
+                 on_text: Callable[[int, str], None] | None = None, logits: list | None = None) -> list[Generated]:
+        """Generate for each prompt (token ids, each non-empty); `on_text(row, new_text)` streams each row's text
+        as it grows (only text that no stop string could still claim); `logits`, when a list, receives each
+        step's float32 logits `[rows, vocab]` (tests).
+
+        Raises:
+          ConfigError: an empty prompt, or a prompt plus `max_new_tokens` beyond the model's positions.
+        """
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ConfigError("an empty prompt: give at least one token of text")
+        check_positions(self.cfg, max(len(p) for p in prompts), self.max_new, self.trained)
+        host, _ = self.batch(prompts)
+        t0 = time.perf_counter()
+        logits_now, cache = self.prefill(self.params, put_batch(host, self.mesh))
+        key = jax.random.key(seed)
+        key, sub = jax.random.split(key)
+        tok = self.first(logits_now, sub)
+        tok.block_until_ready()
+        self.seconds = {"prefill": time.perf_counter() - t0, "decode": 0.0, "steps": 0,
+                        "prompt_tokens": int(host["inputs"].size)}
+        t0 = time.perf_counter()
+        if logits is not None:
+            logits.append(np.asarray(jax.device_get(logits_now)))
+        positions = np.array([len(p) for p in prompts] + [len(prompts[-1])] * (host["inputs"].shape[0] - len(prompts)),
+                             np.int32)
+        rows = len(prompts)
+        out = [Generated([], "", "length") for _ in range(rows)]
+        shown = [0] * rows
+        done = [False] * rows
+        for t in range(self.max_new):
+            ids = np.asarray(jax.device_get(tok))
+            for r in range(rows):
+                if done[r]:
+                    continue
+                if int(ids[r]) in self.eos:
+                    done[r], out[r].reason = True, "eos"
+                else:
+                    out[r].tokens.append(int(ids[r]))
+                    self._update(out[r], done, r)
+                if on_text is not None:
+                    text = out[r].text
+                    safe = len(text) if done[r] else _safe_prefix(text, self.stop)
+                    if safe > shown[r]:
+                        on_text(r, text[shown[r]:safe])
+                        shown[r] = safe
+            if all(done) or t == self.max_new - 1:
+                break
+            key, sub = jax.random.split(key)
+            tok, logits_now, cache = self.step(self.params, cache, tok, positions, np.int32(t), sub)
+            self.seconds["steps"] += 1
+            if logits is not None:
+                logits.append(np.asarray(jax.device_get(logits_now)))
+            positions = positions + 1
+        self.seconds["decode"] = time.perf_counter() - t0
+        if on_text is not None:
+            for r in range(rows):
+                if len(out[r].text) > shown[r]:
+                    on_text(r, out[r].text[shown[r]:])
+        return out
+
+    def timing(self) -> str:
+        """The last call's prefill and decode rates (the first call's include the compiles)."""
+        t = self.seconds
+        rate = t["steps"] / t["decode"] if t["decode"] else 0.0
+        return (f"prefill {t['prompt_tokens']} tokens in {t['prefill']:.2f} s, {t['prompt_tokens'] / t['prefill']:,.0f} "
+                f"tokens/s; decode {t['steps']} steps in {t['decode']:.2f} s, {rate:,.1f} steps/s")
+
+    def _update(self, g: Generated, done: list, r: int) -> None:
+        g.text = self.tokenizer.decode(g.tokens)
+        for s in self.stop:
+            at = g.text.find(s)
+            if at >= 0:
+                g.text, done[r], g.reason = g.text[:at], True, "stop"
+
+
+def _safe_prefix(text: str, stops: Sequence[str]) -> int:
+    """The length of `text`'s prefix that no stop string can still begin in (its tail may be a stop's start);
+    a trailing replacement character (a multi-byte character cut) waits too."""
+    n = len(text.rstrip("\ufffd"))
+    for s in stops:
+        for k in range(min(len(s) - 1, n), 0, -1):
+            if text[:n].endswith(s[:k]):
+                n -= k
+                break
+    return n

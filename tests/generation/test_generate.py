@@ -1,0 +1,145 @@
+"""Generation on the training mesh: a cached decode (the prompt's K/V split by sequence over the devices, merged
+exactly per layer; the new tokens' K/V in a small replicated cache) equals recomputing the whole forward at each
+step on one device, on every mesh; prompts of different lengths in one batch (left padding kept out of
+attention, the cache and the positions); the decode step compiles once; stop rules, sampling and the CLI's
+refusals."""
+
+import jax
+import numpy as np
+import pytest
+from helpers import tiered
+
+from jaxlong.config import ConfigError, load_config
+from jaxlong.core.mesh import build_mesh
+from jaxlong.data import ByteTokenizer
+from jaxlong.generation.decode import Sampling, sample
+from jaxlong.generation.generate import Generator, prompt_length
+from jaxlong.models import llama as model_lib
+
+BASE = ["model.layers=2", "model.hidden=32", "model.heads=4", "model.kv_heads=2", "model.head_dim=8",
+        "model.mlp_hidden=64", "model.vocab_size=257", "attention.block_q=16", "attention.block_k=16", "seq_len=64",
+        "global_batch=4", "mesh.num_devices=8"]
+ONE = ["mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1"]
+MESHES = {  # every attention method and axis: FSDP, Ulysses, U-Pipe, ring, the hybrids, a data axis
+    "one": ONE,
+    "fsdp2-ulysses4": ["mesh.fsdp=2", "mesh.context=4"],
+    "data2-fsdp2-upipe2": ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "attention.impl=upipe"],
+    "ring8": ["mesh.fsdp=1", "mesh.ring=8", "mesh.context=1"],
+    "fsdp2-ring2-upipe2": ["mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "attention.impl=upipe"],
+    "ring4-ulysses2": ["mesh.fsdp=1", "mesh.ring=4", "mesh.context=2"],
+}
+PROMPTS = [np.arange(5, 16), np.arange(40, 47), np.array([256, 72, 105])]  # 11, 7 and 3 tokens
+
+
+def _cfg(*overrides):
+    return load_config(None, [*BASE, *overrides])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Float32 parameters on one device and the logits of a whole forward of any token sequence there."""
+    cfg = _cfg(*ONE)
+    mesh = build_mesh(cfg.mesh, jax.devices()[:1])
+    params = model_lib.init_params(cfg, mesh)
+    graphdef, rt = model_lib.model_graphdef(cfg), model_lib.Runtime(mesh=mesh, cfg=cfg)
+    fwd = jax.jit(lambda p, t: model_lib.forward(graphdef, p, t, rt))
+
+    def logits(tokens):
+        hidden, head = fwd(params, np.asarray(tokens, np.int32)[None])
+        return np.asarray(hidden[0, -1] @ head)
+
+    return jax.tree.map(np.asarray, params), logits
+
+
+def _on_mesh(host, cfg):
+    mesh = build_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
+    shardings = jax.tree.map(lambda a: a.sharding, model_lib.init_params(cfg, mesh))
+    return mesh, jax.tree.map(jax.device_put, host, shardings)
+
+
+@pytest.mark.parametrize(*tiered("name", list(MESHES), fast={"one", "fsdp2-ring2-upipe2"}, ids=list(MESHES)))
+def test_cached_decode_equals_the_whole_forward_at_every_step(reference, name):
+    host, ref_logits = reference
+    cfg = _cfg(*MESHES[name])
+    mesh, params = _on_mesh(host, cfg)
+    gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=6)
+    steps: list = []
+    out = gen(PROMPTS, logits=steps)
+    assert [len(o.tokens) for o in out] == [6, 6, 6] and all(o.reason == "length" for o in out)
+    for r, prompt in enumerate(PROMPTS):
+        seq = list(prompt)
+        for t, token in enumerate(out[r].tokens):
+            want = ref_logits(seq)
+            np.testing.assert_allclose(steps[t][r], want, rtol=0, atol=1e-5, err_msg=f"row {r}, step {t}")
+            assert token == int(np.argmax(want))  # greedy
+            seq.append(token)
+    assert gen.step._cache_size() == 1  # one decode program for every step
+    again: list = []
+    gen(PROMPTS[::-1], logits=again)  # the same batch and cache size: no new decode program
+    assert gen.step._cache_size() == 1
+    np.testing.assert_allclose(again[2][2], steps[2][0], rtol=0, atol=1e-5)  # a row's result is its own
+
+
+def test_stops_sampling_and_refusals(reference):
+    host, _ = reference
+    cfg = _cfg(*ONE)
+    mesh, params = _on_mesh(host, cfg)
+    greedy = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=8)(PROMPTS[:1])[0]
+    eos = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=8, eos_ids=[greedy.tokens[2]])(PROMPTS[:1])[0]
+    assert eos.reason == "eos" and eos.tokens == greedy.tokens[:2]
+    text = ByteTokenizer().decode(greedy.tokens)
+    stop = text[3:5]
+    streamed = []
+    cut = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=8, stop=[stop])(
+        PROMPTS[:1], on_text=lambda r, s: streamed.append(s))[0]
+    assert cut.reason == "stop" and cut.text == text[:text.find(stop)] and "".join(streamed) == cut.text
+    sampler = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=8, sampling=Sampling(1.0, 0, 0.9))
+    a, b, c = (sampler(PROMPTS[:1], seed=s)[0].tokens for s in (0, 0, 1))
+    assert a == b and a != c  # seeded
+    logits = jax.numpy.log(jax.numpy.array([[0.5, 0.3, 0.15, 0.05]]))
+    draws = {int(sample(logits, jax.random.key(i), Sampling(1.0, 2, 1.0))[0]) for i in range(40)}
+    assert draws == {0, 1}  # top-k 2
+    draws = {int(sample(logits, jax.random.key(i), Sampling(1.0, 0, 0.7))[0]) for i in range(40)}
+    assert draws == {0, 1}  # top-p 0.7: 0.5 + 0.3
+    with pytest.raises(ConfigError, match="empty prompt"):
+        Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=2)([np.array([], np.int32)])
+    with pytest.raises(ConfigError, match="exceeds the model's 64 positions.*at most 53 tokens"):
+        Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=54)(PROMPTS[:1])
+    with pytest.raises(ConfigError, match="max-new-tokens=0 must be >= 1"):
+        Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=0)
+    # the least length the mesh takes: a multiple of 2 * ring * context (zigzag), of the blocks when longer
+    assert prompt_length(_cfg("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2"), 9, 2) == 16
+
+
+def test_cli_on_a_hugging_face_directory_and_its_refusals(tmp_path, capsys):
+    """`python -m jaxlong.generate HF_DIR --prompt TEXT` prints only the continuation on stdout (the figures on
+    stderr), equal to the Generator's greedy tokens; every bad input is one line, exit 2, before anything loads."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from jaxlong.data import HFTokenizer  # noqa: PLC0415
+    from jaxlong.generate.__main__ import main  # noqa: PLC0415
+    from jaxlong.models import hf  # noqa: PLC0415
+
+    fix = Path(__file__).parents[1] / "fixtures" / "hf" / "llama31"
+    one = ["mesh.num_devices=1", "mesh.fsdp=1"]
+    assert main([str(fix), "--prompt", "The grass is", "--max-new-tokens", "5", *one]) == 0
+    out, err = capsys.readouterr()
+    cfg = load_config(None, [f"model.from_hf={fix}", *ONE])
+    mesh = build_mesh(cfg.mesh, jax.devices()[:1])
+    tok = HFTokenizer(fix)
+    want = Generator(cfg, mesh, hf.load_params(fix, cfg, mesh), tok, max_new_tokens=5,
+                     eos_ids=[tok.eos_id])([tok.encode_prompt("The grass is")])[0]
+    assert out == want.text + "\n" and "prompt 10 tokens" in err, (out, err)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    bad = {("--prompt", ""): "the prompt is empty",
+           ("--prompt-file", str(tmp_path / "latin1.txt")): "not UTF-8",
+           ("--prompt", "x", "--max-new-tokens", "0"): "--max-new-tokens=0 must be >= 1",
+           ("--prompt", "x", "--chat"): "has no chat template",
+           ("--prompt", "x " * 3000): "exceeds the model's 2048 positions",
+           ("--prompt", "x", "--top-p", "0"): "top-p in (0, 1]"}
+    for args, message in bad.items():
+        assert main([str(fix), *args, *one]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, (args, err)
+    assert main([str(tmp_path), "--prompt", "x"]) == 2
+    assert "neither a run directory" in capsys.readouterr().err

@@ -1,0 +1,100 @@
+"""Make `tests/fixtures/smollm2/generate.npz`: transformers' greedy continuations of SmolLM2-135M-Instruct, the
+second path that `python -m jaxlong.generate` is checked against (tests/generation/test_real_model_generate.py).
+
+Two steps, in two environments (transformers and torch are not test dependencies):
+
+    python tests/make_smollm2_generation.py prompts /tmp/prompts.json          # jaxlong's environment
+    python tests/make_smollm2_generation.py generate /tmp/prompts.json         # with torch, transformers, gguf
+
+The first writes the prompts: real text (Python source and English prose from the standard library, a plain
+question, a function to complete), RULER cases of 512 tokens (jaxlong's tasks, the prompt before the answer), as token ids, and chat
+conversations as messages. The second loads the model with transformers' own GGUF loader (float32), renders the
+conversations with transformers' `apply_chat_template` (the GGUF's template), generates 64 tokens greedily
+(`do_sample=False`, no stop) for each prompt on its own, and stores the prompt ids, the generated ids, the
+top-2 logits of each generated step and the versions that made them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+OUT = ROOT / "fixtures" / "smollm2" / "generate.npz"
+NEW_TOKENS = 64
+CHATS = {
+    "chat_capital": [{"role": "user", "content": "What is the capital of France?"}],
+    "chat_haiku": [{"role": "system", "content": "You are a poet."},
+                   {"role": "user", "content": "Write a haiku about the sea."}],
+}
+
+
+def prompts(path: str) -> None:
+    import inspect  # noqa: PLC0415
+    import argparse as argparse_module  # noqa: PLC0415
+    import this  # noqa: F401, PLC0415 (prints the Zen once)
+    import codecs  # noqa: PLC0415
+
+    sys.path.insert(0, str(ROOT))
+    import smollm2  # noqa: PLC0415
+
+    from jaxlong.data import HFTokenizer  # noqa: PLC0415
+    from jaxlong.evaluation import ruler  # noqa: PLC0415
+
+    smol = smollm2.build()
+    tok = HFTokenizer(smol)
+    source = inspect.getsource(argparse_module.ArgumentParser.parse_known_args)
+    zen = codecs.decode(sys.modules["this"].s, "rot13")
+    texts = {"python_source": source[:700], "zen_prose": zen[:420], "question": "The capital of France is",
+             "code_start": "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n"}
+    out = {"text": {k: [int(i) for i in tok.encode_prompt(v)] for k, v in texts.items()}, "chat": CHATS, "ruler": {}}
+    filler = " ".join(zen.split()) + " "
+    corpus = ruler.corpus_tokens([filler * 40], tok, 1 << 14)
+    for task in ("niah_single_1", "niah_multivalue"):
+        case = ruler.make_cases(task, tok, 512, 1, seed=0, corpus=corpus)[0]
+        out["ruler"][task] = [int(i) for i in case.tokens[:int(case.answer[0]) + 1]]  # inputs before the answer
+    Path(path).write_text(json.dumps(out))
+    print(f"wrote {path}: {sum(len(v) for v in out['text'].values())} text tokens, {len(out['ruler'])} RULER cases")
+
+
+def generate(path: str) -> None:
+    import gguf  # noqa: F401, PLC0415
+    import numpy as np  # noqa: PLC0415
+    import tokenizers  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    data = json.loads(Path(path).read_text())
+    cache = Path.home() / ".cache" / "jaxlong" / "test-models"
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(cache, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(cache, gguf_file=name, dtype=torch.float32).eval()
+    prompts = dict(data["text"])
+    prompts.update({k: list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
+                    for k, m in data["chat"].items()})
+    prompts.update(data["ruler"])
+    arrays = {}
+    for key, ids in prompts.items():
+        x = torch.tensor([ids], dtype=torch.long)
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                 min_new_tokens=NEW_TOKENS, output_scores=True, return_dict_in_generate=True,
+                                 eos_token_id=None, pad_token_id=2)
+        new = out.sequences[0, len(ids):].numpy()
+        top2 = np.stack([torch.topk(s[0], 2).values.numpy() for s in out.scores])
+        arrays[f"{key}/prompt"] = np.asarray(ids, np.int32)
+        arrays[f"{key}/tokens"] = new.astype(np.int32)
+        arrays[f"{key}/top2"] = top2.astype(np.float32)
+        print(key, len(ids), repr(tok.decode(new)[:80]))
+    arrays["chat_messages"] = np.array(json.dumps(data["chat"]))
+    arrays["made_with"] = np.array(
+        f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"tokenizers {tokenizers.__version__}, gguf {gguf.__version__ if hasattr(gguf, '__version__') else '?'}, "
+        f"numpy {np.__version__}; greedy, do_sample=False, {NEW_TOKENS} new tokens, no EOS stop, float32")
+    np.savez_compressed(OUT, **arrays)
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    {"prompts": prompts, "generate": generate}[sys.argv[1]](sys.argv[2])
