@@ -3,8 +3,9 @@
 **Prefill** is the training forward (`jaxlong.models.llama.Llama.prefill`) on the run's mesh and attention method
 (FSDP, Ulysses, U-Pipe, ring and their hybrids). Each layer's post-RoPE keys and values are computed from the
 layer's input where the layer holds it, split by sequence over `ring x context` (in ring attention's zigzag
-order when ring > 1), and stay there: the prompt cache `[layers, batch, prompt, kv_heads, head_dim]`, sharded
-`P(None, (data, fsdp), (ring, context))`. One cache path serves every attention method; the methods' own code
+order when ring > 1), and stay there: the prompt cache `[layers, batch, kv_heads, prompt, head_dim]` (head-major:
+each head's keys are read contiguously, the cache is never transposed), sharded `P(None, (data, fsdp), None,
+(ring, context))`. One cache path serves every attention method; the methods' own code
 (`jaxlong.parallel.ulysses`, `upipe`, `ring`) is not touched.
 
 **Decode** (one token per row and step) is flash-decoding (Dao et al., "Flash-Decoding for long-context
@@ -13,7 +14,9 @@ own slice of the prompt cache and returns a partial output with its log-sum-exp;
 two small collectives per layer (`pmax` of the maxima, `psum` of the rescaled outputs and sums) over the sequence
 axes. The generated tokens' own keys and values go into a small cache `[layers, batch, max_new, kv_heads,
 head_dim]`, replicated over the sequence axes (each device holds the same, counted once), merged after the
-cross-device merge. Positions are true global positions (each row's prompt length onward); padding is masked out
+cross-device merge. The weights stay FSDP-sharded: each layer's are gathered for every token, as in the train step;
+the embedding and the output head are used sharded (one row looked up, the logits computed where the vocabulary
+lies), not gathered whole. Positions are true global positions (each row's prompt length onward); padding is masked out
 of the prompt cache by `valid`.
 """
 
@@ -43,10 +46,10 @@ class Cache(NamedTuple):
     """The KV cache of a batch being generated.
 
     Attributes:
-      k, v: the prompt's post-RoPE keys and values `[layers, batch, prompt, kv_heads, head_dim]` (compute dtype),
+      k, v: the prompt's post-RoPE keys and values `[layers, batch, kv_heads, prompt, head_dim]` (compute dtype),
         sharded by batch over data x fsdp and by sequence over ring x context (zigzag order when ring > 1).
       valid: bool `[batch, prompt]`, sharded like the tokens: False at padding.
-      new_k, new_v: the generated tokens' keys and values `[layers, batch, max_new, kv_heads, head_dim]`, batch over
+      new_k, new_v: the generated tokens' keys and values `[layers, batch, kv_heads, max_new, head_dim]`, batch over
         data x fsdp, replicated over the sequence axes; slot t holds the t-th generated token's (the token fed at
         decode step t).
     """
@@ -88,7 +91,7 @@ def sample(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
 
 
 def _specs():
-    big = P(None, BATCH_AXES, SEQ_AXES, None, None)
+    big = P(None, BATCH_AXES, None, SEQ_AXES, None)
     small = P(None, BATCH_AXES, None, None, None)
     return Cache(big, big, P(BATCH_AXES, SEQ_AXES), small, small)
 
@@ -109,7 +112,10 @@ def make_prefill(cfg, mesh: jax.sharding.Mesh, max_new: int):
     row's last token (the prompt's last slot), and the cache with room for `max_new` generated tokens.
 
     `cfg.seq_len` is ignored: the prompt length is the batch's (one compile per batch shape)."""
-    rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
+    # The prompts' padding is masked by segment ids, so the attention kernel must take them (`auto` picks the
+    # Pallas kernel on GPUs, as for packed documents, instead of cuDNN, which cannot mask them).
+    rt = model_lib.Runtime(mesh=mesh, cfg=dataclasses.replace(cfg, data=dataclasses.replace(cfg.data,
+                                                                                               packing="documents")))
     graphdef = model_lib.model_graphdef(cfg)
     m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
     ring = axis_size(mesh, RING_AXIS)
@@ -122,7 +128,7 @@ def make_prefill(cfg, mesh: jax.sharding.Mesh, max_new: int):
         h = rt.constrain(hidden[:, last], P(BATCH_AXES, None))
         logits = jnp.einsum("bh,hv->bv", h, rt.gather(_head(params, cfg))).astype(jnp.float32)
         b = batch["inputs"].shape[0]
-        small = jnp.zeros((m.layers, b, max_new, m.kv_heads, m.head_dim), cd)
+        small = jnp.zeros((m.layers, b, m.kv_heads, max_new, m.head_dim), cd)
         return logits, Cache(k, v, batch["segment_ids"] > 0, small, small)
 
     return jax.jit(prefill, out_shardings=(NamedSharding(mesh, P(BATCH_AXES, None)), cache_shardings(mesh)))
@@ -130,12 +136,12 @@ def make_prefill(cfg, mesh: jax.sharding.Mesh, max_new: int):
 
 def _partial(q, k, v, valid):
     """One shard's attention of the new queries `q` `[b, kv, g, d]` (float32, scaled) over its keys and values
-    `[b, n, kv, d]` with `valid` `[b, n]`: (unnormalized output `[b, kv, g, d]`, max `[b, kv, g]`, sum)."""
-    s = jnp.einsum("bkgd,bnkd->bkgn", q, k.astype(jnp.float32))
+    `[b, kv, n, d]` with `valid` `[b, n]`: (unnormalized output `[b, kv, g, d]`, max `[b, kv, g]`, sum)."""
+    s = jnp.einsum("bkgd,bknd->bkgn", q, k.astype(jnp.float32))
     s = jnp.where(valid[:, None, None, :], s, NEG)
     mx = jnp.max(s, axis=-1)
     p = jnp.where(valid[:, None, None, :], jnp.exp(s - mx[..., None]), 0.0)
-    return jnp.einsum("bkgn,bnkd->bkgd", p, v.astype(jnp.float32)), mx, jnp.sum(p, axis=-1)
+    return jnp.einsum("bkgn,bknd->bkgd", p, v.astype(jnp.float32)), mx, jnp.sum(p, axis=-1)
 
 
 def _merge(parts):
@@ -173,17 +179,17 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
     batch_q = P(BATCH_AXES, None, None, None)
     prompt_attention = jax.shard_map(
         shard_attention, mesh=mesh, check_vma=False,
-        in_specs=(batch_q, P(BATCH_AXES, SEQ_AXES, None, None), P(BATCH_AXES, SEQ_AXES, None, None),
+        in_specs=(batch_q, P(BATCH_AXES, None, SEQ_AXES, None), P(BATCH_AXES, None, SEQ_AXES, None),
                   P(BATCH_AXES, SEQ_AXES)),
         out_specs=(batch_q, P(BATCH_AXES, None, None), P(BATCH_AXES, None, None)))
 
     def step(params, cache: Cache, tokens, positions, t, key):
         b = tokens.shape[0]
-        x = jnp.take(rt.gather(params["embed"]), tokens, axis=0)[:, None, :]  # [b, 1, hidden]
+        x = jnp.take(params["embed"].astype(cd), tokens, axis=0)[:, None, :]  # [b, 1, hidden]: rows of the shards
         x = rt.constrain(x, P(BATCH_AXES, None, None))
         pos = positions[:, None].astype(jnp.int32)
         cos, sin = L.rope_tables(pos, m.head_dim, m.rope_theta, m.rope_scaling)
-        seen = (jnp.arange(cache.new_k.shape[2]) <= t)[None, :].repeat(b, 0)
+        seen = (jnp.arange(cache.new_k.shape[3]) <= t)[None, :].repeat(b, 0)
         layers = params["layers"]
 
         def body(carry, xs):
@@ -196,8 +202,8 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
             if m.qk_norm:
                 q, k = L.rms_norm(q, w["q_norm"], m.norm_eps), L.rms_norm(k, w["k_norm"], m.norm_eps)
             q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-            new_k = jax.lax.dynamic_update_slice(new_k, k[None].astype(cd), (i, 0, t, 0, 0))
-            new_v = jax.lax.dynamic_update_slice(new_v, v[None].astype(cd), (i, 0, t, 0, 0))
+            new_k = jax.lax.dynamic_update_slice(new_k, jnp.swapaxes(k, 1, 2)[None].astype(cd), (i, 0, 0, t, 0))
+            new_v = jax.lax.dynamic_update_slice(new_v, jnp.swapaxes(v, 1, 2)[None].astype(cd), (i, 0, 0, t, 0))
             qg = (q[:, 0].astype(jnp.float32) * scale).reshape(b, m.kv_heads, group, m.head_dim)
             parts = [prompt_attention(qg, k_cache, v_cache, cache.valid),
                      _partial(qg, new_k[i], new_v[i], seen)]
@@ -210,7 +216,8 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
         xs = (layers, cache.k, cache.v, jnp.arange(m.layers))
         (x, new_k, new_v), _ = jax.lax.scan(body, (x, cache.new_k, cache.new_v), xs)
         h = L.rms_norm(x[:, 0], params["final_norm"], m.norm_eps)
-        logits = jnp.einsum("bh,hv->bv", h, rt.gather(_head(params, cfg))).astype(jnp.float32)
+        logits = jnp.einsum("bh,hv->bv", h, _head(params, cfg).astype(cd)).astype(jnp.float32)  # head sharded
+        logits = rt.constrain(logits, P(BATCH_AXES, None))
         nxt = sample(logits, key, sampling)
         return nxt, logits, cache._replace(new_k=new_k, new_v=new_v)
 

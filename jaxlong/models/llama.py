@@ -223,8 +223,9 @@ class Llama(nnx.Module):
                 segment_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The forward of `__call__` (no remat: nothing is differentiated) that also returns every layer's post-RoPE
         keys and values, computed from the layer's input where the layer holds it, sharded by sequence over
-        ring x context (zigzag layout when ring > 1): `(hidden [b, s, hidden], k, v [layers, b, s, kv_heads,
-        head_dim])`, the K/V of padding (segment id 0) zero. The cache of `jaxlong.generation`."""
+        ring x context (zigzag layout when ring > 1): `(hidden [b, s, hidden], k, v [layers, b, kv_heads, s,
+        head_dim])`, head-major (a decode step reads each head's keys contiguously, with no transpose of the
+        cache), the K/V of padding (segment id 0) zero. The cache of `jaxlong.generation`."""
         x, positions, ids = self._inputs(tokens, rt, positions, segment_ids)
         keep = rt.constrain(segment_ids > 0, batch_spec())[..., None, None]
         layer_def, layer_state = nnx.split(self.layers)
@@ -232,8 +233,8 @@ class Llama(nnx.Module):
         def body(x, state):
             layer = nnx.merge(layer_def, state)
             k, v = project_kv(x, layer, positions, rt)
-            spec = P(BATCH_AXES, SEQ_AXES, None, None)
-            k, v = (rt.constrain(jnp.where(keep, a, 0), spec) for a in (k, v))
+            spec = P(BATCH_AXES, None, SEQ_AXES, None)
+            k, v = (rt.constrain(jnp.swapaxes(jnp.where(keep, a, 0), 1, 2), spec) for a in (k, v))
             return layer(x, positions, rt, ids), (k, v)
 
         x, (k, v) = jax.lax.scan(body, x, layer_state)
