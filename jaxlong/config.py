@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -254,6 +255,9 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 # Loading and overriding.
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _type_ok(value: Any, tp: Any) -> bool:
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -324,6 +328,9 @@ def apply_setting(obj: Any, key: str, value: Any, raw: str | None = None) -> Non
             return
         if tp is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()) and (tp is float or (
+                typing.get_origin(tp) in (typing.Union, types.UnionType) and float in typing.get_args(tp))):
+            value = float(value)  # YAML 1.1 reads `lr: 3e-4` (no dot) as a string
         is_str = tp is str or typing.get_origin(tp) is Literal or (typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp))
         if raw is not None and is_str and value is not None and not isinstance(value, str):
             value = raw  # string options keep their text: run_name=off is 'off', not False

@@ -74,8 +74,8 @@ def check_copy(copy: Path, recorded: dict[str, str], where: str = "") -> None:
         if now != digest:
             state = "is missing" if now is None else f"has sha256 {now[:12]}"
             raise ValueError(f"{f} {state}, but the run{where} recorded sha256 {digest[:12]} for it: the run's copy "
-                             f"of its tokenizer files changed after training; put the original file back (the "
-                             f"import directory's {name}), or train a new run_name")
+                             f"of the files it was imported with changed after training; put the original {name} "
+                             f"back (from the directory it was imported from), or train a new run_name")
 
 
 def keep_imported(cfg, run_dir: Path, *, recorded: dict[str, str] | None, write: bool, say=print) -> dict[str, str]:
@@ -120,11 +120,13 @@ def keep_imported(cfg, run_dir: Path, *, recorded: dict[str, str] | None, write:
     return {name: _sha256(f) for name, f in sorted(files.items())}
 
 
-def _gone(option: str, tokenizer_file: Path, run_dir: Path) -> str:
+def _gone(option: str, tokenizer_file: Path, run_dir: Path, recorded: dict | None = None) -> str:
     value = tokenizer_file.parent if option == "model.from_hf" else tokenizer_file
-    return (f"{option}={str(value)!r}: no such file {tokenizer_file}, and {run_dir} holds no copy of the tokenizer "
-            f"(a run trained before run directories kept one in {IMPORTED}/); pass {option}=NEW_PATH, where "
-            f"{'that checkpoint directory' if option == 'model.from_hf' else 'that tokenizer.json'} is now")
+    why = (f"its {IMPORTED}/ directory, where it kept a copy ({', '.join(sorted(recorded))}), is gone: restore it, or"
+           if recorded else f"it holds no copy of the tokenizer (a run trained before run directories kept one in "
+                            f"{IMPORTED}/);")
+    return (f"{option}={str(value)!r}: no such file {tokenizer_file}, and in {run_dir} {why} pass {option}=NEW_PATH, "
+            f"where {'that checkpoint directory' if option == 'model.from_hf' else 'that tokenizer.json'} is now")
 
 
 def tokenizer_source(cfg, run_dir: str | Path | None = None) -> Path | None:
@@ -145,7 +147,7 @@ def tokenizer_source(cfg, run_dir: str | Path | None = None) -> Path | None:
         return copy
     directory, tokenizer_file, option = source
     if not tokenizer_file.is_file():
-        raise ValueError(_gone(option, tokenizer_file, run_dir))
+        raise ValueError(_gone(option, tokenizer_file, run_dir, getattr(cfg, "imported", None)))
     return directory
 
 

@@ -150,11 +150,17 @@ def check_lengths(lengths: list[SourceLengths], sources: list[MixedSource], stre
       ValueError: one line naming the source (`label`), the rule, the lengths seen and what would work.
     """
     for ls, src in zip(lengths, sources):
-        keep = (ls.lengths >= src.min_tokens) & (ls.lengths <= (np.inf if src.max_tokens is None else src.max_tokens))
+        under_max = ls.lengths <= (np.inf if src.max_tokens is None else src.max_tokens)
+        keep = (ls.lengths >= src.min_tokens) & under_max
+        # the largest min_doc_tokens that leaves every packing stream a document (known when all were measured)
+        per_stream = [ls.lengths[s::streams][under_max[s::streams]] for s in range(streams)] if ls.complete else []
+        best_min = int(min(x.max() for x in per_stream)) if per_stream and all(x.size for x in per_stream) else None
         if ls.lengths.size and not keep.any():
             lo, hi = int(ls.lengths.min()), int(ls.lengths.max())
             if hi < src.min_tokens:
-                fix = f"the longest is {hi:,} tokens; use min_doc_tokens <= {hi}"
+                fix = f"the longest is {hi:,} tokens; use min_doc_tokens <= {hi if best_min is None else best_min}"
+                if best_min is not None and best_min < hi:
+                    fix += f" (each of the {streams} packing streams needs a document)"
             elif src.max_tokens is not None and lo > src.max_tokens:
                 fix = f"the shortest is {lo:,} tokens; use max_doc_tokens >= {lo}"
             else:
@@ -177,8 +183,10 @@ def check_lengths(lengths: list[SourceLengths], sources: list[MixedSource], stre
                 k = int(mask.sum())
                 raise ValueError(f"{src.label}: {k} of {ls.counted()} {'is' if k == 1 else 'are'} {what}, and each "
                                  f"of the {streams} packing streams needs one among the documents dealt to it "
-                                 f"(stream s: documents s, s + {streams}, ...; stream {empty[0]} has none); loosen "
-                                 f"the rules, or lower global_batch (fewer streams)")
+                                 f"(stream s: documents s, s + {streams}, ...; stream {empty[0]} has none); "
+                                 + (f"use min_doc_tokens <= {best_min}" if mask is keep and best_min is not None
+                                    and best_min < src.min_tokens else "loosen the rules") +
+                                 ", or lower global_batch (fewer streams)")
 
 
 def _about(x: float) -> str:

@@ -74,6 +74,9 @@ def resolve(args):
             prompt = Path(args.prompt_file).read_bytes().decode("utf-8")
         except FileNotFoundError:
             raise FileNotFoundError(f"--prompt-file {args.prompt_file}: no such file") from None
+        except OSError as e:  # a directory, no permission
+            raise ValueError(f"--prompt-file {args.prompt_file}: cannot be read ({e.strerror}); give a UTF-8 text "
+                             f"file") from None
         except UnicodeDecodeError as e:
             raise ValueError(f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {e.start}: {e.reason}); "
                              f"convert it, e.g. iconv -t UTF-8") from None
@@ -92,19 +95,16 @@ def resolve(args):
         if step not in steps:
             raise FileNotFoundError(f"--step {step}: no checkpoint at that step in {source / 'checkpoints'}; have "
                                     f"{steps}")
-        cfg = from_dict(saved_config(source / "checkpoints", step), args.overrides)
+        saved = saved_config(source / "checkpoints", step)
+        cfg = _for_generation(lambda extra: from_dict(saved, [*args.overrides, *extra]), args.overrides)
+        trained = int(saved.get("seq_len", cfg.seq_len))  # the context it was trained to, whatever the overrides
         tokenizer, directory = run_tokenizer(cfg, run_dir), tokenizer_source(cfg, run_dir)
     elif (source / "config.json").is_file():
         if args.step is not None:
             raise ConfigError(f"--step {args.step}: {source} is a Hugging Face directory, which has no steps")
         settings = [f"model.from_hf={source}", "mesh.fsdp=-1", "mesh.context=1", *args.overrides]
-        try:
-            cfg = load_config(None, settings)
-        except ConfigError as e:  # seq_len is the prompt's (`prompt_length`): any length the mesh takes will do
-            fix = next((f for f in e.suggestions if set(f) == {"seq_len"}), None)
-            if e.key != "seq_len" or fix is None or any(o.startswith("seq_len=") for o in args.overrides):
-                raise
-            cfg = load_config(None, [*settings, f"seq_len={fix['seq_len']}"])
+        cfg = _for_generation(lambda extra: load_config(None, [*settings, *extra]), args.overrides)
+        trained = 0  # the checkpoint's own max_position_embeddings is its limit
         tokenizer, directory = HFTokenizer(source, option="SOURCE"), source
     else:
         raise FileNotFoundError(f"SOURCE {source}: neither a run directory (with checkpoints/) nor a Hugging Face "
@@ -118,13 +118,43 @@ def resolve(args):
         ids = tokenizer.encode_prompt(prompt)
     if len(ids) == 0:
         raise ConfigError("the prompt has no tokens: give some text")
-    check_positions(cfg, len(ids), args.max_new_tokens, trained=None if run_dir is not None else 0)
+    check_positions(cfg, len(ids), args.max_new_tokens, trained=trained)
+    if args.top_k > tokenizer.vocab_size:
+        raise ConfigError(f"--top-k={args.top_k} exceeds the tokenizer's {tokenizer.vocab_size} tokens; give at most "
+                          f"{tokenizer.vocab_size}, or 0 for all")
+    args.trained = trained
     eos = {tokenizer.eos_id}
     gen = directory / "generation_config.json" if directory is not None else None
     if gen is not None and gen.is_file():
         value = json.loads(gen.read_text()).get("eos_token_id")
         eos |= set(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
     return cfg, run_dir, step, ids, tokenizer, sorted(eos)
+
+
+# What generation takes from the prompts themselves, not from the training config: the prompt length and the
+# batch. A refusal about one of them that the user did not set is answered with its suggestion.
+OWN_KEYS = ("seq_len", "global_batch", "grad_accum")
+
+
+def _for_generation(load, overrides, hops: int = 4):
+    """`load(extra_overrides)`, retried with the validator's own suggestion while it refuses one of `OWN_KEYS` that
+    `overrides` does not set (a batch of 2 does not divide a mesh of 8 FSDP ways; generation batches its prompts
+    itself).
+
+    Raises:
+      ConfigError: any other refusal, as `load` raises it.
+    """
+    extra: list[str] = []
+    for _ in range(hops):
+        try:
+            return load(extra)
+        except ConfigError as e:
+            mine = [o.split("=", 1)[0].strip() for o in overrides]
+            fix = next((f for f in e.suggestions if set(f) <= set(OWN_KEYS) and not set(f) & set(mine)), None)
+            if e.key not in OWN_KEYS or fix is None:
+                raise
+            extra += [f"{k}={v}" for k, v in fix.items()]
+    return load(extra)
 
 
 def main(argv=None) -> int:
@@ -173,11 +203,11 @@ def run(cfg, run_dir, step, ids, tokenizer, eos, args) -> int:
         say(f"loaded {cfg.model.from_hf} on mesh {dict(mesh.shape)} in {time.perf_counter() - t0:.1f} s")
     gen = Generator(cfg, mesh, params, tokenizer, max_new_tokens=args.max_new_tokens,
                     sampling=Sampling(args.temperature, args.top_k, args.top_p), eos_ids=eos, stop=args.stop,
-                    trained=None if run_dir is not None else 0)
+                    trained=args.trained)
     stream = (lambda row, text: print(text, end="", flush=True)) if main else None
     t0 = time.perf_counter()
     out = gen([ids], seed=args.seed, on_text=stream)[0]
-    if main:
+    if main and sys.stdout.isatty():  # a terminal gets its prompt on a line of its own; a pipe gets the text alone
         print(flush=True)
     seconds = time.perf_counter() - t0
     say(f"prompt {len(ids)} tokens, {len(out.tokens)} generated (stopped: {out.reason}) in {seconds:.1f} s with "

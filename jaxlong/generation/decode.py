@@ -72,8 +72,11 @@ class Sampling:
     top_p: float = 1.0
 
 
-def sample(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
-    """The next token `[batch]` int32 from float32 `logits` `[batch, vocab]` under `s` (`Sampling`)."""
+def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int | None = None) -> jax.Array:
+    """The next token `[batch]` int32 from float32 `logits` `[batch, vocab]` under `s` (`Sampling`); ids from `vocab`
+    on (the padded embedding's rows no token has) are never drawn."""
+    if vocab is not None and vocab < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, -jnp.inf)
     if s.temperature <= 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / s.temperature
@@ -154,14 +157,14 @@ def _merge(parts):
     return out / total[..., None]
 
 
-def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling()):
+def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling(), vocab: int | None = None):
     """`step(params, cache, tokens [b], positions [b], t, key) -> (next tokens [b] int32, logits [b, vocab]
     float32, cache)`, jitted with the cache donated: compiled once per batch and cache size, whatever the step.
 
     Feeds `tokens` (each row's newest token) at global `positions`, writes their keys and values into slot `t` of
     the small cache, attends to the valid prompt cache (split-KV over the sequence shards, merged exactly with a
     `pmax` and a `psum`) and to the small cache's slots `<= t`, runs the layer's MLP, and draws the next token
-    (`sample`)."""
+    (`sample`, ids from `vocab` on never drawn)."""
     m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
     rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
     group = m.heads // m.kv_heads
@@ -218,7 +221,7 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
         h = L.rms_norm(x[:, 0], params["final_norm"], m.norm_eps)
         logits = jnp.einsum("bh,hv->bv", h, _head(params, cfg).astype(cd)).astype(jnp.float32)  # head sharded
         logits = rt.constrain(logits, P(BATCH_AXES, None))
-        nxt = sample(logits, key, sampling)
+        nxt = sample(logits, key, sampling, vocab)
         return nxt, logits, cache._replace(new_k=new_k, new_v=new_v)
 
     out = (NamedSharding(mesh, P(BATCH_AXES)), NamedSharding(mesh, P(BATCH_AXES, None)), cache_shardings(mesh))

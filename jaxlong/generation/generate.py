@@ -50,10 +50,11 @@ def check_positions(cfg: Config, prompt_tokens: int, max_new: int, trained: int 
     scaled = int(rs.original_max_position_embeddings * rs.factor) if rs.type != "none" else 0
     limit = max(cfg.model.max_position_embeddings or 0, cfg.seq_len if trained is None else trained, scaled)
     if prompt_tokens + max_new > limit:
+        room = (f"generate at most {limit - prompt_tokens} tokens or shorten the prompt" if prompt_tokens < limit else
+                f"shorten the prompt to fewer than {limit} tokens")
         raise ConfigError(f"a prompt of {prompt_tokens} tokens plus --max-new-tokens={max_new} exceeds the model's "
                           f"{limit} positions (the largest of model.max_position_embeddings, the trained seq_len and "
-                          f"the RoPE scaling's reach); shorten the prompt or generate at most "
-                          f"{max(limit - prompt_tokens, 0)} tokens, or extend the context with RoPE scaling "
+                          f"the RoPE scaling's reach); {room}, or extend the context with RoPE scaling "
                           f"(model.rope_scaling.*, docs/hf-models.md)")
 
 
@@ -96,10 +97,11 @@ class Generator:
         self.cfg, self.mesh, self.params, self.tokenizer = cfg, mesh, params, tokenizer
         self.max_new, self.sampling, self.trained = max_new_tokens, sampling, trained
         self.eos, self.stop = set(int(i) for i in eos_ids), [s for s in stop if s]
+        vocab = min(int(tokenizer.vocab_size), cfg.model.vocab_size)  # the padded embedding's extra ids: never drawn
         self.prefill = make_prefill(cfg, mesh, max_new_tokens)
-        self.step = make_decode_step(cfg, mesh, sampling)
+        self.step = make_decode_step(cfg, mesh, sampling, vocab=vocab)
         # the first token in the decode step's own output sharding: every step then has one input signature
-        self.first = jax.jit(lambda logits, key: sample(logits, key, sampling),
+        self.first = jax.jit(lambda logits, key: sample(logits, key, sampling, vocab),
                              out_shardings=NamedSharding(mesh, P(BATCH_AXES)))
         self.rows_unit = int(np.prod([axis_size(mesh, a) for a in BATCH_AXES]))
 
@@ -136,7 +138,7 @@ class Generator:
         tok = self.first(logits_now, sub)
         tok.block_until_ready()
         self.seconds = {"prefill": time.perf_counter() - t0, "decode": 0.0, "steps": 0,
-                        "prompt_tokens": int(host["inputs"].size)}
+                        "prompt_tokens": sum(len(p) for p in prompts), "padded": int(host["inputs"].size)}
         t0 = time.perf_counter()
         if logits is not None:
             logits.append(np.asarray(jax.device_get(logits_now)))
@@ -181,8 +183,9 @@ class Generator:
         """The last call's prefill and decode rates (the first call's include the compiles)."""
         t = self.seconds
         rate = t["steps"] / t["decode"] if t["decode"] else 0.0
-        return (f"prefill {t['prompt_tokens']} tokens in {t['prefill']:.2f} s, {t['prompt_tokens'] / t['prefill']:,.0f} "
-                f"tokens/s; decode {t['steps']} steps in {t['decode']:.2f} s, {rate:,.1f} steps/s")
+        return (f"prefill {t['prompt_tokens']} tokens ({t['padded']} with padding) in {t['prefill']:.2f} s, "
+                f"{t['prompt_tokens'] / t['prefill']:,.0f} tokens/s; decode {t['steps']} steps in {t['decode']:.2f} s, "
+                f"{rate:,.1f} steps/s")
 
     def _update(self, g: Generated, done: list, r: int) -> None:
         g.text = self.tokenizer.decode(g.tokens)

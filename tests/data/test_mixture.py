@@ -150,9 +150,11 @@ def test_a_rule_that_keeps_no_document_is_refused_when_the_data_is_opened(corpor
     none of its documents: one line naming data.sources[i], its path, the rule, the source's own document count (400,
     not one packing stream's 100) and the lengths seen."""
     longest, shortest = max(_lengths(corpora["short"])), min(_lengths(corpora["long"]))
+    best = min(max(_lengths(corpora["short"])[s::4]) for s in range(4))  # each of the 4 streams keeps a document
     cases = [({"short": {"min_doc_tokens": 5000}},
               rf"^data.sources\[0\] \({corpora['short']}\): min_doc_tokens=5000 keeps none of its 400 documents: the "
-              rf"longest is {longest} tokens; use min_doc_tokens <= {longest}, or drop the source$"),
+              rf"longest is {longest} tokens; use min_doc_tokens <= {best} \(each of the 4 packing streams needs a "
+              rf"document\), or drop the source$"),
              ({"long": {"max_doc_tokens": 20}},
               rf"^data.sources\[1\] \({corpora['long']}\): max_doc_tokens=20 keeps none of its 120 documents: the "
               rf"shortest is {shortest} tokens; use max_doc_tokens >= {shortest}, or drop the source$"),
@@ -160,11 +162,12 @@ def test_a_rule_that_keeps_no_document_is_refused_when_the_data_is_opened(corpor
               r"^data.sources\[1\] \(.*\): upsample_long=2 has no long document to draw: none of its 120 documents"),
              ({"short": {"min_doc_tokens": longest}},  # 1 document kept: 3 of the 4 packing streams get none
               rf"^data.sources\[0\] \(.*\): 1 of its 400 documents is within its length rules \(min_doc_tokens="
-              rf"{longest}\), and each of the 4 packing streams needs one")]
+              rf"{longest}\), and each of the 4 packing streams needs one .*; use min_doc_tokens <= {best}, or")]
     for rules, message in cases:
         with pytest.raises(ValueError, match=message) as e:
             data.batch_iterator(_cfg(corpora, {"short": 0.5, "long": 0.5}, **rules), BYTE)
         assert "\n" not in str(e.value)
+    data.batch_iterator(_cfg(corpora, {"short": 0.5, "long": 0.5}, short={"min_doc_tokens": best}), BYTE)  # accepted
 
 
 def test_a_large_source_is_measured_on_a_sample_and_a_stream_without_a_kept_document_says_so(tmp_path, corpora,

@@ -129,14 +129,19 @@ def test_cli_on_a_hugging_face_directory_and_its_refusals(tmp_path, capsys):
     tok = HFTokenizer(fix)
     want = Generator(cfg, mesh, hf.load_params(fix, cfg, mesh), tok, max_new_tokens=5,
                      eos_ids=[tok.eos_id])([tok.encode_prompt("The grass is")])[0]
-    assert out == want.text + "\n" and "prompt 10 tokens" in err, (out, err)
+    assert out == want.text and "prompt 10 tokens" in err, (out, err)  # the text alone, not even a newline
+    # the default mesh (FSDP over 8 devices): the trainer's batch and length do not bind generation
+    assert main([str(fix), "--prompt", "The grass is", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out == want.text
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     bad = {("--prompt", ""): "the prompt is empty",
            ("--prompt-file", str(tmp_path / "latin1.txt")): "not UTF-8",
            ("--prompt", "x", "--max-new-tokens", "0"): "--max-new-tokens=0 must be >= 1",
            ("--prompt", "x", "--chat"): "has no chat template",
            ("--prompt", "x " * 3000): "exceeds the model's 2048 positions",
-           ("--prompt", "x", "--top-p", "0"): "top-p in (0, 1]"}
+           ("--prompt", "x", "--top-p", "0"): "top-p in (0, 1]",
+           ("--prompt-file", str(tmp_path)): "cannot be read",
+           ("--prompt", "x", "--top-k", "100000"): "exceeds the tokenizer's"}
     for args, message in bad.items():
         assert main([str(fix), *args, *one]) == 2, args
         err = capsys.readouterr().err.strip()
