@@ -361,7 +361,8 @@ def parse_override(text: str) -> tuple[str, Any, str]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build a `Config` from defaults, then the YAML file at `path`, then `key=value` overrides; validate it.
+    """Build a `Config` from defaults, then the YAML file at `path`, then `key=value` overrides; validate it (a
+    recipe, a config with `stages`, is validated stage by stage by `jaxlong.training.recipe.expand` instead).
 
     Raises:
       ConfigError: `path` missing, unreadable or not valid YAML (with line and column); unknown key, wrong
@@ -380,6 +381,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         apply_setting(cfg, *s)
     if cfg.model.from_hf:
         cfg = _with_hf_model(cfg, settings)
+    if cfg.stages:  # a recipe: no run uses the base config alone; each stage is validated whole, and named, by
+        return cfg  # `jaxlong.training.recipe.expand`
     # advice about the options set here, the command line's first; a file's model is the model, not a knob
     validate(cfg, changed=changed_keys(settings[in_file:]) +
              [k for k in changed_keys(settings[:in_file]) if not k.startswith("model.")])

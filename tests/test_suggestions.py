@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from jaxlong.config import Config, ConfigError, changed_keys, load_config, refusal, validate, with_settings
 
@@ -183,6 +184,21 @@ def test_the_recipe_users_last_stage_of_4098_tokens_gets_lengths_that_pass():
             fixed = copy.deepcopy(cfg)
             _set_in_stage(fixed, *next(iter(s.items())))
             expand(fixed)
+
+
+def test_a_recipes_base_config_is_not_judged_alone(tmp_path):
+    """Every stage of the tiny recipe sets its seq_len, so a top-level seq_len no stage uses is not refused (no run
+    uses the base config alone); a stage that inherits a bad one is refused with the stage's name."""
+    from jaxlong.training.recipe import expand
+
+    data = yaml.safe_load(RECIPE.read_text())
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**data, "seq_len": 1000}))
+    assert len(expand(load_config(path))) == 3
+    data["stages"][0].pop("seq_len")
+    path.write_text(yaml.safe_dump({**data, "seq_len": 1000}))
+    with pytest.raises(ConfigError, match=r"^stage 0 \(.*\): .*seq_len=1000"):
+        expand(load_config(path))
 
 
 def test_a_block_the_user_set_gets_blocks_and_a_length_gets_lengths():

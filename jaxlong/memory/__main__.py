@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-from jaxlong.config import ConfigError, load_config
+from jaxlong.config import ConfigError, load_config, validate
 from jaxlong.core import distributed, xla_log
 from jaxlong.core.errors import ArgumentParser, fail
 from jaxlong.core.units import fmt_gib
@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         # The target's devices are the mesh's: the config is validated for them (e.g. mesh.ring=2 on h100:8x2).
         devices = [f"mesh.num_devices={target.devices}"] if target else []
         cfg = load_config(args.config, [*args.overrides, *devices])
+        if cfg.stages:  # planned as one config here (its stages: --fit with the recipe): validated as one
+            validate(cfg)
         if args.estimate and (target is None and not _gpu_present()):
             raise ConfigError("--estimate needs a GPU target (--target h100, h200 or a100, with the CUDA plugin): "
                               "the CPU compile's blockwise attention loops cannot be counted")
