@@ -76,7 +76,7 @@ class _Search:
         return out
 
     def chain(self, error: ConfigError, base: dict, depth: int, order: Callable[[ConfigError], list[str]],
-              out: list[dict], limit: int, width: int = 4) -> bool:
+              out: list[dict], limit: int, width: int = 8) -> bool:
         """Append to `out` settings of `depth` more options than `base` under which nothing is refused: a value of
         an option of the refusal `error` (in `order`) that gets past its rule (`width` tried per side), then the
         same for the next refusal. True when one was found."""
