@@ -60,8 +60,6 @@ RUN = {
     "--per-cell 2": AFTER_DEFAULT,
     "python -m jaxlong.eval runs/default --ruler --ruler-cases 2": AFTER_DEFAULT,
     "python -m jaxlong.generate runs/default --prompt 'def fibonacci(n):' --max-new-tokens 64": AFTER_DEFAULT,
-    "python -m jaxlong.generate runs/default --prompt 'import os' --max-new-tokens 48 --temperature 0.8 --top-p 0.95 "
-    "--seed 1 mesh.fsdp=1 mesh.ring=2 mesh.context=4": AFTER_DEFAULT,
     "python -m jaxlong.train run_name=ruler steps=4 eval_every=2 'ruler_tasks=[niah_single_1,vt]' "
     "'ruler_lengths=[1024,4096]' ruler_cases=2": "a fresh directory",
     "python -m jaxlong.train --config configs/recipes/tiny_extension.yaml": "a fresh directory",
@@ -81,6 +79,9 @@ NOT_RUN = [
     (r"experiments/gpu_check\.py$", "needs an NVIDIA GPU"),
     (r"experiments/gpu_check\.py --smoke$", "run in the slow tier by test_gpu_check_smoke.py"),
     (r"model\.from_hf=ckpt/", "needs the downloaded Llama-3.1-8B checkpoint (and GPUs to train it)"),
+    (r"^python -m jaxlong\.generate runs/default .*--temperature", ("sampling on a ring mesh: the same options run in "
+                                                                     "tests/generation/test_generate.py (the slow "
+                                                                     "tier's CPU budget)")),
     (r"^python -m jaxlong\.generate ckpt/", ("needs a downloaded checkpoint (the same command on a Hugging Face "
                                               "directory runs in tests/generation/test_generate.py)")),
     (r"^python -m jaxlong\.export runs/llama-1m ", "needs the 1M-token fine-tuning run above (GPUs)"),
