@@ -164,11 +164,10 @@ def run_tokenizer(cfg, run_dir: str | Path | None = None) -> Tokenizer:
     directory = tokenizer_source(cfg, run_dir)
     if directory is None:
         return get_tokenizer(cfg.data.tokenizer)
-    source = import_source(cfg)
-    if directory != source[0]:  # the run's copy
-        return HFTokenizer(directory, option=f"the run's copy {directory}")
-    return HFTokenizer(source[1], option=source[2]) if source[2] == "data.tokenizer" else \
-        HFTokenizer(directory, option="model.from_hf")
+    _, tokenizer_file, option = import_source(cfg)
+    if directory == tokenizer_file.parent:  # the import directory itself (no copy yet)
+        return HFTokenizer(tokenizer_file, option=option)
+    return HFTokenizer(directory, option=None)  # the run's copy, named by its path
 
 
 def config_source(cfg) -> Path:
