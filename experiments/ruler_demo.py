@@ -26,7 +26,8 @@ and on cases of 96-128 tokens (experiments/results/ruler_demo_mixed.md): `--mix 
   corpus through the trainer's pipeline; the parameters are saved as the trainer's checkpoint (its config
   included), so the eval command reads the run unchanged.
 
-Then `python -m jaxlong.eval <run> --ruler --ruler-tasks niah_single_1 --ruler-lengths ... --ruler-cases ...`.
+Then `python -m jaxlong.eval <run> --ruler --ruler-scoring forced --ruler-tasks niah_single_1 --ruler-lengths ...
+--ruler-cases ...`.
 Writes `<out>.md` (the commands, the machine, the times, the scores), `<out>.csv` and `<out>.png` (the eval's
 ruler.csv and ruler.png).
 
@@ -364,7 +365,7 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
     mix = [(x.split(":")[0], int(x.split(":")[1].split("-")[0]) if ":" in x else cfg.seq_len)
            for x in args.mix.split(",")]  # (task, the least case length); cases at most seq_len
     corpus, pieces = data.batch_iterator(cfg, tok), Pieces(tok)
-    suite = ruler.RulerSuite([args.task], [cfg.seq_len], 8, cfg.seed)
+    suite = ruler.RulerSuite([args.task], [cfg.seq_len], 8, cfg.seed, scoring="forced")
     held_out = ruler.make_cases(tasks[args.task], tok, cfg.seq_len, cfg.global_batch, seed=cfg.seed)
     stats = token_stats(cfg, mesh)
     if tok.name == "byte":
@@ -514,7 +515,8 @@ def main(argv=None):
                  f"eval_every={args.eval_every}", "eval_batches=1",
                  "eval_fraction=0.02", f"ruler_tasks=[{args.task}]", f"ruler_lengths=[{args.seq_len}]",
                  "ruler_cases=8", *model_keys(args, vocab)]
-    eval_cmd = [sys.executable, "-m", "jaxlong.eval", str(work / run_name), "--ruler", "--ruler-tasks", args.task,
+    eval_cmd = [sys.executable, "-m", "jaxlong.eval", str(work / run_name), "--ruler", "--ruler-scoring", "forced",
+                "--ruler-tasks", args.task,
                 "--ruler-lengths", args.lengths, "--ruler-cases", str(args.eval_cases), "--no-passkey",
                 "--batches", "1"]
     started = datetime.datetime.now(datetime.timezone.utc)

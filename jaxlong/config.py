@@ -238,6 +238,7 @@ class Config:
     ruler_tasks: list[str] = field(default_factory=list)  # RULER tasks scored with each validation; [] disables it
     ruler_lengths: list[int] = field(default_factory=list)  # their context lengths (tokens); [] means [seq_len]
     ruler_cases: int = 4  # RULER cases per task and length (needle depths evenly spread)
+    ruler_scoring: str = "generate"  # "generate" (greedy generation, string_match_all) or "forced" (teacher-forced)
     lost_process_timeout_s: float = 120  # several processes: one silent this long ends the others (docs/multi-node.md)
     # A recipe (docs/recipes.md, `jaxlong.training.recipe`): a list of stages, each a mapping of `name`, its own
     # `steps` and any config keys it changes; a run of one stage has `stage` set to its index.
@@ -696,6 +697,11 @@ def validate_ruler(cfg: Config) -> None:
     """
     if len(set(cfg.ruler_tasks)) != len(cfg.ruler_tasks):
         raise ConfigError(f"ruler_tasks={cfg.ruler_tasks}: a task is listed twice")
+    if cfg.ruler_scoring not in ("generate", "forced"):
+        raise ConfigError(f"ruler_scoring={cfg.ruler_scoring!r}: give generate (RULER's: greedy generation scored by "
+                          f"string_match_all) or forced (teacher-forced exact match, the cheap proxy)",
+                          key="ruler_scoring", value=cfg.ruler_scoring,
+                          suggestions=({"ruler_scoring": "generate"}, {"ruler_scoring": "forced"}))
     bad = [n for n in cfg.ruler_lengths if n <= 0]
     if bad:
         raise ConfigError(f"ruler_lengths={cfg.ruler_lengths}: lengths must be positive token counts, e.g. "

@@ -10,15 +10,18 @@ was trained with (`key=value` overrides change it, e.g. `mesh.context=8`), then 
 * passkey retrieval, teacher-forced, on a needle depth x context length grid (`--depths`, `--lengths`), drawn as a
   heatmap;
 * with `--ruler`, RULER's synthetic tasks (`jaxlong.evaluation.ruler`; `--ruler-tasks`, `--ruler-lengths`,
-  `--ruler-cases`), scored teacher-forced by exact match: a table, `ruler.csv`, `ruler.png` (score by task and
-  length) and `eval/ruler/...` scalars. Corpus haystacks are cut from the held-out documents.
+  `--ruler-cases`), scored as RULER scores them (`--ruler-scoring generate`, the default: RULER's prompts, greedy
+  generation of RULER's tokens_to_generate on the run's mesh, string_match_all; `--chat` renders each prompt as a
+  user turn of the checkpoint's chat template) or teacher-forced by exact match (`--ruler-scoring forced`, a
+  cheap proxy): a table, `ruler.csv`, `ruler_cases.csv` (what the model wrote), `ruler.png` (score by task and
+  length) and `eval/ruler_<scoring>/...` scalars. Corpus haystacks are cut from the held-out documents.
 
 Each evaluation setup has its own directory, `RUN_DIR/eval/<setup>/`, named by the mesh it ran on
 (`mesh_<data>x<fsdp>x<ring>x<context>`) and, when other config keys or flags differ from the run's config and the
 flags' defaults, a short hash of them (`mesh_1x2x1x4-3f9a0c1e`): results go to `<setup>/step_N/` (`summary.json`,
 which records the setup, `loss_by_position.{csv,png}`, `passkey.{csv,png}`) and to TensorBoard events in
 `<setup>/` (`eval/loss`, `eval/perplexity`, `eval/passkey_accuracy`, `eval/loss_by_position/<start>`,
-`eval/ruler/<task>/<length>`; one
+`eval/ruler_<scoring>/<task>/<length>`; one
 TensorBoard run per setup, beside the trainer's). Evaluations of other setups never overwrite each other; the
 same evaluation run again replaces its own results and events. Launched as several processes, as the trainer is
 (`srun`, or `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`; `jaxlong.core.distributed`), it
@@ -59,6 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                        "S/8,S/4,S/2,S the mesh takes; pairs too short for a task "
                                                        "are skipped)")
     p.add_argument("--ruler-cases", type=int, default=8, help="RULER cases per task and length")
+    p.add_argument("--ruler-scoring", choices=("generate", "forced"), default="generate",
+                   help="generate (default, RULER's own): greedy generation of each task's tokens_to_generate, "
+                        "scored by string_match_all; forced: teacher-forced exact match, a cheap proxy")
+    p.add_argument("--chat", action="store_true", help="RULER by generation: each prompt as a user turn of the "
+                                                       "checkpoint's chat template, the answer prefix opening the "
+                                                       "assistant's turn")
     p.add_argument("overrides", nargs="*", help="config key=value overrides (e.g. mesh.context=8)")
     return p.parse_intermixed_args(argv)
 
@@ -87,7 +96,32 @@ def resolve(args) -> tuple[Path, int, object]:
     config_file = run_dir / "checkpoints" / str(step) / "config" / "metadata"
     cfg = from_dict(json.loads(config_file.read_text()), args.overrides)
     check_flags(cfg, args)
+    args.chat_template = chat_template(cfg, run_dir, args)
     return run_dir, step, cfg
+
+
+def chat_template(cfg, run_dir: Path, args):
+    """The checkpoint's chat template for `--chat` (`jaxlong.data.chat.ChatTemplate` of the run's tokenizer
+    files), or None without it.
+
+    Raises:
+      ConfigError: `--chat` without `--ruler` or with `--ruler-scoring forced`, or on a run without a template.
+    """
+    if not args.chat:
+        return None
+    if not args.ruler or args.ruler_scoring != "generate":
+        raise ConfigError("--chat renders RULER's prompts for generation: add --ruler (and drop --ruler-scoring "
+                          "forced), or drop --chat")
+    from jaxlong.data import tokenizer_source  # noqa: PLC0415
+    from jaxlong.data.chat import ChatTemplate  # noqa: PLC0415
+
+    directory = tokenizer_source(cfg, run_dir)
+    if directory is None:
+        raise ConfigError(f"--chat: {run_dir} uses the byte tokenizer, which has no chat template; drop --chat")
+    try:
+        return ChatTemplate(directory)
+    except ValueError as e:
+        raise ConfigError(f"--chat: {e}") from None
 
 
 def _positive(flag: str, value: int | None, default: int, what: str) -> None:
@@ -141,8 +175,9 @@ def resolve_ruler(cfg, args) -> None:
     args.ruler_tasks_list = [t.strip() for t in args.ruler_tasks.split(",") if t.strip()] or list(ruler.TASKS)
     args.ruler_lengths_list = []
     if not args.ruler:
-        if args.ruler_tasks or args.ruler_lengths:
-            raise ConfigError("--ruler-tasks and --ruler-lengths take effect with --ruler; add --ruler")
+        if args.ruler_tasks or args.ruler_lengths or args.ruler_scoring != "generate":
+            raise ConfigError("--ruler-tasks, --ruler-lengths and --ruler-scoring take effect with --ruler; add "
+                              "--ruler")
         return
     unknown = [t for t in args.ruler_tasks_list if t not in ruler.TASKS]
     if unknown:
@@ -293,16 +328,29 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     if ruler_cases:
         from jaxlong.evaluation import ruler  # noqa: PLC0415
 
-        bar = tqdm(total=len(ruler_cases), desc="ruler", unit="case", dynamic_ncols=True, disable=not main)
-        answers = ruler.answers_on_mesh(cfg, mesh, params, ruler_cases, stats=stats, progress=bar.update)
+        bar = tqdm(total=len(ruler_cases), desc=f"ruler ({args.ruler_scoring})", unit="case", dynamic_ncols=True,
+                   disable=not main)
+        if args.ruler_scoring == "generate":
+            from jaxlong.generation.generate import stop_ids  # noqa: PLC0415
+
+            eos = stop_ids(tokenizer, data_lib.tokenizer_source(cfg, run_dir))
+            outputs = ruler.outputs_on_mesh(cfg, mesh, params, tokenizer, ruler_cases, eos_ids=eos,
+                                            progress=bar.update)
+            scores = ruler.score_outputs(ruler_cases, [g.text for g in outputs])
+            ruler_case_rows = ruler.generation_case_rows(ruler_cases, outputs, scores)
+        else:
+            answers = ruler.answers_on_mesh(cfg, mesh, params, ruler_cases, stats=stats, progress=bar.update)
+            scores = ruler.is_right(ruler_cases, answers)
+            ruler_case_rows = ruler.case_rows(ruler_cases, answers, scores, tokenizer.decode)
         bar.close()
-        right = ruler.is_right(ruler_cases, answers)
-        rows, ruler_case_rows = ruler.results(ruler_cases, right), ruler.case_rows(ruler_cases, answers, right,
-                                                                                   tokenizer.decode)
-        summary["ruler"] = {"tasks": list(dict.fromkeys(r["task"] for r in rows)),
-                            "lengths": sorted({r["length"] for r in rows}), "cases": args.ruler_cases,
-                            "seed": cfg.seed, "rows": rows, "mean": float(np.mean([r["score"] for r in rows])),
-                            "skipped": skipped}
+        rows = ruler.results(ruler_cases, scores)
+        lengths = sorted({r["length"] for r in rows})
+        by_length = {n: float(np.mean([r["score"] for r in rows if r["length"] == n])) for n in lengths}
+        summary["ruler"] = {"scoring": args.ruler_scoring, "chat": bool(args.chat),
+                            "tasks": list(dict.fromkeys(r["task"] for r in rows)), "lengths": lengths,
+                            "cases": args.ruler_cases, "seed": cfg.seed, "rows": rows,
+                            "mean": float(np.mean([r["score"] for r in rows])),
+                            "by_length": {str(n): v for n, v in by_length.items()}, "skipped": skipped}
     if not main:
         return summary
     setup_dir = run_dir / "eval" / setup["name"]
@@ -320,8 +368,9 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     if "ruler" in summary:
         from jaxlong.evaluation import ruler  # noqa: PLC0415
 
-        ruler.log_scalars(writer, summary["ruler"]["rows"], step)
-        ruler.write_results(out, summary["ruler"]["rows"], f"RULER, step {step}", cases=ruler_case_rows)
+        rl = summary["ruler"]
+        ruler.log_scalars(writer, rl["rows"], step, ruler.tag_prefix(rl["scoring"]))
+        ruler.write_results(out, rl["rows"], f"RULER ({rl['scoring']}), step {step}", cases=ruler_case_rows)
     writer.close()
     print(format_summary(summary))
     print(f"results in {out}/ and TensorBoard (tensorboard --logdir {run_dir})")
@@ -345,13 +394,18 @@ def ruler_suite(cfg, args, tokenizer, source, held_out) -> tuple[list, list[str]
         check_vocab(tokenizer, cfg.model.vocab_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    suite = ruler.RulerSuite(args.ruler_tasks_list, args.ruler_lengths_list, args.ruler_cases, cfg.seed)
+    suite = ruler.RulerSuite(args.ruler_tasks_list, args.ruler_lengths_list, args.ruler_cases, cfg.seed,
+                             args.ruler_scoring)
     corpus = ruler.suite_corpus(suite, (source[i] for i in held_out), tokenizer)
     cases, notes, short = [], [], []
     for n in suite.lengths:  # shortest first: a length too short for a task is found before longer cases are made
         for task in suite.tasks:
             try:
-                cases += ruler.make_cases(task, tokenizer, n, suite.cases, seed=suite.seed, corpus=corpus)
+                if suite.scoring == "generate":
+                    cases += ruler.generation_cases(task, tokenizer, n, suite.cases, seed=suite.seed, corpus=corpus,
+                                                    chat=args.chat_template)
+                else:
+                    cases += ruler.make_cases(task, tokenizer, n, suite.cases, seed=suite.seed, corpus=corpus)
             except ValueError as e:
                 (short if args.ruler_lengths else notes).append(
                     f"--ruler-lengths {n}: {e}" if args.ruler_lengths else
@@ -408,8 +462,10 @@ def evaluation_setup(cfg, run_dir: Path, step: int, mesh_shape: dict, args) -> d
         d.pop("imported")
     defaults = vars(parse_args([str(run_dir)]))
     flags = {k: getattr(args, k) for k in ("batches", "lengths", "depths", "per_cell", "digits", "passkey", "ruler",
-                                           "ruler_tasks", "ruler_lengths", "ruler_cases")
+                                           "ruler_tasks", "ruler_lengths", "ruler_cases", "chat")
              if getattr(args, k) != defaults[k]}
+    if args.ruler:  # the scoring is always part of a RULER setup: the two kinds of score never share a directory
+        flags["ruler_scoring"] = args.ruler_scoring
     name = "mesh_" + "x".join(str(mesh_shape[a]) for a in ("data", "fsdp", "ring", "context"))
     if mine != trained or flags:
         name += "-" + hashlib.sha1(json.dumps([mine, flags], sort_keys=True).encode()).hexdigest()[:8]
@@ -464,7 +520,9 @@ def format_summary(summary: dict) -> str:
         from jaxlong.evaluation import ruler  # noqa: PLC0415
 
         rl = summary["ruler"]
-        lines += ["", f"RULER exact match, % ({rl['cases']} cases per task and length), mean "
+        how = ("by greedy generation, RULER's string_match_all" + (" (chat)" if rl.get("chat") else "")
+               if rl["scoring"] == "generate" else "teacher-forced exact match")
+        lines += ["", f"RULER {how}, % ({rl['cases']} cases per task and length), mean "
                       f"{100 * rl['mean']:.1f}:", ruler.format_table(rl["rows"])]
     return "\n".join(lines)
 

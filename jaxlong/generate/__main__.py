@@ -24,7 +24,6 @@ exit code 2. Examples:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -61,7 +60,7 @@ def resolve(args):
     """
     from jaxlong.data import HFTokenizer, run_tokenizer, tokenizer_source  # noqa: PLC0415
     from jaxlong.data.chat import ChatTemplate  # noqa: PLC0415
-    from jaxlong.generation.generate import check_positions  # noqa: PLC0415
+    from jaxlong.generation.generate import check_positions, stop_ids  # noqa: PLC0415
     from jaxlong.training.checkpoint import committed_steps, saved_config  # noqa: PLC0415
 
     if args.max_new_tokens < 1:
@@ -123,12 +122,7 @@ def resolve(args):
         raise ConfigError(f"--top-k={args.top_k} exceeds the tokenizer's {tokenizer.vocab_size} tokens; give at most "
                           f"{tokenizer.vocab_size}, or 0 for all")
     args.trained = trained
-    eos = {tokenizer.eos_id}
-    gen = directory / "generation_config.json" if directory is not None else None
-    if gen is not None and gen.is_file():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-        eos |= set(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
-    return cfg, run_dir, step, ids, tokenizer, sorted(eos)
+    return cfg, run_dir, step, ids, tokenizer, stop_ids(tokenizer, directory)
 
 
 # What generation takes from the prompts themselves, not from the training config: the prompt length and the

@@ -24,7 +24,7 @@ from jaxlong.core.mesh import BATCH_AXES, axis_size
 from jaxlong.generation.decode import Sampling, make_decode_step, make_prefill, sample
 from jaxlong.training.step import put_batch
 
-__all__ = ["Generated", "Generator", "prompt_length", "check_positions"]
+__all__ = ["Generated", "Generator", "prompt_length", "check_positions", "stop_ids"]
 
 
 @dataclasses.dataclass
@@ -56,6 +56,21 @@ def check_positions(cfg: Config, prompt_tokens: int, max_new: int, trained: int 
                           f"{limit} positions (the largest of model.max_position_embeddings, the trained seq_len and "
                           f"the RoPE scaling's reach); {room}, or extend the context with RoPE scaling "
                           f"(model.rope_scaling.*, docs/hf-models.md)")
+
+
+def stop_ids(tokenizer, directory=None) -> list[int]:
+    """The token ids that end generation: the tokenizer's EOS and, where the tokenizer's directory `directory` has
+    a `generation_config.json`, its `eos_token_id` (an id or a list: Llama-3.1-Instruct's holds its end-of-turn
+    token)."""
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    eos = {int(tokenizer.eos_id)}
+    gen = Path(directory) / "generation_config.json" if directory is not None else None
+    if gen is not None and gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        eos |= set(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+    return sorted(eos)
 
 
 def prompt_length(cfg: Config, longest: int, rows: int, search: int = 1 << 16) -> int:
@@ -105,11 +120,12 @@ class Generator:
                              out_shardings=NamedSharding(mesh, P(BATCH_AXES)))
         self.rows_unit = int(np.prod([axis_size(mesh, a) for a in BATCH_AXES]))
 
-    def batch(self, prompts: Sequence[np.ndarray]) -> tuple[dict, int]:
-        """The host batch of `prompts` (left-padded, see the module docstring) and its prompt length."""
+    def batch(self, prompts: Sequence[np.ndarray], pad_to: int = 0) -> tuple[dict, int]:
+        """The host batch of `prompts` (left-padded, see the module docstring) and its prompt length (at least
+        `pad_to`: batches of one padded length share their compiled prefill)."""
         rows = -(-len(prompts) // self.rows_unit) * self.rows_unit
         prompts = list(prompts) + [prompts[-1]] * (rows - len(prompts))
-        n = prompt_length(self.cfg, max(len(p) for p in prompts), rows)
+        n = prompt_length(self.cfg, max(pad_to, *(len(p) for p in prompts)), rows)
         out = {k: np.zeros((rows, n), np.int32) for k in ("inputs", "positions", "segment_ids")}
         for r, p in enumerate(prompts):
             p = np.asarray(p, np.int32)
@@ -119,18 +135,25 @@ class Generator:
         return out, n
 
     def __call__(self, prompts: Sequence[np.ndarray], *, seed: int = 0,
-                 on_text: Callable[[int, str], None] | None = None, logits: list | None = None) -> list[Generated]:
+                 on_text: Callable[[int, str], None] | None = None, logits: list | None = None,
+                 max_new: Sequence[int] | None = None, pad_to: int = 0) -> list[Generated]:
         """Generate for each prompt (token ids, each non-empty); `on_text(row, new_text)` streams each row's text
         as it grows (only text that no stop string could still claim); `logits`, when a list, receives each
-        step's float32 logits `[rows, vocab]` (tests).
+        step's float32 logits `[rows, vocab]` (tests). `max_new` gives each row its own most new tokens (each at
+        most `max_new_tokens`, the cache's room); `pad_to` the least padded prompt length (`batch`).
 
         Raises:
-          ConfigError: an empty prompt, or a prompt plus `max_new_tokens` beyond the model's positions.
+          ConfigError: an empty prompt, or a prompt plus its new tokens beyond the model's positions, or a row's
+            `max_new` outside [1, max_new_tokens].
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ConfigError("an empty prompt: give at least one token of text")
-        check_positions(self.cfg, max(len(p) for p in prompts), self.max_new, self.trained)
-        host, _ = self.batch(prompts)
+        limits = [self.max_new] * len(prompts) if max_new is None else [int(m) for m in max_new]
+        if len(limits) != len(prompts) or not all(1 <= m <= self.max_new for m in limits):
+            raise ConfigError(f"max_new {list(limits)}: give one count per prompt, each in [1, {self.max_new}]")
+        longest = max(range(len(prompts)), key=lambda r: len(prompts[r]) + limits[r])
+        check_positions(self.cfg, len(prompts[longest]), limits[longest], self.trained)
+        host, _ = self.batch(prompts, pad_to)
         t0 = time.perf_counter()
         logits_now, cache = self.prefill(self.params, put_batch(host, self.mesh))
         key = jax.random.key(seed)
@@ -158,6 +181,8 @@ class Generator:
                 else:
                     out[r].tokens.append(int(ids[r]))
                     self._update(out[r], done, r)
+                    if not done[r] and t + 1 >= limits[r]:
+                        done[r] = True  # its own max_new: reason "length"
                 if on_text is not None:
                     text = out[r].text
                     safe = len(text) if done[r] else _safe_prefix(text, self.stop)

@@ -9,6 +9,7 @@ held-out loss at the new length, retrieval of a fact planted far back (passkey),
       min: {passkey: 0.9, ruler/niah_single_1: 0.5}  # accuracies in [0, 1]
       action: stop                                   # or warn: print the failure and go on
       ruler_lengths: [4096]                          # default: the stage's seq_len
+      ruler_scoring: generate                        # default; or forced (teacher-forced, the cheap proxy)
 
 Metrics: `loss`, `perplexity`, `passkey` (mean over the grid), `passkey/<length>` (mean over depths), `ruler`
 (mean over every task and length), `ruler/<task>` (mean over lengths), `ruler/<task>/<length>`. The evaluation is
@@ -16,9 +17,11 @@ Metrics: `loss`, `perplexity`, `passkey` (mean over the grid), `passkey/<length>
 through the `evaluate` the trainer passes, `jaxlong.eval.__main__.evaluate_checkpoint`):
 its results go where that command puts them (`RUN/eval/<setup>/step_N/`: summary.json, CSV, PNG; TensorBoard).
 Passkey runs when a `passkey*` metric or `passkey_lengths` is given, RULER when a `ruler*` metric or
-`ruler_tasks` is. The metrics are recorded in `RUN/gates/stage<i>.json`; a resumed recipe decides again from the
-record under the recipe's current thresholds (a loosened threshold or `action: warn` lets it go on) and
-evaluates again only when the record lacks a metric or belongs to another step (the stage was lengthened).
+`ruler_tasks` is; RULER scores by greedy generation (RULER's string_match_all) unless `ruler_scoring: forced`. The
+metrics are recorded in `RUN/gates/stage<i>.json` with the RULER scoring that made them; a resumed recipe decides
+again from the record under the recipe's current thresholds (a loosened threshold or `action: warn` lets it go on)
+and evaluates again only when the record lacks a metric, belongs to another step (the stage was lengthened) or
+to another RULER scoring.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ __all__ = ["Gate", "GateFailed", "check_prompt", "parse_gate", "gate_metrics", "
 
 ACTIONS = ("stop", "warn")
 OPTIONS = ("min", "max", "action", "batches", "passkey_lengths", "depths", "per_cell", "ruler_tasks",
-           "ruler_lengths", "ruler_cases")
+           "ruler_lengths", "ruler_cases", "ruler_scoring")
 METRIC_FORMS = "loss, perplexity, passkey, passkey/<length>, ruler, ruler/<task>, ruler/<task>/<length>"
 
 
@@ -57,7 +60,7 @@ class Gate:
     options, as `python -m jaxlong.eval`'s flags: `batches` of held-out documents (None: the run's `eval_batches`),
     passkey `passkey_lengths` (tokens; [] with a passkey metric: the stage's seq_len), `depths`, `per_cell`;
     RULER `ruler_tasks` ([] with a ruler metric: the tasks the metrics name, else all), `ruler_lengths` (tokens;
-    default the stage's seq_len), `ruler_cases` per task and length."""
+    default the stage's seq_len), `ruler_cases` per task and length, `ruler_scoring` (`generate` | `forced`)."""
 
     min: dict[str, float] = dataclasses.field(default_factory=dict)
     max: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -69,6 +72,7 @@ class Gate:
     ruler_tasks: list[str] = dataclasses.field(default_factory=list)
     ruler_lengths: list[int] = dataclasses.field(default_factory=list)
     ruler_cases: int = 8
+    ruler_scoring: str = "generate"
 
     @property
     def metrics(self) -> list[str]:
@@ -101,6 +105,9 @@ def parse_gate(raw, cfg: Config) -> Gate:
         gate = Gate(**raw)
     except TypeError as e:
         raise ConfigError(f"gate: {e}") from None
+    if gate.ruler_scoring not in ruler.SCORINGS:
+        raise ConfigError(f"gate.ruler_scoring={gate.ruler_scoring!r}; choose generate (RULER's: greedy generation, "
+                          f"string_match_all) or forced (teacher-forced exact match, a cheap proxy)")
     if gate.action not in ACTIONS:
         raise ConfigError(f"gate.action={gate.action!r}; choose stop (end the recipe) or warn (print and go on)")
     for bound in ("min", "max"):
@@ -201,7 +208,10 @@ def check_prompt(gate: Gate, cfg: Config) -> None:
         problems = []
         for task in gate.ruler_tasks:
             try:
-                ruler.make_cases(task, tokenizer, n, 1, seed=cfg.seed, corpus=corpus)
+                if gate.ruler_scoring == "generate":
+                    ruler.generation_cases(task, tokenizer, n, 1, seed=cfg.seed, corpus=corpus)
+                else:
+                    ruler.make_cases(task, tokenizer, n, 1, seed=cfg.seed, corpus=corpus)
             except ValueError as e:
                 problems.append(str(e))
         if problems:
@@ -221,7 +231,8 @@ def eval_argv(gate: Gate, run_dir: Path, step: int) -> list[str]:
         argv.append("--no-passkey")
     if gate.ruler:
         argv += ["--ruler", "--ruler-tasks", ",".join(gate.ruler_tasks),
-                 "--ruler-lengths", ",".join(map(str, gate.ruler_lengths)), "--ruler-cases", str(gate.ruler_cases)]
+                 "--ruler-lengths", ",".join(map(str, gate.ruler_lengths)), "--ruler-cases", str(gate.ruler_cases),
+                 "--ruler-scoring", gate.ruler_scoring]
     return argv
 
 
@@ -280,7 +291,8 @@ def run_gate(gate: Gate, stage: int, name: str, step: int, run_dir: Path, *, nex
         process of the run, and returns its summary and results directory
         (`jaxlong.eval.__main__.evaluate_checkpoint`).
 
-    Returns: the record (`stage`, `name`, `step`, `metrics`, `results`: the evaluation's directory, `missed`).
+    Returns: the record (`stage`, `name`, `step`, `ruler_scoring`, `metrics`, `results`: the evaluation's directory,
+      `missed`).
 
     Raises:
       GateFailed: a threshold is missed and `gate.action` is `stop` (one line: the gate, each missed metric with
@@ -289,11 +301,14 @@ def run_gate(gate: Gate, stage: int, name: str, step: int, run_dir: Path, *, nex
     """
     path = record_path(run_dir, stage)
     record = json.loads(path.read_text()) if path.exists() else None
-    if record is None or record.get("step") != step or any(m not in record["metrics"] for m in gate.metrics):
+    scoring = gate.ruler_scoring if gate.ruler else None
+    if (record is None or record.get("step") != step or any(m not in record["metrics"] for m in gate.metrics)
+            or record.get("ruler_scoring") != scoring):
         argv = eval_argv(gate, run_dir, step)
         say(f"gate of stage {stage} ({name}): python -m jaxlong.eval {' '.join(argv)}")
         summary, results = evaluate(argv)
-        record = {"stage": stage, "name": name, "step": step, "metrics": gate_metrics(summary), "results": results}
+        record = {"stage": stage, "name": name, "step": step, "ruler_scoring": scoring,
+                  "metrics": gate_metrics(summary), "results": results}
         record["missed"] = decide(gate, record["metrics"])  # as first decided; a resume decides again
         if jax.process_index() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,8 @@ class Hook:
 
 def validation_hook(validator: Validator, suite: ruler.RulerValidator | None = None) -> Hook:
     """Validation every `eval_every` steps (and after the last): the held-out loss (`eval/loss`,
-    `eval/perplexity`) of `validator`, then, with `suite` (`ruler_tasks`), RULER's scores (`eval/ruler/...`)."""
+    `eval/perplexity`) of `validator`, then, with `suite` (`ruler_tasks`), RULER's scores
+    (`eval/ruler_<scoring>/...`)."""
 
     def validate(ctx: StepContext) -> None:
         ev = validator.run(ctx.params)
@@ -74,8 +75,8 @@ def validation_hook(validator: Validator, suite: ruler.RulerValidator | None = N
         if suite is not None:
             rows = suite.run(ctx.params)
             if ctx.writer is not None:
-                ruler.log_scalars(ctx.writer, rows, ctx.step)
-            ctx.say(f"step {ctx.step}: ruler " + ", ".join(
-                f"{r['task']}@{r['length']} {r['correct']}/{r['cases']}" for r in rows))
+                ruler.log_scalars(ctx.writer, rows, ctx.step, ruler.tag_prefix(suite.scoring))
+            ctx.say(f"step {ctx.step}: ruler ({suite.scoring}) " + ", ".join(
+                f"{r['task']}@{r['length']} {r['correct']:.3g}/{r['cases']}" for r in rows))
 
     return Hook(validate, every=validator.cfg.eval_every, name="validation")

@@ -6,7 +6,7 @@ feeds batches already sharded on the mesh, and writes TensorBoard scalars under 
 `device_memory/*` (where the backend reports it), `packing_efficiency` (the fraction of tokens that are not
 padding), `seq_len` and `stage` (a recipe's stage index, `jaxlong.training.recipe`), with `data.sources` `data/share/NAME` (each source's share of the tokens fed to process 0 since the
 run started or resumed, padding excluded: `jaxlong.data.mixture`), and every `eval_every` steps `eval/loss` and `eval/perplexity` on held-out documents
-(`jaxlong.evaluation.steps.Validator`), with `ruler_tasks` RULER scores `eval/ruler/...`
+(`jaxlong.evaluation.steps.Validator`), with `ruler_tasks` RULER scores `eval/ruler_<scoring>/...`
 (`jaxlong.evaluation.ruler.RulerValidator`, built before anything compiles), both run by the validation hook
 (`jaxlong.training.hooks`; `run(cfg, hooks=...)` adds others). In a multi-process run only process 0 prints,
 writes TensorBoard and shows the progress bar.
@@ -30,6 +30,7 @@ from tqdm import tqdm
 from jaxlong import data as data_lib
 from jaxlong import evaluation as eval_lib
 from jaxlong.evaluation import ruler
+from jaxlong.generation.generate import stop_ids
 from jaxlong.config import Config, ConfigError, to_dict, validate
 from jaxlong.core import liveness, xla_log
 from jaxlong.core.memstats import compiled_bytes, device_memory, format_compiled
@@ -255,7 +256,8 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
         if suite:  # lengths checked, then cases generated now, before anything compiles
             ruler.check_lengths(cfg, suite.lengths, "ruler_lengths", cases=suite.cases, tasks=len(suite.tasks))
             corpus = ruler.suite_corpus(suite, (source[i] for i in held_out), tokenizer)
-            suite_validator = ruler.RulerValidator(cfg, mesh, tokenizer, suite, corpus, option="ruler_lengths")
+            suite_validator = ruler.RulerValidator(cfg, mesh, tokenizer, suite, corpus, option="ruler_lengths",
+                                                   eos_ids=stop_ids(tokenizer, data_lib.tokenizer_source(cfg, run_dir)))
     rows = step_lib.process_rows(mesh, cfg.global_batch)
     if batch_fn is None:
         # data.sources: each source's length rules checked here, sources the run repeats heavily warned about

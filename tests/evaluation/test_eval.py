@@ -13,6 +13,7 @@ from helpers import mesh_for, pairwise, random_batch, reference_cfg, tiered, tin
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jaxlong import evaluation as ev
+from jaxlong.evaluation import ruler
 from jaxlong.core.memstats import compiled_bytes
 from jaxlong.core.mesh import resolve_mesh_shape
 from jaxlong.data import ByteTokenizer, make_dataset
@@ -265,15 +266,15 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "seq_len=128", "global_batch=4", "grad_accum=2",
                    "data.max_tokens=200000", "model.vocab_size=257", "steps=3", "eval_every=2", "eval_batches=2",
                    "eval_fraction=0.2", "checkpoint_every=3", "run_name=r", f"run_dir={tmp_path}",
-                   "ruler_tasks=[niah_single_1]", "ruler_lengths=[384]", "ruler_cases=2")
+                   "ruler_tasks=[niah_single_1]", "ruler_lengths=[512]", "ruler_cases=2")
     run(cfg)
     out = capsys.readouterr().out
     assert "eval step, per device (compiled memory_analysis)" in out
-    assert "step 2: ruler niah_single_1@384 " in out and "step 3: ruler niah_single_1@384 " in out
+    assert "step 2: ruler (generate) niah_single_1@512 " in out and "step 3: ruler (generate) niah_single_1@512 " in out
     run_dir = tmp_path / "r"
     events = EventAccumulator(str(run_dir)).Reload()
-    assert [e.step for e in events.Scalars("eval/ruler/niah_single_1/00000384")] == [2, 3]
-    assert [e.step for e in events.Scalars("eval/ruler/mean")] == [2, 3]
+    assert [e.step for e in events.Scalars("eval/ruler_generate/niah_single_1/00000512")] == [2, 3]
+    assert [e.step for e in events.Scalars("eval/ruler_generate/mean")] == [2, 3]
     evals = events.Scalars("eval/loss")
     assert [e.step for e in evals] == [2, 3]  # every 2 steps and after the last
     assert all(np.isfinite(e.value) for e in evals)
@@ -281,13 +282,14 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
     np.testing.assert_allclose([p.value for p in ppl], np.exp([e.value for e in evals]), rtol=1e-5)
 
     code = eval_cli.main([str(run_dir), "--lengths", "128,256", "--depths", "0,1", "--per-cell", "2", "--ruler",
-                          "--ruler-tasks", "niah_single_1,niah_single_2", "--ruler-lengths", "384",
+                          "--ruler-tasks", "niah_single_1,niah_single_2", "--ruler-lengths", "512",
                           "--ruler-cases", "3"])
     assert code == 0
     # the progress bar counts 2 batches of 2 validation sequences once each, and 2 x 2 cells of 2 passkey examples
     out, err = capsys.readouterr()
     assert "| 12/12 [" in err and "| 6/6 [" in err  # and the 2 x 3 RULER cases
-    assert "RULER             384\nniah_single_1     " in out and "niah_single_2     " in out
+    assert "RULER by greedy generation, RULER's string_match_all" in out
+    assert "RULER             512\nniah_single_1     " in out and "niah_single_2     " in out
     (res,) = (run_dir / "eval").glob("mesh_1x2x1x4-*/step_3")  # the run's mesh; flags not at their defaults
     summary = json.loads((res / "summary.json").read_text())
     assert summary["setup"]["mesh"] == {"data": 1, "fsdp": 2, "ring": 1, "context": 4}
@@ -301,19 +303,38 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
                  "ruler.png"):
         assert (res / name).stat().st_size > 0
     rl = summary["ruler"]
-    assert rl["tasks"] == ["niah_single_1", "niah_single_2"] and rl["lengths"] == [384] and rl["skipped"] == []
-    assert [(r["task"], r["length"], r["cases"]) for r in rl["rows"]] == [("niah_single_1", 384, 3),
-                                                                          ("niah_single_2", 384, 3)]
+    assert rl["tasks"] == ["niah_single_1", "niah_single_2"] and rl["lengths"] == [512] and rl["skipped"] == []
+    assert rl["scoring"] == "generate" and summary["setup"]["flags"]["ruler_scoring"] == "generate"
+    assert [(r["task"], r["length"], r["cases"]) for r in rl["rows"]] == [("niah_single_1", 512, 3),
+                                                                          ("niah_single_2", 512, 3)]
     assert (res / "ruler.csv").read_text().startswith(
-        "task,length,cases,correct,score\nniah_single_1,384,3,")
-    with open(res / "ruler_cases.csv") as f:  # each case: what the model answered, agreeing with the counts
+        "task,length,cases,correct,score\nniah_single_1,512,3,")
+    with open(res / "ruler_cases.csv") as f:  # each case: what the model generated, agreeing with the scores
         cases = list(csv.DictReader(f))
     assert [(c["task"], c["index"]) for c in cases] == [(t, str(i)) for t in rl["tasks"] for i in range(3)]
-    assert [sum(int(c["correct"]) for c in cases if c["task"] == r["task"]) for r in rl["rows"]] == \
-        [r["correct"] for r in rl["rows"]]
+    for c in cases:  # RULER's string_match_all of the generated text, RULER's 128 tokens at most
+        assert float(c["score"]) == ruler.string_match_all(c["generated"], [c["answer"]])
+        assert int(c["prompt_tokens"]) + 128 <= 512 and c["stopped"] in ("eos", "length")
+    assert [sum(float(c["score"]) for c in cases if c["task"] == r["task"]) for r in rl["rows"]] == \
+        pytest.approx([r["correct"] for r in rl["rows"]])
     assert all(c["answer"].strip().isdigit() and 0 <= float(c["depth"]) <= 1 for c in cases)
     tags = EventAccumulator(str(res.parent)).Reload().Tags()["scalars"]
-    assert {"eval/passkey_accuracy", "eval/ruler/niah_single_2/00000384", "eval/ruler/mean"} <= set(tags)
+    assert {"eval/passkey_accuracy", "eval/ruler_generate/niah_single_2/00000512", "eval/ruler_generate/mean"} \
+        <= set(tags)
+    # the teacher-forced proxy: its own setup directory and tags, exact matches counted per case
+    assert eval_cli.main([str(run_dir), "--no-passkey", "--batches", "1", "--ruler", "--ruler-scoring", "forced",
+                          "--ruler-tasks", "niah_single_1", "--ruler-lengths", "384", "--ruler-cases", "2"]) == 0
+    assert "RULER teacher-forced exact match" in capsys.readouterr().out
+    forced = [p for p in (run_dir / "eval").glob("mesh_1x2x1x4-*/step_3") if p != res]
+    assert len(forced) == 1
+    rf = json.loads((forced[0] / "summary.json").read_text())["ruler"]
+    assert rf["scoring"] == "forced" and [(r["task"], r["length"], r["cases"]) for r in rf["rows"]] == \
+        [("niah_single_1", 384, 2)]
+    with open(forced[0] / "ruler_cases.csv") as f:  # the forced kind's columns: exact match, the argmax text
+        fc = list(csv.DictReader(f))
+    assert list(fc[0]) == list(ruler.CASE_COLUMNS) and sum(int(c["correct"]) for c in fc) == rf["rows"][0]["correct"]
+    tags = EventAccumulator(str(forced[0].parent)).Reload().Tags()["scalars"]
+    assert "eval/ruler_forced/niah_single_1/00000384" in tags and not any("ruler_generate" in t for t in tags)
     # the trainer's own eval/loss stays alone in the run's events: the evaluation logs to its setup's directory
     assert [e.step for e in EventAccumulator(str(run_dir)).Reload().Scalars("eval/loss")] == [2, 3]
 
@@ -532,5 +553,6 @@ def test_ruler_pairs_too_short_for_a_task_are_skipped_by_default_and_refused_whe
     assert {(c.task, c.length) for c in cases} == {("niah_single_1", 512), ("niah_single_2", 512)}
     assert len(cases) == 4 and len(notes) == 6  # 64, 128, 256 too short for both
     assert notes[0].startswith("note: RULER niah_single_1 skipped at 64 tokens (") and "use at least" in notes[0]
-    with pytest.raises(ConfigError, match="--ruler-lengths 256: ruler task vt: length 256 is too short.*use at least"):
+    with pytest.raises(ConfigError, match="--ruler-lengths 256: ruler task vt: length 256 cannot hold its template.*"
+                                          "use at least"):
         suite("--ruler-tasks", "vt", "--ruler-lengths", "256,512")

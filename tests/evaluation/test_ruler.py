@@ -310,14 +310,14 @@ def test_scores_on_every_mesh_equal_one_device(mesh):
             assert got[i] == want[i], (mesh, c.task)
     if mesh == "ulysses-ring":  # the whole path: checks, generation, scores (a random model: chance, 0), rows
         suite = ruler.RulerSuite(tasks=[dataclasses.replace(ruler.TASKS[t], **o) for t, o in SMALL.items()],
-                                 lengths=[LENGTH], cases=2, seed=0)
+                                 lengths=[LENGTH], cases=2, seed=0, scoring="forced")
         rows = ruler.evaluate_ruler(cfg, m, params, _tokenizer("byte"), suite, stats=stats)
         assert [(r["task"], r["cases"], r["correct"]) for r in rows] == [(t, 2, 0) for t in SMALL]
         during_training = ruler.RulerValidator(cfg, m, _tokenizer("byte"), suite)  # cases made once
         during_training.stats = stats  # what the trainer shares with its other per-token evaluation
         assert during_training.run(params) == rows and len(during_training.cases) == 2 * len(SMALL)
         with pytest.raises(ConfigError, match="ruler length 500"):
-            ruler.evaluate_ruler(cfg, m, params, _tokenizer("byte"), ruler.RulerSuite(lengths=[500]))
+            ruler.evaluate_ruler(cfg, m, params, _tokenizer("byte"), ruler.RulerSuite(lengths=[500], scoring="forced"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,7 +347,62 @@ def test_results_csv_heatmap_table_and_scalars(tmp_path):
     assert table[1].split() == ["niah_single_1", "100.0", "25.0"]
     assert table[2].split() == ["vt", "50.0", "-"] and table[3].split() == ["mean", "75.0", "25.0"]
     w = _Writer()
-    ruler.log_scalars(w, rows, step=7)
-    assert w.scalars["eval/ruler/niah_single_1/01048576"] == (0.25, 7)
-    assert w.scalars["eval/ruler/niah_single_1"] == (0.625, 7)
-    assert w.scalars["eval/ruler/mean"] == (pytest.approx(1.75 / 3), 7)
+    ruler.log_scalars(w, rows, step=7, prefix=ruler.tag_prefix("forced"))
+    assert w.scalars["eval/ruler_forced/niah_single_1/01048576"] == (0.25, 7)
+    assert w.scalars["eval/ruler_forced/niah_single_1"] == (0.625, 7)
+    assert w.scalars["eval/ruler_forced/mean"] == (pytest.approx(1.75 / 3), 7)
+
+
+# ----------------------------------------------------------------------------------------------
+# RULER by generation: prompts and RULER's metric.
+
+
+@pytest.mark.parametrize("tok", ["byte", "hf"])
+def test_generation_prompts_are_rulers_templates_within_rulers_budget(tok):
+    """Every task's prompt is RULER's template and answer prefix around the case's context, as text tokenized by
+    the tokenizer; the prompt plus RULER's tokens_to_generate fills the length without passing it; the answer's
+    items are in the text; the cases are a pure function of the seed."""
+    tokenizer = _tokenizer(tok)
+    for name in ruler.TASKS:
+        task = _task(name, tok)
+        length = 8192 if task.family == "cwe" else 4096  # cwe's 300 common entries and its example
+        ttg = ruler.TOKENS_TO_GENERATE[task.family]
+        cases = ruler.generation_cases(task, tokenizer, length, 3, corpus=_corpus(tok))
+        assert [c.index for c in cases] == [0, 1, 2] and all(c.tokens_to_generate == ttg for c in cases)
+        for c in cases:
+            assert 0.97 * (length - ttg) <= c.prompt.size <= length - ttg, (name, c.prompt.size)
+            assert np.array_equal(c.prompt, ruler.render_prompt(c.text, c.answer_prefix, tokenizer))
+            assert all(item in c.text for item in c.refs), name
+            template, prefix = ruler.TEMPLATES[task.family]
+            if task.family == "vt":  # RULER's one in-context example, then the case
+                assert c.text.count("Memorize and track the chain(s)") == 2
+                assert c.answer_prefix == prefix.format(num_v=5, query=c.text.rsplit("the value ", 1)[1].split()[0])
+            elif task.family == "cwe":
+                assert c.text.count("Below is a numbered list of words.") == 2 and c.answer_prefix == prefix
+            elif task.family == "fwe":
+                assert c.text.startswith(template.split("{")[0]) and c.answer_prefix == prefix
+        again = ruler.generation_cases(task, tokenizer, length, 3, corpus=_corpus(tok))
+        assert all(np.array_equal(a.prompt, b.prompt) and a.refs == b.refs for a, b in zip(cases, again))
+    single = ruler.generation_cases("niah_single_1", _tokenizer("byte"), 1024, 1)[0]
+    key = single.text.rsplit("special magic number for ", 1)[1].split(" mentioned")[0]
+    assert single.text.startswith("A special magic number is hidden within the following text. Make sure to "
+                                  "memorize it. I will quiz you about the number afterwards.\n")
+    assert single.text.endswith(f"\nWhat is the special magic number for {key} mentioned in the provided text?")
+    assert single.answer_prefix == f" The special magic number for {key} mentioned in the provided text is"
+    multi = ruler.generation_cases("niah_multiquery", _tokenizer("byte"), 2048, 1, corpus=_corpus("byte"))[0]
+    assert multi.text.startswith("Some special magic numbers are hidden") and len(multi.refs) == 4
+    assert re.search(r"for \S+, \S+, \S+, and \S+ mentioned in the provided text are$", multi.answer_prefix)
+    with pytest.raises(ruler.TooShort, match="ruler task vt: length 512 cannot hold its template, its fixed parts "
+                                             "and the 30 tokens RULER generates with this tokenizer; use at least "
+                                             r"9\d\d tokens"):
+        ruler.generation_cases("vt", _tokenizer("byte"), 512, 1)
+
+
+def test_string_match_all_is_rulers():
+    """RULER's metric: stripped, control characters as newlines, each reference found case-insensitively; the
+    share of references found."""
+    assert ruler.string_match_all(" 1234567.\n", ["1234567"]) == 1.0
+    assert ruler.string_match_all("\nThe values are 11, 22 and 44.", ["11", "22", "33", "44"]) == 0.75
+    assert ruler.string_match_all("APPLE pie", ["apple", "Pie", "plum"]) == pytest.approx(2 / 3)
+    assert ruler.string_match_all("ab\x00cd", ["ab\ncd"]) == 1.0 and ruler.postprocess("\t x\x1fy \n") == "x\ny"
+    assert ruler.string_match_all("", ["x"]) == 0.0

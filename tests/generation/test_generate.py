@@ -84,7 +84,15 @@ def test_stops_sampling_and_refusals(reference):
     host, _ = reference
     cfg = _cfg(*ONE)
     mesh, params = _on_mesh(host, cfg)
-    greedy = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=8)(PROMPTS[:1])[0]
+    gen8 = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=8)
+    greedy = gen8(PROMPTS[:1])[0]
+    # each row its own most new tokens, and a longer padded prompt (RULER's batches): the same greedy tokens
+    full = gen8(PROMPTS)
+    rows = gen8(PROMPTS, max_new=[2, 8, 1], pad_to=24)
+    assert [r.tokens for r in rows] == [full[0].tokens[:2], full[1].tokens, full[2].tokens[:1]]
+    assert all(r.reason == "length" for r in rows)
+    with pytest.raises(ConfigError, match=r"max_new \[9\]: give one count per prompt, each in \[1, 8\]"):
+        gen8(PROMPTS[:1], max_new=[9])
     eos = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=8, eos_ids=[greedy.tokens[2]])(PROMPTS[:1])[0]
     assert eos.reason == "eos" and eos.tokens == greedy.tokens[:2]
     text = ByteTokenizer().decode(greedy.tokens)

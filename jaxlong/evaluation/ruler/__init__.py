@@ -1,11 +1,14 @@
 """RULER (Hsieh et al., arXiv 2404.06654): synthetic long-context tasks generated offline with the run's
-tokenizer (`tasks`, `words`), scored teacher-forced on the training mesh (`score`), written as CSV, PNG, a table
-and TensorBoard scalars (`report`). docs/evaluation.md#ruler describes the tasks and the scoring."""
+tokenizer (`tasks`, `words`), put in RULER's prompts (`prompts`) and scored by greedy generation on the training
+mesh with RULER's string_match_all (`generated`), or teacher-forced as a cheap proxy (`score`), written as CSV,
+PNG, a table and TensorBoard scalars (`report`). docs/evaluation.md#ruler describes the tasks and the scoring."""
 
 from jaxlong.evaluation.ruler.report import (
+    CASE_COLUMNS,
     case_rows,
     format_table,
     log_scalars,
+    tag_prefix,
     write_cases,
     write_csv,
     write_heatmap,
@@ -29,12 +32,25 @@ from jaxlong.evaluation.ruler.score import (
     suite_corpus,
     validation_suite,
 )
-from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, case_depths, corpus_tokens, make_cases
+from jaxlong.evaluation.ruler.generated import generation_case_rows, outputs_on_mesh, score_outputs
+from jaxlong.evaluation.ruler.prompts import (
+    SCORINGS,
+    TEMPLATES,
+    TOKENS_TO_GENERATE,
+    GenerationCase,
+    generation_cases,
+    postprocess,
+    render_prompt,
+    string_match_all,
+)
+from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, TooShort, case_depths, corpus_tokens, make_cases
 
 __all__ = [
-    "case_rows", "format_table", "log_scalars", "write_cases", "write_csv", "write_heatmap", "write_results",
-    "RulerSuite", "RulerValidator", "answers_on_mesh", "check_length", "check_lengths", "evaluate_ruler",
-    "generation_bytes", "nearby_lengths", "generate", "is_right",
-    "predict_answers", "results", "score_cases", "score_on_mesh", "suite_corpus", "validation_suite", "TASKS",
-    "RulerCase", "Task", "case_depths", "corpus_tokens", "make_cases",
+    "CASE_COLUMNS", "case_rows", "format_table", "log_scalars", "tag_prefix", "generation_case_rows",
+    "outputs_on_mesh", "score_outputs", "SCORINGS", "TEMPLATES", "TOKENS_TO_GENERATE", "GenerationCase",
+    "generation_cases", "postprocess", "render_prompt", "string_match_all", "TooShort", "write_cases",
+    "write_csv", "write_heatmap", "write_results", "RulerSuite", "RulerValidator", "answers_on_mesh",
+    "check_length", "check_lengths", "evaluate_ruler", "generation_bytes", "nearby_lengths", "generate",
+    "is_right", "predict_answers", "results", "score_cases", "score_on_mesh", "suite_corpus",
+    "validation_suite", "TASKS", "RulerCase", "Task", "case_depths", "corpus_tokens", "make_cases",
 ]

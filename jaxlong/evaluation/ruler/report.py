@@ -58,9 +58,9 @@ def case_rows(cases, answers, right, decode) -> list[dict]:
 
 
 def write_cases(path: str | Path, rows: list[dict]) -> None:
-    """`case_rows` as a CSV: what the model answered to each case."""
+    """`case_rows` (or `generated.generation_case_rows`) as a CSV: what the model answered to each case."""
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, CASE_COLUMNS)
+        w = csv.DictWriter(f, list(rows[0]) if rows else CASE_COLUMNS)
         w.writeheader()
         w.writerows(rows)
 
@@ -81,13 +81,19 @@ def write_heatmap(path: str | Path, rows: list[dict], title: str = "RULER") -> N
         for j, x in enumerate(row):
             ax.text(j, i, "-" if np.isnan(x) else f"{100 * x:.0f}", ha="center", va="center", fontsize=8)
     ax.set(xlabel="context length (tokens)", title=title)
-    fig.colorbar(im, ax=ax, label="exact match")
+    fig.colorbar(im, ax=ax, label="score")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def log_scalars(writer, rows: list[dict], step: int, prefix: str = "eval/ruler") -> None:
+def tag_prefix(scoring: str) -> str:
+    """The TensorBoard tag prefix of RULER scores of a scoring mode: `eval/ruler_generate`, `eval/ruler_forced`
+    (the two kinds of score never share a tag)."""
+    return f"eval/ruler_{scoring}"
+
+
+def log_scalars(writer, rows: list[dict], step: int, prefix: str = "eval/ruler_generate") -> None:
     """`prefix/<task>/<length>` for each row, `prefix/<task>` (mean over lengths) and `prefix/mean` (over all
     rows), through any writer with `add_scalar(tag, value, step)` (tensorboardX's `SummaryWriter`)."""
     tasks, lengths, g = grid(rows)

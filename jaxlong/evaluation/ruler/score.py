@@ -23,6 +23,8 @@ from jaxlong.core.units import fmt_bytes
 from jaxlong.data.tokenizer import check_vocab
 from jaxlong.evaluation.heldout import eval_batch_size
 from jaxlong.evaluation.probes import passkey_batch
+from jaxlong.evaluation.ruler.generated import outputs_on_mesh, score_outputs
+from jaxlong.evaluation.ruler.prompts import SCORINGS, generation_cases
 from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, corpus_tokens, make_cases
 from jaxlong.evaluation.steps import token_stats
 
@@ -30,12 +32,15 @@ from jaxlong.evaluation.steps import token_stats
 @dataclass(frozen=True)
 class RulerSuite:
     """What to run: `tasks` (names in `TASKS`, or `Task`s), context `lengths` (tokens, each a sequence length
-    the mesh takes), `cases` per task and length (needle depths evenly spaced over them), `seed`."""
+    the mesh takes), `cases` per task and length (needle depths evenly spaced over them), `seed`, and the
+    `scoring`: "generate" (RULER's: greedy generation scored by string_match_all, `prompts`, `generated`) or
+    "forced" (the cheap proxy: teacher-forced exact match, this module)."""
 
     tasks: Sequence[str | Task] = field(default_factory=lambda: list(TASKS))
     lengths: Sequence[int] = (4096,)
     cases: int = 8
     seed: int = 0
+    scoring: str = "generate"
 
 
 def check_length(cfg: Config, length: int, option: str = "ruler length") -> None:
@@ -163,19 +168,25 @@ def score_cases(predict: Callable[[dict], np.ndarray], cases: Sequence[RulerCase
     return is_right(cases, predict_answers(predict, cases, batch_size, progress))
 
 
-def results(cases: Sequence[RulerCase], right: np.ndarray) -> list[dict]:
-    """One row per (task, length), in first-seen order: `task`, `length`, `cases`, `correct`, `score` (the
-    fraction correct)."""
+def results(cases: Sequence, right: np.ndarray) -> list[dict]:
+    """One row per (task, length), in first-seen order: `task`, `length`, `cases`, `correct` (the sum of the
+    cases' scores: exact matches, or string_match_all's shares by generation), `score` (its mean over the
+    cases)."""
     rows: dict[tuple[str, int], dict] = {}
     for c, r in zip(cases, right, strict=True):
         row = rows.setdefault((c.task, c.length), {"task": c.task, "length": c.length, "cases": 0, "correct": 0})
         row["cases"] += 1
-        row["correct"] += int(r)
+        row["correct"] += r.item() if isinstance(r, np.generic) else r
     return [{**r, "score": r["correct"] / r["cases"]} for r in rows.values()]
 
 
-def generate(suite: RulerSuite, tokenizer, corpus: np.ndarray | None = None) -> list[RulerCase]:
-    """Every case of the suite (task-major, then length). Raises ValueError as `make_cases`."""
+def generate(suite: RulerSuite, tokenizer, corpus: np.ndarray | None = None, chat=None) -> list:
+    """Every case of the suite (task-major, then length): `RulerCase`s to score teacher-forced, or with
+    `suite.scoring == "generate"` `GenerationCase`s (`generation_cases`; `chat` a `ChatTemplate` or None).
+    Raises ValueError as `make_cases` and `generation_cases`."""
+    if suite.scoring == "generate":
+        return [c for t in suite.tasks for n in suite.lengths
+                for c in generation_cases(t, tokenizer, n, suite.cases, seed=suite.seed, corpus=corpus, chat=chat)]
     return [c for t in suite.tasks for n in suite.lengths
             for c in make_cases(t, tokenizer, n, suite.cases, seed=suite.seed, corpus=corpus)]
 
@@ -222,7 +233,8 @@ def validation_suite(cfg: Config) -> RulerSuite | None:
     if unknown:
         raise ConfigError(f"ruler_tasks={cfg.ruler_tasks}: unknown task(s) {', '.join(map(repr, unknown))}; "
                           f"choose from {', '.join(TASKS)}")
-    return RulerSuite(list(cfg.ruler_tasks), list(cfg.ruler_lengths or [cfg.seq_len]), cfg.ruler_cases, cfg.seed)
+    return RulerSuite(list(cfg.ruler_tasks), list(cfg.ruler_lengths or [cfg.seq_len]), cfg.ruler_cases, cfg.seed,
+                      cfg.ruler_scoring)
 
 
 def suite_corpus(suite: RulerSuite, texts, tokenizer) -> np.ndarray | None:
@@ -235,28 +247,41 @@ def suite_corpus(suite: RulerSuite, texts, tokenizer) -> np.ndarray | None:
 
 
 class RulerValidator:
-    """RULER during training: the suite's cases generated once (lengths checked, nothing compiled), scored with
-    one shared `token_stats` program per length each time `run(params)` is called (e.g. by the trainer's
-    validation hook, `jaxlong.training.hooks`). Every process generates the same cases (a pure function of the
-    seed) and feeds the same host batches, as `token_stats` expects.
+    """RULER during training: the suite's cases generated once (lengths checked, nothing compiled), scored each
+    time `run(params)` is called (e.g. by the trainer's validation hook, `jaxlong.training.hooks`): by greedy
+    generation and string_match_all (`suite.scoring == "generate"`, `generated.outputs_on_mesh`), or teacher-forced
+    with one shared `token_stats` program per length. Every process generates the same cases (a pure function of
+    the seed) and feeds the same host batches.
+
+    Args:
+      chat: a `jaxlong.data.chat.ChatTemplate` (generation: the prompt as a user turn), or None.
+      eos_ids: the ids that end a generation (`jaxlong.generation.generate.stop_ids`; default the tokenizer's EOS).
 
     Raises (at construction): ConfigError and ValueError as `evaluate_ruler`; a length error names `option`
     (the key or flag that gave the lengths).
     """
 
     def __init__(self, cfg: Config, mesh, tokenizer, suite: RulerSuite, corpus: np.ndarray | None = None,
-                 option: str = "ruler length"):
+                 option: str = "ruler length", *, chat=None, eos_ids: Sequence[int] | None = None):
+        if suite.scoring not in SCORINGS:
+            raise ConfigError(f"ruler scoring {suite.scoring!r}: give one of {', '.join(SCORINGS)}")
         check_lengths(cfg, suite.lengths, option, cases=suite.cases, tasks=len(suite.tasks))
         try:
             check_vocab(tokenizer, cfg.model.vocab_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.cfg, self.mesh = cfg, mesh
-        self.cases = generate(suite, tokenizer, corpus)
+        self.cfg, self.mesh, self.tokenizer, self.scoring = cfg, mesh, tokenizer, suite.scoring
+        self.eos = [tokenizer.eos_id] if eos_ids is None else list(eos_ids)
+        self.cases = generate(suite, tokenizer, corpus, chat)
         self.stats = None
+        self.outputs: list = []  # the last run's generations (scoring "generate")
 
     def run(self, params: dict, progress: Callable[[int], None] | None = None) -> list[dict]:
         """`results` rows (task, length, cases, correct, score) of `params`."""
+        if self.scoring == "generate":
+            self.outputs = outputs_on_mesh(self.cfg, self.mesh, params, self.tokenizer, self.cases,
+                                           eos_ids=self.eos, progress=progress)
+            return results(self.cases, score_outputs(self.cases, [g.text for g in self.outputs]))
         if self.stats is None:
             self.stats = token_stats(self.cfg, self.mesh)
         return results(self.cases, score_on_mesh(self.cfg, self.mesh, params, self.cases, stats=self.stats,
@@ -265,22 +290,24 @@ class RulerValidator:
 
 def evaluate_ruler(cfg: Config, mesh, params: dict, tokenizer, suite: RulerSuite, *,
                    corpus: np.ndarray | None = None, stats=None,
-                   progress: Callable[[int], None] | None = None, option: str = "ruler length") -> list[dict]:
+                   progress: Callable[[int], None] | None = None, option: str = "ruler length", chat=None,
+                   eos_ids: Sequence[int] | None = None) -> list[dict]:
     """RULER scores of `params` on `mesh`: every length checked (`check_lengths`) and every case generated before
-    anything compiles, then scored by `score_on_mesh`.
+    anything compiles, then scored as `suite.scoring` says (`RulerValidator`).
 
     Args:
       cfg, mesh, params, stats, progress: as `score_on_mesh`.
-      tokenizer: the run's (`jaxlong.data.run_tokenizer(cfg)`). suite: tasks, lengths, cases.
+      tokenizer: the run's (`jaxlong.data.run_tokenizer(cfg)`). suite: tasks, lengths, cases, scoring.
       corpus: int32 tokens of the run's text for the corpus haystacks (`corpus_tokens`).
+      chat, eos_ids: as `RulerValidator` (generation only).
 
     Returns:
       `results(...)` rows: task, length, cases, correct, score.
 
     Raises:
       ConfigError: a length the mesh does not take, or a tokenizer larger than `model.vocab_size`.
-      ValueError: a task that cannot be generated at a length (see `make_cases`).
+      ValueError: a task that cannot be generated at a length (see `make_cases`, `generation_cases`).
     """
-    validator = RulerValidator(cfg, mesh, tokenizer, suite, corpus, option)
+    validator = RulerValidator(cfg, mesh, tokenizer, suite, corpus, option, chat=chat, eos_ids=eos_ids)
     validator.stats = stats
     return validator.run(params, progress)

@@ -198,9 +198,17 @@ def _bos(pieces: Pieces) -> np.ndarray:
     return np.zeros(0, np.int32) if bos is None else np.array([bos], np.int32)
 
 
-def _too_short(task: Task, length: int, need: int) -> ValueError:
-    return ValueError(f"ruler task {task.name}: length {length} is too short for its fixed parts with this "
-                      f"tokenizer; use at least {need} tokens")
+class TooShort(ValueError):
+    """A length too short for a task's fixed parts; `least` is the least length (tokens) that holds them."""
+
+    def __init__(self, message: str, least: int):
+        super().__init__(message)
+        self.least = least
+
+
+def _too_short(task: Task, length: int, need: int) -> TooShort:
+    return TooShort(f"ruler task {task.name}: length {length} is too short for its fixed parts with this "
+                    f"tokenizer; use at least {need} tokens", need)
 
 
 def _filler(pieces: Pieces, n: int) -> np.ndarray:
