@@ -26,7 +26,8 @@ GENERATION_CASE_COLUMNS = ("task", "length", "index", "depth", "score", "answer"
 
 
 def outputs_on_mesh(cfg: Config, mesh, params: dict, tokenizer, cases: Sequence[GenerationCase], *,
-                    eos_ids: Sequence[int], progress: Callable[[int], None] | None = None) -> list:
+                    eos_ids: Sequence[int], progress: Callable[[int], None] | None = None,
+                    generators: dict | None = None) -> list:
     """Each case's greedy generation (`jaxlong.generation.generate.Generated`: tokens, text, why it stopped).
 
     Args:
@@ -34,6 +35,8 @@ def outputs_on_mesh(cfg: Config, mesh, params: dict, tokenizer, cases: Sequence[
       cases: `generation_cases` cases, any lengths and tasks. eos_ids: ids that end a row
         (`jaxlong.generation.generate.stop_ids`).
       progress: called with the number of cases after each batch.
+      generators: a dict kept between calls (training's validations): each length's `Generator`, so that its
+        compiled prefill and decode step are reused with the new parameters.
 
     Raises:
       ConfigError: a padded prompt length the mesh does not take (`jaxlong.generation.generate.prompt_length`).
@@ -46,7 +49,12 @@ def outputs_on_mesh(cfg: Config, mesh, params: dict, tokenizer, cases: Sequence[
     for length, idx in sorted(by_length.items()):
         room = max(cases[i].tokens_to_generate for i in idx)
         # RULER's budget keeps prompt + generated within the length; the positions are the user's choice
-        gen = Generator(cfg, mesh, params, tokenizer, max_new_tokens=room, eos_ids=eos_ids, trained=length)
+        gens = {} if generators is None else generators
+        if (length, room) not in gens:
+            gens[length, room] = Generator(cfg, mesh, params, tokenizer, max_new_tokens=room, eos_ids=eos_ids,
+                                           trained=length)
+        gen = gens[length, room]
+        gen.params = params
         pad_to = max(cases[i].prompt.size for i in idx)
         for s in range(0, len(idx), rows):
             chunk = idx[s:s + rows]

@@ -274,13 +274,14 @@ class RulerValidator:
         self.eos = [tokenizer.eos_id] if eos_ids is None else list(eos_ids)
         self.cases = generate(suite, tokenizer, corpus, chat)
         self.stats = None
+        self.generators: dict = {}  # each length's Generator: compiled once, reused by every run
         self.outputs: list = []  # the last run's generations (scoring "generate")
 
     def run(self, params: dict, progress: Callable[[int], None] | None = None) -> list[dict]:
         """`results` rows (task, length, cases, correct, score) of `params`."""
         if self.scoring == "generate":
             self.outputs = outputs_on_mesh(self.cfg, self.mesh, params, self.tokenizer, self.cases,
-                                           eos_ids=self.eos, progress=progress)
+                                           eos_ids=self.eos, progress=progress, generators=self.generators)
             return results(self.cases, score_outputs(self.cases, [g.text for g in self.outputs]))
         if self.stats is None:
             self.stats = token_stats(self.cfg, self.mesh)
