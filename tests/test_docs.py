@@ -58,10 +58,10 @@ RUN = {
     "python -m jaxlong.eval runs/default": AFTER_DEFAULT,
     "python -m jaxlong.eval runs/default --step 20 --lengths 512,1024,2048,4096 --depths 0,0.25,0.5,0.75,1 "
     "--per-cell 2": AFTER_DEFAULT,
-    "python -m jaxlong.eval runs/default --ruler --ruler-cases 2": AFTER_DEFAULT,
+    "python -m jaxlong.eval runs/default --ruler --ruler-tasks niah_single_1,vt --ruler-cases 2": AFTER_DEFAULT,
     "python -m jaxlong.generate runs/default --prompt 'def fibonacci(n):' --max-new-tokens 64": AFTER_DEFAULT,
     "python -m jaxlong.train run_name=ruler steps=4 eval_every=2 'ruler_tasks=[niah_single_1,vt]' "
-    "'ruler_lengths=[1024,4096]' ruler_cases=2": "a fresh directory",
+    "'ruler_lengths=[1024,2048]' ruler_cases=2": "a fresh directory",
     "python -m jaxlong.train --config configs/recipes/tiny_extension.yaml": "a fresh directory",
 }
 

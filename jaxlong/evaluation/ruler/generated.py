@@ -3,9 +3,9 @@ prefilled and decoded greedily by `jaxlong.generation.Generator` (the training f
 the run's mesh), `tokens_to_generate` tokens at most or until EOS, and the text is scored by RULER's
 `string_match_all` (docs/evaluation.md#ruler).
 
-Cases of one length go in batches of `eval_batch_size(cfg)` rows, every batch padded to the length's longest
-prompt and given room for its task family's most new tokens, so each length compiles one prefill and one decode
-step whatever its tasks.
+Cases of one length go in batches of `rows_per_batch` rows (a training micro-batch's tokens: `eval_batch_size(cfg)`
+rows of `seq_len`, in rows of the length), every batch padded to the length's longest prompt and given room for
+its task family's most new tokens, so each length compiles one prefill and one decode step whatever its tasks.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from jaxlong.evaluation.heldout import eval_batch_size
 from jaxlong.evaluation.ruler.prompts import GenerationCase, string_match_all
 from jaxlong.generation.generate import Generator
 
-__all__ = ["outputs_on_mesh", "score_outputs", "generation_case_rows", "GENERATION_CASE_COLUMNS"]
+__all__ = ["outputs_on_mesh", "rows_per_batch", "score_outputs", "generation_case_rows", "GENERATION_CASE_COLUMNS"]
 
 GENERATION_CASE_COLUMNS = ("task", "length", "index", "depth", "score", "answer", "generated", "prompt_tokens",
                            "stopped")
@@ -45,8 +45,8 @@ def outputs_on_mesh(cfg: Config, mesh, params: dict, tokenizer, cases: Sequence[
     by_length: dict[int, list[int]] = {}
     for i, c in enumerate(cases):
         by_length.setdefault(c.length, []).append(i)
-    rows = eval_batch_size(cfg)
     for length, idx in sorted(by_length.items()):
+        rows = rows_per_batch(cfg, length)
         room = max(cases[i].tokens_to_generate for i in idx)
         # RULER's budget keeps prompt + generated within the length; the positions are the user's choice
         gens = {} if generators is None else generators
@@ -65,6 +65,12 @@ def outputs_on_mesh(cfg: Config, mesh, params: dict, tokenizer, cases: Sequence[
             if progress:
                 progress(len(chunk))
     return out
+
+
+def rows_per_batch(cfg: Config, length: int) -> int:
+    """Prompts per generation batch at `length` tokens: as many as hold a training micro-batch's tokens
+    (`eval_batch_size(cfg) x seq_len`), at least one; the prefill holds no more activations than a micro-step."""
+    return max(1, eval_batch_size(cfg) * max(1, cfg.seq_len // max(length, 1)))
 
 
 def score_outputs(cases: Sequence[GenerationCase], texts: Sequence[str]) -> np.ndarray:
