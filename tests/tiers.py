@@ -18,6 +18,7 @@ TIERS = {
     "data/test_data.py": "fast+slow",
     "data/test_mixture.py": "fast",
     "evaluation/test_eval.py": "fast+slow",
+    "evaluation/test_hostmem.py": "fast+slow",
     "generation/test_generate.py": "fast+slow",
     "generation/test_real_model_generate.py": "slow",
     "evaluation/test_real_model_eval.py": "slow",

@@ -308,6 +308,14 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     source = data_lib.first_source(cfg)  # data.path, or the first of data.sources
     # The trainer's held-out split; more batches than it used take more documents (the same ones first).
     held_out, batches = ev.validation_split(cfg, source, tokenizer, args.batches)
+    if args.ruler:  # the host memory the forwards need, where the devices are this host's CPU (compiled, AOT)
+        from jaxlong.evaluation import hostmem, ruler  # noqa: PLC0415
+
+        generate = args.ruler_scoring == "generate"
+        hostmem.check_lengths(cfg, mesh, args.ruler_lengths_list,
+                              rows=(lambda n: ruler.rows_per_batch(cfg, n)) if generate else ev.eval_batch_size(cfg),
+                              max_new=max(ruler.TOKENS_TO_GENERATE.values()) if generate else None,
+                              cases=args.ruler_cases * len(args.ruler_tasks_list))
     ruler_cases, skipped = ruler_suite(cfg, args, tokenizer, source, held_out) if args.ruler else ([], [])
     for note in skipped:
         say(note)

@@ -32,7 +32,12 @@ from jaxlong.evaluation.ruler.score import (
     suite_corpus,
     validation_suite,
 )
-from jaxlong.evaluation.ruler.generated import generation_case_rows, outputs_on_mesh, score_outputs
+from jaxlong.evaluation.ruler.generated import (
+    generation_case_rows,
+    outputs_on_mesh,
+    rows_per_batch,
+    score_outputs,
+)
 from jaxlong.evaluation.ruler.prompts import (
     SCORINGS,
     TEMPLATES,
@@ -47,10 +52,10 @@ from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, TooShort, cas
 
 __all__ = [
     "CASE_COLUMNS", "case_rows", "format_table", "log_scalars", "tag_prefix", "generation_case_rows",
-    "outputs_on_mesh", "score_outputs", "SCORINGS", "TEMPLATES", "TOKENS_TO_GENERATE", "GenerationCase",
-    "generation_cases", "postprocess", "render_prompt", "string_match_all", "TooShort", "write_cases",
-    "write_csv", "write_heatmap", "write_results", "RulerSuite", "RulerValidator", "answers_on_mesh",
-    "check_length", "check_lengths", "evaluate_ruler", "generation_bytes", "nearby_lengths", "generate",
-    "is_right", "predict_answers", "results", "score_cases", "score_on_mesh", "suite_corpus",
+    "outputs_on_mesh", "rows_per_batch", "score_outputs", "SCORINGS", "TEMPLATES", "TOKENS_TO_GENERATE",
+    "GenerationCase", "generation_cases", "postprocess", "render_prompt", "string_match_all", "TooShort",
+    "write_cases", "write_csv", "write_heatmap", "write_results", "RulerSuite", "RulerValidator",
+    "answers_on_mesh", "check_length", "check_lengths", "evaluate_ruler", "generation_bytes", "nearby_lengths",
+    "generate", "is_right", "predict_answers", "results", "score_cases", "score_on_mesh", "suite_corpus",
     "validation_suite", "TASKS", "RulerCase", "Task", "case_depths", "corpus_tokens", "make_cases",
 ]

@@ -1,0 +1,173 @@
+"""Host memory of the forward-only programs (the per-token stats of passkey and RULER, generation's prefill and
+decode step) where the devices are the host's own CPU: every simulated device's buffers live in one process.
+
+    peak RSS ~= rss_now
+               + devices x (arguments + outputs - aliased + temporaries)       compiled memory_analysis, per device
+               + KV_STEP_BYTES x layers x devices x kv_steps(cfg, length)      XLA:CPU with devices > 1 (below)
+               + host arrays                                                   cases and one batch, int32
+
+XLA:CPU with more than one host device holds about 5.5 KiB for each executed iteration of the blockwise
+attention's kv loop until the program returns (measured on jax/jaxlib 0.10.2: malloc's in-use bytes grow linearly
+through the run and come back when it ends; on one device they do not grow). The causal blockwise kernel runs
+`n (n + 1) / 2` kv steps per device and layer (n = length / block, heads batched in a step), so this term grows
+with the square of the length and dominates from about 64K tokens on 4 simulated devices.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxlong.config import ConfigError
+from jaxlong.core.units import fmt_bytes
+from jaxlong.evaluation.steps import make_token_stats_step
+from jaxlong.generation.decode import make_prefill
+from jaxlong.training import step as step_lib
+
+KV_STEP_BYTES = 5632  # measured: 5.2-6.3 KiB per kv step at 32K-128K tokens, 4 simulated devices, block 256
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (Linux; 0 elsewhere)."""
+    try:
+        return 1024 * int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1))
+    except (OSError, AttributeError):
+        return 0
+
+
+def host_devices(mesh) -> int:
+    """Devices of `mesh` whose memory is this process's host memory: its CPU devices (0 on GPUs)."""
+    return sum(1 for d in mesh.devices.flat if d.platform == "cpu" and d.process_index == jax.process_index())
+
+
+def kv_steps(cfg, length: int) -> int:
+    """Iterations of the causal blockwise kernel's kv loop per device and layer (Ulysses; U-Pipe runs it once per
+    stage; under ring attention each of the ring's steps runs a share of it: not measured, counted as Ulysses)."""
+    bq, bk = min(cfg.attention.block_q, length), min(cfg.attention.block_k, length)
+    nq, nk = length // bq, length // bk
+    steps = sum(min(nk, -(-((i + 1) * bq) // bk)) for i in range(nq))
+    if cfg.attention.impl == "upipe" and cfg.attention.heads_per_stage:
+        steps *= max(cfg.model.heads // cfg.attention.heads_per_stage, 1)
+    return steps
+
+
+@dataclass(frozen=True)
+class HostBytes:
+    """One program's host-memory estimate (bytes): `per_device` (memory_analysis: arguments + outputs - aliased +
+    temporaries), `devices` (that share this host), `loop` (the XLA:CPU kv-step term), `host` (numpy arrays) and
+    `base` (the process's RSS when estimated); `total` their sum, the expected peak RSS."""
+
+    per_device: int
+    devices: int
+    loop: int
+    host: int
+    base: int
+
+    @property
+    def total(self) -> int:
+        return self.base + self.devices * self.per_device + self.loop + self.host
+
+
+def program_bytes(compiled, resident_args: bool = False) -> int:
+    """Bytes one device adds while `compiled` runs: temporaries and outputs not aliased to inputs, plus its
+    arguments unless they are already resident (`resident_args`: a decode step's cache)."""
+    ma = compiled.memory_analysis()
+    args = 0 if resident_args else ma.argument_size_in_bytes
+    return args + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+
+
+def estimate(cfg, mesh, compiled, length: int, *, host_arrays: int = 0, attention: bool = True,
+             resident_args: bool = False, base: int | None = None) -> HostBytes:
+    """The expected peak RSS of running `compiled` (a forward over `length` tokens on `mesh`; `attention` False for
+    a decode step, whose attention has no kv loop)."""
+    d = host_devices(mesh)
+    loop = KV_STEP_BYTES * cfg.model.layers * d * kv_steps(cfg, length) if attention and d > 1 else 0
+    return HostBytes(program_bytes(compiled, resident_args), d, loop, host_arrays,
+                     rss_bytes() if base is None else base)
+
+
+def stats_estimate(cfg, mesh, length: int, batch: int, *, cases: int = 0) -> tuple[HostBytes, object]:
+    """`estimate` of the per-token stats program (`jaxlong.evaluation.steps.make_token_stats_step`) for `batch`
+    rows of `length` tokens, compiled ahead of time (nothing allocated); returns it with the compiled program (to
+    reuse). `cases`: RULER cases held on the host meanwhile (int32 tokens, `length + 1` each)."""
+    c = replace(cfg, seq_len=int(length))
+    params = step_lib.abstract_state(c, mesh)["params"]
+    compiled = make_token_stats_step(c, mesh).lower(params, step_lib.abstract_batch(c, mesh, batch)).compile()
+    host = 4 * (length + 1) * cases + 5 * 4 * length * batch  # the cases, one passkey_batch
+    return estimate(c, mesh, compiled, length, host_arrays=host), compiled
+
+
+def host_limit() -> int:
+    """This host's memory available to the process: physical memory, or the cgroup's limit when lower."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for f in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            v = open(f).read().strip()
+            if v.isdigit():
+                limit = min(limit, int(v))
+        except OSError:
+            pass
+    return limit
+
+
+def prefill_estimate(cfg, mesh, length: int, rows: int, max_new: int) -> tuple[HostBytes, object]:
+    """`estimate` of generation's prefill (`jaxlong.generation.decode.make_prefill`) of `rows` prompts padded to
+    `length` tokens with room for `max_new` new ones, compiled ahead of time; returns it with the compiled program.
+    Its outputs are the KV cache, which stays resident through the decode steps (each adds only its temporaries:
+    `program_bytes(step, resident_args=True)`, a few percent of the cache)."""
+    c = replace(cfg, seq_len=int(length))
+    params = step_lib.abstract_state(c, mesh)["params"]
+    sh = step_lib.batch_sharding(mesh)
+    batch = {k: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sh)
+             for k in ("inputs", "positions", "segment_ids")}
+    compiled = make_prefill(c, mesh, max_new).lower(params, batch).compile()
+    return estimate(c, mesh, compiled, length, host_arrays=3 * 4 * length * rows), compiled
+
+
+LONG = 1 << 16  # from this many tokens the estimate compiles the programs; below, the cheap terms decide
+
+
+def check_lengths(cfg, mesh, lengths, *, rows: int | Callable[[int], int], max_new: int | None = None,
+                  cases: int = 0, option: str = "--ruler-lengths", limit: int | None = None) -> dict:
+    """Refuse, in one line naming every length, the lengths whose forward (`prefill_estimate` with `max_new`,
+    else `stats_estimate`) would not fit this host's memory (`host_limit`, or `limit`); a no-op when no device of
+    `mesh` is this host's CPU. A length below `LONG` tokens whose XLA:CPU loop term is under a tenth of the limit
+    is not compiled for (its programs are small). Returns {length: HostBytes} of the lengths estimated.
+
+    Args:
+      rows: prompts per forward, or a function of the length giving them (generation's `rows_per_batch`).
+
+    Raises:
+      ConfigError: `<option> <length>: ...` with the estimate's parts and, with several CPU devices, what one
+        device would need (the same scores: the results equal one device's on every mesh).
+    """
+    if not host_devices(mesh):
+        return {}
+    limit = limit or host_limit()
+    out, errors = {}, []
+    for n in sorted(set(int(x) for x in lengths)):
+        r = rows(n) if callable(rows) else rows
+        loop = KV_STEP_BYTES * cfg.model.layers * host_devices(mesh) * kv_steps(cfg, n) if host_devices(mesh) > 1 \
+            else 0
+        if n < LONG and loop < limit // 10:
+            continue
+        est = (prefill_estimate(cfg, mesh, n, r, max_new) if max_new else
+               stats_estimate(cfg, mesh, n, r, cases=cases))[0]
+        out[n] = est
+        if est.total <= limit:
+            continue
+        one = est.base + est.devices * est.per_device + est.host  # one CPU device: no loop term
+        hint = (f"; mesh.num_devices=1 (the same scores) needs about {fmt_bytes(one)}" if est.loop and one <= limit
+                else "")
+        errors.append(f"{option} {n}: the forward needs about {fmt_bytes(est.total)} of host memory "
+                      f"({est.devices} CPU device(s) x {fmt_bytes(est.per_device)} compiled, {fmt_bytes(est.loop)} "
+                      f"held by XLA:CPU over the attention's {kv_steps(cfg, n):,} kv steps per device and layer, "
+                      f"{fmt_bytes(est.base)} in use) and this host has {fmt_bytes(limit)}{hint}")
+    if errors:
+        raise ConfigError("; ".join(errors), key=option)
+    return out
