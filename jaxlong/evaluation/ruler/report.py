@@ -22,7 +22,7 @@ def grid(rows: list[dict]) -> tuple[list[str], list[int], np.ndarray]:
     return tasks, lengths, out
 
 
-def _length_label(n: int) -> str:
+def length_label(n: int) -> str:
     for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
         if n >= size and n % size == 0:
             return f"{n // size}{unit}"
@@ -33,7 +33,7 @@ def format_table(rows: list[dict]) -> str:
     """Scores in percent, a task per line and a length per column, with the mean over tasks last."""
     tasks, lengths, g = grid(rows)
     width = max([len(t) for t in tasks] + [4])
-    lines = [f"{'RULER':<{width}}  " + "  ".join(f"{_length_label(n):>6}" for n in lengths)]
+    lines = [f"{'RULER':<{width}}  " + "  ".join(f"{length_label(n):>6}" for n in lengths)]
     for t, row in zip(tasks, g):
         lines.append(f"{t:<{width}}  " + "  ".join("     -" if np.isnan(x) else f"{100 * x:6.1f}" for x in row))
     lines.append(f"{'mean':<{width}}  " + "  ".join(f"{100 * x:6.1f}" for x in np.nanmean(g, axis=0)))
@@ -75,7 +75,7 @@ def write_heatmap(path: str | Path, rows: list[dict], title: str = "RULER") -> N
     tasks, lengths, g = grid(rows)
     fig, ax = plt.subplots(figsize=(1.0 * len(lengths) + 3, 0.45 * len(tasks) + 1.8))
     im = ax.imshow(g, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-    ax.set_xticks(range(len(lengths)), [_length_label(n) for n in lengths])
+    ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
     ax.set_yticks(range(len(tasks)), tasks)
     for i, row in enumerate(g):
         for j, x in enumerate(row):
