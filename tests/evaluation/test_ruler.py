@@ -316,19 +316,28 @@ def test_scores_on_every_mesh_equal_one_device(mesh):
         during_training = ruler.RulerValidator(cfg, m, _tokenizer("byte"), suite)  # cases made once
         during_training.stats = stats  # what the trainer shares with its other per-token evaluation
         assert during_training.run(params) == rows and len(during_training.cases) == 2 * len(SMALL)
-        # by generation (RULER's prompts at 512 tokens, RULER's 128 new tokens): validations reuse one compile
-        by_generation = ruler.RulerValidator(cfg, m, _tokenizer("byte"), ruler.RulerSuite(
-            tasks=["niah_single_1"], lengths=[512], cases=2, seed=0), eos_ids=[256])
-        first = by_generation.run(params)
-        texts = [g.text for g in by_generation.outputs]
-        assert [(r["task"], r["length"], r["cases"]) for r in first] == [("niah_single_1", 512, 2)]
-        assert first[0]["correct"] == sum(ruler.string_match_all(t, c.refs) for t, c in
-                                          zip(texts, by_generation.cases))
-        assert by_generation.run(params) == first and [g.text for g in by_generation.outputs] == texts
-        (gen,) = by_generation.generators.values()
-        assert gen.step._cache_size() == 1  # one decode program for both validations
         with pytest.raises(ConfigError, match="ruler length 500"):
             ruler.evaluate_ruler(cfg, m, params, _tokenizer("byte"), ruler.RulerSuite(lengths=[500], scoring="forced"))
+
+
+def test_ruler_by_generation_during_training_compiles_once():
+    """RULER by generation as the trainer runs it (one device): RULER's prompts at 512 tokens, RULER's 128 new
+    tokens, scored by string_match_all; a second validation reuses the first's compiled decode step and gives the
+    same texts."""
+    params1, *_ = _greedy_cases()
+    cfg = _mesh_cfg("mesh.fsdp=1", "mesh.context=1", "mesh.num_devices=1")
+    m = mesh_for(cfg, 1)
+    params = jax.tree.map(lambda h, a: jax.device_put(h, a.sharding), params1,
+                          step_lib.abstract_state(cfg, m)["params"])
+    by_generation = ruler.RulerValidator(cfg, m, _tokenizer("byte"), ruler.RulerSuite(
+        tasks=["niah_single_1"], lengths=[512], cases=2, seed=0), eos_ids=[256])
+    first = by_generation.run(params)
+    texts = [g.text for g in by_generation.outputs]
+    assert [(r["task"], r["length"], r["cases"]) for r in first] == [("niah_single_1", 512, 2)]
+    assert first[0]["correct"] == sum(ruler.string_match_all(t, c.refs) for t, c in zip(texts, by_generation.cases))
+    assert by_generation.run(params) == first and [g.text for g in by_generation.outputs] == texts
+    (gen,) = by_generation.generators.values()
+    assert gen.step._cache_size() == 1  # one decode program for both validations
 
 
 # ----------------------------------------------------------------------------------------------
