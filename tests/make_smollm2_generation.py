@@ -61,18 +61,34 @@ def prompts(path: str) -> None:
     print(f"wrote {path}: {sum(len(v) for v in out['text'].values())} text tokens, {len(out['ruler'])} RULER cases")
 
 
-def generate(path: str) -> None:
-    import gguf  # noqa: F401, PLC0415
+def _transformers_model():
+    """transformers' tokenizer and float32 model of SmolLM2-135M-Instruct, read from the GGUF file itself."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    cache = Path.home() / ".cache" / "jaxlong" / "test-models"
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(cache, gguf_file=name)
+    return tok, transformers.AutoModelForCausalLM.from_pretrained(cache, gguf_file=name, dtype=torch.float32).eval()
+
+
+def _versions() -> str:
+    import gguf  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
     import tokenizers  # noqa: PLC0415
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
 
+    return (f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"tokenizers {tokenizers.__version__}, gguf {getattr(gguf, '__version__', '?')}, numpy {np.__version__}")
+
+
+def generate(path: str) -> None:
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
     data = json.loads(Path(path).read_text())
-    cache = Path.home() / ".cache" / "jaxlong" / "test-models"
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = transformers.AutoTokenizer.from_pretrained(cache, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(cache, gguf_file=name, dtype=torch.float32).eval()
+    tok, model = _transformers_model()
     prompts = dict(data["text"])
     prompts.update({k: list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
                     for k, m in data["chat"].items()})
@@ -91,10 +107,8 @@ def generate(path: str) -> None:
         arrays[f"{key}/top2"] = top2.astype(np.float32)
         print(key, len(ids), repr(tok.decode(new)[:80]))
     arrays["chat_messages"] = np.array(json.dumps(data["chat"]))
-    arrays["made_with"] = np.array(
-        f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"tokenizers {tokenizers.__version__}, gguf {gguf.__version__ if hasattr(gguf, '__version__') else '?'}, "
-        f"numpy {np.__version__}; greedy, do_sample=False, {NEW_TOKENS} new tokens, no EOS stop, float32")
+    arrays["made_with"] = np.array(f"{_versions()}; greedy, do_sample=False, {NEW_TOKENS} new tokens, no EOS stop, "
+                                   f"float32")
     np.savez_compressed(OUT, **arrays)
     print(f"wrote {OUT}")
 
@@ -129,15 +143,10 @@ def ruler_generate(path: str) -> None:
     most, stopping at the model's EOS (its generation config); and the chat rendering of each case's user text
     with the answer prefix after the assistant's opening."""
     import numpy as np  # noqa: PLC0415
-    import tokenizers  # noqa: PLC0415
     import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
 
     data = json.loads(Path(path).read_text())
-    cache = Path.home() / ".cache" / "jaxlong" / "test-models"
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = transformers.AutoTokenizer.from_pretrained(cache, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(cache, gguf_file=name, dtype=torch.float32).eval()
+    tok, model = _transformers_model()
     arrays = {}
     for key, case in data.items():
         ids = case["prompt"]
@@ -155,10 +164,8 @@ def ruler_generate(path: str) -> None:
                                        tokenize=False) + case["prefix"]
         arrays[f"{key}/chat_prompt"] = np.asarray(tok(chat, add_special_tokens=False)["input_ids"], np.int32)
         print(key, len(ids), len(new), repr(tok.decode(new, skip_special_tokens=True)[:80]))
-    arrays["made_with"] = np.array(
-        f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"tokenizers {tokenizers.__version__}, numpy {np.__version__}; greedy, do_sample=False, RULER's "
-        f"tokens_to_generate, EOS from the generation config, float32")
+    arrays["made_with"] = np.array(f"{_versions()}; greedy, do_sample=False, RULER's tokens_to_generate, EOS from "
+                                   f"the generation config, float32")
     np.savez_compressed(RULER_OUT, **arrays)
     print(f"wrote {RULER_OUT}")
 
