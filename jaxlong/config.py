@@ -27,6 +27,7 @@ import yaml
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import resolve_mesh_shape
 from jaxlong.core.suggest import advice, fixes, sides
+from jaxlong.data.chat_data import ChatTurns, DataFormat, TooLong
 from jaxlong.data.imported import config_source
 from jaxlong.data.mixture import source_name
 from jaxlong.data.pipeline import Packing, SplitPositions
@@ -164,6 +165,7 @@ class SourceConfig:
     max_doc_tokens: int | None = None  # longer documents are dropped (null: none)
     long_doc_tokens: int = 0  # a document this long or longer is "long"; 0: seq_len // 2
     upsample_long: float = 1.0  # long documents are drawn this many times as often (>= 1)
+    format: str | None = None  # "text" or "chat" (conversations, docs/post-training.md); null: `data.format`
 
 
 @dataclass
@@ -184,6 +186,12 @@ class DataConfig:
     read_threads: int = 4
     read_buffer: int = 64
     sources: list[SourceConfig] = field(default_factory=list)
+    # Post-training (docs/post-training.md): "chat" reads conversations ({"messages": [...]} or prompt/completion
+    # records), renders them with the chat template and trains on the assistant's tokens only.
+    format: DataFormat = "text"
+    chat_turns: ChatTurns = "all"  # assistant turns trained: "all", or the "last" of each conversation
+    too_long: TooLong = "refuse"  # a conversation longer than seq_len: "refuse" (stop) or "drop" (counted)
+    chat_template: str | None = None  # a Jinja file to render with when the tokenizer's directory has no template
 
 
 @dataclass
@@ -572,6 +580,7 @@ def _check(cfg: Config, n: int, platform: str | None) -> None:
     if cfg.data.read_buffer < 1:
         raise ConfigError(f"data.read_buffer={cfg.data.read_buffer} must be >= 1 document")
     validate_sources(cfg)
+    validate_chat(cfg)
     if cfg.steps < 1:
         raise ConfigError(f"steps={cfg.steps} must be >= 1")
     if not 0 <= cfg.optim.schedule_start < cfg.steps:
@@ -684,6 +693,37 @@ def validate_sources(cfg: Config) -> None:
         if name in names:
             raise ConfigError(f"{at}: another source has the name {name!r}; give each a distinct name")
         names.add(name)
+
+
+def validate_chat(cfg: Config) -> None:
+    """The chat keys (docs/post-training.md): `data.format` and each source's `format`, `data.chat_turns`,
+    `data.too_long`, and what conversations need: whole-document packing (`data.packing=documents`: each
+    conversation its own segment), no `data.max_tokens` (it would cut one), an existing `data.chat_template`.
+    Records, the template and lengths are checked when the source is opened (`jaxlong.data.open_source`), before
+    anything compiles.
+
+    Raises:
+      ConfigError: naming the option, its value and what would work.
+    """
+    d = cfg.data
+    _check_choice("data.format", d.format, DataFormat)
+    _check_choice("data.chat_turns", d.chat_turns, ChatTurns)
+    _check_choice("data.too_long", d.too_long, TooLong)
+    formats = [d.format] if not d.sources else [s.format or d.format for s in d.sources]
+    for i, src in enumerate(d.sources):
+        if src.format is not None:
+            _check_choice(f"data.sources[{i}].format", src.format, DataFormat)
+    if "chat" not in formats:
+        return
+    if d.packing != "documents":
+        raise ConfigError(f"data.packing={d.packing!r} would let conversations attend to each other: chat data packs "
+                          f"each conversation as its own document (data.packing=documents)")
+    if d.max_tokens is not None:
+        raise ConfigError("data.max_tokens would cut a conversation; with data.format=chat drop it (too long "
+                          "ones: data.too_long)")
+    if d.chat_template is not None and not Path(d.chat_template).is_file():
+        raise ConfigError(f"data.chat_template={d.chat_template!r}: no such file; give a Jinja chat template file, or "
+                          f"null for the tokenizer's own")
 
 
 def validate_ruler(cfg: Config) -> None:

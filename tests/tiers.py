@@ -16,6 +16,7 @@ TIERS = {
     "core/test_sharding.py": "fast+slow",
     "core/test_xla_log.py": "fast",
     "data/test_data.py": "fast+slow",
+    "data/test_chat_data.py": "fast+slow",
     "data/test_mixture.py": "fast",
     "evaluation/test_eval.py": "fast+slow",
     "evaluation/test_hostmem.py": "fast+slow",

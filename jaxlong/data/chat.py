@@ -12,11 +12,14 @@ is tokenized without the tokenizer's post-processor (the template places the spe
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
-__all__ = ["ChatTemplate", "find_template"]
+__all__ = ["ChatTemplate", "find_template", "run_template"]
 
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"  # private-use characters around a {% generation %} body (mark_generation)
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -49,19 +52,28 @@ class ChatTemplate:
     Args:
       directory: the tokenizer's directory (`chat_template.jinja`, `tokenizer_config.json`,
         `special_tokens_map.json`).
+      template_file: a Jinja file to use instead of the directory's template (`data.chat_template`, for a
+        checkpoint without one); the special tokens still come from `directory`.
+      mark_generation: `render_spans` reports the `{% generation %}` bodies (`marks_generation` is True when the
+        template has such tags).
 
     Raises:
-      ValueError: the directory has no chat template (the message names where one is looked for), or the
-        template is not valid Jinja.
+      ValueError: no chat template (the message names where one is looked for), or one that is not valid Jinja.
     """
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, template_file: str | Path | None = None, mark_generation: bool = False):
         import jinja2  # noqa: PLC0415 (only chat needs it)
         from jinja2.ext import Extension, loopcontrols  # noqa: PLC0415
         from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
 
         self.directory = Path(directory)
-        source = find_template(self.directory)
+        if template_file is not None:
+            if not Path(template_file).is_file():
+                raise ValueError(f"data.chat_template={str(template_file)!r}: no such file; give a Jinja chat template "
+                                 f"file (as transformers writes chat_template.jinja)")
+            source = Path(template_file).read_text(encoding="utf-8")
+        else:
+            source = find_template(self.directory)
         if source is None:
             raise ValueError(f"{self.directory} has no chat template (chat_template.jinja, or chat_template in "
                              f"tokenizer_config.json): --chat needs an instruct checkpoint's template; drop --chat "
@@ -76,7 +88,9 @@ class ChatTemplate:
                 return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
             def _body(self, caller):
-                return caller()
+                return MARK_OPEN + caller() + MARK_CLOSE if mark else caller()
+
+        self.marks_generation = mark = mark_generation and GENERATION_TAG.search(source) is not None
 
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
@@ -108,7 +122,45 @@ class ChatTemplate:
         import jinja2  # noqa: PLC0415
 
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         **{**self.special, **kwargs})
         except jinja2.TemplateError as e:
             raise ValueError(f"{self.directory}: the chat template refused the messages: {e}") from None
+        return text.replace(MARK_OPEN, "").replace(MARK_CLOSE, "") if self.marks_generation else text
+
+    def render_spans(self, messages: list[dict], **kwargs) -> tuple[str, list[tuple[int, int]]]:
+        """The template's text for `messages` (no generation prompt) and the `[start, end)` character spans of its
+        `{% generation %}` bodies, in order (empty unless `marks_generation`)."""
+        import jinja2  # noqa: PLC0415
+
+        try:
+            marked = self.template.render(messages=messages, add_generation_prompt=False,
+                                          **{**self.special, **kwargs})
+        except jinja2.TemplateError as e:
+            raise ValueError(f"{self.directory}: the chat template refused the messages: {e}") from None
+        text, spans, start = [], [], None
+        for piece in re.split(f"([{MARK_OPEN}{MARK_CLOSE}])", marked):
+            if piece == MARK_OPEN:
+                start = sum(map(len, text))
+            elif piece == MARK_CLOSE:
+                spans.append((start, sum(map(len, text))))
+            else:
+                text.append(piece)
+        return "".join(text), spans
+
+
+def run_template(template_file: str | Path | None, directory: str | Path | None,
+                 mark_generation: bool = False) -> ChatTemplate | None:
+    """The chat template a run renders with, for training on chat data, `python -m jaxlong.generate --chat` and
+    `python -m jaxlong.eval --chat` alike: `data.chat_template` (`template_file`) when set, else the template of the
+    tokenizer's directory (`directory`, the run's copy: `jaxlong.data.tokenizer_source`; None for the byte
+    tokenizer); None when there is neither.
+
+    Raises:
+      ValueError: `template_file` missing or not valid Jinja, or the directory's template not valid Jinja.
+    """
+    if template_file is not None:
+        return ChatTemplate(directory or Path(template_file).parent, template_file, mark_generation)
+    if directory is None or find_template(directory) is None:
+        return None
+    return ChatTemplate(directory, mark_generation=mark_generation)

@@ -58,12 +58,14 @@ from jaxlong.data.mixture import (
     source_label,
     source_name,
 )
+from jaxlong.data.chat import run_template
+from jaxlong.data.chat_data import ChatSource, ChatTokens, template_directory
 from jaxlong.data.sources import DocumentSource
 from jaxlong.data.tokenizer import Tokenizer
 
 __all__ = ["document_tokens", "document_pairs", "SplitLongDocuments", "DocumentSubset", "token_limit", "make_dataset",
            "ProcessBatches", "ProcessIterator", "merge_states", "batch_iterator", "packing_efficiency", "PACKING_BINS",
-           "first_source", "mixture_sources", "source_shares"]
+           "first_source", "mixture_sources", "source_shares", "open_source", "LOSS_FEATURE"]
 
 Packing = Literal["documents", "concat"]  # `data.packing`
 SplitPositions = Literal["restart", "continue"]  # `data.split_positions`
@@ -71,19 +73,44 @@ PACKINGS, SPLIT_POSITIONS = get_args(Packing), get_args(SplitPositions)
 PACKING_BINS = 16  # rows first-fit packing fills at once (more bins: less padding)
 STAGE_SEED = 1_000_003  # a recipe's stage k shuffles with seed + k * STAGE_SEED (another order for each stage)
 _FEATURES = ("inputs", "targets", "positions")
+LOSS_FEATURE = "loss"  # int32 per target: 1 where the loss counts it (a chat source's assistant tokens)
 
 
-def document_tokens(text: str, tokenizer: Tokenizer) -> np.ndarray:
-    """`[BOS] ids [EOS]` int32 (BOS only if the tokenizer has one)."""
+def document_tokens(text, tokenizer: Tokenizer) -> np.ndarray:
+    """`[BOS] ids [EOS]` int32 (BOS only if the tokenizer has one); a conversation of a chat source
+    (`jaxlong.data.chat_data.ChatTokens`) as its template placed its tokens."""
+    if isinstance(text, ChatTokens):
+        return text.tokens
     ids = tokenizer.encode(text)
     head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     return np.concatenate([np.asarray(head, np.int32), ids.astype(np.int32), np.asarray([tokenizer.eos_id], np.int32)])
 
 
-def document_pairs(tokens: np.ndarray) -> dict:
-    """Next-token pairs of one document: `inputs`, `targets`, `positions` int32 `[n - 1]`."""
+def document_pairs(tokens: np.ndarray, trained: np.ndarray | None = None) -> dict:
+    """Next-token pairs of one document: `inputs`, `targets`, `positions` int32 `[n - 1]`; with `trained` (bool
+    `[n]`: token k is trained on) also `loss` int32 `[n - 1]`, the loss mask of the targets."""
     n = max(tokens.size - 1, 0)
-    return {"inputs": tokens[:-1], "targets": tokens[1:], "positions": np.arange(n, dtype=np.int32)}
+    out = {"inputs": tokens[:-1], "targets": tokens[1:], "positions": np.arange(n, dtype=np.int32)}
+    if trained is not None:
+        out[LOSS_FEATURE] = trained[1:].astype(np.int32)
+    return out
+
+
+def pairs_of(doc, tokenizer: Tokenizer, loss: bool = False) -> dict:
+    """`document_pairs` of one document of any source: a text as `[BOS] ids [EOS]`, a conversation
+    (`ChatTokens`) as rendered, with its assistant tokens' loss mask; `loss`: give a text a `loss` of ones too
+    (a stream that mixes conversations in)."""
+    if isinstance(doc, ChatTokens):
+        return document_pairs(doc.tokens, doc.trained)
+    pairs = document_pairs(document_tokens(doc, tokenizer))
+    if loss:
+        pairs[LOSS_FEATURE] = np.ones(pairs["inputs"].size, np.int32)
+    return pairs
+
+
+def is_chat(source) -> bool:
+    """Whether a random-access source yields conversations (`ChatSource`, or a subset of one)."""
+    return bool(getattr(source, "is_chat", False))
 
 
 class SplitLongDocuments(FlatMapTransform):
@@ -122,8 +149,9 @@ def token_limit(source: DocumentSource, tokenizer: Tokenizer, max_tokens: int) -
 
 def _finalize(row: dict) -> dict:
     seg = row["inputs_segment_ids"].astype(np.int32)
+    mask = (seg > 0) & (row[LOSS_FEATURE] > 0) if LOSS_FEATURE in row else seg > 0
     out = {"inputs": row["inputs"].astype(np.int32), "targets": row["targets"].astype(np.int32),
-           "positions": row["positions"].astype(np.int32), "segment_ids": seg, "mask": (seg > 0).astype(np.float32)}
+           "positions": row["positions"].astype(np.int32), "segment_ids": seg, "mask": mask.astype(np.float32)}
     if SOURCE_FEATURE in row:  # a mixture: the source of every token (0 on padding)
         out[SOURCE_FEATURE] = np.where(seg > 0, row[SOURCE_FEATURE], 0).astype(np.int32)
     return out
@@ -203,13 +231,16 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
     last = len(ds) - 1
 
     def tokenize(index, text):
-        tokens = document_tokens(text, tokenizer)
-        return document_pairs(tokens[:cut] if cut is not None and index == last else tokens)
+        if cut is None or index != last:
+            return pairs_of(text, tokenizer)
+        return document_pairs(document_tokens(text, tokenizer)[:cut])
 
     ds = ds.map_with_index(tokenize).filter(lambda d: d["inputs"].size > 0)
     per = global_batch // n
     read = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=read_buffer)
-    streams = {s: _row_stream(ds[s::n], seed + s, seq_len, packing, split_positions, shuffle, _bins(n), read, repeat)
+    loss = is_chat(source)
+    streams = {s: _row_stream(ds[s::n], seed + s, seq_len, packing, split_positions, shuffle, _bins(n), read, repeat,
+                              loss)
                .batch(per, drop_remainder=True) for s in sorted({int(r) // per for r in rows})}
     return ProcessBatches(streams, rows, per)
 
@@ -318,20 +349,22 @@ def _bins(streams: int) -> int:
 
 
 def _row_stream(ds: grain.MapDataset, seed: int, seq_len: int, packing: str, split_positions: str, shuffle: bool,
-                bins: int, read: grain.ReadOptions, repeat: bool = True) -> grain.IterDataset:
+                bins: int, read: grain.ReadOptions, repeat: bool = True, loss: bool = False) -> grain.IterDataset:
     """One stream's documents shuffled, repeated (unless `repeat=False`) and packed into rows of `seq_len`
     (stages 2-4)."""
     if shuffle:
         ds = ds.shuffle(seed=seed)
     it = (ds.repeat() if repeat else ds).to_iter_dataset(read_options=read)
-    return _pack(it, seed, seq_len, packing, split_positions, bins)
+    return _pack(it, seed, seq_len, packing, split_positions, bins, loss)
 
 
 def _pack(it: grain.IterDataset, seed: int, seq_len: int, packing: str, split_positions: str,
-          bins: int) -> grain.IterDataset:
-    """Documents (`document_pairs` dicts, with `source` in a mixture) packed into rows of `seq_len` (stage 4)."""
+          bins: int, loss: bool = False) -> grain.IterDataset:
+    """Documents (`document_pairs` dicts, with `source` in a mixture and `loss` with conversations) packed into
+    rows of `seq_len` (stage 4). Conversations are never split: a chat source keeps only those that fit."""
     mixed = isinstance(it, TokenShareMix)
     features = (*_FEATURES, SOURCE_FEATURE) if mixed else _FEATURES
+    features = (*features, LOSS_FEATURE) if loss else features
     lengths = {k: seq_len for k in features}
     if packing == "documents":
         it = FlatMapIterDataset(it, SplitLongDocuments(seq_len, split_positions == "continue"))
@@ -360,8 +393,10 @@ def _mixed_batches(docs: list, mixed: list[MixedSource], tokenizer: Tokenizer, s
         for line in repetition_warnings(lengths, mixed, global_batch * seq_len, steps):
             warn(line)
 
+    loss = any(map(is_chat, docs))
+
     def tokenize(text):
-        return document_pairs(document_tokens(text, tokenizer))
+        return pairs_of(text, tokenizer, loss)
 
     def documents(i: int, s: int, salt: int) -> grain.IterDataset:
         ds = grain.MapDataset.source(docs[i])[s::n]
@@ -376,7 +411,7 @@ def _mixed_batches(docs: list, mixed: list[MixedSource], tokenizer: Tokenizer, s
         sizes = [len(range(s, len(x), n)) for x in docs]
         split = SplitLongDocuments(seq_len, split_positions == "continue").flat_map  # mixed piece by piece
         mixed_docs = TokenShareMix(main, extra, mixed, sizes, split, (s, n), [len(x) for x in docs])
-        streams[s] = _pack(mixed_docs, seed + s, seq_len, packing, split_positions, _bins(n)).batch(
+        streams[s] = _pack(mixed_docs, seed + s, seq_len, packing, split_positions, _bins(n), loss).batch(
             per, drop_remainder=True)
     return ProcessBatches(streams, rows, per)
 
@@ -412,6 +447,7 @@ class DocumentSubset:
 
     def __init__(self, source, indices):
         self.source, self.keep = source, [int(i) for i in indices]
+        self.is_chat = is_chat(source)
 
     def __len__(self) -> int:
         return len(self.keep)
@@ -430,16 +466,21 @@ def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source:
     the one validation holds documents out of); `exclude`: document indices of `source` left out (validation).
     With `data.sources`, every source is opened and its length rules checked before this returns (before the
     trainer compiles), and `warn` (e.g. `print`; None: silent) is given a line for each source the run's steps
-    (`steps - optim.schedule_start`) would repeat more than once per step or more than 10 epochs.
+    (`steps - optim.schedule_start`) would repeat more than once per step or more than 10 epochs, and for each
+    chat source that left conversations longer than `seq_len` out (`data.too_long=drop`).
 
     Raises:
       ValueError: see `DocumentSource`, `make_dataset` and `ProcessIterator.set_state`.
     """
 
     d = cfg.data
-    mixture = mixture_sources(cfg, source) if d.sources else None
+    mixture = mixture_sources(cfg, source, tokenizer) if d.sources else None
     if source is None:
-        source = mixture[0][0] if mixture else DocumentSource(d.path, d.text_field)
+        source = mixture[0][0] if mixture else first_source(cfg, tokenizer)
+    for docs, where in ([(s, m.label) for s, m in mixture] if mixture else [(source, "data.path")]):
+        if getattr(docs, "dropped", 0) and warn is not None:
+            warn(f"{where}: {docs.dropped:,} conversations longer than seq_len={cfg.seq_len:,} left out "
+                 f"(data.too_long=drop); {len(docs):,} kept")
     ds = make_dataset(source, tokenizer, seq_len=cfg.seq_len,
                       global_batch=cfg.global_batch, seed=cfg.seed + STAGE_SEED * cfg.stage, packing=d.packing,
                       split_positions=d.split_positions, shuffle=d.shuffle, max_tokens=d.max_tokens,
@@ -451,34 +492,60 @@ def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source:
     return it
 
 
-def first_source(cfg) -> DocumentSource:
-    """The corpus validation holds documents out of: `data.path`, or with `data.sources` the first source.
+def open_source(cfg, path, text_field: str, fmt: str, tokenizer: Tokenizer | None = None):
+    """One corpus of a run: a `DocumentSource` of texts (`format` text), or a `ChatSource` of conversations
+    (`format` chat: `jaxlong.data.chat_data`, rendered with the chat template of the run's tokenizer, or
+    `data.chat_template`, under `data.chat_turns` and `data.too_long`; every conversation encoded now).
+
+    Args:
+      tokenizer: the run's tokenizer (a chat source needs it; None: `jaxlong.data.run_tokenizer(cfg)`).
 
     Raises:
-      ValueError: see `DocumentSource` (with `data.sources[0]` and its path named).
+      ValueError: see `DocumentSource` and `ChatSource`.
+    """
+    if fmt != "chat":
+        return DocumentSource(path, text_field)
+    if tokenizer is None:
+        from jaxlong.data.imported import run_tokenizer  # noqa: PLC0415
+
+        tokenizer = run_tokenizer(cfg)
+    d = cfg.data
+    template = run_template(d.chat_template, template_directory(tokenizer), mark_generation=True)
+    return ChatSource(path, tokenizer, template, cfg.seq_len, d.chat_turns, d.too_long)
+
+
+def first_source(cfg, tokenizer: Tokenizer | None = None):
+    """The corpus validation holds documents out of: `data.path`, or with `data.sources` the first source
+    (`open_source`: conversations under `format: chat`).
+
+    Raises:
+      ValueError: see `open_source` (with `data.sources[0]` and its path named).
     """
     if not cfg.data.sources:
-        return DocumentSource(cfg.data.path, cfg.data.text_field)
+        return open_source(cfg, cfg.data.path, cfg.data.text_field, cfg.data.format, tokenizer)
     src = cfg.data.sources[0]
     try:
-        return DocumentSource(src.path, src.text_field or cfg.data.text_field)
+        return open_source(cfg, src.path, src.text_field or cfg.data.text_field, src.format or cfg.data.format,
+                           tokenizer)
     except ValueError as e:
         raise ValueError(f"{source_label(src, 0)}: {_reword(e)}") from None
 
 
-def mixture_sources(cfg, first=None) -> list[tuple]:
-    """`(DocumentSource, MixedSource)` per source of `data.sources` (`jaxlong.data.mixture`), the first one
-    `first` when given (the same corpus, already open).
+def mixture_sources(cfg, first=None, tokenizer: Tokenizer | None = None) -> list[tuple]:
+    """`(source, MixedSource)` per source of `data.sources` (`jaxlong.data.mixture`; the source a
+    `DocumentSource` or, under `format: chat`, a `ChatSource`: `open_source`), the first one `first` when given
+    (the same corpus, already open).
 
     Raises:
-      ValueError: a source's corpus is missing, empty or unreadable (see `DocumentSource`; the message names
+      ValueError: a source's corpus is missing, empty or unreadable (see `open_source`; the message names
         `data.sources[i]` and its path: `data.sources[1] (b.jsonl): ...`).
     """
     out = []
     for i, src in enumerate(cfg.data.sources):
         try:
             docs = first if i == 0 and first is not None else \
-                DocumentSource(src.path, src.text_field or cfg.data.text_field)
+                open_source(cfg, src.path, src.text_field or cfg.data.text_field, src.format or cfg.data.format,
+                            tokenizer)
         except ValueError as e:
             raise ValueError(f"{source_label(src, i)}: {_reword(e)}") from None
         out.append((docs, MixedSource(source_name(src, i), src.weight, src.min_doc_tokens, src.max_doc_tokens,

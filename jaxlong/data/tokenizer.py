@@ -43,6 +43,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> np.ndarray: ...
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]: ...
+
     def encode_prompt(self, text: str) -> np.ndarray: ...
 
     def decode(self, ids) -> str: ...
@@ -63,6 +65,12 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """`encode(text)` and each byte's `[start, end)` character span in `text`, int64 `[n, 2]`."""
+        per_char = np.fromiter((len(c.encode("utf-8")) for c in text), np.int64, len(text))
+        char = np.repeat(np.arange(len(text), dtype=np.int64), per_char)
+        return self.encode(text), np.stack([char, char + 1], axis=1).reshape(-1, 2)
 
     def encode_prompt(self, text: str) -> np.ndarray:
         """A prompt as the documents it was trained on begin: the document token (256), then the bytes."""
@@ -153,6 +161,12 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """`encode(text)` and each token's `[start, end)` character span in `text`, int64 `[n, 2]` (a rendered chat
+        template, tokenized whole as transformers tokenizes it, its assistant tokens found by their spans)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return np.asarray(enc.ids, dtype=np.int32), np.asarray(enc.offsets, np.int64).reshape(-1, 2)
 
     def encode_prompt(self, text: str) -> np.ndarray:
         """A plain prompt as transformers tokenizes it: with the tokenizer's own post-processor (`tokenizer.json`),

@@ -113,15 +113,16 @@ def chat_template(cfg, run_dir: Path, args):
         raise ConfigError("--chat renders RULER's prompts for generation: add --ruler (and drop --ruler-scoring "
                           "forced), or drop --chat")
     from jaxlong.data import tokenizer_source  # noqa: PLC0415
-    from jaxlong.data.chat import ChatTemplate  # noqa: PLC0415
+    from jaxlong.data.chat import run_template  # noqa: PLC0415
 
-    directory = tokenizer_source(cfg, run_dir)
-    if directory is None:
-        raise ConfigError(f"--chat: {run_dir} uses the byte tokenizer, which has no chat template; drop --chat")
     try:
-        return ChatTemplate(directory)
+        template = run_template(cfg.data.chat_template, tokenizer_source(cfg, run_dir))
     except ValueError as e:
         raise ConfigError(f"--chat: {e}") from None
+    if template is None:
+        raise ConfigError(f"--chat: {run_dir} has no chat template (its tokenizer's files have none and "
+                          f"data.chat_template is not set); drop --chat")
+    return template
 
 
 def _positive(flag: str, value: int | None, default: int, what: str) -> None:
@@ -305,7 +306,7 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     say = print if main else (lambda *a, **k: None)
     tokenizer = data_lib.run_tokenizer(cfg, run_dir)  # the trainer's: the run's copy, then model.from_hf
     lengths = passkey_lengths(cfg, args, tokenizer) if args.passkey else []
-    source = data_lib.first_source(cfg)  # data.path, or the first of data.sources
+    source = data_lib.first_source(cfg, tokenizer)  # data.path, or the first of data.sources
     # The trainer's held-out split; more batches than it used take more documents (the same ones first).
     held_out, batches = ev.validation_split(cfg, source, tokenizer, args.batches)
     if args.ruler:  # the host memory the forwards need, where the devices are this host's CPU (compiled, AOT)

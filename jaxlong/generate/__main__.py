@@ -59,7 +59,7 @@ def resolve(args):
       FileNotFoundError, ConfigError, ValueError: one line naming the argument and what would work.
     """
     from jaxlong.data import HFTokenizer, run_tokenizer, tokenizer_source  # noqa: PLC0415
-    from jaxlong.data.chat import ChatTemplate  # noqa: PLC0415
+    from jaxlong.data.chat import run_template  # noqa: PLC0415
     from jaxlong.generation.generate import check_positions, stop_ids  # noqa: PLC0415
     from jaxlong.training.checkpoint import committed_steps, saved_config  # noqa: PLC0415
 
@@ -109,9 +109,11 @@ def resolve(args):
         raise FileNotFoundError(f"SOURCE {source}: neither a run directory (with checkpoints/) nor a Hugging Face "
                                 f"checkpoint directory (with config.json)")
     if args.chat:
-        if directory is None:
-            raise ConfigError(f"--chat: {source} uses the byte tokenizer, which has no chat template; drop --chat")
-        text = ChatTemplate(directory).render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        template = run_template(cfg.data.chat_template, directory)
+        if template is None:
+            raise ConfigError(f"--chat: {source} has no chat template (its tokenizer's files have none and "
+                              f"data.chat_template is not set); drop --chat, or give data.chat_template=FILE.jinja")
+        text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
         ids = tokenizer.encode(text)  # the template places the special tokens
     else:
         ids = tokenizer.encode_prompt(prompt)

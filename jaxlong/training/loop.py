@@ -2,7 +2,7 @@
 
 The trainer knows no model internals: it builds the mesh, the state and the jitted step from `jaxlong.training.step`,
 feeds batches already sharded on the mesh, and writes TensorBoard scalars under `<run_dir>/<run_name>/`:
-`loss`, `lr`, `grad_norm`, `tokens_per_s`, `step_time_s`, `mfu` (when the device's peak is known),
+`loss`, `lr`, `grad_norm`, `tokens_trained` (targets the loss counted in the step), `tokens_per_s`, `step_time_s`, `mfu` (when the device's peak is known),
 `device_memory/*` (where the backend reports it), `packing_efficiency` (the fraction of tokens that are not
 padding), `seq_len` and `stage` (a recipe's stage index, `jaxlong.training.recipe`), with `data.sources` `data/share/NAME` (each source's share of the tokens fed to process 0 since the
 run started or resumed, padding excluded: `jaxlong.data.mixture`), and every `eval_every` steps `eval/loss` and `eval/perplexity` on held-out documents
@@ -247,7 +247,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
           f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")
     # Data first: a bad corpus fails before the (possibly long) compile.
     # data.path, or the first of data.sources (with batches of one's own: for validation only)
-    source = data_lib.first_source(cfg) if batch_fn is None or cfg.eval_every else None
+    source = data_lib.first_source(cfg, tokenizer) if batch_fn is None or cfg.eval_every else None
     validator, suite_validator, held_out = None, None, ()
     if cfg.eval_every:  # whole documents held out for validation, left out of training
         held_out, eval_batches = eval_lib.validation_split(cfg, source, tokenizer)

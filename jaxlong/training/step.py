@@ -114,14 +114,16 @@ def accumulated_loss_and_grads(params: dict, batch: dict, graphdef, rt: model_li
     """Mean loss and its gradient over a global batch run as `n` micro-batches in a `lax.scan`
     (gradient accumulation): only one micro-batch's activations are live at a time.
 
-    The loss is normalized by the valid-token count of the *whole* batch (counted before the scan), so the
+    The loss is normalized by the valid-token count of the *whole* batch (counted before the scan, as the sums
+    count: `mask` 1 and a target other than `IGNORE_INDEX`), so the
     result equals `jax.value_and_grad(loss_fn)` on the whole batch even when micro-batches hold different
     numbers of valid tokens (a per-micro-batch mean would weight their tokens unequally). Gradients are
     accumulated in the parameters' dtype and sharding (FSDP: reduce-scattered per micro-batch).
     Returns `(loss [], grads like params)`."""
     if n == 1:
         return jax.value_and_grad(loss_fn)(params, batch, graphdef, rt)
-    total = jnp.maximum(jnp.sum(batch["mask"].astype(jnp.float32)), 1.0)
+    # the count the sums use: IGNORE_INDEX (-100) targets are left out even where `mask` is 1 (Hugging Face labels)
+    total = jnp.maximum(jnp.sum(loss_lib.effective_mask(batch["targets"], batch["mask"])), 1.0)
 
     def scaled(p, mb):
         return loss_sum_fn(p, mb, graphdef, rt)[0] / total
@@ -309,7 +311,8 @@ def natural_order(x: np.ndarray, mesh: jax.sharding.Mesh) -> np.ndarray:
 def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
     """`train_step(state, batch) -> (state, metrics)`, jitted with explicit shardings and the state donated.
 
-    metrics: `loss` (nats/token), `grad_norm` (global L2 norm before clipping), `lr`. With `grad_accum=N` the
+    metrics: `loss` (nats/token), `grad_norm` (global L2 norm before clipping), `lr`, `tokens_trained` (the
+    targets the loss counted: not padding, not masked, e.g. a chat source's assistant tokens only). With `grad_accum=N` the
     batch runs as N micro-batches of `global_batch / N` sequences (`accumulated_loss_and_grads`).
     """
     graphdef = model_lib.model_graphdef(cfg)
@@ -320,7 +323,9 @@ def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
         loss, grads = accumulated_loss_and_grads(state["params"], batch, graphdef, rt, cfg.grad_accum)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+        trained = jnp.sum(loss_lib.effective_mask(batch["targets"], batch["mask"]))  # targets the loss counted
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]),
+                   "tokens_trained": trained}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     abstract = abstract_state(cfg, mesh)

@@ -6,15 +6,17 @@ import pytest
 from helpers import assert_trees_close, mesh_for, random_batch, tiered, tiny_cfg
 
 from jaxlong.config import ConfigError
+from jaxlong.layers.loss import IGNORE_INDEX
 from jaxlong.models.llama import Runtime, model_graphdef
 from jaxlong.training import step as step_lib
 
 
 def _uneven_batch(cfg):
-    """Micro-batch j holds rows j, j + N, ...: give rows 1 and 3 (micro-batch 1 of 2) far fewer valid tokens."""
+    """Micro-batch j holds rows j, j + N, ...: give rows 1 and 3 (micro-batch 1 of 2) far fewer valid tokens.
+    Row 3's are left out as Hugging Face labels leave them out: target -100 with mask 1."""
     batch = random_batch(cfg, seed=3)
     batch["mask"][1, : cfg.seq_len - 5] = 0.0
-    batch["mask"][3, 4:] = 0.0
+    batch["targets"][3, 4:] = IGNORE_INDEX
     return batch
 
 
@@ -41,7 +43,8 @@ def test_two_micro_batches_equal_one_double_batch(extra):
     one = tiny_cfg(*base, "grad_accum=1")
     two = tiny_cfg(*base, "grad_accum=2")
     batch = _uneven_batch(one)
-    counts = batch["mask"].reshape(2, 2, -1).sum(axis=(0, 2))  # rows (0, 2) and (1, 3)
+    valid = batch["mask"] * (batch["targets"] != IGNORE_INDEX)
+    counts = valid.reshape(2, 2, -1).sum(axis=(0, 2))  # rows (0, 2) and (1, 3)
     assert counts[0] > 3 * counts[1]  # the micro-batches hold very different numbers of valid tokens
     loss1, grads1, params1, step_loss1 = _loss_grads_update(one, batch)
     loss2, grads2, params2, step_loss2 = _loss_grads_update(two, batch)

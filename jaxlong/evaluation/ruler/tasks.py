@@ -134,6 +134,8 @@ def corpus_tokens(texts, tokenizer, max_tokens: int = 1 << 22) -> np.ndarray:
     """A corpus haystack: the documents' tokens joined by " " (no BOS/EOS), int32 `[<= max_tokens]`."""
     out, n = [], 0
     for text in texts:
+        if not isinstance(text, str):  # a conversation of a chat source (`ChatTokens`): its rendered text
+            text = tokenizer.decode(text.tokens)
         ids = np.asarray(tokenizer.encode(" " + text.strip()), np.int32)
         out.append(ids)
         n += ids.size
