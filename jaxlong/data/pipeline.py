@@ -60,6 +60,7 @@ from jaxlong.data.mixture import (
 )
 from jaxlong.data.chat import run_template
 from jaxlong.data.chat_data import ChatSource, ChatTokens, template_directory
+from jaxlong.data.imported import run_tokenizer
 from jaxlong.data.sources import DocumentSource
 from jaxlong.data.tokenizer import Tokenizer
 
@@ -506,8 +507,6 @@ def open_source(cfg, path, text_field: str, fmt: str, tokenizer: Tokenizer | Non
     if fmt != "chat":
         return DocumentSource(path, text_field)
     if tokenizer is None:
-        from jaxlong.data.imported import run_tokenizer  # noqa: PLC0415
-
         tokenizer = run_tokenizer(cfg)
     d = cfg.data
     template = run_template(d.chat_template, template_directory(tokenizer), mark_generation=True)

@@ -371,6 +371,8 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     writer.add_scalar("eval/loss", result.loss, step)
     writer.add_scalar("eval/perplexity", result.perplexity, step)
     for row in summary["loss_by_position"]:
+        if not row["tokens"]:  # no target counted at these positions (chat data: the prompt's)
+            continue
         writer.add_scalar(f"eval/loss_by_position/{row['start']:08d}", row["loss"], step)
     if result.passkey is not None:
         writer.add_scalar("eval/passkey_accuracy", float(np.mean(result.passkey)), step)

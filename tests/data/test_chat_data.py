@@ -219,3 +219,18 @@ def test_smollm2_template_gives_transformers_ids_and_assistant_masks(tmp_path):
             c = encode_conversation({"messages": case["messages"]}, tok, template)
             assert c.tokens.tolist() == case["ids"]
             assert c.trained.astype(int).tolist() == case["assistant_masks"]
+
+
+def test_chat_batches_resume_from_the_saved_data_state(tmp_path):
+    cfg = _chat_cfg(tmp_path, "global_batch=2", "seq_len=256")
+    tok = ByteTokenizer()
+    it = data_lib.batch_iterator(cfg, tok)
+    for _ in range(2):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))  # as a checkpoint stores it
+    want = next(it)
+    again = data_lib.batch_iterator(cfg, tok, state=state)
+    got = next(again)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+    assert 0 < want["mask"].sum() < (want["segment_ids"] > 0).sum()
