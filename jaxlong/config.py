@@ -191,7 +191,7 @@ class DataConfig:
     format: DataFormat = "text"
     chat_turns: ChatTurns = "all"  # assistant turns trained: "all", or the "last" of each conversation
     too_long: TooLong = "refuse"  # a conversation longer than seq_len: "refuse" (stop) or "drop" (counted)
-    chat_template: str | None = None  # a Jinja file to render with when the tokenizer's directory has no template
+    chat_template: str | None = None  # a Jinja file that replaces the tokenizer's template (or gives one)
 
 
 @dataclass
@@ -715,6 +715,13 @@ def validate_chat(cfg: Config) -> None:
             _check_choice(f"data.sources[{i}].format", src.format, DataFormat)
     if "chat" not in formats:
         return
+    paths = [d.path] if not d.sources else [s.path for s in d.sources if (s.format or d.format) == "chat"]
+    if any(p is None for p in paths):
+        where = "data.path" if not d.sources else next(f"data.sources[{i}].path" for i, s in enumerate(d.sources)
+                                                       if (s.format or d.format) == "chat" and s.path is None)
+        raise ConfigError(f"{where} is null (the embedded corpus, which is text) under data.format=chat: give a "
+                          f".jsonl file or directory of conversations (configs/data/stdlib_chat.jsonl is one), or "
+                          f"format: text for that source")
     if d.packing != "documents":
         raise ConfigError(f"data.packing={d.packing!r} would let conversations attend to each other: chat data packs "
                           f"each conversation as its own document (data.packing=documents)")

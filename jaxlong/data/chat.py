@@ -100,10 +100,11 @@ class ChatTemplate:
         env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
             json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+        self.where = str(template_file) if template_file is not None else str(self.directory)
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"{self.directory}: the chat template is not valid Jinja (line {e.lineno}: {e})") from None
+            raise ValueError(f"{self.where}: the chat template is not valid Jinja (line {e.lineno}: {e})") from None
         self.special = {}
         for name in ("special_tokens_map.json", "tokenizer_config.json"):
             f = self.directory / name
@@ -125,7 +126,7 @@ class ChatTemplate:
             text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         **{**self.special, **kwargs})
         except jinja2.TemplateError as e:
-            raise ValueError(f"{self.directory}: the chat template refused the messages: {e}") from None
+            raise ValueError(f"{self.where}: the chat template refused the messages: {e}") from None
         return text.replace(MARK_OPEN, "").replace(MARK_CLOSE, "") if self.marks_generation else text
 
     def render_spans(self, messages: list[dict], **kwargs) -> tuple[str, list[tuple[int, int]]]:
@@ -133,11 +134,14 @@ class ChatTemplate:
         `{% generation %}` bodies, in order (empty unless `marks_generation`)."""
         import jinja2  # noqa: PLC0415
 
+        if any(MARK_OPEN in str(m.get("content")) or MARK_CLOSE in str(m.get("content")) for m in messages):
+            raise ValueError("a message contains U+E000 or U+E001, the private-use characters that mark "
+                             "{% generation %} spans; remove them from the data")
         try:
             marked = self.template.render(messages=messages, add_generation_prompt=False,
                                           **{**self.special, **kwargs})
         except jinja2.TemplateError as e:
-            raise ValueError(f"{self.directory}: the chat template refused the messages: {e}") from None
+            raise ValueError(f"{self.where}: the chat template refused the messages: {e}") from None
         text, spans, start = [], [], None
         for piece in re.split(f"([{MARK_OPEN}{MARK_CLOSE}])", marked):
             if piece == MARK_OPEN:

@@ -9,8 +9,9 @@ directory of them, with one record per line, in one of the formats TRL reads:
   (`last`).
 * `{"prompt": [messages], "completion": [messages]}`: conversational prompt-completion, rendered as one
   conversation; the loss is on the completion's assistant turns.
-* `{"prompt": "text", "completion": "text"}`: plain prompt-completion, no template: `[BOS] prompt completion
-  [EOS]`, the loss on the completion and EOS.
+* `{"prompt": "text", "completion": "text"}`: plain prompt-completion, no template: the prompt as
+  `python -m jaxlong.generate` encodes a plain prompt (BOS where the tokenizer adds one), the completion, EOS; the
+  loss on the completion and EOS.
 
 The template places the special tokens, so a conversation bypasses the document wrapping `[BOS] ids [EOS]` of
 text sources. Its rendered text is tokenized whole, as transformers' `apply_chat_template` tokenizes it, and a
@@ -91,6 +92,9 @@ def parse_record(obj, where: str) -> dict:
         prompt, completion = obj["prompt"], obj["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):
             return {"prompt": prompt, "completion": completion}
+        if isinstance(prompt, str) or isinstance(completion, str):
+            raise ValueError(f"{where}: prompt and completion must both be text or both lists of messages, not one "
+                             f"of each")
         messages = _messages(prompt, f"{where}: prompt") + _messages(completion, f"{where}: completion")
         first = len(prompt)
     else:
@@ -152,16 +156,20 @@ def template_directory(tokenizer: Tokenizer) -> Path | None:
     return p if p.is_dir() else p.parent
 
 
-def _spans_by_turn(template: ChatTemplate, messages: list[dict], turns: list[int], text: str) -> list[tuple]:
+def _spans_by_turn(template: ChatTemplate, messages: list[dict], turns: list[int], text: str,
+                   last: bool) -> list[tuple]:
     spans = []
     for i in turns:
         before = template.render(messages[:i], add_generation_prompt=True) if i else ""
         through = template.render(messages[:i + 1], add_generation_prompt=False)
         if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError("the chat template renders an earlier turn differently once later turns follow (as "
-                             "Qwen3's drops past turns' reasoning), so its assistant turns cannot be told apart "
-                             "turn by turn: train the last assistant turn only (data.chat_turns=last), or give a "
-                             "template with {% generation %} tags (data.chat_template)")
+            way = "give a template with {% generation %} tags (data.chat_template)" if last else \
+                "train the last assistant turn only (data.chat_turns=last), or give a template with " \
+                "{% generation %} tags (data.chat_template)"
+            raise ValueError(f"the chat template renders assistant turn {i} differently once the turns after it or "
+                             f"its generation prompt are there (as Qwen3's drops past turns' reasoning, or a "
+                             f"generation prompt that opens a think block), so the turn cannot be told apart by "
+                             f"rendering turn by turn: {way}")
         spans.append((len(before), len(through)))
     return spans
 
@@ -184,12 +192,11 @@ def encode_conversation(record: dict, tokenizer: Tokenizer, template: ChatTempla
       ValueError: no template for a conversation, the template refuses the messages, or (turn by turn, `all`) a
         template whose earlier turns render differently later.
     """
-    if "prompt" in record:  # plain text: [BOS] prompt completion [EOS], the loss on completion and EOS
-        head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-        p, c = tokenizer.encode(record["prompt"]), tokenizer.encode(record["completion"])
-        tokens = np.concatenate([np.asarray(head, np.int32), p, c, [tokenizer.eos_id]]).astype(np.int32)
+    if "prompt" in record:  # plain text: the prompt as generation encodes it, the completion, EOS
+        p, c = tokenizer.encode_prompt(record["prompt"]), tokenizer.encode(record["completion"])
+        tokens = np.concatenate([p, c, [tokenizer.eos_id]]).astype(np.int32)
         trained = np.zeros(tokens.size, bool)
-        trained[len(head) + p.size:] = True
+        trained[p.size:] = True
         return ChatTokens(tokens, trained)
     if template is None:
         raise ValueError("a conversation needs a chat template: the tokenizer's directory has none and "
@@ -206,7 +213,7 @@ def encode_conversation(record: dict, tokenizer: Tokenizer, template: ChatTempla
         spans = [s for i, s in zip(index, spans) if i in chosen]
     else:
         text = template.render(messages, add_generation_prompt=False)
-        spans = _spans_by_turn(template, messages, chosen, text)
+        spans = _spans_by_turn(template, messages, chosen, text, turns == "last")
     ids, offsets = tokenizer.encode_offsets(text)
     trained = np.zeros(ids.size, bool)
     for a, b in spans:
@@ -248,9 +255,9 @@ class ChatSource:
             except ValueError as e:
                 raise ValueError(f"{option}: {self.records.where(i)}: {e}") from None
             if n > seq_len and too_long == "refuse":
-                raise ValueError(f"{option}: {self.records.where(i)} is {n:,} tokens, longer than seq_len={seq_len:,}; "
-                                 f"a conversation is never cut: raise seq_len, or leave such ones out with "
-                                 f"data.too_long=drop")
+                raise ValueError(f"{option}: {self.records.where(i)} is {n + 1:,} tokens ({n:,} next-token pairs), "
+                                 f"more than seq_len={seq_len:,} pairs; a conversation is never cut: raise seq_len, "
+                                 f"or leave such ones out with data.too_long=drop")
             if n <= seq_len:
                 keep.append(i)
                 lengths.append(n)

@@ -247,7 +247,11 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
 
 
 def _corpus_key(source) -> tuple | None:
-    """`(path, text_field)` of a `DocumentSource` (the embedded corpus: path None), None for other sources."""
+    """`(path, text_field)` of a `DocumentSource` (the embedded corpus: path None), `(path, 'chat')` of a
+    `ChatSource`, None for other sources: two sources with one key read one corpus (its held-out documents are
+    left out of both)."""
+    if isinstance(source, ChatSource):
+        return (str(source.path), "chat")
     return (source.path, source.text_field) if isinstance(source, DocumentSource) else None
 
 

@@ -6,6 +6,7 @@ gradient accumulation equal to a by-hand loss of each conversation alone on one 
 (slow tier) SmolLM2-135M-Instruct's template against transformers' token ids and assistant masks."""
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -77,7 +78,7 @@ def test_a_template_that_drops_past_reasoning_trains_the_last_turn_or_is_refused
     rec = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>x</think>b"},
                         {"role": "user", "content": "c"}, {"role": "assistant", "content": "<think>y</think>d"}]}
     path, tpl = _files(tmp_path, [rec], DROPS_PAST)
-    with pytest.raises(ValueError, match=r"chat.jsonl:1: the chat template renders an earlier turn differently .*"
+    with pytest.raises(ValueError, match=r"chat.jsonl:1: the chat template renders assistant turn 1 differently .*"
                                          r"\(data.chat_turns=last\)"):
         _source(path, tpl)
     assert _trained_text(_source(path, tpl, turns="last")[0]) == "<think>y</think>d<|im_end|>\n"
@@ -88,6 +89,8 @@ def test_a_template_that_drops_past_reasoning_trains_the_last_turn_or_is_refused
     ('{"messages": [{"role": "user", "content": "x"}]}', "chat.jsonl:2: no assistant message to train on"),
     ('{"messages": [{"role": "user"}]}', r"chat.jsonl:2: messages\[0\] must be a message"),
     ("not json", "chat.jsonl:2 is not valid JSON"),
+    ('{"prompt": "x", "completion": [{"role": "assistant", "content": "y"}]}',
+     "chat.jsonl:2: prompt and completion must both be text or both lists of messages"),
 ])
 def test_bad_records_are_named_by_file_and_line(tmp_path, line, error):
     path, tpl = _files(tmp_path)
@@ -96,25 +99,34 @@ def test_bad_records_are_named_by_file_and_line(tmp_path, line, error):
         _source(path, tpl)
 
 
+def test_the_span_markers_of_generation_tags_are_refused_in_content(tmp_path):
+    path, tpl = _files(tmp_path, [{"messages": [{"role": "user", "content": "a\ue000"},
+                                                {"role": "assistant", "content": "b"}]}], TAGGED)
+    with pytest.raises(ValueError, match=r"chat.jsonl:1: a message contains U\+E000 or U\+E001"):
+        _source(path, tpl)
+
+
 def test_a_conversation_longer_than_seq_len_is_refused_or_dropped_never_cut(tmp_path):
     path, tpl = _files(tmp_path)
     n = len(_source(path, tpl)[1]) - 1
-    with pytest.raises(ValueError, match=rf"chat.jsonl:2 is {n} tokens, longer than seq_len={n - 1}; a conversation "
-                                         r"is never cut: .* data.too_long=drop"):
+    with pytest.raises(ValueError, match=rf"chat.jsonl:2 is {n + 1} tokens \({n} next-token pairs\), more than "
+                                         rf"seq_len={n - 1} pairs; a conversation is never cut: .* data.too_long=drop"):
         _source(path, tpl, seq_len=n - 1)
     kept = _source(path, tpl, seq_len=n - 1, too_long="drop")
     assert kept.dropped == 1 and len(kept) == 3 and max(kept.lengths) <= n - 1
 
 
 def test_config_refuses_chat_with_concatenation_or_a_token_cap(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.path is null \(the embedded corpus, which is text\)"):
+        tiny_cfg("data.format=chat")
     with pytest.raises(ConfigError, match="data.packing='concat' would let conversations attend to each other"):
-        tiny_cfg("data.format=chat", "data.packing=concat")
+        tiny_cfg("data.format=chat", "data.path=x.jsonl", "data.packing=concat")
     with pytest.raises(ConfigError, match="data.max_tokens would cut a conversation"):
-        tiny_cfg("data.format=chat", "data.max_tokens=100")
+        tiny_cfg("data.format=chat", "data.path=x.jsonl", "data.max_tokens=100")
     with pytest.raises(ConfigError, match="data.chat_turns='first' is not allowed"):
-        tiny_cfg("data.format=chat", "data.chat_turns=first")
+        tiny_cfg("data.format=chat", "data.path=x.jsonl", "data.chat_turns=first")
     with pytest.raises(ConfigError, match="data.chat_template='nope.jinja': no such file"):
-        tiny_cfg("data.format=chat", "data.chat_template=nope.jinja")
+        tiny_cfg("data.format=chat", "data.path=x.jsonl", "data.chat_template=nope.jinja")
 
 
 def _chat_cfg(tmp_path, *extra):
@@ -234,3 +246,28 @@ def test_chat_batches_resume_from_the_saved_data_state(tmp_path):
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
     assert 0 < want["mask"].sum() < (want["segment_ids"] > 0).sum()
+
+
+def test_held_out_conversations_stay_out_of_every_source_that_reads_their_file(tmp_path):
+    """Two sources read one chat file (different length rules): the conversations validation holds out are in
+    neither's training batches."""
+    from jaxlong.evaluation.heldout import held_out_documents  # noqa: PLC0415
+
+    path, tpl = _files(tmp_path, [{"messages": [{"role": "user", "content": f"q{i}"},
+                                                {"role": "assistant", "content": f"answer number {i}"}]}
+                                  for i in range(40)])
+    cfg = tiny_cfg("model.vocab_size=257", "data.format=chat", f"data.chat_template={tpl}", "seq_len=256",
+                   "global_batch=2", f"data.sources=[{{path: {path}, name: a}}, {{path: {path}, name: b, "
+                                     f"min_doc_tokens: 10}}]")
+    tok = ByteTokenizer()
+    source = data_lib.first_source(cfg, tok)
+    held = held_out_documents(source, tok, 0.2, seed=0)
+    it = data_lib.batch_iterator(cfg, tok, source=source, exclude=held)
+    seen = set()
+    for _ in range(12):
+        b = next(it)
+        seen |= {int(n) for n in re.findall(rb"answer number (\d+)", np.where(b["inputs"] < 256, b["inputs"], 32)
+                                                                       .astype(np.uint8).tobytes())}
+    answers = {int(re.search(r"\d+", source[i].tokens[:-1].astype(np.uint8).tobytes().decode()[-40:]).group())
+               for i in held}
+    assert len(seen) > 20 and not seen & answers, (sorted(seen & answers), sorted(answers))
