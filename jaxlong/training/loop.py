@@ -5,7 +5,8 @@ feeds batches already sharded on the mesh, and writes TensorBoard scalars under 
 `loss`, `lr`, `grad_norm`, `tokens_trained` (targets the loss counted in the step), `tokens_per_s`, `step_time_s`, `mfu` (when the device's peak is known),
 `device_memory/*` (where the backend reports it), `packing_efficiency` (the fraction of tokens that are not
 padding), `seq_len` and `stage` (a recipe's stage index, `jaxlong.training.recipe`), with `data.sources` `data/share/NAME` (each source's share of the tokens fed to process 0 since the
-run started or resumed, padding excluded: `jaxlong.data.mixture`), and every `eval_every` steps `eval/loss` and `eval/perplexity` on held-out documents
+run started or resumed, padding excluded: `jaxlong.data.mixture`), `data/loss/NAME` and `data/tokens_trained/NAME`
+(the step's loss over each source's counted targets: a chat source's assistant tokens apart from a text source's), and every `eval_every` steps `eval/loss` and `eval/perplexity` on held-out documents
 (`jaxlong.evaluation.steps.Validator`), with `ruler_tasks` RULER scores `eval/ruler_<scoring>/...`
 (`jaxlong.evaluation.ruler.RulerValidator`, built before anything compiles), both run by the validation hook
 (`jaxlong.training.hooks`; `run(cfg, hooks=...)` adds others). In a multi-process run only process 0 prints,
@@ -478,7 +479,8 @@ def _loop(lp: _Loop, state: dict, start: int) -> dict:
                 profiling = True
             host_batch = next(batches)
             packed.append(data_lib.packing_efficiency(host_batch))
-            host_batch.pop(data_lib.SOURCE_FEATURE, None)  # a mixture's source per token: counted by `batches`
+            if names:  # a mixture: the source of every token, for each source's loss (0: no source)
+                host_batch.setdefault(data_lib.SOURCE_FEATURE, np.zeros_like(host_batch["inputs"]))
             fault("before_put", step)
             batch = step_lib.put_batch(host_batch, mesh, batches.rows, cfg.global_batch)
             fault("before_dispatch", step)
@@ -500,7 +502,11 @@ def _loop(lp: _Loop, state: dict, start: int) -> dict:
                 # addressable, so no device_get of the global array)
                 fetched = {k: np.asarray(v.addressable_data(0)) for k, v in m.items()}
                 fault("during_metrics", step)
+                by_source = {k: fetched.pop(k) for k in ("source_loss", "source_tokens_trained") if k in fetched}
                 metrics = {k: float(v) for k, v in fetched.items()}
+                for name, loss_, n in zip(names, *by_source.values()):  # each source's loss beside its share
+                    if n > 0:  # a step without the source's tokens logs nothing for it
+                        metrics[f"data/loss/{name}"], metrics[f"data/tokens_trained/{name}"] = float(loss_), float(n)
                 metrics["packing_efficiency"], packed = sum(packed) / max(len(packed), 1), []
                 metrics["seq_len"], metrics["stage"] = cfg.seq_len, cfg.stage
                 fed = getattr(batches, "source_tokens", list)()  # since the stage began, over resumes

@@ -115,27 +115,63 @@ def accumulated_loss_and_grads(params: dict, batch: dict, graphdef, rt: model_li
     (gradient accumulation): only one micro-batch's activations are live at a time.
 
     The loss is normalized by the valid-token count of the *whole* batch (counted before the scan, as the sums
-    count: `mask` 1 and a target other than `IGNORE_INDEX`), so the
-    result equals `jax.value_and_grad(loss_fn)` on the whole batch even when micro-batches hold different
-    numbers of valid tokens (a per-micro-batch mean would weight their tokens unequally). Gradients are
-    accumulated in the parameters' dtype and sharding (FSDP: reduce-scattered per micro-batch).
+    count: `mask` 1 and a target other than `IGNORE_INDEX`), so the result equals `jax.value_and_grad(loss_fn)` on
+    the whole batch even when micro-batches hold different numbers of valid tokens (a per-micro-batch mean would
+    weight their tokens unequally). Gradients are accumulated in the parameters' dtype and sharding (FSDP:
+    reduce-scattered per micro-batch).
     Returns `(loss [], grads like params)`."""
-    if n == 1:
-        return jax.value_and_grad(loss_fn)(params, batch, graphdef, rt)
+    loss, grads, _ = loss_grads_by_source(params, batch, graphdef, rt, n)
+    return loss, grads
+
+
+def loss_grads_by_source(params: dict, batch: dict, graphdef, rt: model_lib.Runtime, n: int, sources: int = 0):
+    """`accumulated_loss_and_grads`, and with `sources` > 0 (a data mixture: `batch['source']` int32 `[batch, seq]`,
+    the source index + 1 of every token, 0 on padding) each source's loss sum over the targets the loss counted,
+    float32 `[sources]` in nats (None without). Divided by `source_counts` it is each source's mean loss, so a chat
+    source's assistant-token loss reads apart from a text source's loss.
+
+    The per-token losses come for free from the gradient with respect to the mask: the loss is `sum(token_loss *
+    mask) / total` with `total` counted before (not differentiated), so `d loss / d mask = token_loss / total` at
+    every position (the tiled loss's backward computes it as well), summed where the loss counts the target.
+
+    Returns `(loss [], grads like params, sums [sources] or None)`."""
+    if n == 1 and not sources:
+        return (*jax.value_and_grad(loss_fn)(params, batch, graphdef, rt), None)
     # the count the sums use: IGNORE_INDEX (-100) targets are left out even where `mask` is 1 (Hugging Face labels)
     total = jnp.maximum(jnp.sum(loss_lib.effective_mask(batch["targets"], batch["mask"])), 1.0)
 
-    def scaled(p, mb):
-        return loss_sum_fn(p, mb, graphdef, rt)[0] / total
+    def scaled(p, mask, mb):
+        return loss_sum_fn(p, {**mb, "mask": mask}, graphdef, rt)[0] / total
+
+    def by_source(d_mask, mb):  # sum of each source's counted token losses: d_mask * total is the token loss
+        counted = loss_lib.effective_mask(mb["targets"], mb["mask"])  # (d_mask is the loss at every position)
+        onehot = (mb["source"][..., None] == jnp.arange(1, sources + 1)).astype(jnp.float32)
+        return jnp.einsum("bs,bsk->k", d_mask.astype(jnp.float32) * total * counted, onehot)
+
+    if n == 1:
+        loss, (grads, d_mask) = jax.value_and_grad(scaled, argnums=(0, 1))(params, batch["mask"], batch)
+        return loss, grads, by_source(d_mask, batch)
 
     def body(carry, mb):
-        loss, grads = carry
-        l, g = jax.value_and_grad(scaled)(params, mb)
-        return (loss + l, jax.tree.map(jnp.add, grads, g)), None
+        loss, grads, sums = carry
+        if sources:
+            l, (g, d_mask) = jax.value_and_grad(scaled, argnums=(0, 1))(params, mb["mask"], mb)
+            sums = sums + by_source(d_mask, mb)
+        else:
+            l, g = jax.value_and_grad(scaled)(params, mb["mask"], mb)
+        return (loss + l, jax.tree.map(jnp.add, grads, g), sums), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro_batches(batch, n, rt.mesh))
-    return loss, grads
+    init = (jnp.zeros((), jnp.float32), zeros, jnp.zeros((max(sources, 1),), jnp.float32))
+    (loss, grads, sums), _ = jax.lax.scan(body, init, micro_batches(batch, n, rt.mesh))
+    return loss, grads, sums if sources else None
+
+
+def source_counts(batch: dict, sources: int) -> jax.Array:
+    """Targets the loss counted per source of a mixture's batch, float32 `[sources]` (see `loss_grads_by_source`)."""
+    counted = loss_lib.effective_mask(batch["targets"], batch["mask"])
+    onehot = (batch["source"][..., None] == jnp.arange(1, sources + 1)).astype(jnp.float32)
+    return jnp.einsum("bs,bsk->k", counted, onehot)
 
 
 def init_state(cfg: Config, mesh: jax.sharding.Mesh, params: dict | None = None) -> dict:
@@ -312,20 +348,28 @@ def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
     """`train_step(state, batch) -> (state, metrics)`, jitted with explicit shardings and the state donated.
 
     metrics: `loss` (nats/token), `grad_norm` (global L2 norm before clipping), `lr`, `tokens_trained` (the
-    targets the loss counted: not padding, not masked, e.g. a chat source's assistant tokens only). With `grad_accum=N` the
+    targets the loss counted: not padding, not masked, e.g. a chat source's assistant tokens only); with
+    `data.sources` also `source_loss` and `source_tokens_trained`, float32 `[sources]` (each source's mean loss and
+    counted targets; the batch then carries `source`, `compile_train_step`). With `grad_accum=N` the
     batch runs as N micro-batches of `global_batch / N` sequences (`accumulated_loss_and_grads`).
     """
     graphdef = model_lib.model_graphdef(cfg)
     rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
     tx, schedule = make_optimizer(cfg)
 
+    sources = len(cfg.data.sources)
+
     def train_step(state, batch):
-        loss, grads = accumulated_loss_and_grads(state["params"], batch, graphdef, rt, cfg.grad_accum)
+        loss, grads, sums = loss_grads_by_source(state["params"], batch, graphdef, rt, cfg.grad_accum, sources)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         trained = jnp.sum(loss_lib.effective_mask(batch["targets"], batch["mask"]))  # targets the loss counted
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]),
                    "tokens_trained": trained}
+        if sources:  # each source's mean loss over its counted targets (NaN where the batch holds none)
+            counts = source_counts(batch, sources)
+            metrics["source_loss"] = jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), jnp.nan)
+            metrics["source_tokens_trained"] = counts
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     abstract = abstract_state(cfg, mesh)
@@ -341,6 +385,10 @@ def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
 def compile_train_step(cfg: Config, mesh: jax.sharding.Mesh):
     """Ahead-of-time compile of the train step for this config; nothing is allocated.
 
+    With `data.sources` the batch also carries `source` (int32 `[batch, seq]`, each token's source index + 1).
     Returns the `jax.stages.Compiled`; its `memory_analysis()` gives per-device bytes.
     """
-    return make_train_step(cfg, mesh).lower(abstract_state(cfg, mesh), abstract_batch(cfg, mesh)).compile()
+    batch = abstract_batch(cfg, mesh)
+    if cfg.data.sources:  # a mixture's batch: the source of every token, for each source's loss
+        batch["source"] = jax.ShapeDtypeStruct(batch["inputs"].shape, jnp.int32, sharding=batch_sharding(mesh))
+    return make_train_step(cfg, mesh).lower(abstract_state(cfg, mesh), batch).compile()

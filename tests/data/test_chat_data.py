@@ -271,3 +271,28 @@ def test_held_out_conversations_stay_out_of_every_source_that_reads_their_file(t
     answers = {int(re.search(r"\d+", source[i].tokens[:-1].astype(np.uint8).tobytes().decode()[-40:]).group())
                for i in held}
     assert len(seen) > 20 and not seen & answers, (sorted(seen & answers), sorted(answers))
+
+
+def test_each_source_of_a_mixture_logs_its_own_loss(tmp_path):
+    """The train step of a chat + text mixture (two micro-batches) reports each source's mean loss over its counted
+    targets (the chat source's assistant tokens, every text token), equal to the per-token losses of a reference
+    forward summed per source by hand."""
+    path, tpl = _files(tmp_path, CHATS * 3)
+    cfg = tiny_cfg("model.vocab_size=257", "seq_len=256", "global_batch=2", "grad_accum=2", "mesh.num_devices=1",
+                   "mesh.fsdp=1", "mesh.context=1", f"data.chat_template={tpl}", "eval_every=0",
+                   f"data.sources=[{{path: {path}, name: chat, format: chat}}, {{path: null, name: text}}]")
+    batches = data_lib.batch_iterator(cfg, ByteTokenizer())
+    batch = next(b for b in batches if {1, 2} <= set(b[data_lib.SOURCE_FEATURE].ravel().tolist()))  # both sources
+    mesh = mesh_for(cfg, 1)
+    state = step_lib.init_state(cfg, mesh)
+    rt, graphdef = llama.Runtime(mesh=mesh, cfg=cfg), llama.model_graphdef(cfg)
+    hidden, head = llama.forward(graphdef, state["params"], batch["inputs"], rt, batch["positions"],
+                                 batch["segment_ids"])
+    tl = np.asarray(loss_lib.token_losses(hidden, head, batch["targets"])) * batch["mask"]
+    src = batch[data_lib.SOURCE_FEATURE]
+    want = [tl[src == k].sum() / batch["mask"][src == k].sum() for k in (1, 2)]
+    _, m = step_lib.make_train_step(cfg, mesh)(state, step_lib.put_batch(batch, mesh))
+    assert batch["mask"][src == 1].sum() < (src == 1).sum() and batch["mask"][src == 2].all()
+    np.testing.assert_allclose(np.asarray(m["source_loss"]), want, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(m["source_tokens_trained"]), [batch["mask"][src == k].sum() for k in (1, 2)])
+    np.testing.assert_allclose(float(m["loss"]), tl.sum() / batch["mask"].sum(), rtol=1e-5)
