@@ -97,11 +97,12 @@ def main() -> None:
     lines = [
         "# SFT of SmolLM2-135M-Instruct on chat data, under ring attention (CPU)", "",
         "Command: `python experiments/smollm2_sft.py --out experiments/results` "
-        f"({machine}; base run {t_base:.0f} s, SFT run {t_sft:.0f} s, both with their compiles and validations).", "",
+        f"({machine}; base run {t_base:.0f} s, SFT run {t_sft:.0f} s, both with their compiles and validations, on a machine running other jobs: not a benchmark).", "",
         f"Data: `configs/data/stdlib_chat.jsonl` (240 conversations, `data.format=chat`), rendered with the "
         f"checkpoint's own chat template (no generation tags: assistant turns found turn by turn), packed whole into "
         f"rows of 1,024 tokens, the loss on assistant tokens only. Mesh: FSDP 2 x ring 4 on 8 simulated CPU devices. "
-        f"{len(held)} conversations held out (3%); the loss below is over their assistant tokens.", "",
+        f"{len(held)} conversations held out (`eval_fraction=0.03` asks for at least 8; more are held out until "
+        f"their tokens fill the 2 validation batches of 2 x 1,024); the loss below is over their assistant tokens.", "",
         f"Settings: `{' '.join(COMMON)}`; SFT: {STEPS} steps, learning rate 3e-5 (warmup 2, cosine to 10%), "
         f"no weight decay; base: one step at learning rate 0.", "",
         "| run | step | held-out assistant-token loss (nats) |", "|---|---|---|",
