@@ -55,8 +55,6 @@ RUN = {
     "python -m jaxlong.train attention.impl=upipe attention.heads_per_stage=4 remat.policy=full run_name=upipe steps=4":
         "a fresh directory",
     "python -m jaxlong.eval runs/default": AFTER_DEFAULT,
-    "python -m jaxlong.eval runs/default --step 20 --lengths 512,1024,2048,4096 --depths 0,0.25,0.5,0.75,1 "
-    "--per-cell 2": AFTER_DEFAULT,
     "python -m jaxlong.eval runs/default --ruler --ruler-tasks niah_single_1,vt --ruler-cases 1": AFTER_DEFAULT,
     "python -m jaxlong.generate runs/default --prompt 'def fibonacci(n):' --max-new-tokens 64": AFTER_DEFAULT,
     "python -m jaxlong.train run_name=ruler steps=4 eval_every=2 'ruler_tasks=[niah_single_1,vt]' "
@@ -68,6 +66,9 @@ RUN = {
 # The commands the slow tier does not run: (regular expression searched in the command, why). The first match
 # gives the reason.
 NOT_RUN = [
+    (r"^python -m jaxlong\.eval runs/default --step 20 --lengths ",
+     ("the evaluation of the command before it (which runs) with its step, lengths, depths and cases given; the "
+      "fast tier parses and checks these flags")),
     (r"^python -m jaxlong\.train mesh\.fsdp=1 mesh\.ring=2 mesh\.context=4 run_name=ring steps=4$",
      ("ring 2 x context 4 on 8 devices, trained through the same command as the one-process reference run of "
       "tests/training/test_multinode.py's ring layouts (slow tier), which also resumes and evaluates it")),
