@@ -698,9 +698,9 @@ def validate_sources(cfg: Config) -> None:
 def validate_chat(cfg: Config) -> None:
     """The chat keys (docs/post-training.md): `data.format` and each source's `format`, `data.chat_turns`,
     `data.too_long`, and what conversations need: whole-document packing (`data.packing=documents`: each
-    conversation its own segment), no `data.max_tokens` (it would cut one), an existing `data.chat_template`.
-    Records, the template and lengths are checked when the source is opened (`jaxlong.data.open_source`), before
-    anything compiles.
+    conversation its own segment), no `data.max_tokens` (it would cut one). `data.chat_template`, the records and
+    their lengths are checked when the run starts and opens the source (`jaxlong.data.open_source`), before
+    anything compiles (a trained run keeps its copy of the template, so evaluation needs no file).
 
     Raises:
       ConfigError: naming the option, its value and what would work.
@@ -728,9 +728,6 @@ def validate_chat(cfg: Config) -> None:
     if d.max_tokens is not None:
         raise ConfigError("data.max_tokens would cut a conversation; with data.format=chat drop it (too long "
                           "ones: data.too_long)")
-    if d.chat_template is not None and not Path(d.chat_template).is_file():
-        raise ConfigError(f"data.chat_template={d.chat_template!r}: no such file; give a Jinja chat template file, or "
-                          f"null for the tokenizer's own")
 
 
 def validate_ruler(cfg: Config) -> None:

@@ -154,15 +154,18 @@ class ChatTemplate:
 
 
 def run_template(template_file: str | Path | None, directory: str | Path | None,
-                 mark_generation: bool = False) -> ChatTemplate | None:
+                 mark_generation: bool = False, run_dir: str | Path | None = None) -> ChatTemplate | None:
     """The chat template a run renders with, for training on chat data, `python -m jaxlong.generate --chat` and
-    `python -m jaxlong.eval --chat` alike: `data.chat_template` (`template_file`) when set, else the template of the
-    tokenizer's directory (`directory`, the run's copy: `jaxlong.data.tokenizer_source`; None for the byte
-    tokenizer); None when there is neither.
+    `python -m jaxlong.eval --chat` alike: `data.chat_template` (`template_file`) when set (for a trained run,
+    `run_dir`, its copy `RUN_DIR/chat_template.jinja`: `jaxlong.data.imported.keep_chat_template`), else the
+    template of the tokenizer's directory (`directory`, the run's copy: `jaxlong.data.tokenizer_source`; None for
+    the byte tokenizer); None when there is neither.
 
     Raises:
       ValueError: `template_file` missing or not valid Jinja, or the directory's template not valid Jinja.
     """
+    if template_file is not None and run_dir is not None and (Path(run_dir) / "chat_template.jinja").is_file():
+        template_file = Path(run_dir) / "chat_template.jinja"  # what the run trained with
     if template_file is not None:
         return ChatTemplate(directory or Path(template_file).parent, template_file, mark_generation)
     if directory is None or find_template(directory) is None:

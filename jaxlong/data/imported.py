@@ -22,7 +22,7 @@ from pathlib import Path
 from jaxlong.data.tokenizer import HFTokenizer, Tokenizer, get_tokenizer
 
 __all__ = ["IMPORTED", "FILES", "import_source", "run_directory", "keep_imported", "check_copy", "run_tokenizer",
-           "config_source", "tokenizer_source"]
+           "config_source", "tokenizer_source", "RUN_TEMPLATE", "keep_chat_template"]
 
 IMPORTED = "imported"  # RUN_DIR/imported/
 # Copied when the import directory has them. config.json holds the model's shape and its token ids (bos, eos,
@@ -118,6 +118,30 @@ def keep_imported(cfg, run_dir: Path, *, recorded: dict[str, str] | None, write:
         shutil.rmtree(copy, ignore_errors=True)  # a fresh start's leftover (no checkpoint depends on it)
         os.rename(tmp, copy)
     return {name: _sha256(f) for name, f in sorted(files.items())}
+
+
+RUN_TEMPLATE = "chat_template.jinja"  # RUN_DIR/chat_template.jinja: the run's copy of data.chat_template
+
+
+def keep_chat_template(cfg, run_dir: Path, *, write: bool) -> None:
+    """Copy `data.chat_template`, when set, to `RUN_DIR/chat_template.jinja` each time the run (or a recipe's
+    stage) starts, so that `python -m jaxlong.generate RUN --chat` and `python -m jaxlong.eval RUN --chat` render
+    with the template the run last trained with, wherever the file has gone since (`jaxlong.data.chat.run_template`).
+    Written aside, then renamed; only by the process that writes (`write`).
+
+    Raises:
+      ValueError: `data.chat_template` names no file (the message names the option).
+    """
+    src = cfg.data.chat_template
+    if src is None or not write:
+        return
+    if not Path(src).is_file():
+        raise ValueError(f"data.chat_template={src!r}: no such file; give a Jinja chat template file, or null for the "
+                         f"tokenizer's own")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{RUN_TEMPLATE}.tmp-{os.getpid()}"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, run_dir / RUN_TEMPLATE)
 
 
 def _gone(option: str, tokenizer_file: Path, run_dir: Path, recorded: dict | None = None) -> str:

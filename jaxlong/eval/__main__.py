@@ -116,7 +116,7 @@ def chat_template(cfg, run_dir: Path, args):
     from jaxlong.data.chat import run_template  # noqa: PLC0415
 
     try:
-        template = run_template(cfg.data.chat_template, tokenizer_source(cfg, run_dir))
+        template = run_template(cfg.data.chat_template, tokenizer_source(cfg, run_dir), run_dir=run_dir)
     except ValueError as e:
         raise ConfigError(f"--chat: {e}") from None
     if template is None:

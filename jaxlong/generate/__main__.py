@@ -109,7 +109,7 @@ def resolve(args):
         raise FileNotFoundError(f"SOURCE {source}: neither a run directory (with checkpoints/) nor a Hugging Face "
                                 f"checkpoint directory (with config.json)")
     if args.chat:
-        template = run_template(cfg.data.chat_template, directory)
+        template = run_template(cfg.data.chat_template, directory, run_dir=run_dir)
         if template is None:
             raise ConfigError(f"--chat: {source} has no chat template (its tokenizer's files have none and "
                               f"data.chat_template is not set); drop --chat, or give data.chat_template=FILE.jinja")

@@ -38,7 +38,7 @@ from jaxlong.core.memstats import compiled_bytes, device_memory, format_compiled
 from jaxlong.core.distributed import allgather_json
 from jaxlong.core.mesh import build_mesh, check_process_layout, describe_param_sharding, run_devices
 from jaxlong.core.units import fmt_bytes
-from jaxlong.data.imported import keep_imported
+from jaxlong.data.imported import keep_chat_template, keep_imported
 from jaxlong.models import hf
 from jaxlong.training import step as step_lib
 from jaxlong.training.checkpoint import (
@@ -238,6 +238,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     recorded = (saved_config(ckpt_dir, latest) or {}).get("imported", {}) if resume else None
     cfg = dataclasses.replace(cfg, imported=keep_imported(cfg, run_dir, recorded=recorded,
                                                           write=jax.process_index() == 0, say=_say))
+    keep_chat_template(cfg, run_dir, write=jax.process_index() == 0)  # RUN_DIR/chat_template.jinja
     tokenizer = data_lib.run_tokenizer(cfg, run_dir)  # the run's copy, then model.from_hf, then data.tokenizer
     try:
         data_lib.check_vocab(tokenizer, cfg.model.vocab_size)

@@ -125,8 +125,10 @@ def test_config_refuses_chat_with_concatenation_or_a_token_cap(tmp_path):
         tiny_cfg("data.format=chat", "data.path=x.jsonl", "data.max_tokens=100")
     with pytest.raises(ConfigError, match="data.chat_turns='first' is not allowed"):
         tiny_cfg("data.format=chat", "data.path=x.jsonl", "data.chat_turns=first")
-    with pytest.raises(ConfigError, match="data.chat_template='nope.jinja': no such file"):
-        tiny_cfg("data.format=chat", "data.path=x.jsonl", "data.chat_template=nope.jinja")
+    path, _ = _files(tmp_path)
+    missing = tiny_cfg("data.format=chat", f"data.path={path}", "data.chat_template=nope.jinja")
+    with pytest.raises(ValueError, match="data.chat_template='nope.jinja': no such file"):
+        data_lib.first_source(missing, ByteTokenizer())  # when the run starts: a trained run keeps its copy
 
 
 def _chat_cfg(tmp_path, *extra):
@@ -296,3 +298,18 @@ def test_each_source_of_a_mixture_logs_its_own_loss(tmp_path):
     np.testing.assert_allclose(np.asarray(m["source_loss"]), want, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(m["source_tokens_trained"]), [batch["mask"][src == k].sum() for k in (1, 2)])
     np.testing.assert_allclose(float(m["loss"]), tl.sum() / batch["mask"].sum(), rtol=1e-5)
+
+
+def test_a_run_keeps_its_chat_template_for_generation_once_the_file_is_gone(tmp_path):
+    from jaxlong.data.chat import run_template  # noqa: PLC0415
+    from jaxlong.data.imported import keep_chat_template  # noqa: PLC0415
+
+    path, tpl = _files(tmp_path, template=TAGGED)
+    cfg = tiny_cfg("data.format=chat", f"data.path={path}", f"data.chat_template={tpl}")
+    run_dir = tmp_path / "run"
+    keep_chat_template(cfg, run_dir, write=True)
+    tpl.unlink()
+    template = run_template(cfg.data.chat_template, None, run_dir=run_dir)  # generate/eval --chat on the run
+    assert template.render([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="no such file"):
+        run_template(cfg.data.chat_template, None)  # without the run's copy
