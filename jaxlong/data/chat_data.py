@@ -200,7 +200,7 @@ def encode_conversation(record: dict, tokenizer: Tokenizer, template: ChatTempla
         return ChatTokens(tokens, trained)
     if template is None:
         raise ValueError("a conversation needs a chat template: the tokenizer's directory has none and "
-                         "data.chat_template is not set")
+                         "data.chat_template is not set (configs/chat_templates/chatml.jinja is a ChatML one)")
     messages, first = record["messages"], record.get("first", 0)
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
     chosen = assistant if turns == "all" else assistant[-1:]
