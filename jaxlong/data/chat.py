@@ -19,6 +19,7 @@ from pathlib import Path
 __all__ = ["ChatTemplate", "find_template", "run_template"]
 
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+RUN_TEMPLATE = "chat_template.jinja"  # RUN_DIR/chat_template.jinja: a run's copy of data.chat_template
 MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"  # private-use characters around a {% generation %} body (mark_generation)
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -164,8 +165,8 @@ def run_template(template_file: str | Path | None, directory: str | Path | None,
     Raises:
       ValueError: `template_file` missing or not valid Jinja, or the directory's template not valid Jinja.
     """
-    if template_file is not None and run_dir is not None and (Path(run_dir) / "chat_template.jinja").is_file():
-        template_file = Path(run_dir) / "chat_template.jinja"  # what the run trained with
+    if template_file is not None and run_dir is not None and (Path(run_dir) / RUN_TEMPLATE).is_file():
+        template_file = Path(run_dir) / RUN_TEMPLATE  # what the run trained with
     if template_file is not None:
         return ChatTemplate(directory or Path(template_file).parent, template_file, mark_generation)
     if directory is None or find_template(directory) is None:

@@ -19,6 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
+from jaxlong.data.chat import RUN_TEMPLATE
 from jaxlong.data.tokenizer import HFTokenizer, Tokenizer, get_tokenizer
 
 __all__ = ["IMPORTED", "FILES", "import_source", "run_directory", "keep_imported", "check_copy", "run_tokenizer",
@@ -118,9 +119,6 @@ def keep_imported(cfg, run_dir: Path, *, recorded: dict[str, str] | None, write:
         shutil.rmtree(copy, ignore_errors=True)  # a fresh start's leftover (no checkpoint depends on it)
         os.rename(tmp, copy)
     return {name: _sha256(f) for name, f in sorted(files.items())}
-
-
-RUN_TEMPLATE = "chat_template.jinja"  # RUN_DIR/chat_template.jinja: the run's copy of data.chat_template
 
 
 def keep_chat_template(cfg, run_dir: Path, *, write: bool) -> None:
