@@ -43,7 +43,7 @@ from jaxlong.parallel.ulysses import check_heads
 from jaxlong.parallel.upipe import check_upipe_remat_names, check_upipe_schedule
 
 __all__ = ["Config", "ModelConfig", "RopeScalingConfig", "MeshConfig", "AttentionConfig", "RematConfig", "TilingConfig",
-           "DataConfig", "OptimConfig", "ConfigError", "load_config", "from_dict", "to_dict", "parse_override",
+           "DataConfig", "OptimConfig", "DPOConfig", "ConfigError", "load_config", "from_dict", "to_dict", "parse_override",
            "apply_setting", "read_yaml", "validate", "validate_optim", "schedule_length", "refusal", "advise",
            "with_settings", "changed_keys"]
 
@@ -216,6 +216,24 @@ class OptimConfig:
     reset_state: bool = False
 
 
+Objective = Literal["lm", "dpo"]  # `objective`
+PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]  # `dpo.loss`
+
+
+@dataclass
+class DPOConfig:
+    """Preference optimization (`objective: dpo`, docs/post-training.md, `jaxlong.training.preference`) on
+    `data.format: preference` pairs."""
+
+    loss: PreferenceLoss = "sigmoid"  # sigmoid (DPO), ipo, or simpo (no reference)
+    beta: float = 0.1  # the KL penalty's strength (DPO's beta); under simpo the reward scale
+    simpo_gamma: float = 0.5  # SimPO's target margin (nats, on per-token averaged log-probs)
+    # The frozen reference whose log-probs are computed once, before the first DPO step, and kept in
+    # RUN_DIR/reference/: "policy" (the weights the run or the recipe's stage starts from), or a Hugging Face
+    # model directory of the same architecture.
+    reference: str = "policy"
+
+
 @dataclass
 class Config:
     """Everything one training run needs."""
@@ -227,6 +245,8 @@ class Config:
     tiling: TilingConfig = field(default_factory=TilingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    objective: Objective = "lm"  # "lm" (next-token loss; SFT with chat data) or "dpo" (preference pairs)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     seq_len: int = 4096  # tokens per sequence
     global_batch: int = 2  # sequences per optimizer step, over all data-parallel replicas and micro-batches
     grad_accum: int = 1  # micro-batches per step (gradient accumulation); each has global_batch / grad_accum
@@ -581,6 +601,7 @@ def _check(cfg: Config, n: int, platform: str | None) -> None:
         raise ConfigError(f"data.read_buffer={cfg.data.read_buffer} must be >= 1 document")
     validate_sources(cfg)
     validate_chat(cfg)
+    validate_objective(cfg)
     if cfg.steps < 1:
         raise ConfigError(f"steps={cfg.steps} must be >= 1")
     if not 0 <= cfg.optim.schedule_start < cfg.steps:
@@ -713,21 +734,55 @@ def validate_chat(cfg: Config) -> None:
     for i, src in enumerate(d.sources):
         if src.format is not None:
             _check_choice(f"data.sources[{i}].format", src.format, DataFormat)
-    if "chat" not in formats:
+    if "chat" not in formats and "preference" not in formats:
         return
-    paths = [d.path] if not d.sources else [s.path for s in d.sources if (s.format or d.format) == "chat"]
+    records = ("chat", "preference")
+    paths = [d.path] if not d.sources else [s.path for s in d.sources if (s.format or d.format) in records]
+    fmt = next(f for f in formats if f in records)
     if any(p is None for p in paths):
         where = "data.path" if not d.sources else next(f"data.sources[{i}].path" for i, s in enumerate(d.sources)
-                                                       if (s.format or d.format) == "chat" and s.path is None)
-        raise ConfigError(f"{where} is null (the embedded corpus, which is text) under data.format=chat: give a "
-                          f".jsonl file or directory of conversations (configs/data/stdlib_chat.jsonl is one), or "
-                          f"format: text for that source")
+                                                       if (s.format or d.format) in records and s.path is None)
+        example = "configs/data/stdlib_chat.jsonl" if fmt == "chat" else "configs/data/stdlib_preference.jsonl"
+        raise ConfigError(f"{where} is null (the embedded corpus, which is text) under data.format={fmt}: give a "
+                          f".jsonl file or directory of {fmt} records ({example} is one), or format: text for that "
+                          f"source")
     if d.packing != "documents":
-        raise ConfigError(f"data.packing={d.packing!r} would let conversations attend to each other: chat data packs "
-                          f"each conversation as its own document (data.packing=documents)")
+        raise ConfigError(f"data.packing={d.packing!r} would let conversations attend to each other: {fmt} data "
+                          f"packs each conversation as its own document (data.packing=documents)")
     if d.max_tokens is not None:
-        raise ConfigError("data.max_tokens would cut a conversation; with data.format=chat drop it (too long "
-                          "ones: data.too_long)")
+        raise ConfigError(f"data.max_tokens would cut a conversation; with data.format={fmt} drop it (too long "
+                          f"ones: data.too_long)")
+
+
+def validate_objective(cfg: Config) -> None:
+    """`objective` and the `dpo` keys (docs/post-training.md): `objective: dpo` trains on `data.format:
+    preference` pairs and only on them (no `data.sources` mixture), with a positive `dpo.beta`; preference data
+    needs `objective: dpo`.
+
+    Raises:
+      ConfigError: naming the option, its value and what would work.
+    """
+    _check_choice("objective", cfg.objective, Objective)
+    _check_choice("dpo.loss", cfg.dpo.loss, PreferenceLoss)
+    d = cfg.data
+    formats = [d.format] if not d.sources else [s.format or d.format for s in d.sources]
+    if cfg.objective == "lm":
+        if "preference" in formats:
+            where = "data.format" if not d.sources else "a source's format"
+            raise ConfigError(f"{where}=preference is preference pairs, for objective=dpo; set objective=dpo, or "
+                              f"train on chat or text data", key="objective", value=cfg.objective)
+        return
+    if d.sources or d.format != "preference":
+        raise ConfigError(f"objective=dpo trains on preference pairs: set data.format=preference with data.path a "
+                          f".jsonl of prompt/chosen/rejected records" + (", without data.sources" if d.sources else
+                                                                          f" (data.format is {d.format!r})"),
+                          key="objective", value=cfg.objective)
+    if not cfg.dpo.beta > 0:
+        raise ConfigError(f"dpo.beta={cfg.dpo.beta} must be positive (TRL's default is 0.1)", key="dpo.beta",
+                          value=cfg.dpo.beta)
+    if not str(cfg.dpo.reference).strip():
+        raise ConfigError("dpo.reference is empty; give policy (the weights the run starts from) or a Hugging Face "
+                          "model directory")
 
 
 def validate_ruler(cfg: Config) -> None:

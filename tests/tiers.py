@@ -17,6 +17,7 @@ TIERS = {
     "core/test_xla_log.py": "fast",
     "data/test_data.py": "fast+slow",
     "data/test_chat_data.py": "fast+slow",
+    "training/test_dpo.py": "fast+slow",
     "data/test_mixture.py": "fast",
     "evaluation/test_eval.py": "fast+slow",
     "evaluation/test_hostmem.py": "fast+slow",

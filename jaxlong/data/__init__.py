@@ -16,6 +16,7 @@ Batches go onto the mesh with `jaxlong.training.step.put_batch` (the input layou
 from __future__ import annotations
 
 from jaxlong.data.pipeline import (
+    PAIR_FEATURE,
     DocumentSubset,
     batch_iterator,
     document_pairs,
@@ -55,6 +56,6 @@ __all__ = [
     "document_tokens", "document_pairs", "DocumentSubset", "make_dataset", "merge_states", "batch_iterator",
     "packing_efficiency", "first_source", "mixture_sources", "source_shares", "SOURCE_FEATURE", "MixedSource",
     "TokenShareMix", "source_name", "source_label", "SourceLengths", "measure_lengths", "check_lengths",
-    "repetition_warnings",
+    "repetition_warnings", "PAIR_FEATURE",
 ]
 

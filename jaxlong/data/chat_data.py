@@ -45,9 +45,9 @@ from jaxlong.data.sources import corpus_files
 from jaxlong.data.tokenizer import Tokenizer
 
 __all__ = ["ChatTokens", "ChatRecords", "ChatSource", "encode_conversation", "template_directory",
-           "DataFormat", "ChatTurns", "TooLong", "FORMATS", "TURNS", "TOO_LONG"]
+           "check_messages", "ROLES", "DataFormat", "ChatTurns", "TooLong", "FORMATS", "TURNS", "TOO_LONG"]
 
-DataFormat = Literal["text", "chat"]  # `data.format`, a source's `format`
+DataFormat = Literal["text", "chat", "preference"]  # `data.format`, a source's `format` (preference: DPO pairs)
 ChatTurns = Literal["all", "last"]  # `data.chat_turns`
 TooLong = Literal["refuse", "drop"]  # `data.too_long`
 FORMATS, TURNS, TOO_LONG = get_args(DataFormat), get_args(ChatTurns), get_args(TooLong)
@@ -67,12 +67,21 @@ class ChatTokens:
         return int(self.tokens.size)
 
 
-def _messages(value, where: str) -> list[dict]:
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")  # the roles chat templates render
+
+
+def check_messages(value, where: str) -> list[dict]:
+    """`value` checked as a non-empty list of messages `{"role": str, "content": str}` with a role of `ROLES`.
+
+    Raises:
+      ValueError: `where` (file:line: field), the message's index and what is wrong."""
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where} must be a non-empty list of messages")
     for k, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"{where}[{k}] must be a message {{\"role\": str, \"content\": str}}, not {m!r:.80}")
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}[{k}]: unknown role {m['role']!r}; the roles are {', '.join(ROLES)}")
     return value
 
 
@@ -86,7 +95,7 @@ def parse_record(obj, where: str) -> dict:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: a chat record must be a JSON object: {_FORMATS}")
     if "messages" in obj:
-        messages = _messages(obj["messages"], f"{where}: messages")
+        messages = check_messages(obj["messages"], f"{where}: messages")
         first = 0
     elif "prompt" in obj and "completion" in obj:
         prompt, completion = obj["prompt"], obj["completion"]
@@ -95,7 +104,7 @@ def parse_record(obj, where: str) -> dict:
         if isinstance(prompt, str) or isinstance(completion, str):
             raise ValueError(f"{where}: prompt and completion must both be text or both lists of messages, not one "
                              f"of each")
-        messages = _messages(prompt, f"{where}: prompt") + _messages(completion, f"{where}: completion")
+        messages = check_messages(prompt, f"{where}: prompt") + check_messages(completion, f"{where}: completion")
         first = len(prompt)
     else:
         raise ValueError(f"{where}: a chat record needs {_FORMATS}; it has {sorted(obj)}")
@@ -108,11 +117,13 @@ class ChatRecords:
     """The records of the `.jsonl` files of `path` (a file or a directory), one per non-blank line, each checked by
     `parse_record` when indexed; random access by index returns the parsed record. `where(i)` is `file:line`."""
 
+    formats = _FORMATS
+
     def __init__(self, path: str | Path, option: str = "data.path"):
         files = corpus_files(path)
         bad = [f for f in files if f.suffix != ".jsonl"]
         if bad:
-            raise ValueError(f"{option}={str(path)!r}: a chat source is .jsonl (one record per line: {_FORMATS}); "
+            raise ValueError(f"{option}={str(path)!r}: this source is .jsonl (one record per line: {self.formats}); "
                              f"{bad[0]} is not")
         self.refs: list[tuple[str, int, int]] = []
         for f in files:
@@ -124,14 +135,18 @@ class ChatRecords:
                         self.refs.append((str(f), offset, lineno))
                     offset += len(line)
         if not self.refs:
-            raise ValueError(f"{option}={str(path)!r}: no chat records")
+            raise ValueError(f"{option}={str(path)!r}: no records")
 
-    @staticmethod
-    def _parse(line: bytes, where: str) -> dict:
+    @classmethod
+    def _parse(cls, line: bytes, where: str) -> dict:
         try:
             obj = json.loads(line.decode("utf-8", errors="replace"))
         except json.JSONDecodeError as e:
             raise ValueError(f"{where} is not valid JSON ({e})") from None
+        return cls._check(obj, where)
+
+    @staticmethod
+    def _check(obj, where: str) -> dict:
         return parse_record(obj, where)
 
     def __len__(self) -> int:

@@ -62,12 +62,14 @@ from jaxlong.data.mixture import (
 from jaxlong.data.chat import run_template
 from jaxlong.data.chat_data import ChatSource, ChatTokens, template_directory
 from jaxlong.data.imported import run_tokenizer
+from jaxlong.data.preference import PairTokens, PreferenceSource
 from jaxlong.data.sources import DocumentSource
 from jaxlong.data.tokenizer import Tokenizer
 
 __all__ = ["document_tokens", "document_pairs", "SplitLongDocuments", "DocumentSubset", "token_limit", "make_dataset",
            "ProcessBatches", "ProcessIterator", "merge_states", "batch_iterator", "packing_efficiency", "PACKING_BINS",
-           "first_source", "mixture_sources", "source_shares", "open_source", "LOSS_FEATURE"]
+           "first_source", "mixture_sources", "source_shares", "open_source", "LOSS_FEATURE", "PART_FEATURE",
+           "REFERENCE_FEATURE", "PAIR_FEATURE", "is_preference"]
 
 Packing = Literal["documents", "concat"]  # `data.packing`
 SplitPositions = Literal["restart", "continue"]  # `data.split_positions`
@@ -76,6 +78,11 @@ PACKING_BINS = 16  # rows first-fit packing fills at once (more bins: less paddi
 STAGE_SEED = 1_000_003  # a recipe's stage k shuffles with seed + k * STAGE_SEED (another order for each stage)
 _FEATURES = ("inputs", "targets", "positions")
 LOSS_FEATURE = "loss"  # int32 per target: 1 where the loss counts it (a chat source's assistant tokens)
+# Preference pairs (`jaxlong.data.preference`): which half of its pair a token is in (1 chosen, 2 rejected), the
+# reference's summed response log-probs of the half (float32 nats, at the half's first position, 0 elsewhere) and
+# the pair's index in its source + 1 (every position).
+PART_FEATURE, REFERENCE_FEATURE, PAIR_FEATURE = "part", "reference", "pair"
+_PAIR_FEATURES = (PART_FEATURE, REFERENCE_FEATURE, PAIR_FEATURE)
 
 
 def document_tokens(text, tokenizer: Tokenizer) -> np.ndarray:
@@ -83,6 +90,8 @@ def document_tokens(text, tokenizer: Tokenizer) -> np.ndarray:
     (`jaxlong.data.chat_data.ChatTokens`) as its template placed its tokens."""
     if isinstance(text, ChatTokens):
         return text.tokens
+    if isinstance(text, PairTokens):  # both halves (what a pair takes in a row, + 2)
+        return np.concatenate([text.chosen.tokens, text.rejected.tokens])
     ids = tokenizer.encode(text)
     head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     return np.concatenate([np.asarray(head, np.int32), ids.astype(np.int32), np.asarray([tokenizer.eos_id], np.int32)])
@@ -104,6 +113,16 @@ def pairs_of(doc, tokenizer: Tokenizer, loss: bool = False) -> dict:
     (a stream that mixes conversations in)."""
     if isinstance(doc, ChatTokens):
         return document_pairs(doc.tokens, doc.trained)
+    if isinstance(doc, PairTokens):  # chosen then rejected, each with positions from 0 (one packed element)
+        halves = [document_pairs(h.tokens, h.trained) for h in (doc.chosen, doc.rejected)]
+        out = {k: np.concatenate([h[k] for h in halves]) for k in halves[0]}
+        n = [h["inputs"].size for h in halves]
+        out[PART_FEATURE] = np.repeat(np.array([1, 2], np.int32), n)
+        out[REFERENCE_FEATURE] = np.zeros(sum(n), np.float32)
+        if doc.reference is not None:
+            out[REFERENCE_FEATURE][[0, n[0]]] = doc.reference
+        out[PAIR_FEATURE] = np.full(sum(n), doc.index + 1, np.int32)
+        return out
     pairs = document_pairs(document_tokens(doc, tokenizer))
     if loss:
         pairs[LOSS_FEATURE] = np.ones(pairs["inputs"].size, np.int32)
@@ -111,8 +130,14 @@ def pairs_of(doc, tokenizer: Tokenizer, loss: bool = False) -> dict:
 
 
 def is_chat(source) -> bool:
-    """Whether a random-access source yields conversations (`ChatSource`, or a subset of one)."""
+    """Whether a random-access source yields conversations or pairs (`ChatSource`, `PreferenceSource`, or a subset
+    of one): elements with their own loss mask."""
     return bool(getattr(source, "is_chat", False))
+
+
+def is_preference(source) -> bool:
+    """Whether a random-access source yields preference pairs (`PreferenceSource`, or a subset of one)."""
+    return bool(getattr(source, "is_preference", False))
 
 
 class SplitLongDocuments(FlatMapTransform):
@@ -152,10 +177,15 @@ def token_limit(source: DocumentSource, tokenizer: Tokenizer, max_tokens: int) -
 def _finalize(row: dict) -> dict:
     seg = row["inputs_segment_ids"].astype(np.int32)
     mask = (seg > 0) & (row[LOSS_FEATURE] > 0) if LOSS_FEATURE in row else seg > 0
+    if PART_FEATURE in row:  # the k-th pair of the row: chosen in segment 2k - 1, rejected in 2k
+        seg = np.where(seg > 0, 2 * seg - (row[PART_FEATURE] == 1), 0).astype(np.int32)
     out = {"inputs": row["inputs"].astype(np.int32), "targets": row["targets"].astype(np.int32),
            "positions": row["positions"].astype(np.int32), "segment_ids": seg, "mask": mask.astype(np.float32)}
     if SOURCE_FEATURE in row:  # a mixture: the source of every token (0 on padding)
         out[SOURCE_FEATURE] = np.where(seg > 0, row[SOURCE_FEATURE], 0).astype(np.int32)
+    if PART_FEATURE in row:
+        out[REFERENCE_FEATURE] = np.where(seg > 0, row[REFERENCE_FEATURE], 0).astype(np.float32)
+        out[PAIR_FEATURE] = np.where(seg > 0, row[PAIR_FEATURE], 0).astype(np.int32)
     return out
 
 
@@ -242,7 +272,7 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
     read = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=read_buffer)
     loss = is_chat(source)
     streams = {s: _row_stream(ds[s::n], seed + s, seq_len, packing, split_positions, shuffle, _bins(n), read, repeat,
-                              loss)
+                              loss, is_preference(source))
                .batch(per, drop_remainder=True) for s in sorted({int(r) // per for r in rows})}
     return ProcessBatches(streams, rows, per)
 
@@ -251,8 +281,8 @@ def _corpus_key(source) -> tuple | None:
     """`(path, text_field)` of a `DocumentSource` (the embedded corpus: path None), `(path, 'chat')` of a
     `ChatSource`, None for other sources: two sources with one key read one corpus (its held-out documents are
     left out of both)."""
-    if isinstance(source, ChatSource):
-        return (str(source.path), "chat")
+    if isinstance(source, (ChatSource, PreferenceSource)):
+        return (str(source.path), "preference" if is_preference(source) else "chat")
     return (source.path, source.text_field) if isinstance(source, DocumentSource) else None
 
 
@@ -355,27 +385,30 @@ def _bins(streams: int) -> int:
 
 
 def _row_stream(ds: grain.MapDataset, seed: int, seq_len: int, packing: str, split_positions: str, shuffle: bool,
-                bins: int, read: grain.ReadOptions, repeat: bool = True, loss: bool = False) -> grain.IterDataset:
+                bins: int, read: grain.ReadOptions, repeat: bool = True, loss: bool = False,
+                pairs: bool = False) -> grain.IterDataset:
     """One stream's documents shuffled, repeated (unless `repeat=False`) and packed into rows of `seq_len`
     (stages 2-4)."""
     if shuffle:
         ds = ds.shuffle(seed=seed)
     it = (ds.repeat() if repeat else ds).to_iter_dataset(read_options=read)
-    return _pack(it, seed, seq_len, packing, split_positions, bins, loss)
+    return _pack(it, seed, seq_len, packing, split_positions, bins, loss, pairs)
 
 
 def _pack(it: grain.IterDataset, seed: int, seq_len: int, packing: str, split_positions: str,
-          bins: int, loss: bool = False) -> grain.IterDataset:
-    """Documents (`document_pairs` dicts, with `source` in a mixture and `loss` with conversations) packed into
-    rows of `seq_len` (stage 4). Conversations are never split: a chat source keeps only those that fit."""
+          bins: int, loss: bool = False, pairs: bool = False) -> grain.IterDataset:
+    """Documents (`document_pairs` dicts, with `source` in a mixture and `loss` with conversations; a preference
+    pair's features too with `pairs`) packed into rows of `seq_len` (stage 4). Conversations and pairs are never
+    split: their sources keep only those that fit."""
     mixed = isinstance(it, TokenShareMix)
     features = (*_FEATURES, SOURCE_FEATURE) if mixed else _FEATURES
     features = (*features, LOSS_FEATURE) if loss else features
-    lengths = {k: seq_len for k in features}
+    meta = ("positions", *_PAIR_FEATURES) if pairs else ("positions",)
+    lengths = {k: seq_len for k in (*features, *meta)}
     if packing == "documents":
         it = FlatMapIterDataset(it, SplitLongDocuments(seq_len, split_positions == "continue"))
         return FirstFitPackIterDataset(it, length_struct=lengths, num_packing_bins=bins, seed=seed,
-                                       shuffle_bins=False, meta_features=("positions",)).map(_finalize)
+                                       shuffle_bins=False, meta_features=meta).map(_finalize)
     kept = ("inputs", "targets", SOURCE_FEATURE) if mixed else ("inputs", "targets")
     it = ConcatThenSplitIterDataset(it.map(lambda d: {k: d[k] for k in kept}),
                                     length_struct={k: seq_len for k in kept})
@@ -455,7 +488,7 @@ class DocumentSubset:
 
     def __init__(self, source, indices):
         self.source, self.keep = source, [int(i) for i in indices]
-        self.is_chat = is_chat(source)
+        self.is_chat, self.is_preference = is_chat(source), is_preference(source)
 
     def __len__(self) -> int:
         return len(self.keep)
@@ -511,12 +544,14 @@ def open_source(cfg, path, text_field: str, fmt: str, tokenizer: Tokenizer | Non
     Raises:
       ValueError: see `DocumentSource` and `ChatSource`.
     """
-    if fmt != "chat":
+    if fmt == "text":
         return DocumentSource(path, text_field)
     if tokenizer is None:
         tokenizer = run_tokenizer(cfg)
     d = cfg.data
     template = run_template(d.chat_template, template_directory(tokenizer), mark_generation=True)
+    if fmt == "preference":
+        return PreferenceSource(path, tokenizer, template, cfg.seq_len, d.too_long)
     return ChatSource(path, tokenizer, template, cfg.seq_len, d.chat_turns, d.too_long)
 
 

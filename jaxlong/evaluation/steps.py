@@ -37,6 +37,7 @@ from jaxlong.evaluation.probes import PositionLoss, score_passkey
 from jaxlong.layers.loss import IGNORE_INDEX
 from jaxlong.layers.tiled import default_loss_tile, validate_loss_tile
 from jaxlong.models import llama as model_lib
+from jaxlong.training import preference
 from jaxlong.training import step as step_lib
 
 # ----------------------------------------------------------------------------------------------
@@ -187,11 +188,40 @@ def _to_host(x: jax.Array) -> np.ndarray:
 # Validation during training.
 
 
+def make_preference_eval_step(cfg: Config, mesh: jax.sharding.Mesh):
+    """`step(params, batch) -> (sums, pairs)`: the preference loss and TRL's metrics summed over the pairs of a
+    batch of preference pairs (`jaxlong.training.preference.preference_sums`) and their count, by the train step's
+    forward; jitted as `make_eval_step`."""
+    graphdef = model_lib.model_graphdef(cfg)
+    rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
+
+    def step(params, batch):
+        return preference.preference_sums(params, batch, graphdef, rt), preference.pair_count(batch, mesh)
+
+    return jax.jit(step, in_shardings=(_param_shardings(cfg, mesh), step_lib.batch_sharding(mesh)),
+                   out_shardings=(replicated(mesh), replicated(mesh)))
+
+
+def evaluate_preference(step, params: dict, batches, mesh: jax.sharding.Mesh) -> dict:
+    """The held-out pairs' mean preference loss and TRL's metrics over `batches` (host dicts of preference pairs,
+    the same on every process), combined by sums: `{'loss', 'rewards/chosen', ..., 'pairs'}`."""
+    totals: dict[str, float] = {}
+    pairs = 0.0
+    for batch in batches:
+        batch = {k: v for k, v in batch.items() if k != "pair"}
+        sums, n = step(params, step_lib.put_batch(batch, mesh))
+        for k, v in sums.items():
+            totals[k] = totals.get(k, 0.0) + float(v.addressable_data(0))
+        pairs += float(n.addressable_data(0))
+    return {**{k: v / max(pairs, 1.0) for k, v in totals.items()}, "pairs": pairs}
+
+
 class Validator:
     """Validation in the train loop: the fixed validation batches (`validation_split`) and the AOT-compiled
     eval step. `compile()` compiles the eval step ahead of time; `run(params)` returns `{'loss', 'perplexity',
-    'tokens'}`. The train loop runs it every `eval_every` steps and after the last (the validation hook,
-    `jaxlong.training.hooks`)."""
+    'tokens'}`, or with `objective: dpo` the held-out pairs' `{'loss', 'rewards/...', 'logps/...', 'pairs'}`
+    (`evaluate_preference`). The train loop runs it every `eval_every` steps and after the last (the validation
+    hook, `jaxlong.training.hooks`)."""
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, batches: list[dict]):
         self.cfg, self.mesh, self.batches = cfg, mesh, batches
@@ -199,10 +229,17 @@ class Validator:
 
     def compile(self):
         """AOT-compile the eval step; returns the `jax.stages.Compiled` (for its `memory_analysis`)."""
-        self.compiled = compile_eval_step(self.cfg, self.mesh)
+        if self.cfg.objective == "dpo":
+            params = step_lib.abstract_state(self.cfg, self.mesh)["params"]
+            batch = step_lib.abstract_batch(self.cfg, self.mesh, eval_batch_size(self.cfg))
+            self.compiled = make_preference_eval_step(self.cfg, self.mesh).lower(params, batch).compile()
+        else:
+            self.compiled = compile_eval_step(self.cfg, self.mesh)
         return self.compiled
 
     def run(self, params: dict) -> dict:
+        if self.cfg.objective == "dpo":
+            return evaluate_preference(self.compiled, params, self.batches, self.mesh)
         return evaluate_loss(self.compiled, params, self.batches, self.mesh)
 
 

@@ -250,6 +250,62 @@ def tiled_loss_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask:
     )(hidden, head, targets, mask)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ce_tokens(hidden, head, targets, tile, axes):
+    """Per-token cross-entropy `[b, s]` over sequence tiles; its backward takes a per-token cotangent."""
+    return _ce_tokens_fwd(hidden, head, targets, tile, axes)[0]
+
+
+def _ce_tokens_fwd(hidden, head, targets, tile, axes):
+    vocab = head.shape[1]
+
+    def body(_, i):
+        logits = _tile_logits(_tile(hidden, i, tile), head)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target_logit = jnp.sum(jnp.where(_is_target(_tile(targets, i, tile), vocab), logits, 0.0), axis=-1)
+        return None, (lse - target_logit, lse)
+
+    _, (losses, lse) = jax.lax.scan(body, None, jnp.arange(hidden.shape[1] // tile))
+    return _untile(losses), (hidden, head, targets, _untile(lse))
+
+
+def _ce_tokens_bwd(tile, axes, res, g):
+    # d(sum_t g_t * loss_t) is the backward of `_ce_sum` with the cotangent as its mask and a unit scale
+    hidden, head, targets, lse = res
+    d_hidden, d_head, _, _ = _ce_sum_bwd(tile, axes, (hidden, head, targets, g.astype(jnp.float32), lse),
+                                         jnp.ones((), jnp.float32))
+    return d_hidden, d_head, None
+
+
+_ce_tokens.defvjp(_ce_tokens_fwd, _ce_tokens_bwd)
+
+
+def tiled_token_losses(hidden: jax.Array, head: jax.Array, targets: jax.Array, *, tile: int,
+                       mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+    """Per-token next-token cross-entropy, float32 `[batch, seq]` in nats, over sequence tiles: equal to
+    `jaxlong.layers.loss.token_losses` without materializing `[batch, seq, vocab]` logits, forward or backward.
+
+    For losses that are not a masked sum of token losses (DPO's sums per sequence, `jaxlong.training.preference`):
+    the backward takes any per-token cotangent `g` and is `tiled_loss_sum`'s backward with `g` as its mask, one
+    tile's logits at a time (ALST, arXiv 2506.13996, §3.2). A target outside `[0, vocab)` gives a finite,
+    meaningless value: mask it out. Arguments, sharding (the result is laid out like `targets`) and errors as
+    `tiled_loss_sum`."""
+    if mesh is None:
+        validate_loss_tile(hidden.shape[1], tile)
+        return _ce_tokens(hidden, head, targets, int(tile), ())
+    validate_loss_tile(_check_mesh_seq(hidden.shape[1], mesh), tile)
+    tile = int(tile)
+    axes = tuple(mesh.axis_names)
+
+    def local(h, w, t):
+        w = jax.lax.pcast(w, axes, to="varying")  # the shard_map transpose sums d_head over the mesh
+        return _ce_tokens(h, w, t, tile, axes)
+
+    tok = P(BATCH_AXES, seq_axes(mesh))
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(BATCH_AXES, seq_axes(mesh), None), P(), tok), out_specs=tok,
+                         check_vma=True)(hidden, head, targets)
+
+
 def tiled_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array, *, tile: int,
                         mesh: jax.sharding.Mesh | None = None) -> jax.Array:
     """Mean next-token cross-entropy (nats/token, float32 scalar) over the valid tokens of the global batch:

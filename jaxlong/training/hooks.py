@@ -62,16 +62,21 @@ class Hook:
 
 def validation_hook(validator: Validator, suite: ruler.RulerValidator | None = None) -> Hook:
     """Validation every `eval_every` steps (and after the last): the held-out loss (`eval/loss`,
-    `eval/perplexity`) of `validator`, then, with `suite` (`ruler_tasks`), RULER's scores
+    `eval/perplexity`; with `objective: dpo` the held-out pairs' `eval/loss` and `eval/rewards/...`) of `validator`, then, with `suite` (`ruler_tasks`), RULER's scores
     (`eval/ruler_<scoring>/...`)."""
 
     def validate(ctx: StepContext) -> None:
         ev = validator.run(ctx.params)
         if ctx.writer is not None:
-            ctx.writer.add_scalar("eval/loss", ev["loss"], ctx.step)
-            ctx.writer.add_scalar("eval/perplexity", ev["perplexity"], ctx.step)
-        ctx.say(f"step {ctx.step}: eval loss {ev['loss']:.4f} (perplexity {ev['perplexity']:.2f}, "
-                f"{ev['tokens']:.0f} held-out tokens)")
+            for k, v in ev.items():
+                if k not in ("tokens", "pairs"):
+                    ctx.writer.add_scalar(f"eval/{k}", v, ctx.step)
+        if "pairs" in ev:  # preference pairs (objective: dpo)
+            ctx.say(f"step {ctx.step}: eval loss {ev['loss']:.4f} (reward accuracy {ev['rewards/accuracies']:.3f}, "
+                    f"margin {ev['rewards/margins']:.3f}, {ev['pairs']:.0f} held-out pairs)")
+        else:
+            ctx.say(f"step {ctx.step}: eval loss {ev['loss']:.4f} (perplexity {ev['perplexity']:.2f}, "
+                    f"{ev['tokens']:.0f} held-out tokens)")
         if suite is not None:
             rows = suite.run(ctx.params)
             if ctx.writer is not None:

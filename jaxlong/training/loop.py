@@ -54,6 +54,7 @@ from jaxlong.training.checkpoint import (
 from jaxlong.training.batches import BatchFn, StepBatches
 from jaxlong.training.hooks import Hook, StepContext, validation_hook
 from jaxlong.training.metrics import flops_per_token, peak_flops
+from jaxlong.training.reference import prepare_reference
 
 
 def _say(*args, **kwargs) -> None:
@@ -261,10 +262,11 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
             suite_validator = ruler.RulerValidator(cfg, mesh, tokenizer, suite, corpus, option="ruler_lengths",
                                                    eos_ids=stop_ids(tokenizer, data_lib.tokenizer_source(cfg, run_dir)))
     rows = step_lib.process_rows(mesh, cfg.global_batch)
-    if batch_fn is None:
+    dpo = cfg.objective == "dpo" and batch_fn is None  # its batches carry the reference: made once it is known
+    if batch_fn is None and not dpo:
         # data.sources: each source's length rules checked here, sources the run repeats heavily warned about
         batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out, rows=rows, warn=_say)
-    else:
+    elif batch_fn is not None:
         batches = StepBatches(batch_fn, rows, cfg.seq_len, cfg.model.vocab_size, start)
 
     t0 = time.perf_counter()
@@ -281,9 +283,22 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
 
     ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints, final_step=cfg.steps)
     try:
+        saved = (saved_config(ckpt_dir, start) or {}) if resume else {}
         if resume:
             state = _restore(ckpt, step_lib.abstract_state(cfg, mesh), start)
-            saved = saved_config(ckpt_dir, start) or {}
+        elif cfg.model.from_hf:
+            state = step_lib.init_state(cfg, mesh, hf.load_params(cfg.model.from_hf, cfg, mesh))
+            _say(f"loaded the weights of {cfg.model.from_hf}")
+        else:
+            state = step_lib.init_state(cfg, mesh)
+        if dpo:  # the frozen reference's log-probs of every pair, computed once (RUN_DIR/reference/), then the data
+            inside = resume and saved.get("stage", 0) == cfg.stage  # the stage's start weights are gone
+            prepare_reference(cfg, mesh, run_dir, source, tokenizer, None if inside else lambda: state["params"],
+                              say=_say)
+            if validator is not None:
+                validator.batches = eval_lib.validation_batches(cfg, source, tokenizer, held_out, cfg.eval_batches)
+            batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out, rows=rows, warn=_say)
+        if resume:
             if isinstance(batches, StepBatches):
                 pass  # a function of the step: it starts after `start` already
             elif saved.get("stage", 0) == cfg.stage:
@@ -297,11 +312,6 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
                 state = step_lib.reset_optimizer(cfg, mesh, state)
                 _say(f"optim.reset_state: a fresh optimizer state from step {start} (AdamW's moments zero)")
             _say(f"resumed from {ckpt.directory / str(start)}")
-        elif cfg.model.from_hf:
-            state = step_lib.init_state(cfg, mesh, hf.load_params(cfg.model.from_hf, cfg, mesh))
-            _say(f"loaded the weights of {cfg.model.from_hf}")
-        else:
-            state = step_lib.init_state(cfg, mesh)
         signals.deferred = True  # from here on a signal stops the loop between steps
         fault("after_state", start + 1)
         hooks = ([validation_hook(validator, suite_validator)] if validator else []) + list(extra_hooks)
@@ -479,6 +489,7 @@ def _loop(lp: _Loop, state: dict, start: int) -> dict:
                 jax.profiler.start_trace(str(run_dir))
                 profiling = True
             host_batch = next(batches)
+            host_batch.pop(data_lib.PAIR_FEATURE, None)  # preference pairs: which pair (the reference pass's)
             packed.append(data_lib.packing_efficiency(host_batch))
             if names:  # a mixture: the source of every token, for each source's loss (0: no source)
                 host_batch.setdefault(data_lib.SOURCE_FEATURE, np.zeros_like(host_batch["inputs"]))

@@ -36,6 +36,7 @@ from jaxlong.layers import loss as loss_lib
 from jaxlong.layers.tiled import default_loss_tile, tiled_loss_sum
 from jaxlong.models import llama as model_lib
 from jaxlong.parallel.ring import zigzag_order
+from jaxlong.training import preference
 
 
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -223,16 +224,20 @@ def state_shardings(mesh: jax.sharding.Mesh, state: dict) -> dict:
 def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh, batch_size: int | None = None) -> dict:
     """`ShapeDtypeStruct`s of one global batch (`batch_size` sequences, default `global_batch`), sharded batch
     over data x fsdp and sequence over ring x context (`batch_sharding`): `inputs`, `targets` int32, `mask` float32, `positions` int32
-    (within each document) and `segment_ids` int32 (0 = padding), each `[batch_size, seq_len]`."""
+    (within each document) and `segment_ids` int32 (0 = padding), each `[batch_size, seq_len]`; with
+    `objective: dpo` also `reference` float32 (`jaxlong.training.preference`)."""
     sh = batch_sharding(mesh)
     shape = (batch_size or cfg.global_batch, cfg.seq_len)
-    return {
+    out = {
         "inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
         "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
         "mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh),
         "positions": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
         "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
     }
+    if cfg.objective == "dpo":  # each pair half's reference log-probs at its first position
+        out[preference.REFERENCE_KEY] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)
+    return out
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
@@ -350,7 +355,10 @@ def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
     metrics: `loss` (nats/token), `grad_norm` (global L2 norm before clipping), `lr`, `tokens_trained` (the
     targets the loss counted: not padding, not masked, e.g. a chat source's assistant tokens only); with
     `data.sources` also `source_loss` and `source_tokens_trained`, float32 `[sources]` (each source's mean loss and
-    counted targets; the batch then carries `source`, `compile_train_step`). With `grad_accum=N` the
+    counted targets; the batch then carries `source`, `compile_train_step`). With `objective: dpo` the loss is the
+    preference loss over the batch's pairs and the metrics add TRL's (`rewards/chosen`, `rewards/rejected`,
+    `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`; `jaxlong.training.preference`); the
+    batch then carries `reference`. With `grad_accum=N` the
     batch runs as N micro-batches of `global_batch / N` sequences (`accumulated_loss_and_grads`).
     """
     graphdef = model_lib.model_graphdef(cfg)
@@ -360,12 +368,17 @@ def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
     sources = len(cfg.data.sources)
 
     def train_step(state, batch):
-        loss, grads, sums = loss_grads_by_source(state["params"], batch, graphdef, rt, cfg.grad_accum, sources)
+        if cfg.objective == "dpo":  # preference pairs: the loss and TRL's metrics (jaxlong.training.preference)
+            loss, grads, extra = preference.loss_and_grads(state["params"], batch, graphdef, rt, cfg.grad_accum)
+            sums = None
+        else:
+            loss, grads, sums = loss_grads_by_source(state["params"], batch, graphdef, rt, cfg.grad_accum, sources)
+            extra = {}
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         trained = jnp.sum(loss_lib.effective_mask(batch["targets"], batch["mask"]))  # targets the loss counted
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]),
-                   "tokens_trained": trained}
+                   "tokens_trained": trained, **extra}
         if sources:  # each source's mean loss over its counted targets (NaN where the batch holds none)
             counts = source_counts(batch, sources)
             metrics["source_loss"] = jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), jnp.nan)
