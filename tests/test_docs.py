@@ -60,7 +60,7 @@ RUN = {
     "python -m jaxlong.train run_name=ruler steps=4 eval_every=2 'ruler_tasks=[niah_single_1,vt]' "
     "'ruler_lengths=[1024,2048]' ruler_cases=1": "a fresh directory",
     "python -m jaxlong.train --config configs/recipes/tiny_extension.yaml": "a fresh directory",
-    "python -m jaxlong.train --config configs/recipes/tiny_sft.yaml": "a fresh directory",
+    "python -m jaxlong.train --config configs/recipes/tiny_dpo.yaml": "a fresh directory",
 }
 
 # The commands the slow tier does not run: (regular expression searched in the command, why). The first match

@@ -307,6 +307,10 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     tokenizer = data_lib.run_tokenizer(cfg, run_dir)  # the trainer's: the run's copy, then model.from_hf
     lengths = passkey_lengths(cfg, args, tokenizer) if args.passkey else []
     source = data_lib.first_source(cfg, tokenizer)  # data.path, or the first of data.sources
+    if cfg.objective == "dpo":  # the reference log-probs the run computed when its stage started
+        from jaxlong.training.reference import prepare_reference  # noqa: PLC0415
+
+        prepare_reference(cfg, mesh, run_dir, source, tokenizer, None, say=say)
     # The trainer's held-out split; more batches than it used take more documents (the same ones first).
     held_out, batches = ev.validation_split(cfg, source, tokenizer, args.batches)
     if args.ruler:  # the host memory the forwards need, where the devices are this host's CPU (compiled, AOT)
@@ -334,6 +338,8 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     bar.close()
     setup = evaluation_setup(cfg, run_dir, step, dict(mesh.shape), args)
     summary = {**result.summary(step, grid), "setup": setup}
+    if cfg.objective == "dpo":  # the held-out pairs' DPO loss and TRL's reward metrics
+        summary["dpo"] = ev.evaluate_preference(ev.make_preference_eval_step(cfg, mesh), params, batches, mesh)
     if ruler_cases:
         from jaxlong.evaluation import ruler  # noqa: PLC0415
 
@@ -376,6 +382,9 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
         writer.add_scalar(f"eval/loss_by_position/{row['start']:08d}", row["loss"], step)
     if result.passkey is not None:
         writer.add_scalar("eval/passkey_accuracy", float(np.mean(result.passkey)), step)
+    for k, v in summary.get("dpo", {}).items():
+        if k != "pairs":
+            writer.add_scalar(f"eval/dpo/{k}", v, step)
     if "ruler" in summary:
         from jaxlong.evaluation import ruler  # noqa: PLC0415
 
@@ -515,6 +524,11 @@ def format_summary(summary: dict) -> str:
              f"{'positions':>18}  {'tokens':>9}  {'loss':>7}"]
     for r in summary["loss_by_position"]:
         lines.append(f"{r['start']:>8}-{r['end'] - 1:<9}  {r['tokens']:>9}  {r['loss']:7.4f}")
+    if "dpo" in summary:
+        d = summary["dpo"]
+        lines += ["", f"held-out pairs ({d['pairs']:.0f}): DPO loss {d['loss']:.4f}, rewards/accuracies "
+                      f"{d['rewards/accuracies']:.3f}, rewards/margins {d['rewards/margins']:.4f} (chosen "
+                      f"{d['rewards/chosen']:.4f}, rejected {d['rewards/rejected']:.4f})"]
     if "passkey" in summary:
         pk = summary["passkey"]
         lines += ["", f"passkey retrieval ({pk['digits']} digits, {pk['per_cell']} per cell; rows: depth, columns: "

@@ -22,7 +22,9 @@ from jaxlong.evaluation.steps import (
     compile_eval_step,
     evaluate_loss,
     evaluate_params,
+    evaluate_preference,
     make_eval_step,
+    make_preference_eval_step,
     make_token_stats_step,
     sequences_to_evaluate,
     tiled_token_stats,
@@ -34,6 +36,7 @@ __all__ = [
     "QUESTION", "PasskeyExample", "PositionLoss", "passkey_batch", "passkey_example", "passkey_min_length",
     "position_buckets",
     "random_key", "score_passkey", "Evaluation", "PasskeyGrid", "Validator", "compile_eval_step", "evaluate_loss",
-    "evaluate_params", "make_eval_step", "make_token_stats_step", "sequences_to_evaluate", "tiled_token_stats",
+    "evaluate_params", "evaluate_preference", "make_preference_eval_step", "make_eval_step", "make_token_stats_step",
+    "sequences_to_evaluate", "tiled_token_stats",
     "token_stats",
 ]

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 
 from jaxlong.config import Config
-from jaxlong.data import DocumentSubset, document_tokens, make_dataset, source_label
+from jaxlong.data import PAIR_FEATURE, DocumentSubset, document_tokens, make_dataset, source_label
 
 
 def held_out_documents(source, tokenizer, fraction: float, seed: int, min_tokens: int = 0,
@@ -57,7 +57,10 @@ def validation_batches(cfg: Config, source, tokenizer, indices, n_batches: int) 
                       global_batch=eval_batch_size(cfg), seed=cfg.seed, packing=d.packing,
                       split_positions=d.split_positions, shuffle=False, repeat=False,
                       read_threads=d.read_threads, read_buffer=d.read_buffer)
-    return list(itertools.islice(iter(ds), n_batches))
+    batches = list(itertools.islice(iter(ds), n_batches))
+    for b in batches:  # preference pairs: which pair each token is of (the reference pass's, not a step input)
+        b.pop(PAIR_FEATURE, None)
+    return batches
 
 
 def validation_split(cfg: Config, source, tokenizer, n_batches: int | None = None) -> tuple[list[int], list[dict]]:

@@ -12,7 +12,9 @@ held-out loss at the new length, retrieval of a fact planted far back (passkey),
       ruler_scoring: generate                        # default; or forced (teacher-forced, the cheap proxy)
 
 Metrics: `loss`, `perplexity`, `passkey` (mean over the grid), `passkey/<length>` (mean over depths), `ruler`
-(mean over every task and length), `ruler/<task>` (mean over lengths), `ruler/<task>/<length>`. The evaluation is
+(mean over every task and length), `ruler/<task>` (mean over lengths), `ruler/<task>/<length>`; on a DPO stage
+(`objective: dpo`) its held-out pairs' `dpo/loss` and `dpo/rewards/{accuracies,margins,chosen,rejected}`
+(docs/post-training.md). The evaluation is
 `python -m jaxlong.eval` on the stage's last checkpoint, its own mesh and length (run in the trainer's processes
 through the `evaluate` the trainer passes, `jaxlong.eval.__main__.evaluate_checkpoint`):
 its results go where that command puts them (`RUN/eval/<setup>/step_N/`: summary.json, CSV, PNG; TensorBoard).
@@ -44,7 +46,9 @@ __all__ = ["Gate", "GateFailed", "check_prompt", "parse_gate", "gate_metrics", "
 ACTIONS = ("stop", "warn")
 OPTIONS = ("min", "max", "action", "batches", "passkey_lengths", "depths", "per_cell", "ruler_tasks",
            "ruler_lengths", "ruler_cases", "ruler_scoring")
-METRIC_FORMS = "loss, perplexity, passkey, passkey/<length>, ruler, ruler/<task>, ruler/<task>/<length>"
+DPO_METRICS = ("dpo/loss", "dpo/rewards/accuracies", "dpo/rewards/margins", "dpo/rewards/chosen", "dpo/rewards/rejected")
+METRIC_FORMS = ("loss, perplexity, passkey, passkey/<length>, ruler, ruler/<task>, ruler/<task>/<length>, and on a "
+                "stage with objective: dpo its held-out pairs' " + ", ".join(DPO_METRICS))
 
 
 class GateFailed(Exception):
@@ -129,7 +133,11 @@ def parse_gate(raw, cfg: Config) -> Gate:
             raise ConfigError(f"gate.{key}={value!r}; give a positive integer")
     if any(not isinstance(d, (int, float)) or not 0 <= d <= 1 for d in gate.depths):
         raise ConfigError(f"gate.depths={gate.depths}: needle depths must be numbers in [0, 1]")
-    held_out = [m for m in gate.metrics if m in ("loss", "perplexity")]
+    dpo = [m for m in gate.metrics if m in DPO_METRICS]
+    if dpo and cfg.objective != "dpo":
+        raise ConfigError(f"gate: a threshold on {dpo[0]}, but the stage trains with objective={cfg.objective}; DPO's "
+                          f"metrics are for a stage with objective: dpo")
+    held_out = [m for m in gate.metrics if m in ("loss", "perplexity", *DPO_METRICS)]
     if held_out and not cfg.eval_every:
         raise ConfigError(f"gate: a threshold on {held_out[0]} needs documents held out from training, and the stage "
                           f"has eval_every=0 (it trains on every document); set the stage's eval_every, e.g. to its "
@@ -150,7 +158,7 @@ def parse_gate(raw, cfg: Config) -> Gate:
 
 def _check_metric(where: str, metric: str, value, tasks) -> None:
     parts = metric.split("/")
-    ok = (metric in ("loss", "perplexity", "passkey", "ruler")
+    ok = (metric in ("loss", "perplexity", "passkey", "ruler", *DPO_METRICS)
           or (parts[0] == "passkey" and len(parts) == 2 and parts[1].isdigit())
           or (parts[0] == "ruler" and len(parts) in (2, 3) and (len(parts) == 2 or parts[2].isdigit())))
     if not ok:
@@ -239,6 +247,9 @@ def eval_argv(gate: Gate, run_dir: Path, step: int) -> list[str]:
 def gate_metrics(summary: dict) -> dict[str, float]:
     """Every gate metric of a `python -m jaxlong.eval` summary (`jaxlong.eval.__main__.run`'s return value)."""
     out = {"loss": float(summary["loss"]), "perplexity": float(summary["perplexity"])}
+    for k, v in summary.get("dpo", {}).items():  # a DPO stage's held-out pairs
+        if f"dpo/{k}" in DPO_METRICS:
+            out[f"dpo/{k}"] = float(v)
     if "passkey" in summary:
         pk = summary["passkey"]
         out["passkey"] = float(pk["mean"])

@@ -62,15 +62,17 @@ class Hook:
 
 def validation_hook(validator: Validator, suite: ruler.RulerValidator | None = None) -> Hook:
     """Validation every `eval_every` steps (and after the last): the held-out loss (`eval/loss`,
-    `eval/perplexity`; with `objective: dpo` the held-out pairs' `eval/loss` and `eval/rewards/...`) of `validator`, then, with `suite` (`ruler_tasks`), RULER's scores
+    `eval/perplexity`; with `objective: dpo` the held-out pairs' `eval/dpo/loss` and `eval/dpo/rewards/...`) of
+    `validator`, then, with `suite` (`ruler_tasks`), RULER's scores
     (`eval/ruler_<scoring>/...`)."""
 
     def validate(ctx: StepContext) -> None:
         ev = validator.run(ctx.params)
         if ctx.writer is not None:
+            prefix = "eval/dpo/" if "pairs" in ev else "eval/"  # a DPO stage's loss is not a next-token loss
             for k, v in ev.items():
                 if k not in ("tokens", "pairs"):
-                    ctx.writer.add_scalar(f"eval/{k}", v, ctx.step)
+                    ctx.writer.add_scalar(prefix + k, v, ctx.step)
         if "pairs" in ev:  # preference pairs (objective: dpo)
             ctx.say(f"step {ctx.step}: eval loss {ev['loss']:.4f} (reward accuracy {ev['rewards/accuracies']:.3f}, "
                     f"margin {ev['rewards/margins']:.3f}, {ev['pairs']:.0f} held-out pairs)")

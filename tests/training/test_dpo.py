@@ -4,12 +4,16 @@ implementation of TRL's formulas on each half alone on one device with a frozen 
 gradients; the precomputed reference equal to that frozen copy; bad pairs refused by file, line and field."""
 
 import json
+import re
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close, mesh_for, reference_cfg, tiered, tiny_cfg
+import yaml
+from helpers import TINY, assert_trees_close, mesh_for, reference_cfg, tiered, tiny_cfg
 
 from jaxlong import data as data_lib
 from jaxlong.config import ConfigError
@@ -19,8 +23,12 @@ from jaxlong.data.preference import PreferenceSource
 from jaxlong.data.tokenizer import ByteTokenizer
 from jaxlong.models import llama
 from jaxlong.training import preference
+from jaxlong.training.gates import parse_gate
 from jaxlong.training import step as step_lib
 from jaxlong.training.reference import compute_reference
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_recipe import _final_params, _ok, _scalars, _train  # noqa: E402  (the recipe tests' runner)
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -170,3 +178,63 @@ def test_pairs_need_a_template_fit_seq_len_and_the_dpo_objective(tmp_path):
         tiny_cfg(f"data.path={path}", "data.format=preference")
     with pytest.raises(ConfigError, match="dpo.beta=0.0 must be positive"):
         tiny_cfg(f"data.path={path}", "data.format=preference", "objective=dpo", "dpo.beta=0")
+    with pytest.raises(ConfigError, match="a threshold on dpo/rewards/accuracies, but the stage trains with "
+                                          "objective=lm"):
+        parse_gate({"min": {"dpo/rewards/accuracies": 0.6}}, tiny_cfg("eval_every=10"))
+    dpo = tiny_cfg(f"data.path={path}", "data.format=preference", "objective=dpo", "eval_every=10")
+    assert parse_gate({"min": {"dpo/rewards/accuracies": 0.6}, "max": {"dpo/loss": 0.7}}, dpo).metrics
+
+
+CHAT = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+        {"messages": [{"role": "user", "content": "a colour?"}, {"role": "assistant", "content": "teal"}]}]
+
+
+def _post_training_recipe(tmp_path):
+    """Pretraining (2 steps on the embedded corpus), SFT (2 steps), then DPO (3 steps) with a gate on its held-out
+    pairs, on FSDP 2 x Ulysses 4 at 256 tokens."""
+    pairs, tpl = _files(tmp_path, PAIRS * 4)
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in CHAT * 6))
+    stages = [{"name": "pretrain", "steps": 2},
+              {"name": "sft", "steps": 2, "data": {"path": str(tmp_path / "chat.jsonl"), "format": "chat"}},
+              {"name": "dpo", "steps": 3, "objective": "dpo", "dpo": {"beta": 0.5}, "optim": {"warmup_steps": 1},
+               "data": {"path": str(pairs), "format": "preference"},
+               "gate": {"max": {"dpo/loss": 5.0}, "batches": 1}}]
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"data": {"chat_template": str(tpl)}, "stages": stages}))
+    return path
+
+
+POST = [t for t in TINY if t not in ("seq_len=64", "model.vocab_size=128")] + [
+    "seq_len=256", "model.vocab_size=257", "mesh.fsdp=2", "mesh.context=4", "optim.lr=1e-2", "eval_every=100",
+    "eval_batches=1", "eval_fraction=0.2", "checkpoint_every=1", "keep_checkpoints=2", "run_name=post"]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_pretraining_sft_and_dpo_run_as_one_recipe_and_resume_exactly_after_a_kill(tmp_path):
+    """`python -m jaxlong.train --config RECIPE` runs the three kinds of stage in one command: the DPO stage computes
+    its reference from the SFT stage's final weights into RUN_DIR/reference/stage2.npz, logs TRL's metrics, and its
+    gate judges the held-out pairs. Killed by SIGKILL inside the DPO stage, once its first checkpoints have rotated
+    the stage's start weights away (`keep_checkpoints=2`), `--resume` reads the stored reference and ends with
+    the parameters and losses of the uninterrupted run, bit for bit."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    recipe = _post_training_recipe(tmp_path)
+    proc = _train("--config", str(recipe), *POST, f"run_dir={whole}")
+    _ok(proc)
+    assert "gate of stage 2 (dpo) passed" in proc.stdout + proc.stderr
+    assert (whole / "post" / "reference" / "stage2.npz").is_file()
+    accuracies = _scalars(whole / "post", "rewards/accuracies")
+    assert sorted(accuracies) == [5, 6, 7] and _scalars(whole / "post", "loss")[5] == pytest.approx(np.log(2), 1e-5)
+    proc = _train("--config", str(recipe), *POST, f"run_dir={killed}", fault="end_of_step@6:SIGKILL")
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    proc = _train("--resume", "--config", str(recipe), *POST, f"run_dir={killed}")
+    _ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "reference log-probs of 12 pairs read from" in out and "reference log-probs of 12 pairs: one" not in out
+    assert re.search(r"resumed from \S+/checkpoints/[56]\n", out)  # inside the DPO stage
+    for tag in ("loss", "rewards/margins"):
+        want, got = _scalars(whole / "post", tag), _scalars(killed / "post", tag)
+        assert got[7] == want[7], tag
+    for x, y in zip(jax.tree.leaves(_final_params(whole, recipe, POST, "post")),
+                    jax.tree.leaves(_final_params(killed, recipe, POST, "post"))):
+        np.testing.assert_array_equal(x, y)

@@ -73,10 +73,10 @@ def _scalars(run: Path, tag: str) -> dict[int, float]:
     return out
 
 
-def _final_params(tmp_path: Path, recipe: Path) -> dict:
-    stages = expand(load_config(recipe, [*BASE, f"run_dir={tmp_path}"]))
+def _final_params(tmp_path: Path, recipe: Path, base: list[str] = BASE, name: str = "recipe") -> dict:
+    stages = expand(load_config(recipe, [*base, f"run_dir={tmp_path}"]))
     cfg = stages[-1].cfg
-    ckpt = Checkpointer(tmp_path / "recipe" / "checkpoints", every=1, keep=100)
+    ckpt = Checkpointer(tmp_path / name / "checkpoints", every=1, keep=100)
     try:
         _, state = ckpt.restore(step_lib.abstract_state(cfg, build_mesh(cfg.mesh)), stages[-1].end)
     finally:
