@@ -43,7 +43,8 @@ from jaxlong.parallel.ulysses import check_heads
 from jaxlong.parallel.upipe import check_upipe_remat_names, check_upipe_schedule
 
 __all__ = ["Config", "ModelConfig", "RopeScalingConfig", "MeshConfig", "AttentionConfig", "RematConfig", "TilingConfig",
-           "DataConfig", "OptimConfig", "DPOConfig", "ConfigError", "load_config", "from_dict", "to_dict", "parse_override",
+           "DataConfig", "OptimConfig", "DPOConfig", "ConfigError", "load_config", "from_dict", "to_dict",
+           "parse_override",
            "apply_setting", "read_yaml", "validate", "validate_optim", "schedule_length", "refusal", "advise",
            "with_settings", "changed_keys"]
 
@@ -192,6 +193,10 @@ class DataConfig:
     chat_turns: ChatTurns = "all"  # assistant turns trained: "all", or the "last" of each conversation
     too_long: TooLong = "refuse"  # a conversation longer than seq_len: "refuse" (stop) or "drop" (counted)
     chat_template: str | None = None  # a Jinja file that replaces the tokenizer's template (or gives one)
+    # For plans only (`python -m jaxlong.memory --estimate/--fit`, jaxlong.plan.packing): a sample of the data's
+    # document lengths in tokens, so a plan of packed documents counts the attention tiles the kernels skip between
+    # documents; [] measures a chat or preference file where it exists, else counts dense causal attention.
+    doc_lengths: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -727,6 +732,8 @@ def validate_chat(cfg: Config) -> None:
       ConfigError: naming the option, its value and what would work.
     """
     d = cfg.data
+    if any(n <= 0 for n in d.doc_lengths):
+        raise ConfigError(f"data.doc_lengths={d.doc_lengths}: document lengths are positive token counts")
     _check_choice("data.format", d.format, DataFormat)
     _check_choice("data.chat_turns", d.chat_turns, ChatTurns)
     _check_choice("data.too_long", d.too_long, TooLong)

@@ -142,7 +142,8 @@ class PreferenceSource:
       too_long: `data.too_long` (`refuse` or `drop`).
 
     Attributes:
-      dropped: pairs `drop` left out; lengths: positions of each kept pair; digest: sha256 of the kept pairs'
+      dropped: pairs `drop` left out; lengths: positions of each kept pair; halves: `[pairs, 2]` the positions
+        of its chosen and its rejected half (each its own document in a row); digest: sha256 of the kept pairs'
         tokens and loss masks; reference: None, or float64
         `[len(self), 2]`, the frozen reference's summed response log-probs of each kept pair (chosen, rejected),
         set by `jaxlong.training.reference` before training.
@@ -159,7 +160,7 @@ class PreferenceSource:
                  too_long: str = "refuse", option: str = "data.path"):
         self.records = PreferenceRecords(path, option)
         self.tokenizer, self.template, self.path, self.option = tokenizer, template, path, option
-        keep, lengths, digest = [], [], hashlib.sha256()
+        keep, lengths, halves, digest = [], [], [], hashlib.sha256()
         for i in range(len(self.records)):
             try:
                 pair = encode_pair(self.records[i], tokenizer, template)
@@ -173,9 +174,11 @@ class PreferenceSource:
             if n <= seq_len:
                 keep.append(i)
                 lengths.append(n)
+                halves.append((len(pair.chosen) - 1, len(pair.rejected) - 1))
                 for half in (pair.chosen, pair.rejected):
                     digest.update(half.tokens.tobytes() + half.trained.tobytes())
         self.keep, self.lengths, self.digest = keep, np.asarray(lengths, np.int64), digest.hexdigest()
+        self.halves = np.asarray(halves, np.int64).reshape(-1, 2)
         self.dropped = len(self.records) - len(keep)
         self.reference: np.ndarray | None = None
         if not keep:

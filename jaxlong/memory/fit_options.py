@@ -204,7 +204,8 @@ def run_cli(args, cfg: Config, target, budget: int, host_budget: int, collective
         if not path.endswith(".json"):
             os.makedirs(path, exist_ok=True)
             tag = args.target.replace(":", "-") if args.target else "cpu"
-            path = os.path.join(path, f"fit_{cfg.model.name}_{tag}_{cfg.seq_len}.json")
+            kind = "" if cfg.objective == "lm" else f"_{cfg.objective}"  # a DPO stage apart from an SFT one
+            path = os.path.join(path, f"fit_{cfg.model.name}_{tag}_{cfg.seq_len}{kind}.json")
         with open(path, "w") as f:
             json.dump(to_json(res, cfg=cfg, target=target, budget=budget, host_budget=host_budget, command=command),
                       f, indent=1, default=str)

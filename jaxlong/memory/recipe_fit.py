@@ -11,7 +11,8 @@ With a GPU target and no GPU these are XLA GPU compiles and roofline estimates, 
 `--write-recipe FILE` writes the recipe with each stage's winner merged into the stage's keys (every key the
 search sets, nested, replacing the stage's own settings of them; YAML comments are not kept) and prints the
 command that trains it (`python -m jaxlong.train --config FILE` and the command line's overrides the plan does
-not set). `--out DIR` keeps each stage's search as JSON (`fit_<model>_<target>_<seq_len>.json`).
+not set). `--out DIR` keeps each stage's search as JSON (`fit_<model>_<target>_<seq_len>.json`, `..._dpo.json` for a
+DPO stage).
 """
 
 from __future__ import annotations

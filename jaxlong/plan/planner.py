@@ -54,6 +54,7 @@ from jaxlong.models import llama as model_lib
 from jaxlong.models.llama import Runtime
 from jaxlong.plan import workspace as ws
 from jaxlong.plan.cost import hlo_cost, roofline
+from jaxlong.plan.packing import attention_tile_fraction, document_lengths
 from jaxlong.plan.target import compile_only_devices, parse_target
 from jaxlong.training import step as step_lib
 from jaxlong.training.metrics import flops_per_token
@@ -196,11 +197,21 @@ def _estimate(cfg: Config, compiled, target, devices: list) -> dict:
         raise ConfigError(f"--estimate: target {target.name} has no peak FLOP/s (a spec file); use a shipped target")
     cost = hlo_cost(compiled.as_text(), n, target.devices_per_node)
     tokens = cfg.global_batch * cfg.seq_len
+    model_flops = flops_per_token(cfg) * tokens / n
+    packed = document_lengths(cfg)
+    if packed is not None:  # the kernels skip the tiles between documents (jaxlong.plan.packing)
+        fraction = attention_tile_fraction(packed[0], cfg.seq_len, cfg.attention.block_q, cfg.attention.block_k)
+        cost = dataclasses.replace(cost, flops=cost.flops - cost.attention_flops * (1.0 - fraction),
+                                   attention_flops=cost.attention_flops * fraction)
+        m = cfg.model
+        model_flops -= 6.0 * m.layers * cfg.seq_len * m.heads * m.head_dim * tokens / n * (1.0 - fraction)
     est = roofline(cost, peak_flops=target.peak_flops, hbm_bandwidth=target.hbm_bandwidth,
                    link_bandwidth=target.link_bandwidth or target.hbm_bandwidth,
                    network_bandwidth=target.network_bandwidth if target.nodes > 1 else None,
-                   model_flops=flops_per_token(cfg) * tokens / n, tokens=tokens, devices=n,
+                   model_flops=model_flops, tokens=tokens, devices=n,
                    pcie_bandwidth=target.pcie_bandwidth or 32e9)  # else PCIe 4.0 x16
+    if packed is not None:
+        est["packed_attention"] = {"tile_fraction": fraction, "lengths_from": packed[1], "documents": len(packed[0])}
     return {"basis": f"estimate: roofline of the GPU compile's HLO, {target.device_name} peaks", **est}
 
 

@@ -2,7 +2,7 @@
 
 On the CPU the counter is checked against known matmul counts through `lax.scan` loops and against XLA's own
 `cost_analysis()`; on the GPU target (deviceless compile, needs the CUDA plugin) U-Pipe is checked to do the same
-attention work and FLOPs as Ulysses.
+attention work and FLOPs as Ulysses, and packed documents' attention counted as the kernels' tile bounds run it.
 """
 
 import jax
@@ -12,6 +12,7 @@ from helpers import mesh_for, tiny_cfg
 
 from jaxlong.config import ConfigError
 from jaxlong.plan.cost import Cost, hlo_cost, roofline
+from jaxlong.plan.packing import attention_tile_fraction, document_lengths, pack_rows
 from jaxlong.plan.target import cuda_plugin_available, parse_target
 
 needs_plugin = pytest.mark.skipif(not cuda_plugin_available(),
@@ -137,6 +138,41 @@ def test_packed_documents_count_the_pallas_kernels_attention_work_on_the_gpu_tar
     assert packed["attention_head_calls"] == dense["attention_head_calls"], (packed, dense)
     assert packed["attention_flops"] == pytest.approx(dense["attention_flops"] * 4.5 / 3.5, rel=1e-9)
     assert packed["recompute_factor"] > 1 and not packed["warnings"]
+    # documents of 1,024 tokens: the kernels skip the tiles between them, and the estimate counts what they run
+    short = plan(tiny_cfg(*base, "data.packing=documents", "data.doc_lengths=[1024]"), target, estimate=True)
+    short = short["estimate"]
+    fraction = attention_tile_fraction([1024], 16384, 128, 128)
+    assert short["packed_attention"]["tile_fraction"] == fraction == pytest.approx(16 * 36 / (128 * 129 / 2))
+    assert short["attention_flops"] == pytest.approx(packed["attention_flops"] * fraction, rel=1e-9)
+    assert short["flops"] == pytest.approx(packed["flops"] - packed["attention_flops"] * (1 - fraction), rel=1e-9)
+    assert short["tokens_per_s_per_gpu"] > packed["tokens_per_s_per_gpu"]
+
+
+def test_the_tiles_packed_documents_skip_are_counted_as_the_kernels_bound_them(tmp_path):
+    """`attention_tile_fraction`: one document filling the row runs every causal tile; n equal documents of a
+    whole number of tiles run n triangles of (L / b)(L / b + 1) / 2 tiles of the row's (S / b)(S / b + 1) / 2; a
+    document longer than the row is cut into pieces of the row; a tile straddling two documents runs from the
+    first one's start. A preference file's lengths are measured as two documents per pair."""
+    S, b = 1 << 16, 512
+    assert attention_tile_fraction([S], S, b, b) == 1.0
+    assert attention_tile_fraction([S // 16], S, b, b) == pytest.approx(16 * 8 * 9 / 2 / (128 * 129 / 2))
+    assert attention_tile_fraction([3 * S], S, b, b) == 1.0  # pieces of a whole row
+    rows = pack_rows([300, 700, 1500], 1024, 4)
+    assert len(rows) == 4 and all(sum(r) <= 1024 for r in rows) and 1024 in {n for r in rows for n in r}
+    # two documents of 768 and 256 tokens in tiles of 512: tile 1 starts inside the first document, so it runs
+    # kv tiles 0-1; tile 0 runs tile 0: all 3 causal tiles
+    assert attention_tile_fraction([768, 256], 1024, 512, 512) == 1.0
+    assert attention_tile_fraction([512, 512], 1024, 512, 512) == pytest.approx(2 / 3)
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text('{"prompt": "ab", "chosen": "cde", "rejected": "f"}\n' * 3)
+    cfg = tiny_cfg("model.vocab_size=257", f"data.path={pairs}", "data.format=preference", "objective=dpo",
+                   "seq_len=64")
+    lengths, where = document_lengths(cfg)
+    assert lengths == [6, 4] * 3 and where.startswith("measured from")  # BOS a b c d e EOS: 6 next-token pairs
+    assert document_lengths(tiny_cfg("data.doc_lengths=[100, 200]")) == ([100, 200], "data.doc_lengths")
+    assert document_lengths(tiny_cfg()) is None  # text: dense causal, a bound
+    with pytest.raises(ConfigError, match="data.doc_lengths=.0.: document lengths are positive"):
+        tiny_cfg("data.doc_lengths=[0]")
 
 
 def test_cli_estimate_without_a_gpu_target_is_a_one_line_error(capsys, monkeypatch):
