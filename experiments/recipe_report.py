@@ -1,5 +1,6 @@
 """The results page of a recipe run (docs/recipes.md): per stage its steps, `seq_len`, first and last loss,
-learning rate, the realised data shares and the wall-clock time, read from the run's TensorBoard events.
+learning rate, the realised data shares and the wall-clock time, read from the run's TensorBoard events; for a DPO
+stage (docs/post-training.md) also TRL's reward metrics at each step and on the held-out pairs.
 
     python -m jaxlong.train --config configs/recipes/tiny_extension.yaml run_dir=/tmp/recipe
     python experiments/recipe_report.py /tmp/recipe/tiny_extension --config configs/recipes/tiny_extension.yaml \
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--config", required=True, help="the recipe file")
     ap.add_argument("--seconds", type=float, required=True, help="the command's wall-clock time")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--note", default="", help="a paragraph put after the gates' table")
     args = ap.parse_args()
     s = scalars(args.run)
     stages = sorted({int(v) for v in s["stage"].values()})
@@ -54,6 +56,16 @@ def main() -> None:
             else g["results"]
         gates.append(f"| {g['stage']} ({g['name']}) | {g['step']} | {metrics} | {'; '.join(g.get('missed', [])) or 'none'}"
                      f" | `{results}` |")
+    dpo = []
+    if "rewards/accuracies" in s:  # DPO stages: TRL's metrics per step, then the held-out pairs'
+        tags = ("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
+        dpo = ["| step | " + " | ".join(tags) + " |", "|---:|" + "---:|" * len(tags)]
+        dpo += [f"| {st} | " + " | ".join(f"{s[t][st]:.4f}" for t in tags) + " |"
+                for st in sorted(s["rewards/accuracies"])]
+        for st in sorted(s.get("eval/dpo/loss", {})):
+            dpo.append(f"| {st} (held-out) | " + " | ".join(f"{s['eval/dpo/' + t][st]:.4f}" for t in tags) + " |")
+        dpo = ["", "DPO (TRL's metrics, docs/post-training.md): each step's own batch, then the held-out pairs at the "
+               "stage's end.", "", *dpo]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     text = f"""# Recipe: `{args.config}`
 
@@ -67,17 +79,20 @@ python experiments/recipe_report.py /tmp/recipe/{args.run.name} --config {args.c
 ```
 
 {chr(10).join(rows)}
+{chr(10).join(dpo)}
 
-Shares: each source's share of the non-padding tokens fed since the stage started (`data/share/NAME`, the last
+Shares (mixtures): each source's share of the non-padding tokens fed since the stage started (`data/share/NAME`, the last
 step of the stage). They hold the weights to within about one piece of a document (at most `seq_len` tokens) per
 packing stream, so a short stage of a few rows per stream sits a few points off them. Each stage warms up from a
 learning rate of 0 at its first step (`optim.schedule_start`).
 
 Gates (docs/recipes.md#gates): the metrics each stage's gate measured on its last checkpoint (held-out loss in
 nats/token; RULER exact match in [0, 1]), recorded in the run's `gates/stage<i>.json`, and the thresholds it
-missed. The recipe's last gate warns (`action: warn`): a model this small, trained for seconds, does not retrieve.
+missed.
 
 {chr(10).join(gates)}
+
+{args.note}
 """
     args.out.write_text(text)
     print(f"wrote {args.out}")
