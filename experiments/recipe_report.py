@@ -28,6 +28,11 @@ def scalars(run: Path) -> dict[str, dict[int, float]]:
     return out
 
 
+SHARES = """Shares: each source's share of the non-padding tokens fed since the stage started (`data/share/NAME`, the
+last step of the stage). They hold the weights to within about one piece of a document (at most `seq_len` tokens)
+per packing stream, so a short stage of a few rows per stream sits a few points off them. """
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path, help="the recipe's run directory (run_dir/run_name)")
@@ -39,15 +44,15 @@ def main() -> None:
     s = scalars(args.run)
     stages = sorted({int(v) for v in s["stage"].values()})
     shares = sorted(t for t in s if t.startswith("data/share/"))
-    head = "| stage | steps | seq_len | loss (first → last) | peak lr | " + " | ".join(
-        f"share {t.rsplit('/', 1)[1]}" for t in shares) + " |"
+    head = "| stage | steps | seq_len | loss (first → last) | peak lr |" + "".join(
+        f" share {t.rsplit('/', 1)[1]} |" for t in shares)
     rows = [head, "|" + "---|" * (5 + len(shares))]
     for k in stages:
         steps = sorted(st for st, v in s["stage"].items() if int(v) == k)
         loss = [s["loss"][st] for st in steps]
         rows.append(f"| {k} | {steps[0]}-{steps[-1]} | {int(s['seq_len'][steps[0]]):,} | {loss[0]:.3f} → "
-                    f"{loss[-1]:.3f} | {max(s['lr'][st] for st in steps):.2g} | "
-                    + " | ".join(f"{s[t][steps[-1]]:.3f}" for t in shares) + " |")
+                    f"{loss[-1]:.3f} | {max(s['lr'][st] for st in steps):.2g} |"
+                    + "".join(f" {s[t][steps[-1]]:.3f} |" for t in shares))
     gates = ["| stage | step | metrics | missed | results |", "|---|---:|---|---|---|"]
     for path in sorted((args.run / "gates").glob("stage*.json")):  # each stage's gate (jaxlong.training.gates)
         g = json.loads(path.read_text())
@@ -81,10 +86,7 @@ python experiments/recipe_report.py /tmp/recipe/{args.run.name} --config {args.c
 {chr(10).join(rows)}
 {chr(10).join(dpo)}
 
-Shares (mixtures): each source's share of the non-padding tokens fed since the stage started (`data/share/NAME`, the last
-step of the stage). They hold the weights to within about one piece of a document (at most `seq_len` tokens) per
-packing stream, so a short stage of a few rows per stream sits a few points off them. Each stage warms up from a
-learning rate of 0 at its first step (`optim.schedule_start`).
+{SHARES if shares else ""}Each stage warms up from a learning rate of 0 at its first step (`optim.schedule_start`).
 
 Gates (docs/recipes.md#gates): the metrics each stage's gate measured on its last checkpoint (held-out loss in
 nats/token; RULER exact match in [0, 1]), recorded in the run's `gates/stage<i>.json`, and the thresholds it
