@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxlong.data.pipeline import first_source
+
 __all__ = ["pack_rows", "attention_tile_fraction", "document_lengths"]
 
 PACKING_BINS = 16  # rows first fit fills at once, as the pipeline (jaxlong.data.pipeline.PACKING_BINS)
@@ -97,8 +99,6 @@ def document_lengths(cfg) -> tuple[list[int], str] | None:
         return [int(n) for n in d.doc_lengths], "data.doc_lengths"
     if d.sources or d.format == "text" or d.path is None or not Path(d.path).exists():
         return None
-    from jaxlong.data.pipeline import first_source  # noqa: PLC0415 (the data stack, only when measured)
-
     source = first_source(cfg)
     lengths = source.halves.ravel() if d.format == "preference" else source.lengths  # a pair's halves: 2 documents
     return [int(n) for n in lengths], f"measured from {d.path} ({len(source):,} {d.format} records)"

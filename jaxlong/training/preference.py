@@ -132,13 +132,12 @@ def preference_sums(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) 
     return metric_sums(preference_terms(token_logps(params, batch, graphdef, rt), batch, rt.cfg.dpo, rt.mesh))
 
 
-def loss_and_grads(params: dict, batch: dict, graphdef, rt: model_lib.Runtime, n: int):
-    """The preference loss (mean over the global batch's pairs), its gradient and TRL's metrics, with the batch run
-    as `n` micro-batches (`jaxlong.training.step.micro_batches`; rows stay whole, so pairs do).
+def loss_and_grads(params: dict, batch: dict, graphdef, rt: model_lib.Runtime, micro: dict | None = None):
+    """The preference loss (mean over the global batch's pairs), its gradient and TRL's metrics, over the whole
+    `batch`, or with `micro` (the batch as micro-batches `[n, rows / n, seq]`, `jaxlong.training.step.micro_batches`:
+    rows stay whole, so pairs do) in a `lax.scan`, one micro-batch's activations live at a time.
 
     Returns `(loss [], grads like params, metrics {name: []})`."""
-    from jaxlong.training.step import micro_batches  # the step module imports this one
-
     total = jnp.maximum(pair_count(batch, rt.mesh), 1.0)
 
     def scaled(p, mb):
@@ -150,10 +149,10 @@ def loss_and_grads(params: dict, batch: dict, graphdef, rt: model_lib.Runtime, n
         (l, s), g = jax.value_and_grad(scaled, has_aux=True)(params, mb)
         return (loss + l, jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s)), None
 
-    if n == 1:
+    if micro is None:
         (loss, sums), grads = jax.value_and_grad(scaled, has_aux=True)(params, batch)
     else:
         init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
                 {k: jnp.zeros((), jnp.float32) for k in METRICS})
-        (loss, grads, sums), _ = jax.lax.scan(body, init, micro_batches(batch, n, rt.mesh))
+        (loss, grads, sums), _ = jax.lax.scan(body, init, micro)
     return loss, grads, {k: v / total for k, v in sums.items()}

@@ -26,6 +26,7 @@ import numpy as np
 from jaxlong.core.mesh import replicated
 from jaxlong.data.pipeline import PAIR_FEATURE, make_dataset
 from jaxlong.layers import loss as loss_lib
+from jaxlong.models import hf
 from jaxlong.models import llama as model_lib
 from jaxlong.training import preference
 from jaxlong.training import step as step_lib
@@ -124,8 +125,6 @@ def prepare_reference(cfg, mesh: jax.sharding.Mesh, run_dir: str | Path, source,
     if cfg.dpo.reference == "policy":
         params, what = start_params(), "the weights this run starts from"
     else:
-        from jaxlong.models import hf
-
         params, what = hf.load_params(cfg.dpo.reference, cfg, mesh), cfg.dpo.reference
     say(f"reference log-probs of {len(source):,} pairs: one forward pass under {what}")
     logps = compute_reference(cfg, mesh, params, source, tokenizer)

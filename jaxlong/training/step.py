@@ -369,7 +369,8 @@ def make_train_step(cfg: Config, mesh: jax.sharding.Mesh):
 
     def train_step(state, batch):
         if cfg.objective == "dpo":  # preference pairs: the loss and TRL's metrics (jaxlong.training.preference)
-            loss, grads, extra = preference.loss_and_grads(state["params"], batch, graphdef, rt, cfg.grad_accum)
+            micro = micro_batches(batch, cfg.grad_accum, mesh) if cfg.grad_accum > 1 else None
+            loss, grads, extra = preference.loss_and_grads(state["params"], batch, graphdef, rt, micro)
             sums = None
         else:
             loss, grads, sums = loss_grads_by_source(state["params"], batch, graphdef, rt, cfg.grad_accum, sources)

@@ -98,8 +98,11 @@ def test_dpo_on_a_context_parallel_mesh_equals_trl_on_each_half_alone(tmp_path, 
     batch = next(data_lib.batch_iterator(cfg, tok, source=source))
     pair_ids = batch.pop(PAIR_FEATURE)
     rt, graphdef = llama.Runtime(mesh=mesh, cfg=cfg), llama.model_graphdef(cfg)
-    loss, grads, metrics = jax.jit(lambda p, b: preference.loss_and_grads(p, b, graphdef, rt, cfg.grad_accum))(
-        params, step_lib.put_batch(batch, mesh))
+    def step(p, b):
+        micro = step_lib.micro_batches(b, cfg.grad_accum, mesh) if cfg.grad_accum > 1 else None
+        return preference.loss_and_grads(p, b, graphdef, rt, micro)
+
+    loss, grads, metrics = jax.jit(step)(params, step_lib.put_batch(batch, mesh))
 
     ref = reference_cfg(cfg)
     ref_mesh = mesh_for(ref, 1)
