@@ -292,7 +292,9 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
         else:
             state = step_lib.init_state(cfg, mesh)
         if dpo:  # the frozen reference's log-probs of every pair, computed once (RUN_DIR/reference/), then the data
-            inside = resume and saved.get("stage", 0) == cfg.stage  # the stage's start weights are gone
+            # resumed inside the DPO stage (not at its start: a recipe's next stage, or a run switched to DPO by
+            # --resume-with-changes): the weights it started from are gone, its reference file serves
+            inside = resume and saved.get("stage", 0) == cfg.stage and saved.get("objective", "lm") == "dpo"
             prepare_reference(cfg, mesh, run_dir, source, tokenizer, None if inside else lambda: state["params"],
                               say=_say)
             if validator is not None:
