@@ -156,11 +156,11 @@ def test_packed_conversations_keep_their_assistant_mask_and_mix_with_text(tmp_pa
     assert mask[src == 2].all() and 0 < mask[src == 1].mean() < 0.5  # text: every token; chat: the answers
 
 
-MESHES = {  # fast: Ulysses x ring with FSDP and two micro-batches; slow: U-Pipe x ring, tiled loss; one device
+MESHES = {  # fast: Ulysses x ring with FSDP and two micro-batches; slow: U-Pipe x ring, tiled loss (one device with
+    # two micro-batches: tests/training/test_grad_accum.py, and DPO's packed pairs in tests/training/test_dpo.py)
     "ulysses-ring-fsdp-accum2": ("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "grad_accum=2"),
     "upipe-ring-tiled": ("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "attention.impl=upipe",
                          "attention.heads_per_stage=4", "tiling.loss=true", "tiling.loss_tile=16"),
-    "one-device-accum2": ("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1", "grad_accum=2"),
 }
 
 
