@@ -751,8 +751,8 @@ def validate_chat(cfg: Config) -> None:
                                                        if (s.format or d.format) in records and s.path is None)
         example = "configs/data/stdlib_chat.jsonl" if fmt == "chat" else "configs/data/stdlib_preference.jsonl"
         raise ConfigError(f"{where} is null (the embedded corpus, which is text) under data.format={fmt}: give a "
-                          f".jsonl file or directory of {fmt} records ({example} is one), or format: text for that "
-                          f"source")
+                          f".jsonl file or directory of {fmt} records ({example} is one)"
+                          + (", or format: text for that source" if d.sources else ""))
     if d.packing != "documents":
         raise ConfigError(f"data.packing={d.packing!r} would let conversations attend to each other: {fmt} data "
                           f"packs each conversation as its own document (data.packing=documents)")
@@ -776,8 +776,8 @@ def validate_objective(cfg: Config) -> None:
     if cfg.objective == "lm":
         if "preference" in formats:
             where = "data.format" if not d.sources else "a source's format"
-            raise ConfigError(f"{where}=preference is preference pairs, for objective=dpo; set objective=dpo, or "
-                              f"train on chat or text data", key="objective", value=cfg.objective)
+            raise ConfigError(f"{where}=preference is preference pairs, for objective=dpo", key="objective",
+                              value=cfg.objective)
         return
     if d.sources or d.format != "preference":
         raise ConfigError(f"objective=dpo trains on preference pairs: set data.format=preference with data.path a "

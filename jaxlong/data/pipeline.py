@@ -520,7 +520,8 @@ def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source:
         source = mixture[0][0] if mixture else first_source(cfg, tokenizer)
     for docs, where in ([(s, m.label) for s, m in mixture] if mixture else [(source, "data.path")]):
         if getattr(docs, "dropped", 0) and warn is not None:
-            warn(f"{where}: {docs.dropped:,} conversations longer than seq_len={cfg.seq_len:,} left out "
+            what = "pairs" if is_preference(docs) else "conversations"
+            warn(f"{where}: {docs.dropped:,} {what} longer than seq_len={cfg.seq_len:,} left out "
                  f"(data.too_long=drop); {len(docs):,} kept")
     ds = make_dataset(source, tokenizer, seq_len=cfg.seq_len,
                       global_batch=cfg.global_batch, seed=cfg.seed + STAGE_SEED * cfg.stage, packing=d.packing,

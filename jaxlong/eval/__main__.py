@@ -307,9 +307,13 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
     tokenizer = data_lib.run_tokenizer(cfg, run_dir)  # the trainer's: the run's copy, then model.from_hf
     lengths = passkey_lengths(cfg, args, tokenizer) if args.passkey else []
     source = data_lib.first_source(cfg, tokenizer)  # data.path, or the first of data.sources
-    if cfg.objective == "dpo":  # the reference log-probs the run computed when its stage started
-        from jaxlong.training.reference import prepare_reference  # noqa: PLC0415
+    if not cfg.eval_every:
+        what = "pairs" if cfg.objective == "dpo" else "documents"
+        say(f"note: the run trained with eval_every=0, on every document: the {what} evaluated here were trained on, "
+            f"not held out")
+    from jaxlong.training.reference import needs_reference, prepare_reference  # noqa: PLC0415
 
+    if needs_reference(cfg):  # the reference log-probs the run computed when its stage started
         prepare_reference(cfg, mesh, run_dir, source, tokenizer, None, say=say)
     # The trainer's held-out split; more batches than it used take more documents (the same ones first).
     held_out, batches = ev.validation_split(cfg, source, tokenizer, args.batches)

@@ -231,7 +231,8 @@ def abstract_like(state: dict) -> dict:
 RESUMABLE_KEYS = ("mesh.*", "remat.*", "tiling.*", "attention.*", "run_name", "run_dir", "log_every",
                   "checkpoint_every", "keep_checkpoints", "profile_steps", "steps", "ruler_tasks", "ruler_lengths",
                   "ruler_cases", "ruler_scoring", "lost_process_timeout_s",
-                  "data.read_threads", "data.read_buffer", "imported.*")  # imported: checked file by file
+                  "data.read_threads", "data.read_buffer", "data.doc_lengths",  # doc_lengths: plans only
+                  "imported.*")  # imported: checked file by file
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

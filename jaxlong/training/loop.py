@@ -54,7 +54,7 @@ from jaxlong.training.checkpoint import (
 from jaxlong.training.batches import BatchFn, StepBatches
 from jaxlong.training.hooks import Hook, StepContext, validation_hook
 from jaxlong.training.metrics import flops_per_token, peak_flops
-from jaxlong.training.reference import prepare_reference
+from jaxlong.training.reference import check_reference, needs_reference, prepare_reference
 
 
 def _say(*args, **kwargs) -> None:
@@ -218,6 +218,7 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
     latest = Checkpointer.latest_in(ckpt_dir)
     if cfg.model.from_hf and not resume:  # its tensors are checked before compiling (a resume has its weights)
         hf.check_checkpoint(cfg.model.from_hf, cfg)
+    check_reference(cfg)  # a DPO reference given as a Hugging Face directory
     if resume and latest is None:
         raise FileNotFoundError(f"--resume: no checkpoint found in {ckpt_dir.absolute()}")
     if not resume and latest is not None:
@@ -291,12 +292,13 @@ def _run(cfg: Config, resume: bool, profile: bool, allow_changes: bool, signals:
             _say(f"loaded the weights of {cfg.model.from_hf}")
         else:
             state = step_lib.init_state(cfg, mesh)
-        if dpo:  # the frozen reference's log-probs of every pair, computed once (RUN_DIR/reference/), then the data
+        if dpo and needs_reference(cfg):  # the frozen reference's log-probs of every pair, once (RUN_DIR/reference/)
             # resumed inside the DPO stage (not at its start: a recipe's next stage, or a run switched to DPO by
             # --resume-with-changes): the weights it started from are gone, its reference file serves
             inside = resume and saved.get("stage", 0) == cfg.stage and saved.get("objective", "lm") == "dpo"
             prepare_reference(cfg, mesh, run_dir, source, tokenizer, None if inside else lambda: state["params"],
                               say=_say)
+        if dpo:  # the batches, with the reference's log-probs (none under simpo)
             if validator is not None:
                 validator.batches = eval_lib.validation_batches(cfg, source, tokenizer, held_out, cfg.eval_batches)
             batches = data_lib.batch_iterator(cfg, tokenizer, source=source, exclude=held_out, rows=rows, warn=_say)
@@ -557,6 +559,8 @@ def _loop(lp: _Loop, state: dict, start: int) -> dict:
             fault("before_save", step)
             if ckpt.should_save(done):
                 started = ckpt.save(state, cfg_dict, data_state=_all_streams(batches, data_state)) or started
+                if writer is not None:  # the logs of the steps a checkpoint holds survive a SIGKILL with it
+                    writer.flush()
                 fault("during_save", step)  # the asynchronous commit may still be running
             fault("end_of_step", step)
             if stopped is not None:  # a hook ended the run after this step (saved below)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import replicated
 from jaxlong.data.pipeline import PAIR_FEATURE, make_dataset
 from jaxlong.layers import loss as loss_lib
@@ -31,7 +32,8 @@ from jaxlong.models import llama as model_lib
 from jaxlong.training import preference
 from jaxlong.training import step as step_lib
 
-__all__ = ["reference_file", "reference_key", "compute_reference", "prepare_reference"]
+__all__ = ["reference_file", "reference_key", "compute_reference", "prepare_reference", "needs_reference",
+           "check_reference"]
 
 
 def reference_file(run_dir: str | Path, stage: int) -> Path:
@@ -40,10 +42,10 @@ def reference_file(run_dir: str | Path, stage: int) -> Path:
 
 
 def reference_key(cfg, source) -> dict:
-    """What the stored log-probs depend on: the pairs (their source path, count and the digest of their tokens),
-    `dpo.reference` and the stage. A stored file with another key is refused."""
-    return {"path": str(source.path), "pairs": len(source), "tokens_sha256": source.digest,
-            "reference": cfg.dpo.reference, "stage": cfg.stage}
+    """What the stored log-probs depend on: the pairs (their count and the digest of their tokens and loss masks,
+    wherever the file lies), `dpo.reference` and the stage. A stored file with another key is refused."""
+    return {"pairs": len(source), "tokens_sha256": source.digest, "reference": cfg.dpo.reference,
+            "stage": cfg.stage}
 
 
 def compute_reference(cfg, mesh: jax.sharding.Mesh, params: dict, source, tokenizer) -> np.ndarray:
@@ -114,10 +116,11 @@ def prepare_reference(cfg, mesh: jax.sharding.Mesh, run_dir: str | Path, source,
             say(f"reference log-probs of {len(source):,} pairs read from {path}")
             return path
         if start_params is None and cfg.dpo.reference == "policy":
-            raise ValueError(f"{path} holds the reference log-probs of other pairs or another reference ("
-                             f"{_differ(saved, key)}), and the weights this stage started from are no longer what "
-                             f"the run resumes from; resume with the stage's data and dpo.reference, or start the "
-                             f"stage again")
+            what = "other pairs" if (saved.get("pairs"), saved.get("tokens_sha256")) != (
+                key["pairs"], key["tokens_sha256"]) else "another reference or stage"
+            raise ValueError(f"{path} holds the reference log-probs of {what} ({_differ(saved, key)}), and the "
+                             f"weights this stage started from are no longer what the run resumes from; resume with "
+                             f"the stage's data and dpo.reference, or start the stage again")
     elif start_params is None and cfg.dpo.reference == "policy":
         raise ValueError(f"{path} is missing: the reference log-probs were computed when the stage started, and the "
                          f"weights it started from are no longer what the run resumes from; restore the file, or "
@@ -141,4 +144,22 @@ def prepare_reference(cfg, mesh: jax.sharding.Mesh, run_dir: str | Path, source,
 
 def _differ(saved: dict, key: dict) -> str:
     return ", ".join(f"{k}: {saved.get(k)!r} there, {key[k]!r} now" for k in key if saved.get(k) != key[k])[:400]
+
+
+def needs_reference(cfg) -> bool:
+    """Whether the run's preference loss uses a reference (`dpo.loss` sigmoid or ipo; simpo has none)."""
+    return cfg.objective == "dpo" and cfg.dpo.loss != "simpo"
+
+
+def check_reference(cfg) -> None:
+    """`dpo.reference`, when a Hugging Face directory, checked against the model before anything compiles.
+
+    Raises:
+      ConfigError: naming `dpo.reference` (no safetensors, tensors missing or of other shapes)."""
+    if not needs_reference(cfg) or cfg.dpo.reference == "policy":
+        return
+    try:
+        hf.check_checkpoint(cfg.dpo.reference, cfg)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("model.from_hf=", "dpo.reference=", 1)) from None
 

@@ -25,7 +25,7 @@ from jaxlong.models import llama
 from jaxlong.training import preference
 from jaxlong.training.gates import parse_gate
 from jaxlong.training import step as step_lib
-from jaxlong.training.reference import compute_reference
+from jaxlong.training.reference import check_reference, compute_reference, needs_reference
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_recipe import _final_params, _ok, _scalars, _train  # noqa: E402  (the recipe tests' runner)
@@ -186,6 +186,11 @@ def test_pairs_need_a_template_fit_seq_len_and_the_dpo_objective(tmp_path):
         parse_gate({"min": {"dpo/rewards/accuracies": 0.6}}, tiny_cfg("eval_every=10"))
     dpo = tiny_cfg(f"data.path={path}", "data.format=preference", "objective=dpo", "eval_every=10")
     assert parse_gate({"min": {"dpo/rewards/accuracies": 0.6}, "max": {"dpo/loss": 0.7}}, dpo).metrics
+    with pytest.raises(ConfigError, match=r"dpo.reference='[^']+': no \*.safetensors files"):
+        check_reference(tiny_cfg(f"data.path={path}", "data.format=preference", "objective=dpo",
+                                 f"dpo.reference={tmp_path}"))
+    assert needs_reference(dpo) and not needs_reference(tiny_cfg(f"data.path={path}", "data.format=preference",
+                                                                 "objective=dpo", "dpo.loss=simpo"))
 
 
 CHAT = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
