@@ -57,7 +57,7 @@ RUN = {
     "python -m jaxlong.eval runs/default": AFTER_DEFAULT,
     "python -m jaxlong.eval runs/default --ruler --ruler-tasks niah_single_1,vt --ruler-cases 1": AFTER_DEFAULT,
     "python -m jaxlong.generate runs/default --prompt 'def fibonacci(n):' --max-new-tokens 64": AFTER_DEFAULT,
-    "python -m jaxlong.train run_name=ruler steps=4 eval_every=2 'ruler_tasks=[niah_single_1,vt]' "
+    "python -m jaxlong.train run_name=ruler steps=4 eval_every=4 'ruler_tasks=[niah_single_1,vt]' "
     "'ruler_lengths=[1024,2048]' ruler_cases=1": "a fresh directory",
     "python -m jaxlong.train --config configs/recipes/tiny_extension.yaml": "a fresh directory",
     "python -m jaxlong.train --config configs/recipes/tiny_dpo.yaml": "a fresh directory",
