@@ -18,8 +18,8 @@ Time ("estimate", not a measurement):
       bandwidth + the FSDP all-gather of every weight (ring all-gather: (n-1)/n of the weights into each device,
       at the NVLink bandwidth per direction, not overlapped) + 2 latency-bound collectives per layer (pmax,
       psum) at `--collective-latency` each (the "model").
-  decode "as compiled" = the same three terms from the decode HLO (`jaxlong.plan.cost`'s walker, which here also
-      reads a dynamic-slice of a bitcast parameter as the slice: the layer's cache): every kernel's HBM bytes,
+  decode "as compiled" = the same three terms from the decode HLO (`jaxlong.plan.cost`'s walker, which reads a
+      dynamic-slice of a bitcast parameter as the slice: the layer's cache): every kernel's HBM bytes,
       the all-gathers' wire bytes, and every collective under 1 MiB at `--collective-latency`.
   prefill = the planner's roofline of the compiled prefill (`jaxlong.plan.cost.roofline`: FLOPs at 60% of the
       dense bf16 peak or HBM bytes, plus exposed all-to-alls).
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import math
 import os
@@ -183,7 +182,7 @@ def decode_estimate(cfg, params, cache, compiled, target, n, args) -> dict:
     small_s = 2 * cfg.model.layers * args.collective_latency
     text = compiled.as_text()
     comps, entry = cost_lib.parse_module(text)
-    walker = _Walker(comps, n, target.devices_per_node)
+    walker = cost_lib._Walker(comps, n, target.devices_per_node)
     cost = walker.cost(entry)
     small = count_collectives(walker, entry, below=1 << 20)
     wire = cost.collective_wire_bytes.get("all-gather", 0)
@@ -191,7 +190,6 @@ def decode_estimate(cfg, params, cache, compiled, target, n, args) -> dict:
     return {"weights_bytes": weights, "gathered_bytes_per_device": gathered, "hbm_seconds": hbm_s,
             "gather_seconds": gather_s, "small_collective_seconds": small_s, "seconds": hbm_s + gather_s + small_s,
             "hlo_hbm_bytes": cost.hbm_bytes,
-            "hlo_hbm_bytes_cost_py": hlo_cost(text, n, target.devices_per_node).hbm_bytes,
             "hlo_collective_bytes": dict(cost.collective_bytes), "hlo_wire_bytes": dict(cost.collective_wire_bytes),
             "hlo_small_collectives": small, "compiled_seconds": compiled_s, "hlo_warnings": cost.warnings}
 
@@ -208,22 +206,6 @@ def count_collectives(walker, comp: str, below: int, times: int = 1) -> int:
         elif any(ins.op in (k, k + "-start") for k in cost_lib.COLLECTIVES):
             count += times * (walker.collective_size(comp, ins) < below)
     return count
-
-
-class _Walker(cost_lib._Walker):
-    """`hlo_cost`'s walker that also counts a fusion's dynamic-slice of a bitcast parameter as the slice it reads
-    (the decode's per-layer slice of the stacked cache; `hlo_cost` counts the whole cache there, 32x too much)."""
-
-    def __init__(self, comps, devices, node_size):
-        fused = {i.attr("calls") for body in comps.values() for i in body if i.op == "fusion"}
-        for name in fused & set(comps):
-            body = comps[name]
-            params = {i.name for i in body if i.op == "parameter"}
-            alias = {i.name: i.operands[0] for i in body
-                     if i.op == "bitcast" and not i.root and i.operands and i.operands[0] in params}
-            comps[name] = [dataclasses.replace(i, operands=[alias.get(o, o) for o in i.operands])
-                           for i in body if i.name not in alias]
-        super().__init__(comps, devices, node_size)
 
 
 def ruler_case_seconds(row, tokens: int, key: str = "seconds") -> float:

@@ -25,7 +25,8 @@ None), and XLA's CPU `cost_analysis()` does not see cuDNN attention. So the comp
   HBM bytes (per device, per step) -- an approximation
     the operand + output bytes of every top-level op (fusions, custom calls, copies, collectives) of the entry
     computation and of loop bodies, i.e. each kernel reads its inputs from and writes its outputs to HBM once.
-    Slicing fusions count the slice, in-place dynamic-update-slice fusions the update, not the whole buffer.
+    Slicing fusions count the slice, in-place dynamic-update-slice fusions the update, not the whole buffer
+    (also where the slice reads the operand through a `bitcast`, e.g. one layer's slice of a stacked buffer).
     Caches and re-reads inside a kernel are not modelled. Copies to or from host memory (offloaded residuals,
     layouts in memory space S(5)) count half as HBM bytes, half as `host_transfer_bytes`.
   Collective bytes (per device, per step), by kind
@@ -237,10 +238,14 @@ class _Walker:
         body_names = {i.name: i for i in body}
         params = {int(i.args): i.name for i in body if i.op == "parameter" and i.args.strip().isdigit()}
         users: dict[str, list[tuple[Instr, int]]] = {p: [] for p in params.values()}
+        view: dict[str, str] = {}  # a bitcast (not the root) of a parameter -> the parameter: its users read it
         for i in body:
+            if i.op == "bitcast" and not i.root and i.operands and view.get(i.operands[0], i.operands[0]) in users:
+                view[i.name] = view.get(i.operands[0], i.operands[0])
+                continue
             for k, o in enumerate(i.operands):
-                if o in users:
-                    users[o].append((i, k))
+                if view.get(o, o) in users:
+                    users[view.get(o, o)].append((i, k))
         total = 0.0
         for k, operand in enumerate(ins.operands):
             full = _bytes(self.shape_of(comp, operand))

@@ -43,6 +43,38 @@ def test_matmuls_in_a_scan_count_trip_count_times():
     assert c.flops == 15 * matmul and not c.warnings
 
 
+SLICE_HLO = """HloModule m
+
+%fused_slice (param_0: f32[32,8,1024,128], param_1: s32[]) -> f32[1,8192,128] {
+  %param_0 = f32[32,8,1024,128]{3,2,1,0} parameter(0)
+  %bitcast.1 = f32[32,8192,128]{2,1,0} bitcast(%param_0)
+  %param_1 = s32[] parameter(1)
+  %constant.0 = s32[] constant(0)
+  ROOT %dynamic-slice.1 = f32[1,8192,128]{2,1,0} dynamic-slice(%bitcast.1, %param_1, %constant.0, %constant.0), \
+dynamic_slice_sizes={1,8192,128}
+}
+
+ENTRY %main (p0: f32[32,8,1024,128], p1: s32[]) -> f32[1,8192,128] {
+  %p0 = f32[32,8,1024,128]{3,2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  ROOT %fusion = f32[1,8192,128]{2,1,0} fusion(%p0, %p1), kind=kLoop, calls=%fused_slice
+}
+"""
+
+
+def test_a_slice_read_through_a_bitcast_counts_the_slice():
+    """One layer's slice of a stacked `[layers, ...]` buffer, read through a bitcast inside the fusion (as the
+    decode step reads its layer's KV cache): the fusion moves the slice in and out, not the whole stack."""
+    layer = 8192 * 128 * 4
+    assert hlo_cost(SLICE_HLO).hbm_bytes == 2 * layer + 4  # the slice read and written, and the s32 index
+    # the bitcast also read whole (its root): the whole stack counts
+    whole = SLICE_HLO.replace("ROOT %dynamic-slice.1", "%dynamic-slice.1").replace(
+        "dynamic_slice_sizes={1,8192,128}\n}", "dynamic_slice_sizes={1,8192,128}\n  ROOT %t = "
+        "(f32[1,8192,128], f32[32,8192,128]) tuple(%dynamic-slice.1, %bitcast.1)\n}")
+    assert "ROOT %t" in whole
+    assert hlo_cost(whole).hbm_bytes >= 32 * layer
+
+
 def test_cpu_train_step_matmul_flops_match_xla_cost_analysis(default_emitters):
     """One layer (no loop: XLA's CPU `cost_analysis()` counts a loop body once, so it is comparable only without
     loops) with the reference attention (plain dots). XLA counts every elementwise op as FLOPs too (about 2% of
