@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -52,6 +53,7 @@ from jaxlong.core.memstats import compiled_bytes  # noqa: E402
 from jaxlong.core.mesh import BATCH_AXES, build_mesh, seq_shards, tree_shardings  # noqa: E402
 from jaxlong.core.units import GiB  # noqa: E402
 from jaxlong.evaluation.ruler.tasks import TASKS  # noqa: E402
+from jaxlong.generation.chunked import ChunkedPrefill  # noqa: E402
 from jaxlong.generation.decode import Cache, cache_shardings, make_decode_step, make_prefill  # noqa: E402
 from jaxlong.models import llama as model_lib  # noqa: E402
 from jaxlong.plan import workspace as ws  # noqa: E402
@@ -109,16 +111,26 @@ def run_case(length, stage_name, stages, target, devices, args) -> dict:
     row = {"length": length, "stage": st.name, "setup": setup_text(cfg), "batch": b, "max_new": args.max_new,
            "params_bytes": sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                                for x in jax.tree.leaves(params))}
+    chunk = cfg.prefill_chunk if 0 < cfg.prefill_chunk < length else 0
     t0 = time.perf_counter()
     try:
-        prefill = xla_log.compile_logged(lambda: make_prefill(cfg, mesh, args.max_new).lower(params, batch).compile())
+        if chunk:  # one compiled step per chunk, the cache donated (`jaxlong.generation.chunked`)
+            chunked = ChunkedPrefill(cfg, mesh, chunk, args.max_new)
+            row["prefill_kernel"] = chunked.kernel
+            prefill = xla_log.compile_logged(lambda: chunked.step_for(length).lower(
+                params, *chunked.abstract_args(b, length)).compile())
+        else:
+            prefill = xla_log.compile_logged(lambda: make_prefill(cfg, mesh, args.max_new).lower(params, batch)
+                                             .compile())
     except Exception as e:  # noqa: BLE001 (report the compiler's error, do not hide it)
         row["prefill_error"] = f"{type(e).__name__}: {e}"
         return row
     row["prefill_compile_s"] = time.perf_counter() - t0
     row["prefill"] = memory(prefill, target, n)
     row["cache"] = cache_bytes(cfg, mesh, b, args.max_new)
-    row["prefill_estimate"] = prefill_estimate(cfg, prefill, target, n)
+    row["prefill_chunk"] = chunk
+    row["prefill_estimate"] = (chunked_prefill_estimate(cfg, prefill, target, n, length // chunk) if chunk else
+                               prefill_estimate(cfg, prefill, target, n))
     del prefill
     cache = Cache(*(jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh) for s, sh in zip(
         jax.eval_shape(lambda: cache_like(cfg, b, args.max_new)), cache_shardings(mesh))))
@@ -160,6 +172,24 @@ def forward_flops(cfg) -> float:
         + 3 * m.hidden * m.mlp_hidden
     attention = 2.0 * m.layers * s * s * m.heads * m.head_dim
     return 2.0 * m.layers * per_layer * s + attention + 2.0 * m.hidden * m.vocab_size
+
+
+def chunked_prefill_estimate(cfg, compiled, target, n, chunks: int) -> dict:
+    """The chunked prefill's roofline: `chunks` runs of the compiled chunk step, whose attention kernel is counted
+    by the HLO over the whole cache shard, while it skips the slots below each query's bound: chunk j reads (j + 1)
+    / chunks of them, (chunks + 1) / (2 chunks) on average, so the attention FLOPs are scaled by that."""
+    cost = hlo_cost(compiled.as_text(), n, target.devices_per_node)
+    skipped = cost.attention_flops * (1 - (chunks + 1) / (2 * chunks))
+    cost = dataclasses.replace(cost, flops=cost.flops - skipped, attention_flops=cost.attention_flops - skipped)
+    c = dataclasses.replace(cfg, seq_len=cfg.seq_len // chunks)
+    e = roofline(cost, peak_flops=target.peak_flops, hbm_bandwidth=target.hbm_bandwidth,
+                 link_bandwidth=target.link_bandwidth, network_bandwidth=None,
+                 model_flops=forward_flops(cfg) / n / chunks, tokens=c.seq_len, devices=n)
+    out = {k: e[k] * (chunks if k in ("flops", "model_flops", "hbm_bytes", "compute_seconds", "memory_seconds",
+                                      "exposed_seconds", "step_seconds") else 1)
+           for k in ("flops", "model_flops", "hbm_bytes", "compute_seconds", "memory_seconds", "exposed_seconds",
+                     "step_seconds", "mfu", "warnings")}
+    return {**out, "chunks": chunks, "attention_flops_per_chunk": cost.attention_flops}
 
 
 def prefill_estimate(cfg, compiled, target, n) -> dict:

@@ -272,6 +272,9 @@ class Config:
     ruler_lengths: list[int] = field(default_factory=list)  # their context lengths (tokens); [] means [seq_len]
     ruler_cases: int = 4  # RULER cases per task and length (needle depths evenly spread)
     ruler_scoring: str = "generate"  # "generate" (greedy generation, string_match_all) or "forced" (teacher-forced)
+    # Generation (`jaxlong.generation`): prompts longer than this are prefilled in chunks of this many tokens, the
+    # cache filled chunk by chunk (`jaxlong.generation.chunked`); 0: the whole prompt in one forward.
+    prefill_chunk: int = 0
     lost_process_timeout_s: float = 120  # several processes: one silent this long ends the others (docs/multi-node.md)
     # A recipe (docs/recipes.md, `jaxlong.training.recipe`): a list of stages, each a mapping of `name`, its own
     # `steps` and any config keys it changes; a run of one stage has `stage` set to its index.
@@ -657,6 +660,10 @@ def _check(cfg: Config, n: int, platform: str | None) -> None:
             f"grad_accum*mesh.data*mesh.fsdp={cfg.grad_accum * data * fsdp} (each micro-batch is sharded over "
             f"data x fsdp)", key="grad_accum", value=cfg.grad_accum, keys=("global_batch",))
     check_heads(m.heads, m.kv_heads, context)
+    if cfg.prefill_chunk % (ring * context):
+        raise ConfigError(f"prefill_chunk={cfg.prefill_chunk} must be a multiple of the sequence shards mesh.ring x "
+                          f"mesh.context = {ring * context} (each holds an equal slice of every chunk)",
+                          key="prefill_chunk", value=cfg.prefill_chunk)
     for key in ("block_q", "block_k"):
         check_attention_block(f"attention.{key}", getattr(cfg.attention, key), cfg.seq_len)
     s_local = cfg.seq_len // (ring * context)
@@ -812,6 +819,10 @@ def validate_ruler(cfg: Config) -> None:
     if bad:
         raise ConfigError(f"ruler_lengths={cfg.ruler_lengths}: lengths must be positive token counts, e.g. "
                           f"[{cfg.seq_len}]")
+    if cfg.prefill_chunk < 0:
+        raise ConfigError(f"prefill_chunk={cfg.prefill_chunk}: give 0 (the whole prompt in one forward) or the "
+                          f"tokens per chunk, a multiple of mesh.ring x mesh.context", key="prefill_chunk",
+                          value=cfg.prefill_chunk)
     if cfg.ruler_cases <= 0:
         raise ConfigError(f"ruler_cases={cfg.ruler_cases} must be positive (cases per task and length)")
     if cfg.ruler_tasks and not cfg.eval_every:

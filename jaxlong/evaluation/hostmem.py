@@ -10,7 +10,11 @@ XLA:CPU with more than one host device holds about 5.5 KiB for each executed ite
 attention's kv loop until the program returns (measured on jax/jaxlib 0.10.2: malloc's in-use bytes grow linearly
 through the run and come back when it ends; on one device they do not grow). The causal blockwise kernel runs
 `n (n + 1) / 2` kv steps per device and layer (n = length / block, heads batched in a step), so this term grows
-with the square of the length and dominates from about 64K tokens on 4 simulated devices.
+with the square of the length and dominates from about 64K tokens on 4 simulated devices. The chunked prefill's
+loop (`jaxlong.generation.chunked`, `prefill_chunk`) holds about 38 KiB per iteration (`CHUNK_STEP_BYTES`), and
+only for one chunk's program at a time: its longest chunk runs `chunk / block_q x (length / devices) / block_k`
+iterations per device and layer, so chunks bound this term where the whole-prompt forward's grows with the
+square of the length.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ import jax.numpy as jnp
 from jaxlong.config import ConfigError
 from jaxlong.core.units import fmt_bytes
 from jaxlong.evaluation.steps import make_token_stats_step
+from jaxlong.generation.chunked import ChunkedPrefill
 from jaxlong.generation.decode import make_prefill
 from jaxlong.training import step as step_lib
 
 KV_STEP_BYTES = 5632  # measured: 5.2-6.3 KiB per kv step at 32K-128K tokens, 4 simulated devices, block 256
+CHUNK_STEP_BYTES = 38 * 1024  # measured: 34-44 KiB per iteration, 32K-64K tokens in chunks of 4K-16K, 4 devices
 
 
 def rss_bytes() -> int:
@@ -82,11 +88,14 @@ def program_bytes(compiled, resident_args: bool = False) -> int:
 
 
 def estimate(cfg, mesh, compiled, length: int, *, host_arrays: int = 0, attention: bool = True,
-             resident_args: bool = False, base: int | None = None) -> HostBytes:
+             resident_args: bool = False, base: int | None = None, steps: int | None = None,
+             step_bytes: int = KV_STEP_BYTES) -> HostBytes:
     """The expected peak RSS of running `compiled` (a forward over `length` tokens on `mesh`; `attention` False for
-    a decode step, whose attention has no kv loop)."""
+    a decode step, whose attention has no kv loop; `steps` its kv loop's iterations per device and layer, default
+    `kv_steps`, each holding `step_bytes`)."""
     d = host_devices(mesh)
-    loop = KV_STEP_BYTES * cfg.model.layers * d * kv_steps(cfg, length) if attention and d > 1 else 0
+    steps = kv_steps(cfg, length) if steps is None else steps
+    loop = step_bytes * cfg.model.layers * d * steps if attention and d > 1 else 0
     return HostBytes(program_bytes(compiled, resident_args), d, loop, host_arrays,
                      rss_bytes() if base is None else base)
 
@@ -122,6 +131,12 @@ def prefill_estimate(cfg, mesh, length: int, rows: int, max_new: int) -> tuple[H
     `program_bytes(step, resident_args=True)`, a few percent of the cache)."""
     c = replace(cfg, seq_len=int(length))
     params = step_lib.abstract_state(c, mesh)["params"]
+    if 0 < cfg.prefill_chunk < length:  # chunk by chunk: one chunk step's program, the cache among its arguments
+        n = -(-length // cfg.prefill_chunk) * cfg.prefill_chunk
+        chunked = ChunkedPrefill(c, mesh, cfg.prefill_chunk, max_new)
+        compiled = chunked.step_for(n).lower(params, *chunked.abstract_args(rows, n)).compile()
+        return estimate(c, mesh, compiled, length, host_arrays=3 * 4 * n * rows, steps=chunked.kv_steps(n),
+                        step_bytes=CHUNK_STEP_BYTES), compiled
     sh = step_lib.batch_sharding(mesh)
     batch = {k: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sh)
              for k in ("inputs", "positions", "segment_ids")}

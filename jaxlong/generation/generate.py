@@ -6,6 +6,10 @@ Prompts are **left-padded** to one prompt length the mesh takes (the least lengt
 out of the cache (`Cache.valid`), and each row's tokens keep their true positions `0 .. n-1`; the first generated
 token of a row sits at position n. A batch whose row count the mesh's batch axes (data x fsdp) do not divide is
 filled with copies of its last prompt, whose output is dropped.
+
+With `prefill_chunk` set, a batch whose longest prompt is longer than the chunk is **right-padded** to a multiple
+of it and prefilled chunk by chunk (`jaxlong.generation.chunked`): the prefill holds one chunk's activations
+beside the cache, where the whole-prompt forward holds the whole prompt's.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong.config import Config, ConfigError, validate
 from jaxlong.core.mesh import BATCH_AXES, axis_size
+from jaxlong.generation.chunked import ChunkedPrefill
 from jaxlong.generation.decode import Sampling, make_decode_step, make_prefill, sample
 from jaxlong.training.step import put_batch
 
@@ -114,6 +119,8 @@ class Generator:
         self.eos, self.stop = set(int(i) for i in eos_ids), [s for s in stop if s]
         vocab = min(int(tokenizer.vocab_size), cfg.model.vocab_size)  # the padded embedding's extra ids: never drawn
         self.prefill = make_prefill(cfg, mesh, max_new_tokens)
+        # prompts longer than `prefill_chunk` are prefilled chunk by chunk (`jaxlong.generation.chunked`)
+        self.chunked = ChunkedPrefill(cfg, mesh, cfg.prefill_chunk, max_new_tokens) if cfg.prefill_chunk else None
         self.step = make_decode_step(cfg, mesh, sampling, vocab=vocab)
         # the first token in the decode step's own output sharding: every step then has one input signature
         self.first = jax.jit(lambda logits, key: sample(logits, key, sampling, vocab),
@@ -125,13 +132,17 @@ class Generator:
         `pad_to`: batches of one padded length share their compiled prefill)."""
         rows = -(-len(prompts) // self.rows_unit) * self.rows_unit
         prompts = list(prompts) + [prompts[-1]] * (rows - len(prompts))
-        n = prompt_length(self.cfg, max(pad_to, *(len(p) for p in prompts)), rows)
+        longest = max(pad_to, *(len(p) for p in prompts))
+        chunk = self.cfg.prefill_chunk
+        chunked = bool(chunk) and longest > chunk  # right-padded to chunks (`jaxlong.generation.chunked`)
+        n = -(-longest // chunk) * chunk if chunked else prompt_length(self.cfg, longest, rows)
         out = {k: np.zeros((rows, n), np.int32) for k in ("inputs", "positions", "segment_ids")}
         for r, p in enumerate(prompts):
             p = np.asarray(p, np.int32)
-            out["inputs"][r, n - len(p):] = p
-            out["positions"][r, n - len(p):] = np.arange(len(p))
-            out["segment_ids"][r, n - len(p):] = 1
+            at = slice(0, len(p)) if chunked else slice(n - len(p), n)
+            out["inputs"][r, at] = p
+            out["positions"][r, at] = np.arange(len(p))
+            out["segment_ids"][r, at] = 1
         return out, n
 
     def __call__(self, prompts: Sequence[np.ndarray], *, seed: int = 0,
@@ -155,7 +166,10 @@ class Generator:
         check_positions(self.cfg, len(prompts[longest]), limits[longest], self.trained)
         host, _ = self.batch(prompts, pad_to)
         t0 = time.perf_counter()
-        logits_now, cache = self.prefill(self.params, put_batch(host, self.mesh))
+        if self.chunked is not None and host["inputs"].shape[1] > self.chunked.chunk:
+            logits_now, cache = self.chunked(self.params, host)
+        else:
+            logits_now, cache = self.prefill(self.params, put_batch(host, self.mesh))
         key = jax.random.key(seed)
         key, sub = jax.random.split(key)
         tok = self.first(logits_now, sub)

@@ -107,8 +107,10 @@ def _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts=None):
                              f"{tuple(segment_ids.shape)}")
         segment_ids = segment_ids.astype(jnp.int32)
     block_q, block_k, padded = pallas_tiles(max(s, k.shape[1]), block_q, block_k)
-    if b * padded * h * d > MAX_ELEMENTS:  # also checked before tracing: jaxlong.kernels.backend.check_kernel_size
-        raise ValueError(f"attention.backend=pallas: q {tuple(q.shape)} (seq padded to {padded}) has more than "
+    sp, skp = _padded(s, block_q, block_k), _padded(k.shape[1], block_q, block_k)
+    if b * max(sp * h, skp * k.shape[2]) * d > MAX_ELEMENTS:  # also: jaxlong.kernels.backend.check_kernel_size
+        raise ValueError(f"attention.backend=pallas: q {tuple(q.shape)} or k {tuple(k.shape)} (seq padded to "
+                         f"{max(sp, skp)}) has more than "
                          f"{MAX_ELEMENTS:,} elements, beyond the kernels' int32 offsets; use a larger "
                          f"mesh.context, U-Pipe with fewer attention.heads_per_stage, or attention.backend=blockwise")
     return segment_ids, block_q, block_k
@@ -232,7 +234,7 @@ def _pad_seq(x, padded: int, axis: int = 1, value=0):
 
 def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, block_q: int = DEFAULT_BLOCK,
                          block_k: int = DEFAULT_BLOCK, interpret: bool = False, num_warps: int = 4,
-                         num_stages: int = 2, kv_starts=None):
+                         num_stages: int = 2, kv_starts=None, kv_head_major: bool = False):
     """FlashAttention-2 forward (Pallas, Triton lowering); returns `(out, lse)`.
 
     Args:
@@ -244,7 +246,10 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
       interpret: run in Pallas' interpreter (CPU tests) instead of compiling through Triton.
       num_warps, num_stages: Triton launch parameters.
       kv_starts: int `[batch, seq]` or None: with `causal=False`, query t sees key j iff `j >= kv_starts[t]`
-        (ring attention's off-diagonal blocks with document masking, module docstring).
+        (ring attention's off-diagonal blocks with document masking, module docstring; the chunked prefill's
+        cache, `jaxlong.generation.chunked`).
+      kv_head_major: k, v are `[batch, kv_heads, kv_seq, head_dim]` (a KV cache's layout: read in place, not
+        transposed).
 
     Returns:
       `out` (shape and dtype of q) and `lse` float32 `[batch, heads, seq]` (natural log), the convention
@@ -255,17 +260,21 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
       ValueError: malformed shapes, dtypes, head_dim, block sizes or segment ids, or q with more than
         `MAX_ELEMENTS` elements (before tracing a kernel).
     """
-    segment_ids, bq, bk = _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts)
+    seq_axis = 2 if kv_head_major else 1
+    shapes = [jax.ShapeDtypeStruct(jnp.swapaxes(x, 1, 2).shape if kv_head_major else x.shape, x.dtype)
+              for x in (k, v)]
+    segment_ids, bq, bk = _check(q, *shapes, segment_ids, causal, block_q, block_k, kv_starts)
     b, s, h, d = q.shape
-    sk, g = k.shape[1], h // k.shape[2]
+    sk, g = shapes[0].shape[1], h // shapes[0].shape[2]
     sp, skp = _padded(s, bq, bk), _padded(sk, bq, bk)
     q_ = _pad_seq(q, sp)
-    k_, v_ = (_pad_seq(x, skp) for x in (k, v))
+    k_, v_ = (_pad_seq(x, skp, axis=seq_axis) for x in (k, v))
     segments = segment_ids is not None or kv_starts is not None
     kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(d), causal=bool(causal), segments=segments,
                                bq=bq, bk=bk, nk=skp // bk, seq=sk, padded=skp != sk)
     tile = pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0))
-    whole_kv = pl.BlockSpec((None, skp, None, d), lambda i, bb, hh: (bb, 0, lax.div(hh, g), 0))
+    whole_kv = (pl.BlockSpec((None, None, skp, d), lambda i, bb, hh: (bb, lax.div(hh, g), 0, 0)) if kv_head_major
+                else pl.BlockSpec((None, skp, None, d), lambda i, bb, hh: (bb, 0, lax.div(hh, g), 0)))
     in_specs, args = [tile, whole_kv, whole_kv], [q_, k_, v_]
     if segments:
         in_specs.append(pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)))
@@ -276,7 +285,8 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
         out_specs=[tile, pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i))],
         out_shape=[sds((b, sp, h, d), q.dtype), sds((b, h, sp), _F32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="jaxlong_flash_fwd" + ("_causal" if causal else ""))(*args)
+        interpret=interpret, name="jaxlong_flash_fwd" + ("_causal" if causal else "") + ("_kvhm" if kv_head_major else "")
+    )(*args)
     return out[:, :s], lse[:, :, :s]
 
 

@@ -17,10 +17,11 @@ None), and XLA's CPU `cost_analysis()` does not see cuDNN attention. So the comp
     backward 2.5 x the forward (five matmuls: QK^T recomputed, dV, dP, dQ, dK; FlashAttention-2 §3.2).
     B, H, Sq, Sk are read from the config's `intermediate_tensor_shape`, D is the query's last dimension.
     The Pallas attention kernels (`jaxlong.kernels.pallas_gpu`, Triton custom calls named by their op_name
-    `jaxlong_flash_{fwd,bwd_dkdv,bwd_dq}[_causal]`): 2 x B x H x Sq x Sk x D per matmul, halved when causal, with
-    2 matmuls forward, 4 for dK/dV (QK^T recomputed, dV, dP, dK) and 3 for dQ (QK^T, dP, dQ); B, Sq, H, D from
-    the query operand, Sk from the key operand. With segment ids (packed documents) the kernels skip the tiles
-    between documents, so this is the dense causal work: an upper bound.
+    `jaxlong_flash_{fwd,bwd_dkdv,bwd_dq}[_causal][_kvhm]`): 2 x B x H x Sq x Sk x D per matmul, halved when
+    causal, with 2 matmuls forward, 4 for dK/dV (QK^T recomputed, dV, dP, dK) and 3 for dQ (QK^T, dP, dQ); B, Sq,
+    H, D from the query operand, Sk from the key operand (its dim 2 for `_kvhm`, a head-major KV cache). With
+    segment ids (packed documents) or `kv_starts` the kernels skip tiles, so this is the dense work: an upper
+    bound.
     Elementwise work is not counted (it is memory bound; the HBM bytes carry it).
   HBM bytes (per device, per step) -- an approximation
     the operand + output bytes of every top-level op (fusions, custom calls, copies, collectives) of the entry
@@ -370,13 +371,13 @@ class _Walker:
             flops = fwd * (2.5 if kind == "backward" else 1.0)
             c.attention_flops += flops
             return flops
-        kernel = re.search(r"jaxlong_flash_(fwd|bwd_dkdv|bwd_dq)(_causal)?/", ins.attrs)
+        kernel = re.search(r"jaxlong_flash_(fwd|bwd_dkdv|bwd_dq)(_causal)?(_kvhm)?/", ins.attrs)
         if target == "__gpu$xla.gpu.triton" and kernel:  # the Pallas attention kernels (jaxlong.kernels.pallas_gpu)
             q, k = self.shape_of(comp, ins.operands[0]), self.shape_of(comp, ins.operands[1])
             if not q or not k or len(q[0][1]) != 4:
                 c.warnings.append(f"{ins.name}: Pallas attention operands unreadable, attention FLOPs not counted")
                 return 0.0
-            (b, sq, h, d), sk = q[0][1], k[0][1][1]
+            (b, sq, h, d), sk = q[0][1], k[0][1][2 if kernel.group(3) else 1]  # _kvhm: k [b, kv, seq, d]
             matmuls = {"fwd": 2, "bwd_dkdv": 4, "bwd_dq": 3}[kernel.group(1)]  # FlashAttention-2 Algorithms 1, 2
             flops = 2.0 * matmuls * b * h * sq * sk * d * (0.5 if kernel.group(2) else 1.0)
             if kernel.group(1) != "bwd_dq":  # one call per direction, as cuDNN's

@@ -230,7 +230,7 @@ def abstract_like(state: dict) -> dict:
 # other key, including keys added later, must equal the checkpoint's (deny by default).
 RESUMABLE_KEYS = ("mesh.*", "remat.*", "tiling.*", "attention.*", "run_name", "run_dir", "log_every",
                   "checkpoint_every", "keep_checkpoints", "profile_steps", "steps", "ruler_tasks", "ruler_lengths",
-                  "ruler_cases", "ruler_scoring", "lost_process_timeout_s",
+                  "ruler_cases", "ruler_scoring", "prefill_chunk", "lost_process_timeout_s",
                   "data.read_threads", "data.read_buffer", "data.doc_lengths",  # doc_lengths: plans only
                   "imported.*")  # imported: checked file by file
 

@@ -37,8 +37,9 @@ def _cfg(*overrides):
 
 @pytest.fixture(scope="module")
 def reference():
-    """Float32 parameters on one device and the logits of a whole forward of any token sequence there."""
-    cfg = _cfg(*ONE)
+    """Float32 parameters on one device and the logits of a whole forward of any token sequence there (dense
+    reference attention: any length)."""
+    cfg = _cfg(*ONE, "attention.backend=reference")
     mesh = build_mesh(cfg.mesh, jax.devices()[:1])
     params = model_lib.init_params(cfg, mesh)
     graphdef, rt = model_lib.model_graphdef(cfg), model_lib.Runtime(mesh=mesh, cfg=cfg)
@@ -78,6 +79,63 @@ def test_cached_decode_equals_the_whole_forward_at_every_step(reference, name):
     gen(PROMPTS[::-1], logits=again)  # the same batch and cache size: no new decode program
     assert gen.step._cache_size() == 1
     np.testing.assert_allclose(again[2][2], steps[2][0], rtol=0, atol=1e-5)  # a row's result is its own
+
+
+LONG_PROMPTS = [np.arange(3, 40), np.arange(60, 80), np.array([256, 72, 105])]  # 37, 20 and 3 tokens
+
+
+CHUNKED = ["one", "ring8", "fsdp2-ring2-upipe2", "data2-fsdp2-upipe2"]
+
+
+@pytest.mark.parametrize(*tiered("name", CHUNKED, fast={"fsdp2-ring2-upipe2"}, ids=CHUNKED))
+def test_chunked_prefill_equals_the_whole_forward(reference, name):
+    """`prefill_chunk=16`: the 37-token prompt padded to 48 is prefilled in 3 chunks, each attending to the cache
+    filled so far (split-KV over the sequence shards, the chunk's queries gathered and their outputs scattered
+    back), with 2 query tokens per shard and chunk on ring 8; the logits of the prefill and of every cached decode
+    step equal a whole one-device forward, and the chunk step compiles once for the 3 chunks."""
+    host, ref_logits = reference
+    cfg = _cfg(*MESHES[name], "prefill_chunk=16")
+    mesh, params = _on_mesh(host, cfg)
+    gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=4)
+    steps: list = []
+    out = gen(LONG_PROMPTS, logits=steps)
+    assert gen.seconds["padded"] == 48 * gen.batch(LONG_PROMPTS)[0]["inputs"].shape[0]
+    assert gen.chunked.steps[48]._cache_size() == 1  # one program for every chunk
+    for r, prompt in enumerate(LONG_PROMPTS):
+        seq = list(prompt)
+        for t, token in enumerate(out[r].tokens):
+            np.testing.assert_allclose(steps[t][r], ref_logits(seq), rtol=0, atol=1e-5, err_msg=f"row {r}, step {t}")
+            seq.append(token)
+
+
+@pytest.mark.slow
+def test_chunked_prefill_with_the_pallas_kernel_equals_the_whole_forward(monkeypatch):
+    """The GPU path of the chunk's attention, the Pallas kernel reading the head-major cache in place with one
+    lower bound per query (`kv_starts`), run in Pallas' interpreter on a model of head_dim 16 (the kernel's
+    least): as the blockwise path, the logits of the prefill and of every decode step equal a whole one-device
+    forward."""
+    from jaxlong.generation import chunked
+
+    monkeypatch.setattr(chunked, "chunk_kernel", lambda cfg, mesh: "pallas-interpret")
+    wide = ["model.head_dim=16", "attention.backend=reference"]
+    ref_cfg = _cfg(*ONE, *wide)
+    one = build_mesh(ref_cfg.mesh, jax.devices()[:1])
+    host = jax.tree.map(np.asarray, model_lib.init_params(ref_cfg, one))
+    graphdef, rt = model_lib.model_graphdef(ref_cfg), model_lib.Runtime(mesh=one, cfg=ref_cfg)
+    fwd = jax.jit(lambda p, t: model_lib.forward(graphdef, p, t, rt))
+    cfg = _cfg(*MESHES["fsdp2-ring2-upipe2"], *wide, "prefill_chunk=16")
+    mesh, params = _on_mesh(host, cfg)
+    gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=3)
+    assert gen.chunked.kernel == "pallas-interpret"
+    steps: list = []
+    out = gen(LONG_PROMPTS, logits=steps)
+    for r, prompt in enumerate(LONG_PROMPTS):
+        seq = list(prompt)
+        for t, token in enumerate(out[r].tokens):
+            hidden, head = fwd(host, np.asarray(seq, np.int32)[None])
+            np.testing.assert_allclose(steps[t][r], np.asarray(hidden[0, -1] @ head), rtol=0, atol=1e-5,
+                                       err_msg=f"row {r}, step {t}")
+            seq.append(token)
 
 
 def test_stops_sampling_and_refusals(reference):

@@ -1,0 +1,306 @@
+"""Chunked prefill: a long prompt's forward in chunks of `prefill_chunk` tokens, each chunk attending to the KV
+cache filled so far, so that the prefill holds one chunk's activations beside the cache instead of the whole
+prompt's.
+
+The whole-prompt prefill (`jaxlong.generation.decode.make_prefill`, the training forward) holds a few
+`[prompt / devices, hidden]` buffers besides the cache it fills; at 4M tokens on 8 GPUs each is 4 GiB and the
+cache 64 GiB per device. Here the cache is allocated once and filled chunk by chunk (chunked prefill as in
+Sarathi, Agrawal et al., arXiv 2308.16369, here on the training mesh), and each chunk's attention over it is
+split-KV across the sequence shards, merged exactly, as the decode step's (Flash-Decoding) but with a chunk of
+queries.
+
+Layout. The sequence axes `ring x context` (D devices, ring-major) split each chunk of `c` tokens into D
+contiguous slices of `c / D`; device d holds slice d of every chunk, so every device holds an equal share of every
+chunk and the causal work is balanced. Its cache shard holds them in *descending* prompt order, chunk 0 at the
+end (`chunk_order`): the keys a query may see (prompt index <= its own) are then a suffix of the shard, so the
+kernel's mask is one lower bound per query (`kv_starts` of the Pallas kernel) and the slots of chunks not yet
+written lie below every bound. The decode step does not see the order (a new token attends to every valid prompt
+key). Prompts are right-padded here (the padding after every real token: no real query sees it).
+
+Per layer and chunk `j`:
+  1. q, k, v of each device's slice (weights FSDP-gathered per layer, as in the train step), RoPE at the prompt's
+     true positions; k and v of padding zeroed (and masked by `valid` in the decode step).
+  2. k and v written into the local cache at their slots, in place (the cache is donated).
+  3. the chunk's queries all-gathered over the sequence axes; each device attends them to its cache shard
+     (FlashAttention's online softmax, arXiv 2205.14135: the Pallas kernel reading the head-major cache in place
+     on GPUs, a blockwise loop elsewhere), each query to the keys of prompt index <= its own: a partial output
+     with its log-sum-exp.
+  4. the partials merged exactly (`pmax` of the log-sum-exps, `psum_scatter` of the rescaled outputs and
+     weights), each device keeping its own slice's queries; then the output projection and the MLP.
+One path serves every attention method and mesh: the methods' own code is not used (the chunk's attention reads
+a cache, which theirs do not).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxlong.core.mesh import BATCH_AXES, SEQ_AXES, axis_size
+from jaxlong.kernels import pallas_gpu as pallas_kernel
+from jaxlong.kernels.layout import pallas_head_dim_ok
+from jaxlong.layers import blocks as L
+from jaxlong.models import llama as model_lib
+
+__all__ = ["chunk_order", "chunk_kernel", "ChunkedPrefill"]
+
+NEG = -1e30
+
+
+def seq_devices(mesh) -> int:
+    return math.prod(axis_size(mesh, a) for a in SEQ_AXES)
+
+
+def chunk_order(n: int, chunk: int, devices: int) -> np.ndarray:
+    """`order[slot]`: the prompt index held at each slot of a chunk-prefilled cache of `n` tokens (`[n]` int64,
+    the global prompt axis, sharded in `devices` equal parts).
+
+    Device d's slot s, with `r = n / D - 1 - s`, holds prompt index `(r // (c / D)) c + d c / D + r % (c / D)`:
+    its slice of every chunk, in descending order.
+
+    Raises:
+      ValueError: `n` not a multiple of `chunk`, or `chunk` not of `devices`."""
+    if chunk <= 0 or n % chunk or chunk % devices:
+        raise ValueError(f"a prompt of {n} tokens in chunks of {chunk} over {devices} sequence shards: the prompt "
+                         f"must be a multiple of the chunk, the chunk of the shards")
+    cl, local = chunk // devices, n // devices
+    d, slot = np.meshgrid(np.arange(devices), np.arange(local), indexing="ij")
+    r = local - 1 - slot
+    return ((r // cl) * chunk + d * cl + r % cl).ravel()
+
+
+def chunk_kernel(cfg, mesh) -> str:
+    """The chunk's attention kernel: `pallas` (the Pallas GPU kernel, head-major cache read in place) on GPUs
+    where it takes the head dim and dtype, `blockwise` (a pure-JAX online softmax) elsewhere."""
+    gpu = mesh.devices.flat[0].platform == "gpu"
+    ok = pallas_head_dim_ok(cfg.model.head_dim) and cfg.compute_dtype in ("bfloat16", "float16", "float32")
+    return "pallas" if gpu and ok else "blockwise"
+
+
+def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
+    """The jitted step of one chunk: `(params, k, v, batch, j, last, logits) -> (logits, k, v)`.
+
+    `k`, `v` `[layers, b, kv_heads, n, head_dim]` (the cache, donated, returned with chunk `j` written); `batch`
+    the chunk's `inputs`, `positions`, `segment_ids` `[b, chunk]` int32 in prompt order; `last` `[b]` int32 each
+    row's last real token (prompt index); `logits` `[b, vocab]` float32: each row's logits of that token, taken
+    from this chunk where it holds it, else passed through. `kernel`: `chunk_kernel`'s, or `pallas-interpret`
+    (the Pallas kernel in its interpreter: CPU tests)."""
+    from jaxlong.generation.decode import _head  # the output head, as the whole prefill reads it
+
+    m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
+    rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
+    group, scale = m.heads // m.kv_heads, 1.0 / float(np.sqrt(m.head_dim))
+    seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
+    devices = seq_devices(mesh)
+    cl, local_n = chunk // devices, n // devices
+    kb, qb = math.gcd(cl, cfg.attention.block_k), math.gcd(chunk, cfg.attention.block_q)
+    cache_spec, q_spec = P(None, BATCH_AXES, None, SEQ_AXES, None), P(BATCH_AXES, SEQ_AXES, None, None)
+
+    def write(kc, vc, k, v, i, j):
+        """Local: the slice's k, v `[b, kv, cl, d]` (ascending) into layer i of the shard, descending, chunk j's
+        slots `[local_n - (j + 1) cl, local_n - j cl)`."""
+        at = (i, 0, 0, local_n - (j + 1) * cl, 0)
+        return (jax.lax.dynamic_update_slice(kc, k[None, :, :, ::-1], at),
+                jax.lax.dynamic_update_slice(vc, v[None, :, :, ::-1], at))
+
+    def seen(dev, j):
+        """Per query of chunk j (`[chunk]`): the local keys of prompt index <= its own, which are the shard's
+        last ones: the earlier chunks' slices, and of chunk j's slice those up to the query."""
+        u = jnp.arange(chunk)
+        return j * cl + jnp.clip(u - dev * cl + 1, 0, cl)
+
+    def partial_blockwise(q, k, v, lo):
+        """q `[b, chunk, h, d]`, k, v `[b, kv, local_n, d]` (layer i), `lo` `[chunk]` the first slot each query sees:
+        (output `[b, chunk, h, d]` float32, unnormalized, its max and sum `[b, chunk, h]`)."""
+        b = q.shape[0]
+        start = jnp.min(lo) // kb
+
+        def q_block(qi):
+            qs = jax.lax.dynamic_slice_in_dim(q, qi * qb, qb, axis=1).astype(jnp.float32) * scale
+            qs = qs.reshape(b, qb, m.kv_heads, group, m.head_dim)
+            first = jax.lax.dynamic_slice_in_dim(lo, qi * qb, qb)
+
+            def kv_step(t, carry):
+                o, mx, sm = carry
+                kblk = jax.lax.dynamic_slice_in_dim(k, t * kb, kb, axis=2).astype(jnp.float32)
+                vblk = jax.lax.dynamic_slice_in_dim(v, t * kb, kb, axis=2).astype(jnp.float32)
+                ok = (t * kb + jnp.arange(kb))[None, :] >= first[:, None]  # [qb, kb]
+                sc = jnp.where(ok, jnp.einsum("bqkgd,bknd->bkgqn", qs, kblk), NEG)
+                top = jnp.maximum(mx, jnp.max(sc, axis=-1))
+                p = jnp.where(ok, jnp.exp(sc - top[..., None]), 0.0)
+                corr = jnp.exp(mx - top)
+                o = o * corr[..., None] + jnp.einsum("bkgqn,bknd->bkgqd", p, vblk)
+                return o, top, sm * corr + jnp.sum(p, axis=-1)
+
+            init = (jnp.zeros((b, m.kv_heads, group, qb, m.head_dim), jnp.float32),
+                    jnp.full((b, m.kv_heads, group, qb), NEG, jnp.float32),
+                    jnp.zeros((b, m.kv_heads, group, qb), jnp.float32))
+            o, mx, sm = jax.lax.fori_loop(start, local_n // kb, kv_step, init)
+            mx = mx + jnp.log(jnp.where(sm > 0, sm, 1.0))  # the log-sum-exp; -inf-like where nothing is seen
+            return o / jnp.where(sm > 0, sm, 1.0)[..., None], jnp.where(sm > 0, mx, NEG)
+
+        o, lse = jax.lax.map(q_block, jnp.arange(chunk // qb))  # [nq, b, kv, g, qb, (d)]
+        o = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, chunk, m.heads, m.head_dim)
+        return o, lse.transpose(1, 0, 4, 2, 3).reshape(b, chunk, m.heads)
+
+    def partial_pallas(q, k, v, lo, interpret):
+        b = q.shape[0]
+        out, lse = pallas_kernel.pallas_attention_fwd(
+            q, k, v, causal=False, kv_starts=jnp.broadcast_to(lo, (b, chunk)), kv_head_major=True,
+            interpret=interpret)
+        lse = jnp.swapaxes(lse, 1, 2)  # [b, chunk, h]
+        return out.astype(jnp.float32), jnp.where(jnp.isfinite(lse), lse, NEG)
+
+    def attend(q, kc, vc, i, j):
+        """Local: q `[b, cl, h, d]` of this device's slice -> its attention output, same shape (float32)."""
+        dev = jnp.int32(0)
+        for a in seq:  # the device's index along the flattened sequence axes (ring-major)
+            dev = dev * axis_size(mesh, a) + jax.lax.axis_index(a)
+        if seq:
+            q = jax.lax.all_gather(q, seq, axis=1, tiled=True)  # [b, chunk, h, d]: the whole chunk
+        k, v = kc[i], vc[i]  # [b, kv, local_n, d]
+        lo = local_n - seen(dev, j)
+        if kernel == "blockwise":
+            o, lse = partial_blockwise(q, k, v, lo)
+        else:
+            o, lse = partial_pallas(q, k, v, lo, interpret=kernel == "pallas-interpret")
+        if not seq:
+            return o
+        top = jax.lax.pmax(lse, seq)  # exact merge over the shards; each device keeps its own slice's queries
+        w = jnp.where(lse > NEG / 2, jnp.exp(lse - top), 0.0)
+        o = jax.lax.psum_scatter(o * w[..., None], seq, scatter_dimension=1, tiled=True)
+        total = jax.lax.psum_scatter(w, seq, scatter_dimension=1, tiled=True)
+        return o / jnp.where(total > 0, total, 1.0)[..., None]  # a query that sees no key (padding): 0
+
+    local = dict(mesh=mesh, check_vma=False)
+    kv_spec = P(BATCH_AXES, None, SEQ_AXES, None)
+    write_sm = jax.shard_map(write, in_specs=(cache_spec, cache_spec, kv_spec, kv_spec, P(), P()),
+                             out_specs=(cache_spec, cache_spec), **local)
+    attend_sm = jax.shard_map(attend, in_specs=(q_spec, cache_spec, cache_spec, P(), P()), out_specs=q_spec, **local)
+
+    def step(params, kc, vc, batch, j, last, logits):
+        tokens, positions = batch["inputs"], batch["positions"]
+        x = jnp.take(rt.gather(params["embed"]), tokens, axis=0)
+        x = rt.constrain(x, P(BATCH_AXES, SEQ_AXES, None))
+        keep = (batch["segment_ids"] > 0)[..., None, None]
+        cos, sin = L.rope_tables(positions, m.head_dim, m.rope_theta, m.rope_scaling)
+
+        def body(carry, xs):
+            x, kc, vc = carry
+            w, i = xs
+            h = L.rms_norm(x, w["attn_norm"], m.norm_eps)
+            q = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wq"]))
+            k = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wk"]))
+            v = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wv"]))
+            if m.qk_norm:
+                q, k = L.rms_norm(q, w["q_norm"], m.norm_eps), L.rms_norm(k, w["k_norm"], m.norm_eps)
+            q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+            k, v = (rt.constrain(jnp.swapaxes(jnp.where(keep, a, 0), 1, 2).astype(cd), kv_spec) for a in (k, v))
+            kc, vc = write_sm(kc, vc, k, v, i, j)
+            attn = attend_sm(rt.constrain(q.astype(cd), q_spec), kc, vc, i, j).astype(cd)
+            x = x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(w["wo"]))
+            hm = L.rms_norm(x, w["mlp_norm"], m.norm_eps)
+            x = x + model_lib.mlp(hm, rt.gather(w["w_gate"]), rt.gather(w["w_up"]), rt.gather(w["w_down"]))
+            return (rt.constrain(x, P(BATCH_AXES, SEQ_AXES, None)), kc, vc), None
+
+        (x, kc, vc), _ = jax.lax.scan(body, (x, kc, vc), (params["layers"], jnp.arange(m.layers)))
+        at = last - j * chunk  # each row's last token in this chunk, if it is
+        here = (at >= 0) & (at < chunk)
+        h = jnp.take_along_axis(x, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        h = rt.constrain(L.rms_norm(h, params["final_norm"], m.norm_eps), P(BATCH_AXES, None))
+        new = jnp.einsum("bh,hv->bv", h, rt.gather(_head(params, cfg))).astype(jnp.float32)
+        return jnp.where(here[:, None], new, logits), kc, vc
+
+    cache = NamedSharding(mesh, cache_spec)
+    rows = NamedSharding(mesh, P(BATCH_AXES, None))
+    return jax.jit(step, donate_argnums=(1, 2, 6), out_shardings=(rows, cache, cache))
+
+
+class ChunkedPrefill:
+    """`prefill(params, host_batch) -> (logits [b, vocab] float32, Cache)`, as `make_prefill`'s, for a host batch
+    (`inputs`, `positions`, `segment_ids` `[b, n]` int32 numpy, *right*-padded, in prompt order) whose length `n`
+    is a multiple of `chunk`: the cache is allocated once and filled by `n / chunk` calls of one compiled chunk step
+    (one compile per batch shape), each donating it. The cache's prompt axis is in `chunk_order`.
+
+    Raises:
+      ConfigError: `chunk` not a multiple of the sequence shards (ring x context), naming `prefill_chunk`.
+    """
+
+    def __init__(self, cfg, mesh, chunk: int, max_new: int, kernel: str | None = None):
+        from jaxlong.config import ConfigError
+
+        self.devices = seq_devices(mesh)
+        if chunk <= 0 or chunk % self.devices:
+            raise ConfigError(f"prefill_chunk={chunk}: must be a positive multiple of the sequence shards "
+                              f"(mesh.ring x mesh.context = {self.devices}), e.g. {self.devices * 4096}",
+                              key="prefill_chunk", value=chunk)
+        self.cfg, self.mesh, self.chunk, self.max_new = cfg, mesh, chunk, max_new
+        self.kernel = kernel or chunk_kernel(cfg, mesh)
+        self.steps: dict = {}
+
+    def step_for(self, n: int):
+        """The chunk step for prompts of `n` tokens (`jax.jit`, one per `n`)."""
+        if n not in self.steps:
+            self.steps[n] = _make_chunk_step(self.cfg, self.mesh, n, self.chunk, self.kernel)
+        return self.steps[n]
+
+    def kv_steps(self, n: int) -> int:
+        """Iterations of the blockwise kernel's kv loop per device and layer in the last (longest) chunk of a
+        prompt of `n` tokens: its query tiles times the key tiles of the written cache (the host-memory estimate,
+        `jaxlong.evaluation.hostmem`)."""
+        cl, bk = self.chunk // self.devices, self.cfg.attention.block_k
+        kb, qb = math.gcd(cl, bk), math.gcd(self.chunk, self.cfg.attention.block_q)
+        return (self.chunk // qb) * (n // self.devices // kb)
+
+    def abstract_args(self, rows: int, n: int) -> tuple:
+        """The chunk step's arguments but `params`, as `jax.ShapeDtypeStruct`s (ahead-of-time compiles)."""
+        m, cd = self.cfg.model, jnp.dtype(self.cfg.compute_dtype)
+        cache = NamedSharding(self.mesh, P(None, BATCH_AXES, None, SEQ_AXES, None))
+        kv = jax.ShapeDtypeStruct((m.layers, rows, m.kv_heads, n, m.head_dim), cd, sharding=cache)
+        ids = jax.ShapeDtypeStruct((rows, self.chunk), jnp.int32, sharding=NamedSharding(self.mesh, P(BATCH_AXES,
+                                                                                                     SEQ_AXES)))
+        vec = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=NamedSharding(self.mesh, P(BATCH_AXES)))
+        logits = jax.ShapeDtypeStruct((rows, m.vocab_size), jnp.float32,
+                                      sharding=NamedSharding(self.mesh, P(BATCH_AXES, None)))
+        batch = {k: ids for k in ("inputs", "positions", "segment_ids")}
+        return kv, kv, batch, jax.ShapeDtypeStruct((), jnp.int32), vec, logits
+
+    def __call__(self, params, host: dict):
+        from jaxlong.generation.decode import Cache, cache_shardings
+
+        rows, n = host["inputs"].shape
+        m, cd = self.cfg.model, self.cfg.compute_dtype
+        order = chunk_order(n, self.chunk, self.devices)
+        put = _putter(self.mesh, P(BATCH_AXES, SEQ_AXES))
+        valid = put(host["segment_ids"][:, order] > 0)
+        last = _putter(self.mesh, P(BATCH_AXES))((host["segment_ids"] > 0).sum(axis=1).astype(np.int32) - 1)
+        sh = cache_shardings(self.mesh)
+
+        def zeros(shape, dtype, sharding):
+            return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+        kc = zeros((m.layers, rows, m.kv_heads, n, m.head_dim), cd, sh.k)
+        vc = zeros((m.layers, rows, m.kv_heads, n, m.head_dim), cd, sh.v)
+        logits = zeros((rows, m.vocab_size), jnp.float32, NamedSharding(self.mesh, P(BATCH_AXES, None)))
+        step = self.step_for(n)
+        for j in range(n // self.chunk):
+            part = {k: put(np.ascontiguousarray(host[k][:, j * self.chunk:(j + 1) * self.chunk]))
+                    for k in ("inputs", "positions", "segment_ids")}
+            logits, kc, vc = step(params, kc, vc, part, np.int32(j), last, logits)
+        small = (m.layers, rows, m.kv_heads, self.max_new, m.head_dim)
+        return logits, Cache(kc, vc, valid, zeros(small, cd, sh.new_k), zeros(small, cd, sh.new_v))
+
+
+def _putter(mesh, spec):
+    """Place a host array (the same on every process) sharded by `spec`, in the order given (no zigzag)."""
+    sharding = NamedSharding(mesh, spec)
+
+    def put(a: np.ndarray):
+        return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+
+    return put
