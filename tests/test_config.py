@@ -95,3 +95,13 @@ def test_cli_reports_config_errors_without_compiling(capsys):
 def test_explicit_attention_kernel_the_config_cannot_use_is_an_error_before_compiling(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["prefill_chunk=-8"], r"prefill_chunk=-8: give 0 \(the whole prompt in one forward\) or the tokens per chunk"),
+    (["prefill_chunk=1002"], r"prefill_chunk=1002 must be a multiple of the sequence shards mesh.ring x mesh.context "
+                             r"= 4 \(each holds an equal slice of every chunk\); use prefill_chunk=1000 or 1004"),
+])
+def test_a_prefill_chunk_the_mesh_cannot_split_is_an_error_before_compiling(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)

@@ -41,7 +41,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlong.config import ConfigError
 from jaxlong.core.mesh import BATCH_AXES, SEQ_AXES, axis_size
+from jaxlong.generation.decode import Cache, _head, cache_shardings, layer_qkv, layer_rest
 from jaxlong.kernels import pallas_gpu as pallas_kernel
 from jaxlong.kernels.layout import pallas_head_dim_ok
 from jaxlong.layers import blocks as L
@@ -90,8 +92,6 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
     row's last real token (prompt index); `logits` `[b, vocab]` float32: each row's logits of that token, taken
     from this chunk where it holds it, else passed through. `kernel`: `chunk_kernel`'s, or `pallas-interpret`
     (the Pallas kernel in its interpreter: CPU tests)."""
-    from jaxlong.generation.decode import _head  # the output head, as the whole prefill reads it
-
     m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
     rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
     group, scale = m.heads // m.kv_heads, 1.0 / float(np.sqrt(m.head_dim))
@@ -193,19 +193,11 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
         def body(carry, xs):
             x, kc, vc = carry
             w, i = xs
-            h = L.rms_norm(x, w["attn_norm"], m.norm_eps)
-            q = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wq"]))
-            k = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wk"]))
-            v = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wv"]))
-            if m.qk_norm:
-                q, k = L.rms_norm(q, w["q_norm"], m.norm_eps), L.rms_norm(k, w["k_norm"], m.norm_eps)
-            q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+            q, k, v = layer_qkv(w, x, cos, sin, rt)
             k, v = (rt.constrain(jnp.swapaxes(jnp.where(keep, a, 0), 1, 2).astype(cd), kv_spec) for a in (k, v))
             kc, vc = write_sm(kc, vc, k, v, i, j)
             attn = attend_sm(rt.constrain(q.astype(cd), q_spec), kc, vc, i, j).astype(cd)
-            x = x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(w["wo"]))
-            hm = L.rms_norm(x, w["mlp_norm"], m.norm_eps)
-            x = x + model_lib.mlp(hm, rt.gather(w["w_gate"]), rt.gather(w["w_up"]), rt.gather(w["w_down"]))
+            x = layer_rest(w, x, attn, rt)
             return (rt.constrain(x, P(BATCH_AXES, SEQ_AXES, None)), kc, vc), None
 
         (x, kc, vc), _ = jax.lax.scan(body, (x, kc, vc), (params["layers"], jnp.arange(m.layers)))
@@ -232,8 +224,6 @@ class ChunkedPrefill:
     """
 
     def __init__(self, cfg, mesh, chunk: int, max_new: int, kernel: str | None = None):
-        from jaxlong.config import ConfigError
-
         self.devices = seq_devices(mesh)
         if chunk <= 0 or chunk % self.devices:
             raise ConfigError(f"prefill_chunk={chunk}: must be a positive multiple of the sequence shards "
@@ -271,8 +261,6 @@ class ChunkedPrefill:
         return kv, kv, batch, jax.ShapeDtypeStruct((), jnp.int32), vec, logits
 
     def __call__(self, params, host: dict):
-        from jaxlong.generation.decode import Cache, cache_shardings
-
         rows, n = host["inputs"].shape
         m, cd = self.cfg.model, self.cfg.compute_dtype
         order = chunk_order(n, self.chunk, self.devices)

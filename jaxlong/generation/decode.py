@@ -37,7 +37,7 @@ from jaxlong.layers import blocks as L
 from jaxlong.models import llama as model_lib
 from jaxlong.parallel.ring import zigzag_order
 
-__all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "cache_shardings", "sample"]
+__all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "cache_shardings", "sample", "layer_qkv", "layer_rest"]
 
 NEG = -1e30  # a masked score: finite, so a shard with no valid key gives exp(NEG - max) = 0, never NaN
 
@@ -137,6 +137,30 @@ def make_prefill(cfg, mesh: jax.sharding.Mesh, max_new: int):
     return jax.jit(prefill, out_shardings=(NamedSharding(mesh, P(BATCH_AXES, None)), cache_shardings(mesh)))
 
 
+def layer_qkv(w: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, rt) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decoder layer's queries, keys and values from its input `x` `[b, s, hidden]` (layer weights `w` of the
+    parameter dict, FSDP-gathered here; RoPE tables `cos`, `sin` of the tokens' positions): `q` `[b, s, heads,
+    head_dim]`, `k`, `v` `[b, s, kv_heads, head_dim]`, q and k normed (Qwen3) and rotated, as the layer's attention
+    computes them."""
+    m = rt.cfg.model
+    h = L.rms_norm(x, w["attn_norm"], m.norm_eps)
+    q = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wq"]))
+    k = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wk"]))
+    v = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wv"]))
+    if m.qk_norm:
+        q, k = L.rms_norm(q, w["q_norm"], m.norm_eps), L.rms_norm(k, w["k_norm"], m.norm_eps)
+    return L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v
+
+
+def layer_rest(w: dict, x: jax.Array, attn: jax.Array, rt) -> jax.Array:
+    """The rest of the decoder layer after its attention `attn` `[b, s, heads, head_dim]` (compute dtype): the output
+    projection and its residual, then the MLP sublayer and its residual; `[b, s, hidden]`."""
+    m = rt.cfg.model
+    x = x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(w["wo"]))
+    hm = L.rms_norm(x, w["mlp_norm"], m.norm_eps)
+    return x + model_lib.mlp(hm, rt.gather(w["w_gate"]), rt.gather(w["w_up"]), rt.gather(w["w_down"]))
+
+
 def _partial(q, k, v, valid):
     """One shard's attention of the new queries `q` `[b, kv, g, d]` (float32, scaled) over its keys and values
     `[b, kv, n, d]` with `valid` `[b, n]`: (unnormalized output `[b, kv, g, d]`, max `[b, kv, g]`, sum)."""
@@ -198,22 +222,14 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
         def body(carry, xs):
             x, new_k, new_v = carry
             w, k_cache, v_cache, i = xs
-            h = L.rms_norm(x, w["attn_norm"], m.norm_eps)
-            q = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wq"]))
-            k = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wk"]))
-            v = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wv"]))
-            if m.qk_norm:
-                q, k = L.rms_norm(q, w["q_norm"], m.norm_eps), L.rms_norm(k, w["k_norm"], m.norm_eps)
-            q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+            q, k, v = layer_qkv(w, x, cos, sin, rt)
             new_k = jax.lax.dynamic_update_slice(new_k, jnp.swapaxes(k, 1, 2)[None].astype(cd), (i, 0, 0, t, 0))
             new_v = jax.lax.dynamic_update_slice(new_v, jnp.swapaxes(v, 1, 2)[None].astype(cd), (i, 0, 0, t, 0))
             qg = (q[:, 0].astype(jnp.float32) * scale).reshape(b, m.kv_heads, group, m.head_dim)
             parts = [prompt_attention(qg, k_cache, v_cache, cache.valid),
                      _partial(qg, new_k[i], new_v[i], seen)]
             attn = _merge(parts).reshape(b, 1, m.heads, m.head_dim).astype(cd)
-            x = x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(w["wo"]))
-            hm = L.rms_norm(x, w["mlp_norm"], m.norm_eps)
-            x = x + model_lib.mlp(hm, rt.gather(w["w_gate"]), rt.gather(w["w_up"]), rt.gather(w["w_down"]))
+            x = layer_rest(w, x, attn, rt)
             return (rt.constrain(x, P(BATCH_AXES, None, None)), new_k, new_v), None
 
         xs = (layers, cache.k, cache.v, jnp.arange(m.layers))

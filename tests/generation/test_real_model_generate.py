@@ -2,8 +2,8 @@
 continuations with `jaxlong.generation` equal transformers' greedy `generate` (`do_sample=False`), token for
 token over 64 tokens, for 8 prompts of 5 to 505 tokens in one batch (Python source, English prose, a question,
 a function to complete, two chat conversations, two RULER cases of 512 tokens): on one device in the slow tier,
-and on meshes that split the KV cache (ring 8, U-Pipe over context 3, the hybrid ring 2 x Ulysses 3) when
-JAXLONG_GENERATE_ALL_MESHES=1 (run by hand: experiments/results/generation_smollm2.md; the tiny model's cached
+and on meshes that split the KV cache (ring 8, U-Pipe over context 3, the hybrid ring 2 x Ulysses 3), and with
+the prompts prefilled in chunks (one device, the hybrid), when JAXLONG_GENERATE_ALL_MESHES=1 (run by hand: experiments/results/generation_smollm2.md; the tiny model's cached
 decode equals a whole forward on every mesh in tests/generation/test_generate.py). Where the two part, it is at a
 near-tie
 (transformers' top-2 logits within the 2e-3 that the logits agree to). transformers' tokens are stored once
@@ -36,6 +36,10 @@ MESHES = {
     "upipe3": ("mesh.num_devices=3", "mesh.fsdp=1", "mesh.context=3", "attention.impl=upipe",
                "attention.heads_per_stage=3"),
     "ring2_x_ulysses3": ("mesh.num_devices=6", "mesh.fsdp=1", "mesh.ring=2", "mesh.context=3"),
+    # chunked prefill (jaxlong.generation.chunked): the 505-token prompts in 4 chunks of 128, or 3 of 192 over 6
+    "one_chunks128": ("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1", "prefill_chunk=128"),
+    "ring2_x_ulysses3_chunks192": ("mesh.num_devices=6", "mesh.fsdp=1", "mesh.ring=2", "mesh.context=3",
+                                   "prefill_chunk=192"),
 }
 
 
