@@ -158,6 +158,23 @@ def collect(run_dir: Path, hf: Path | None) -> tuple[list[dict], list[dict]]:
     return rows, cases
 
 
+def keep_earlier(directory: Path, rows: list[dict], cases: list[dict]) -> tuple[list[dict], list[dict]]:
+    """`rows` and `cases` with the earlier CSVs' cells (scoring, task, length, rope) and cases (task, length, rope)
+    that they do not hold again, read back with their types."""
+    def read(name):
+        with open(directory / name, newline="") as f:
+            return list(csv.DictReader(f))
+
+    cells = {(r["scoring"], r["task"], int(r["length"]), r["rope"]) for r in rows}
+    old_rows = [{**r, "length": int(r["length"]), "cases": int(r["cases"]), "score": float(r["score"])}
+                for r in read("smollm2_ruler_generate.csv")]
+    kept = [r for r in old_rows if (r["scoring"], r["task"], r["length"], r["rope"]) not in cells]
+    groups = {(c["task"], str(c["length"]), c["rope"]) for c in cases}
+    old_cases = [{**c, "same_text": "" if c["same_text"] == "" else int(c["same_text"])}
+                 for c in read("smollm2_ruler_generate_cases.csv")]
+    return kept + rows, [c for c in old_cases if (c["task"], c["length"], c["rope"]) not in groups] + cases
+
+
 def _label(row: dict) -> str:
     return row["task"] + (" +YaRN" if row["rope"] != "default" else "")
 
@@ -254,12 +271,17 @@ def main() -> None:
     c.add_argument("run_dir", type=Path)
     c.add_argument("--hf", type=Path, default=None, help="the `transformers` output")
     c.add_argument("--out", type=Path, default=Path("experiments/results"))
+    c.add_argument("--keep", type=Path, default=None,
+                   help="a directory of this script's earlier CSVs: their cells and cases that RUN_DIR does not "
+                        "score again are kept (evaluations run on another machine)")
     args = p.parse_args()
     if args.cmd == "prompts":
         return prompts(args.step_dir, args.out)
     if args.cmd == "transformers":
         return transformers_generate(args.prompts, args.out, [int(x) for x in args.lengths.split(",") if x])
     rows, cases = collect(args.run_dir, args.hf)
+    if args.keep:
+        rows, cases = keep_earlier(args.keep, rows, cases)
     args.out.mkdir(parents=True, exist_ok=True)
     for name, data in (("smollm2_ruler_generate.csv", rows), ("smollm2_ruler_generate_cases.csv", cases)):
         with open(args.out / name, "w", newline="") as f:

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong.config import ConfigError
 from jaxlong.core.mesh import BATCH_AXES, SEQ_AXES, axis_size
-from jaxlong.generation.decode import Cache, _head, cache_shardings, layer_qkv, layer_rest
+from jaxlong.generation.decode import Cache, cache_shardings, layer_qkv, layer_rest, output_head
 from jaxlong.kernels import pallas_gpu as pallas_kernel
 from jaxlong.kernels.layout import pallas_head_dim_ok
 from jaxlong.layers import blocks as L
@@ -205,7 +205,7 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
         here = (at >= 0) & (at < chunk)
         h = jnp.take_along_axis(x, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
         h = rt.constrain(L.rms_norm(h, params["final_norm"], m.norm_eps), P(BATCH_AXES, None))
-        new = jnp.einsum("bh,hv->bv", h, rt.gather(_head(params, cfg))).astype(jnp.float32)
+        new = jnp.einsum("bh,hv->bv", h, rt.gather(output_head(params, cfg))).astype(jnp.float32)
         return jnp.where(here[:, None], new, logits), kc, vc
 
     cache = NamedSharding(mesh, cache_spec)

@@ -37,7 +37,8 @@ from jaxlong.layers import blocks as L
 from jaxlong.models import llama as model_lib
 from jaxlong.parallel.ring import zigzag_order
 
-__all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "cache_shardings", "sample", "layer_qkv", "layer_rest"]
+__all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "cache_shardings", "sample", "layer_qkv", "layer_rest",
+           "output_head"]
 
 NEG = -1e30  # a masked score: finite, so a shard with no valid key gives exp(NEG - max) = 0, never NaN
 
@@ -104,7 +105,8 @@ def cache_shardings(mesh: jax.sharding.Mesh) -> Cache:
     return Cache(*(NamedSharding(mesh, s) for s in _specs()))
 
 
-def _head(params: dict, cfg) -> jax.Array:
+def output_head(params: dict, cfg) -> jax.Array:
+    """The output projection `[hidden, vocab]` of the parameter dict (the embedding's transpose when tied)."""
     return params["embed"].T if cfg.model.tie_embeddings else params["lm_head"]
 
 
@@ -129,7 +131,7 @@ def make_prefill(cfg, mesh: jax.sharding.Mesh, max_new: int):
         s = batch["inputs"].shape[1]
         last = int(np.argsort(zigzag_order(s, ring))[s - 1])  # the slot of the last token in the input layout
         h = rt.constrain(hidden[:, last], P(BATCH_AXES, None))
-        logits = jnp.einsum("bh,hv->bv", h, rt.gather(_head(params, cfg))).astype(jnp.float32)
+        logits = jnp.einsum("bh,hv->bv", h, rt.gather(output_head(params, cfg))).astype(jnp.float32)
         b = batch["inputs"].shape[0]
         small = jnp.zeros((m.layers, b, m.kv_heads, max_new, m.head_dim), cd)
         return logits, Cache(k, v, batch["segment_ids"] > 0, small, small)
@@ -235,7 +237,7 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
         xs = (layers, cache.k, cache.v, jnp.arange(m.layers))
         (x, new_k, new_v), _ = jax.lax.scan(body, (x, cache.new_k, cache.new_v), xs)
         h = L.rms_norm(x[:, 0], params["final_norm"], m.norm_eps)
-        logits = jnp.einsum("bh,hv->bv", h, _head(params, cfg).astype(cd)).astype(jnp.float32)  # head sharded
+        logits = jnp.einsum("bh,hv->bv", h, output_head(params, cfg).astype(cd)).astype(jnp.float32)  # head sharded
         logits = rt.constrain(logits, P(BATCH_AXES, None))
         nxt = sample(logits, key, sampling, vocab)
         return nxt, logits, cache._replace(new_k=new_k, new_v=new_v)
