@@ -115,10 +115,10 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
         return j * cl + jnp.clip(u - dev * cl + 1, 0, cl)
 
     def partial_blockwise(q, k, v, lo):
-        """q `[b, chunk, h, d]`, k, v `[b, kv, local_n, d]` (layer i), `lo` `[chunk]` the first slot each query sees:
-        (output `[b, chunk, h, d]` float32, unnormalized, its max and sum `[b, chunk, h]`)."""
+        """q `[b, chunk, h, d]`, k, v `[b, kv, local_n, d]` (layer i), `lo` `[chunk]` the first slot each query sees
+        (the key tiles below a query tile's least bound are not visited): (the output over these keys `[b, chunk,
+        h, d]` float32, its log-sum-exp `[b, chunk, h]`, NEG where a query sees none)."""
         b = q.shape[0]
-        start = jnp.min(lo) // kb
 
         def q_block(qi):
             qs = jax.lax.dynamic_slice_in_dim(q, qi * qb, qb, axis=1).astype(jnp.float32) * scale
@@ -140,7 +140,7 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
             init = (jnp.zeros((b, m.kv_heads, group, qb, m.head_dim), jnp.float32),
                     jnp.full((b, m.kv_heads, group, qb), NEG, jnp.float32),
                     jnp.zeros((b, m.kv_heads, group, qb), jnp.float32))
-            o, mx, sm = jax.lax.fori_loop(start, local_n // kb, kv_step, init)
+            o, mx, sm = jax.lax.fori_loop(jnp.min(first) // kb, local_n // kb, kv_step, init)
             mx = mx + jnp.log(jnp.where(sm > 0, sm, 1.0))  # the log-sum-exp; -inf-like where nothing is seen
             return o / jnp.where(sm > 0, sm, 1.0)[..., None], jnp.where(sm > 0, mx, NEG)
 
