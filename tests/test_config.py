@@ -100,7 +100,10 @@ def test_explicit_attention_kernel_the_config_cannot_use_is_an_error_before_comp
 @pytest.mark.parametrize("overrides,match", [
     (["prefill_chunk=-8"], r"prefill_chunk=-8: give 0 \(the whole prompt in one forward\) or the tokens per chunk"),
     (["prefill_chunk=1002"], r"prefill_chunk=1002 must be a multiple of the sequence shards mesh.ring x mesh.context "
-                             r"= 4 \(each holds an equal slice of every chunk\); use prefill_chunk=1000 or 1004"),
+                             r"= 4 \(each holds an equal slice of every chunk\); use prefill_chunk=768 or 1024"),
+    (["prefill_chunk=2560"], r"prefill_chunk=2560: each sequence shard's slice of a chunk \(prefill_chunk / "
+                             r"\(mesh.ring x mesh.context\) = 640 tokens\) must be a multiple of "
+                             r"attention.block_k=256 or shorter"),
 ])
 def test_a_prefill_chunk_the_mesh_cannot_split_is_an_error_before_compiling(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -73,6 +73,7 @@ class HostBytes:
     loop: int
     host: int
     base: int
+    steps: int = 0  # the kv loop's iterations per device and layer behind `loop`
 
     @property
     def total(self) -> int:
@@ -97,7 +98,17 @@ def estimate(cfg, mesh, compiled, length: int, *, host_arrays: int = 0, attentio
     steps = kv_steps(cfg, length) if steps is None else steps
     loop = step_bytes * cfg.model.layers * d * steps if attention and d > 1 else 0
     return HostBytes(program_bytes(compiled, resident_args), d, loop, host_arrays,
-                     rss_bytes() if base is None else base)
+                     rss_bytes() if base is None else base, steps)
+
+
+def loop_term(cfg, mesh, length: int, generation: bool) -> tuple[int, int]:
+    """(kv loop iterations per device and layer, bytes XLA:CPU holds per iteration) of the forward over `length`
+    tokens: the whole prompt's blockwise kernel, or by generation with `prefill_chunk` below the length the
+    longest chunk's loop (`jaxlong.generation.chunked`)."""
+    if generation and 0 < cfg.prefill_chunk < length:
+        n = -(-length // cfg.prefill_chunk) * cfg.prefill_chunk
+        return ChunkedPrefill(cfg, mesh, cfg.prefill_chunk, 1).kv_steps(n), CHUNK_STEP_BYTES
+    return kv_steps(cfg, length), KV_STEP_BYTES
 
 
 def stats_estimate(cfg, mesh, length: int, batch: int, *, cases: int = 0) -> tuple[HostBytes, object]:
@@ -135,8 +146,9 @@ def prefill_estimate(cfg, mesh, length: int, rows: int, max_new: int) -> tuple[H
         n = -(-length // cfg.prefill_chunk) * cfg.prefill_chunk
         chunked = ChunkedPrefill(c, mesh, cfg.prefill_chunk, max_new)
         compiled = chunked.step_for(n).lower(params, *chunked.abstract_args(rows, n)).compile()
-        return estimate(c, mesh, compiled, length, host_arrays=3 * 4 * n * rows, steps=chunked.kv_steps(n),
-                        step_bytes=CHUNK_STEP_BYTES), compiled
+        steps, step_bytes = loop_term(cfg, mesh, length, generation=True)
+        return estimate(c, mesh, compiled, length, host_arrays=3 * 4 * n * rows, steps=steps,
+                        step_bytes=step_bytes), compiled
     sh = step_lib.batch_sharding(mesh)
     batch = {k: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sh)
              for k in ("inputs", "positions", "segment_ids")}
@@ -167,8 +179,8 @@ def check_lengths(cfg, mesh, lengths, *, rows: int | Callable[[int], int], max_n
     out, errors = {}, []
     for n in sorted(set(int(x) for x in lengths)):
         r = rows(n) if callable(rows) else rows
-        loop = KV_STEP_BYTES * cfg.model.layers * host_devices(mesh) * kv_steps(cfg, n) if host_devices(mesh) > 1 \
-            else 0
+        steps, step_bytes = loop_term(cfg, mesh, n, generation=bool(max_new))
+        loop = step_bytes * cfg.model.layers * host_devices(mesh) * steps if host_devices(mesh) > 1 else 0
         if n < LONG and loop < limit // 10:
             continue
         est = (prefill_estimate(cfg, mesh, n, r, max_new) if max_new else
@@ -181,7 +193,7 @@ def check_lengths(cfg, mesh, lengths, *, rows: int | Callable[[int], int], max_n
                 else "")
         errors.append(f"{option} {n}: the forward needs about {fmt_bytes(est.total)} of host memory "
                       f"({est.devices} CPU device(s) x {fmt_bytes(est.per_device)} compiled, {fmt_bytes(est.loop)} "
-                      f"held by XLA:CPU over the attention's {kv_steps(cfg, n):,} kv steps per device and layer, "
+                      f"held by XLA:CPU over the attention's {est.steps:,} kv steps per device and layer, "
                       f"{fmt_bytes(est.base)} in use) and this host has {fmt_bytes(limit)}{hint}")
     if errors:
         raise ConfigError("; ".join(errors), key=option)

@@ -33,6 +33,7 @@ a cache, which theirs do not).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -49,7 +50,7 @@ from jaxlong.kernels.layout import pallas_head_dim_ok
 from jaxlong.layers import blocks as L
 from jaxlong.models import llama as model_lib
 
-__all__ = ["chunk_order", "chunk_kernel", "ChunkedPrefill"]
+__all__ = ["chunk_order", "chunk_tiles", "chunk_kernel", "ChunkedPrefill"]
 
 NEG = -1e30
 
@@ -76,6 +77,14 @@ def chunk_order(n: int, chunk: int, devices: int) -> np.ndarray:
     return ((r // cl) * chunk + d * cl + r % cl).ravel()
 
 
+def chunk_tiles(cfg, chunk: int, devices: int) -> tuple[int, int]:
+    """(key tile, query tile) of the blockwise loop: `attention.block_k` over each shard's slice of a chunk (`chunk
+    / devices` tokens) and `attention.block_q` over the chunk's queries, each the whole slice or chunk where that is
+    shorter (`jaxlong.config.validate` requires one or the other)."""
+    cl, a = chunk // devices, cfg.attention
+    return (a.block_k if cl % a.block_k == 0 else cl), (a.block_q if chunk % a.block_q == 0 else chunk)
+
+
 def chunk_kernel(cfg, mesh) -> str:
     """The chunk's attention kernel: `pallas` (the Pallas GPU kernel, head-major cache read in place) on GPUs
     where it takes the head dim and dtype, `blockwise` (a pure-JAX online softmax) elsewhere."""
@@ -98,7 +107,7 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
     devices = seq_devices(mesh)
     cl, local_n = chunk // devices, n // devices
-    kb, qb = math.gcd(cl, cfg.attention.block_k), math.gcd(chunk, cfg.attention.block_q)
+    kb, qb = chunk_tiles(cfg, chunk, devices)
     cache_spec, q_spec = P(None, BATCH_AXES, None, SEQ_AXES, None), P(BATCH_AXES, SEQ_AXES, None, None)
 
     def write(kc, vc, k, v, i, j):
@@ -243,8 +252,7 @@ class ChunkedPrefill:
         """Iterations of the blockwise kernel's kv loop per device and layer in the last (longest) chunk of a
         prompt of `n` tokens: its query tiles times the key tiles of the written cache (the host-memory estimate,
         `jaxlong.evaluation.hostmem`)."""
-        cl, bk = self.chunk // self.devices, self.cfg.attention.block_k
-        kb, qb = math.gcd(cl, bk), math.gcd(self.chunk, self.cfg.attention.block_q)
+        kb, qb = chunk_tiles(self.cfg, self.chunk, self.devices)
         return (self.chunk // qb) * (n // self.devices // kb)
 
     def abstract_args(self, rows: int, n: int) -> tuple:
@@ -269,9 +277,6 @@ class ChunkedPrefill:
         last = _putter(self.mesh, P(BATCH_AXES))((host["segment_ids"] > 0).sum(axis=1).astype(np.int32) - 1)
         sh = cache_shardings(self.mesh)
 
-        def zeros(shape, dtype, sharding):
-            return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
-
         kc = zeros((m.layers, rows, m.kv_heads, n, m.head_dim), cd, sh.k)
         vc = zeros((m.layers, rows, m.kv_heads, n, m.head_dim), cd, sh.v)
         logits = zeros((rows, m.vocab_size), jnp.float32, NamedSharding(self.mesh, P(BATCH_AXES, None)))
@@ -282,6 +287,16 @@ class ChunkedPrefill:
             logits, kc, vc = step(params, kc, vc, part, np.int32(j), last, logits)
         small = (m.layers, rows, m.kv_heads, self.max_new, m.head_dim)
         return logits, Cache(kc, vc, valid, zeros(small, cd, sh.new_k), zeros(small, cd, sh.new_v))
+
+
+@functools.lru_cache(maxsize=32)
+def _zeros_fn(shape: tuple, dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+def zeros(shape: tuple, dtype, sharding) -> jax.Array:
+    """A zero array made on the devices with `sharding` (never on the host), one compile per shape."""
+    return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
 
 
 def _putter(mesh, spec):

@@ -127,6 +127,10 @@ class Generator:
                              out_shardings=NamedSharding(mesh, P(BATCH_AXES)))
         self.rows_unit = int(np.prod([axis_size(mesh, a) for a in BATCH_AXES]))
 
+    def chunks(self, longest: int) -> bool:
+        """Whether a batch whose longest prompt (or `pad_to`) is `longest` tokens is prefilled in chunks."""
+        return bool(self.cfg.prefill_chunk) and longest > self.cfg.prefill_chunk
+
     def batch(self, prompts: Sequence[np.ndarray], pad_to: int = 0) -> tuple[dict, int]:
         """The host batch of `prompts` (left-padded, see the module docstring) and its prompt length (at least
         `pad_to`: batches of one padded length share their compiled prefill)."""
@@ -134,7 +138,7 @@ class Generator:
         prompts = list(prompts) + [prompts[-1]] * (rows - len(prompts))
         longest = max(pad_to, *(len(p) for p in prompts))
         chunk = self.cfg.prefill_chunk
-        chunked = bool(chunk) and longest > chunk  # right-padded to chunks (`jaxlong.generation.chunked`)
+        chunked = self.chunks(longest)  # right-padded to chunks (`jaxlong.generation.chunked`)
         n = -(-longest // chunk) * chunk if chunked else prompt_length(self.cfg, longest, rows)
         out = {k: np.zeros((rows, n), np.int32) for k in ("inputs", "positions", "segment_ids")}
         for r, p in enumerate(prompts):
@@ -166,7 +170,7 @@ class Generator:
         check_positions(self.cfg, len(prompts[longest]), limits[longest], self.trained)
         host, _ = self.batch(prompts, pad_to)
         t0 = time.perf_counter()
-        if self.chunked is not None and host["inputs"].shape[1] > self.chunked.chunk:
+        if self.chunks(max(pad_to, *(len(p) for p in prompts))):  # as `batch` padded them: to the right
             logits_now, cache = self.chunked(self.params, host)
         else:
             logits_now, cache = self.prefill(self.params, put_batch(host, self.mesh))

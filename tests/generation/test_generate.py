@@ -108,6 +108,25 @@ def test_chunked_prefill_equals_the_whole_forward(reference, name):
             seq.append(token)
 
 
+def test_a_batch_no_longer_than_the_chunk_is_prefilled_whole(reference):
+    """`prefill_chunk=4` on ring 2 x Ulysses 2 (one token per shard and chunk): prompts of 3 and 2 tokens are padded
+    to 8, the least length the ring takes, yet are not longer than the chunk, so the whole-prompt prefill takes them
+    (left-padded); an 11-token prompt goes in 3 chunks. Both equal a whole one-device forward."""
+    host, ref_logits = reference
+    cfg = _cfg("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "prefill_chunk=4")
+    mesh, params = _on_mesh(host, cfg)
+    gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=2)
+    for prompts, chunked in (([np.array([256, 72, 105]), np.array([40, 41])], False), ([np.arange(5, 16)], True)):
+        assert gen.chunks(max(len(p) for p in prompts)) == chunked
+        steps: list = []
+        out = gen(prompts, logits=steps)
+        for r, prompt in enumerate(prompts):
+            seq = list(prompt)
+            for t, token in enumerate(out[r].tokens):
+                np.testing.assert_allclose(steps[t][r], ref_logits(seq), rtol=0, atol=1e-5, err_msg=f"{r}, {t}")
+                seq.append(token)
+
+
 @pytest.mark.slow
 def test_chunked_prefill_with_the_pallas_kernel_equals_the_whole_forward(monkeypatch):
     """The GPU path of the chunk's attention, the Pallas kernel reading the head-major cache in place with one
