@@ -204,16 +204,18 @@ def combined(rows: list[dict]) -> str:
         got = [score[(scoring, t, n)] for t in names if (scoring, t, n) in score]
         return sum(got) / len(got) if got and (len(got) == len(names) or not every) else None
 
-    # the lengths where several tasks ran (not a one-task 8K or YaRN column), and the tasks run at all of them both
-    # by generation and teacher-forced: a like-for-like mean across those lengths and the two scorings
-    several = [n for n in lengths if sum(("generate", t, n) in score for t in tasks if "+YaRN" not in t) > 1]
+    # the lengths where several tasks ran in both scorings (not a one-task column), and the tasks run at all of them
+    # both by generation and teacher-forced: a like-for-like mean across those lengths and the two scorings
+    several = [n for n in lengths if sum(("generate", t, n) in score and ("forced", t, n) in score
+                                         for t in tasks if "+YaRN" not in t) > 1]
     everywhere = [t for t in tasks if all((s, t, n) in score for n in several for s in ("generate", "forced"))]
     common = f"mean, {len(everywhere)} tasks of {length_label(several[0])}-{length_label(several[-1])}"
     width = max(len(t) for t in tasks + [common])
     body = [(t, [cell(score.get((s, t, n)) for s in SCORINGS) if any((s, t, n) in score for s in SCORINGS)
                  else "" for n in lengths]) for t in tasks]
-    body += [(label, [cell((mean(s, names, n, every) for s in SCORINGS), 1) for n in lengths])
-             for label, names, every in (("mean, the tasks run", tasks, False), (common, everywhere, True))]
+    body += [(label, [cell((mean(s, names, n, every) if n in at else None for s in SCORINGS), 1) for n in lengths])
+             for label, names, every, at in (("mean, the tasks run", tasks, False, lengths),
+                                             (common, everywhere, True, several))]
     col = max(len(c) for _, cells in body for c in cells)
     lines = [f"{'gen/forced/hf, %':<{width}}  " + "  ".join(f"{length_label(n):>{col}}" for n in lengths)]
     lines += [(f"{label:<{width}}  " + "  ".join(f"{c:>{col}}" for c in cells)).rstrip() for label, cells in body]
