@@ -664,7 +664,9 @@ def _check(cfg: Config, n: int, platform: str | None) -> None:
         raise ConfigError(f"prefill_chunk={cfg.prefill_chunk} must be a multiple of the sequence shards mesh.ring x "
                           f"mesh.context = {ring * context} (each holds an equal slice of every chunk)",
                           key="prefill_chunk", value=cfg.prefill_chunk)
-    sl, a = cfg.prefill_chunk // (ring * context), cfg.attention
+    for key in ("block_q", "block_k"):
+        check_attention_block(f"attention.{key}", getattr(cfg.attention, key), cfg.seq_len)
+    sl, a = cfg.prefill_chunk // (ring * context), cfg.attention  # the tiles are positive here
     slice_ok = sl < a.block_k or sl % a.block_k == 0
     chunk_ok = cfg.prefill_chunk < a.block_q or cfg.prefill_chunk % a.block_q == 0
     if cfg.prefill_chunk and not (slice_ok and chunk_ok):
@@ -673,8 +675,6 @@ def _check(cfg: Config, n: int, platform: str | None) -> None:
                           f"attention.block_k={a.block_k} or shorter, and the chunk a multiple of "
                           f"attention.block_q={a.block_q} or shorter (the attention's tiles)",
                           key="prefill_chunk", value=cfg.prefill_chunk)
-    for key in ("block_q", "block_k"):
-        check_attention_block(f"attention.{key}", getattr(cfg.attention, key), cfg.seq_len)
     s_local = cfg.seq_len // (ring * context)
     for key, value in (("tiling.loss_tile", cfg.tiling.loss_tile), ("tiling.mlp_tiles", cfg.tiling.mlp_tiles)):
         if value and s_local % value:
