@@ -660,6 +660,10 @@ def _check(cfg: Config, n: int, platform: str | None) -> None:
             f"grad_accum*mesh.data*mesh.fsdp={cfg.grad_accum * data * fsdp} (each micro-batch is sharded over "
             f"data x fsdp)", key="grad_accum", value=cfg.grad_accum, keys=("global_batch",))
     check_heads(m.heads, m.kv_heads, context)
+    if cfg.prefill_chunk < 0:
+        raise ConfigError(f"prefill_chunk={cfg.prefill_chunk}: give 0 (the whole prompt in one forward) or the "
+                          f"tokens per chunk, a multiple of mesh.ring x mesh.context", key="prefill_chunk",
+                          value=cfg.prefill_chunk)
     if cfg.prefill_chunk % (ring * context):
         raise ConfigError(f"prefill_chunk={cfg.prefill_chunk} must be a multiple of the sequence shards mesh.ring x "
                           f"mesh.context = {ring * context} (each holds an equal slice of every chunk)",
@@ -796,8 +800,8 @@ def validate_objective(cfg: Config) -> None:
                               value=cfg.objective)
         return
     if d.sources or d.format != "preference":
-        raise ConfigError(f"objective=dpo trains on preference pairs: set data.format=preference with data.path a "
-                          f".jsonl of prompt/chosen/rejected records" + (", without data.sources" if d.sources else
+        raise ConfigError("objective=dpo trains on preference pairs: set data.format=preference with data.path a "
+                          ".jsonl of prompt/chosen/rejected records" + (", without data.sources" if d.sources else
                                                                           f" (data.format is {d.format!r})"),
                           key="objective", value=cfg.objective)
     if not cfg.dpo.beta > 0:
@@ -828,10 +832,6 @@ def validate_ruler(cfg: Config) -> None:
     if bad:
         raise ConfigError(f"ruler_lengths={cfg.ruler_lengths}: lengths must be positive token counts, e.g. "
                           f"[{cfg.seq_len}]")
-    if cfg.prefill_chunk < 0:
-        raise ConfigError(f"prefill_chunk={cfg.prefill_chunk}: give 0 (the whole prompt in one forward) or the "
-                          f"tokens per chunk, a multiple of mesh.ring x mesh.context", key="prefill_chunk",
-                          value=cfg.prefill_chunk)
     if cfg.ruler_cases <= 0:
         raise ConfigError(f"ruler_cases={cfg.ruler_cases} must be positive (cases per task and length)")
     if cfg.ruler_tasks and not cfg.eval_every:

@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxlong.config import ConfigError
+from jaxlong.core.mesh import seq_shards
 from jaxlong.core.units import fmt_bytes
 from jaxlong.evaluation.steps import make_token_stats_step
-from jaxlong.generation.chunked import ChunkedPrefill
+from jaxlong.generation.chunked import ChunkedPrefill, chunk_kv_steps
 from jaxlong.generation.decode import make_prefill
 from jaxlong.training import step as step_lib
 
@@ -107,7 +108,7 @@ def loop_term(cfg, mesh, length: int, generation: bool) -> tuple[int, int]:
     longest chunk's loop (`jaxlong.generation.chunked`)."""
     if generation and 0 < cfg.prefill_chunk < length:
         n = -(-length // cfg.prefill_chunk) * cfg.prefill_chunk
-        return ChunkedPrefill(cfg, mesh, cfg.prefill_chunk, 1).kv_steps(n), CHUNK_STEP_BYTES
+        return chunk_kv_steps(cfg, cfg.prefill_chunk, seq_shards(mesh), n), CHUNK_STEP_BYTES
     return kv_steps(cfg, length), KV_STEP_BYTES
 
 

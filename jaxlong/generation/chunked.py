@@ -34,7 +34,6 @@ a cache, which theirs do not).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -42,22 +41,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.config import ConfigError
-from jaxlong.core.mesh import BATCH_AXES, SEQ_AXES, axis_size
-from jaxlong.generation.decode import Cache, cache_shardings, layer_qkv, layer_rest, output_head
+from jaxlong.core.mesh import BATCH_AXES, SEQ_AXES, axis_size, seq_shards
+from jaxlong.generation.decode import NEG, Cache, cache_shardings, layer_qkv, layer_rest, output_head
 from jaxlong.kernels import pallas_gpu as pallas_kernel
 from jaxlong.kernels.layout import pallas_head_dim_ok
 from jaxlong.layers import blocks as L
 from jaxlong.models import llama as model_lib
 
-__all__ = ["chunk_order", "chunk_tiles", "chunk_kernel", "ChunkedPrefill"]
-
-NEG = -1e30
-
-
-def seq_devices(mesh) -> int:
-    return math.prod(axis_size(mesh, a) for a in SEQ_AXES)
-
+__all__ = ["chunk_order", "chunk_tiles", "chunk_kv_steps", "chunk_kernel", "ChunkedPrefill"]
 
 def chunk_order(n: int, chunk: int, devices: int) -> np.ndarray:
     """`order[slot]`: the prompt index held at each slot of a chunk-prefilled cache of `n` tokens (`[n]` int64,
@@ -85,6 +76,14 @@ def chunk_tiles(cfg, chunk: int, devices: int) -> tuple[int, int]:
     return (a.block_k if cl % a.block_k == 0 else cl), (a.block_q if chunk % a.block_q == 0 else chunk)
 
 
+def chunk_kv_steps(cfg, chunk: int, devices: int, n: int) -> int:
+    """Iterations of the blockwise loop per device and layer in the last (longest) chunk of a prompt of `n` tokens:
+    the chunk's query tiles times the key tiles of the shard (the host-memory estimate,
+    `jaxlong.evaluation.hostmem`)."""
+    kb, qb = chunk_tiles(cfg, chunk, devices)
+    return (chunk // qb) * (n // devices // kb)
+
+
 def chunk_kernel(cfg, mesh) -> str:
     """The chunk's attention kernel: `pallas` (the Pallas GPU kernel, head-major cache read in place) on GPUs
     where it takes the head dim and dtype, `blockwise` (a pure-JAX online softmax) elsewhere."""
@@ -105,7 +104,7 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
     rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
     group, scale = m.heads // m.kv_heads, 1.0 / float(np.sqrt(m.head_dim))
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
-    devices = seq_devices(mesh)
+    devices = seq_shards(mesh)
     cl, local_n = chunk // devices, n // devices
     kb, qb = chunk_tiles(cfg, chunk, devices)
     cache_spec, q_spec = P(None, BATCH_AXES, None, SEQ_AXES, None), P(BATCH_AXES, SEQ_AXES, None, None)
@@ -226,18 +225,12 @@ class ChunkedPrefill:
     """`prefill(params, host_batch) -> (logits [b, vocab] float32, Cache)`, as `make_prefill`'s, for a host batch
     (`inputs`, `positions`, `segment_ids` `[b, n]` int32 numpy, *right*-padded, in prompt order) whose length `n`
     is a multiple of `chunk`: the cache is allocated once and filled by `n / chunk` calls of one compiled chunk step
-    (one compile per batch shape), each donating it. The cache's prompt axis is in `chunk_order`.
-
-    Raises:
-      ConfigError: `chunk` not a multiple of the sequence shards (ring x context), naming `prefill_chunk`.
+    (one compile per batch shape), each donating it. The cache's prompt axis is in `chunk_order`. `chunk` is
+    `prefill_chunk`, which `jaxlong.config.validate` checks against the mesh and the attention tiles.
     """
 
     def __init__(self, cfg, mesh, chunk: int, max_new: int, kernel: str | None = None):
-        self.devices = seq_devices(mesh)
-        if chunk <= 0 or chunk % self.devices:
-            raise ConfigError(f"prefill_chunk={chunk}: must be a positive multiple of the sequence shards "
-                              f"(mesh.ring x mesh.context = {self.devices}), e.g. {self.devices * 4096}",
-                              key="prefill_chunk", value=chunk)
+        self.devices = seq_shards(mesh)
         self.cfg, self.mesh, self.chunk, self.max_new = cfg, mesh, chunk, max_new
         self.kernel = kernel or chunk_kernel(cfg, mesh)
         self.steps: dict = {}
@@ -247,13 +240,6 @@ class ChunkedPrefill:
         if n not in self.steps:
             self.steps[n] = _make_chunk_step(self.cfg, self.mesh, n, self.chunk, self.kernel)
         return self.steps[n]
-
-    def kv_steps(self, n: int) -> int:
-        """Iterations of the blockwise kernel's kv loop per device and layer in the last (longest) chunk of a
-        prompt of `n` tokens: its query tiles times the key tiles of the written cache (the host-memory estimate,
-        `jaxlong.evaluation.hostmem`)."""
-        kb, qb = chunk_tiles(self.cfg, self.chunk, self.devices)
-        return (self.chunk // qb) * (n // self.devices // kb)
 
     def abstract_args(self, rows: int, n: int) -> tuple:
         """The chunk step's arguments but `params`, as `jax.ShapeDtypeStruct`s (ahead-of-time compiles)."""

@@ -285,8 +285,8 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
         out_specs=[tile, pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i))],
         out_shape=[sds((b, sp, h, d), q.dtype), sds((b, h, sp), _F32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="jaxlong_flash_fwd" + ("_causal" if causal else "") + ("_kvhm" if kv_head_major else "")
-    )(*args)
+        interpret=interpret,
+        name="jaxlong_flash_fwd" + ("_causal" if causal else "") + ("_kvhm" if kv_head_major else ""))(*args)
     return out[:, :s], lse[:, :, :s]
 
 
