@@ -34,11 +34,15 @@ def test_the_estimate_counts_its_parts_and_refuses_what_does_not_fit():
     assert est.loop == hostmem.KV_STEP_BYTES * 2 * 4 * steps
     assert est.per_device > 2 * 4 * n * 2 * 16  # at least the prompt's K/V cache of its local quarter, 2 layers
     assert est.total == est.base + 4 * est.per_device + est.loop + est.host
-    with pytest.raises(ConfigError, match=rf"--ruler-lengths {n}: the forward needs about .* of host memory \(4 CPU "
+    # the guard counts the estimate's measured error (15%): 1.2 times the estimate passes, 1.1 times is refused
+    # (each call's estimate counts the resident memory of that moment, a few MiB apart)
+    assert hostmem.check_lengths(cfg, mesh, [n], rows=1, max_new=128, limit=int(1.2 * est.total))
+    with pytest.raises(ConfigError, match=rf"--ruler-lengths {n}: the forward needs about .* of host memory, up to "
+                                          rf".* with the estimate's 15% error \(4 CPU "
                                           rf"device\(s\) x .* compiled, .* held by XLA:CPU over the attention's "
                                           rf"{steps:,} kv steps per device and layer, .*\) and this host has .*; "
                                           r"mesh.num_devices=1 \(the same scores\) needs about"):
-        hostmem.check_lengths(cfg, mesh, [n], rows=1, max_new=128, limit=est.total - est.loop // 2)
+        hostmem.check_lengths(cfg, mesh, [n], rows=1, max_new=128, limit=int(1.1 * est.total))
 
 
 CHILD = r"""
@@ -69,7 +73,8 @@ print(json.dumps({"estimate": est.total, "peak": peak}))
 def test_a_prefill_peaks_where_the_estimate_says(chunk):
     """A 32K-token prompt on 4 simulated devices, prefilled (whole, or in 4 chunks of 8K: the chunk step's program
     and its own loop term) and decoded in a child process: its peak resident memory (VmHWM) is within 15% of the
-    estimate (measured on 2 cores: 1.19 GiB estimated, 1.21 measured whole; 1.17 and 1.17 in chunks).
+    estimate (`ESTIMATE_ERROR`), so below the bound the guard refuses beyond (measured on 2 cores: 1.19 GiB
+    estimated, 1.21 measured whole; 1.17 and 1.17 in chunks).
     `JAXLONG_HOSTMEM_TOKENS=131072` runs it at 128K (by hand: minutes on 2 cores; the chunks stay 8K, so 16 of
     them; experiments/results/host_memory_ruler_cpu.md)."""
     n = int(os.environ.get("JAXLONG_HOSTMEM_TOKENS", 32768))
@@ -79,4 +84,4 @@ def test_a_prefill_peaks_where_the_estimate_says(chunk):
                          capture_output=True, text=True, timeout=3600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert 0.85 <= got["peak"] / got["estimate"] <= 1.15, got
+    assert 1 - hostmem.ESTIMATE_ERROR <= got["peak"] / got["estimate"] <= 1 + hostmem.ESTIMATE_ERROR, got
