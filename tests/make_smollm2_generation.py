@@ -115,7 +115,7 @@ def generate(path: str) -> None:
 
 RULER_OUT = OUT.with_name("ruler_generate.npz")
 RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")  # no corpus haystack
-RULER_LENGTH, RULER_CASES = 1024, 2
+RULER_LENGTH, RULER_CASES = 1024, 1
 
 
 def ruler_prompts(path: str) -> None:

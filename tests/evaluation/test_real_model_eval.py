@@ -1,7 +1,7 @@
 """`python -m jaxlong.eval` on a real pretrained model (slow tier): SmolLM2-135M-Instruct (tests/smollm2.py),
 trained for one step at learning rate 0 by `python -m jaxlong.train` on ring 8, as the documented command does,
 then evaluated by the CLI (each a child process, as a user runs it):
-- RULER as RULER scores it (the default), on ring 2: a task of every family at 1K, two cases each;
+- RULER as RULER scores it (the default), on ring 2: a task of every family at 1K, one case each;
   every prompt's ids, every generated text and every score equal transformers' greedy generation scored by
   RULER's string_match_all (tests/fixtures/smollm2/ruler_generate.npz, made by tests/make_smollm2_generation.py);
 - the teacher-forced proxy on one device: niah_single_1 at 1K case by case as the forward scored by hand
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 RING2 = ("mesh.num_devices=2", "mesh.fsdp=1", "mesh.ring=2", "mesh.context=1")
 RULER_GOLDEN = smollm2.GOLDEN.with_name("ruler_generate.npz")  # tests/make_smollm2_generation.py ruler-generate
 RULER_TASKS = ("niah_multikey_3", "vt", "cwe", "fwe")  # one of each family (the golden file holds six tasks)
-RULER_LENGTH, RULER_CASES = 1024, 2
+RULER_LENGTH, RULER_CASES = 1024, 1
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +59,15 @@ def test_cli_forced_scores_equal_the_hand_scored_forward(run_dir, hand):
 
 def test_cli_ruler_by_generation_equals_transformers_case_by_case(run_dir, smol):
     """RULER as RULER scores it, through the CLI on ring 2 (a cache split by sequence, without the CPU time of 8
-    simulated devices; ring 8's split cache is checked on the tiny model), 8 cases in one batch: each prompt's ids equal the golden file's (and, rendered as a chat, transformers' `apply_chat_template` with the
+    simulated devices; ring 8's split cache is checked on the tiny model), 4 cases in one batch: each prompt's ids
+    equal the golden file's (and, rendered as a chat, transformers' `apply_chat_template` with the
     answer prefix); each generated text equals transformers' greedy generation (RULER's tokens_to_generate, EOS
     from the generation config), or parts from it where transformers' top-2 logits are within 2e-3 (a near-tie);
     each case's score is RULER's string_match_all of that text."""
     golden = dict(np.load(RULER_GOLDEN))
     summary, rows = evaluate(run_dir, "--batches", "1", "--no-passkey", "--ruler", "--ruler-tasks",
                              ",".join(RULER_TASKS), "--ruler-lengths", str(RULER_LENGTH), "--ruler-cases",
-                             str(RULER_CASES), "global_batch=8", *RING2)
+                             str(RULER_CASES), f"global_batch={len(RULER_TASKS) * RULER_CASES}", *RING2)
     assert summary["ruler"]["scoring"] == "generate" and summary["setup"]["mesh"]["ring"] == 2
     tok, chat = HFTokenizer(smol), ChatTemplate(smol)
     made = {f"{c.task}/{c.index}": c for t in RULER_TASKS
@@ -91,4 +92,4 @@ def test_cli_ruler_by_generation_equals_transformers_case_by_case(run_dir, smol)
                            for i in range(RULER_CASES)]) for t in RULER_TASKS}
     if not parted:  # the summary's scores are transformers' text scored by RULER's metric
         assert {r["task"]: r["score"] for r in summary["ruler"]["rows"]} == pytest.approx(by_task)
-    assert summary["ruler"]["mean"] > 0.2  # the model answers a needle and part of vt and fwe (0.23 in the golden)
+    assert summary["ruler"]["mean"] > 0.3  # the model answers the needle, part of vt, cwe and fwe (0.41 in the golden)
