@@ -55,7 +55,8 @@ RUN = {
     "python -m jaxlong.train attention.impl=upipe attention.heads_per_stage=4 remat.policy=full run_name=upipe steps=4":
         "a fresh directory",
     "python -m jaxlong.eval runs/default": AFTER_DEFAULT,
-    "python -m jaxlong.eval runs/default --ruler --ruler-tasks niah_single_1,vt --ruler-cases 1": AFTER_DEFAULT,
+    "python -m jaxlong.eval runs/default --ruler --ruler-tasks niah_single_1,vt --ruler-cases 1 --no-passkey":
+        AFTER_DEFAULT,
     "python -m jaxlong.generate runs/default --prompt 'def fibonacci(n):' --max-new-tokens 64": AFTER_DEFAULT,
     "python -m jaxlong.train run_name=ruler steps=4 eval_every=4 'ruler_tasks=[niah_single_1,vt]' "
     "'ruler_lengths=[1024,2048]' ruler_cases=1": "a fresh directory",
