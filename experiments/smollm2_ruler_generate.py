@@ -15,9 +15,11 @@ names the flags and overrides; `jaxlong.eval.__main__.ruler_suite` on the same h
 against the evaluation's `ruler_cases.csv` (the same cases, the same prompt lengths) and writes each case's prompt
 ids, tokens_to_generate and reference items. `transformers` generates each prompt greedily with transformers'
 GGUF import of the same model (float32, `max_new_tokens` = RULER's tokens_to_generate, `do_sample=False`, EOS
-from the generation config; tests/make_smollm2_generation.py `ruler_generate`) and decodes with
+from the generation config; tests/make_smollm2_generation.py `ruler_generate`; an evaluation with YaRN gives its
+`model.rope_scaling` overrides to transformers as `rope_parameters`) and decodes with
 `skip_special_tokens=True`. `table` scores that text with jaxlong's `string_match_all`, gathers every RULER
-evaluation of step 1 under `RUN/eval/` (generation, teacher-forced, YaRN apart) and the transformers file into
+evaluation of step 1 under `RUN/eval/` (generation, teacher-forced; a length with YaRN is a column of its own) and
+the transformers file into
 `smollm2_ruler_generate.csv` (scoring, task, length, rope, cases, score), `smollm2_ruler_generate_cases.csv`
 (every generated case: jaxlong's text and score, transformers' text and score, whether the texts are equal) and
 `smollm2_ruler_generate.png` (three grids), and prints the tables.
@@ -49,6 +51,17 @@ def _argv(step_dir: Path, summary: dict) -> list[str]:
         else:
             argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv + list(summary["setup"]["overrides"])
+
+
+def _rope_scaling(argv: list[str]) -> dict:
+    """The `model.rope_scaling.*` overrides of an evaluation's arguments, as {key: value text}."""
+    prefix = "model.rope_scaling."
+    return dict(a[len(prefix):].split("=", 1) for a in argv if a.startswith(prefix))
+
+
+def _hf_key(key: str, yarn: bool) -> str:
+    """A case's key in the `transformers` output: `task/length/index`, `+yarn` after it with YaRN."""
+    return key + ("+yarn" if yarn else "")
 
 
 def prompts(step_dir: Path, out: Path) -> None:
@@ -95,12 +108,31 @@ def transformers_generate(path: Path, out: Path, lengths: list[int] | None) -> N
     cache = Path.home() / ".cache" / "jaxlong" / "test-models"
     name = "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = transformers.AutoTokenizer.from_pretrained(cache, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(cache, gguf_file=name, dtype=torch.float32).eval()
+    models: dict = {}
+
+    def model_for(yarn: bool):
+        """The GGUF model in float32; with YaRN, the evaluation's `model.rope_scaling` overrides as transformers'
+        `rope_parameters` (max_position_embeddings = factor x original, as transformers derives the factor)."""
+        if yarn not in models:
+            config = transformers.AutoConfig.from_pretrained(cache, gguf_file=name)
+            if yarn:
+                rs = _rope_scaling(data["argv"])
+                theta = (config.rope_parameters or {}).get("rope_theta", getattr(config, "rope_theta", None))
+                config.rope_parameters = {"rope_type": "yarn", "rope_theta": theta, "factor": float(rs["factor"]),
+                                          "original_max_position_embeddings":
+                                              int(rs["original_max_position_embeddings"])}
+                config.max_position_embeddings = int(float(rs["factor"]) * int(rs["original_max_position_embeddings"]))
+            models[yarn] = transformers.AutoModelForCausalLM.from_pretrained(
+                cache, gguf_file=name, config=config, dtype=torch.float32).eval()
+        return models[yarn]
+
     done = json.loads(out.read_text())["cases"] if out.exists() else {}
     t0 = time.perf_counter()
     for key, case in data["cases"].items():
+        key = _hf_key(key, case["yarn"])
         if key in done or (lengths and case["length"] not in lengths):
             continue
+        model = model_for(case["yarn"])
         x = torch.tensor([case["prompt"]], dtype=torch.long)
         with torch.no_grad():
             seq = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=case["ttg"],
@@ -109,7 +141,7 @@ def transformers_generate(path: Path, out: Path, lengths: list[int] | None) -> N
         text = tok.decode(new, skip_special_tokens=True)
         eos = model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
-        done[key] = {"refs": case["refs"], "tokens": new, "text": text,
+        done[key] = {"refs": case["refs"], "tokens": new, "text": text, "yarn": case["yarn"],
                      "stopped": "eos" if new and new[-1] in eos else "length"}  # EOS ends `new`, not `text`
         print(f"{time.perf_counter() - t0:7.1f}s {key} {len(case['prompt'])}+{len(new)} {text[:70]!r}", flush=True)
         out.write_text(json.dumps({"made_with": (
@@ -139,7 +171,7 @@ def collect(run_dir: Path, hf: Path | None) -> tuple[list[dict], list[dict]]:
             continue
         with open(path.parent / "ruler_cases.csv") as f:
             for c in csv.DictReader(f):
-                h = hf_cases.get(f"{c['task']}/{c['length']}/{c['index']}") if rope == "default" else None
+                h = hf_cases.get(_hf_key(f"{c['task']}/{c['length']}/{c['index']}", rope != "default"))
                 cases.append({"task": c["task"], "length": c["length"], "rope": rope, "index": c["index"],
                               "depth": c["depth"], "answer": c["answer"], "prompt_tokens": c["prompt_tokens"],
                               "jaxlong_score": c["score"], "jaxlong_stopped": c["stopped"],
@@ -151,9 +183,9 @@ def collect(run_dir: Path, hf: Path | None) -> tuple[list[dict], list[dict]]:
     by_cell: dict = {}
     for c in cases:
         if c["transformers"] != "" or c["same_text"] != "":
-            by_cell.setdefault((c["task"], int(c["length"])), []).append(float(c["transformers_score"]))
-    for (task, length), scores in by_cell.items():
-        rows.append({"scoring": "transformers", "task": task, "length": length, "rope": "default",
+            by_cell.setdefault((c["task"], int(c["length"]), c["rope"]), []).append(float(c["transformers_score"]))
+    for (task, length, rope), scores in by_cell.items():
+        rows.append({"scoring": "transformers", "task": task, "length": length, "rope": rope,
                      "cases": len(scores), "score": sum(scores) / len(scores), "setup": "transformers (GGUF)"})
     return rows, cases
 
@@ -175,23 +207,30 @@ def keep_earlier(directory: Path, rows: list[dict], cases: list[dict]) -> tuple[
     return kept + rows, [c for c in old_cases if (c["task"], c["length"], c["rope"]) not in groups] + cases
 
 
-def _label(row: dict) -> str:
-    return row["task"] + (" +YaRN" if row["rope"] != "default" else "")
+def _columns(rows: list[dict]) -> list[dict]:
+    """`rows` with `length` as the table's column: (tokens, 1 with YaRN else 0), so a length scored with YaRN is a
+    column of its own (`16K +YaRN`) in the same task's line."""
+    return [{**r, "length": (r["length"], int(r["rope"] != "default"))} for r in rows]
+
+
+def _column_label(column: tuple[int, int]) -> str:
+    from jaxlong.evaluation.ruler.report import length_label
+
+    return length_label(column[0]) + (" +YaRN" if column[1] else "")
 
 
 def table(rows: list[dict], scoring: str) -> str:
     from jaxlong.evaluation.ruler import format_table
 
-    return format_table([{**r, "task": _label(r)} for r in rows if r["scoring"] == scoring])
+    return format_table([{**r, "task": r["task"] + (" +YaRN" if r["rope"] != "default" else "")}
+                         for r in rows if r["scoring"] == scoring])
 
 
 def combined(rows: list[dict]) -> str:
     """One table, a task per line and a length per column, each cell `generation / teacher-forced / transformers`
     in percent (`-`: not run); then each scoring's mean over the tasks run at that length (RULER's per-length
     average), and over the tasks run at every length of several tasks in both of jaxlong's scorings."""
-    from jaxlong.evaluation.ruler.report import length_label
-
-    labelled = [{**r, "task": _label(r)} for r in rows]
+    labelled = _columns(rows)
     tasks = list(dict.fromkeys(r["task"] for r in labelled if r["scoring"] == "generate"))
     tasks += [t for t in dict.fromkeys(r["task"] for r in labelled) if t not in tasks]
     lengths = sorted({r["length"] for r in labelled})
@@ -207,9 +246,9 @@ def combined(rows: list[dict]) -> str:
     # the lengths where several tasks ran in both scorings (not a one-task column), and the tasks run at all of them
     # both by generation and teacher-forced: a like-for-like mean across those lengths and the two scorings
     several = [n for n in lengths if sum(("generate", t, n) in score and ("forced", t, n) in score
-                                         for t in tasks if "+YaRN" not in t) > 1]
+                                         for t in tasks) > 1]
     everywhere = [t for t in tasks if all((s, t, n) in score for n in several for s in ("generate", "forced"))]
-    common = f"mean, {len(everywhere)} tasks of {length_label(several[0])}-{length_label(several[-1])}"
+    common = f"mean, {len(everywhere)} tasks of {_column_label(several[0])}-{_column_label(several[-1])}"
     width = max(len(t) for t in tasks + [common])
     body = [(t, [cell(score.get((s, t, n)) for s in SCORINGS) if any((s, t, n) in score for s in SCORINGS)
                  else "" for n in lengths]) for t in tasks]
@@ -217,7 +256,8 @@ def combined(rows: list[dict]) -> str:
              for label, names, every, at in (("mean, the tasks run", tasks, False, lengths),
                                              (common, everywhere, True, several))]
     col = max(len(c) for _, cells in body for c in cells)
-    lines = [f"{'gen/forced/hf, %':<{width}}  " + "  ".join(f"{length_label(n):>{col}}" for n in lengths)]
+    col = max(col, *(len(_column_label(n)) for n in lengths))
+    lines = [f"{'gen/forced/hf, %':<{width}}  " + "  ".join(f"{_column_label(n):>{col}}" for n in lengths)]
     lines += [(f"{label:<{width}}  " + "  ".join(f"{c:>{col}}" for c in cells)).rstrip() for label, cells in body]
     return "\n".join(lines)
 
@@ -229,9 +269,7 @@ def heatmap(path: Path, rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from jaxlong.evaluation.ruler.report import length_label, grid
-
-    labelled = [{**r, "task": _label(r)} for r in rows]
+    labelled = _columns(rows)
     tasks = list(dict.fromkeys(r["task"] for r in labelled if r["scoring"] == "generate"))
     lengths = sorted({r["length"] for r in labelled})
     panels = [s for s in SCORINGS if any(r["scoring"] == s for r in rows)]
@@ -241,13 +279,11 @@ def heatmap(path: Path, rows: list[dict]) -> None:
               "transformers": "transformers, by generation"}
     for ax, scoring in zip(axes[0], panels):
         g = np.full((len(tasks), len(lengths)), np.nan)
-        t_, l_, sub = grid([r for r in labelled if r["scoring"] == scoring])
-        for i, t in enumerate(t_):
-            for j, n in enumerate(l_):
-                if t in tasks:
-                    g[tasks.index(t), lengths.index(n)] = sub[i, j]
+        for r in labelled:
+            if r["scoring"] == scoring and r["task"] in tasks:
+                g[tasks.index(r["task"]), lengths.index(r["length"])] = r["score"]
         im = ax.imshow(g, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
+        ax.set_xticks(range(len(lengths)), [_column_label(n).replace(" ", "\n") for n in lengths])
         ax.set_yticks(range(len(tasks)), tasks)
         for i, row in enumerate(g):
             for j, x in enumerate(row):
