@@ -59,9 +59,18 @@ def _rope_scaling(argv: list[str]) -> dict:
     return dict(a[len(prefix):].split("=", 1) for a in argv if a.startswith(prefix))
 
 
-def _hf_key(key: str, yarn: bool) -> str:
-    """A case's key in the `transformers` output: `task/length/index`, `+yarn` after it with YaRN."""
-    return key + ("+yarn" if yarn else "")
+YARN_KEYS = {"type", "factor", "original_max_position_embeddings"}  # the overrides `transformers` passes on
+
+
+def _yarn_factor(argv: list[str]) -> str | None:
+    """The YaRN factor of an evaluation's arguments (as written), or None without YaRN."""
+    rs = _rope_scaling(argv)
+    return rs["factor"] if rs.get("type") == "yarn" else None
+
+
+def _hf_key(key: str, factor: str | None) -> str:
+    """A case's key in the `transformers` output: `task/length/index`, `+yarn x<factor>` after it with YaRN."""
+    return key + (f"+yarn x{factor}" if factor else "")
 
 
 def prompts(step_dir: Path, out: Path) -> None:
@@ -117,6 +126,7 @@ def transformers_generate(path: Path, out: Path, lengths: list[int] | None) -> N
             config = transformers.AutoConfig.from_pretrained(cache, gguf_file=name)
             if yarn:
                 rs = _rope_scaling(data["argv"])
+                assert set(rs) <= YARN_KEYS, f"{sorted(set(rs) - YARN_KEYS)}: not passed on to transformers"
                 theta = (config.rope_parameters or {}).get("rope_theta", getattr(config, "rope_theta", None))
                 config.rope_parameters = {"rope_type": "yarn", "rope_theta": theta, "factor": float(rs["factor"]),
                                           "original_max_position_embeddings":
@@ -129,10 +139,11 @@ def transformers_generate(path: Path, out: Path, lengths: list[int] | None) -> N
     done = json.loads(out.read_text())["cases"] if out.exists() else {}
     t0 = time.perf_counter()
     for key, case in data["cases"].items():
-        key = _hf_key(key, case["yarn"])
+        yarn = bool(case.get("yarn"))  # prompts files made before YaRN was handled hold no YaRN cases
+        key = _hf_key(key, _yarn_factor(data["argv"]) if yarn else None)
         if key in done or (lengths and case["length"] not in lengths):
             continue
-        model = model_for(case["yarn"])
+        model = model_for(yarn)
         x = torch.tensor([case["prompt"]], dtype=torch.long)
         with torch.no_grad():
             seq = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=case["ttg"],
@@ -141,7 +152,7 @@ def transformers_generate(path: Path, out: Path, lengths: list[int] | None) -> N
         text = tok.decode(new, skip_special_tokens=True)
         eos = model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
-        done[key] = {"refs": case["refs"], "tokens": new, "text": text, "yarn": case["yarn"],
+        done[key] = {"refs": case["refs"], "tokens": new, "text": text, "yarn": yarn,
                      "stopped": "eos" if new and new[-1] in eos else "length"}  # EOS ends `new`, not `text`
         print(f"{time.perf_counter() - t0:7.1f}s {key} {len(case['prompt'])}+{len(new)} {text[:70]!r}", flush=True)
         out.write_text(json.dumps({"made_with": (
@@ -162,7 +173,8 @@ def collect(run_dir: Path, hf: Path | None) -> tuple[list[dict], list[dict]]:
         s = json.loads(path.read_text())
         if "ruler" not in s:
             continue
-        rope = "yarn x2" if _yarn(s) else "default"
+        factor = _yarn_factor(s["setup"]["overrides"])
+        rope = f"yarn x{factor}" if factor else "default"
         scoring = s["ruler"]["scoring"]
         for r in s["ruler"]["rows"]:
             rows.append({"scoring": scoring, "task": r["task"], "length": r["length"], "rope": rope,
@@ -171,7 +183,7 @@ def collect(run_dir: Path, hf: Path | None) -> tuple[list[dict], list[dict]]:
             continue
         with open(path.parent / "ruler_cases.csv") as f:
             for c in csv.DictReader(f):
-                h = hf_cases.get(_hf_key(f"{c['task']}/{c['length']}/{c['index']}", rope != "default"))
+                h = hf_cases.get(_hf_key(f"{c['task']}/{c['length']}/{c['index']}", factor))
                 cases.append({"task": c["task"], "length": c["length"], "rope": rope, "index": c["index"],
                               "depth": c["depth"], "answer": c["answer"], "prompt_tokens": c["prompt_tokens"],
                               "jaxlong_score": c["score"], "jaxlong_stopped": c["stopped"],
@@ -220,6 +232,7 @@ def _column_label(column: tuple[int, int]) -> str:
 
 
 def table(rows: list[dict], scoring: str) -> str:
+    """One scoring's table as the CLI prints it (a YaRN cell as a task line of its own, `task +YaRN`)."""
     from jaxlong.evaluation.ruler import format_table
 
     return format_table([{**r, "task": r["task"] + (" +YaRN" if r["rope"] != "default" else "")}

@@ -38,7 +38,7 @@ def test_the_estimate_counts_its_parts_and_refuses_what_does_not_fit():
     # (each call's estimate counts the resident memory of that moment, a few MiB apart)
     assert hostmem.check_lengths(cfg, mesh, [n], rows=1, max_new=128, limit=int(1.2 * est.total))
     with pytest.raises(ConfigError, match=rf"--ruler-lengths {n}: the forward needs about .* of host memory, up to "
-                                          rf".* with the estimate's 15% error \(4 CPU "
+                                          rf".* with a 15% margin for the estimate's error \(4 CPU "
                                           rf"device\(s\) x .* compiled, .* held by XLA:CPU over the attention's "
                                           rf"{steps:,} kv steps per device and layer, .*\) and this host has .*; "
                                           r"mesh.num_devices=1 \(the same scores\) needs about"):

@@ -116,9 +116,9 @@ def test_the_default_fit_at_128k_on_8_h100_uses_no_remat_and_no_offload(tmp_path
     """The documented `python -m jaxlong.memory --fit --target h100 --config configs/llama3_1_8b.yaml
     seq_len=131072` (GPU compile, no GPU): Llama-3.1-8B fits 128K tokens with no remat, so the winner spends no
     speed on remat or host offload (a search that compiles memory savers first spent its 12 compiles, the default,
-    before it reached them and picked offload). Run with half the default's compiles: the search reaches that
-    winner within 6 (the 4th compile), so the default's 12 pick it too (the candidates after it recompute or
-    offload more)."""
+    before it reached them and picked offload). Run with half the default's compiles: a candidate with no remat and
+    no offload is among the first 6 (the 4th compile); the default's 12 pick one too (the plan with the default
+    MLP tiles, as fast by the estimate), since the candidates after them recompute or offload more."""
     out = tmp_path / "fit.json"
     proc = subprocess.run([sys.executable, "-m", "jaxlong.memory", "--fit", "--target", "h100", "--config",
                            "configs/llama3_1_8b.yaml", "seq_len=131072", "--max-compiles", "6", "--out", str(out)],
