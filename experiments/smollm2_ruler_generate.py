@@ -36,10 +36,6 @@ from pathlib import Path
 SCORINGS = ("generate", "forced", "transformers")
 
 
-def _yarn(summary: dict) -> bool:
-    return any(o.startswith("model.rope_scaling.type=yarn") for o in summary["setup"]["overrides"])
-
-
 def _argv(step_dir: Path, summary: dict) -> list[str]:
     """The `python -m jaxlong.eval` arguments that made the evaluation in `step_dir` (from its summary.json)."""
     flags, argv = summary["setup"]["flags"], [str(step_dir.parents[2])]
@@ -99,7 +95,7 @@ def prompts(step_dir: Path, out: Path) -> None:
         data[f"{c.task}/{c.length}/{c.index}"] = {
             "task": c.task, "length": c.length, "index": c.index, "prompt": [int(i) for i in c.prompt],
             "ttg": c.tokens_to_generate, "refs": list(c.refs), "jaxlong": row["generated"],
-            "jaxlong_score": float(row["score"]), "stopped": row["stopped"], "yarn": _yarn(summary)}
+            "jaxlong_score": float(row["score"]), "stopped": row["stopped"], "yarn": _yarn_factor(argv) is not None}
     out.write_text(json.dumps({"eval": str(step_dir), "argv": argv, "cases": data}))
     print(f"wrote {out}: {len(data)} cases of {step_dir} (python -m jaxlong.eval {' '.join(argv)}), each equal to "
           f"the CLI's in count, prompt length and answer")

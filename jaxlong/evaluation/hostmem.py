@@ -167,10 +167,9 @@ LONG = 1 << 16  # from this many tokens the estimate compiles the programs; belo
 def check_lengths(cfg, mesh, lengths, *, rows: int | Callable[[int], int], max_new: int | None = None,
                   cases: int = 0, option: str = "--ruler-lengths", limit: int | None = None) -> dict:
     """Refuse, in one line naming every length, the lengths whose forward (`prefill_estimate` with `max_new`,
-    else `stats_estimate`) would not fit this host's memory (`host_limit`, or `limit`) with the estimate's error
-    (`ESTIMATE_ERROR`: the estimate times 1.15 must fit; measured peaks were 0.93-1.10 times the estimate); a
-    no-op when no device of
-    `mesh` is this host's CPU. A length below `LONG` tokens whose XLA:CPU loop term is under a tenth of the limit
+    else `stats_estimate`) would not fit this host's memory (`host_limit`, or `limit`) with a margin for the
+    estimate's error (`ESTIMATE_ERROR`: the estimate times 1.15 must fit; measured peaks were 0.93-1.10 times the
+    estimate); a no-op when no device of `mesh` is this host's CPU. A length below `LONG` tokens whose XLA:CPU loop term is under a tenth of the limit
     is not compiled for (its programs are small). Returns {length: HostBytes} of the lengths estimated.
 
     Args:
@@ -193,13 +192,14 @@ def check_lengths(cfg, mesh, lengths, *, rows: int | Callable[[int], int], max_n
         est = (prefill_estimate(cfg, mesh, n, r, max_new) if max_new else
                stats_estimate(cfg, mesh, n, r, cases=cases))[0]
         out[n] = est
-        if est.total * (1 + ESTIMATE_ERROR) <= limit:
+        bound = est.total * (1 + ESTIMATE_ERROR)
+        if bound <= limit:
             continue
         one = est.base + est.devices * est.per_device + est.host  # one CPU device: no loop term
         hint = (f"; mesh.num_devices=1 (the same scores) needs about {fmt_bytes(one)}"
                 if est.loop and one * (1 + ESTIMATE_ERROR) <= limit else "")
         errors.append(f"{option} {n}: the forward needs about {fmt_bytes(est.total)} of host memory, up to "
-                      f"{fmt_bytes(est.total * (1 + ESTIMATE_ERROR))} with a {ESTIMATE_ERROR:.0%} margin for "
+                      f"{fmt_bytes(bound)} with a {ESTIMATE_ERROR:.0%} margin for "
                       f"the estimate's error ({est.devices} CPU device(s) x {fmt_bytes(est.per_device)} "
                       f"compiled, {fmt_bytes(est.loop)} held by XLA:CPU over the attention's {est.steps:,} kv steps "
                       f"per device and layer, {fmt_bytes(est.base)} in use) and this host has "

@@ -50,6 +50,7 @@ from jaxlong.models import llama as model_lib
 
 __all__ = ["chunk_order", "chunk_tiles", "chunk_kv_steps", "chunk_kernel", "ChunkedPrefill"]
 
+
 def chunk_order(n: int, chunk: int, devices: int) -> np.ndarray:
     """`order[slot]`: the prompt index held at each slot of a chunk-prefilled cache of `n` tokens (`[n]` int64,
     the global prompt axis, sharded in `devices` equal parts).
