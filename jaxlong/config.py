@@ -275,6 +275,10 @@ class Config:
     # Generation (`jaxlong.generation`): prompts longer than this are prefilled in chunks of this many tokens, the
     # cache filled chunk by chunk (`jaxlong.generation.chunked`); 0: the whole prompt in one forward.
     prefill_chunk: int = 0
+    # Where the decode step reads the weights: "replicated" (every device holds them whole in the compute dtype,
+    # gathered once before decoding), "sharded" (FSDP-sharded as trained, each layer's gathered for every token:
+    # the least memory), or "auto": replicated when they take at most half of each device's free memory.
+    decode_weights: Literal["auto", "replicated", "sharded"] = "auto"
     lost_process_timeout_s: float = 120  # several processes: one silent this long ends the others (docs/multi-node.md)
     # A recipe (docs/recipes.md, `jaxlong.training.recipe`): a list of stages, each a mapping of `name`, its own
     # `steps` and any config keys it changes; a run of one stage has `stage` set to its index.

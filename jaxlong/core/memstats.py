@@ -38,3 +38,39 @@ def device_memory() -> dict[str, int]:
     (the CPU)."""
     stats = jax.local_devices()[0].memory_stats() or {}
     return {k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use") if k in stats}
+
+
+def free_per_device(devices) -> int | None:
+    """Bytes free on each of `devices` (the least of them) for one more buffer per device: `bytes_limit -
+    bytes_in_use` where the backend reports them (GPUs); for CPU devices, which share this host's memory, the
+    host's available memory (`MemAvailable`, or the cgroup's room when less) divided among them. None where
+    neither is known."""
+    cpus = [d for d in devices if d.platform == "cpu"]
+    if cpus:
+        room = _host_available()
+        return room // len(cpus) if room is not None else None
+    free = []
+    for d in devices:
+        stats = d.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return None
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return min(free) if free else None
+
+
+def _host_available() -> int | None:
+    """The host memory a new allocation can still take (Linux: `MemAvailable`, capped by the cgroup's
+    `memory.max - memory.current`); None elsewhere."""
+    try:
+        meminfo = open("/proc/meminfo").read()
+    except OSError:
+        return None
+    avail = next((1024 * int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemAvailable:")),
+                 None)
+    try:
+        limit, used = (open(f"/sys/fs/cgroup/memory.{k}").read().strip() for k in ("max", "current"))
+        if avail is not None and limit.isdigit():
+            avail = min(avail, int(limit) - int(used))
+    except OSError:
+        pass
+    return avail

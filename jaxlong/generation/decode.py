@@ -14,9 +14,10 @@ own slice of the prompt cache and returns a partial output with its log-sum-exp;
 two small collectives per layer (`pmax` of the maxima, `psum` of the rescaled outputs and sums) over the sequence
 axes. The generated tokens' own keys and values go into a small cache `[layers, batch, max_new, kv_heads,
 head_dim]`, replicated over the sequence axes (each device holds the same, counted once), merged after the
-cross-device merge. The weights stay FSDP-sharded: each layer's are gathered for every token, as in the train step;
-the embedding and the output head are used sharded (one row looked up, the logits computed where the vocabulary
-lies), not gathered whole. Positions are true global positions (each row's prompt length onward); padding is masked out
+cross-device merge. The weights are read where `decode_params` puts them (`decode_weights`): whole on every device
+in the compute dtype, gathered once before decoding, so the step moves no weights; or FSDP-sharded as trained, each
+layer's gathered for every token as in the train step (the least memory), the embedding and the output head used
+sharded (one row looked up, the logits computed where the vocabulary lies). Positions are true global positions (each row's prompt length onward); padding is masked out
 of the prompt cache by `valid`.
 """
 
@@ -38,7 +39,7 @@ from jaxlong.models import llama as model_lib
 from jaxlong.parallel.ring import zigzag_order
 
 __all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "cache_shardings", "sample", "layer_qkv", "layer_rest",
-           "output_head"]
+           "output_head", "decode_weights_mode", "replicated_weights", "weight_bytes"]
 
 NEG = -1e30  # a masked score: finite, so a shard with no valid key gives exp(NEG - max) = 0, never NaN
 
@@ -137,6 +138,32 @@ def make_prefill(cfg, mesh: jax.sharding.Mesh, max_new: int):
         return logits, Cache(k, v, batch["segment_ids"] > 0, small, small)
 
     return jax.jit(prefill, out_shardings=(NamedSharding(mesh, P(BATCH_AXES, None)), cache_shardings(mesh)))
+
+
+def weight_bytes(params: dict, cfg) -> int:
+    """Bytes of the whole weights `params` in the compute dtype: what `replicated_weights` puts on each device."""
+    return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params)) * jnp.dtype(cfg.compute_dtype).itemsize
+
+
+def decode_weights_mode(setting: str, need: int, free: int | None) -> str:
+    """Where the decode step reads the weights: `setting` (`decode_weights`) when it names `replicated` or
+    `sharded`; for `auto`, `replicated` when the whole weights (`need` bytes per device, `weight_bytes`) take at
+    most half of each device's `free` bytes (`jaxlong.core.memstats.free_per_device`, read after the prefill, the
+    cache allocated), else `sharded` (also where `free` is unknown)."""
+    if setting != "auto":
+        return setting
+    return "replicated" if free is not None and need <= free // 2 else "sharded"
+
+
+def replicated_weights(params: dict, cfg, mesh: jax.sharding.Mesh) -> dict:
+    """`params` whole on every device of `mesh` (one gather), the matrices in the compute dtype as the decode step's
+    per-token gather casts them and the norms' scales as they are, so decoding gives the same numbers."""
+    cd = jnp.dtype(cfg.compute_dtype)
+
+    def cast(path, a):
+        return a if "norm" in jax.tree_util.keystr(path) else a.astype(cd)
+
+    return jax.jit(lambda p: jax.tree_util.tree_map_with_path(cast, p), out_shardings=NamedSharding(mesh, P()))(params)
 
 
 def layer_qkv(w: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, rt) -> tuple[jax.Array, jax.Array, jax.Array]:

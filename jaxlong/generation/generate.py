@@ -24,9 +24,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlong.config import Config, ConfigError, validate
+from jaxlong.core.memstats import free_per_device
 from jaxlong.core.mesh import BATCH_AXES, axis_size
 from jaxlong.generation.chunked import ChunkedPrefill
-from jaxlong.generation.decode import Sampling, make_decode_step, make_prefill, sample
+from jaxlong.generation.decode import (Sampling, decode_weights_mode, make_decode_step, make_prefill,
+                                       replicated_weights, sample, weight_bytes)
 from jaxlong.training.step import put_batch
 
 __all__ = ["Generated", "Generator", "prompt_length", "check_positions", "stop_ids"]
@@ -126,6 +128,7 @@ class Generator:
         self.first = jax.jit(lambda logits, key: sample(logits, key, sampling, vocab),
                              out_shardings=NamedSharding(mesh, P(BATCH_AXES)))
         self.rows_unit = int(np.prod([axis_size(mesh, a) for a in BATCH_AXES]))
+        self.weights, self._replicated = "", None  # where the last call's decode read the weights (`decode_params`)
 
     def chunks(self, longest: int) -> bool:
         """Whether a batch whose longest prompt (or `pad_to`) is `longest` tokens is prefilled in chunks."""
@@ -181,6 +184,7 @@ class Generator:
         self.seconds = {"prefill": time.perf_counter() - t0, "decode": 0.0, "steps": 0,
                         "prompt_tokens": sum(len(p) for p in prompts), "padded": int(host["inputs"].size)}
         t0 = time.perf_counter()
+        weights = self.decode_params()
         if logits is not None:
             logits.append(np.asarray(jax.device_get(logits_now)))
         positions = np.array([len(p) for p in prompts] + [len(prompts[-1])] * (host["inputs"].shape[0] - len(prompts)),
@@ -210,7 +214,7 @@ class Generator:
             if all(done) or t == self.max_new - 1:
                 break
             key, sub = jax.random.split(key)
-            tok, logits_now, cache = self.step(self.params, cache, tok, positions, np.int32(t), sub)
+            tok, logits_now, cache = self.step(weights, cache, tok, positions, np.int32(t), sub)
             self.seconds["steps"] += 1
             if logits is not None:
                 logits.append(np.asarray(jax.device_get(logits_now)))
@@ -222,13 +226,33 @@ class Generator:
                     on_text(r, out[r].text[shown[r]:])
         return out
 
+    def decode_params(self) -> dict:
+        """The weights the decode step reads, by `decode_weights` (`jaxlong.generation.decode.decode_weights_mode`,
+        from the memory free now, after the prefill, the processes agreeing on the least): the replicated copy
+        (made once and kept while it fits) or the FSDP-sharded parameters. Sets `weights` to the choice."""
+        need = weight_bytes(self.params, self.cfg)
+        free = free_per_device(self.mesh.local_devices) if self.cfg.decode_weights == "auto" else None
+        if free is not None:
+            free += need if self._replicated is not None else 0  # the copy held now would be released
+            if jax.process_count() > 1:  # one choice for every process: they run one program
+                from jax.experimental import multihost_utils  # noqa: PLC0415
+
+                free = int(np.min(multihost_utils.process_allgather(np.int64(free))))
+        self.weights = decode_weights_mode(self.cfg.decode_weights, need, free)
+        if self.weights == "sharded":
+            self._replicated = None
+            return self.params
+        if self._replicated is None:
+            self._replicated = replicated_weights(self.params, self.cfg, self.mesh)
+        return self._replicated
+
     def timing(self) -> str:
         """The last call's prefill and decode rates (the first call's include the compiles)."""
         t = self.seconds
         rate = t["steps"] / t["decode"] if t["decode"] else 0.0
         return (f"prefill {t['prompt_tokens']} tokens ({t['padded']} with padding) in {t['prefill']:.2f} s, "
                 f"{t['prompt_tokens'] / t['prefill']:,.0f} tokens/s; decode {t['steps']} steps in {t['decode']:.2f} s, "
-                f"{rate:,.1f} steps/s")
+                f"{rate:,.1f} steps/s, weights {self.weights}")
 
     def _update(self, g: Generated, done: list, r: int) -> None:
         g.text = self.tokenizer.decode(g.tokens)

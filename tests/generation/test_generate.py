@@ -1,8 +1,8 @@
 """Generation on the training mesh: a cached decode (the prompt's K/V split by sequence over the devices, merged
 exactly per layer; the new tokens' K/V in a small replicated cache) equals recomputing the whole forward at each
 step on one device, on every mesh; prompts of different lengths in one batch (left padding kept out of
-attention, the cache and the positions); the decode step compiles once; stop rules, sampling and the CLI's
-refusals."""
+attention, the cache and the positions); the decode step compiles once; it reads the weights replicated or
+FSDP-sharded (`decode_weights`) with the same results; stop rules, sampling and the CLI's refusals."""
 
 import jax
 import numpy as np
@@ -12,7 +12,8 @@ from helpers import tiered
 from jaxlong.config import ConfigError, load_config
 from jaxlong.core.mesh import build_mesh
 from jaxlong.data import ByteTokenizer
-from jaxlong.generation.decode import Sampling, sample
+from jaxlong.core.memstats import free_per_device
+from jaxlong.generation.decode import Sampling, decode_weights_mode, sample, weight_bytes
 from jaxlong.generation.generate import Generator, prompt_length
 from jaxlong.models import llama as model_lib
 
@@ -66,6 +67,7 @@ def test_cached_decode_equals_the_whole_forward_at_every_step(reference, name):
     gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=6)
     steps: list = []
     out = gen(PROMPTS, logits=steps)
+    assert gen.weights == "replicated"  # `auto`: the tiny model's weights fit many times over
     assert [len(o.tokens) for o in out] == [6, 6, 6] and all(o.reason == "length" for o in out)
     for r, prompt in enumerate(PROMPTS):
         seq = list(prompt)
@@ -94,11 +96,12 @@ def test_chunked_prefill_equals_the_whole_forward(reference, name):
     back), with 2 query tokens per shard and chunk on ring 8; the logits of the prefill and of every cached decode
     step equal a whole one-device forward, and the chunk step compiles once for the 3 chunks."""
     host, ref_logits = reference
-    cfg = _cfg(*MESHES[name], "prefill_chunk=16")
+    cfg = _cfg(*MESHES[name], "prefill_chunk=16", "decode_weights=sharded")
     mesh, params = _on_mesh(host, cfg)
     gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=4)
     steps: list = []
     out = gen(LONG_PROMPTS, logits=steps)
+    assert gen.weights == "sharded"  # each layer's weights gathered for every token
     assert gen.seconds["padded"] == 48 * gen.batch(LONG_PROMPTS)[0]["inputs"].shape[0]
     assert gen.chunked.steps[48]._cache_size() == 1  # one program for every chunk
     for r, prompt in enumerate(LONG_PROMPTS):
@@ -106,6 +109,22 @@ def test_chunked_prefill_equals_the_whole_forward(reference, name):
         for t, token in enumerate(out[r].tokens):
             np.testing.assert_allclose(steps[t][r], ref_logits(seq), rtol=0, atol=1e-5, err_msg=f"row {r}, step {t}")
             seq.append(token)
+
+
+def test_auto_replicates_the_decode_weights_where_half_the_free_memory_holds_them(reference):
+    """`decode_weights=auto` replicates the weights for decoding when their whole copy in the compute dtype takes
+    at most half of each device's free memory, and keeps them sharded otherwise or where the free memory is
+    unknown; `replicated` and `sharded` are taken as given. CPU devices share the host's available memory."""
+    assert decode_weights_mode("auto", 100, 200) == "replicated"
+    assert decode_weights_mode("auto", 101, 200) == "sharded"
+    assert decode_weights_mode("auto", 1, None) == "sharded"
+    assert decode_weights_mode("replicated", 10**12, 0) == "replicated"
+    assert decode_weights_mode("sharded", 1, 10**12) == "sharded"
+    one, eight = free_per_device(jax.devices()[:1]), free_per_device(jax.devices()[:8])
+    assert one > 0 and abs(eight - one // 8) <= one // 80  # one host's memory, shared by 8 simulated devices
+    cfg = _cfg(*ONE, "compute_dtype=bfloat16")
+    host, _ = reference
+    assert weight_bytes(host, cfg) == 2 * sum(a.size for a in jax.tree.leaves(host))
 
 
 def test_a_batch_no_longer_than_the_chunk_is_prefilled_whole(reference):
