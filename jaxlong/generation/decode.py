@@ -39,7 +39,7 @@ from jaxlong.models import llama as model_lib
 from jaxlong.parallel.ring import zigzag_order
 
 __all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "cache_shardings", "sample", "layer_qkv", "layer_rest",
-           "output_head", "decode_weights_mode", "replicated_weights", "weight_bytes"]
+           "output_head", "decode_weights_mode", "replicate_weights", "weight_bytes"]
 
 NEG = -1e30  # a masked score: finite, so a shard with no valid key gives exp(NEG - max) = 0, never NaN
 
@@ -141,7 +141,7 @@ def make_prefill(cfg, mesh: jax.sharding.Mesh, max_new: int):
 
 
 def weight_bytes(params: dict, cfg) -> int:
-    """Bytes of the whole weights `params` in the compute dtype: what `replicated_weights` puts on each device."""
+    """Bytes of the whole weights `params` in the compute dtype: what `replicate_weights` puts on each device."""
     return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params)) * jnp.dtype(cfg.compute_dtype).itemsize
 
 
@@ -155,15 +155,16 @@ def decode_weights_mode(setting: str, need: int, free: int | None) -> str:
     return "replicated" if free is not None and need <= free // 2 else "sharded"
 
 
-def replicated_weights(params: dict, cfg, mesh: jax.sharding.Mesh) -> dict:
-    """`params` whole on every device of `mesh` (one gather), the matrices in the compute dtype as the decode step's
-    per-token gather casts them and the norms' scales as they are, so decoding gives the same numbers."""
+def replicate_weights(cfg, mesh: jax.sharding.Mesh):
+    """`replicate(params) -> params` whole on every device of `mesh` (one gather), jitted: the matrices in the
+    compute dtype as the decode step's per-token gather casts them and the norms' scales as they are, so decoding
+    gives the same numbers."""
     cd = jnp.dtype(cfg.compute_dtype)
 
     def cast(path, a):
         return a if "norm" in jax.tree_util.keystr(path) else a.astype(cd)
 
-    return jax.jit(lambda p: jax.tree_util.tree_map_with_path(cast, p), out_shardings=NamedSharding(mesh, P()))(params)
+    return jax.jit(lambda p: jax.tree_util.tree_map_with_path(cast, p), out_shardings=NamedSharding(mesh, P()))
 
 
 def layer_qkv(w: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, rt) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -28,7 +28,7 @@ from jaxlong.core.memstats import free_per_device
 from jaxlong.core.mesh import BATCH_AXES, axis_size
 from jaxlong.generation.chunked import ChunkedPrefill
 from jaxlong.generation.decode import (Sampling, decode_weights_mode, make_decode_step, make_prefill,
-                                       replicated_weights, sample, weight_bytes)
+                                       replicate_weights, sample, weight_bytes)
 from jaxlong.training.step import put_batch
 
 __all__ = ["Generated", "Generator", "prompt_length", "check_positions", "stop_ids"]
@@ -128,7 +128,8 @@ class Generator:
         self.first = jax.jit(lambda logits, key: sample(logits, key, sampling, vocab),
                              out_shardings=NamedSharding(mesh, P(BATCH_AXES)))
         self.rows_unit = int(np.prod([axis_size(mesh, a) for a in BATCH_AXES]))
-        self.weights, self._replicated = "", None  # where the last call's decode read the weights (`decode_params`)
+        self.weights = ""  # where the last call's decode steps read the weights (`decode_params`)
+        self.replicate = replicate_weights(cfg, mesh)
 
     def chunks(self, longest: int) -> bool:
         """Whether a batch whose longest prompt (or `pad_to`) is `longest` tokens is prefilled in chunks."""
@@ -227,24 +228,19 @@ class Generator:
         return out
 
     def decode_params(self) -> dict:
-        """The weights the decode step reads, by `decode_weights` (`jaxlong.generation.decode.decode_weights_mode`,
-        from the memory free now, after the prefill, the processes agreeing on the least): the replicated copy
-        (made once and kept while it fits) or the FSDP-sharded parameters. Sets `weights` to the choice."""
+        """The weights this call's decode steps read, by `decode_weights`
+        (`jaxlong.generation.decode.decode_weights_mode`, from the memory free now, after the prefill, the processes
+        agreeing on the least): a replicated copy of `params`, made for the call and released with it (training's
+        validations assign new `params` between calls), or the FSDP-sharded `params`. Sets `weights` to the
+        choice."""
         need = weight_bytes(self.params, self.cfg)
         free = free_per_device(self.mesh.local_devices) if self.cfg.decode_weights == "auto" else None
-        if free is not None:
-            free += need if self._replicated is not None else 0  # the copy held now would be released
-            if jax.process_count() > 1:  # one choice for every process: they run one program
-                from jax.experimental import multihost_utils  # noqa: PLC0415
+        if free is not None and jax.process_count() > 1:  # one choice for every process: they run one program
+            from jax.experimental import multihost_utils  # noqa: PLC0415
 
-                free = int(np.min(multihost_utils.process_allgather(np.int64(free))))
+            free = int(np.min(multihost_utils.process_allgather(np.int64(free))))
         self.weights = decode_weights_mode(self.cfg.decode_weights, need, free)
-        if self.weights == "sharded":
-            self._replicated = None
-            return self.params
-        if self._replicated is None:
-            self._replicated = replicated_weights(self.params, self.cfg, self.mesh)
-        return self._replicated
+        return self.replicate(self.params) if self.weights == "replicated" else self.params
 
     def timing(self) -> str:
         """The last call's prefill and decode rates (the first call's include the compiles)."""

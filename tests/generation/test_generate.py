@@ -81,6 +81,10 @@ def test_cached_decode_equals_the_whole_forward_at_every_step(reference, name):
     gen(PROMPTS[::-1], logits=again)  # the same batch and cache size: no new decode program
     assert gen.step._cache_size() == 1
     np.testing.assert_allclose(again[2][2], steps[2][0], rtol=0, atol=1e-5)  # a row's result is its own
+    gen.params = jax.tree.map(lambda a: a * 0, params)  # as training's validations assign new parameters
+    zero: list = []
+    gen(PROMPTS, logits=zero)
+    assert not np.any(zero[-1])  # the decode steps read a copy of the new parameters, not of the old
 
 
 LONG_PROMPTS = [np.arange(3, 40), np.arange(60, 80), np.array([256, 72, 105])]  # 37, 20 and 3 tokens
