@@ -14,11 +14,12 @@ own slice of the prompt cache and returns a partial output with its log-sum-exp;
 two small collectives per layer (`pmax` of the maxima, `psum` of the rescaled outputs and sums) over the sequence
 axes. The generated tokens' own keys and values go into a small cache `[layers, batch, max_new, kv_heads,
 head_dim]`, replicated over the sequence axes (each device holds the same, counted once), merged after the
-cross-device merge. The weights are read where `decode_params` puts them (`decode_weights`): whole on every device
-in the compute dtype, gathered once before decoding, so the step moves no weights; or FSDP-sharded as trained, each
-layer's gathered for every token as in the train step (the least memory), the embedding and the output head used
-sharded (one row looked up, the logits computed where the vocabulary lies). Positions are true global positions (each row's prompt length onward); padding is masked out
-of the prompt cache by `valid`.
+cross-device merge. The step reads the weights where `decode_weights` puts them
+(`jaxlong.generation.generate.Generator.decode_params`): whole on every device in the compute dtype, gathered once
+before decoding, so the step moves no weights; or FSDP-sharded as trained, each layer's gathered for every token as
+in the train step (the least memory), the embedding and the output head used sharded (one row looked up, the logits
+computed where the vocabulary lies). Positions are true global positions (each row's prompt length onward); padding
+is masked out of the prompt cache by `valid`.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from jaxlong.layers import blocks as L
 from jaxlong.models import llama as model_lib
 from jaxlong.parallel.ring import zigzag_order
 
-__all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "cache_shardings", "sample", "layer_qkv", "layer_rest",
-           "output_head", "decode_weights_mode", "replicate_weights", "weight_bytes"]
+__all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "cache_shardings", "sample", "layer_qkv",
+           "layer_rest", "output_head", "decode_weights_mode", "replicate_weights", "weight_bytes"]
 
 NEG = -1e30  # a masked score: finite, so a shard with no valid key gives exp(NEG - max) = 0, never NaN
 

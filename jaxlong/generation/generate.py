@@ -103,7 +103,8 @@ class Generator:
     batch and cache size.
 
     Args:
-      cfg: the run's `Config` (model, mesh, attention options). mesh: its mesh. params: the parameters, FSDP-sharded.
+      cfg: the run's `Config` (model, mesh, attention options, `decode_weights`). mesh: its mesh. params: the
+        parameters, FSDP-sharded (the decode steps read them as `decode_params` says).
       tokenizer: the run's (`jaxlong.data.run_tokenizer`): `decode` makes the text.
       max_new_tokens: generated tokens per row at most (>= 1). sampling: `Sampling` (default greedy).
       eos_ids: token ids that end a row. stop: strings that end a row (the text is cut before them).
