@@ -45,10 +45,18 @@ TINY = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2"
 
 def vm_hwm() -> int:
     """This process's peak resident memory (bytes)."""
-    return 1024 * int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
+    with open("/proc/self/status") as f:
+        return 1024 * int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1))
 
 
 def main(n: int, chunk: int) -> dict:
+    """The estimate and the measured peak of the last chunk of an `n`-token prefill in chunks of `chunk` tokens
+    (the process's peak, which includes the estimate's ahead-of-time compile, as the eval command's does).
+
+    Raises:
+      ValueError: `n` not a multiple of `chunk`."""
+    if chunk <= 0 or n % chunk:
+        raise ValueError(f"{n} tokens in chunks of {chunk}: the length must be a multiple of the chunk")
     cfg = load_config(None, [*TINY, f"prefill_chunk={chunk}"])
     mesh = build_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
     params = llama.init_params(cfg, mesh)

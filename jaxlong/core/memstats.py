@@ -59,18 +59,25 @@ def free_per_device(devices) -> int | None:
 
 
 def _host_available() -> int | None:
-    """The host memory a new allocation can still take (Linux: `MemAvailable`, capped by the cgroup's
-    `memory.max - memory.current`); None elsewhere."""
-    try:
-        meminfo = open("/proc/meminfo").read()
-    except OSError:
+    """The host memory a new allocation can still take (Linux: `MemAvailable`, capped by the room the container's
+    cgroup v2 leaves, `memory.max - memory.current` plus its reclaimable page cache, `inactive_file`); None
+    elsewhere."""
+    meminfo = _read("/proc/meminfo")
+    if meminfo is None:
         return None
     avail = next((1024 * int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemAvailable:")),
                  None)
-    try:
-        limit, used = (open(f"/sys/fs/cgroup/memory.{k}").read().strip() for k in ("max", "current"))
-        if avail is not None and limit.isdigit():
-            avail = min(avail, int(limit) - int(used))
-    except OSError:
-        pass
+    limit, used, stat = (_read(f"/sys/fs/cgroup/memory.{k}") for k in ("max", "current", "stat"))
+    if avail is not None and limit and limit.strip().isdigit() and used:
+        cache = next((int(line.split()[1]) for line in (stat or "").splitlines() if line.startswith("inactive_file ")),
+                     0)
+        avail = min(avail, int(limit) - int(used) + cache)
     return avail
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None

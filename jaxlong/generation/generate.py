@@ -183,10 +183,10 @@ class Generator:
         key, sub = jax.random.split(key)
         tok = self.first(logits_now, sub)
         tok.block_until_ready()
-        self.seconds = {"prefill": time.perf_counter() - t0, "decode": 0.0, "steps": 0,
+        self.seconds = {"prefill": time.perf_counter() - t0, "decode": 0.0, "steps": 0, "weights": 0.0,
                         "prompt_tokens": sum(len(p) for p in prompts), "padded": int(host["inputs"].size)}
         t0 = time.perf_counter()
-        weights = self.decode_params()
+        weights, self.weights = None, ""  # `decode_params`, before the first decode step
         if logits is not None:
             logits.append(np.asarray(jax.device_get(logits_now)))
         positions = np.array([len(p) for p in prompts] + [len(prompts[-1])] * (host["inputs"].shape[0] - len(prompts)),
@@ -216,12 +216,16 @@ class Generator:
             if all(done) or t == self.max_new - 1:
                 break
             key, sub = jax.random.split(key)
+            if weights is None:
+                t1 = time.perf_counter()
+                weights = self.decode_params()
+                self.seconds["weights"] = time.perf_counter() - t1
             tok, logits_now, cache = self.step(weights, cache, tok, positions, np.int32(t), sub)
             self.seconds["steps"] += 1
             if logits is not None:
                 logits.append(np.asarray(jax.device_get(logits_now)))
             positions = positions + 1
-        self.seconds["decode"] = time.perf_counter() - t0
+        self.seconds["decode"] = time.perf_counter() - t0 - self.seconds["weights"]
         if on_text is not None:
             for r in range(rows):
                 if len(out[r].text) > shown[r]:
@@ -230,26 +234,32 @@ class Generator:
 
     def decode_params(self) -> dict:
         """The weights this call's decode steps read, by `decode_weights`
-        (`jaxlong.generation.decode.decode_weights_mode`, from the memory free now, after the prefill, the processes
-        agreeing on the least): a replicated copy of `params`, made for the call and released with it (training's
-        validations assign new `params` between calls), or the FSDP-sharded `params`. Sets `weights` to the
-        choice."""
+        (`jaxlong.generation.decode.decode_weights_mode`, from the memory free now, after the prefill): a
+        replicated copy of `params`, made for the call and released with it (training's validations assign new
+        `params` between calls), or the FSDP-sharded `params`. Several processes decide on the least free memory
+        of any of them, and on `sharded` where any cannot tell, so that they run one program; CPU processes sharing
+        a host each count its whole available memory. Sets `weights` to the choice."""
         need = weight_bytes(self.params, self.cfg)
         free = free_per_device(self.mesh.local_devices) if self.cfg.decode_weights == "auto" else None
-        if free is not None and jax.process_count() > 1:  # one choice for every process: they run one program
+        if self.cfg.decode_weights == "auto" and jax.process_count() > 1:
             from jax.experimental import multihost_utils  # noqa: PLC0415
 
-            free = int(np.min(multihost_utils.process_allgather(np.int64(free))))
+            every = np.asarray(multihost_utils.process_allgather(np.int64(-1 if free is None else free)))
+            free = None if (every < 0).any() else int(every.min())
         self.weights = decode_weights_mode(self.cfg.decode_weights, need, free)
         return self.replicate(self.params) if self.weights == "replicated" else self.params
 
     def timing(self) -> str:
-        """The last call's prefill and decode rates (the first call's include the compiles)."""
+        """The last call's prefill and decode rates (the first call's include the compiles), and where the decode
+        steps read the weights (the replicated copy's gather timed apart)."""
         t = self.seconds
         rate = t["steps"] / t["decode"] if t["decode"] else 0.0
+        weights = f", weights {self.weights}" if self.weights else ""
+        if self.weights == "replicated":
+            weights += f" (copied in {t['weights']:.2f} s)"
         return (f"prefill {t['prompt_tokens']} tokens ({t['padded']} with padding) in {t['prefill']:.2f} s, "
                 f"{t['prompt_tokens'] / t['prefill']:,.0f} tokens/s; decode {t['steps']} steps in {t['decode']:.2f} s, "
-                f"{rate:,.1f} steps/s, weights {self.weights}")
+                f"{rate:,.1f} steps/s{weights}")
 
     def _update(self, g: Generated, done: list, r: int) -> None:
         g.text = self.tokenizer.decode(g.tokens)

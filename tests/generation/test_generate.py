@@ -108,6 +108,7 @@ def test_chunked_prefill_equals_the_whole_forward(reference, name):
     assert gen.weights == "sharded"  # each layer's weights gathered for every token
     assert gen.seconds["padded"] == 48 * gen.batch(LONG_PROMPTS)[0]["inputs"].shape[0]
     assert gen.chunked.steps[48]._cache_size() == 1  # one program for every chunk
+    assert gen.step._cache_size() == 1  # and one decode step for every token, the weights sharded
     for r, prompt in enumerate(LONG_PROMPTS):
         seq = list(prompt)
         for t, token in enumerate(out[r].tokens):
