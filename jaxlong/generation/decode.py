@@ -245,6 +245,7 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
 
     def step(params, cache: Cache, tokens, positions, t, key):
         b = tokens.shape[0]
+        tokens = rt.constrain(tokens, P(BATCH_AXES))  # replicated between steps; looked up per batch shard
         x = jnp.take(params["embed"].astype(cd), tokens, axis=0)[:, None, :]  # [b, 1, hidden]: rows of the shards
         x = rt.constrain(x, P(BATCH_AXES, None, None))
         pos = positions[:, None].astype(jnp.int32)
@@ -273,5 +274,6 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
         nxt = sample(logits, key, sampling, vocab)
         return nxt, logits, cache._replace(new_k=new_k, new_v=new_v)
 
-    out = (NamedSharding(mesh, P(BATCH_AXES)), NamedSharding(mesh, P(BATCH_AXES, None)), cache_shardings(mesh))
+    # the next tokens replicated (`[b]` int32): every process reads them, when the batch axes span processes too
+    out = (NamedSharding(mesh, P()), NamedSharding(mesh, P(BATCH_AXES, None)), cache_shardings(mesh))
     return jax.jit(step, donate_argnums=(1,), out_shardings=out)

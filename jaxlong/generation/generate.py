@@ -125,9 +125,10 @@ class Generator:
         # prompts longer than `prefill_chunk` are prefilled chunk by chunk (`jaxlong.generation.chunked`)
         self.chunked = ChunkedPrefill(cfg, mesh, cfg.prefill_chunk, max_new_tokens) if cfg.prefill_chunk else None
         self.step = make_decode_step(cfg, mesh, sampling, vocab=vocab)
-        # the first token in the decode step's own output sharding: every step then has one input signature
+        # the first token in the decode step's own output sharding (replicated, so that every process reads the
+        # tokens): every step then has one input signature
         self.first = jax.jit(lambda logits, key: sample(logits, key, sampling, vocab),
-                             out_shardings=NamedSharding(mesh, P(BATCH_AXES)))
+                             out_shardings=NamedSharding(mesh, P()))
         self.rows_unit = int(np.prod([axis_size(mesh, a) for a in BATCH_AXES]))
         self.weights = ""  # where the last call's decode steps read the weights (`decode_params`)
         self.replicate = replicate_weights(cfg, mesh)

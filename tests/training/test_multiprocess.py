@@ -5,6 +5,7 @@ with the variables `srun` sets); tests/training/test_multinode.py runs ring and 
 
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -255,3 +256,22 @@ def test_a_killed_process_loses_no_checkpoint_and_both_resume_like_one(tmp_path,
     assert [two[s] for s in (4, 5, 6)] == pytest.approx([one[s] for s in (4, 5, 6)], rel=1e-5)
     assert (tmp_path / "two" / "checkpoints" / "6").is_dir()
 
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_generation_across_two_processes_prints_what_one_process_prints(two_processes):
+    """`python -m jaxlong.generate` on the two-process run, launched as two processes (FSDP 2 x Ulysses 4: the batch
+    axes span the processes), with the weights replicated for decoding (`auto`: the processes agree on it) and
+    sharded: both processes exit 0, and process 0 prints the greedy continuation one process prints."""
+    run_dir, _ = two_processes
+    args = [str(run_dir), "--prompt", "def fibonacci(n):", "--max-new-tokens", "8"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    for weights, placed in (("auto", "replicated"), ("sharded", "sharded")):
+        one = subprocess.run([sys.executable, "-m", "jaxlong.generate", *args, f"decode_weights={weights}"],
+                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        assert one.returncode == 0 and one.stdout and f"weights {placed}" in one.stderr, one.stderr[-3000:]
+        out = _ok(_launch([*args, f"decode_weights={weights}"], 2, module="jaxlong.generate"))
+        # XLA's log lines, which the merged stderr may put inside the streamed text
+        out = re.sub(r"[WIEF]\d{4} \d\d:\d\d:[^\n]*\n", "", out)
+        assert one.stdout in out and "8 generated" in out and f"weights {placed}" in out, (one.stdout, out[-3000:])
