@@ -354,7 +354,7 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
 
             eos = stop_ids(tokenizer, data_lib.tokenizer_source(cfg, run_dir))
             outputs = ruler.outputs_on_mesh(cfg, mesh, params, tokenizer, ruler_cases, eos_ids=eos,
-                                            progress=bar.update)
+                                            progress=bar.update, prefill_bar=main)
             scores = ruler.score_outputs(ruler_cases, [g.text for g in outputs])
             ruler_case_rows = ruler.generation_case_rows(ruler_cases, outputs, scores)
         else:

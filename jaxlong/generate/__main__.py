@@ -199,7 +199,7 @@ def run(cfg, run_dir, step, ids, tokenizer, eos, args) -> int:
         say(f"loaded {cfg.model.from_hf} on mesh {dict(mesh.shape)} in {time.perf_counter() - t0:.1f} s")
     gen = Generator(cfg, mesh, params, tokenizer, max_new_tokens=args.max_new_tokens,
                     sampling=Sampling(args.temperature, args.top_k, args.top_p), eos_ids=eos, stop=args.stop,
-                    trained=args.trained)
+                    trained=args.trained, prefill_bar=main)
     stream = (lambda row, text: print(text, end="", flush=True)) if main else None
     t0 = time.perf_counter()
     out = gen([ids], seed=args.seed, on_text=stream)[0]

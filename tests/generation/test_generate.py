@@ -94,17 +94,20 @@ CHUNKED = ["one", "ring8", "fsdp2-ring2-upipe2", "data2-fsdp2-upipe2"]
 
 
 @pytest.mark.parametrize(*tiered("name", CHUNKED, fast={"fsdp2-ring2-upipe2"}, ids=CHUNKED))
-def test_chunked_prefill_equals_the_whole_forward(reference, name):
+def test_chunked_prefill_equals_the_whole_forward(reference, name, capsys):
     """`prefill_chunk=16`: the 37-token prompt padded to 48 is prefilled in 3 chunks, each attending to the cache
     filled so far (split-KV over the sequence shards, the chunk's queries gathered and their outputs scattered
     back), with 2 query tokens per shard and chunk on ring 8; the logits of the prefill and of every cached decode
-    step equal a whole one-device forward, and the chunk step compiles once for the 3 chunks."""
+    step equal a whole one-device forward, and the chunk step compiles once for the 3 chunks; the progress bar
+    counts them on stderr."""
     host, ref_logits = reference
     cfg = _cfg(*MESHES[name], "prefill_chunk=16", "decode_weights=sharded")
     mesh, params = _on_mesh(host, cfg)
-    gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=4)
+    gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=4, prefill_bar=True)
     steps: list = []
     out = gen(LONG_PROMPTS, logits=steps)
+    bar = capsys.readouterr().err
+    assert all(f"prefill, chunk {k}/3" in bar for k in (1, 2, 3)) and "100%" in bar, bar
     assert gen.weights == "sharded"  # each layer's weights gathered for every token
     assert gen.seconds["padded"] == 48 * gen.batch(LONG_PROMPTS)[0]["inputs"].shape[0]
     assert gen.chunked.steps[48]._cache_size() == 1  # one program for every chunk

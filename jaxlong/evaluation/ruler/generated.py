@@ -27,7 +27,7 @@ GENERATION_CASE_COLUMNS = ("task", "length", "index", "depth", "score", "answer"
 
 def outputs_on_mesh(cfg: Config, mesh, params: dict, tokenizer, cases: Sequence[GenerationCase], *,
                     eos_ids: Sequence[int], progress: Callable[[int], None] | None = None,
-                    generators: dict | None = None) -> list:
+                    generators: dict | None = None, prefill_bar: bool = False) -> list:
     """Each case's greedy generation (`jaxlong.generation.generate.Generated`: tokens, text, why it stopped).
 
     Args:
@@ -37,6 +37,7 @@ def outputs_on_mesh(cfg: Config, mesh, params: dict, tokenizer, cases: Sequence[
       progress: called with the number of cases after each batch.
       generators: a dict kept between calls (training's validations): each length's `Generator`, so that its
         compiled prefill and decode step are reused with the new parameters.
+      prefill_bar: a progress bar over each chunked prefill (`Generator`'s; the eval command's process 0).
 
     Raises:
       ConfigError: a padded prompt length the mesh does not take (`jaxlong.generation.generate.prompt_length`).
@@ -52,7 +53,7 @@ def outputs_on_mesh(cfg: Config, mesh, params: dict, tokenizer, cases: Sequence[
         gens = {} if generators is None else generators
         if (length, room) not in gens:
             gens[length, room] = Generator(cfg, mesh, params, tokenizer, max_new_tokens=room, eos_ids=eos_ids,
-                                           trained=length)
+                                           trained=length, prefill_bar=prefill_bar)
         gen = gens[length, room]
         gen.params = params
         pad_to = max(cases[i].prompt.size for i in idx)
