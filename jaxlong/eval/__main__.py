@@ -41,6 +41,7 @@ from pathlib import Path
 
 from jaxlong.config import ConfigError, from_dict
 from jaxlong.core.errors import ArgumentParser, fail
+from jaxlong.core.units import fmt_bytes
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -321,10 +322,15 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
         from jaxlong.evaluation import hostmem, ruler  # noqa: PLC0415
 
         generate = args.ruler_scoring == "generate"
-        hostmem.check_lengths(cfg, mesh, args.ruler_lengths_list,
+        estimates = hostmem.check_lengths(cfg, mesh, args.ruler_lengths_list,
                               rows=(lambda n: ruler.rows_per_batch(cfg, n)) if generate else ev.eval_batch_size(cfg),
                               max_new=max(ruler.TOKENS_TO_GENERATE.values()) if generate else None,
                               cases=args.ruler_cases * len(args.ruler_tasks_list))
+        for n, est in estimates.items():  # the long lengths, compiled for: what the guard passed, and why
+            say(f"host memory at {n} tokens: about {fmt_bytes(est.total)} estimated, this host has "
+                f"{fmt_bytes(hostmem.host_limit())} ({est.devices} CPU device(s) x {fmt_bytes(est.per_device)} "
+                f"compiled, {fmt_bytes(est.loop)} over {est.steps:,} kv steps per device and layer, "
+                f"{fmt_bytes(est.base)} in use)")
     ruler_cases, skipped = ruler_suite(cfg, args, tokenizer, source, held_out) if args.ruler else ([], [])
     for note in skipped:
         say(note)

@@ -5,6 +5,7 @@ import csv
 import dataclasses
 import functools
 import json
+import re
 
 import jax
 import numpy as np
@@ -259,7 +260,7 @@ def test_passkey_score_counts_each_example():
 
 
 @pytest.mark.slow
-def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
+def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys, monkeypatch):
     from jaxlong.eval import __main__ as eval_cli
     from jaxlong.training.loop import run
 
@@ -321,10 +322,17 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys):
     tags = EventAccumulator(str(res.parent)).Reload().Tags()["scalars"]
     assert {"eval/passkey_accuracy", "eval/ruler_generate/niah_single_2/00000512", "eval/ruler_generate/mean"} \
         <= set(tags)
-    # the teacher-forced proxy: its own setup directory and tags, exact matches counted per case
+    # the teacher-forced proxy: its own setup directory and tags, exact matches counted per case; the host-memory
+    # guard says what it estimated for a length it compiled for (from 64K tokens; here from 256)
+    from jaxlong.evaluation import hostmem
+
+    monkeypatch.setattr(hostmem, "LONG", 256)
     assert eval_cli.main([str(run_dir), "--no-passkey", "--batches", "1", "--ruler", "--ruler-scoring", "forced",
                           "--ruler-tasks", "niah_single_1", "--ruler-lengths", "384", "--ruler-cases", "2"]) == 0
-    assert "RULER teacher-forced exact match" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "RULER teacher-forced exact match" in out
+    assert re.search(r"host memory at 384 tokens: about [\d.]+ [MG]iB estimated, this host has [\d.]+ GiB \(8 CPU "
+                     r"device\(s\) x [\d.]+ [KM]iB compiled, [\d.]+ [KM]?i?B over 300 kv steps per device", out), out
     forced = [p for p in (run_dir / "eval").glob("mesh_1x2x1x4-*/step_3") if p != res]
     assert len(forced) == 1
     rf = json.loads((forced[0] / "summary.json").read_text())["ruler"]
