@@ -46,13 +46,32 @@ def cpu_unless_gpu_driver() -> None:
         use_cpu_platform()
 
 
+# Simulated CPU devices share the host's cores, each running its program on its own thread: between two
+# collectives one device's thread can run long after the others (a 1M-token prompt's chunk on 4 devices over 2
+# cores spends minutes per layer in attention, and the OS may run two of the four threads first). XLA:CPU logs a
+# warning after 20 s at a collective and aborts the process 40 s later
+# (`xla_cpu_collective_call_terminate_timeout_seconds`; its collectives time out after 30 min). RULER at 1M tokens
+# on 4 devices aborted so at about chunk 80 of 128, after an hour (experiments/results/host_memory_ruler_cpu.md;
+# experiments/xla_cpu_collective_skew.py reproduces it). A deadlock on one host is a bug; waiting an hour for one
+# costs less than losing hours of work. Set on the CPU platform only: XLA refuses a flag it does not know, and these
+# are XLA:CPU's (both known since the jax this package pins).
+PATIENT_CPU_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=3600",
+                           "--xla_cpu_collective_timeout_seconds=3600")
+
+
 def set_host_device_count(n: int) -> None:
-    """Ask XLA for `n` host (CPU) devices unless XLA_FLAGS already sets a count (and `cpu_unless_gpu_driver`).
-    Harmless on GPUs."""
+    """Ask XLA for `n` host (CPU) devices unless XLA_FLAGS already sets a count (`cpu_unless_gpu_driver` first);
+    on the CPU platform (`JAX_PLATFORMS=cpu`), for patient collectives too (`PATIENT_CPU_COLLECTIVES`, each unless
+    XLA_FLAGS sets it). Harmless on GPUs."""
     cpu_unless_gpu_driver()
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        flags = f"{flags} --xla_force_host_platform_device_count={n}"
+    if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
+        for flag in PATIENT_CPU_COLLECTIVES:
+            if flag.split("=")[0] + "=" not in flags:
+                flags = f"{flags} {flag}"
+    os.environ["XLA_FLAGS"] = flags.strip()
 
 
 def _int_env(name: str) -> int | None:

@@ -1,5 +1,8 @@
 """How a mesh splits over the processes of a launch (`process_layout_error`), and the GPUs a SLURM task drives
-(`slurm_local_device_ids`), checked without launching processes."""
+(`slurm_local_device_ids`) and the XLA:CPU flags a launch asks for, checked without launching processes."""
+
+import os
+
 import numpy as np
 import pytest
 
@@ -38,6 +41,26 @@ def test_layouts_that_cannot_split():
     # equal counts, but interleaved devices: not a block of the mesh
     ids = (np.arange(8) % 2).reshape(1, 1, 2, 4)
     assert "do not form a block" in process_layout_error(ids)
+
+
+def test_simulated_cpu_devices_get_patient_collectives_unless_the_user_set_them(monkeypatch):
+    """XLA:CPU aborts a process whose device threads reach a collective more than a minute apart, which simulated
+    devices sharing a few cores do at long lengths: a CPU launch asks for an hour, keeping any value the user gave;
+    a GPU launch's flags are left alone (XLA refuses a flag it does not know)."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    distributed.set_host_device_count(4)
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=4",
+                                               "--xla_cpu_collective_call_terminate_timeout_seconds=3600",
+                                               "--xla_cpu_collective_timeout_seconds=3600"]
+    mine = "--xla_force_host_platform_device_count=2 --xla_cpu_collective_call_terminate_timeout_seconds=900"
+    monkeypatch.setenv("XLA_FLAGS", mine)
+    distributed.set_host_device_count(4)
+    assert os.environ["XLA_FLAGS"] == mine + " --xla_cpu_collective_timeout_seconds=3600"
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    distributed.set_host_device_count(4)
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
 
 
 SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
