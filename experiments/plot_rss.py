@@ -1,5 +1,5 @@
 """Plot a process's resident memory over a run, sampled by `experiments/hostmem_1m_run.sh` (rss.csv: unix time,
-pid, VmRSS kB, VmHWM kB, CPU seconds), beside the host-memory guard's estimate of its peak.
+pid, VmRSS kB, VmHWM kB, CPU seconds; a header line is skipped), beside the host-memory guard's estimate of its peak.
 
     python experiments/plot_rss.py /tmp/r1m/rss.csv --estimate 11.01 --out rss.png
 
@@ -22,7 +22,9 @@ def main() -> None:
     p.add_argument("--out", default="rss.png")
     p.add_argument("--title", default="RULER niah_single_1 at 1M tokens, chunks of 8K, 4 CPU devices")
     args = p.parse_args()
-    t, _, rss, hwm, cpu = np.loadtxt(args.csv, delimiter=",", unpack=True)
+    with open(args.csv) as f:
+        header = not f.readline()[:1].isdigit()
+    t, _, rss, hwm, cpu = np.loadtxt(args.csv, delimiter=",", unpack=True, skiprows=int(header))
     hours = (t - t[0]) / 3600
     peak = hwm.max() * 1024 / GIB
     print(f"{len(t)} samples over {hours[-1]:.2f} h wall, {cpu[-1]:,.0f} CPU-s; peak (VmHWM) {peak:.2f} GiB")
