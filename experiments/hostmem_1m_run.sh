@@ -13,24 +13,27 @@ set -u
 OUT=${1:?usage: hostmem_1m_run.sh OUT_DIR}
 mkdir -p "$OUT" && cd "$OUT" || exit 2
 export XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu
-python -m jaxlong.train run_dir=runs run_name=tiny steps=2 model.layers=2 model.hidden=64 model.heads=4 \
-    model.kv_heads=2 model.head_dim=16 model.mlp_hidden=128 mesh.num_devices=4 mesh.fsdp=1 mesh.context=4 \
-    seq_len=1024 global_batch=1 > train.log 2>&1 || exit 1
-(
-    while [ ! -f rc.txt ]; do
-        pid=$(pgrep -f "bin/python -m jaxlong.eval runs/tiny" | head -1)
-        if [ -n "$pid" ]; then
-            rss=$(awk '/VmRSS/{print $2}' /proc/"$pid"/status)
-            hwm=$(awk '/VmHWM/{print $2}' /proc/"$pid"/status)
-            cpu=$(awk '{print ($14+$15)/100}' /proc/"$pid"/stat)
-            echo "$(date +%s),$pid,$rss,$hwm,$cpu" >> rss.csv
-        fi
-        sleep 20
-    done
-) &
+if [ ! -d runs/tiny/checkpoints ]; then  # a run is never overwritten: a second call reuses it
+    python -m jaxlong.train run_dir=runs run_name=tiny steps=2 model.layers=2 model.hidden=64 model.heads=4 \
+        model.kv_heads=2 model.head_dim=16 model.mlp_hidden=128 mesh.num_devices=4 mesh.fsdp=1 mesh.context=4 \
+        seq_len=1024 global_batch=1 > train.log 2>&1 || exit 1
+fi
+rm -f rc.txt rss.csv start.txt end.txt
+echo "unix_time,pid,vm_rss_kb,vm_hwm_kb,cpu_seconds" > rss.csv
 date -u +%FT%TZ > start.txt
 /usr/bin/time -v python -m jaxlong.eval runs/tiny --ruler --ruler-tasks niah_single_1 --ruler-lengths 1048576 \
-    --ruler-cases 1 --no-passkey --batches 1 prefill_chunk=8192 > eval.out 2> eval.err
+    --ruler-cases 1 --no-passkey --batches 1 prefill_chunk=8192 > eval.out 2> eval.err &
+timer=$!
+while kill -0 "$timer" 2> /dev/null; do  # the eval command is GNU time's child
+    pid=$(pgrep -P "$timer" | head -1)
+    if [ -n "$pid" ] && [ -r /proc/"$pid"/status ]; then
+        rss=$(awk '/VmRSS/{print $2}' /proc/"$pid"/status)
+        hwm=$(awk '/VmHWM/{print $2}' /proc/"$pid"/status)
+        cpu=$(awk '{print ($14+$15)/100}' /proc/"$pid"/stat)
+        echo "$(date +%s),$pid,$rss,$hwm,$cpu" >> rss.csv
+    fi
+    sleep 20
+done
+wait "$timer"
 echo $? > rc.txt
 date -u +%FT%TZ > end.txt
-wait

@@ -18,8 +18,9 @@ DEVICES = "--xla_force_host_platform_device_count=8"
 COMPILE_SPEED = ("--xla_cpu_parallel_codegen_split_count=1", "--xla_cpu_use_fusion_emitters=false")
 LITTLE_OPTIMIZATION = "JAX_DISABLE_MOST_OPTIMIZATIONS"  # an environment variable, "1" in a test run
 # 8 simulated devices share 2 cores: under load one device's thread can reach a collective long after the others,
-# and XLA:CPU aborts the process when one waits past 40 s (`--xla_cpu_collective_call_terminate_timeout_seconds`;
-# seen with the real model's train step). A test run waits up to 15 minutes instead.
+# and XLA:CPU aborts the process when one waits a minute (a warning after 20 s, the abort 40 s later,
+# `--xla_cpu_collective_call_terminate_timeout_seconds`; seen with the real model's train step). A test run waits
+# up to 15 minutes instead (the commands themselves ask for an hour: jaxlong.core.distributed).
 PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=900",)
 # XLA's default fusion emitters, for the programs whose HLO or buffer sizes a test compares with a model
 # (conftest's `default_emitters` fixture passes it to every compile of the test).

@@ -53,21 +53,24 @@ def cpu_unless_gpu_driver() -> None:
 # (`xla_cpu_collective_call_terminate_timeout_seconds`; its collectives time out after 30 min). RULER at 1M tokens
 # on 4 devices aborted so at about chunk 80 of 128, after an hour (experiments/results/host_memory_ruler_cpu.md;
 # experiments/xla_cpu_collective_skew.py reproduces it). A deadlock on one host is a bug; waiting an hour for one
-# costs less than losing hours of work. Set on the CPU platform only: XLA refuses a flag it does not know, and these
-# are XLA:CPU's (both known since the jax this package pins).
+# costs less than losing hours of work. Set for CPU runs only (JAX_PLATFORMS naming cpu, or unset or empty with no
+# GPU driver): the timeouts matter only to simulated devices, and XLA aborts a process whose XLA_FLAGS hold a flag
+# its version does not know, a risk a GPU run need not take (both flags are known to the jax this package pins).
 PATIENT_CPU_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=3600",
                            "--xla_cpu_collective_timeout_seconds=3600")
 
 
 def set_host_device_count(n: int) -> None:
     """Ask XLA for `n` host (CPU) devices unless XLA_FLAGS already sets a count (`cpu_unless_gpu_driver` first);
-    on the CPU platform (`JAX_PLATFORMS=cpu`), for patient collectives too (`PATIENT_CPU_COLLECTIVES`, each unless
-    XLA_FLAGS sets it). Harmless on GPUs."""
+    for a CPU run (JAX_PLATFORMS naming cpu, or unset or empty without a GPU driver), for patient collectives too
+    (`PATIENT_CPU_COLLECTIVES`, each unless XLA_FLAGS sets it). Harmless on GPUs."""
     cpu_unless_gpu_driver()
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags = f"{flags} --xla_force_host_platform_device_count={n}"
-    if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").lower().split(",") if p.strip()]
+    cpu_run = ("cpu" in platforms) if platforms else not gpu_driver_present()
+    if cpu_run:
         for flag in PATIENT_CPU_COLLECTIVES:
             if flag.split("=")[0] + "=" not in flags:
                 flags = f"{flags} {flag}"

@@ -327,10 +327,10 @@ def run(cfg, run_dir: Path, step: int, args) -> dict:
                               max_new=max(ruler.TOKENS_TO_GENERATE.values()) if generate else None,
                               cases=args.ruler_cases * len(args.ruler_tasks_list))
         for n, est in estimates.items():  # the long lengths, compiled for: what the guard passed, and why
+            loop = f", {fmt_bytes(est.loop)} over {est.steps:,} kv steps per device and layer" if est.loop else ""
             say(f"host memory at {n} tokens: about {fmt_bytes(est.total)} estimated, this host has "
                 f"{fmt_bytes(hostmem.host_limit())} ({est.devices} CPU device(s) x {fmt_bytes(est.per_device)} "
-                f"compiled, {fmt_bytes(est.loop)} over {est.steps:,} kv steps per device and layer, "
-                f"{fmt_bytes(est.base)} in use)")
+                f"compiled{loop}, {fmt_bytes(est.host)} of host arrays, {fmt_bytes(est.base)} in use)")
     ruler_cases, skipped = ruler_suite(cfg, args, tokenizer, source, held_out) if args.ruler else ([], [])
     for note in skipped:
         say(note)

@@ -280,17 +280,21 @@ class Generator:
 
 def _chunk_bar(show: bool) -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
     """`(on_chunk, close)` for `ChunkedPrefill`: a progress bar on stderr weighted by each chunk's attention work
-    (chunk j reads j + 1 chunks of the cache, so the bar's time left holds as the chunks slow down), or nothing
-    when not `show`."""
+    (chunk j reads j + 1 chunks of the cache, so the bar's time left holds as the chunks slow down; the first
+    chunk, which compiles, is left out of the rate), or nothing when not `show`."""
     if not show:
         return None, lambda: None
     bar = tqdm(total=0, desc="prefill", leave=False, file=sys.stderr, dynamic_ncols=True, mininterval=0,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]")
 
     def tick(done: int, chunks: int) -> None:
-        bar.total = chunks * (chunks + 1) // 2
         bar.set_description_str(f"prefill, chunk {done}/{chunks}", refresh=False)
-        bar.update(done)
+        if done == 1:  # the first chunk's time holds the chunk step's compile: the rate counts from the second
+            bar.reset(total=chunks * (chunks + 1) // 2)
+            bar.n = bar.last_print_n = 1
+            bar.refresh()
+        else:
+            bar.update(done)
 
     return tick, bar.close
 

@@ -57,6 +57,11 @@ def test_simulated_cpu_devices_get_patient_collectives_unless_the_user_set_them(
     monkeypatch.setenv("XLA_FLAGS", mine)
     distributed.set_host_device_count(4)
     assert os.environ["XLA_FLAGS"] == mine + " --xla_cpu_collective_timeout_seconds=3600"
+    monkeypatch.setattr(distributed, "gpu_driver_present", lambda: False)
+    monkeypatch.setenv("JAX_PLATFORMS", "")  # jax's own advice: any platform, here the CPU
+    monkeypatch.setenv("XLA_FLAGS", "")
+    distributed.set_host_device_count(4)
+    assert os.environ["XLA_FLAGS"].split()[1:] == list(distributed.PATIENT_CPU_COLLECTIVES)
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     monkeypatch.setenv("XLA_FLAGS", "")
     distributed.set_host_device_count(4)

@@ -332,7 +332,8 @@ def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys, monk
     out = capsys.readouterr().out
     assert "RULER teacher-forced exact match" in out
     assert re.search(r"host memory at 384 tokens: about [\d.]+ [MG]iB estimated, this host has [\d.]+ GiB \(8 CPU "
-                     r"device\(s\) x [\d.]+ [KM]iB compiled, [\d.]+ [KM]?i?B over 300 kv steps per device", out), out
+                     r"device\(s\) x [\d.]+ [KM]iB compiled, [\d.]+ [KM]?i?B over 300 kv steps per device and layer, "
+                     r"[\d.]+ [KM]?i?B of host arrays, [\d.]+ [KMG]iB in use\)", out), out
     forced = [p for p in (run_dir / "eval").glob("mesh_1x2x1x4-*/step_3") if p != res]
     assert len(forced) == 1
     rf = json.loads((forced[0] / "summary.json").read_text())["ruler"]
