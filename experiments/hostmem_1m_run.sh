@@ -5,8 +5,8 @@
 # on Ulysses over 4 simulated CPU devices, then one RULER case by generation at 1,048,576 tokens, the prompt
 # prefilled in chunks of 8K (`prefill_chunk=8192`: 128 chunk programs). GNU time records the peak resident set;
 # a loop samples the process's VmRSS, VmHWM (kB) and CPU seconds every 20 s into rss.csv, and the chunks done (the
-# prefill bar's last count on stderr) into chunks.csv. Hours on 2 cores: chunk j's attention reads j chunks of the
-# cache. Results: experiments/results/host_memory_ruler_cpu.md ("At 1M"); the plot and the peak chunk by chunk:
+# prefill bar's last count on stderr) into chunks.csv. Hours on 2 cores: chunk j's (1-based) attention reads j chunks
+# of the cache. Results: experiments/results/host_memory_ruler_cpu.md ("At 1M"); the plot and the peak chunk by chunk:
 #   python experiments/plot_rss.py OUT/rss.csv --estimate 11.01 --loop 9.50 --chunks OUT/chunks.csv --out rss.png
 #
 #   bash experiments/hostmem_1m_run.sh /tmp/r1m

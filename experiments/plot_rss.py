@@ -9,7 +9,8 @@ Prints the sampled peak and the wall and CPU time covered. With `--chunks` (chun
 prefill done, as the prefill bar last showed them) and `--loop` (the estimate's loop term at the last chunk, GiB),
 it also plots the estimate chunk by chunk: chunk j of C (1-based) reads j chunks of the cache, so its loop term is
 `loop x j / C` and its estimate `estimate - loop + loop x j / C`. It prints, and writes to `--table`, the peak so far
-(VmHWM) at the first sample after each chunk ended, beside that chunk's estimate.
+(VmHWM) at the first rss sample at or after each chunk count was seen, beside that chunk's estimate (with samples
+20 s apart, a reading may hold the next chunk's first step: each ratio is uncertain by one chunk).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def per_chunk(t: np.ndarray, hwm_gib: np.ndarray, chunks_csv: str, estimate: flo
         seen.add(c)
         i = int(np.searchsorted(t, when))
         if i >= len(t):
+            print(f"chunk {c} and later: seen after the last rss sample, not tabled")
             break
         rows.append((c, when, float(hwm_gib[i]), estimate - loop + loop * c / num_chunks))
     return rows
@@ -54,6 +56,9 @@ def main() -> None:
     p.add_argument("--out", default="rss.png")
     p.add_argument("--title", default="RULER niah_single_1 at 1M tokens, chunks of 8K, 4 CPU devices")
     args = p.parse_args()
+    if bool(args.chunks) != bool(args.loop) or (args.loop and not args.estimate):
+        p.error("--chunks needs --loop and --estimate (the estimate's loop term and whole peak, GiB), and --loop "
+                "needs --chunks")
     with open(args.csv) as f:
         header = not f.readline()[:1].isdigit()
     t, _, rss, hwm, cpu = np.loadtxt(args.csv, delimiter=",", unpack=True, skiprows=int(header))
