@@ -53,10 +53,10 @@ def cpu_unless_gpu_driver() -> None:
 # (`xla_cpu_collective_call_terminate_timeout_seconds`; its collectives time out after 30 min). RULER at 1M tokens
 # on 4 devices aborted so at about chunk 88 of 128, after an hour; with these flags it ran to the end, in 2 hours
 # 11 minutes (experiments/results/host_memory_ruler_cpu.md; experiments/xla_cpu_collective_skew.py reproduces the
-# abort). A deadlock on one host is a bug; waiting an hour for one
-# costs less than losing hours of work. Set for CPU runs only (JAX_PLATFORMS naming cpu, or unset or empty with no
-# GPU driver): the timeouts matter only to simulated devices, and XLA aborts a process whose XLA_FLAGS hold a flag
-# its version does not know, a risk a GPU run need not take (both flags are known to the jax this package pins).
+# abort). A deadlock on one host is a bug; waiting an hour for one costs less than losing hours of work. Set for
+# CPU runs only (JAX_PLATFORMS naming cpu, or unset or empty with no GPU driver): the timeouts matter only to
+# simulated devices, and XLA aborts a process whose XLA_FLAGS hold a flag its version does not know, a risk a GPU
+# run need not take (both flags are known to the jax this package pins).
 PATIENT_CPU_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=3600",
                            "--xla_cpu_collective_timeout_seconds=3600")
 
