@@ -12,16 +12,17 @@ the GPUs present, or the CPU approximation) and prints tables.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
 
-from jaxlong.config import ConfigError, load_config, validate
+from jaxlong.config import Config, ConfigError, load_config, validate
 from jaxlong.core import distributed, xla_log
 from jaxlong.core.errors import ArgumentParser, fail
 from jaxlong.core.units import fmt_gib
-from jaxlong.memory import fit_options as fit_cli
-from jaxlong.plan.cost import significant
+from jaxlong.plan import fit_report as fit_cli
+from jaxlong.plan.cost import format_estimate_table, significant
 from jaxlong.plan.planner import (
     HOST_BUDGET,
     budgets,
@@ -33,6 +34,8 @@ from jaxlong.plan.planner import (
     plot_ladder,
 )
 from jaxlong.plan.planner import __doc__ as _PLAN_DOC
+from jaxlong.plan.target import Target, cuda_plugin_available, parse_target
+from jaxlong.plan.workspace import parse_headroom
 
 TiB = 1024**4
 CPU_NOTICE = ("note: CPU approximation (XLA's CPU compiler, float32 compile scaled to the compute dtype; no "
@@ -73,117 +76,186 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What the flags resolve to: the config, the GPU target (None: the devices present or the CPU approximation),
+    the budgets (bytes per device, host bytes per node), the NCCL buffers per device (bytes, None: modelled) and
+    the first length the max-context search tries (tokens)."""
+
+    cfg: Config
+    target: Target | None
+    budget: int
+    host_budget: int
+    collectives: int | None
+    start: int
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxlong.memory` with `argv` (default: the command line): prints the plan of the config or of each
+    rung, writes `--out`. Returns the exit status: 0, 1 when `--fit` finds nothing that fits, 2 on bad input."""
     args = _parser().parse_args(argv)
     if args.fit:  # the fastest configuration that fits (`jaxlong.plan.fit`), for a config or each stage of a recipe
         from jaxlong.memory import recipe_fit  # noqa: PLC0415
 
         return recipe_fit.main(args, args.overrides)
     try:
-        target = None
-        if args.target:
-            if _target_usable():
-                from jaxlong.plan.target import parse_target  # noqa: PLC0415
-
-                target = parse_target(args.target)
-            else:
-                print(f"note: --target {args.target} needs the CUDA plugin (pip install 'jax[cuda12]'); "
-                      f"planning on the CPU instead", file=sys.stderr)
-        # The target's devices are the mesh's: the config is validated for them (e.g. mesh.ring=2 on h100:8x2).
-        devices = [f"mesh.num_devices={target.devices}"] if target else []
-        cfg = load_config(args.config, [*args.overrides, *devices])
-        if cfg.stages:  # planned as one config here (its stages: --fit with the recipe): validated as one
-            validate(cfg)
-        if args.estimate and (target is None and not _gpu_present()):
-            raise ConfigError("--estimate needs a GPU target (--target h100, h200 or a100, with the CUDA plugin): "
-                              "the CPU compile's blockwise attention loops cannot be counted")
-        if args.estimate and args.max_context:
-            raise ConfigError("--estimate and --max-context together are not supported; estimate at a seq_len")
-        budget, host_budget, collectives = budgets(args.budget, args.host_budget, args.collective_buffers, target,
-                                                   cfg.mesh.num_devices)
-        if re.fullmatch(r"\s*[0-9.]+\s*", args.headroom):
-            raise ConfigError(f"--headroom {args.headroom!r} has no unit; give a percentage of device memory "
-                              f"('2%') or a size ('1GiB')")
-        if args.start is not None and args.start <= 0:
-            raise ConfigError(f"--start {args.start}: the first length the max-context search tries must be a "
-                              f"positive number of tokens (default 262144 with --target, else 65536)")
-        from jaxlong.plan.workspace import parse_headroom  # noqa: PLC0415
-
-        parse_headroom(args.headroom, budget)  # checked here, used per plan
-        if cfg.attention.backend in ("cudnn", "pallas") and target is None and not _gpu_present():
-            raise ConfigError(f"attention.backend={cfg.attention.backend} compiles only for NVIDIA GPUs; plan it with "
-                              f"--target h100 (or h200, a100), or use attention.backend=auto")
+        setup = _setup(args)
     except (ConfigError, ValueError) as e:
         return fail(e)
+    cfg = setup.cfg
+    _prepare_jax(args, cfg, setup.target)
+    where = setup.target.describe() if setup.target else f"{cfg.mesh.num_devices} devices"
+    print(f"{cfg.model.name}: seq_len {cfg.seq_len:,}, {where}, budget {fmt_gib(setup.budget)} GiB per device, "
+          f"host {fmt_gib(setup.host_budget)} GiB per node, compute {cfg.compute_dtype}")
+    rungs = ladder(cfg) if args.ladder else [("config", "as given", cfg)]
+    with xla_log.collecting() as log:  # XLA's warnings of over-budget rungs: one summary line after the table
+        try:
+            rows = _plan_rungs(args, setup, rungs)
+        except ConfigError as e:  # the config itself (one rung) is invalid
+            return fail(e)
+    if not rows:
+        return fail("no rung of the ladder is valid for this config")
+    table, source = _print_tables(args, setup, rows)
+    for line in log.summary():
+        print(line)
+    if args.out:
+        _write(args, argv, cfg, rows, table, source, setup.budget)
+    return 0
+
+
+def _setup(args) -> _Setup:
+    """The config for the target's devices and the checked flags (`_Setup`).
+
+    Raises:
+      ConfigError / ValueError: a bad flag or config, or flags that do not go together, named.
+    """
+    target = _target(args)
+    # The target's devices are the mesh's: the config is validated for them (e.g. mesh.ring=2 on h100:8x2).
+    devices = [f"mesh.num_devices={target.devices}"] if target else []
+    cfg = load_config(args.config, [*args.overrides, *devices])
+    if cfg.stages:  # planned as one config here (its stages: --fit with the recipe): validated as one
+        validate(cfg)
+    if args.estimate and (target is None and not _gpu_present()):
+        raise ConfigError("--estimate needs a GPU target (--target h100, h200 or a100, with the CUDA plugin): "
+                          "the CPU compile's blockwise attention loops cannot be counted")
+    if args.estimate and args.max_context:
+        raise ConfigError("--estimate and --max-context together are not supported; estimate at a seq_len")
+    budget, host_budget, collectives = budgets(args.budget, args.host_budget, args.collective_buffers, target,
+                                               cfg.mesh.num_devices)
+    _check_planning(args, cfg, target, budget)
+    start = args.start if args.start is not None else (262144 if target else 65536)  # max-context's first length
+    return _Setup(cfg, target, budget, host_budget, collectives, start)
+
+
+def _target(args) -> Target | None:
+    """The `--target` GPU; None without `--target`, or without the CUDA plugin (a note on stderr: planned on the CPU).
+
+    Raises:
+      ConfigError: an unknown GPU or a bad spec.
+    """
+    if not args.target:
+        return None
+    if cuda_plugin_available():
+        return parse_target(args.target)
+    print(f"note: --target {args.target} needs the CUDA plugin (pip install 'jax[cuda12]'); "
+          f"planning on the CPU instead", file=sys.stderr)
+    return None
+
+
+def _check_planning(args, cfg: Config, target: Target | None, budget: int) -> None:
+    """`--headroom` (with a unit, within bounds of the `budget` bytes), `--start` (positive) and a GPU-only attention
+    backend (needs a GPU target or GPUs).
+
+    Raises:
+      ConfigError: the first check that fails, named.
+    """
+    if re.fullmatch(r"\s*[0-9.]+\s*", args.headroom):
+        raise ConfigError(f"--headroom {args.headroom!r} has no unit; give a percentage of device memory "
+                          f"('2%') or a size ('1GiB')")
+    if args.start is not None and args.start <= 0:
+        raise ConfigError(f"--start {args.start}: the first length the max-context search tries must be a "
+                          f"positive number of tokens (default 262144 with --target, else 65536)")
+    parse_headroom(args.headroom, budget)  # checked here, used per plan
+    if cfg.attention.backend in ("cudnn", "pallas") and target is None and not _gpu_present():
+        raise ConfigError(f"attention.backend={cfg.attention.backend} compiles only for NVIDIA GPUs; plan it with "
+                          f"--target h100 (or h200, a100), or use attention.backend=auto")
+
+
+def _prepare_jax(args, cfg: Config, target: Target | None) -> None:
+    """Before jax creates a backend: no CUDA initialization for a deviceless target, `--dump` in XLA_FLAGS, and
+    `mesh.num_devices` simulated CPU devices."""
     if target is not None and not _gpu_present():
         distributed.use_cpu_platform()  # the CUDA plugin must not try to initialize a driver
     if args.dump:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.dump}".strip()
     distributed.set_host_device_count(cfg.mesh.num_devices)
-    where = target.describe() if target else f"{cfg.mesh.num_devices} devices"
-    print(f"{cfg.model.name}: seq_len {cfg.seq_len:,}, {where}, budget {fmt_gib(budget)} GiB per device, "
-          f"host {fmt_gib(host_budget)} GiB per node, compute {cfg.compute_dtype}")
-    rungs = ladder(cfg) if args.ladder else [("config", "as given", cfg)]
-    kw = dict(headroom=args.headroom, collective_buffers=collectives)
-    start = args.start if args.start is not None else (262144 if target else 65536)  # first length the max-context search tries
-    rows, cpu = [], False
-    with xla_log.collecting() as log:  # XLA's warnings of over-budget rungs: one summary line after the table
-        for name, what, c in rungs:
-            row = {"name": name, "what": what}
-            try:
-                if args.max_context:
-                    s, p = max_context(c, budget, target=target, host_budget=host_budget, start=start, **kw)
-                    row.update(p or {k: float("nan") for k in ("params", "gradients", "optimizer", "activations", "host",
-                                                               "peak", "workspace", "collectives", "headroom", "total",
-                                                               "host_per_node")})
-                    row["max_context"] = s
-                    print(f"{name:18s} max context {format_context(s, start):>11s} tokens  (total "
-                          f"{fmt_gib(row['total'])} GiB per device, host {fmt_gib(row['host_per_node'])} GiB per node)",
-                          flush=True)
-                else:
-                    row.update(plan(c, target, estimate=args.estimate, **kw), seq_len=c.seq_len)
-                    print(f"{name:18s} total {fmt_gib(row['total']):>8s} GiB  (compiled peak {fmt_gib(row['peak'])}, "
-                          f"activations {fmt_gib(row['activations'])}, host {fmt_gib(row['host'])})", flush=True)
-                    if "estimate" in row:
-                        e = row["estimate"]
-                        print(f"{'':18s} estimate: {significant(e['step_seconds'])} s/step, {e['tokens_per_s_per_gpu']:,.0f} "
-                              f"tokens/s per GPU, MFU {e['mfu']:.1%}, recompute {e['recompute_factor']:.2f}", flush=True)
-            except ConfigError as e:  # e.g. a ladder rung's context degree that the model's heads cannot split
-                if len(rungs) == 1:
-                    return fail(e)
-                print(f"{name:18s} invalid for this model: {e}", file=sys.stderr, flush=True)
-                continue
-            cpu = cpu or str(row.get("source", "")).startswith("CPU")
-            rows.append(row)
-    if not rows:
-        return fail("no rung of the ladder is valid for this config")
-    table = format_table(rows, budget, host_budget)
+
+
+def _plan_rungs(args, setup: _Setup, rungs: list) -> list[dict]:
+    """A row per valid rung (`(name, what, config)`), each printed as it is planned; a rung invalid for this model
+    is named on stderr and skipped.
+
+    Raises:
+      ConfigError: the only rung (the config as given) is invalid.
+    """
+    rows = []
+    for name, what, c in rungs:
+        try:
+            row = _plan_rung(args, setup, name, c)
+        except ConfigError as e:  # e.g. a ladder rung's context degree that the model's heads cannot split
+            if len(rungs) == 1:
+                raise
+            print(f"{name:18s} invalid for this model: {e}", file=sys.stderr, flush=True)
+            continue
+        rows.append({"name": name, "what": what, **row})
+    return rows
+
+
+def _plan_rung(args, setup: _Setup, name: str, c: Config) -> dict:
+    """One rung's plan (with `--max-context`, at its largest fitting length, `max_context`), printed on one line
+    (and its estimate on a second with `--estimate`)."""
+    kw = dict(headroom=args.headroom, collective_buffers=setup.collectives)
+    row = {}
+    if args.max_context:
+        s, p = max_context(c, setup.budget, target=setup.target, host_budget=setup.host_budget, start=setup.start,
+                           **kw)
+        row.update(p or {k: float("nan") for k in ("params", "gradients", "optimizer", "activations", "host",
+                                                   "peak", "workspace", "collectives", "headroom", "total",
+                                                   "host_per_node")})
+        row["max_context"] = s
+        print(f"{name:18s} max context {format_context(s, setup.start):>11s} tokens  (total "
+              f"{fmt_gib(row['total'])} GiB per device, host {fmt_gib(row['host_per_node'])} GiB per node)",
+              flush=True)
+        return row
+    row.update(plan(c, setup.target, estimate=args.estimate, **kw), seq_len=c.seq_len)
+    print(f"{name:18s} total {fmt_gib(row['total']):>8s} GiB  (compiled peak {fmt_gib(row['peak'])}, "
+          f"activations {fmt_gib(row['activations'])}, host {fmt_gib(row['host'])})", flush=True)
+    if "estimate" in row:
+        e = row["estimate"]
+        print(f"{'':18s} estimate: {significant(e['step_seconds'])} s/step, {e['tokens_per_s_per_gpu']:,.0f} "
+              f"tokens/s per GPU, MFU {e['mfu']:.1%}, recompute {e['recompute_factor']:.2f}", flush=True)
+    return row
+
+
+def _print_tables(args, setup: _Setup, rows: list[dict]) -> tuple[str, str]:
+    """Print the compile's source, the table of the rungs (of their max contexts with `--max-context`), the
+    estimates with `--estimate` and the CPU approximation's notice. Returns (the tables as written to `--out`,
+    the source)."""
+    table = format_table(rows, setup.budget, setup.host_budget)
     if args.max_context:
         table = ("| rung | max context (tokens) | total at it (GiB per device) | host at it (GiB per node) |\n"
                  "|---|---:|---:|---:|\n") + "\n".join(
-            f"| {r['name']} | {format_context(r['max_context'], start)} | {fmt_gib(r['total'])} | "
+            f"| {r['name']} | {format_context(r['max_context'], setup.start)} | {fmt_gib(r['total'])} | "
             f"{fmt_gib(r['host_per_node'])} |" for r in rows)
     source = next((r["source"] for r in reversed(rows) if "source" in r), "")  # the full mesh, not rung 1's
     print(f"source: {source}")
     print(table)
     if args.estimate:
-        from jaxlong.plan.cost import format_estimate_table  # noqa: PLC0415
-
         table += "\n\n" + format_estimate_table(rows)
         print(format_estimate_table(rows))
-    if cpu:
+    if any(str(r.get("source", "")).startswith("CPU") for r in rows):
         print(CPU_NOTICE)
-    for line in log.summary():
-        print(line)
-    if args.out:
-        _write(args, argv, cfg, rows, table, source, budget)
-    return 0
-
-
-def _target_usable() -> bool:
-    from jaxlong.plan.target import cuda_plugin_available  # noqa: PLC0415
-
-    return cuda_plugin_available()
+    return table, source
 
 
 def _write(args, argv, cfg, rows, table, source, budget) -> None:

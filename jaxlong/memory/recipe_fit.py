@@ -1,7 +1,7 @@
 """A plan per stage of a recipe: `python -m jaxlong.memory --fit --config RECIPE.yaml [--target h100]
 [--write-recipe PLANNED.yaml] [--out DIR]`.
 
-Each stage of the recipe (`jaxlong.training.recipe.expand`: the base config, the stage's keys, the command line's
+Each stage of the recipe (`jaxlong.recipes.recipe.expand`: the base config, the stage's keys, the command line's
 overrides) is searched as `python -m jaxlong.memory --fit` searches one config (`jaxlong.plan.fit`: the fastest
 attention / remat / tiling / mesh split within the device and host budgets): its table and verdict, then a table of
 the stages (winner, device and host memory, estimated tokens/s per GPU) and the recipe's estimated wall-clock
@@ -25,9 +25,9 @@ import yaml
 from jaxlong.config import Config, ConfigError, load_config
 from jaxlong.core.errors import fail
 from jaxlong.core.units import fmt_gib
-from jaxlong.memory import fit_options as fit_cli
+from jaxlong.plan import fit_report as fit_cli
 from jaxlong.plan.fit import parse_setting
-from jaxlong.training.recipe import expand
+from jaxlong.recipes import expand
 
 __all__ = ["main", "stage_seconds", "write_recipe"]
 
@@ -45,7 +45,7 @@ def _hours(seconds: float) -> str:
 
 
 def main(args, argv_overrides: list[str]) -> int:
-    """`python -m jaxlong.memory --fit`: a config without `stages` is planned as one (`fit_options.main`); a
+    """`python -m jaxlong.memory --fit`: a config without `stages` is planned as one (`jaxlong.plan.fit_report.main`); a
     recipe has every stage planned: each stage's search, the stages' table and the estimated total time;
     `--write-recipe` and `--out` written.
 

@@ -3,7 +3,7 @@
     python -m jaxlong.memory --fit --target h100 --config configs/llama3_1_8b.yaml seq_len=131072
     python -m jaxlong.train  --fit --target h100 --config configs/llama3_1_8b.yaml seq_len=131072
 
-The flags, tables and JSON are in `jaxlong.memory.fit_options`. Memory is a currency: add memory techniques one at
+The flags, tables and JSON are in `jaxlong.plan.fit_report`. Memory is a currency: add memory techniques one at
 a time, stop as soon as the context fits, and spend the memory left over on speed. The search covers the
 options that change memory and speed but not the model's result (the loss and gradients are the same up to
 floating-point order):
@@ -383,6 +383,34 @@ COST_MODELS = {"estimate": estimated_cost, "analytic": analytic_cost}
 # The search.
 
 
+@dataclasses.dataclass(frozen=True)
+class FitOptions:
+    """How `fit` searches: its compile budget, how it ranks, and what it passes to the planner. The defaults are
+    those of `python -m jaxlong.memory --fit`.
+
+    Attributes:
+      max_compiles: at most this many compiles (cache hits are free, and so are setups the program refuses with
+        a ValueError while tracing, before XLA compiles, e.g. a kernel's size limit).
+      cost_model: `(cfg, plan) -> seconds per step`; an attribute `static = True` means it ignores the plan,
+        so candidates can be ranked (and pruned) before compiling.
+      plan_fn: the planner (None: `planner.plan`, looked up when `fit` runs), called
+        `plan_fn(cfg, target, headroom=, collective_buffers=)`.
+      cache: dict from a candidate's overrides (with the sequence length and target) to its plan, shared between
+        calls and filled in place; a hit costs no compile. None: a new dict per call.
+      headroom: fragmentation headroom for the planner, a percentage of device memory ("2%") or a size ("1GiB").
+      collective_buffers: NCCL buffers per device for the planner, bytes (None: modelled).
+      progress: show a progress bar of the compiles on stderr.
+    """
+
+    max_compiles: int = 12
+    cost_model: Callable[[Config, dict], float] = estimated_cost
+    plan_fn: Callable[..., dict] | None = None
+    cache: dict | None = None
+    headroom: str = "2%"
+    collective_buffers: int | None = None
+    progress: bool = True
+
+
 @dataclasses.dataclass
 class FitResult:
     """What `fit` found. `rows`: one dict per compiled candidate, in compile order (`overrides`, `fits`,
@@ -414,9 +442,8 @@ def with_estimate(plan_fn, cost_model):
     return lambda *a, **k: plan_fn(*a, estimate=True, **k)
 
 
-def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None, max_compiles: int = 12,
-        cost_model: Callable[[Config, dict], float] = estimated_cost, plan_fn=None, cache: dict | None = None,
-        headroom: str = "2%", collective_buffers: int | None = None, progress: bool = True) -> FitResult:
+def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None,
+        options: FitOptions = FitOptions()) -> FitResult:
     """The fastest configuration of `cfg` (same model, sequence length and batch) that fits `budget` bytes per
     device and `host_budget` bytes of host memory per node, searched as the module docstring describes.
 
@@ -424,13 +451,7 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
       cfg: the run; its mesh is re-split over `target.devices` (or `cfg.mesh.num_devices` without a target).
       target: `jaxlong.plan.target.Target` or None (the devices present, or the CPU approximation).
       budget, host_budget: bytes per device / per node (`planner.fits`).
-      max_compiles: at most this many compiles (cache hits are free, and so are setups the program refuses with
-        a ValueError while tracing, before XLA compiles, e.g. a kernel's size limit).
-      cost_model: `(cfg, plan) -> seconds per step`; an attribute `static = True` means it ignores the plan,
-        so candidates can be ranked (and pruned) before compiling.
-      plan_fn: the planner (default `planner.plan`), called `plan_fn(cfg, target, headroom=, collective_buffers=)`.
-      cache: dict from a candidate's overrides (with the sequence length and target) to its plan, shared between
-        calls; a hit costs no compile.
+      options: the compile budget, cost model, planner, cache and planner settings (`FitOptions`).
 
     Returns:
       FitResult.
@@ -438,99 +459,156 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
     Raises:
       FitError: no candidate is valid for this model and device count, or the cost model cannot rank.
     """
-    plan_fn = with_estimate(plan_fn or planner.plan, cost_model)
-    cache = {} if cache is None else cache
-    per_node, nodes = (target.devices_per_node, target.nodes) if target is not None else \
-        (min(cfg.mesh.num_devices, 8), max(cfg.mesh.num_devices // 8, 1))
-    if per_node * nodes != (target.devices if target is not None else cfg.mesh.num_devices):
-        per_node, nodes = cfg.mesh.num_devices, 1
+    plan_fn = with_estimate(options.plan_fn or planner.plan, options.cost_model)
+    per_node, nodes = _topology(cfg, target)
     _, cands, pruned = candidate_space(cfg, per_node, nodes, host_budget)
     if not cands:
         reasons = "; ".join(sorted({p["reason"] for p in pruned}))[:600]
         raise FitError(f"no candidate configuration is valid for {cfg.model.name} at seq_len={cfg.seq_len} on "
                        f"{per_node * nodes} devices: {reasons}")
-    static = getattr(cost_model, "static", False)
     fingerprint = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)  # the model, length, batch, ...
-    tag = (fingerprint, getattr(target, "name", None), per_node, nodes, headroom, collective_buffers)
-    unresolved = list(cands)  # expected-speed order
-    rank = {c: i for i, c in enumerate(cands)}
-    rows, probed = [], set()
-    compiles, best, best_rank, fastest_fit = 0, None, None, None
-
-    def faster(seconds: float, c: Candidate) -> bool:
-        """Faster than the best fitting row; an equal estimate (a roofline does not see tile or stage launches)
-        goes to the candidate expected faster (earlier in the expected-speed order)."""
-        return best is None or (seconds, rank[c]) < (best["step_seconds"], best_rank)
-
-    def settle(c: Candidate, reason: str, by: dict | None = None) -> None:
-        unresolved.remove(c)
-        pruned.append({"overrides": c.key, "reason": reason, "by": by["overrides"] if by else None})
-
-    bar = _bar(min(max_compiles, len(cands)), progress)
+    tag = (fingerprint, getattr(target, "name", None), per_node, nodes, options.headroom, options.collective_buffers)
+    cache = {} if options.cache is None else options.cache
+    search = _Search(cfg, target, budget, host_budget, options, plan_fn, cache, tag, list(cands), pruned)
+    bar = _bar(min(options.max_compiles, len(cands)), options.progress)
     try:
-        while unresolved:
-            if static and best is not None:
-                for c in list(unresolved):
-                    if not faster(cost_model(configure(cfg, c.overrides), {}), c):
-                        settle(c, f"estimated no faster than #{best['index']}, which fits", best)
-                if not unresolved:
-                    break
-            c = _next(unresolved, probed, rank, fastest_fit)
-            ck = (tag, c.key)
-            if ck not in cache and compiles >= max_compiles:
-                for rest in list(unresolved):
-                    settle(rest, f"not compiled: --max-compiles {max_compiles} reached")
-                break
-            unresolved.remove(c)
-            probed.add(c.mesh)
-            c_cfg = configure(cfg, c.overrides)
-            hit = ck in cache
-            if not hit:
-                bar.set_postfix_str(strip_implied(c.key).split("mesh.context=")[-1][:70], refresh=False)
-                t0 = time.perf_counter()
-                refused = False
-                try:
-                    cache[ck] = plan_fn(c_cfg, target, headroom=headroom, collective_buffers=collective_buffers)
-                except Exception as e:  # noqa: BLE001 (a compiler error rules out this candidate, not the search)
-                    # a ValueError is the program refusing the setup while tracing (e.g. a kernel's size limit),
-                    # before XLA compiles: it costs no compile from the budget
-                    refused = isinstance(e, ValueError)
-                    cache[ck] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300],
-                                 "refused": refused}
-                cache[ck] = {**cache[ck], "compile_seconds": time.perf_counter() - t0}
-                if not refused:
-                    compiles += 1
-                    bar.update(1)
-            p = cache[ck]
-            if "error" in p:
-                why = "refused before compiling" if p.get("refused") else "does not compile"
-                pruned.append({"overrides": c.key, "reason": f"{why}: {p['error']}", "by": None})
-                continue
-            row = _row(c, c_cfg, p, budget, host_budget, cost_model, hit)
-            rows.append(row)
-            row["index"] = len(rows)
-            device_ok = p["total"] <= budget
-            if row["fits"]:
-                fastest_fit = rank[c] if fastest_fit is None else min(fastest_fit, rank[c])
-                if faster(row["step_seconds"], c):
-                    best, best_rank = row, rank[c]
-                for o in [o for o in unresolved if c.below(o)]:
-                    settle(o, f"dominated by #{row['index']}, which fits and is lighter in every dimension "
-                              f"(expected faster)", row)
-            elif not device_ok:
-                for o in [o for o in unresolved if o.needs_more_memory(c)]:
-                    settle(o, f"needs at least the device memory of #{row['index']} ({fmt_gib(p['total'], 1)} > "
-                              f"{fmt_gib(budget, 1)} GiB)", row)
+        search.run(bar)
     finally:
-        bar.total = compiles  # the search may settle everything before the compile budget
+        bar.total = search.compiles  # the search may settle everything before the compile budget
         bar.refresh()
         bar.close()
-    closest = None
-    if best is None and rows:
-        def excess(r):
-            return max(r["total"] / budget, r["host_per_node"] / host_budget if host_budget else 0)
-        closest = min(rows, key=excess)
-    return FitResult(rows, pruned, best, closest, compiles, len(cands))
+    closest = _closest(search.rows, budget, host_budget) if search.best is None else None
+    return FitResult(search.rows, search.pruned, search.best, closest, search.compiles, len(cands))
+
+
+def _topology(cfg: Config, target) -> tuple[int, int]:
+    """(devices per node, nodes) that the mesh is re-split over: the target's, else `mesh.num_devices` in nodes of
+    8; one node of every device where those do not multiply to the device count."""
+    per_node, nodes = (target.devices_per_node, target.nodes) if target is not None else \
+        (min(cfg.mesh.num_devices, 8), max(cfg.mesh.num_devices // 8, 1))
+    if per_node * nodes != (target.devices if target is not None else cfg.mesh.num_devices):
+        per_node, nodes = cfg.mesh.num_devices, 1
+    return per_node, nodes
+
+
+def _closest(rows: list[dict], budget: int, host_budget: int | None) -> dict | None:
+    """The compiled row nearest to fitting, or None when none was compiled: the least excess, the larger of its
+    device total over `budget` and its host bytes per node over `host_budget` (where one is given)."""
+    if not rows:
+        return None
+
+    def excess(r):
+        return max(r["total"] / budget, r["host_per_node"] / host_budget if host_budget else 0)
+    return min(rows, key=excess)
+
+
+@dataclasses.dataclass
+class _Search:
+    """One search's state: the candidates not yet settled (`unresolved`, in expected-speed order, which `rank`
+    keeps), the compiled rows, the settled candidates (`pruned`), the compiles spent and the best fitting row."""
+
+    cfg: Config
+    target: object
+    budget: int
+    host_budget: int | None
+    options: FitOptions
+    plan_fn: Callable[..., dict]
+    cache: dict
+    tag: tuple
+    unresolved: list[Candidate]
+    pruned: list[dict]
+    rank: dict = dataclasses.field(init=False)
+    rows: list[dict] = dataclasses.field(default_factory=list)
+    probed: set[int] = dataclasses.field(default_factory=set)
+    compiles: int = 0
+    best: dict | None = None
+    best_rank: int | None = None
+    fastest_fit: int | None = None
+
+    def __post_init__(self) -> None:
+        self.rank = {c: i for i, c in enumerate(self.unresolved)}
+
+    def run(self, bar) -> None:
+        """Compile candidates in `_next`'s order, each result settling what it decides, until none is left
+        unresolved or the compile budget is spent (the rest then settled as not compiled)."""
+        static = getattr(self.options.cost_model, "static", False)
+        while self.unresolved:
+            if static and self.best is not None:
+                self.prune_slower()
+                if not self.unresolved:
+                    break
+            c = _next(self.unresolved, self.probed, self.rank, self.fastest_fit)
+            ck = (self.tag, c.key)
+            if ck not in self.cache and self.compiles >= self.options.max_compiles:
+                for rest in list(self.unresolved):
+                    self.settle(rest, f"not compiled: --max-compiles {self.options.max_compiles} reached")
+                break
+            self.unresolved.remove(c)
+            self.probed.add(c.mesh)
+            c_cfg = configure(self.cfg, c.overrides)
+            hit = ck in self.cache
+            if not hit:
+                self.compile(c, c_cfg, ck, bar)
+            p = self.cache[ck]
+            if "error" in p:
+                why = "refused before compiling" if p.get("refused") else "does not compile"
+                self.pruned.append({"overrides": c.key, "reason": f"{why}: {p['error']}", "by": None})
+                continue
+            self.record(c, _row(c, c_cfg, p, self.budget, self.host_budget, self.options.cost_model, hit))
+
+    def faster(self, seconds: float, c: Candidate) -> bool:
+        """Faster than the best fitting row; an equal estimate (a roofline does not see tile or stage launches)
+        goes to the candidate expected faster (earlier in the expected-speed order)."""
+        return self.best is None or (seconds, self.rank[c]) < (self.best["step_seconds"], self.best_rank)
+
+    def settle(self, c: Candidate, reason: str, by: dict | None = None) -> None:
+        """Take `c` out of the search without compiling it, for `reason` (`by`: the row that decided it)."""
+        self.unresolved.remove(c)
+        self.pruned.append({"overrides": c.key, "reason": reason, "by": by["overrides"] if by else None})
+
+    def prune_slower(self) -> None:
+        """With a cost model known before compiling: settle every candidate estimated no faster than the best."""
+        for c in list(self.unresolved):
+            if not self.faster(self.options.cost_model(configure(self.cfg, c.overrides), {}), c):
+                self.settle(c, f"estimated no faster than #{self.best['index']}, which fits", self.best)
+
+    def compile(self, c: Candidate, c_cfg: Config, ck: tuple, bar) -> None:
+        """Plan `c` (`c_cfg`) into the cache under `ck`, with its compile seconds. A compiler error rules out this
+        candidate, not the search: it is cached as an `error`; a ValueError, the program refusing the setup
+        while tracing (e.g. a kernel's size limit) before XLA compiles, is `refused` and costs no compile."""
+        bar.set_postfix_str(strip_implied(c.key).split("mesh.context=")[-1][:70], refresh=False)
+        t0 = time.perf_counter()
+        refused = False
+        try:
+            self.cache[ck] = self.plan_fn(c_cfg, self.target, headroom=self.options.headroom,
+                                          collective_buffers=self.options.collective_buffers)
+        except Exception as e:  # noqa: BLE001 (a compiler error rules out this candidate, not the search)
+            refused = isinstance(e, ValueError)
+            self.cache[ck] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300],
+                              "refused": refused}
+        self.cache[ck] = {**self.cache[ck], "compile_seconds": time.perf_counter() - t0}
+        if not refused:
+            self.compiles += 1
+            bar.update(1)
+
+    def record(self, c: Candidate, row: dict) -> None:
+        """Add `c`'s compiled row and settle what it decides: if it fits, every candidate at least as heavy in
+        each dimension is dominated; if it exceeds the device budget, every candidate that needs at least its
+        device memory (same attention setting) does not fit. Failing only the host budget settles nothing."""
+        self.rows.append(row)
+        row["index"] = len(self.rows)
+        if row["fits"]:
+            rank = self.rank[c]
+            self.fastest_fit = rank if self.fastest_fit is None else min(self.fastest_fit, rank)
+            if self.faster(row["step_seconds"], c):
+                self.best, self.best_rank = row, rank
+            for o in [o for o in self.unresolved if c.below(o)]:
+                self.settle(o, f"dominated by #{row['index']}, which fits and is lighter in every dimension "
+                               f"(expected faster)", row)
+        elif not row["total"] <= self.budget:
+            for o in [o for o in self.unresolved if o.needs_more_memory(c)]:
+                self.settle(o, f"needs at least the device memory of #{row['index']} ({fmt_gib(row['total'], 1)} > "
+                               f"{fmt_gib(self.budget, 1)} GiB)", row)
 
 
 def _next(unresolved: list[Candidate], probed: set[int], rank: dict, fastest_fit: int | None) -> Candidate:
@@ -606,5 +684,5 @@ def strip_implied(key: str) -> str:
     return " ".join(o for o in key.split() if o not in _IMPLIED)
 
 
-__all__ = ["Candidate", "FitError", "FitResult", "analytic_cost", "analytic_flops", "candidate_space", "configure",
-           "estimated_cost", "fit", "parse_setting", "strip_implied", "with_estimate"]
+__all__ = ["Candidate", "FitError", "FitOptions", "FitResult", "analytic_cost", "analytic_flops", "candidate_space",
+           "configure", "estimated_cost", "fit", "parse_setting", "strip_implied", "with_estimate"]

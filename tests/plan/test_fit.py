@@ -15,8 +15,8 @@ from helpers import tiered
 from xla_flags import user_env
 
 from jaxlong.config import load_config
-from jaxlong.memory import fit_options as fit_cli
 from jaxlong.plan import fit as fit_lib
+from jaxlong.plan import fit_report as fit_cli
 from jaxlong.plan.target import cuda_plugin_available
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -79,8 +79,8 @@ def test_pruned_search_finds_the_brute_force_winner_and_skips_nothing_better(see
     host_budget = 30 * GiB if seed % 3 == 0 else 2048 * GiB  # some seeds rule offload out by host memory
     expected, n = _brute_force(cfg, model, budget, host_budget)
     model.calls = 0
-    res = fit_lib.fit(cfg, None, budget=budget, host_budget=host_budget, max_compiles=10**6,
-                      cost_model=model.cost, plan_fn=model.plan, progress=False)
+    options = fit_lib.FitOptions(max_compiles=10**6, cost_model=model.cost, plan_fn=model.plan, progress=False)
+    res = fit_lib.fit(cfg, None, budget=budget, host_budget=host_budget, options=options)
     assert len(res.rows) + len(res.pruned) >= n
     if expected is None:
         assert res.winner is None and res.closest is not None
@@ -135,8 +135,8 @@ def test_the_default_fit_at_128k_on_8_h100_uses_no_remat_and_no_offload(tmp_path
 def test_compile_budget_is_respected_and_the_rest_is_listed():
     cfg = load_config(None, TINY)
     model = FakeModel(3)
-    res = fit_lib.fit(cfg, None, budget=50 * GiB, host_budget=2048 * GiB, max_compiles=3, cost_model=model.cost,
-                      plan_fn=model.plan, progress=False)
+    options = fit_lib.FitOptions(max_compiles=3, cost_model=model.cost, plan_fn=model.plan, progress=False)
+    res = fit_lib.fit(cfg, None, budget=50 * GiB, host_budget=2048 * GiB, options=options)
     assert model.calls == res.compiles == 3
     assert any("--max-compiles 3 reached" in p["reason"] for p in res.pruned)
 
@@ -144,12 +144,13 @@ def test_compile_budget_is_respected_and_the_rest_is_listed():
 def test_cache_hits_cost_no_compile():
     cfg = load_config(None, TINY)
     model, cache = FakeModel(5), {}
-    first = fit_lib.fit(cfg, None, budget=50 * GiB, max_compiles=100, cost_model=model.cost, plan_fn=model.plan,
-                        cache=cache, progress=False)
+    options = fit_lib.FitOptions(max_compiles=100, cost_model=model.cost, plan_fn=model.plan, cache=cache,
+                                 progress=False)
+    first = fit_lib.fit(cfg, None, budget=50 * GiB, options=options)
     calls = model.calls
     assert calls == first.compiles == len(cache) > 0
-    again = fit_lib.fit(cfg, None, budget=50 * GiB, max_compiles=1, cost_model=model.cost, plan_fn=model.plan,
-                        cache=cache, progress=False)
+    options = fit_lib.FitOptions(max_compiles=1, cost_model=model.cost, plan_fn=model.plan, cache=cache, progress=False)
+    again = fit_lib.fit(cfg, None, budget=50 * GiB, options=options)
     assert model.calls == calls and again.compiles == 0
     assert all(r["cached"] for r in again.rows)
     assert [r["overrides"] for r in again.rows] == [r["overrides"] for r in first.rows]
@@ -158,8 +159,8 @@ def test_cache_hits_cost_no_compile():
 def test_nothing_fits_names_the_closest_candidate_with_its_peak():
     cfg = load_config(None, TINY)
     model = FakeModel(7)
-    res = fit_lib.fit(cfg, None, budget=1 * GiB, max_compiles=20, cost_model=model.cost, plan_fn=model.plan,
-                      progress=False)
+    options = fit_lib.FitOptions(max_compiles=20, cost_model=model.cost, plan_fn=model.plan, progress=False)
+    res = fit_lib.fit(cfg, None, budget=1 * GiB, options=options)
     assert res.winner is None
     closest = min(res.rows, key=lambda r: r["total"])
     assert res.closest is closest
@@ -189,8 +190,9 @@ def test_estimate_cost_model_needs_a_planner_with_estimates():
         calls.append(cfg)
         return {}
 
+    options = fit_lib.FitOptions(plan_fn=old_plan, progress=False)
     with pytest.raises(fit_lib.FitError, match="--cost-model analytic"):
-        fit_lib.fit(cfg, None, budget=GiB, plan_fn=old_plan, progress=False)
+        fit_lib.fit(cfg, None, budget=GiB, options=options)
     assert not calls
     with pytest.raises(fit_lib.FitError, match="no step-time estimate"):
         fit_lib.estimated_cost(cfg, {"total": 1})
@@ -294,8 +296,8 @@ def test_a_candidate_that_fails_to_compile_is_listed_and_the_search_goes_on():
             raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while compiling")
         return model.plan(c, target, **kw)
 
-    res = fit_lib.fit(cfg, None, budget=50 * GiB, max_compiles=100, cost_model=model.cost, plan_fn=flaky,
-                      progress=False)
+    options = fit_lib.FitOptions(max_compiles=100, cost_model=model.cost, plan_fn=flaky, progress=False)
+    res = fit_lib.fit(cfg, None, budget=50 * GiB, options=options)
     failed = [p for p in res.pruned if p["reason"].startswith("does not compile: RuntimeError: RESOURCE_EXHAUSTED")]
     assert failed and all("remat.policy=offload" in p["overrides"] for p in failed)
     assert res.winner is not None and "remat.policy=offload" not in res.winner["overrides"]
@@ -315,8 +317,8 @@ def test_a_setup_the_program_refuses_while_tracing_costs_no_compile():
             raise ValueError("attention.backend=pallas: q has more than 2,147,483,647 elements")
         return model.plan(c, target, **kw)
 
-    res = fit_lib.fit(cfg, None, budget=50 * GiB, max_compiles=3, cost_model=model.cost, plan_fn=limited,
-                      progress=False)
+    options = fit_lib.FitOptions(max_compiles=3, cost_model=model.cost, plan_fn=limited, progress=False)
+    res = fit_lib.fit(cfg, None, budget=50 * GiB, options=options)
     refused = [p for p in res.pruned if p["reason"].startswith("refused before compiling: ValueError")]
     assert len(refused) == 5
     assert res.compiles == len(res.rows) == 3 and model.calls == 3  # three real compiles, none lost to refusals
@@ -332,8 +334,8 @@ def test_equal_estimates_go_to_the_lighter_candidate(seed):
     model.cost_w[3] = 0.0  # MLP tiling: no cost, so its levels tie
     budget = random.Random(200 + seed).uniform(35, 65) * GiB
     expected, _ = _brute_force(cfg, model, budget, 2048 * GiB)
-    res = fit_lib.fit(cfg, None, budget=budget, host_budget=2048 * GiB, max_compiles=10**6, cost_model=model.cost,
-                      plan_fn=model.plan, progress=False)
+    options = fit_lib.FitOptions(max_compiles=10**6, cost_model=model.cost, plan_fn=model.plan, progress=False)
+    res = fit_lib.fit(cfg, None, budget=budget, host_budget=2048 * GiB, options=options)
     if expected is None:
         assert res.winner is None
     else:
@@ -361,8 +363,8 @@ def test_a_upipe_candidate_that_does_not_fit_does_not_rule_out_ulysses(seed):
     model = UlyssesLightModel(seed)
     budget = random.Random(300 + seed).uniform(30, 60) * GiB
     expected, _ = _brute_force(cfg, model, budget, 2048 * GiB)
-    res = fit_lib.fit(cfg, None, budget=budget, host_budget=2048 * GiB, max_compiles=10**6, cost_model=model.cost,
-                      plan_fn=model.plan, progress=False)
+    options = fit_lib.FitOptions(max_compiles=10**6, cost_model=model.cost, plan_fn=model.plan, progress=False)
+    res = fit_lib.fit(cfg, None, budget=budget, host_budget=2048 * GiB, options=options)
     assert (res.winner and res.winner["overrides"]) == (expected and expected[0])
     for p in res.pruned:
         if p["reason"].startswith("needs at least") and "attention.impl=ulysses" in p["overrides"]:
@@ -395,8 +397,8 @@ def test_a_candidate_that_does_not_fit_says_nothing_about_another_heads_per_stag
     budget = 45 * GiB
     expected, _ = _brute_force(cfg, model, budget, 2048 * GiB)
     assert expected is not None
-    res = fit_lib.fit(cfg, None, budget=budget, host_budget=2048 * GiB, max_compiles=10**6, cost_model=model.cost,
-                      plan_fn=model.plan, progress=False)
+    options = fit_lib.FitOptions(max_compiles=10**6, cost_model=model.cost, plan_fn=model.plan, progress=False)
+    res = fit_lib.fit(cfg, None, budget=budget, host_budget=2048 * GiB, options=options)
     assert res.winner["overrides"] == expected[0]
 
 
@@ -427,7 +429,7 @@ def test_a_recipe_is_planned_stage_by_stage_and_written_back(monkeypatch, capsys
     from jaxlong.memory import __main__ as memory
     from jaxlong.memory import recipe_fit
     from jaxlong.plan import planner
-    from jaxlong.training.recipe import expand
+    from jaxlong.recipes import expand
 
     model = FakeModel(5)
     monkeypatch.setattr(planner, "plan", model.plan)

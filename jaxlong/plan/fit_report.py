@@ -1,4 +1,4 @@
-"""Reports and command line of the fit (`jaxlong.plan.fit`): `python -m jaxlong.memory --fit` and
+"""Reports and flags of the fit (`jaxlong.plan.fit`), shared by `python -m jaxlong.memory --fit` and
 `python -m jaxlong.train --fit` (flags in `add_arguments`).
 
     python -m jaxlong.memory --fit --target h100 --config configs/llama3_1_8b.yaml seq_len=131072 --out fit.json
@@ -11,9 +11,11 @@ command line of its changes to the loaded config; `--out` writes the same as JSO
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import os
 
-from jaxlong.config import Config, ConfigError, validate
+from jaxlong.config import Config, ConfigError, load_config, validate
 from jaxlong.core import distributed, xla_log
 from jaxlong.core.errors import fail
 from jaxlong.core.mesh import resolve_mesh_shape
@@ -22,6 +24,7 @@ from jaxlong.plan import planner
 from jaxlong.plan.fit import (
     COST_MODELS,
     FitError,
+    FitOptions,
     FitResult,
     analytic_cost,
     configure,
@@ -30,6 +33,7 @@ from jaxlong.plan.fit import (
     strip_implied,
     with_estimate,
 )
+from jaxlong.plan.target import cuda_plugin_available, parse_target
 
 
 def _short(key: str) -> str:
@@ -136,8 +140,6 @@ def resolve(args, cfg: Config):
     Raises:
       ConfigError / ValueError: a bad flag, named.
     """
-    from jaxlong.plan.target import cuda_plugin_available, parse_target  # noqa: PLC0415
-
     if args.max_compiles < 1:
         raise ConfigError(f"--max-compiles {args.max_compiles}: must be at least 1")
     with_estimate(planner.plan, COST_MODELS[args.cost_model])  # a cost model the planner cannot feed fails here
@@ -177,20 +179,17 @@ def run_cli(args, cfg: Config, target, budget: int, host_budget: int, collective
     Raises:
       FitError: see `fit`.
     """
-    import os  # noqa: PLC0415
-
     where = target.describe() if target else f"{cfg.mesh.num_devices} devices"
     print(f"fit {cfg.model.name}: seq_len {cfg.seq_len:,}, global_batch {cfg.global_batch}, {where}, budget "
           f"{fmt_gib(budget, 1)} GiB per device, host {fmt_gib(host_budget, 1)} GiB per node, ranked by --cost-model {args.cost_model}",
           flush=True)
     cost = COST_MODELS[args.cost_model]
     if args.cost_model == "analytic" and target is not None and target.peak_flops:
-        import functools  # noqa: PLC0415
-
         cost = functools.wraps(analytic_cost)(functools.partial(analytic_cost, peak_flops=target.peak_flops))
     with xla_log.collecting() as log:
-        res = fit(cfg, target, budget=budget, host_budget=host_budget, max_compiles=args.max_compiles, cost_model=cost,
-                  headroom=args.headroom, collective_buffers=collectives)
+        options = FitOptions(max_compiles=args.max_compiles, cost_model=cost, headroom=args.headroom,
+                             collective_buffers=collectives)
+        res = fit(cfg, target, budget=budget, host_budget=host_budget, options=options)
     source = next((r["source"] for r in res.rows), "")
     print(f"source: {source}")
     print(format_report(res, budget, host_budget))
@@ -204,7 +203,7 @@ def run_cli(args, cfg: Config, target, budget: int, host_budget: int, collective
         if not path.endswith(".json"):
             os.makedirs(path, exist_ok=True)
             tag = args.target.replace(":", "-") if args.target else "cpu"
-            kind = "" if cfg.objective == "lm" else f"_{cfg.objective}"  # a DPO stage apart from an SFT one
+            kind = "" if cfg.objective == Config().objective else f"_{cfg.objective}"  # a DPO stage apart from SFT
             path = os.path.join(path, f"fit_{cfg.model.name}_{tag}_{cfg.seq_len}{kind}.json")
         with open(path, "w") as f:
             json.dump(to_json(res, cfg=cfg, target=target, budget=budget, host_budget=host_budget, command=command),
@@ -215,8 +214,6 @@ def run_cli(args, cfg: Config, target, budget: int, host_budget: int, collective
 
 def main(args, argv_overrides: list[str]) -> int:
     """`python -m jaxlong.memory --fit ...`: 0 when something fits, 1 when nothing does, 2 on bad input."""
-    from jaxlong.config import load_config  # noqa: PLC0415
-
     try:
         cfg = load_config(args.config, argv_overrides)
         base = copy.deepcopy(cfg)
