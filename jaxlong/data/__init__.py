@@ -1,6 +1,6 @@
 """Training data: corpus sources, tokenizers, packed documents, a resumable Grain pipeline.
 
-Batches go onto the mesh with `jaxlong.training.step.put_batch` (the input layout of every step).
+Batches go onto the mesh with `jaxlong.core.batch.put_batch` (the input layout of every step).
 
 * `jaxlong.data.sources` — the documents of `data.path` (stdlib sources, .txt, .jsonl, .parquet, .array_record)
   as a Grain data source, with every file checked before anything compiles.
@@ -18,6 +18,7 @@ from __future__ import annotations
 from jaxlong.data.pipeline import (
     PAIR_FEATURE,
     DocumentSubset,
+    PipelineOptions,
     batch_iterator,
     document_pairs,
     document_tokens,
@@ -53,9 +54,9 @@ from jaxlong.data.imported import run_tokenizer, tokenizer_source
 __all__ = [
     "Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "run_tokenizer", "tokenizer_source", "check_vocab", "TOKENIZERS",
     "DocumentSource", "stdlib_files", "corpus_files",
-    "document_tokens", "document_pairs", "DocumentSubset", "make_dataset", "merge_states", "batch_iterator",
-    "packing_efficiency", "first_source", "mixture_sources", "source_shares", "SOURCE_FEATURE", "MixedSource",
-    "TokenShareMix", "source_name", "source_label", "SourceLengths", "measure_lengths", "check_lengths",
-    "repetition_warnings", "PAIR_FEATURE",
+    "document_tokens", "document_pairs", "DocumentSubset", "make_dataset", "PipelineOptions", "merge_states",
+    "batch_iterator", "packing_efficiency", "first_source", "mixture_sources", "source_shares", "SOURCE_FEATURE",
+    "MixedSource", "TokenShareMix", "source_name", "source_label", "SourceLengths", "measure_lengths",
+    "check_lengths", "repetition_warnings", "PAIR_FEATURE",
 ]
 

@@ -6,7 +6,7 @@ Stages (`grain.MapDataset` until packing, then `grain.IterDataset`):
    The documents are dealt to `n` streams (`[s::n]`; `n` is the largest divisor of `global_batch` not
    above the number of documents, so one stream per row for any real corpus), each packed on its own and
    giving `global_batch / n` consecutive rows of every batch. A process builds only the streams that hold the
-   rows its devices need (`rows`, from `jaxlong.training.step.process_rows`: its share when the batch axes span
+   rows its devices need (`rows`, from `jaxlong.core.batch.process_rows`: its share when the batch axes span
    the processes, every row when only the sequence axes do) and reads only their documents; the global batch is
    the same whatever the number of processes and whichever mesh axes span them.
 2. `shuffle(seed + s)` then `repeat()`: a new permutation every epoch (Grain reseeds per epoch), endless.
@@ -37,6 +37,7 @@ from the start.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import grain
@@ -67,9 +68,9 @@ from jaxlong.data.sources import DocumentSource
 from jaxlong.data.tokenizer import Tokenizer
 
 __all__ = ["document_tokens", "document_pairs", "SplitLongDocuments", "DocumentSubset", "token_limit", "make_dataset",
-           "ProcessBatches", "ProcessIterator", "merge_states", "batch_iterator", "packing_efficiency", "PACKING_BINS",
-           "first_source", "mixture_sources", "source_shares", "open_source", "LOSS_FEATURE", "PART_FEATURE",
-           "REFERENCE_FEATURE", "PAIR_FEATURE", "is_preference"]
+           "PipelineOptions", "ProcessBatches", "ProcessIterator", "merge_states", "batch_iterator",
+           "packing_efficiency", "PACKING_BINS", "first_source", "mixture_sources", "source_shares", "open_source",
+           "LOSS_FEATURE", "PART_FEATURE", "REFERENCE_FEATURE", "PAIR_FEATURE", "is_preference"]
 
 Packing = Literal["documents", "concat"]  # `data.packing`
 SplitPositions = Literal["restart", "continue"]  # `data.split_positions`
@@ -83,6 +84,43 @@ LOSS_FEATURE = "loss"  # int32 per target: 1 where the loss counts it (a chat so
 # the pair's index in its source + 1 (every position).
 PART_FEATURE, REFERENCE_FEATURE, PAIR_FEATURE = "part", "reference", "pair"
 _PAIR_FEATURES = (PART_FEATURE, REFERENCE_FEATURE, PAIR_FEATURE)
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How `make_dataset` turns documents into rows: the options every packing stream of a pipeline shares.
+    `make_dataset` checks the values (see its errors); they are the run's `seed` and `data.*` options.
+
+    Attributes:
+      seed: the shuffle seed (`seed`; a recipe's stage k adds `k * STAGE_SEED`); packing stream s shuffles and
+        packs with `seed + s`.
+      packing: `data.packing`: "documents" (whole documents packed first-fit, with segment ids) or "concat" (the
+        documents concatenated and cut into full rows).
+      split_positions: `data.split_positions`: the positions of the pieces of a document longer than `seq_len`
+        restart at 0 ("restart") or continue from the previous piece ("continue"); `packing="documents"` only.
+      shuffle: `data.shuffle`: shuffle the documents, a new permutation every epoch (False: corpus order).
+      max_tokens: `data.max_tokens`: keep the corpus's first documents up to this many tokens (BOS/EOS
+        included), the last one cut (None: the whole corpus).
+      repeat: True (training): endless epochs. False (validation): one pass over the documents as one packing
+        stream (rows in document order); the last bins are flushed and the iteration ends before the first
+        incomplete batch.
+      read_threads, read_buffer: `data.read_threads` threads tokenizing ahead and `data.read_buffer` documents
+        read ahead, per packing stream (Grain's `ReadOptions`); they change no batch.
+    """
+
+    seed: int
+    packing: Packing = "documents"
+    split_positions: SplitPositions = "restart"
+    shuffle: bool = True
+    max_tokens: int | None = None
+    repeat: bool = True
+    read_threads: int = 4
+    read_buffer: int = 64
+
+    @property
+    def read_options(self) -> grain.ReadOptions:
+        """Grain's `ReadOptions` of `read_threads` and `read_buffer`."""
+        return grain.ReadOptions(num_threads=self.read_threads, prefetch_buffer_size=self.read_buffer)
 
 
 def document_tokens(text, tokenizer: Tokenizer) -> np.ndarray:
@@ -189,10 +227,8 @@ def _finalize(row: dict) -> dict:
     return out
 
 
-def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, global_batch: int, seed: int,
-                 packing: str = "documents", split_positions: str = "restart", shuffle: bool = True,
-                 max_tokens: int | None = None, rows=None, exclude=(), repeat: bool = True,
-                 read_threads: int = 4, read_buffer: int = 64, mixture=None, steps: int | None = None,
+def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, global_batch: int,
+                 options: PipelineOptions, rows=None, exclude=(), mixture=None, steps: int | None = None,
                  warn=None) -> ProcessBatches:
     """The Grain pipeline of the module docstring; iterating it yields the rows `rows` of every global batch.
 
@@ -200,16 +236,11 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
       source: the documents (`DocumentSource`).
       tokenizer: `jaxlong.data.tokenizer` tokenizer.
       seq_len, global_batch: row length in tokens and rows per step over all processes.
-      seed: shuffle seed (`seed`); packing: `data.packing`; split_positions: `data.split_positions`;
-      shuffle: `data.shuffle`; max_tokens: `data.max_tokens` (None: the whole corpus).
-      rows: the global row indices this process builds (`jaxlong.training.step.process_rows`), or None for every
+      options: seed, packing, shuffling, `max_tokens`, one pass or endless epochs, read-ahead
+        (`PipelineOptions`).
+      rows: the global row indices this process builds (`jaxlong.core.batch.process_rows`), or None for every
         row. Only the packing streams that hold them are built.
       exclude: indices of documents to leave out (the held-out validation documents).
-      repeat: True (training): endless epochs. False (validation): one pass over the documents as one packing
-        stream (rows in document order); the last bins are flushed and the iteration ends before the first
-        incomplete batch.
-      read_threads, read_buffer: `data.read_threads` threads tokenizing ahead, `data.read_buffer` documents
-        read ahead, per packing stream (Grain's `ReadOptions`); they change no batch.
       mixture: None, or `(random-access source, MixedSource)` per source of `data.sources`
         (`jaxlong.data.mixture`): `source` is then the first of them (`exclude` applies to it), and the batches
         carry `source` int32 `[B, L]` (source index + 1 per token, 0 on padding). Each source's documents are
@@ -224,16 +255,20 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
       seq_len]` without `rows`), rows in the order of `rows`.
 
     Raises:
-      ValueError: a bad option value, `max_tokens < 1`, or `rows` outside `[0, global_batch)`; with a mixture, a
-        source without documents, one that cannot be read, or whose length rules keep none of its (measured)
-        documents (`jaxlong.data.mixture.check_lengths`), each naming `data.sources[i]` and its path.
+      ValueError: a bad option value (`options.packing`, `options.split_positions`, `options.read_threads < 0`,
+        `options.read_buffer < 1`, `options.max_tokens < 1`), or `rows` outside `[0, global_batch)`; a mixture
+        with `options.repeat=False` or `options.max_tokens`; with a mixture, a source without documents, one
+        that cannot be read, or whose length rules keep none of its (measured) documents
+        (`jaxlong.data.mixture.check_lengths`), each naming `data.sources[i]` and its path.
     """
-    if packing not in PACKINGS:
-        raise ValueError(f"data.packing={packing!r} is not allowed; choose documents or concat")
-    if split_positions not in SPLIT_POSITIONS:
-        raise ValueError(f"data.split_positions={split_positions!r} is not allowed; choose restart or continue")
-    if read_threads < 0 or read_buffer < 1:
-        raise ValueError(f"data.read_threads={read_threads} must be >= 0 and data.read_buffer={read_buffer} >= 1")
+    if options.packing not in PACKINGS:
+        raise ValueError(f"data.packing={options.packing!r} is not allowed; choose documents or concat")
+    if options.split_positions not in SPLIT_POSITIONS:
+        raise ValueError(f"data.split_positions={options.split_positions!r} is not allowed; "
+                         "choose restart or continue")
+    if options.read_threads < 0 or options.read_buffer < 1:
+        raise ValueError(f"data.read_threads={options.read_threads} must be >= 0 and "
+                         f"data.read_buffer={options.read_buffer} >= 1")
     rows = np.arange(global_batch) if rows is None else np.asarray(rows, np.int64)
     if rows.size == 0 or rows.min() < 0 or rows.max() >= global_batch:
         raise ValueError(f"rows {rows.tolist()} must be row indices of the global batch of {global_batch}")
@@ -242,24 +277,23 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
         skip = {int(i) for i in exclude}
         source = DocumentSubset(source, [i for i in range(len(source)) if i not in skip])
     if mixture is not None:
-        if not repeat or max_tokens is not None:
+        if not options.repeat or options.max_tokens is not None:
             raise ValueError("a data mixture is for training: endless (repeat=True), without data.max_tokens")
         # another source reading the first one's corpus (e.g. its long documents) leaves the held-out ones out too
         docs = [source, *(source if exclude and corpus is not None and _corpus_key(src) == corpus else src
                           for src, _ in mixture[1:])]
         held = [len(skip) if exclude and d is source else 0 for d in docs]
-        return _mixed_batches(docs, [m for _, m in mixture], tokenizer, seq_len, global_batch, seed, packing,
-                              split_positions, shuffle, rows, grain.ReadOptions(num_threads=read_threads,
-                                                                                prefetch_buffer_size=read_buffer),
+        return _mixed_batches(docs, [m for _, m in mixture], tokenizer, seq_len, global_batch, options, rows,
                               held, steps, warn)
     ds = grain.MapDataset.source(source)
     cut = None
-    if max_tokens is not None:
-        if max_tokens < 1:
-            raise ValueError(f"data.max_tokens={max_tokens} must be >= 1 or null")
-        n_docs, cut = token_limit(source, tokenizer, max_tokens)
+    if options.max_tokens is not None:
+        if options.max_tokens < 1:
+            raise ValueError(f"data.max_tokens={options.max_tokens} must be >= 1 or null")
+        n_docs, cut = token_limit(source, tokenizer, options.max_tokens)
         ds = ds[:n_docs]
-    n = max(d for d in range(1, global_batch + 1) if global_batch % d == 0 and d <= max(len(ds), 1)) if repeat else 1
+    n = 1 if not options.repeat else \
+        max(d for d in range(1, global_batch + 1) if global_batch % d == 0 and d <= max(len(ds), 1))
     last = len(ds) - 1
 
     def tokenize(index, text):
@@ -269,10 +303,8 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
 
     ds = ds.map_with_index(tokenize).filter(lambda d: d["inputs"].size > 0)
     per = global_batch // n
-    read = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=read_buffer)
     loss = is_chat(source)
-    streams = {s: _row_stream(ds[s::n], seed + s, seq_len, packing, split_positions, shuffle, _bins(n), read, repeat,
-                              loss, is_preference(source))
+    streams = {s: _row_stream(ds[s::n], s, seq_len, options, _bins(n), loss, is_preference(source))
                .batch(per, drop_remainder=True) for s in sorted({int(r) // per for r in rows})}
     return ProcessBatches(streams, rows, per)
 
@@ -384,29 +416,30 @@ def _bins(streams: int) -> int:
     return PACKING_BINS if streams <= 16 else max(2, 256 // streams)
 
 
-def _row_stream(ds: grain.MapDataset, seed: int, seq_len: int, packing: str, split_positions: str, shuffle: bool,
-                bins: int, read: grain.ReadOptions, repeat: bool = True, loss: bool = False,
-                pairs: bool = False) -> grain.IterDataset:
-    """One stream's documents shuffled, repeated (unless `repeat=False`) and packed into rows of `seq_len`
-    (stages 2-4)."""
-    if shuffle:
-        ds = ds.shuffle(seed=seed)
-    it = (ds.repeat() if repeat else ds).to_iter_dataset(read_options=read)
-    return _pack(it, seed, seq_len, packing, split_positions, bins, loss, pairs)
+def _row_stream(ds: grain.MapDataset, stream: int, seq_len: int, options: PipelineOptions, bins: int,
+                loss: bool = False, pairs: bool = False) -> grain.IterDataset:
+    """Packing stream `stream`'s documents shuffled (with `options.seed + stream`), repeated (unless
+    `options.repeat=False`) and packed into rows of `seq_len` (stages 2-4)."""
+    if options.shuffle:
+        ds = ds.shuffle(seed=options.seed + stream)
+    it = (ds.repeat() if options.repeat else ds).to_iter_dataset(read_options=options.read_options)
+    return _pack(it, stream, seq_len, options, bins, loss, pairs)
 
 
-def _pack(it: grain.IterDataset, seed: int, seq_len: int, packing: str, split_positions: str,
-          bins: int, loss: bool = False, pairs: bool = False) -> grain.IterDataset:
-    """Documents (`document_pairs` dicts, with `source` in a mixture and `loss` with conversations; a preference
-    pair's features too with `pairs`) packed into rows of `seq_len` (stage 4). Conversations and pairs are never
-    split: their sources keep only those that fit."""
+def _pack(it: grain.IterDataset, stream: int, seq_len: int, options: PipelineOptions, bins: int,
+          loss: bool = False, pairs: bool = False) -> grain.IterDataset:
+    """Packing stream `stream`'s documents (`document_pairs` dicts, with `source` in a mixture and `loss` with
+    conversations; a preference pair's features too with `pairs`) packed into rows of `seq_len` as
+    `options.packing` and `options.split_positions` say, first-fit in `bins` bins seeded by `options.seed +
+    stream` (stage 4). Conversations and pairs are never split: their sources keep only those that fit."""
+    packing, seed = options.packing, options.seed + stream
     mixed = isinstance(it, TokenShareMix)
     features = (*_FEATURES, SOURCE_FEATURE) if mixed else _FEATURES
     features = (*features, LOSS_FEATURE) if loss else features
     meta = ("positions", *_PAIR_FEATURES) if pairs else ("positions",)
     lengths = {k: seq_len for k in (*features, *meta)}
     if packing == "documents":
-        it = FlatMapIterDataset(it, SplitLongDocuments(seq_len, split_positions == "continue"))
+        it = FlatMapIterDataset(it, SplitLongDocuments(seq_len, options.split_positions == "continue"))
         return FirstFitPackIterDataset(it, length_struct=lengths, num_packing_bins=bins, seed=seed,
                                        shuffle_bins=False, meta_features=meta).map(_finalize)
     kept = ("inputs", "targets", SOURCE_FEATURE) if mixed else ("inputs", "targets")
@@ -416,8 +449,8 @@ def _pack(it: grain.IterDataset, seed: int, seq_len: int, packing: str, split_po
 
 
 def _mixed_batches(docs: list, mixed: list[MixedSource], tokenizer: Tokenizer, seq_len: int, global_batch: int,
-                   seed: int, packing: str, split_positions: str, shuffle: bool, rows: np.ndarray,
-                   read: grain.ReadOptions, held: list[int], steps: int | None, warn) -> ProcessBatches:
+                   options: PipelineOptions, rows: np.ndarray, held: list[int], steps: int | None,
+                   warn) -> ProcessBatches:
     """`make_dataset` of a mixture: each source's documents measured and its length rules checked (repetition
     warnings given to `warn`), then each packing stream s mixes document `[s::n]` of every source
     (`TokenShareMix`) and packs as one corpus does (stages 4-5)."""
@@ -439,19 +472,18 @@ def _mixed_batches(docs: list, mixed: list[MixedSource], tokenizer: Tokenizer, s
 
     def documents(i: int, s: int, salt: int) -> grain.IterDataset:
         ds = grain.MapDataset.source(docs[i])[s::n]
-        if shuffle:
-            ds = ds.shuffle(seed=seed + s + 7919 * (i + 1) + 104729 * salt)
-        return ds.repeat().to_iter_dataset(read_options=read).map(tokenize)
+        if options.shuffle:
+            ds = ds.shuffle(seed=options.seed + s + 7919 * (i + 1) + 104729 * salt)
+        return ds.repeat().to_iter_dataset(read_options=options.read_options).map(tokenize)
 
     streams = {}
     for s in sorted({int(r) // per for r in rows}):
         main = [documents(i, s, 0) for i in range(len(docs))]
         extra = [documents(i, s, 1) if m.upsample > 1 else None for i, m in enumerate(mixed)]
         sizes = [len(range(s, len(x), n)) for x in docs]
-        split = SplitLongDocuments(seq_len, split_positions == "continue").flat_map  # mixed piece by piece
+        split = SplitLongDocuments(seq_len, options.split_positions == "continue").flat_map  # mixed piece by piece
         mixed_docs = TokenShareMix(main, extra, mixed, sizes, split, (s, n), [len(x) for x in docs])
-        streams[s] = _pack(mixed_docs, seed + s, seq_len, packing, split_positions, _bins(n), loss).batch(
-            per, drop_remainder=True)
+        streams[s] = _pack(mixed_docs, s, seq_len, options, _bins(n), loss).batch(per, drop_remainder=True)
     return ProcessBatches(streams, rows, per)
 
 
@@ -500,7 +532,7 @@ class DocumentSubset:
 def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source: DocumentSource | None = None,
                    exclude=(), rows=None, warn=None) -> ProcessIterator:
     """The batch iterator of a run's `Config` (`ProcessIterator`) for the rows `rows` of every global batch (this
-    process's, `jaxlong.training.step.process_rows`; None: every row), at `state` if given (from `get_state()` of
+    process's, `jaxlong.core.batch.process_rows`; None: every row), at `state` if given (from `get_state()` of
     an earlier iterator, or `merge_states`: the next batch is the one that iterator would have yielded). A
     recipe's stage `stage` shuffles with `seed + stage * STAGE_SEED`.
     `source`: the corpus (default: `DocumentSource` of `data.path`; with `data.sources`, of the first source,
@@ -523,11 +555,12 @@ def batch_iterator(cfg, tokenizer: Tokenizer, state: dict | None = None, source:
             what = "pairs" if is_preference(docs) else "conversations"
             warn(f"{where}: {docs.dropped:,} {what} longer than seq_len={cfg.seq_len:,} left out "
                  f"(data.too_long=drop); {len(docs):,} kept")
-    ds = make_dataset(source, tokenizer, seq_len=cfg.seq_len,
-                      global_batch=cfg.global_batch, seed=cfg.seed + STAGE_SEED * cfg.stage, packing=d.packing,
-                      split_positions=d.split_positions, shuffle=d.shuffle, max_tokens=d.max_tokens,
-                      rows=rows, exclude=exclude, read_threads=d.read_threads, read_buffer=d.read_buffer,
-                      mixture=mixture, steps=cfg.steps - cfg.optim.schedule_start, warn=warn)
+    options = PipelineOptions(seed=cfg.seed + STAGE_SEED * cfg.stage, packing=d.packing,
+                              split_positions=d.split_positions, shuffle=d.shuffle, max_tokens=d.max_tokens,
+                              read_threads=d.read_threads, read_buffer=d.read_buffer)
+    ds = make_dataset(source, tokenizer, seq_len=cfg.seq_len, global_batch=cfg.global_batch, options=options,
+                      rows=rows, exclude=exclude, mixture=mixture, steps=cfg.steps - cfg.optim.schedule_start,
+                      warn=warn)
     it = iter(ds)
     if state is not None:
         it.set_state(state)

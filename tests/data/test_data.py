@@ -10,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong import data
 from jaxlong.data.pipeline import token_limit
-from jaxlong.training.step import natural_order, put_batch
+from jaxlong.core.batch import natural_order, put_batch
+
 
 BYTE = data.ByteTokenizer()
 KEYS = ("inputs", "targets", "positions", "segment_ids", "mask")
@@ -26,7 +27,8 @@ def _jsonl(tmp_path, lengths, name="c.jsonl", seed=0, field="text"):
 
 
 def _batches(path, n, *, seq_len=64, global_batch=2, seed=0, tok=BYTE, **kw):
-    ds = data.make_dataset(data.DocumentSource(path), tok, seq_len=seq_len, global_batch=global_batch, seed=seed, **kw)
+    ds = data.make_dataset(data.DocumentSource(path), tok, seq_len=seq_len, global_batch=global_batch,
+                           options=data.PipelineOptions(seed=seed, **kw))
     it = iter(ds)
     return [next(it) for _ in range(n)], it
 
@@ -232,7 +234,8 @@ def test_resume_from_state_past_epoch_boundary_shuffled(tmp_path):
     for k in (1, 3, 5, 8):
         _, it = _batches(path, k)
         state = json.loads(json.dumps(it.get_state()))  # JSON round trip: what the checkpoint stores
-        fresh = iter(data.make_dataset(data.DocumentSource(path), BYTE, seq_len=64, global_batch=2, seed=0))
+        fresh = iter(data.make_dataset(data.DocumentSource(path), BYTE, seq_len=64, global_batch=2,
+                                       options=data.PipelineOptions(seed=0)))
         fresh.set_state(state)
         for j in range(k, 12):
             assert _same(next(fresh), full[j]), (k, j)
@@ -246,7 +249,8 @@ def test_a_process_builds_its_rows_and_any_layout_resumes_from_the_merged_state(
     src = data.DocumentSource(path)
 
     def make(rows):
-        return iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=4, seed=0, rows=rows))
+        return iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=4, options=data.PipelineOptions(seed=0),
+                                      rows=rows))
 
     full = make(None)
     ref = [next(full) for _ in range(24)]  # past the first group of packing bins (16 rows per stream)
@@ -275,12 +279,12 @@ def test_data_state_saved_before_streams_were_named(tmp_path):
     continues exactly where it names the streams."""
     path, _ = _jsonl(tmp_path, [3, 30, 7, 1, 22, 9, 14, 2])
     src = data.DocumentSource(path)
-    it = iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=2, seed=0))
+    it = iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=2, options=data.PipelineOptions(seed=0)))
     ref = [next(it) for _ in range(4)]
-    it = iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=2, seed=0))
+    it = iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=2, options=data.PipelineOptions(seed=0)))
     next(it), next(it)
     legacy = {"parents": [it.get_state()["streams"][s] for s in ("0", "1")]}
-    fresh = iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=2, seed=0))
+    fresh = iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=2, options=data.PipelineOptions(seed=0)))
     fresh.set_state(legacy)
     assert _same(next(fresh), ref[2]) and _same(next(fresh), ref[3])
 
@@ -289,12 +293,13 @@ def test_one_document_serves_every_process(tmp_path):
     """A corpus of one document forms one packing stream, which every process builds and cuts its row from."""
     path, _ = _jsonl(tmp_path, [200])
     src = data.DocumentSource(path)
-    full = next(iter(data.make_dataset(src, BYTE, seq_len=64, global_batch=2, seed=0)))
+    full = next(iter(data.make_dataset(src, BYTE, seq_len=64, global_batch=2, options=data.PipelineOptions(seed=0))))
     for row in (0, 1):
-        b = next(iter(data.make_dataset(src, BYTE, seq_len=64, global_batch=2, seed=0, rows=[row])))
+        b = next(iter(data.make_dataset(src, BYTE, seq_len=64, global_batch=2, options=data.PipelineOptions(seed=0),
+                                        rows=[row])))
         assert _same(b, {k: v[[row]] for k, v in full.items()})
     with pytest.raises(ValueError, match="row indices of the global batch of 2"):
-        data.make_dataset(src, BYTE, seq_len=64, global_batch=2, seed=0, rows=[2])
+        data.make_dataset(src, BYTE, seq_len=64, global_batch=2, options=data.PipelineOptions(seed=0), rows=[2])
 
 
 def test_max_tokens(tmp_path):
@@ -354,8 +359,7 @@ def test_each_process_builds_its_rows_and_places_its_sequence_slices(tmp_path, l
     """With several processes (simulated), each builds the rows its devices hold (`process_rows`) and places on each
     of its devices exactly the block of the global zigzag batch that device holds; under ring spanning the processes
     a process's devices hold, in token order, its ring rank's two zigzag chunks."""
-    from jaxlong.training.step import batch_sharding, device_block, process_rows
-    from jaxlong.parallel.ring import zigzag_order
+    from jaxlong.core.batch import batch_sharding, device_block, process_rows, zigzag_order
 
     shape, want_rows = LAYOUTS[layout]
     mesh = jax.make_mesh(shape, ("data", "fsdp", "ring", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 4)
@@ -527,8 +531,8 @@ def test_read_ahead_changes_no_batch_and_no_state(tmp_path):
     src = data.DocumentSource(path)
 
     def make(threads, buffer):
-        return iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=4, seed=0, read_threads=threads,
-                                      read_buffer=buffer))
+        return iter(data.make_dataset(src, BYTE, seq_len=32, global_batch=4,
+                                      options=data.PipelineOptions(seed=0, read_threads=threads, read_buffer=buffer)))
 
     slow, fast = make(0, 1), make(8, 100)
     for _ in range(10):

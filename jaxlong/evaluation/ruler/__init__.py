@@ -15,6 +15,7 @@ from jaxlong.evaluation.ruler.report import (
     write_results,
 )
 from jaxlong.evaluation.ruler.score import (
+    RulerGeneration,
     RulerSuite,
     RulerValidator,
     answers_on_mesh,
@@ -54,7 +55,7 @@ __all__ = [
     "CASE_COLUMNS", "case_rows", "format_table", "log_scalars", "tag_prefix", "generation_case_rows",
     "outputs_on_mesh", "rows_per_batch", "score_outputs", "SCORINGS", "TEMPLATES", "TOKENS_TO_GENERATE",
     "GenerationCase", "generation_cases", "postprocess", "render_prompt", "string_match_all", "TooShort",
-    "write_cases", "write_csv", "write_heatmap", "write_results", "RulerSuite", "RulerValidator",
+    "write_cases", "write_csv", "write_heatmap", "write_results", "RulerGeneration", "RulerSuite", "RulerValidator",
     "answers_on_mesh", "check_length", "check_lengths", "evaluate_ruler", "generation_bytes", "nearby_lengths",
     "generate", "is_right", "predict_answers", "results", "score_cases", "score_on_mesh", "suite_corpus",
     "validation_suite", "TASKS", "RulerCase", "Task", "case_depths", "corpus_tokens", "make_cases",

@@ -20,8 +20,9 @@ from jaxlong.config import Config, ConfigError, refusal
 from jaxlong.core.distributed import gpu_driver_present
 from jaxlong.core.suggest import nearest
 from jaxlong.core.units import fmt_bytes
+from jaxlong.data.chat import ChatTemplate
 from jaxlong.data.tokenizer import check_vocab
-from jaxlong.evaluation.heldout import eval_batch_size
+from jaxlong.data.heldout import eval_batch_size
 from jaxlong.evaluation.probes import passkey_batch
 from jaxlong.evaluation.ruler.generated import outputs_on_mesh, score_outputs
 from jaxlong.evaluation.ruler.prompts import SCORINGS, generation_cases
@@ -41,6 +42,20 @@ class RulerSuite:
     cases: int = 8
     seed: int = 0
     scoring: str = "generate"
+
+
+@dataclass(frozen=True)
+class RulerGeneration:
+    """How scoring by generation (`RulerSuite.scoring == "generate"`) prompts the model and stops it; the forced
+    scoring ignores both.
+
+    Attributes:
+      chat: a `jaxlong.data.chat.ChatTemplate` (the prompt rendered as a user turn), or None (the bare prompt).
+      eos_ids: the ids that end a generation (`jaxlong.data.tokenizer.stop_ids`); None: the tokenizer's EOS.
+    """
+
+    chat: ChatTemplate | None = None
+    eos_ids: Sequence[int] | None = None
 
 
 def check_length(cfg: Config, length: int, option: str = "ruler length") -> None:
@@ -198,7 +213,7 @@ def answers_on_mesh(cfg: Config, mesh, params: dict, cases: Sequence[RulerCase],
     anything compiles), then one `token_stats` forward per `eval_batch_size(cfg)` cases of a length.
 
     Args:
-      cfg, mesh: the run's config and mesh; params: FSDP-sharded as `jaxlong.training.step.abstract_state`.
+      cfg, mesh: the run's config and mesh; params: FSDP-sharded as `jaxlong.training.step.abstract_params`.
       cases: `make_cases` cases, token ids below `model.vocab_size`.
       stats: a `jaxlong.evaluation.steps.token_stats(cfg, mesh)` to share (its jitted program is compiled once
         per length and kept), or None to make one.
@@ -256,7 +271,7 @@ class RulerValidator:
 
     Args:
       chat: a `jaxlong.data.chat.ChatTemplate` (generation: the prompt as a user turn), or None.
-      eos_ids: the ids that end a generation (`jaxlong.generation.generate.stop_ids`; default the tokenizer's EOS).
+      eos_ids: the ids that end a generation (`jaxlong.data.tokenizer.stop_ids`; default the tokenizer's EOS).
 
     Raises (at construction): ConfigError and ValueError as `evaluate_ruler`; a length error names `option`
     (the key or flag that gave the lengths).
@@ -292,8 +307,8 @@ class RulerValidator:
 
 def evaluate_ruler(cfg: Config, mesh, params: dict, tokenizer, suite: RulerSuite, *,
                    corpus: np.ndarray | None = None, stats=None,
-                   progress: Callable[[int], None] | None = None, option: str = "ruler length", chat=None,
-                   eos_ids: Sequence[int] | None = None) -> list[dict]:
+                   progress: Callable[[int], None] | None = None, option: str = "ruler length",
+                   generation: RulerGeneration = RulerGeneration()) -> list[dict]:
     """RULER scores of `params` on `mesh`: every length checked (`check_lengths`) and every case generated before
     anything compiles, then scored as `suite.scoring` says (`RulerValidator`).
 
@@ -301,7 +316,8 @@ def evaluate_ruler(cfg: Config, mesh, params: dict, tokenizer, suite: RulerSuite
       cfg, mesh, params, stats, progress: as `score_on_mesh`.
       tokenizer: the run's (`jaxlong.data.run_tokenizer(cfg)`). suite: tasks, lengths, cases, scoring.
       corpus: int32 tokens of the run's text for the corpus haystacks (`corpus_tokens`).
-      chat, eos_ids: as `RulerValidator` (generation only).
+      option: the key or flag that gave the lengths, named by a length error.
+      generation: the chat template and the ids that end a generation (`RulerGeneration`; generation only).
 
     Returns:
       `results(...)` rows: task, length, cases, correct, score.
@@ -310,6 +326,7 @@ def evaluate_ruler(cfg: Config, mesh, params: dict, tokenizer, suite: RulerSuite
       ConfigError: a length the mesh does not take, or a tokenizer larger than `model.vocab_size`.
       ValueError: a task that cannot be generated at a length (see `make_cases`, `generation_cases`).
     """
-    validator = RulerValidator(cfg, mesh, tokenizer, suite, corpus, option, chat=chat, eos_ids=eos_ids)
+    validator = RulerValidator(cfg, mesh, tokenizer, suite, corpus, option, chat=generation.chat,
+                               eos_ids=generation.eos_ids)
     validator.stats = stats
     return validator.run(params, progress)

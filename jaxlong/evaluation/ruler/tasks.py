@@ -229,10 +229,22 @@ def _occurs(seq: np.ndarray, sub: np.ndarray) -> bool:
     return cand.size > 0
 
 
-def _case(task, length, index, head, context, tail, answer, items, item_starts, needle_starts, distractors=(),
-          query=()):
-    """Concatenate `head context tail answer` (head holds BOS and any pad); positions are shifted to the input."""
-    tokens = np.concatenate([head, context, tail, answer]).astype(np.int32)
+@dataclass(frozen=True)
+class _Sections:
+    """A case's tokens in order, each int32 `[n]`: `head` (BOS, any filler pad, the instructions), `context` (the
+    haystack with its needles, or the list), `tail` (the question) and `answer`."""
+
+    head: np.ndarray
+    context: np.ndarray
+    tail: np.ndarray
+    answer: np.ndarray
+
+
+def _case(task, length, index, sections: _Sections, items, item_starts, needle_starts, distractors=(), query=()):
+    """Concatenate `head context tail answer` of `sections`; `item_starts` and `needle_starts`, positions in the
+    context, are shifted to the input."""
+    head, context, answer = sections.head, sections.context, sections.answer
+    tokens = np.concatenate([head, context, sections.tail, answer]).astype(np.int32)
     assert tokens.size == length + 1, (tokens.size, length)
     off = head.size
     return RulerCase(task.name, length, index, tokens, np.arange(length - answer.size, length), tuple(items),
@@ -321,7 +333,7 @@ def _niah(task, pieces, lex, rng, length, depth, index, corpus):
         else:  # in the order asked
             order = list(range(n_ans))
         items = [answer_needles[j][1] for j in order]
-        return _case(task, length, index, head, context, tail, pieces.join(items), items,
+        return _case(task, length, index, _Sections(head, context, tail, pieces.join(items)), items,
                      [value_at[j] for j in order], starts[:n_ans], [v for _, v in others], asked)
     raise ValueError(f"ruler task {task.name}: could not draw needles absent from the haystack")
 
@@ -346,8 +358,8 @@ def _vt(task, pieces, lex, rng, length, depth, index, corpus):
         raise _too_short(task, length, length - n_hay)
     context, starts = _insert(_filler(pieces, n_hay), list(zip(depths, statements)), pieces)
     var_at = [s + pieces(" VAR").size for s in starts[: task.hops + 1]]
-    return _case(task, length, index, head, context, tail, answer, chains[0], var_at, starts[: task.hops + 1],
-                 [v for chain in chains[1:] for v in chain], [values[0]])
+    return _case(task, length, index, _Sections(head, context, tail, answer), chains[0], var_at,
+                 starts[: task.hops + 1], [v for chain in chains[1:] for v in chain], [values[0]])
 
 
 def _list_case(task, pieces, length, index, head_text, tail, items, entries, listed):
@@ -360,7 +372,7 @@ def _list_case(task, pieces, length, index, head_text, tail, items, entries, lis
     first = [listed.index(w) for w in items]
     starts = np.concatenate([[0], np.cumsum([e.size for e in entries])])
     item_starts = [int(starts[k] + entries[k].size - pieces.slot(w).size) for k, w in zip(first, items)]
-    return _case(task, length, index, np.concatenate([bos, _filler(pieces, pad), head]), body, tail, answer,
+    return _case(task, length, index, _Sections(np.concatenate([bos, _filler(pieces, pad), head]), body, tail, answer),
                  items, item_starts, [])
 
 
