@@ -8,7 +8,9 @@ import collections
 import dataclasses
 import csv
 import functools
+import json
 import re
+import types
 from pathlib import Path
 
 import jax
@@ -21,7 +23,8 @@ from jaxlong.evaluation import ruler
 from jaxlong.evaluation import steps as ev_steps
 from jaxlong.evaluation.probes import passkey_batch
 from jaxlong.evaluation.ruler.words import Pieces
-from jaxlong.models.llama import Runtime, forward, model_graphdef
+from jaxlong.config import runtime
+from jaxlong.models.llama import forward, model_graphdef
 from jaxlong.training import step as step_lib
 from tests.helpers import mesh_for, tiered, tiny_cfg
 
@@ -266,7 +269,7 @@ def _greedy_cases():
     cases = [ruler.make_cases(dataclasses.replace(ruler.TASKS[t], **o), _tokenizer("byte"), LENGTH, 1, seed=3)[0]
              for t, o in SMALL.items()]
     logits_fn = jax.jit(lambda p, x: jax.numpy.einsum("bsh,hv->bsv", *forward(
-        model_graphdef(ref), p, x, Runtime(mesh=mesh, cfg=ref))))
+        model_graphdef(ref.model, ref.param_dtype), p, x, runtime(ref, mesh))))
     tokens = np.stack([c.tokens for c in cases])
     for _ in range(max(c.answer.size for c in cases)):  # greedy: the answer's tokens one at a time
         argmax = np.asarray(logits_fn(params, tokens[:, :-1])).argmax(-1)
@@ -371,6 +374,73 @@ def test_results_csv_heatmap_table_and_scalars(tmp_path):
     assert w.scalars["eval/ruler_forced/niah_single_1/01048576"] == (0.25, 7)
     assert w.scalars["eval/ruler_forced/niah_single_1"] == (0.625, 7)
     assert w.scalars["eval/ruler_forced/mean"] == (pytest.approx(1.75 / 3), 7)
+
+
+def test_prompts_are_written_beside_the_cases_one_json_line_each(tmp_path):
+    """`ruler_prompts.jsonl` holds, for each row of `ruler_cases.csv` in its order, the row's task, length, index
+    and depth, and the prompt the model read: by generation RULER's whole prompt (its text and answer prefix, the
+    byte tokenizer's document token not being text), teacher-forced the document up to the answer."""
+    tok = _tokenizer("byte")
+    made = ruler.generation_cases("niah_single_1", tok, 1024, 2) + ruler.generation_cases("fwe", tok, 512, 1)
+    outputs = [types.SimpleNamespace(text=f"answer {i}", reason="eos") for i in range(len(made))]
+    forced = ruler.make_cases("niah_single_1", tok, 512, 2) + ruler.make_cases("fwe", tok, 512, 1)
+    argmax = [c.tokens[1:][c.answer] for c in forced]
+    rows = [{"task": "niah_single_1", "length": 1024, "cases": 2, "correct": 1, "score": 0.5}]
+    for kind, cases, case_rows in (
+            ("generate", made, ruler.generation_case_rows(made, outputs, np.ones(len(made)))),
+            ("forced", forced, ruler.case_rows(forced, argmax, ruler.is_right(forced, argmax), tok.decode))):
+        out = tmp_path / kind
+        paths = ruler.write_results(out, rows, cases=case_rows,
+                                    prompts=ruler.report.prompt_rows(cases, tok.decode))
+        assert paths[-2:] == [out / "ruler_cases.csv", out / "ruler_prompts.jsonl"]
+        with open(out / "ruler_cases.csv") as f:
+            csv_rows = list(csv.DictReader(f))
+        *lines, last = (out / "ruler_prompts.jsonl").read_text(encoding="utf-8").split("\n")
+        prompts = [json.loads(line) for line in lines]
+        assert last == ""  # every line ends with a newline
+        assert len(prompts) == len(csv_rows) == len(cases)
+        for c, row, p in zip(cases, csv_rows, prompts):
+            assert list(p) == list(ruler.report.PROMPT_FIELDS)
+            assert (p["task"], str(p["length"]), str(p["index"])) == (row["task"], row["length"], row["index"])
+            assert p["depth"] == (float(row["depth"]) if row["depth"] else None)
+            if kind == "generate":
+                assert p["prompt"] == c.text + c.answer_prefix == tok.decode(c.prompt)
+            else:  # the answer's tokens follow the prompt in the document
+                assert p["prompt"] + c.answer_text == tok.decode(c.tokens[:c.answer[-1] + 2])
+        assert prompts[-1]["task"] == "fwe" and prompts[-1]["depth"] is None  # no needle
+        assert "special magic number" in prompts[0]["prompt"]  # RULER's words, or the forced case's question
+
+
+@pytest.mark.slow
+def test_the_eval_command_writes_each_cases_prompt_beside_its_answer(tmp_path, capsys):
+    """`python -m jaxlong.eval RUN --ruler` (a tiny run of one step, one device), by generation and teacher-forced,
+    writes `ruler_prompts.jsonl` beside `ruler_cases.csv`: a prompt per row, with the row's task, length, index and
+    depth, as long as the row says (by generation) and in RULER's words."""
+    from jaxlong.eval import __main__ as eval_cli  # noqa: PLC0415
+    from jaxlong.recipes import train as run  # noqa: PLC0415
+
+    run(tiny_cfg("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1", "model.vocab_size=257", "seq_len=128",
+                 "data.max_tokens=100000", "steps=1", "eval_every=1", "eval_batches=1", "eval_fraction=0.2",
+                 "checkpoint_every=1", "run_name=r", f"run_dir={tmp_path}"))
+    tok = _tokenizer("byte")
+    for scoring, length in (("generate", 512), ("forced", 384)):
+        assert eval_cli.main([str(tmp_path / "r"), "--no-passkey", "--batches", "1", "--ruler", "--ruler-scoring",
+                              scoring, "--ruler-tasks", "niah_single_1", "--ruler-lengths", str(length),
+                              "--ruler-cases", "2"]) == 0
+        capsys.readouterr()
+        (out,) = [d for d in (tmp_path / "r" / "eval").glob("*/step_1")
+                  if json.loads((d / "summary.json").read_text())["ruler"]["scoring"] == scoring]
+        with open(out / "ruler_cases.csv") as f:
+            rows = list(csv.DictReader(f))
+        prompts = [json.loads(line) for line in (out / "ruler_prompts.jsonl").read_text().splitlines()]
+        assert len(rows) == len(prompts) == 2
+        for row, p in zip(rows, prompts):
+            assert (p["task"], p["length"], p["index"], p["depth"]) == \
+                (row["task"], int(row["length"]), int(row["index"]), float(row["depth"]))
+            assert "special magic number" in p["prompt"] and int(p["length"]) == length
+            if scoring == "generate":  # the document token, then the prompt's text byte for byte
+                assert len(tok.encode(p["prompt"])) + 1 == int(row["prompt_tokens"])
+                assert p["prompt"].endswith("mentioned in the provided text is")
 
 
 # ----------------------------------------------------------------------------------------------

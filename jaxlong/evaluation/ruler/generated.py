@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from jaxlong.config import Config
-from jaxlong.evaluation.heldout import eval_batch_size
+from jaxlong.data.heldout import eval_batch_size
 from jaxlong.evaluation.ruler.prompts import GenerationCase, string_match_all
 from jaxlong.generation.generate import Generator
 
@@ -33,7 +33,7 @@ def outputs_on_mesh(cfg: Config, mesh, params: dict, tokenizer, cases: Sequence[
     Args:
       cfg, mesh: the run's config and mesh. params: FSDP-sharded parameters. tokenizer: the run's.
       cases: `generation_cases` cases, any lengths and tasks. eos_ids: ids that end a row
-        (`jaxlong.generation.generate.stop_ids`).
+        (`jaxlong.data.tokenizer.stop_ids`).
       progress: called with the number of cases after each batch.
       generators: a dict kept between calls (training's validations): each length's `Generator`, so that its
         compiled prefill and decode step are reused with the new parameters.

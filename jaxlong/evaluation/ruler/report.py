@@ -1,15 +1,19 @@
 """RULER results: a CSV (task, length, cases, correct, score), the task x length heatmap (PNG, the familiar RULER
-grid), a text table and TensorBoard scalars. `rows` are `jaxlong.evaluation.ruler.score.results` rows."""
+grid), a text table and TensorBoard scalars; per case, what the model answered (a CSV) and the prompt it was
+asked (JSON lines). `rows` are `jaxlong.evaluation.ruler.score.results` rows."""
 
 from __future__ import annotations
 
 import csv
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 COLUMNS = ("task", "length", "cases", "correct", "score")
 CASE_COLUMNS = ("task", "length", "index", "depth", "correct", "answer", "predicted")
+PROMPT_FIELDS = ("task", "length", "index", "depth", "prompt")
 
 
 def grid(rows: list[dict]) -> tuple[list[str], list[int], np.ndarray]:
@@ -65,6 +69,35 @@ def write_cases(path: str | Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
+def prompt_rows(cases: Sequence, decode: Callable) -> Iterator[dict]:
+    """One object per case (`PROMPT_FIELDS`), made as they are read (a long prompt's text is made once, when it is
+    written): `task`, `length`, `index` and `depth` as the case's `ruler_cases.csv` row has them (the depth a number
+    in [0, 1] rounded to 3 places, None for cwe and fwe), and `prompt`, the text of the tokens the model read before
+    its answer, decoded with `decode` (the run's `tokenizer.decode`, which leaves special tokens out): by generation
+    (`GenerationCase`) the whole prompt, RULER's template, context and answer prefix; teacher-forced (`RulerCase`)
+    the input up to the answer's first token."""
+    for c in cases:
+        if hasattr(c, "prompt"):  # a GenerationCase
+            ids, depth = c.prompt, c.depth
+        else:  # a RulerCase: the targets are tokens[1:], the answer's first at target position answer[0]
+            ids, depth = c.tokens[:int(c.answer[0]) + 1], (c.depths[0] if c.depths else None)
+        yield {"task": c.task, "length": c.length, "index": c.index,
+               "depth": None if depth is None else round(float(depth), 3), "prompt": decode(ids)}
+
+
+# Characters that JSON leaves as they are and some readers take for line ends (Python's str.splitlines among them):
+# written escaped, so that each object stays on its line for every reader.
+LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def write_prompts(path: str | Path, prompts: Iterable[dict]) -> None:
+    """`prompt_rows` as JSON lines (UTF-8, one object a line, in the cases' order): what the model was asked.
+    Text stays readable (not ASCII-escaped) but for the characters some readers split lines at (`LINE_BREAKS`)."""
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for p in prompts:
+            f.write(json.dumps(p, ensure_ascii=False).translate(LINE_BREAKS) + "\n")
+
+
 def write_heatmap(path: str | Path, rows: list[dict], title: str = "RULER") -> None:
     """Score by task (rows) and length (columns), 0 red to 1 green, each cell annotated."""
     import matplotlib  # noqa: PLC0415
@@ -104,10 +137,10 @@ def log_scalars(writer, rows: list[dict], step: int, prefix: str = "eval/ruler_g
     writer.add_scalar(f"{prefix}/mean", float(np.mean([r["score"] for r in rows])), step)
 
 
-def write_results(out: str | Path, rows: list[dict], title: str = "RULER",
-                  cases: list[dict] | None = None) -> list[Path]:
-    """`out/ruler.csv` and `out/ruler.png`, and with `cases` (`case_rows`) `out/ruler_cases.csv`; returns their
-    paths."""
+def write_results(out: str | Path, rows: list[dict], title: str = "RULER", cases: list[dict] | None = None,
+                  prompts: Iterable[dict] | None = None) -> list[Path]:
+    """`out/ruler.csv` and `out/ruler.png`, with `cases` (`case_rows`, `generation_case_rows`) `out/ruler_cases.csv`
+    and with `prompts` (`prompt_rows` of the same cases) `out/ruler_prompts.jsonl`; returns their paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "ruler.csv", rows)
@@ -116,4 +149,7 @@ def write_results(out: str | Path, rows: list[dict], title: str = "RULER",
     if cases is not None:
         write_cases(out / "ruler_cases.csv", cases)
         paths.append(out / "ruler_cases.csv")
+    if prompts is not None:
+        write_prompts(out / "ruler_prompts.jsonl", prompts)
+        paths.append(out / "ruler_prompts.jsonl")
     return paths
