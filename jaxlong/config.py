@@ -24,219 +24,34 @@ from typing import Any, Literal
 
 import yaml
 
-from jaxlong.core.errors import ConfigError
-from jaxlong.core.mesh import resolve_mesh_shape
+from jaxlong.core.errors import ConfigError, check_choice
+from jaxlong.core.mesh import MeshConfig, check_mesh, resolve_mesh_shape
 from jaxlong.core.suggest import advice, fixes, sides
-from jaxlong.data.chat_data import ChatTurns, DataFormat, TooLong
+from jaxlong.data.config import DataConfig, SourceConfig, check_data
 from jaxlong.data.imported import config_source
-from jaxlong.data.mixture import source_name
-from jaxlong.data.pipeline import Packing, SplitPositions
-from jaxlong.data.tokenizer import TOKENIZERS
-from jaxlong.kernels.backend import Backend, check_backend, check_kernel_size, kernel_that_runs
+from jaxlong.kernels.backend import check_backend, check_kernel_size, kernel_that_runs
 from jaxlong.kernels.blockwise import check_attention_block
-from jaxlong.layers.blocks import RopeScaling
-from jaxlong.layers.remat import RematPolicy, check_keep_attention, check_offload_every
+from jaxlong.layers.blocks import RopeScalingConfig
+from jaxlong.layers.remat import RematConfig, check_remat
+from jaxlong.layers.tiled import TilingConfig, check_tiling
+from jaxlong.models.config import ModelConfig, check_model
 from jaxlong.models.hf_config import model_settings_from_hf
-from jaxlong.parallel.dispatch import AttentionImpl
+from jaxlong.models.llama import Runtime
+from jaxlong.objectives.base import Objective
+from jaxlong.objectives.dpo import DPOConfig
+from jaxlong.objectives.registry import ObjectiveName, check_objective, objective_for
+from jaxlong.optim.adamw import OptimConfig, schedule_length, validate_optim
+from jaxlong.parallel.dispatch import AttentionConfig, check_attention
 from jaxlong.parallel.ring import check_ring
 from jaxlong.parallel.ulysses import check_heads
 from jaxlong.parallel.upipe import check_upipe_remat_names, check_upipe_schedule
 
 __all__ = ["Config", "ModelConfig", "RopeScalingConfig", "MeshConfig", "AttentionConfig", "RematConfig", "TilingConfig",
-           "DataConfig", "OptimConfig", "DPOConfig", "ConfigError", "load_config", "from_dict", "to_dict",
-           "parse_override",
-           "apply_setting", "read_yaml", "validate", "validate_optim", "schedule_length", "refusal", "advise",
-           "with_settings", "changed_keys"]
+           "DataConfig", "SourceConfig", "OptimConfig", "DPOConfig", "ConfigError", "load_config", "from_dict",
+           "to_dict", "parse_override", "apply_setting", "read_yaml", "validate", "validate_optim", "schedule_length",
+           "refusal", "advise", "with_settings", "changed_keys", "runtime", "objective_of"]
 
-
-@dataclass
-class RopeScalingConfig:
-    """RoPE frequency scaling for context extension (`rope_scaling` of Hugging Face configs).
-
-    `type`: `none`; `linear` (position interpolation, Chen et al. 2023: every frequency / `factor`);
-    `llama3` (Llama-3.1: wavelengths above `original_max_position_embeddings / low_freq_factor` are divided by
-    `factor`, those below `original_max_position_embeddings / high_freq_factor` kept, those between
-    interpolated); `yarn` (Peng et al. 2023, YaRN: a ramp between `beta_fast` and `beta_slow` rotations, and
-    the attention temperature `attention_factor`, default `0.1 ln(factor) + 1`, applied to cos and sin).
-    `jaxlong.layers.blocks.rope_frequencies` computes them as `transformers` does.
-    """
-
-    type: RopeScaling = "none"
-    factor: float = 1.0
-    original_max_position_embeddings: int = 0  # pretraining context (llama3, yarn); 0: none given
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn; null: 0.1 * ln(factor) + 1
-    truncate: bool = True  # yarn: round the correction range to whole dimensions
-
-
-@dataclass
-class ModelConfig:
-    """Llama-3 / Qwen3 architecture shapes (grouped-query attention, SwiGLU MLP, RMSNorm, RoPE; Qwen3 adds
-    `qk_norm`, an RMSNorm over head_dim on every query and key head before RoPE).
-
-    `from_hf`: a local Hugging Face checkpoint directory (`config.json`, `*.safetensors`, `tokenizer.json`);
-    the shapes then come from its `config.json` (`jaxlong.models.hf_config`), the weights from its safetensors
-    and the tokenizer from its `tokenizer.json`. Model keys set explicitly (e.g. `model.rope_theta`,
-    `model.rope_scaling.*` to extend the context) override the checkpoint's values; shape keys must agree.
-    """
-
-    name: str = "tiny"
-    vocab_size: int = 512  # padded vocabulary; must be >= the tokenizer's
-    hidden: int = 256
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 64
-    mlp_hidden: int = 768
-    rope_theta: float = 500000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys before RoPE
-    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
-    max_position_embeddings: int = 0  # the checkpoint's trained context (exported as the run's seq_len if larger)
-    from_hf: str | None = None  # Hugging Face checkpoint directory to start from
-
-
-@dataclass
-class MeshConfig:
-    """Device mesh `data x fsdp x ring x context`. -1 on one axis means "all remaining devices".
-
-    The sequence is split over `ring` x `context`: Ulysses all-to-alls over `context` (inside a node), ring
-    attention over `ring` (across nodes; `jaxlong.parallel.ring`). With ring > 1 both `attention.impl`s run as hybrids.
-
-    `num_devices` is the number of simulated devices when the platform is the CPU (the entry point sets
-    `--xla_force_host_platform_device_count` before importing jax); on GPUs the real device count is used.
-    """
-
-    data: int = 1
-    fsdp: int = -1
-    ring: int = 1
-    context: int = 4
-    num_devices: int = 8
-
-
-@dataclass
-class AttentionConfig:
-    """How attention is parallelized (`impl`) and which kernel runs it (`backend`)."""
-
-    impl: AttentionImpl = "ulysses"
-    backend: Backend = "auto"
-    block_q: int = 256
-    block_k: int = 256
-    heads_per_stage: int = 0  # U-Pipe heads per stage U; 0 means U = context degree C
-
-
-@dataclass
-class RematConfig:
-    """Activation checkpointing of the scanned decoder layer."""
-
-    policy: RematPolicy = "none"
-    save: list[str] = field(default_factory=list)  # custom: names kept on device
-    offload: list[str] = field(default_factory=list)  # custom: names moved to pinned host memory
-    offload_every: int = 1  # offload: keep every k-th layer input on host, recompute the groups (grouped checkpointing)
-    keep_attention: int = 0  # full/offload: the first N layers keep attention output + lse (forward runs once)
-    keep_attention_memory: str = "host"  # where they are kept: "host" (pinned host memory) or "device"
-
-
-@dataclass
-class TilingConfig:
-    """Sequence tiling (ALST §3.2-3.3): loss and MLP over tiles of the local sequence, recomputed in the
-    backward pass, so `[S/C, vocab]` logits and `[S/C, mlp_hidden]` intermediates never exist at once."""
-
-    loss: bool = False
-    loss_tile: int = 0  # tokens per loss tile; 0 derives it from a 256 MiB float32 logits budget
-    mlp: bool = False
-    mlp_tiles: int = 0  # tiles per local sequence; 0 means ceil(S_local / hidden) as in ALST
-
-
-@dataclass
-class SourceConfig:
-    """One corpus of a data mixture (`data.sources`, `jaxlong.data.mixture`): its share of the training tokens
-    and its length rules, in tokens of `data.tokenizer` (a document is `[BOS] text [EOS]`)."""
-
-    path: str | None = None  # as `data.path`; null: the embedded corpus
-    weight: float = 1.0  # share of the training tokens, relative to the other sources' weights
-    name: str = ""  # the name TensorBoard's data/share/NAME uses; "" derives it from the path
-    text_field: str | None = None  # null: `data.text_field`
-    min_doc_tokens: int = 0  # shorter documents are dropped
-    max_doc_tokens: int | None = None  # longer documents are dropped (null: none)
-    long_doc_tokens: int = 0  # a document this long or longer is "long"; 0: seq_len // 2
-    upsample_long: float = 1.0  # long documents are drawn this many times as often (>= 1)
-    format: str | None = None  # "text" or "chat" (conversations, docs/post-training.md); null: `data.format`
-
-
-@dataclass
-class DataConfig:
-    """Training text. `path: null` is the embedded corpus: the Python standard library's source files.
-    `sources` (a list of `SourceConfig`) mixes several corpora instead; `path` must be null then."""
-
-    path: str | None = None
-    tokenizer: str = "byte"  # "byte", or a path to a Hugging Face tokenizer.json
-    max_tokens: int | None = None  # cap on corpus tokens read (None: all)
-    text_field: str = "text"  # the field of each .jsonl / .parquet record that holds the document
-    packing: Packing = "documents"  # "documents" (whole documents, segment ids) or "concat" (concatenate and cut)
-    split_positions: SplitPositions = "restart"  # pieces of a document longer than seq_len: "restart" at 0 or "continue"
-    shuffle: bool = True  # shuffle the documents each epoch (seeded by `seed` and the epoch)
-    # Per packing stream: threads that read and tokenize ahead, and documents read ahead (Grain's ReadOptions;
-    # its defaults of 16 and 500 cost seconds of start-up per stream and are slower on a few cores). No batch
-    # depends on them.
-    read_threads: int = 4
-    read_buffer: int = 64
-    sources: list[SourceConfig] = field(default_factory=list)
-    # Post-training (docs/post-training.md): "chat" reads conversations ({"messages": [...]} or prompt/completion
-    # records), renders them with the chat template and trains on the assistant's tokens only.
-    format: DataFormat = "text"
-    chat_turns: ChatTurns = "all"  # assistant turns trained: "all", or the "last" of each conversation
-    too_long: TooLong = "refuse"  # a conversation longer than seq_len: "refuse" (stop) or "drop" (counted)
-    chat_template: str | None = None  # a Jinja file that replaces the tokenizer's template (or gives one)
-    # For plans only (`python -m jaxlong.memory --estimate/--fit`, jaxlong.plan.packing): a sample of the data's
-    # document lengths in tokens, so a plan of packed documents counts the attention tiles the kernels skip between
-    # documents; [] measures a chat or preference file where it exists, else counts dense causal attention.
-    doc_lengths: list[int] = field(default_factory=list)
-
-
-@dataclass
-class OptimConfig:
-    """AdamW with linear warmup and cosine decay, global-norm gradient clipping (optax)."""
-
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 5
-    decay_steps: int = 0  # length of the warmup + cosine schedule; 0 means `steps` (see `schedule_length`)
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    clip_norm: float | None = 1.0  # global-norm gradient clipping; null disables it
-    # The global step at which this schedule's warmup starts (a recipe's stage, `jaxlong.training.recipe`): the
-    # learning rate at step s is the schedule's at s - schedule_start, over `steps - schedule_start` steps.
-    schedule_start: int = 0
-    # Start AdamW afresh (moments zero, bias correction from 1) at a recipe stage's first step, or where a resumed
-    # checkpoint's config did not ask for it (`--resume-with-changes optim.reset_state=true`), instead of carrying
-    # the checkpoint's optimizer state; the parameters and the schedule's global step carry on.
-    reset_state: bool = False
-
-
-Objective = Literal["lm", "dpo"]  # `objective`
-PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]  # `dpo.loss`
-
-
-@dataclass
-class DPOConfig:
-    """Preference optimization (`objective: dpo`, docs/post-training.md, `jaxlong.training.preference`) on
-    `data.format: preference` pairs."""
-
-    loss: PreferenceLoss = "sigmoid"  # sigmoid (DPO), ipo, or simpo (no reference)
-    beta: float = 0.1  # the KL penalty's strength (DPO's beta); under simpo the reward scale
-    simpo_gamma: float = 0.5  # SimPO's target margin (nats, on per-token averaged log-probs)
-    # The frozen reference whose log-probs are computed once, before the first DPO step, and kept in
-    # RUN_DIR/reference/: "policy" (the weights the run or the recipe's stage starts from), or a Hugging Face
-    # model directory of the same architecture.
-    reference: str = "policy"
+Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclass
@@ -250,7 +65,7 @@ class Config:
     tiling: TilingConfig = field(default_factory=TilingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    objective: Objective = "lm"  # "lm" (next-token loss; SFT with chat data) or "dpo" (preference pairs)
+    objective: ObjectiveName = "lm"  # "lm" (next-token loss; SFT with chat data) or "dpo" (preference pairs)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     seq_len: int = 4096  # tokens per sequence
     global_batch: int = 2  # sequences per optimizer step, over all data-parallel replicas and micro-batches
@@ -280,7 +95,7 @@ class Config:
     # the least memory), or "auto": replicated when they take at most half of each device's free memory.
     decode_weights: Literal["auto", "replicated", "sharded"] = "auto"
     lost_process_timeout_s: float = 120  # several processes: one silent this long ends the others (docs/multi-node.md)
-    # A recipe (docs/recipes.md, `jaxlong.training.recipe`): a list of stages, each a mapping of `name`, its own
+    # A recipe (docs/recipes.md, `jaxlong.recipes.recipe`): a list of stages, each a mapping of `name`, its own
     # `steps` and any config keys it changes; a run of one stage has `stage` set to its index.
     stages: list[dict] = field(default_factory=list)
     stage: int = 0
@@ -289,7 +104,16 @@ class Config:
     imported: dict = field(default_factory=dict)
 
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+def runtime(cfg: Config, mesh, *, keep_attention: bool = False) -> Runtime:
+    """The forward's `jaxlong.models.llama.Runtime` of a run on `mesh`: the sections it reads (model, attention,
+    remat, tiling), the compute dtype and whether attention masks by segment ids (`data.packing=documents`)."""
+    return Runtime(mesh, cfg.model, cfg.attention, cfg.remat, cfg.tiling, cfg.compute_dtype,
+                   document_masking=cfg.data.packing == "documents", keep_attention=keep_attention)
+
+
+def objective_of(cfg: Config) -> Objective:
+    """The run's `jaxlong.objectives.base.Objective` (`objective` and its section)."""
+    return objective_for(cfg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -378,7 +202,7 @@ def apply_setting(obj: Any, key: str, value: Any, raw: str | None = None) -> Non
         if raw is not None and (tp is str or typing.get_origin(tp) is Literal) and value is None:
             value = raw
         if typing.get_origin(tp) is Literal and not _type_ok(value, tp):
-            _check_choice(key, value, tp)
+            check_choice(key, value, tp)
         if not _type_ok(value, tp):
             raise ConfigError(
                 f"config key {key!r} must be of type {_type_name(tp)}, got {value!r} ({type(value).__name__})"
@@ -403,7 +227,7 @@ def parse_override(text: str) -> tuple[str, Any, str]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a `Config` from defaults, then the YAML file at `path`, then `key=value` overrides; validate it (a
-    recipe, a config with `stages`, is validated stage by stage by `jaxlong.training.recipe.expand` instead).
+    recipe, a config with `stages`, is validated stage by stage by `jaxlong.recipes.recipe.expand` instead).
 
     Raises:
       ConfigError: `path` missing, unreadable or not valid YAML (with line and column); unknown key, wrong
@@ -423,7 +247,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if cfg.model.from_hf:
         cfg = _with_hf_model(cfg, settings)
     if cfg.stages:  # a recipe: no run uses the base config alone; each stage is validated whole, and named, by
-        return cfg  # `jaxlong.training.recipe.expand`
+        return cfg  # `jaxlong.recipes.recipe.expand`
     # advice about the options set here, the command line's first; a file's model is the model, not a knob
     validate(cfg, changed=changed_keys(settings[in_file:]) +
              [k for k in changed_keys(settings[:in_file]) if not k.startswith("model.")])
@@ -521,13 +345,6 @@ def to_dict(cfg: Config) -> dict:
 # Validation of combinations (no jax needed).
 
 
-def _check_choice(key: str, value: str, tp: Any) -> None:
-    """A field typed `Literal[...]` holds one of its values (a dataclass field can be set past `apply_setting`)."""
-    allowed = typing.get_args(tp)
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
-
-
 def validate(cfg: Config, num_devices: int | None = None, *, platform: str | None = None,
              changed: typing.Sequence[str] = ()) -> None:
     """Check every combination that can be checked before compiling, and where one fails, say what would pass.
@@ -560,60 +377,27 @@ def refusal(cfg: Config, num_devices: int | None = None, platform: str | None = 
 
 
 def _check(cfg: Config, n: int, platform: str | None) -> None:
-    m = cfg.model
-    for key in ("hidden", "layers", "heads", "kv_heads", "head_dim", "mlp_hidden", "vocab_size"):
-        if getattr(m, key) <= 0:
-            raise ConfigError(f"model.{key}={getattr(m, key)} must be positive", key=f"model.{key}",
-                              value=getattr(m, key))
-    if m.heads % m.kv_heads:
-        raise ConfigError(
-            f"model.heads={m.heads} must be a multiple of model.kv_heads={m.kv_heads} (grouped-query attention)",
-            key="model.kv_heads", value=m.kv_heads, keys=("model.heads",))
-    rs = m.rope_scaling
-    _check_choice("model.rope_scaling.type", rs.type, RopeScaling)
-    if m.rope_theta <= 0:
-        raise ConfigError(f"model.rope_theta={m.rope_theta} must be positive")
-    if rs.type != "none" and rs.factor <= 0:
-        raise ConfigError(f"model.rope_scaling.factor={rs.factor} must be positive")
-    if rs.type in ("llama3", "yarn") and rs.original_max_position_embeddings <= 0:
-        raise ConfigError(
-            f"model.rope_scaling.type={rs.type} needs model.rope_scaling.original_max_position_embeddings (the "
-            f"pretraining context length, e.g. 8192 for Llama-3.1), got {rs.original_max_position_embeddings}"
-        )
-    if rs.type == "llama3" and rs.high_freq_factor <= rs.low_freq_factor:
-        raise ConfigError(
-            f"model.rope_scaling.high_freq_factor={rs.high_freq_factor} must exceed "
-            f"model.rope_scaling.low_freq_factor={rs.low_freq_factor}"
-        )
-    _check_choice("param_dtype", cfg.param_dtype, Dtype)
-    _check_choice("compute_dtype", cfg.compute_dtype, Dtype)
-    _check_choice("attention.impl", cfg.attention.impl, AttentionImpl)
-    _check_choice("attention.backend", cfg.attention.backend, Backend)
-    _check_choice("remat.policy", cfg.remat.policy, RematPolicy)
-    check_offload_every(cfg.remat.offload_every, cfg.remat.policy, m.layers)
-    check_keep_attention(cfg.remat.keep_attention, cfg.remat.keep_attention_memory, cfg.remat.policy, m.layers)
-    if cfg.tiling.loss_tile < 0 or cfg.tiling.mlp_tiles < 0:
-        raise ConfigError("tiling.loss_tile and tiling.mlp_tiles must be >= 0 (0 = derived default)")
+    """Each section's own rules, in order, then the rules that span sections (`_check_run`, `_check_layout`)."""
+    check_model(cfg.model)
+    check_choice("param_dtype", cfg.param_dtype, Dtype)
+    check_choice("compute_dtype", cfg.compute_dtype, Dtype)
+    check_attention(cfg.attention)
+    check_remat(cfg.remat, cfg.model.layers)
+    check_tiling(cfg.tiling)
     if cfg.seed < 0:
         raise ConfigError(f"seed={cfg.seed} must be >= 0")
-    if cfg.data.path is not None and not str(cfg.data.path).strip():
-        raise ConfigError("data.path is empty; give a .txt/.jsonl file or directory, or null for the embedded corpus")
-    if cfg.data.tokenizer not in TOKENIZERS and not str(cfg.data.tokenizer).endswith(".json"):
-        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} is not allowed; choose one of: "
-                          f"{', '.join(sorted(TOKENIZERS))}, or the path of a Hugging Face tokenizer.json")
-    _check_choice("data.packing", cfg.data.packing, Packing)
-    _check_choice("data.split_positions", cfg.data.split_positions, SplitPositions)
-    check_backend(cfg.attention.backend, head_dim=m.head_dim, compute_dtype=cfg.compute_dtype,
+    check_data(cfg.data)
+    check_backend(cfg.attention.backend, head_dim=cfg.model.head_dim, compute_dtype=cfg.compute_dtype,
                   segment_ids=cfg.data.packing == "documents")
-    if not str(cfg.data.text_field).strip():
-        raise ConfigError("data.text_field is empty; give the name of the field that holds each document's text")
-    if cfg.data.read_threads < 0:
-        raise ConfigError(f"data.read_threads={cfg.data.read_threads} must be >= 0 (0 reads in the training thread)")
-    if cfg.data.read_buffer < 1:
-        raise ConfigError(f"data.read_buffer={cfg.data.read_buffer} must be >= 1 document")
-    validate_sources(cfg)
-    validate_chat(cfg)
-    validate_objective(cfg)
+    check_objective(cfg)
+    _check_run(cfg)
+    validate_optim(cfg.optim)
+    check_mesh(cfg.mesh)
+    _check_layout(cfg, n, platform)
+
+
+def _check_run(cfg: Config) -> None:
+    """The run's own keys: steps and a recipe's stage, the positive counts, validation, RULER, the process timeout."""
     if cfg.steps < 1:
         raise ConfigError(f"steps={cfg.steps} must be >= 1")
     if not 0 <= cfg.optim.schedule_start < cfg.steps:
@@ -623,8 +407,6 @@ def _check(cfg: Config, n: int, platform: str | None) -> None:
         raise ConfigError(f"stage={cfg.stage} must be >= 0 (a recipe's stage index)")
     if not all(isinstance(st, dict) for st in cfg.stages):
         raise ConfigError("stages must be a list of mappings, each with its steps and the keys it changes")
-    if cfg.data.max_tokens is not None and cfg.data.max_tokens <= 0:
-        raise ConfigError(f"data.max_tokens={cfg.data.max_tokens} must be positive, or null for the whole corpus")
     for key in ("seq_len", "global_batch", "steps", "log_every", "checkpoint_every", "keep_checkpoints",
                 "grad_accum", "eval_batches", "profile_steps"):
         if getattr(cfg, key) <= 0:
@@ -637,16 +419,12 @@ def _check(cfg: Config, n: int, platform: str | None) -> None:
         raise ConfigError(f"lost_process_timeout_s={cfg.lost_process_timeout_s} must be >= 1 second (default 120; "
                           f"longer than any pause of a process, such as a slow checkpoint read)")
     validate_ruler(cfg)
-    for key in ("rope_theta", "norm_eps", "init_std"):
-        if not getattr(m, key) > 0:
-            raise ConfigError(f"model.{key}={getattr(m, key)} must be positive")
-    validate_optim(cfg.optim)
-    if cfg.attention.heads_per_stage < 0:
-        raise ConfigError(f"attention.heads_per_stage={cfg.attention.heads_per_stage} must be >= 0 (0: U = "
-                          f"mesh.context)", key="attention.heads_per_stage", value=cfg.attention.heads_per_stage)
-    if cfg.mesh.num_devices <= 0:
-        raise ConfigError(f"mesh.num_devices={cfg.mesh.num_devices} must be a positive device count")
 
+
+def _check_layout(cfg: Config, n: int, platform: str | None) -> None:
+    """How the run lies on `n` devices: the mesh's shape, the sequence over its shards, the batch over data x fsdp,
+    the heads over context (each method's validator), the tiles and the kernels' size limits."""
+    m = cfg.model
     data, fsdp, ring, context = resolve_mesh_shape(cfg.mesh, n)
     if ring == 1 and cfg.seq_len % context:
         raise ConfigError(f"seq_len={cfg.seq_len} is not divisible by mesh.context={context}", key="seq_len",
@@ -701,121 +479,6 @@ def _check(cfg: Config, n: int, platform: str | None) -> None:
                       head_dim=m.head_dim)
 
 
-def validate_sources(cfg: Config) -> None:
-    """`data.sources`: a mixture, each source's weight (finite, > 0) and length rules (`jaxlong.data.mixture`);
-    whether each corpus exists and whether its rules keep any of its documents are checked when the pipeline
-    opens it (`jaxlong.data.batch_iterator`), before anything compiles.
-
-    Raises:
-      ConfigError: naming `data.sources[i].KEY`, its value and what would work.
-    """
-    d = cfg.data
-    if not d.sources:
-        return
-    if d.path is not None:
-        raise ConfigError(f"data.path={d.path!r} and data.sources are both set: give the corpus as one of "
-                          "data.sources (with its weight), or drop data.sources")
-    if d.max_tokens is not None:
-        raise ConfigError("data.max_tokens caps one corpus; with data.sources use each source's own rules "
-                          "(min_doc_tokens, max_doc_tokens) or drop data.max_tokens")
-    names = set()
-    for i, src in enumerate(d.sources):
-        at = f"data.sources[{i}]"
-        if src.path is not None and not str(src.path).strip():
-            raise ConfigError(f"{at}.path is empty; give a .txt/.jsonl/.parquet file or directory, or null for "
-                              "the embedded corpus")
-        if not 0 < src.weight < float("inf"):  # NaN fails too
-            raise ConfigError(f"{at}.weight={src.weight} must be > 0 and finite (its share of the training tokens, "
-                              "relative to the other sources' weights, e.g. 1); drop the source to leave it out")
-        if src.min_doc_tokens < 0:
-            raise ConfigError(f"{at}.min_doc_tokens={src.min_doc_tokens} must be >= 0")
-        if src.max_doc_tokens is not None and src.max_doc_tokens <= src.min_doc_tokens:
-            raise ConfigError(f"{at}.max_doc_tokens={src.max_doc_tokens} must be > min_doc_tokens="
-                              f"{src.min_doc_tokens}, or null")
-        if src.long_doc_tokens < 0:
-            raise ConfigError(f"{at}.long_doc_tokens={src.long_doc_tokens} must be >= 0 (0: seq_len // 2)")
-        if not src.upsample_long >= 1:
-            raise ConfigError(f"{at}.upsample_long={src.upsample_long} must be >= 1 (1: long documents as often "
-                              "as the corpus has them; drop long ones with max_doc_tokens)")
-        if src.text_field is not None and not str(src.text_field).strip():
-            raise ConfigError(f"{at}.text_field is empty; give the field that holds each document's text, or null")
-        name = source_name(src, i)
-        if name in names:
-            raise ConfigError(f"{at}: another source has the name {name!r}; give each a distinct name")
-        names.add(name)
-
-
-def validate_chat(cfg: Config) -> None:
-    """The chat keys (docs/post-training.md): `data.format` and each source's `format`, `data.chat_turns`,
-    `data.too_long`, and what conversations need: whole-document packing (`data.packing=documents`: each
-    conversation its own segment), no `data.max_tokens` (it would cut one). `data.chat_template`, the records and
-    their lengths are checked when the run starts and opens the source (`jaxlong.data.open_source`), before
-    anything compiles (a trained run keeps its copy of the template, so evaluation needs no file).
-
-    Raises:
-      ConfigError: naming the option, its value and what would work.
-    """
-    d = cfg.data
-    if any(n <= 0 for n in d.doc_lengths):
-        raise ConfigError(f"data.doc_lengths={d.doc_lengths}: document lengths are positive token counts")
-    _check_choice("data.format", d.format, DataFormat)
-    _check_choice("data.chat_turns", d.chat_turns, ChatTurns)
-    _check_choice("data.too_long", d.too_long, TooLong)
-    formats = [d.format] if not d.sources else [s.format or d.format for s in d.sources]
-    for i, src in enumerate(d.sources):
-        if src.format is not None:
-            _check_choice(f"data.sources[{i}].format", src.format, DataFormat)
-    if "chat" not in formats and "preference" not in formats:
-        return
-    records = ("chat", "preference")
-    paths = [d.path] if not d.sources else [s.path for s in d.sources if (s.format or d.format) in records]
-    fmt = next(f for f in formats if f in records)
-    if any(p is None for p in paths):
-        where = "data.path" if not d.sources else next(f"data.sources[{i}].path" for i, s in enumerate(d.sources)
-                                                       if (s.format or d.format) in records and s.path is None)
-        example = "configs/data/stdlib_chat.jsonl" if fmt == "chat" else "configs/data/stdlib_preference.jsonl"
-        raise ConfigError(f"{where} is null (the embedded corpus, which is text) under data.format={fmt}: give a "
-                          f".jsonl file or directory of {fmt} records ({example} is one)"
-                          + (", or format: text for that source" if d.sources else ""))
-    if d.packing != "documents":
-        raise ConfigError(f"data.packing={d.packing!r} would let conversations attend to each other: {fmt} data "
-                          f"packs each conversation as its own document (data.packing=documents)")
-    if d.max_tokens is not None:
-        raise ConfigError(f"data.max_tokens would cut a conversation; with data.format={fmt} drop it (too long "
-                          f"ones: data.too_long)")
-
-
-def validate_objective(cfg: Config) -> None:
-    """`objective` and the `dpo` keys (docs/post-training.md): `objective: dpo` trains on `data.format:
-    preference` pairs and only on them (no `data.sources` mixture), with a positive `dpo.beta`; preference data
-    needs `objective: dpo`.
-
-    Raises:
-      ConfigError: naming the option, its value and what would work.
-    """
-    _check_choice("objective", cfg.objective, Objective)
-    _check_choice("dpo.loss", cfg.dpo.loss, PreferenceLoss)
-    d = cfg.data
-    formats = [d.format] if not d.sources else [s.format or d.format for s in d.sources]
-    if cfg.objective == "lm":
-        if "preference" in formats:
-            where = "data.format" if not d.sources else "a source's format"
-            raise ConfigError(f"{where}=preference is preference pairs, for objective=dpo", key="objective",
-                              value=cfg.objective)
-        return
-    if d.sources or d.format != "preference":
-        raise ConfigError("objective=dpo trains on preference pairs: set data.format=preference with data.path a "
-                          ".jsonl of prompt/chosen/rejected records" + (", without data.sources" if d.sources else
-                                                                          f" (data.format is {d.format!r})"),
-                          key="objective", value=cfg.objective)
-    if not cfg.dpo.beta > 0:
-        raise ConfigError(f"dpo.beta={cfg.dpo.beta} must be positive (TRL's default is 0.1)", key="dpo.beta",
-                          value=cfg.dpo.beta)
-    if not str(cfg.dpo.reference).strip():
-        raise ConfigError("dpo.reference is empty; give policy (the weights the run starts from) or a Hugging Face "
-                          "model directory")
-
-
 def validate_ruler(cfg: Config) -> None:
     """The RULER validation keys: positive `ruler_lengths` and `ruler_cases`, no task listed twice, and
     `eval_every` > 0 when tasks are set. The task names and whether the mesh takes each length are checked when the
@@ -843,61 +506,25 @@ def validate_ruler(cfg: Config) -> None:
                           f"eval_every=N, or ruler_tasks=[]")
 
 
-def schedule_length(steps: int, warmup_steps: int, decay_steps: int) -> int:
-    """Steps of the warmup + cosine-decay learning-rate schedule (optax's `decay_steps`, warmup included):
-    `optim.decay_steps`, or `steps` when it is 0, and at least `warmup_steps + 1` (the cosine needs a step after
-    the warmup). Two configs with the same length, warmup and rates have the same schedule: a 4-step run with
-    `optim.warmup_steps=5` has a 6-step schedule, as has the same run extended to `steps=6`."""
-    return max(decay_steps or steps, warmup_steps + 1)
-
-
-def validate_optim(o: OptimConfig) -> None:
-    """AdamW, warmup and cosine-decay ranges.
-
-    Raises:
-      ConfigError: lr <= 0; clip_norm <= 0 (use null to disable clipping); warmup_steps < 0; decay_steps < 0
-        or (when set) < warmup_steps; min_lr_ratio outside [0, 1]; weight_decay < 0; b1 or b2 outside [0, 1);
-        eps <= 0.
-    """
-    if not o.lr > 0:
-        raise ConfigError(f"optim.lr={o.lr} must be positive, e.g. 3e-4")
-    if o.clip_norm is not None and not o.clip_norm > 0:
-        raise ConfigError(
-            f"optim.clip_norm={o.clip_norm} must be a positive global gradient norm (e.g. 1.0), or null to disable clipping"
-        )
-    if o.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0 (0: no warmup)")
-    if o.decay_steps < 0 or (o.decay_steps and o.decay_steps < o.warmup_steps):
-        raise ConfigError(
-            f"optim.decay_steps={o.decay_steps} must be >= optim.warmup_steps={o.warmup_steps} "
-            f"(it counts the warmup), or 0 for `steps`"
-        )
-    if not 0.0 <= o.min_lr_ratio <= 1.0:
-        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1] (final lr / peak lr)")
-    if o.weight_decay < 0:
-        raise ConfigError(f"optim.weight_decay={o.weight_decay} must be >= 0")
-    for key in ("b1", "b2"):
-        if not 0.0 <= getattr(o, key) < 1.0:
-            raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1), e.g. 0.9 / 0.95")
-    if not o.eps > 0:
-        raise ConfigError(f"optim.eps={o.eps} must be positive, e.g. 1e-8")
-
-
 # ----------------------------------------------------------------------------------------------
 # Advice: values that pass, asked of `refusal` itself (`jaxlong.core.suggest`).
 
 
 def advise(cfg: Config, error: ConfigError, num_devices: int | None = None, platform: str | None = None,
-           changed: typing.Sequence[str] = ()) -> ConfigError:
+           changed: typing.Sequence[str] = (), depth: int = 0) -> ConfigError:
     """`error`, a `refusal` of `cfg`, with what would pass appended and in its `suggestions`: the nearest passing
     values (below and above, or the passing choices) of the first option of the broken rule that the user set
     (`changed`) and that has one; else of the option whose rule broke (`error.key`) or another option of the rule
     outside the model; else two or three options to change together (`jaxlong.core.suggest.fixes`). Never the
-    device count, nor the shapes of a `model.from_hf` checkpoint. An error that names no option is returned as is.
+    device count, the objective, nor the shapes of a `model.from_hf` checkpoint. Where nothing passes and the
+    config has another problem past this rule, that one follows with its own advice (`also, ...`; `depth` bounds
+    the chain). An error that names no option is returned as is.
     """
     if error.key is None:
         return error
-    fixed = {"mesh.num_devices"} | ({f"model.{k}" for k in HF_SHAPE_KEYS} if cfg.model.from_hf else set())
+    # never suggested: the hardware's device count, a checkpoint's shapes, and the objective (the user's goal: a
+    # DPO run refused for its data is told how to fix its data, not to train another objective)
+    fixed = {"mesh.num_devices", "objective"} | ({f"model.{k}" for k in HF_SHAPE_KEYS} if cfg.model.from_hf else set())
 
     def order(e: ConfigError) -> list[str]:
         involved = (e.key, *e.keys)
@@ -908,8 +535,33 @@ def advise(cfg: Config, error: ConfigError, num_devices: int | None = None, plat
         return () if key in fixed else _candidates(with_settings(cfg, base), key, num_devices)
 
     found = fixes(error, lambda s: refusal(with_settings(cfg, s), num_devices, platform), candidates, order)
-    return ConfigError(f"{error}; {advice(found)}" if found else str(error), key=error.key, value=error.value,
-                       keys=error.keys, suggestions=found)
+    if found:
+        return ConfigError(f"{error}; {advice(found)}", key=error.key, value=error.value, keys=error.keys,
+                           suggestions=found)
+    also = _next_problem(cfg, error, num_devices, platform)  # the config's other problem, with its own advice
+    if also is not None and depth < 2:
+        settings, later = also
+        later = advise(with_settings(cfg, settings), later, num_devices, platform, changed, depth + 1)
+        return ConfigError(f"{error}; also, {later}", key=error.key, value=error.value, keys=error.keys)
+    return error
+
+
+def _next_problem(cfg: Config, error: ConfigError, num_devices: int | None,
+                  platform: str | None) -> tuple[dict, ConfigError] | None:
+    """Where no setting fixes `error` (its options are not to be suggested, or another rule breaks too): a value of
+    one of its options (never the device count) that gets past its rule, and the next rule the config breaks then,
+    which is a problem of its own; None when there is none."""
+    for key in (error.key, *error.keys):
+        if key == "mesh.num_devices":
+            continue
+        for side in _candidates(cfg, key, num_devices):
+            for v in itertools.islice(side, 64):
+                nxt = refusal(with_settings(cfg, {key: v}), num_devices, platform)
+                if nxt is None:
+                    return None
+                if (nxt.key, nxt.keys) != (error.key, error.keys):
+                    return {key: v}, nxt
+    return None
 
 
 def with_settings(cfg: Config, settings: dict) -> Config:

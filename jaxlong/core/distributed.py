@@ -114,7 +114,7 @@ def slurm_local_device_ids() -> list[int] | None:
 
 
 def start(mesh_cfg, lost_process_timeout_s: float = 120) -> int:
-    """Start a launch before jax has a backend: check that `mesh_cfg.num_devices` (a `jaxlong.config.MeshConfig`)
+    """Start a launch before jax has a backend: check that `mesh_cfg.num_devices` (a `jaxlong.core.mesh.MeshConfig`)
     splits over the processes, ask for `num_devices / processes` simulated devices on the CPU
     (`set_host_device_count`) and `initialize` (with `lost_process_timeout_s`, seconds). Returns the process
     count. The mesh's split over the processes is
@@ -187,6 +187,12 @@ def is_main_process() -> bool:
     """Process 0 writes logs, TensorBoard events and the progress bar."""
 
     return jax.process_index() == 0
+
+
+def say(*args, **kwargs) -> None:
+    """`print` on process 0 only (the other processes of a multi-process run stay quiet)."""
+    if jax.process_index() == 0:
+        print(*args, **kwargs)
 
 
 def allgather_json(value) -> list:

@@ -2,11 +2,12 @@
 which every command (`python -m jaxlong.train`, `.eval`, `.memory`, `.export`) reports an error: one line on
 stderr, `error: <message>`, exit code 2 for bad input (`BAD_INPUT`: options, files, checkpoints, refused before
 anything compiles), 1 for a failure while running (`FAILED`: a checkpoint that could not be written) and 3 for a
-recipe stopped by a stage's gate (`GATE_FAILED`, `jaxlong.training.gates`)."""
+recipe stopped by a stage's gate (`GATE_FAILED`, `jaxlong.recipes.gates`)."""
 
 from __future__ import annotations
 
 import argparse
+import typing
 import sys
 
 BAD_INPUT = 2
@@ -50,3 +51,15 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(BAD_INPUT, f"error: {message}; see {self.prog} --help\n")
+
+
+def check_choice(key: str, value, tp) -> None:
+    """Refuse a value of option `key` outside the closed set `tp` (a `typing.Literal`; a dataclass field can be set
+    past the loader's type check).
+
+    Raises:
+      ConfigError: `key=value is not allowed; choose one of: ...`.
+    """
+    allowed = typing.get_args(tp)
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")

@@ -4,7 +4,7 @@ Mesh axes (in this order): `data` (pure data parallelism), `fsdp` (ZeRO-3 parame
 also split over it), `ring` (ring attention, `jaxlong.parallel.ring`: the across-node part of context parallelism) and
 `context` (Ulysses context parallelism: attention re-splits heads over it with an all-to-all). The sequence
 axis of activations is split over `ring` x `context` (`SEQ_AXES`, ring-major); with ring > 1 the sequence is
-in the zigzag layout (`jaxlong.parallel.ring.zigzag`), so ring rank r's `S/R` tokens are chunks r and 2R-1-r.
+in the zigzag layout (`jaxlong.core.batch.zigzag_order`), so ring rank r's `S/R` tokens are chunks r and 2R-1-r.
 
 FSDP (ZeRO-3, arXiv 1910.02054, §5): every parameter, its gradient and its optimizer state are sharded over all
 devices of `fsdp` x `ring` x `context` together (`FSDP_AXES`). The rule is per leaf: the most major dimension
@@ -19,6 +19,8 @@ dimension stays replicated; `describe_param_sharding` lists those.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
@@ -32,6 +34,34 @@ BATCH_AXES = ("data", "fsdp")  # the batch dimension of activations
 RING_AXIS = "ring"  # ring attention (across nodes)
 CONTEXT_AXIS = "context"  # Ulysses all-to-alls (inside a node)
 SEQ_AXES = (RING_AXIS, CONTEXT_AXIS)  # the sequence dimension of activations
+
+
+@dataclass
+class MeshConfig:
+    """Device mesh `data x fsdp x ring x context`. -1 on one axis means "all remaining devices".
+
+    The sequence is split over `ring` x `context`: Ulysses all-to-alls over `context` (inside a node), ring
+    attention over `ring` (across nodes; `jaxlong.parallel.ring`). With ring > 1 both `attention.impl`s run as hybrids.
+
+    `num_devices` is the number of simulated devices when the platform is the CPU (the entry point sets
+    `--xla_force_host_platform_device_count` before importing jax); on GPUs the real device count is used.
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    ring: int = 1
+    context: int = 4
+    num_devices: int = 8
+
+
+def check_mesh(m: MeshConfig) -> None:
+    """The mesh section's own rule: a positive device count. That the axes multiply to it is `resolve_mesh_shape`'s.
+
+    Raises:
+      ConfigError: `mesh.num_devices` not positive.
+    """
+    if m.num_devices <= 0:
+        raise ConfigError(f"mesh.num_devices={m.num_devices} must be a positive device count")
 
 
 def seq_axes(mesh) -> tuple[str, ...]:
@@ -51,7 +81,7 @@ def seq_shards(mesh) -> int:
 
 
 def resolve_mesh_shape(mesh, num_devices: int) -> tuple[int, int, int, int]:
-    """(data, fsdp, ring, context) of `mesh` (a `jaxlong.config.MeshConfig`) with a -1 axis filled so the product is `num_devices`.
+    """(data, fsdp, ring, context) of `mesh` (a `MeshConfig`) with a -1 axis filled so the product is `num_devices`.
 
     Raises:
       ConfigError: the axes do not multiply to the device count, or more than one axis is -1.
@@ -87,7 +117,7 @@ def resolve_mesh_shape(mesh, num_devices: int) -> tuple[int, int, int, int]:
 
 
 def run_devices(cfg) -> list:
-    """The devices a run's mesh spans (`cfg` a `jaxlong.config.MeshConfig`): on the CPU in one process, the first
+    """The devices a run's mesh spans (`cfg` a `jaxlong.core.mesh.MeshConfig`): on the CPU in one process, the first
     `mesh.num_devices` simulated devices (XLA_FLAGS may have asked for more, e.g. in a test process, and a
     `mesh.num_devices` override means what it says); on GPUs, and in a launch of several processes (where
     `mesh.num_devices` sets each process's share), every device."""
@@ -99,7 +129,7 @@ def run_devices(cfg) -> list:
 
 def build_mesh(cfg, devices: list | None = None) -> jax.sharding.Mesh:
     """A `data x fsdp x ring x context` mesh over `devices` (default: `run_devices(cfg)`), with Auto axis types;
-    `cfg` is a `jaxlong.config.MeshConfig`.
+    `cfg` is a `jaxlong.core.mesh.MeshConfig`.
 
     Raises:
       ConfigError: the axis sizes do not multiply to the device count.
@@ -126,7 +156,7 @@ def process_layout_error(processes: np.ndarray, names=AXES) -> str | None:
 
     Every process must hold the same number of devices, and they must form a block of the mesh (a range of each
     axis): then each process feeds its devices from the rows and sequence slices it builds
-    (`jaxlong.training.step.process_rows`), and an axis either stays inside processes (context: Ulysses inside a
+    (`jaxlong.core.batch.process_rows`), and an axis either stays inside processes (context: Ulysses inside a
     node) or spans them in equal parts (ring across nodes). Devices are taken process by process, so a block needs
     the devices per process to fill whole minor axes and an equal part of the next one; the message names the axis
     they cut unevenly.

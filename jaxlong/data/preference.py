@@ -146,7 +146,7 @@ class PreferenceSource:
         of its chosen and its rejected half (each its own document in a row); digest: sha256 of the kept pairs'
         tokens and loss masks; reference: None, or float64
         `[len(self), 2]`, the frozen reference's summed response log-probs of each kept pair (chosen, rejected),
-        set by `jaxlong.training.reference` before training.
+        set by `jaxlong.objectives.reference` before training.
 
     Raises:
       ValueError: naming the option, the file, the line and the field (`parse_pair`, `encode_pair`), or a pair

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "TOKENIZERS"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "TOKENIZERS", "stop_ids"]
 
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>")
 _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|im_end|>")
@@ -213,3 +213,15 @@ def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
         raise ValueError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of data.tokenizer="
                          f"{tokenizer.name!r} ({tokenizer.vocab_size} ids); use model.vocab_size >= "
                          f"{tokenizer.vocab_size}")
+
+
+def stop_ids(tokenizer, directory=None) -> list[int]:
+    """The token ids that end generation: the tokenizer's EOS and, where the tokenizer's directory `directory` has
+    a `generation_config.json`, its `eos_token_id` (an id or a list: Llama-3.1-Instruct's holds its end-of-turn
+    token)."""
+    eos = {int(tokenizer.eos_id)}
+    gen = Path(directory) / "generation_config.json" if directory is not None else None
+    if gen is not None and gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        eos |= set(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+    return sorted(eos)

@@ -1,4 +1,5 @@
-"""Stateless building blocks of the Llama-3 decoder: RMSNorm and rotary embeddings (RoPE).
+"""Stateless building blocks of the Llama-3 decoder: RMSNorm and rotary embeddings (RoPE), with the RoPE scaling
+section of the config (`model.rope_scaling`, `RopeScalingConfig`) and its checks.
 
 All take and return `[batch, seq, ...]` arrays; norms and the RoPE rotation are computed in float32 and cast
 back to the input dtype.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal, get_args
 
@@ -15,8 +17,57 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlong.core.errors import ConfigError, check_choice
+
 RopeScaling = Literal["none", "linear", "llama3", "yarn"]  # `model.rope_scaling.type`
 ROPE_SCALINGS = get_args(RopeScaling)
+
+
+@dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling for context extension (`rope_scaling` of Hugging Face configs).
+
+    `type`: `none`; `linear` (position interpolation, Chen et al. 2023: every frequency / `factor`);
+    `llama3` (Llama-3.1: wavelengths above `original_max_position_embeddings / low_freq_factor` are divided by
+    `factor`, those below `original_max_position_embeddings / high_freq_factor` kept, those between
+    interpolated); `yarn` (Peng et al. 2023, YaRN: a ramp between `beta_fast` and `beta_slow` rotations, and
+    the attention temperature `attention_factor`, default `0.1 ln(factor) + 1`, applied to cos and sin).
+    `rope_frequencies` computes them as `transformers` does.
+    """
+
+    type: RopeScaling = "none"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0  # pretraining context (llama3, yarn); 0: none given
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; null: 0.1 * ln(factor) + 1
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+
+
+def check_rope(theta: float, rs: RopeScalingConfig) -> None:
+    """`model.rope_theta` and `model.rope_scaling.*`: a positive base, a scaling type jaxlong computes, a positive
+    factor, the pretraining context that llama3 and yarn scale from, and llama3's factors in order.
+
+    Raises:
+      ConfigError: naming the option, its value and what would work.
+    """
+    check_choice("model.rope_scaling.type", rs.type, RopeScaling)
+    if not theta > 0:  # NaN too
+        raise ConfigError(f"model.rope_theta={theta} must be positive")
+    if rs.type != "none" and rs.factor <= 0:
+        raise ConfigError(f"model.rope_scaling.factor={rs.factor} must be positive")
+    if rs.type in ("llama3", "yarn") and rs.original_max_position_embeddings <= 0:
+        raise ConfigError(
+            f"model.rope_scaling.type={rs.type} needs model.rope_scaling.original_max_position_embeddings (the "
+            f"pretraining context length, e.g. 8192 for Llama-3.1), got {rs.original_max_position_embeddings}"
+        )
+    if rs.type == "llama3" and rs.high_freq_factor <= rs.low_freq_factor:
+        raise ConfigError(
+            f"model.rope_scaling.high_freq_factor={rs.high_freq_factor} must exceed "
+            f"model.rope_scaling.low_freq_factor={rs.low_freq_factor}"
+        )
 
 
 def inv_rms(x: jax.Array, eps: float) -> jax.Array:
@@ -73,7 +124,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling=None) -> tuple[np.ndar
     multiplies cos and sin; 1 except for YaRN).
 
     `theta^(-2i/head_dim)` (Su et al. 2021, RoFormer eq. 15), rescaled by `scaling` (a
-    `jaxlong.config.RopeScalingConfig` or None) as `transformers`' `ROPE_INIT_FUNCTIONS` do:
+    `jaxlong.layers.blocks.RopeScalingConfig` or None) as `transformers`' `ROPE_INIT_FUNCTIONS` do:
     `linear` divides every frequency by `factor`; `llama3` (`_compute_llama3_parameters`) divides those with
     wavelength `2 pi / f` above `original_max_position_embeddings / low_freq_factor` by `factor`, keeps those
     below `original_max_position_embeddings / high_freq_factor` and interpolates between; `yarn`
@@ -188,7 +239,7 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float, scaling=None)
     """cos and sin tables `[..., seq, head_dim/2]` (float32) for integer token `positions` `[..., seq]`.
 
     Frequencies from `rope_frequencies(head_dim, theta, scaling)` (`scaling`: a
-    `jaxlong.config.RopeScalingConfig` or None); YaRN's attention factor multiplies both tables, as in
+    `jaxlong.layers.blocks.RopeScalingConfig` or None); YaRN's attention factor multiplies both tables, as in
     `transformers`. Positions must be *global* token indices: under context parallelism a shard starting at
     token `r*S/C` passes `r*S/C + arange(S/C)`.
 

@@ -40,16 +40,42 @@ body (jax#23869).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxlong.core.errors import ConfigError
+from jaxlong.core.errors import ConfigError, check_choice
 from jaxlong.core.kept import KEPT_NAMES
 
 RematPolicy = Literal["none", "full", "save_dots", "offload", "custom"]  # `remat.policy`
 POLICIES = get_args(RematPolicy)
+
+
+@dataclass
+class RematConfig:
+    """Activation checkpointing of the scanned decoder layer."""
+
+    policy: RematPolicy = "none"
+    save: list[str] = field(default_factory=list)  # custom: names kept on device
+    offload: list[str] = field(default_factory=list)  # custom: names moved to pinned host memory
+    offload_every: int = 1  # offload: keep every k-th layer input on host, recompute the groups (grouped checkpointing)
+    keep_attention: int = 0  # full/offload: the first N layers keep attention output + lse (forward runs once)
+    keep_attention_memory: str = "host"  # where they are kept: "host" (pinned host memory) or "device"
+
+
+def check_remat(r: RematConfig, layers: int) -> None:
+    """The remat section: a policy jaxlong has, and `offload_every` and `keep_attention` within the model's
+    `layers` under that policy (`check_offload_every`, `check_keep_attention`).
+
+    Raises:
+      ConfigError: naming the `remat.*` option, its value and what would work.
+    """
+    check_choice("remat.policy", r.policy, RematPolicy)
+    check_offload_every(r.offload_every, r.policy, layers)
+    check_keep_attention(r.keep_attention, r.keep_attention_memory, r.policy, layers)
+
 
 LAYER_INPUT = "layer_input"
 GROUP_INPUT = "group_input"  # [b, s, hidden] the input of a group of `remat.offload_every` layers

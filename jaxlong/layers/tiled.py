@@ -35,11 +35,13 @@ from __future__ import annotations
 import functools
 import math
 import operator
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import BATCH_AXES, seq_axes, seq_shards
 from jaxlong.core.ordering import zeros_after
 from jaxlong.core.units import MiB
@@ -47,6 +49,38 @@ from jaxlong.layers.blocks import rms_norm
 from jaxlong.layers.loss import IGNORE_INDEX
 
 DEFAULT_LOSS_BUDGET_BYTES = 256 * MiB
+
+
+@dataclass
+class TilingConfig:
+    """Sequence tiling (ALST §3.2-3.3): loss and MLP over tiles of the local sequence, recomputed in the
+    backward pass, so `[S/C, vocab]` logits and `[S/C, mlp_hidden]` intermediates never exist at once."""
+
+    loss: bool = False
+    loss_tile: int = 0  # tokens per loss tile; 0 derives it from a 256 MiB float32 logits budget
+    mlp: bool = False
+    mlp_tiles: int = 0  # tiles per local sequence; 0 means ceil(S_local / hidden) as in ALST
+
+
+def check_tiling(t: TilingConfig) -> None:
+    """The tiling section's own rule: tile settings >= 0 (0: the derived default). That they divide each device's
+    sequence is `jaxlong.config.validate`'s (it knows the mesh).
+
+    Raises:
+      ConfigError: a negative `tiling.loss_tile` or `tiling.mlp_tiles`.
+    """
+    if t.loss_tile < 0 or t.mlp_tiles < 0:
+        raise ConfigError("tiling.loss_tile and tiling.mlp_tiles must be >= 0 (0 = derived default)")
+
+
+def loss_tile(tiling: TilingConfig, seq_local: int, vocab: int, batch_local: int = 1) -> int:
+    """Tokens per loss tile of a device's `seq_local` tokens: `tiling.loss_tile` where it divides them, else
+    `default_loss_tile` (the 256 MiB float32 logits budget; a training length always takes `tiling.loss_tile`, which
+    `jaxlong.config.validate` checks, while evaluation at other lengths falls back). The one choice of loss tiles,
+    for training, evaluation and every objective."""
+    if tiling.loss_tile and seq_local % tiling.loss_tile == 0:
+        return tiling.loss_tile
+    return default_loss_tile(seq_local, vocab, batch=batch_local)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,7 +319,7 @@ def tiled_token_losses(hidden: jax.Array, head: jax.Array, targets: jax.Array, *
     """Per-token next-token cross-entropy, float32 `[batch, seq]` in nats, over sequence tiles: equal to
     `jaxlong.layers.loss.token_losses` without materializing `[batch, seq, vocab]` logits, forward or backward.
 
-    For losses that are not a masked sum of token losses (DPO's sums per sequence, `jaxlong.training.preference`):
+    For losses that are not a masked sum of token losses (DPO's sums per sequence, `jaxlong.objectives.dpo`):
     the backward takes any per-token cotangent `g` and is `tiled_loss_sum`'s backward with `g` as its mask, one
     tile's logits at a time (ALST, arXiv 2506.13996, §3.2). A target outside `[0, vocab)` gives a finite,
     meaningless value: mask it out. Arguments, sharding (the result is laid out like `targets`) and errors as

@@ -42,10 +42,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.config import Config, ConfigError, ModelConfig
+from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import tree_shardings
 from jaxlong.data.imported import FILES as IMPORTED_FILES
 from jaxlong.data.tokenizer import HFTokenizer
+from jaxlong.models.config import ModelConfig
 from jaxlong.models.hf_config import hf_config_dict, read_config_json
 from jaxlong.models.llama import abstract_params
 
@@ -135,8 +136,8 @@ class SafetensorsReader:
         return self._slice(name)[index]
 
 
-def check_checkpoint(directory: str | Path, cfg: Config, reader: SafetensorsReader | None = None) -> None:
-    """Check a checkpoint against the model it must fill, before anything compiles.
+def check_checkpoint(directory: str | Path, model: ModelConfig, reader: SafetensorsReader | None = None) -> None:
+    """Check a checkpoint against the model it must fill (`model`, the model section), before anything compiles.
 
     Raises:
       ConfigError: a tensor the model needs is missing, a tensor the model does not have is present (both
@@ -146,10 +147,10 @@ def check_checkpoint(directory: str | Path, cfg: Config, reader: SafetensorsRead
 
     reader = reader or SafetensorsReader(directory)
     where = f"model.from_hf={str(directory)!r}"
-    want = expected_tensors(abstract_params(cfg), cfg.model.tie_embeddings)
+    want = expected_tensors(abstract_params(model), model.tie_embeddings)
     have = reader.names()
     ignorable = {n for n in have if n.endswith(IGNORABLE_SUFFIXES)}
-    if cfg.model.tie_embeddings:
+    if model.tie_embeddings:
         ignorable.add("lm_head.weight")  # some tied checkpoints store the copy anyway
     missing = sorted(set(want) - have)
     extra = sorted(have - set(want) - ignorable)
@@ -157,7 +158,7 @@ def check_checkpoint(directory: str | Path, cfg: Config, reader: SafetensorsRead
         raise ConfigError(f"{where}: tensors missing from the safetensors files: {', '.join(missing[:8])}"
                           + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     if extra:
-        raise ConfigError(f"{where}: tensors the {'qwen3' if cfg.model.qk_norm else 'llama'} model does not have: "
+        raise ConfigError(f"{where}: tensors the {'qwen3' if model.qk_norm else 'llama'} model does not have: "
                           f"{', '.join(extra[:8])}" + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
     for name, (_, _, _, shape) in want.items():
         got = reader.shape(name)
@@ -165,9 +166,9 @@ def check_checkpoint(directory: str | Path, cfg: Config, reader: SafetensorsRead
             raise ConfigError(f"{where}: tensor {name} has shape {list(got)} but config.json implies {list(shape)}")
     if (Path(directory) / "tokenizer.json").is_file():
         vocab = HFTokenizer(directory, option="model.from_hf").vocab_size
-        if vocab > cfg.model.vocab_size:
+        if vocab > model.vocab_size:
             raise ConfigError(f"{where}: tokenizer.json has {vocab} tokens but the embedding has "
-                              f"{cfg.model.vocab_size} rows (vocab_size in config.json)")
+                              f"{model.vocab_size} rows (vocab_size in config.json)")
 
 
 def _norm(index: tuple, shape: tuple) -> tuple[slice, ...]:
@@ -208,15 +209,16 @@ def _load_one(reader, name, layout, shape, sharding, dtype) -> jax.Array:
     return arr
 
 
-def load_params(directory: str | Path, cfg: Config, mesh: jax.sharding.Mesh,
+def load_params(directory: str | Path, model: ModelConfig, mesh: jax.sharding.Mesh, param_dtype: str = "float32",
                 reader: SafetensorsReader | None = None) -> dict:
     """The parameters of a Hugging Face checkpoint, created directly in their FSDP shardings.
 
     Args:
-      directory: checkpoint directory (config.json, *.safetensors); `cfg.model` must describe it
-        (`jaxlong.models.hf_config.model_config_from_hf`).
-      cfg: the run's config (shapes, `param_dtype`: bf16 or fp32 files are converted to it).
+      directory: checkpoint directory (config.json, *.safetensors); `model` must describe it
+        (`jaxlong.config.model_config_from_hf`).
+      model: the model section (shapes).
       mesh: the run's mesh (`jaxlong.core.mesh.tree_shardings` gives each leaf's sharding).
+      param_dtype: the parameters' dtype (`param_dtype`: bf16 or fp32 files are converted to it).
       reader: where tensors are read from (default: `SafetensorsReader(directory)`).
 
     Returns:
@@ -227,12 +229,12 @@ def load_params(directory: str | Path, cfg: Config, mesh: jax.sharding.Mesh,
     """
 
     reader = reader or SafetensorsReader(directory)
-    check_checkpoint(directory, cfg, reader)
-    abstract = abstract_params(cfg)
+    check_checkpoint(directory, model, reader)
+    abstract = abstract_params(model, param_dtype)
     shardings = tree_shardings(mesh, abstract)
-    dtype = np.dtype(jnp.dtype(cfg.param_dtype))
+    dtype = np.dtype(jnp.dtype(param_dtype))
     by_leaf: dict[str, list] = {}
-    for name, (path, layout, layer, _) in expected_tensors(abstract, cfg.model.tie_embeddings).items():
+    for name, (path, layout, layer, _) in expected_tensors(abstract, model.tie_embeddings).items():
         by_leaf.setdefault(path, []).append((layer, name, layout))
     flat_abs = {".".join(str(getattr(k, "key", k)) for k in p): (leaf, sh) for (p, leaf), (_, sh) in zip(
         jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree_util.tree_flatten_with_path(shardings)[0])}
@@ -278,8 +280,8 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
-def save_hf(params: dict, cfg: Config, out: str | Path, *, source: str | Path | None = None,
-            max_shard_bytes: int = 2 << 30) -> Path:
+def save_hf(params: dict, model: ModelConfig, out: str | Path, *, seq_len: int, param_dtype: str,
+            source: str | Path | None = None, max_shard_bytes: int = 2 << 30) -> Path:
     """Write `params` as a Hugging Face checkpoint directory `transformers.AutoModelForCausalLM` loads.
 
     Writes `config.json` (`hf_config_dict`: model_type `qwen3` when `model.qk_norm`, else `llama`;
@@ -301,10 +303,10 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, source: str | Path | 
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--out {out}: the directory exists and is not empty; choose a new one")
     out.mkdir(parents=True, exist_ok=True)
-    m: ModelConfig = cfg.model
+    m = model
     model_type = "qwen3" if m.qk_norm else "llama"
-    config = hf_config_dict(m, model_type=model_type, context=max(cfg.seq_len, m.max_position_embeddings),
-                            dtype=cfg.param_dtype)
+    config = hf_config_dict(m, model_type=model_type, context=max(seq_len, m.max_position_embeddings),
+                            dtype=param_dtype)
     if source is not None:
         if (Path(source) / "config.json").is_file():
             src = read_config_json(source)
@@ -318,8 +320,8 @@ def save_hf(params: dict, cfg: Config, out: str | Path, *, source: str | Path | 
 
     flat = {".".join(str(getattr(k, "key", k)) for k in p): leaf
             for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-    want = expected_tensors(abstract_params(cfg), m.tie_embeddings)
-    itemsize = jnp.dtype(cfg.param_dtype).itemsize
+    want = expected_tensors(abstract_params(m, param_dtype), m.tie_embeddings)
+    itemsize = jnp.dtype(param_dtype).itemsize
     shards: list[list[str]] = [[]]  # planned from the shapes, so only one shard is ever on the host
     size = 0
     for name, (_, _, _, shape) in want.items():

@@ -23,6 +23,7 @@ reuses them.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,51 +32,68 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.config import Config, ModelConfig
 from jaxlong.core.mesh import BATCH_AXES, RING_AXIS, SEQ_AXES, activation_spec, axis_size, batch_spec, seq_shards, tree_shardings
 from jaxlong.core.ordering import grads_together
 from jaxlong.kernels.backend import resolve_backend
 from jaxlong.layers import blocks as L
 from jaxlong.layers import remat as R
-from jaxlong.layers.tiled import default_mlp_tiles, tiled_mlp
-from jaxlong.parallel.dispatch import SublayerContext, SublayerWeights, attention_sublayer
+from jaxlong.layers.remat import RematConfig
+from jaxlong.layers.tiled import TilingConfig, default_mlp_tiles, tiled_mlp
+from jaxlong.models.config import ModelConfig
+from jaxlong.parallel.dispatch import AttentionConfig, SublayerContext, SublayerWeights, attention_sublayer
 from jaxlong.parallel.ring import zigzag_positions
 from jaxlong.parallel.ulysses import gather_segment_ids
 
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
-    """What the forward pass needs besides parameters: the mesh and the run's config (static, not traced)."""
+    """What the forward pass reads besides the parameters: static (not traced), built once per program from the
+    config sections it needs (`jaxlong.config.runtime`), never the run's whole config.
+
+    Attributes:
+      mesh: the `data x fsdp x ring x context` mesh.
+      model: the model section (`model.*`).
+      attention: the attention section (`attention.*`: method, kernel, tiles, U-Pipe's heads per stage).
+      remat: the remat section (`remat.*`: policy, grouped offload, kept attention).
+      tiling: the tiling section (`tiling.*`: tiled loss and MLP).
+      compute_dtype: matmuls and activations (`compute_dtype`), a numpy dtype.
+      document_masking: attention masks by the batches' segment ids (`data.packing=documents`); False: each row is
+        one causal stream (`concat`).
+      keep_attention: the layer keeps its attention output and lse (`remat.keep_attention`).
+    """
 
     mesh: jax.sharding.Mesh
-    cfg: Config
-    keep_attention: bool = False  # the layer keeps its attention output and lse (`remat.keep_attention`)
+    model: ModelConfig
+    attention: AttentionConfig
+    remat: RematConfig
+    tiling: TilingConfig
+    compute_dtype: Any = jnp.float32
+    document_masking: bool = True
+    keep_attention: bool = False
 
-    @property
-    def compute_dtype(self):
-        return jnp.dtype(self.cfg.compute_dtype)
+    def __post_init__(self):
+        object.__setattr__(self, "compute_dtype", jnp.dtype(self.compute_dtype))
 
     @property
     def attention_backend(self) -> str:
         """`attention.backend` with `auto` resolved for the mesh's devices (GPU compile-only devices included) and
-        the batches (`data.packing=documents` carries segment ids, which cuDNN cannot mask: the Pallas kernel on
-        GPUs, the blockwise one elsewhere). With `mesh.ring` > 1 it runs ring attention's blocks
+        the batches (document masking carries segment ids, which cuDNN cannot mask: the Pallas kernel on GPUs, the
+        blockwise one elsewhere). With `mesh.ring` > 1 it runs ring attention's blocks
         (`jaxlong.parallel.ring.ring_kernel`)."""
-        probe = jax.ShapeDtypeStruct((self.cfg.model.head_dim,), self.compute_dtype)
-        packed = self.cfg.data.packing == "documents"  # batches carry segment ids: document masking
-        return resolve_backend(self.cfg.attention.backend, probe, segment_ids=True if packed else None,
+        probe = jax.ShapeDtypeStruct((self.model.head_dim,), self.compute_dtype)
+        return resolve_backend(self.attention.backend, probe, segment_ids=True if self.document_masking else None,
                                platform=self.mesh.devices.flat[0].platform)
 
     @property
     def sublayer(self) -> SublayerContext:
-        """The attention sublayer's typed context: what the parallel ops may read of the run's config."""
-        m, a = self.cfg.model, self.cfg.attention
+        """The attention sublayer's typed context: what the parallel ops may read."""
+        m, a = self.model, self.attention
         return SublayerContext(
             mesh=self.mesh, impl=a.impl, backend=self.attention_backend, block_q=a.block_q, block_k=a.block_k,
             heads_per_stage=a.heads_per_stage, head_dim=m.head_dim, rope_theta=m.rope_theta,
             rope_scaling=m.rope_scaling, norm_eps=m.norm_eps, compute_dtype=self.compute_dtype,
-            recompute_projection=self.cfg.remat.policy in ("full", "offload"),
-            offload_attention_output=R.offloads_attention_output(self.cfg.remat, self.keep_attention))
+            recompute_projection=self.remat.policy in ("full", "offload"),
+            offload_attention_output=R.offloads_attention_output(self.remat, self.keep_attention))
 
     def constrain(self, x: jax.Array, spec: P) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -123,14 +141,14 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, rt: Runtime,
                  segment_ids: jax.Array | None = None) -> jax.Array:
-        eps = rt.cfg.model.norm_eps
+        eps = rt.model.norm_eps
         x = checkpoint_name(rt.constrain(x, activation_spec()), R.LAYER_INPUT)
         x = self.attention_block(x, positions, rt, segment_ids)
         # The attention sublayer's backward waits for the MLP weights' reduced gradients: their unsharded
         # float32 sums are not held through it (`grads_together`).
         x, ws = grads_together(x, (self.w_gate[...], self.w_up[...], self.w_down[...]))
         ws = tuple(rt.gather(w) for w in ws)
-        if rt.cfg.tiling.mlp:  # the norm and the residual inside the tiles
+        if rt.tiling.mlp:  # the norm and the residual inside the tiles
             x = tiled_mlp(x, *ws, tiles=mlp_tiles(x, rt), mesh=rt.mesh, norm_scale=self.mlp_norm[...], norm_eps=eps)
         else:
             h = checkpoint_name(L.rms_norm(x, self.mlp_norm[...], eps), "mlp_norm_out")
@@ -141,14 +159,14 @@ class DecoderLayer(nnx.Module):
 def mlp_tiles(x: jax.Array, rt: Runtime) -> int:
     """Tiles per local sequence of the tiled MLP: `tiling.mlp_tiles`, or ALST's `ceil(S_local / hidden)`."""
     s_local = x.shape[1] // seq_shards(rt.mesh)
-    return rt.cfg.tiling.mlp_tiles or default_mlp_tiles(s_local, x.shape[-1])
+    return rt.tiling.mlp_tiles or default_mlp_tiles(s_local, x.shape[-1])
 
 
 def project_kv(x: jax.Array, layer: DecoderLayer, positions: jax.Array, rt: Runtime) -> tuple[jax.Array, jax.Array]:
     """The layer's keys and values as its attention computes them: `RoPE(k_norm(W_k RMSNorm(x)))` and
     `W_v RMSNorm(x)`, `[b, s, kv_heads, head_dim]` in the compute dtype, from the layer input `x` `[b, s, hidden]` at
     integer `positions` `[b, s]` (the cache of `jaxlong.generation`: prefill and each decoded token)."""
-    m = rt.cfg.model
+    m = rt.model
     h = L.rms_norm(x, layer.attn_norm[...], m.norm_eps)
     k = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(layer.wk[...]))
     v = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(layer.wv[...]))
@@ -171,7 +189,7 @@ class Llama(nnx.Module):
     """Llama-3 decoder-only model. `__call__(tokens [b, s] int32, rt)` -> final hidden states `[b, s, hidden]`.
 
     With `mesh.ring` > 1 the tokens (and the hidden states returned) are in ring attention's zigzag layout
-    (`jaxlong.parallel.ring.zigzag_order`; `jaxlong.training.step.put_batch` permutes the batch on the host) and RoPE uses
+    (`jaxlong.core.batch.zigzag_order`; `jaxlong.core.batch.put_batch` permutes the batch on the host) and RoPE uses
     their original positions.
 
     The output head is separate (`head_weight`) so the loss can be computed over sequence tiles without
@@ -253,7 +271,7 @@ class Llama(nnx.Module):
             return body
 
         cd = rt.compute_dtype
-        x = R.scan_layers(layer(rt), x, layer_state, rt.cfg.remat,
+        x = R.scan_layers(layer(rt), x, layer_state, rt.remat,
                           group_params=lambda p: jax.tree.map(lambda a: a.astype(cd) if a.ndim > 2 else a, p),
                           keep_layer=layer(dataclasses.replace(rt, keep_attention=True)))
         return L.rms_norm(x, self.final_norm[...], self.norm_eps)
@@ -263,36 +281,32 @@ class Llama(nnx.Module):
 # Pure-function view used by the trainer: parameters are a plain dict of arrays.
 
 
-def _param_dtype(cfg: Config):
-    return jnp.dtype(cfg.param_dtype)
-
-
-def model_graphdef(cfg: Config):
+def model_graphdef(model: ModelConfig, param_dtype: str = "float32"):
     """The NNX graph definition of the model (no parameters allocated)."""
-    abstract = nnx.eval_shape(lambda: Llama(cfg.model, rngs=nnx.Rngs(0), param_dtype=_param_dtype(cfg)))
+    abstract = nnx.eval_shape(lambda: Llama(model, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(param_dtype)))
     return nnx.graphdef(abstract)
 
 
-def abstract_params(cfg: Config) -> dict:
-    """`jax.ShapeDtypeStruct` tree of the parameters (nothing allocated)."""
+def abstract_params(model: ModelConfig, param_dtype: str = "float32") -> dict:
+    """`jax.ShapeDtypeStruct` tree of the parameters (nothing allocated), in `param_dtype`."""
 
     def create():
-        return nnx.to_pure_dict(nnx.state(Llama(cfg.model, rngs=nnx.Rngs(0), param_dtype=_param_dtype(cfg)), nnx.Param))
+        return nnx.to_pure_dict(nnx.state(Llama(model, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(param_dtype)),
+                                          nnx.Param))
 
     return jax.eval_shape(create)
 
 
-def init_params(cfg: Config, mesh: jax.sharding.Mesh, seed: int | None = None) -> dict:
-    """Initialize parameters directly into their FSDP shardings (no host copy of the full model).
+def init_params(model: ModelConfig, mesh: jax.sharding.Mesh, seed: int, param_dtype: str = "float32") -> dict:
+    """Initialize parameters from `seed` directly into their FSDP shardings (no host copy of the full model).
 
-    Returns a nested dict of `jax.Array`; stacked decoder weights have a leading `[layers]` axis.
+    Returns a nested dict of `jax.Array` in `param_dtype`; stacked decoder weights have a leading `[layers]` axis.
     """
-    seed = cfg.seed if seed is None else seed
-    shardings = tree_shardings(mesh, abstract_params(cfg))
+    shardings = tree_shardings(mesh, abstract_params(model, param_dtype))
 
     def create(key):
-        model = Llama(cfg.model, rngs=nnx.Rngs(params=key), param_dtype=_param_dtype(cfg))
-        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return nnx.to_pure_dict(nnx.state(Llama(model, rngs=nnx.Rngs(params=key), param_dtype=jnp.dtype(param_dtype)),
+                                          nnx.Param))
 
     return jax.jit(create, out_shardings=shardings)(jax.random.key(seed))
 

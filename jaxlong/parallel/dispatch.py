@@ -1,4 +1,5 @@
-"""The model's one entry into context-parallel attention: `attention_sublayer(x, weights, positions,
+"""The attention section of the config (`attention.*`, `AttentionConfig`) and the model's one entry into
+context-parallel attention: `attention_sublayer(x, weights, positions,
 segment_ids, ctx)` runs the attention sublayer `x + W_o attention(RMSNorm(x))` with the method
 `attention.impl` names, on the mesh `data x fsdp x ring x context`.
 
@@ -23,6 +24,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlong.core.errors import ConfigError, check_choice
+from jaxlong.kernels.backend import Backend
 from jaxlong.parallel import ulysses, upipe
 
 
@@ -47,6 +50,34 @@ class SublayerWeights:
 
 AttentionImpl = Literal["ulysses", "upipe"]  # `attention.impl`
 IMPLS = get_args(AttentionImpl)
+
+
+@dataclasses.dataclass
+class AttentionConfig:
+    """How attention is parallelized (`impl`) and which kernel runs it (`backend`)."""
+
+    impl: AttentionImpl = "ulysses"  # the context-parallel method (`METHODS`)
+    backend: Backend = "auto"  # the kernel (`jaxlong.kernels.backend`)
+    block_q: int = 256  # the blockwise kernel's query tile (tokens)
+    block_k: int = 256  # its key tile (tokens)
+    heads_per_stage: int = 0  # U-Pipe heads per stage U; 0 means U = context degree C
+
+
+def check_attention(a: AttentionConfig) -> None:
+    """The attention section's own rules: a method and a kernel jaxlong has, and `heads_per_stage` >= 0. The rules
+    that involve the model, the mesh or the sequence (heads per device, U-Pipe's schedule, the tiles against
+    `seq_len`, the kernels' size limits) are `jaxlong.config.validate`'s, which calls each method's validator.
+
+    Raises:
+      ConfigError: naming the `attention.*` option, its value and what would work.
+    """
+    check_choice("attention.impl", a.impl, AttentionImpl)
+    check_choice("attention.backend", a.backend, Backend)
+    if a.heads_per_stage < 0:
+        raise ConfigError(f"attention.heads_per_stage={a.heads_per_stage} must be >= 0 (0: U = mesh.context)",
+                          key="attention.heads_per_stage", value=a.heads_per_stage)
+
+
 @dataclasses.dataclass(frozen=True)
 class SublayerContext:
     """Everything an attention sublayer reads besides its inputs and weights: static (not traced), typed, built
@@ -59,7 +90,7 @@ class SublayerContext:
       block_q, block_k: the blockwise kernel's tiles (`attention.block_q`, `attention.block_k`).
       heads_per_stage: U-Pipe's U (`attention.heads_per_stage`; 0: mesh.context).
       head_dim, rope_theta, rope_scaling, norm_eps: the model's (`model.*`; `rope_scaling` a
-        `jaxlong.config.RopeScalingConfig`).
+        `jaxlong.layers.blocks.RopeScalingConfig`).
       compute_dtype: matmuls and activations (`compute_dtype`).
       recompute_projection: the layer is recomputed in its backward anyway (`remat.policy` full or offload), so
         the Ulysses path also checkpoints its q/k/v projection.

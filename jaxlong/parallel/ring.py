@@ -74,7 +74,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -91,28 +90,9 @@ _F32 = jnp.float32
 # ----------------------------------------------------------------------------- zigzag layout
 
 
-def zigzag_order(seq_len: int, ring: int) -> np.ndarray:
-    """Original token position of each slot of the zigzag layout, `[seq_len]` int32.
-
-    Slot block r (tokens `[r*S/R, (r+1)*S/R)`, what ring rank r holds) is chunk r followed by chunk
-    2R-1-r of the 2R chunks of S/(2R) tokens. `ring == 1` is the identity.
-
-    Raises:
-      ValueError: `seq_len` not divisible by 2 * ring (when ring > 1).
-    """
-    if ring == 1:
-        return np.arange(seq_len, dtype=np.int32)
-    if seq_len % (2 * ring):
-        raise ValueError(f"zigzag layout: sequence length {seq_len} must be divisible by 2*ring = {2 * ring}")
-    c = seq_len // (2 * ring)
-    chunks = np.arange(seq_len, dtype=np.int32).reshape(2 * ring, c)
-    order = np.stack([chunks[:ring], chunks[ring:][::-1]], axis=1)  # [R, 2, c]
-    return order.reshape(seq_len)
-
-
 def zigzag(x: jax.Array, ring: int, axis: int = 1) -> jax.Array:
     """Permute a global array's sequence axis into the zigzag layout: `out[..., i, ...] = x[..., order[i], ...]`
-    with `order = zigzag_order(S, ring)`. A reshape and a reversal, no gather."""
+    with `order = jaxlong.core.batch.zigzag_order(S, ring)`. A reshape and a reversal, no gather."""
     if ring == 1:
         return x
     x = jnp.moveaxis(x, axis, 0)

@@ -656,7 +656,7 @@ def upipe_attention(
         backward forms each stage's slice of the output gradient from the incoming `[b, S/C, hidden]` gradient
         (`dy @ W_o[stage]^T`, `[b, S/C, U, d]`) and accumulates dW_o stage by stage: no `[b, S/C, H, d]`
         output gradient is ever live, and the residual gradient seeds dx.
-      rope_scaling: a `jaxlong.config.RopeScalingConfig` (or None), as `jaxlong.layers.blocks.rope_tables` takes.
+      rope_scaling: a `jaxlong.layers.blocks.RopeScalingConfig` (or None), as `jaxlong.layers.blocks.rope_tables` takes.
       qk_norm: None, or Qwen3's (q_norm, k_norm) RMSNorm scales `[head_dim]` (replicated): each stage normalizes
         its query heads and its KV group's key heads over head_dim (epsilon `norm_eps`) before RoPE, and the
         backward pulls dQ, dK back through the norms (the scales' gradients included).

@@ -1,0 +1,1 @@
+"""The optimizer: AdamW with warmup and cosine decay (`adamw`)."""
