@@ -32,7 +32,7 @@ class StepBatches:
       fn: `fn(step, rows) -> dict` of numpy arrays `[len(rows), seq_len]` with the keys of `BATCH_KEYS`
         (`inputs`, `targets` token ids; `mask` the loss weight of each target, float; `positions` within each
         document; `segment_ids` the document of each token, 0 = padding); `step` is the global step (1-based),
-        `rows` this process's sorted global row indices (`jaxlong.training.step.process_rows`).
+        `rows` this process's sorted global row indices (`jaxlong.core.batch.process_rows`).
       rows: those row indices.
       seq_len: tokens per row.
       vocab_size: the model's vocabulary: `inputs` in [0, vocab_size), `targets` too or `IGNORE_INDEX` (-100).

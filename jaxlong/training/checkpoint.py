@@ -20,7 +20,9 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocp_policy
 
-from jaxlong.config import schedule_length
+from jaxlong.config import Config, ConfigError, to_dict
+from jaxlong.optim.adamw import schedule_length
+from jaxlong.training.step import abstract_params
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a checkpoint still being written
 
@@ -255,7 +257,7 @@ def config_changes(saved: dict, new: dict, defaults: dict) -> list[str]:
 
     `saved`, `new`, `defaults`: nested dicts as written by `jaxlong.config.to_dict`; a key missing from `saved`
     (a checkpoint written before the option existed) compares as its default. `optim.decay_steps` compares as
-    the schedule's length (`jaxlong.config.schedule_length`: `decay_steps or steps`, at least `warmup_steps + 1`),
+    the schedule's length (`jaxlong.optim.adamw.schedule_length`: `decay_steps or steps`, at least `warmup_steps + 1`),
     so extending `steps` of a run whose decay length was `steps` is a schedule change, while extending one with
     an explicit `optim.decay_steps`, or one whose schedule the warmup made longer than the new `steps`, is not.
     """
@@ -287,3 +289,41 @@ def mismatch_message(err: StateMismatch, saved: dict | None, new: dict, defaults
     return (f"checkpoint {err.step} holds parameters of other shapes ({err.mismatches[0]}{more}): {named}; a "
             f"checkpoint restores only into the model it was saved with, so set {'these keys' if keys else 'it'} back")
 
+
+
+def restore_params(directory: str | Path, step: int, abstract_params: dict) -> dict:
+    """The parameters of checkpoint `step` in `directory`, restored alone into the shapes, dtypes and shardings of
+    `abstract_params` (`jaxlong.training.step.abstract_params`): the optimizer state is not read. What evaluation,
+    generation and export take from a checkpoint.
+
+    Raises:
+      StateMismatch: the checkpoint's parameter shapes differ (checked on its metadata first).
+      Exception: what orbax raises for a checkpoint it cannot read.
+    """
+    directory = Path(directory).absolute()
+    mismatches = param_shape_mismatches(directory, step, {"params": abstract_params})
+    if mismatches:
+        raise StateMismatch(step, directory, mismatches)
+    item = {"params": abstract_params}
+    args = ocp.args.PyTreeRestore(item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                  partial_restore=True)
+    return ocp.PyTreeCheckpointer().restore(directory / str(step) / "state", args=args)["params"]
+
+
+def restore_weights(cfg, mesh, directory: str | Path, step: int, hint: str = "") -> dict:
+    """`restore_params` of checkpoint `step` in `directory` into `cfg`'s parameters on `mesh`
+    (`jaxlong.training.step.abstract_params`), with one-line errors.
+
+    Raises:
+      ConfigError: the shapes differ (the message names the changed `model.*` keys, then `hint`), or orbax cannot
+        read the checkpoint.
+    """
+    try:
+        return restore_params(directory, step, abstract_params(cfg, mesh))
+    except StateMismatch as e:
+        raise ConfigError(mismatch_message(e, saved_config(directory, step), to_dict(cfg), to_dict(Config())) + hint
+                          ) from None
+    except Exception as e:  # noqa: BLE001 (orbax's errors are long; one line names the checkpoint)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ConfigError(f"checkpoint {Path(directory) / str(step)} could not be restored "
+                          f"({type(e).__name__}: {first})") from None
