@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jaxlong.config import ConfigError
 from jaxlong.core.mesh import seq_shards
 from jaxlong.core.units import fmt_bytes
+from jaxlong.core.batch import batch_sharding
 from jaxlong.evaluation.steps import make_token_stats_step
 from jaxlong.generation.chunked import ChunkedPrefill, chunk_kv_steps
 from jaxlong.generation.decode import make_prefill
@@ -121,7 +122,7 @@ def stats_estimate(cfg, mesh, length: int, batch: int, *, cases: int = 0) -> tup
     rows of `length` tokens, compiled ahead of time (nothing allocated); returns it with the compiled program (to
     reuse). `cases`: RULER cases held on the host meanwhile (int32 tokens, `length + 1` each)."""
     c = replace(cfg, seq_len=int(length))
-    params = step_lib.abstract_state(c, mesh)["params"]
+    params = step_lib.abstract_params(c, mesh)
     compiled = make_token_stats_step(c, mesh).lower(params, step_lib.abstract_batch(c, mesh, batch)).compile()
     host = 4 * (length + 1) * cases + 5 * 4 * length * batch  # the cases, one passkey_batch
     return estimate(c, mesh, compiled, length, host_arrays=host), compiled
@@ -146,7 +147,7 @@ def prefill_estimate(cfg, mesh, length: int, rows: int, max_new: int) -> tuple[H
     Its outputs are the KV cache, which stays resident through the decode steps (each adds only its temporaries:
     `program_bytes(step, resident_args=True)`, a few percent of the cache)."""
     c = replace(cfg, seq_len=int(length))
-    params = step_lib.abstract_state(c, mesh)["params"]
+    params = step_lib.abstract_params(c, mesh)
     if 0 < cfg.prefill_chunk < length:  # chunk by chunk: one chunk step's program, the cache among its arguments
         n = -(-length // cfg.prefill_chunk) * cfg.prefill_chunk
         chunked = ChunkedPrefill(c, mesh, cfg.prefill_chunk, max_new)
@@ -154,7 +155,7 @@ def prefill_estimate(cfg, mesh, length: int, rows: int, max_new: int) -> tuple[H
         steps, step_bytes = loop_term(cfg, mesh, length, generation=True)
         return estimate(c, mesh, compiled, length, host_arrays=3 * 4 * n * rows, steps=steps,
                         step_bytes=step_bytes), compiled
-    sh = step_lib.batch_sharding(mesh)
+    sh = batch_sharding(mesh)
     batch = {k: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sh)
              for k in ("inputs", "positions", "segment_ids")}
     compiled = make_prefill(c, mesh, max_new).lower(params, batch).compile()

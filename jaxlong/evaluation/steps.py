@@ -7,21 +7,20 @@ loss at the training length, how the loss falls with token position (a model tha
 improving deep into the window), and retrieval of a fact planted far back (passkey, `jaxlong.evaluation.probes`).
 
 * `make_eval_step` is the forward half of the train step: the same mesh, context parallelism (Ulysses, U-Pipe,
-  ring and the hybrids), remat and tiling (`jaxlong.training.step.loss_sum_fn`), returning a loss *sum* and
-  valid-token count so batches combine exactly. It takes only the parameters (no optimizer state, no
-  gradients), so it fits wherever the train step fits.
+  ring and the hybrids), remat and tiling, returning the objective's loss *sum*, metric sums and denominator
+  (`jaxlong.objectives.base.Objective`) so batches combine exactly. It takes only the parameters (no optimizer
+  state, no gradients), so it fits wherever the train step fits.
 * `make_token_stats_step` returns per-token loss and argmax `[batch, seq]`. It always works over sequence tiles
   of each device's local sequence (`tiling.loss_tile`, or the 256 MiB float32 logits budget of
   `jaxlong.layers.tiled.default_loss_tile`): `[seq, vocab]` logits never exist on a device, whatever the length.
 
-Every batch goes onto the mesh through `jaxlong.training.step.put_batch`, the train step's input layout (the
-zigzag order under ring attention), and per-token results come back through `jaxlong.training.step.natural_order`:
+Every batch goes onto the mesh through `jaxlong.core.batch.put_batch`, the train step's input layout (the
+zigzag order under ring attention), and per-token results come back through `jaxlong.core.batch.natural_order`:
 the results are those of one device on every mesh.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,66 +29,74 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxlong.config import Config
+from jaxlong.config import Config, objective_of, runtime
+from jaxlong.core.batch import batch_sharding, natural_order, put_batch
 from jaxlong.core.mesh import BATCH_AXES, replicated, seq_axes, seq_shards
-from jaxlong.evaluation.heldout import eval_batch_size
+from jaxlong.data.heldout import eval_batch_size
+from jaxlong.data.pipeline import PAIR_FEATURE
 from jaxlong.evaluation.probes import PositionLoss, score_passkey
-from jaxlong.layers.loss import IGNORE_INDEX
-from jaxlong.layers.tiled import default_loss_tile, validate_loss_tile
+from jaxlong.layers.tiled import loss_tile, validate_loss_tile
 from jaxlong.models import llama as model_lib
-from jaxlong.training import preference
+from jaxlong.objectives.base import Objective, forward
+from jaxlong.objectives.lm import LanguageModeling
 from jaxlong.training import step as step_lib
 
 # ----------------------------------------------------------------------------------------------
-# Eval step: held-out loss on the training mesh.
+# Eval step: the objective's held-out loss on the training mesh.
 
 
-def _param_shardings(cfg: Config, mesh) -> dict:
-    return jax.tree.map(lambda x: x.sharding, step_lib.abstract_state(cfg, mesh)["params"])
+def param_shardings(cfg: Config, mesh) -> dict:
+    """The parameters' FSDP shardings on `mesh` (`jaxlong.training.step.abstract_params`)."""
+    return jax.tree.map(lambda x: x.sharding, step_lib.abstract_params(cfg, mesh))
 
 
-def make_eval_step(cfg: Config, mesh: jax.sharding.Mesh):
-    """`eval_step(params, batch) -> (loss_sum, count)`: float32 scalars, the masked next-token cross-entropy
-    sum (nats) and valid-token count of `batch` (`[batch, seq]` arrays, any extra keys passed to the loss
-    untouched, in the input layout of `jaxlong.training.step.put_batch`), by the train step's forward
-    (`jaxlong.training.step.loss_sum_fn`). Jitted with the parameters' FSDP shardings and the train step's batch
-    sharding (`jaxlong.training.step.batch_sharding`); nothing is donated."""
-    graphdef = model_lib.model_graphdef(cfg)
-    rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
+def make_eval_step(cfg: Config, mesh: jax.sharding.Mesh, objective: Objective | None = None):
+    """`eval_step(params, batch) -> (loss_sum, sums, denominator)`: the objective's loss sum, metric sums and
+    denominator of `batch` (default the run's objective: the next-token cross-entropy summed over the counted
+    targets, and their count), float32 and replicated, by the train step's forward. `batch` holds `[batch, seq]`
+    arrays in the input layout of `jaxlong.core.batch.put_batch`. Jitted with the parameters' FSDP shardings and
+    the train step's batch sharding; nothing is donated."""
+    objective = objective or objective_of(cfg)
+    graphdef, rt = model_lib.model_graphdef(cfg.model, cfg.param_dtype), runtime(cfg, mesh)
 
     def eval_step(params, batch):
-        return step_lib.loss_sum_fn(params, batch, graphdef, rt)
+        loss, sums = objective.sums(params, batch, graphdef, rt)
+        return loss, sums, objective.denominator(batch, mesh)
 
-    return jax.jit(eval_step, in_shardings=(_param_shardings(cfg, mesh), step_lib.batch_sharding(mesh)),
-                   out_shardings=(replicated(mesh), replicated(mesh)))
+    return jax.jit(eval_step, in_shardings=(param_shardings(cfg, mesh), batch_sharding(mesh)),
+                   out_shardings=replicated(mesh))
 
 
-def compile_eval_step(cfg: Config, mesh: jax.sharding.Mesh):
+def compile_eval_step(cfg: Config, mesh: jax.sharding.Mesh, objective: Objective | None = None):
     """Ahead-of-time compile of `make_eval_step` (nothing allocated); `memory_analysis()` gives its per-device
     bytes, to print next to the train step's."""
-    params = step_lib.abstract_state(cfg, mesh)["params"]
-    return make_eval_step(cfg, mesh).lower(params, step_lib.abstract_batch(cfg, mesh, eval_batch_size(cfg))).compile()
+    objective = objective or objective_of(cfg)
+    batch = step_lib.abstract_batch(cfg, mesh, eval_batch_size(cfg), objective)
+    return make_eval_step(cfg, mesh, objective).lower(step_lib.abstract_params(cfg, mesh), batch).compile()
 
 
-def evaluate_loss(eval_step, params: dict, batches, mesh: jax.sharding.Mesh,
+def evaluate_loss(eval_step, params: dict, batches, mesh: jax.sharding.Mesh, objective: Objective,
                   after: Callable[[dict], None] | None = None) -> dict:
-    """Mean held-out loss over `batches` (host dicts, the same on every process), combined by sums:
-    `{'loss': nats/token, 'perplexity': exp(loss), 'tokens': valid tokens}`. `eval_step`: `make_eval_step` or
-    its compiled form; `after(batch)`, when given, runs after each batch's forward (`evaluate_params` takes the
-    batch's per-token losses there).
+    """The objective's held-out results over `batches` (host dicts, the same on every process), combined by sums
+    (`Objective.summary`: for language modelling `{'loss': nats/token, 'perplexity', 'tokens'}`). `eval_step`:
+    `make_eval_step` or its compiled form; `after(batch)`, when given, runs after each batch's forward
+    (`evaluate_params` takes the batch's per-token losses there).
 
-    The token count is taken on the host in float64 (the mask of every target that is not `IGNORE_INDEX`),
-    exact at any length: the step's float32 count rounds once a sum passes 2^24 tokens (docs/numerics.md)."""
-    total, count = 0.0, 0.0
+    The denominator is counted on the host where the objective can (the counted targets in float64, exact at any
+    length: the step's float32 count rounds once a sum passes 2^24 tokens, docs/numerics.md)."""
+    loss, sums, count = 0.0, {}, 0.0
     for batch in batches:
-        s, _ = eval_step(params, step_lib.put_batch(batch, mesh))
-        mask = np.where(np.asarray(batch["targets"]) == IGNORE_INDEX, 0.0, np.asarray(batch["mask"], np.float64))
-        # a replicated scalar: each process reads its own copy (not fully addressable with several processes)
-        total, count = total + float(s.addressable_data(0)), count + float(np.sum(mask))
+        batch = {k: v for k, v in batch.items() if k != PAIR_FEATURE}
+        l, s, n = eval_step(params, put_batch(batch, mesh))
+        # replicated scalars: each process reads its own copy (not fully addressable with several processes)
+        loss += float(l.addressable_data(0))
+        for k, v in s.items():
+            sums[k] = sums.get(k, 0.0) + float(v.addressable_data(0))
+        host = objective.host_denominator(batch)
+        count += float(n.addressable_data(0)) if host is None else host
         if after is not None:
             after(batch)
-    loss = total / max(count, 1.0)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "tokens": count}
+    return objective.summary(loss, sums, count)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,33 +151,29 @@ def make_token_stats_step(cfg: Config, mesh: jax.sharding.Mesh):
     """`stats(params, batch) -> (loss [b, s] float32, argmax [b, s] int32)`: the train step's forward, then
     `tiled_token_stats` with `tiling.loss_tile` or `default_loss_tile` (always tiled). Jitted; the batch may
     have any `[b, s]` shape the mesh divides (one compile per shape). The batch and both results are in the
-    train step's input layout (`jaxlong.training.step.put_batch`); `token_stats` wraps it for host batches."""
-    graphdef = model_lib.model_graphdef(cfg)
-    rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
-    tok = step_lib.batch_sharding(mesh)
+    train step's input layout (`jaxlong.core.batch.put_batch`); `token_stats` wraps it for host batches."""
+    graphdef, rt = model_lib.model_graphdef(cfg.model, cfg.param_dtype), runtime(cfg, mesh)
+    tok = batch_sharding(mesh)
 
     def stats(params, batch):
-        segment_ids = batch.get("segment_ids") if cfg.data.packing == "documents" else None
-        hidden, head = model_lib.forward(graphdef, params, batch["inputs"], rt, batch.get("positions"), segment_ids)
+        hidden, head = forward(params, batch, graphdef, rt)
         b, s = batch["targets"].shape
-        s_local = s // seq_shards(mesh)
         b_local = max(b // (mesh.shape["data"] * mesh.shape["fsdp"]), 1)
-        tile = cfg.tiling.loss_tile if cfg.tiling.loss_tile and s_local % cfg.tiling.loss_tile == 0 else \
-            default_loss_tile(s_local, head.shape[-1], batch=b_local)
+        tile = loss_tile(cfg.tiling, s // seq_shards(mesh), head.shape[-1], b_local)
         return tiled_token_stats(hidden, head, batch["targets"], tile=tile, mesh=mesh)
 
-    return jax.jit(stats, in_shardings=(_param_shardings(cfg, mesh), tok), out_shardings=(tok, tok))
+    return jax.jit(stats, in_shardings=(param_shardings(cfg, mesh), tok), out_shardings=(tok, tok))
 
 
 def token_stats(cfg: Config, mesh: jax.sharding.Mesh) -> Callable[[dict, dict], tuple[np.ndarray, np.ndarray]]:
     """`fn(params, host_batch) -> (loss, argmax)`: `make_token_stats_step` on a host batch (the same on every
-    process), placed by `jaxlong.training.step.put_batch`, with the results back on the host in token order
-    (`jaxlong.training.step.natural_order`): float32 and int32 numpy `[b, s]`, equal to one device's on any mesh."""
+    process), placed by `jaxlong.core.batch.put_batch`, with the results back on the host in token order
+    (`jaxlong.core.batch.natural_order`): float32 and int32 numpy `[b, s]`, equal to one device's on any mesh."""
     step = make_token_stats_step(cfg, mesh)
 
     def fn(params: dict, batch: dict) -> tuple[np.ndarray, np.ndarray]:
-        loss, argmax = (_to_host(x) for x in step(params, step_lib.put_batch(batch, mesh)))
-        return step_lib.natural_order(loss, mesh), step_lib.natural_order(argmax, mesh)
+        loss, argmax = (_to_host(x) for x in step(params, put_batch(batch, mesh)))
+        return natural_order(loss, mesh), natural_order(argmax, mesh)
 
     return fn
 
@@ -182,65 +185,6 @@ def _to_host(x: jax.Array) -> np.ndarray:
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-# ----------------------------------------------------------------------------------------------
-# Validation during training.
-
-
-def make_preference_eval_step(cfg: Config, mesh: jax.sharding.Mesh):
-    """`step(params, batch) -> (sums, pairs)`: the preference loss and TRL's metrics summed over the pairs of a
-    batch of preference pairs (`jaxlong.training.preference.preference_sums`) and their count, by the train step's
-    forward; jitted as `make_eval_step`."""
-    graphdef = model_lib.model_graphdef(cfg)
-    rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
-
-    def step(params, batch):
-        return preference.preference_sums(params, batch, graphdef, rt), preference.pair_count(batch, mesh)
-
-    return jax.jit(step, in_shardings=(_param_shardings(cfg, mesh), step_lib.batch_sharding(mesh)),
-                   out_shardings=(replicated(mesh), replicated(mesh)))
-
-
-def evaluate_preference(step, params: dict, batches, mesh: jax.sharding.Mesh) -> dict:
-    """The held-out pairs' mean preference loss and TRL's metrics over `batches` (host dicts of preference pairs,
-    the same on every process), combined by sums: `{'loss', 'rewards/chosen', ..., 'pairs'}`."""
-    totals: dict[str, float] = {}
-    pairs = 0.0
-    for batch in batches:
-        batch = {k: v for k, v in batch.items() if k != "pair"}
-        sums, n = step(params, step_lib.put_batch(batch, mesh))
-        for k, v in sums.items():
-            totals[k] = totals.get(k, 0.0) + float(v.addressable_data(0))
-        pairs += float(n.addressable_data(0))
-    return {**{k: v / max(pairs, 1.0) for k, v in totals.items()}, "pairs": pairs}
-
-
-class Validator:
-    """Validation in the train loop: the fixed validation batches (`validation_split`) and the AOT-compiled
-    eval step. `compile()` compiles the eval step ahead of time; `run(params)` returns `{'loss', 'perplexity',
-    'tokens'}`, or with `objective: dpo` the held-out pairs' `{'loss', 'rewards/...', 'logps/...', 'pairs'}`
-    (`evaluate_preference`). The train loop runs it every `eval_every` steps and after the last (the validation
-    hook, `jaxlong.training.hooks`)."""
-
-    def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, batches: list[dict]):
-        self.cfg, self.mesh, self.batches = cfg, mesh, batches
-        self.compiled = None
-
-    def compile(self):
-        """AOT-compile the eval step; returns the `jax.stages.Compiled` (for its `memory_analysis`)."""
-        if self.cfg.objective == "dpo":
-            params = step_lib.abstract_state(self.cfg, self.mesh)["params"]
-            batch = step_lib.abstract_batch(self.cfg, self.mesh, eval_batch_size(self.cfg))
-            self.compiled = make_preference_eval_step(self.cfg, self.mesh).lower(params, batch).compile()
-        else:
-            self.compiled = compile_eval_step(self.cfg, self.mesh)
-        return self.compiled
-
-    def run(self, params: dict) -> dict:
-        if self.cfg.objective == "dpo":
-            return evaluate_preference(self.compiled, params, self.batches, self.mesh)
-        return evaluate_loss(self.compiled, params, self.batches, self.mesh)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,21 +240,21 @@ def evaluate_params(cfg: Config, mesh: jax.sharding.Mesh, params: dict, batches:
                     passkey: PasskeyGrid | None = None, progress: Callable[[int], None] | None = None,
                     stats=None) -> Evaluation:
     """Validation loss, loss by position and (with `passkey` and `encode`) passkey retrieval of `params` on
-    `mesh`, every batch in the train step's input layout (`jaxlong.training.step.put_batch`): on any mesh the result
+    `mesh`, every batch in the train step's input layout (`jaxlong.core.batch.put_batch`): on any mesh the result
     equals one device's up to float32 rounding.
 
     Args:
       cfg: the run's config (model, seq_len, tiling, mesh); mesh: its mesh.
-      params: parameters in the FSDP shardings of `jaxlong.training.step.abstract_state(cfg, mesh)`.
+      params: parameters in the FSDP shardings of `jaxlong.training.step.abstract_params(cfg, mesh)`.
       batches: host validation batches `[eval_batch_size(cfg), seq_len]` (`validation_split`).
-      eval_step: `make_eval_step` or its compiled form (default: `make_eval_step(cfg, mesh)`).
+      eval_step: `make_eval_step` of language modelling or its compiled form (default: made here).
       encode: tokenizer `str -> int [n]` (passkey); passkey: the grid, or None to skip it.
       progress: called with the number of sequences (validation sequences, then passkey examples) once each is
         done: a validation sequence counts once, after both of its forwards (loss sum, per-token loss).
       stats: a `token_stats(cfg, mesh)` to share with other probes (e.g. RULER's `score_on_mesh`: its jitted
         program is compiled once per batch shape), or None to make one.
     """
-    step = eval_step or make_eval_step(cfg, mesh)
+    step = eval_step or make_eval_step(cfg, mesh, LanguageModeling())
     stats = stats or token_stats(cfg, mesh)
     by_pos, token_loss = PositionLoss(cfg.seq_len), []
 
@@ -321,7 +265,7 @@ def evaluate_params(cfg: Config, mesh: jax.sharding.Mesh, params: dict, batches:
         if progress:
             progress(len(batch["inputs"]))
 
-    val = evaluate_loss(step, params, batches, mesh, after=per_token)
+    val = evaluate_loss(step, params, batches, mesh, LanguageModeling(), after=per_token)
     acc = None
     if passkey is not None and encode is not None:
         acc = score_passkey(lambda b: stats(params, b)[1], encode, lengths=passkey.lengths, depths=passkey.depths,

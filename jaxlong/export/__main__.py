@@ -46,9 +46,10 @@ def restore_params(run_dir: str | Path, step: int | None = None, overrides: list
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
     from jaxlong.config import MeshConfig, apply_setting, parse_override  # noqa: PLC0415
-    from jaxlong.core.mesh import build_mesh, tree_shardings  # noqa: PLC0415
-    from jaxlong.models.llama import abstract_params  # noqa: PLC0415
+    from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
     from jaxlong.training.checkpoint import Checkpointer  # noqa: PLC0415
+    from jaxlong.training.checkpoint import restore_params as restore  # noqa: PLC0415
+    from jaxlong.training.step import abstract_params  # noqa: PLC0415
 
     ckpt_dir = (Path(run_dir) / "checkpoints").absolute()
     latest = Checkpointer.latest_in(ckpt_dir)
@@ -64,21 +65,14 @@ def restore_params(run_dir: str | Path, step: int | None = None, overrides: list
         for text in overrides:
             apply_setting(cfg, *parse_override(text))
         cfg.mesh = MeshConfig(data=1, fsdp=-1, context=1, num_devices=len(jax.devices()))
-        mesh = build_mesh(cfg.mesh)
-        abstract = abstract_params(cfg)
-        shardings = tree_shardings(mesh, abstract)
-        target = {"params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                         abstract, shardings)}
-        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), target)
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True)))["state"]
+        params = restore(ckpt_dir, step, abstract_params(cfg, build_mesh(cfg.mesh)))
     except Exception as e:  # noqa: BLE001 (orbax's errors are long tracebacks; one line names the checkpoint)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise ValueError(f"--step {step}: checkpoint {ckpt_dir / str(step)} could not be read "
                          f"({type(e).__name__}: {first})") from None
     finally:
         manager.close()
-    return step, cfg, restored["params"]
+    return step, cfg, params
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         if source is None:
             print(f"note: {args.run_dir} uses the byte tokenizer (data.tokenizer=byte), which transformers has no "
                   f"file for; no tokenizer exported", file=sys.stderr)
-        save_hf(params, cfg, out, source=source, max_shard_bytes=parse_bytes(args.max_shard_size))
+        save_hf(params, cfg.model, out, seq_len=cfg.seq_len, param_dtype=cfg.param_dtype, source=source,
+                max_shard_bytes=parse_bytes(args.max_shard_size))
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         return fail(e)
     print(f"exported step {step} of {args.run_dir} to {out} ({cfg.model.name}, context {cfg.seq_len})")

@@ -42,12 +42,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlong.config import runtime
 from jaxlong.core.mesh import BATCH_AXES, SEQ_AXES, axis_size, seq_shards
 from jaxlong.generation.decode import NEG, Cache, cache_shardings, layer_qkv, layer_rest, output_head
 from jaxlong.kernels import pallas_gpu as pallas_kernel
 from jaxlong.kernels.layout import pallas_head_dim_ok
 from jaxlong.layers import blocks as L
-from jaxlong.models import llama as model_lib
 
 __all__ = ["chunk_order", "chunk_tiles", "chunk_kv_steps", "chunk_kernel", "ChunkedPrefill"]
 
@@ -103,7 +103,7 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
     from this chunk where it holds it, else passed through. `kernel`: `chunk_kernel`'s, or `pallas-interpret`
     (the Pallas kernel in its interpreter: CPU tests)."""
     m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
-    rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
+    rt = runtime(cfg, mesh)
     group, scale = m.heads // m.kv_heads, 1.0 / float(np.sqrt(m.head_dim))
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
     devices = seq_shards(mesh)

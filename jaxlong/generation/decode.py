@@ -34,10 +34,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlong.config import runtime
 from jaxlong.core.mesh import BATCH_AXES, RING_AXIS, SEQ_AXES, axis_size
+from jaxlong.core.batch import zigzag_order
 from jaxlong.layers import blocks as L
 from jaxlong.models import llama as model_lib
-from jaxlong.parallel.ring import zigzag_order
+
 
 __all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "cache_shardings", "sample", "layer_qkv",
            "layer_rest", "output_head", "decode_weights_mode", "replicate_weights", "weight_bytes"]
@@ -115,15 +117,14 @@ def output_head(params: dict, cfg) -> jax.Array:
 def make_prefill(cfg, mesh: jax.sharding.Mesh, max_new: int):
     """`prefill(params, batch) -> (logits [batch, vocab] float32, Cache)`, jitted: the forward of the prompts
     `batch` (`inputs`, `positions`, `segment_ids` `[batch, prompt]` int32 in the train step's input layout,
-    `jaxlong.training.step.put_batch`: left-padded, padding with segment id 0) on `mesh`, the logits of each
+    `jaxlong.core.batch.put_batch`: left-padded, padding with segment id 0) on `mesh`, the logits of each
     row's last token (the prompt's last slot), and the cache with room for `max_new` generated tokens.
 
     `cfg.seq_len` is ignored: the prompt length is the batch's (one compile per batch shape)."""
     # The prompts' padding is masked by segment ids, so the attention kernel must take them (`auto` picks the
     # Pallas kernel on GPUs, as for packed documents, instead of cuDNN, which cannot mask them).
-    rt = model_lib.Runtime(mesh=mesh, cfg=dataclasses.replace(cfg, data=dataclasses.replace(cfg.data,
-                                                                                               packing="documents")))
-    graphdef = model_lib.model_graphdef(cfg)
+    rt = dataclasses.replace(runtime(cfg, mesh), document_masking=True)
+    graphdef = model_lib.model_graphdef(cfg.model, cfg.param_dtype)
     m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
     ring = axis_size(mesh, RING_AXIS)
 
@@ -174,7 +175,7 @@ def layer_qkv(w: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, rt) -> tupl
     parameter dict, FSDP-gathered here; RoPE tables `cos`, `sin` of the tokens' positions): `q` `[b, s, heads,
     head_dim]`, `k`, `v` `[b, s, kv_heads, head_dim]`, q and k normed (Qwen3) and rotated, as the layer's attention
     computes them."""
-    m = rt.cfg.model
+    m = rt.model
     h = L.rms_norm(x, w["attn_norm"], m.norm_eps)
     q = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wq"]))
     k = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wk"]))
@@ -187,7 +188,7 @@ def layer_qkv(w: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, rt) -> tupl
 def layer_rest(w: dict, x: jax.Array, attn: jax.Array, rt) -> jax.Array:
     """The rest of the decoder layer after its attention `attn` `[b, s, heads, head_dim]` (compute dtype): the output
     projection and its residual, then the MLP sublayer and its residual; `[b, s, hidden]`."""
-    m = rt.cfg.model
+    m = rt.model
     x = x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(w["wo"]))
     hm = L.rms_norm(x, w["mlp_norm"], m.norm_eps)
     return x + model_lib.mlp(hm, rt.gather(w["w_gate"]), rt.gather(w["w_up"]), rt.gather(w["w_down"]))
@@ -223,7 +224,7 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
     `pmax` and a `psum`) and to the small cache's slots `<= t`, runs the layer's MLP, and draws the next token
     (`sample`, ids from `vocab` on never drawn)."""
     m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
-    rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
+    rt = runtime(cfg, mesh)
     group = m.heads // m.kv_heads
     scale = 1.0 / float(np.sqrt(m.head_dim))
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)

@@ -28,12 +28,13 @@ from tqdm import tqdm
 from jaxlong.config import Config, ConfigError, validate
 from jaxlong.core.memstats import free_per_device
 from jaxlong.core.mesh import BATCH_AXES, axis_size
+from jaxlong.core.batch import put_batch
 from jaxlong.generation.chunked import ChunkedPrefill
 from jaxlong.generation.decode import (Sampling, decode_weights_mode, make_decode_step, make_prefill,
                                        replicate_weights, sample, weight_bytes)
-from jaxlong.training.step import put_batch
 
-__all__ = ["Generated", "Generator", "prompt_length", "check_positions", "stop_ids"]
+
+__all__ = ["Generated", "Generator", "prompt_length", "check_positions"]
 
 
 @dataclasses.dataclass
@@ -65,21 +66,6 @@ def check_positions(cfg: Config, prompt_tokens: int, max_new: int, trained: int 
                           f"{limit} positions (the largest of model.max_position_embeddings, the trained seq_len and "
                           f"the RoPE scaling's reach); {room}, or extend the context with RoPE scaling "
                           f"(model.rope_scaling.*, docs/hf-models.md)")
-
-
-def stop_ids(tokenizer, directory=None) -> list[int]:
-    """The token ids that end generation: the tokenizer's EOS and, where the tokenizer's directory `directory` has
-    a `generation_config.json`, its `eos_token_id` (an id or a list: Llama-3.1-Instruct's holds its end-of-turn
-    token)."""
-    import json  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
-
-    eos = {int(tokenizer.eos_id)}
-    gen = Path(directory) / "generation_config.json" if directory is not None else None
-    if gen is not None and gen.is_file():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-        eos |= set(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
-    return sorted(eos)
 
 
 def prompt_length(cfg: Config, longest: int, rows: int, search: int = 1 << 16) -> int:

@@ -44,14 +44,14 @@ import math
 
 import jax
 
-from jaxlong.config import Config, ConfigError, apply_setting, parse_override, validate
+from jaxlong.config import Config, ConfigError, apply_setting, parse_override, runtime, validate
 from jaxlong.core.memstats import compiled_bytes
 from jaxlong.core.mesh import CONTEXT_AXIS, RING_AXIS, build_mesh
 from jaxlong.core.units import GiB, fmt_gib, parse_bytes
 from jaxlong.core.xla_log import compile_logged
 from jaxlong.layers.remat import default_offload_every, host_layer_inputs, offloads_attention_output
 from jaxlong.models import llama as model_lib
-from jaxlong.models.llama import Runtime
+from jaxlong.objectives.lm import LanguageModeling
 from jaxlong.plan import workspace as ws
 from jaxlong.plan.cost import hlo_cost, roofline
 from jaxlong.plan.packing import attention_tile_fraction, document_lengths
@@ -143,10 +143,11 @@ def _host_residual_bytes(cfg: Config, mesh) -> int:
     except ImportError:
         from jax._src.ad_checkpoint import saved_residuals  # noqa: PLC0415
 
-    graphdef, rt = model_lib.model_graphdef(cfg), model_lib.Runtime(mesh=mesh, cfg=cfg)
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), step_lib.abstract_state(cfg, mesh)["params"])
+    graphdef, rt = model_lib.model_graphdef(cfg.model, cfg.param_dtype), runtime(cfg, mesh)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), step_lib.abstract_params(cfg, mesh))
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), step_lib.abstract_batch(cfg, mesh))
-    res = saved_residuals(lambda p, b: step_lib.loss_fn(p, b, graphdef, rt), params, batch)
+    lm = LanguageModeling()  # the forward's residuals: the same whatever the loss made of its outputs
+    res = saved_residuals(lambda p, b: lm.sums(p, b, graphdef, rt)[0], params, batch)
     activation_shards = mesh.size  # activations are split over every mesh axis (batch x sequence)
     host = sum(math.prod(a.shape) * a.dtype.itemsize for a, _ in res if "<host>" in a.str_short())
     k, layers = cfg.remat.offload_every, cfg.model.layers
@@ -283,7 +284,7 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
     rows = {"workspace": 0, "collectives": 0, "headroom": 0}
     if gpu:
         batch_local = max(cfg.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"]), 1)
-        backend = Runtime(mesh=mesh, cfg=cfg).attention_backend
+        backend = runtime(cfg, mesh).attention_backend
         rows["workspace"] = ws.attention_workspace_bytes(cfg, backend, mesh.shape[CONTEXT_AXIS], batch_local,
                                                          ring=mesh.shape.get(RING_AXIS, 1))
         rows["collectives"] = ws.collective_buffer_bytes(n, collective_buffers)

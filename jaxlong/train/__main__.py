@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--resume even where the config changes the model, data stream or schedule")
     parser.add_argument("--profile", action="store_true", help="trace a few steps with jax.profiler into the run dir")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. mesh.context=8 seq_len=16384")
-    from jaxlong.memory import fit_options as fit_cli  # noqa: PLC0415
+    from jaxlong.plan import fit_report as fit_cli  # noqa: PLC0415
 
     fit_cli.add_arguments(parser, planner_options=True)
     return parser.parse_intermixed_args(argv)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.stages:  # a recipe: one validated config per stage, before anything starts
-            from jaxlong.training.recipe import expand  # noqa: PLC0415
+            from jaxlong.recipes import expand  # noqa: PLC0415
 
             if args.fit:
                 raise ConfigError(f"--fit with a recipe: plan its stages with python -m jaxlong.memory --fit --config "
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return fail(e)
     if args.fit:  # search the fastest configuration that fits, then train with it
-        from jaxlong.memory import fit_options as fit_cli  # noqa: PLC0415
+        from jaxlong.plan import fit_report as fit_cli  # noqa: PLC0415
 
         try:
             if distributed.process_count_from_env() > 1:
@@ -80,22 +80,18 @@ def main(argv: list[str] | None = None) -> int:
         distributed.start(cfg.mesh, cfg.lost_process_timeout_s)
     except (ConfigError, ValueError) as e:
         return fail(e)
+    from jaxlong.recipes import run_recipe, train  # noqa: PLC0415 (start-up: the trainer loads after parsing)
+    from jaxlong.recipes.gates import GateFailed  # noqa: PLC0415
     from jaxlong.training.checkpoint import CheckpointError  # noqa: PLC0415
-    from jaxlong.training.gates import GateFailed  # noqa: PLC0415
-    from jaxlong.training.loop import run  # noqa: PLC0415 (start-up: the train loop's modules load after parsing)
 
     from jaxlong.core import liveness  # noqa: PLC0415
 
     resume = args.resume or args.resume_with_changes
     try:
-        if stages:
-            from jaxlong.training.recipe import run_recipe  # noqa: PLC0415
-
-            from jaxlong.eval.__main__ import evaluate_checkpoint  # noqa: PLC0415 (a stage's gate)
-
-            run_recipe(stages, resume=resume, profile=args.profile, evaluate=evaluate_checkpoint)
-        else:
-            run(cfg, resume=resume, profile=args.profile, allow_changes=args.resume_with_changes)
+        if stages:  # each stage with the validation hooks, and its gate
+            run_recipe(stages, resume=resume, profile=args.profile)
+        else:  # the trainer with the validation hooks (held-out loss, RULER)
+            train(cfg, resume=resume, profile=args.profile, allow_changes=args.resume_with_changes)
     except (FileNotFoundError, ValueError) as e:  # a bad option, a corpus that cannot be read, nothing to resume
         return fail(e)
     except GateFailed as e:  # a recipe's stage missed its gate: its checkpoint is saved, the recipe stops there
