@@ -60,7 +60,7 @@ from jaxlong.plan import workspace as ws  # noqa: E402
 from jaxlong.plan import cost as cost_lib  # noqa: E402
 from jaxlong.plan.cost import hlo_cost, roofline  # noqa: E402
 from jaxlong.plan.target import compile_only_devices, parse_target  # noqa: E402
-from jaxlong.training.recipe import expand  # noqa: E402
+from jaxlong.recipes import expand  # noqa: E402
 from jaxlong.training.step import batch_sharding  # noqa: E402
 
 TOKENS_TO_GENERATE = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50}  # RULER's synthetic task configs
@@ -79,7 +79,7 @@ def stage_config(stages, length: int, name: str | None, overrides: list[str]):
 
 
 def abstract_inputs(cfg, mesh, b: int):
-    params = model_lib.abstract_params(cfg)
+    params = model_lib.abstract_params(cfg.model, cfg.param_dtype)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
                           tree_shardings(mesh, params))
     sh = batch_sharding(mesh)

@@ -80,7 +80,7 @@ class Jaxlong:
         cfg = load_config(None, [f"model.from_hf={model}", "mesh.fsdp=-1", "mesh.context=1", "mesh.num_devices=1",
                                  f"seq_len={prompt}", "global_batch=1"])
         mesh = build_mesh(cfg.mesh)
-        self.gen = Generator(cfg, mesh, hf.load_params(model, cfg, mesh), HFTokenizer(model), max_new_tokens=new,
+        self.gen = Generator(cfg, mesh, hf.load_params(model, cfg.model, mesh, cfg.param_dtype), HFTokenizer(model), max_new_tokens=new,
                              eos_ids=(), trained=0)
         first, self.marks = self.gen.first, []
 
@@ -106,7 +106,7 @@ class Jaxlong:
         import jax  # noqa: PLC0415
         import numpy as np  # noqa: PLC0415
 
-        from jaxlong.training.step import put_batch  # noqa: PLC0415
+        from jaxlong.core.batch import put_batch  # noqa: PLC0415
 
         g = self.gen
         host, _ = g.batch([ids])

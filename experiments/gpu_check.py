@@ -343,7 +343,8 @@ def child_train(spec: dict, smoke: bool, steps: int, profile_dir: str | None) ->
     from jaxlong.config import load_config, validate  # noqa: PLC0415
     from jaxlong.core.memstats import compiled_bytes  # noqa: PLC0415
     from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
-    from jaxlong.models.llama import Runtime  # noqa: PLC0415
+    from jaxlong.config import runtime  # noqa: PLC0415
+    from jaxlong.core.batch import batch_sharding  # noqa: PLC0415
     from jaxlong.training import step as step_lib  # noqa: PLC0415
     from jaxlong.training.loop import check_fits  # noqa: PLC0415
     from jaxlong.training.metrics import flops_per_token, peak_flops  # noqa: PLC0415
@@ -351,7 +352,7 @@ def child_train(spec: dict, smoke: bool, steps: int, profile_dir: str | None) ->
     cfg = load_config(str(ROOT / CONFIG), overrides(spec, smoke))
     validate(cfg, num_devices=1)
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
-    row = {"backend": Runtime(mesh=mesh, cfg=cfg).attention_backend, "device": jax.devices()[0].device_kind}
+    row = {"backend": runtime(cfg, mesh).attention_backend, "device": jax.devices()[0].device_kind}
     t0 = time.perf_counter()
     compiled = step_lib.compile_train_step(cfg, mesh)
     row["compile_s"] = time.perf_counter() - t0
@@ -359,7 +360,7 @@ def child_train(spec: dict, smoke: bool, steps: int, profile_dir: str | None) ->
     row["compiled_peak_bytes"], row["compiled_host_bytes"] = cb["peak"], cb["host_temp"]
     check_fits(compiled)
     state = step_lib.init_state(cfg, mesh)
-    sh = step_lib.batch_sharding(mesh)
+    sh = batch_sharding(mesh)
     tokens = jax.random.randint(jax.random.key(1), (1, cfg.seq_len + 1), 0, cfg.model.vocab_size, jnp.int32)
     batch = {"inputs": jax.device_put(tokens[:, :-1], sh), "targets": jax.device_put(tokens[:, 1:], sh),
              "mask": jax.device_put(jnp.ones((1, cfg.seq_len), jnp.float32), sh),

@@ -59,7 +59,7 @@ def main(n: int, chunk: int) -> dict:
         raise ValueError(f"{n} tokens in chunks of {chunk}: the length must be a multiple of the chunk")
     cfg = load_config(None, [*TINY, f"prefill_chunk={chunk}"])
     mesh = build_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
-    params = llama.init_params(cfg, mesh)
+    params = llama.init_params(cfg.model, mesh, cfg.seed, cfg.param_dtype)
     t0 = time.perf_counter()
     est, _ = hostmem.prefill_estimate(cfg, mesh, n, 1, 2)
     estimated_s = time.perf_counter() - t0

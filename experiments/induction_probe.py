@@ -68,6 +68,7 @@ def main(argv=None):
     from jaxlong.config import load_config  # noqa: PLC0415
     from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
     from jaxlong.evaluation import token_stats  # noqa: PLC0415
+    from jaxlong.core.batch import put_batch  # noqa: PLC0415
     from jaxlong.training import step as step_lib  # noqa: PLC0415
 
     cfg = load_config(None, [*MODEL, f"seq_len={args.seq_len}", f"global_batch={args.batch}", f"steps={args.steps}",
@@ -82,7 +83,7 @@ def main(argv=None):
     t0 = time.time()
     for i in range(1, args.steps + 1):
         batch = periodic_batch(rng, args.seq_len, args.batch, args.min_period, args.max_period)
-        state, metrics = jax.block_until_ready(train_step(state, step_lib.put_batch(batch, mesh)))
+        state, metrics = jax.block_until_ready(train_step(state, put_batch(batch, mesh)))
         if i % args.every == 0 or i == args.steps:
             argmax = stats(state["params"], held)[1]
             right = float(np.mean(argmax[scored] == held["targets"][scored]))

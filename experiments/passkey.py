@@ -118,7 +118,7 @@ def main(argv=None):
     from jaxlong.config import load_config  # noqa: PLC0415
     from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
     from jaxlong.training.hooks import Hook  # noqa: PLC0415
-    from jaxlong.training.loop import run  # noqa: PLC0415
+    from jaxlong.recipes import train as run  # noqa: PLC0415
 
     phases = parse_phases(args.phases)
     lo_digits, hi_digits = (int(x) for x in args.train_digits.split("-"))

@@ -32,7 +32,8 @@ from provenance import commit, machine  # noqa: E402
 from jaxlong.config import load_config  # noqa: E402
 from jaxlong.core.mesh import build_mesh  # noqa: E402
 from jaxlong.layers import blocks  # noqa: E402
-from jaxlong.models.llama import Runtime, forward, init_params, model_graphdef  # noqa: E402
+from jaxlong.config import runtime  # noqa: PLC0415
+from jaxlong.models.llama import forward, init_params, model_graphdef  # noqa: PLC0415
 
 MODEL = ["model.vocab_size=512", "model.hidden=256", "model.layers=4", "model.heads=4", "model.kv_heads=4",
          "model.head_dim=64", "model.mlp_hidden=512", "model.rope_theta=500000", "model.init_std=0.1",
@@ -51,8 +52,8 @@ def float32_product(positions, inv_freq):
 def measure(extra: list[str], seed: int) -> list[tuple]:
     cfg = load_config(None, [*MODEL, *extra])
     mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
-    params = init_params(cfg, mesh)
-    rt, graphdef = Runtime(mesh=mesh, cfg=cfg), model_graphdef(cfg)
+    params = init_params(cfg.model, mesh, cfg.seed, cfg.param_dtype)
+    rt, graphdef = runtime(cfg, mesh), model_graphdef(cfg.model, cfg.param_dtype)
     tokens = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.model.vocab_size, (1, cfg.seq_len)), jnp.int32)
     rows = []
     for name, angles in (("float32 product (before)", float32_product), ("exact (now)", EXACT)):

@@ -358,7 +358,7 @@ def train_weighted(args, overrides: list[str], log: Path) -> float:
     from jaxlong.core.mesh import build_mesh
     from jaxlong.evaluation.ruler.words import Pieces
     from jaxlong.training.hooks import Hook
-    from jaxlong.training.loop import run
+    from jaxlong.recipes import train as run
 
     cfg = load_config(None, overrides)
     mesh, tok, tasks = build_mesh(cfg.mesh), data.run_tokenizer(cfg), train_tasks()
@@ -470,13 +470,13 @@ def answer_tokens_right(run_dir: Path, step: int, task: str, lengths: list[int],
     from jaxlong.config import from_dict
     from jaxlong.core.mesh import build_mesh
     from jaxlong.data import run_tokenizer
-    from jaxlong.eval.__main__ import restore_params
-    from jaxlong.evaluation import eval_batch_size, passkey_batch, ruler, token_stats
-    from jaxlong.training.checkpoint import saved_config
+    from jaxlong.data.heldout import eval_batch_size
+    from jaxlong.evaluation import passkey_batch, ruler, token_stats
+    from jaxlong.training.checkpoint import restore_weights, saved_config
 
     cfg = from_dict(saved_config(run_dir / "checkpoints", step))
     mesh = build_mesh(cfg.mesh)
-    params, stats = restore_params(cfg, mesh, run_dir, step), token_stats(cfg, mesh)
+    params, stats = restore_weights(cfg, mesh, run_dir / "checkpoints", step), token_stats(cfg, mesh)
     tok = run_tokenizer(cfg)
     out, size = {}, eval_batch_size(cfg)
     for length in lengths:

@@ -11,7 +11,7 @@ Three steps, the second in an environment with torch, transformers and gguf (not
     python experiments/smollm2_ruler_generate.py table RUN --hf /tmp/hf.json --out experiments/results
 
 `prompts` remakes the cases of one evaluation by generation exactly as the CLI made them (its `summary.json`
-names the flags and overrides; `jaxlong.eval.__main__.ruler_suite` on the same held-out split), checks them
+names the flags and overrides; `jaxlong.evaluation.checkpoint.ruler_suite` on the same held-out split), checks them
 against the evaluation's `ruler_cases.csv` (the same cases, the same prompt lengths) and writes each case's prompt
 ids, tokens_to_generate and reference items. `transformers` generates each prompt greedily with transformers'
 GGUF import of the same model (float32, `max_new_tokens` = RULER's tokens_to_generate, `do_sample=False`, EOS
@@ -72,17 +72,17 @@ def _hf_key(key: str, factor: str | None) -> str:
 def prompts(step_dir: Path, out: Path) -> None:
     """The cases of the evaluation by generation in `step_dir`, made again as the CLI made them, to `out`."""
     from jaxlong import data as data_lib
-    from jaxlong import evaluation as ev
-    from jaxlong.eval.__main__ import parse_args, resolve, ruler_suite
+    from jaxlong.data.heldout import validation_split
+    from jaxlong.evaluation.checkpoint import EvalOptions, resolve, ruler_suite
 
     summary = json.loads((step_dir / "summary.json").read_text())
     argv = _argv(step_dir, summary)
-    args = parse_args(argv)
+    args = EvalOptions(**summary["setup"]["flags"], overrides=list(summary["setup"]["overrides"]))
     assert args.ruler_scoring == "generate", f"{step_dir}: not an evaluation by generation"
-    run_dir, _, cfg = resolve(args)
+    run_dir, _, cfg = resolve(step_dir.parents[2], args)
     tokenizer = data_lib.run_tokenizer(cfg, run_dir)
     source = data_lib.first_source(cfg)
-    held_out, _ = ev.validation_split(cfg, source, tokenizer, args.batches)
+    held_out, _ = validation_split(cfg, source, tokenizer, args.batches)
     cases, _ = ruler_suite(cfg, args, tokenizer, source, held_out)
     with open(step_dir / "ruler_cases.csv") as f:
         cli = {(r["task"], int(r["length"]), int(r["index"])): r for r in csv.DictReader(f)}

@@ -72,7 +72,7 @@ def main() -> None:
 
     from jaxlong.config import load_config  # noqa: PLC0415
     from jaxlong.data import HFTokenizer, first_source  # noqa: PLC0415
-    from jaxlong.evaluation.heldout import validation_split  # noqa: PLC0415
+    from jaxlong.data.heldout import validation_split  # noqa: PLC0415
 
     model = smollm2.build()
     t_base = _train(model, args.run_dir, "base", ["steps=1", "optim.lr=3e-5", "optim.warmup_steps=5", "eval_every=1"])

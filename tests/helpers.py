@@ -15,8 +15,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong.config import AttentionConfig, MeshConfig, RematConfig, TilingConfig, load_config, to_dict, validate
 from jaxlong.core.mesh import build_mesh
-from jaxlong.models.llama import Runtime, model_graphdef
+from jaxlong.core.batch import put_batch
+from jaxlong.config import runtime
+from jaxlong.models.llama import model_graphdef
 from jaxlong.training import step as step_lib
+from jaxlong.objectives.lm import LanguageModeling
+from jaxlong.training.accumulate import loss_and_grads as accumulated
 
 TINY = [
     "model.vocab_size=128", "model.hidden=64", "model.layers=2", "model.heads=8", "model.kv_heads=4",
@@ -58,10 +62,10 @@ def loss_and_grads(cfg, n_devices: int, batch: dict, params_host=None):
     params = step_lib.init_state(cfg, mesh)["params"]
     if params_host is not None:
         params = jax.tree.map(lambda h, p: jax.device_put(h, p.sharding), params_host, params)
-    graphdef = model_graphdef(cfg)
-    rt = Runtime(mesh=mesh, cfg=cfg)
-    b = step_lib.put_batch(batch, mesh)
-    loss, grads = jax.jit(jax.value_and_grad(lambda p, x: step_lib.loss_fn(p, x, graphdef, rt)))(params, b)
+    graphdef = model_graphdef(cfg.model, cfg.param_dtype)
+    rt = runtime(cfg, mesh)
+    b = put_batch(batch, mesh)
+    loss, grads = jax.jit(lambda p, x: accumulated(LanguageModeling(), p, x, 1, graphdef, rt)[:2])(params, b)
     return float(loss), jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, params)
 
 

@@ -20,12 +20,14 @@ from xla_flags import user_env
 from jaxlong.config import load_config
 from jaxlong.core.mesh import build_mesh
 from jaxlong.data import DocumentSource, HFTokenizer
-from jaxlong.eval.__main__ import restore_params
-from jaxlong.evaluation import PositionLoss, validation_split
+from jaxlong.training.checkpoint import restore_weights
+from jaxlong.data.heldout import validation_split
+from jaxlong.evaluation import PositionLoss
 from jaxlong.evaluation.probes import passkey_example, random_key
 from jaxlong.evaluation.ruler import make_cases
 from jaxlong.models import hf
-from jaxlong.models.llama import Runtime, forward, model_graphdef
+from jaxlong.config import runtime
+from jaxlong.models.llama import forward, model_graphdef
 
 ROOT = Path(__file__).resolve().parents[1]
 RING8 = ("mesh.num_devices=8", "mesh.fsdp=1", "mesh.ring=8", "mesh.context=1")
@@ -58,7 +60,7 @@ def train_one_step(smol: Path, root: Path) -> Path:
     cli("jaxlong.train", *overrides)
     cfg = load_config(None, overrides)
     mesh = build_mesh(cfg.mesh)
-    restored, imported = restore_params(cfg, mesh, root / "smol", 1), hf.load_params(smol, cfg, mesh)
+    restored, imported = restore_weights(cfg, mesh, root / "smol" / "checkpoints", 1), hf.load_params(smol, cfg.model, mesh, cfg.param_dtype)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(restored)[0], jax.tree.leaves(imported)):
         assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)  # learning rate 0 at step 1
     return root / "smol"
@@ -72,7 +74,7 @@ class Hand:
         self.smol, self.tokenizer = smol, HFTokenizer(smol)
         self.cfg = load_config(None, [f"model.from_hf={smol}", "seq_len=512", "global_batch=1", *ONE_DEVICE])
         self.mesh = build_mesh(self.cfg.mesh)
-        self.params = hf.load_params(smol, self.cfg, self.mesh)
+        self.params = hf.load_params(smol, self.cfg.model, self.mesh, self.cfg.param_dtype)
         self._runs, self._memo = {}, {}
 
     def logits(self, tokens: np.ndarray, positions=None, segment_ids=None) -> np.ndarray:
@@ -80,7 +82,7 @@ class Hand:
         n = tokens.shape[1]
         if n not in self._runs:
             cfg = load_config(None, [f"model.from_hf={self.smol}", f"seq_len={n}", "global_batch=1", *ONE_DEVICE])
-            rt, graphdef = Runtime(mesh=self.mesh, cfg=cfg), model_graphdef(cfg)
+            rt, graphdef = runtime(cfg, self.mesh), model_graphdef(cfg.model, cfg.param_dtype)
 
             def run(p, t, pos, seg):
                 hidden, head = forward(graphdef, p, t, rt, pos, seg)

@@ -1,6 +1,7 @@
-"""The package's shape, checked from the source (docs/architecture.md): folders are layers, imports between
-jaxlong modules form no cycle, no module imports another's underscore name, and only the command folders import
-jaxlong modules inside functions (for start-up time)."""
+"""The package's shape, checked from the source (docs/architecture.md): folders are floors that import only the
+floors below them, imports between jaxlong modules form no cycle, no module imports another's underscore name, no
+command is imported from outside it, only the command folders import jaxlong modules inside functions (for start-up
+time), the objective is named in one place, and functions stay short."""
 
 from __future__ import annotations
 
@@ -112,24 +113,89 @@ def test_only_the_commands_import_jaxlong_modules_inside_functions():
     assert found == []
 
 
-def test_layers_import_downwards():
-    """core <- kernels <- layers <- parallel <- config <- models <- training and evaluation (peers) <- plan <- the
-    commands; data sits beside layers, and `models/hf_config.py` (config.json read into plain values, importing
-    only core) below config, which reads `model.from_hf` through it. A module never imports a layer above its
-    own."""
-    rank = {"core": 0, "kernels": 1, "data": 2, "layers": 2, "parallel": 3, "config": 4, "models": 5,
-            "training": 6, "evaluation": 6, "generation": 6, "plan": 7, **{c: 8 for c in COMMANDS}}
-    below_config = {"jaxlong.models.hf_config": 3}
+# The floors (docs/architecture.md): a folder may import its own floor's modules only from its own folder, and the
+# floors below it. Peers on one floor import neither each other: `training` and `generation` are peers.
+FLOORS = {"core": 0, "kernels": 1, "data": 1, "layers": 1, "optim": 1, "parallel": 2, "models": 3, "objectives": 4,
+          "config": 5, "training": 6, "generation": 6, "evaluation": 7, "recipes": 8, "plan": 9,
+          **{c: 10 for c in COMMANDS}}
 
-    def layer(module: str) -> int | None:
-        parts = module.split(".")
-        return below_config.get(module, rank.get(parts[1]) if len(parts) > 1 else None)
 
-    upward = []
+def _folder(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _folder_edges() -> dict[tuple[str, str], list[str]]:
+    edges: dict[tuple[str, str], list[str]] = {}
     for name, targets in _graph().items():
-        own = layer(name)
-        upward += [f"{name} -> {t}" for t in targets if own is not None and (layer(t) or 0) > own]
-    assert upward == []
+        for t in targets:
+            a, b = _folder(name), _folder(t)
+            if a and b and a != b:
+                edges.setdefault((a, b), []).append(f"{name} -> {t}")
+    return edges
+
+
+def test_every_folder_has_a_floor():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"} | {"config"}
+    assert folders == set(FLOORS), "give each folder of jaxlong/ its floor in FLOORS (and docs/architecture.md)"
+
+
+def test_folders_import_downwards_only():
+    """core < kernels, data, layers, optim < parallel < models < objectives < config < training, generation <
+    evaluation < recipes < plan < the commands: a module never imports a folder on its own floor or above, except
+    its own folder (so no two folders import each other, and training and generation import neither)."""
+    wrong = [line for (a, b), lines in _folder_edges().items() if FLOORS[b] >= FLOORS[a] for line in lines]
+    assert wrong == []
+
+
+def test_no_command_is_imported_from_outside_it():
+    """`train`, `eval`, `generate`, `memory` and `export` are entry points: the library and the experiments never
+    import them (what they share lives in the library)."""
+    found = []
+    for path in [*PACKAGE.rglob("*.py"), *(ROOT / "experiments").rglob("*.py")]:
+        own = _folder(_module_name(path)) if path.is_relative_to(PACKAGE) else None
+        found += [f"{path.relative_to(ROOT)} imports {t}" for t, _, _ in _imports(path)
+                  if _folder(t) in COMMANDS and _folder(t) != own]
+    assert found == []
+
+
+def test_only_the_config_and_the_registry_name_an_objective():
+    """The objective is chosen once (`jaxlong.objectives.registry`); everywhere else code asks the `Objective`,
+    never compares `objective` with a name."""
+    allowed = {"jaxlong/config.py", "jaxlong/objectives/registry.py"}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            names = any(isinstance(x, ast.Attribute) and x.attr == "objective" for x in sides)
+            strings = any(isinstance(x, ast.Constant) and isinstance(x.value, str) for x in sides)
+            if names and strings and rel not in allowed:
+                found.append(f"{rel}:{node.lineno}")
+    assert found == []
+
+
+def test_functions_a_reader_can_hold():
+    """No function is longer than 100 lines (the U-Pipe op and the chunked prefill's step excepted), and none
+    outside the kernels and the parallel ops takes more than 10 parameters (options that travel together travel
+    as one record)."""
+    exempt = {"jaxlong/parallel/upipe.py", "jaxlong/generation/chunked.py"}
+    long, many = [], []
+    for path in PACKAGE.rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        for n in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if n.end_lineno - n.lineno + 1 > 100 and rel not in exempt:
+                long.append(f"{rel}:{n.lineno} {n.name}")
+            a = n.args
+            count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+            count -= bool(a.args) and a.args[0].arg in ("self", "cls")
+            if count > 10 and not rel.startswith(("jaxlong/kernels/", "jaxlong/parallel/")):
+                many.append(f"{rel}:{n.lineno} {n.name} ({count})")
+    assert long == [] and many == []
 
 
 def test_every_jaxlong_name_the_scripts_and_tests_import_exists():

@@ -1,5 +1,5 @@
 """A suggestion is a value that passes: every refusal of the config (`jaxlong.config.validate`), of a recipe's stages
-(`jaxlong.training.recipe.expand`) and of the evaluation's flags (`jaxlong.eval.__main__.check_flags`) that
+(`jaxlong.recipes.recipe.expand`) and of the evaluation's flags (`jaxlong.evaluation.checkpoint.check_flags`) that
 suggests settings suggests ones the whole validation accepts with the rest unchanged. Random configs across
 meshes, model shapes and options (seeded, a fixed number of draws), then the cases users met. Nothing compiles:
 validation is arithmetic on the config."""
@@ -110,7 +110,7 @@ def _set_in_stage(cfg: Config, key: str, value) -> None:
 def test_every_suggestion_of_a_recipe_stage_passes():
     """The tiny recipe with one stage's keys drawn: a refused stage's suggestions, set in that stage, make the
     whole recipe expand."""
-    from jaxlong.training.recipe import expand
+    from jaxlong.recipes import expand
 
     base = load_config(RECIPE)
     rng = random.Random(7)
@@ -140,7 +140,8 @@ def test_every_suggestion_of_a_recipe_stage_passes():
 def test_every_suggestion_of_the_eval_flags_passes(tmp_path):
     """`python -m jaxlong.eval`'s flags checked against random valid runs' configs: a refused length or count is
     followed by lengths or counts that pass, put in its place."""
-    from jaxlong.eval.__main__ import check_flags, parse_args
+    from jaxlong.eval.__main__ import parse_args
+    from jaxlong.evaluation.checkpoint import check_flags
 
     rng = random.Random(11)
     flags_of = {"--lengths": "lengths", "--ruler-lengths": "ruler_lengths", "--batches": "batches",
@@ -171,7 +172,7 @@ def test_every_suggestion_of_the_eval_flags_passes(tmp_path):
 def test_the_recipe_users_last_stage_of_4098_tokens_gets_lengths_that_pass():
     """The report: the tiny recipe's last stage at 4098 tokens, then 4100. Both get the nearest lengths every rule
     takes (the stage set seq_len), not a multiple of mesh.context nor a divisor of the attention block."""
-    from jaxlong.training.recipe import expand
+    from jaxlong.recipes import expand
 
     for bad in (4098, 4100):
         cfg = load_config(RECIPE)
@@ -189,7 +190,7 @@ def test_the_recipe_users_last_stage_of_4098_tokens_gets_lengths_that_pass():
 def test_a_recipes_base_config_is_not_judged_alone(tmp_path):
     """Every stage of the tiny recipe sets its seq_len, so a top-level seq_len no stage uses is not refused (no run
     uses the base config alone); a stage that inherits a bad one is refused with the stage's name."""
-    from jaxlong.training.recipe import expand
+    from jaxlong.recipes import expand
 
     data = yaml.safe_load(RECIPE.read_text())
     path = tmp_path / "recipe.yaml"

@@ -14,14 +14,18 @@ import numpy as np
 import pytest
 from helpers import assert_trees_close, mesh_for, reference_cfg, tiered, tiny_cfg
 
+from jaxlong.config import runtime
 from jaxlong import data as data_lib
 from jaxlong.config import ConfigError
+from jaxlong.core.batch import put_batch
 from jaxlong.data.chat import ChatTemplate
 from jaxlong.data.chat_data import ChatSource, encode_conversation
 from jaxlong.data.tokenizer import ByteTokenizer
 from jaxlong.layers import loss as loss_lib
 from jaxlong.models import llama
 from jaxlong.training import step as step_lib
+from jaxlong.objectives.lm import LanguageModeling
+from jaxlong.training.accumulate import loss_and_grads
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "smollm2" / "chat_sft.json"
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -175,16 +179,16 @@ def test_sft_loss_on_a_context_parallel_mesh_equals_each_conversation_alone(tmp_
     batch.pop(data_lib.SOURCE_FEATURE, None)
     mesh = mesh_for(cfg, cfg.mesh.num_devices)
     params = step_lib.init_state(cfg, mesh)["params"]
-    rt, graphdef = llama.Runtime(mesh=mesh, cfg=cfg), llama.model_graphdef(cfg)
-    loss, grads = jax.jit(lambda p, b: step_lib.accumulated_loss_and_grads(p, b, graphdef, rt, cfg.grad_accum))(
-        params, step_lib.put_batch(batch, mesh))
+    rt, graphdef = runtime(cfg, mesh), llama.model_graphdef(cfg.model, cfg.param_dtype)
+    loss, grads = jax.jit(lambda p, b: loss_and_grads(LanguageModeling(), p, b, cfg.grad_accum, graphdef, rt)[:2])(
+        params, put_batch(batch, mesh))
 
     ref = reference_cfg(cfg)
     ref_mesh = mesh_for(ref, 1)
     host = jax.tree.map(np.asarray, params)
     ref_params = jax.tree.map(lambda h, p: jax.device_put(h, p.sharding), host,
                               step_lib.init_state(ref, ref_mesh)["params"])
-    ref_rt, ref_graphdef = llama.Runtime(mesh=ref_mesh, cfg=ref), llama.model_graphdef(ref)
+    ref_rt, ref_graphdef = runtime(ref, ref_mesh), llama.model_graphdef(ref.model, ref.param_dtype)
 
     alone = {k: [] for k in ("inputs", "targets", "mask")}  # each conversation its own row, padded at the end
     for row in range(cfg.global_batch):
@@ -253,7 +257,7 @@ def test_chat_batches_resume_from_the_saved_data_state(tmp_path):
 def test_held_out_conversations_stay_out_of_every_source_that_reads_their_file(tmp_path):
     """Two sources read one chat file (different length rules): the conversations validation holds out are in
     neither's training batches."""
-    from jaxlong.evaluation.heldout import held_out_documents  # noqa: PLC0415
+    from jaxlong.data.heldout import held_out_documents  # noqa: PLC0415
 
     path, tpl = _files(tmp_path, [{"messages": [{"role": "user", "content": f"q{i}"},
                                                 {"role": "assistant", "content": f"answer number {i}"}]}
@@ -287,13 +291,13 @@ def test_each_source_of_a_mixture_logs_its_own_loss(tmp_path):
     batch = next(b for b in batches if {1, 2} <= set(b[data_lib.SOURCE_FEATURE].ravel().tolist()))  # both sources
     mesh = mesh_for(cfg, 1)
     state = step_lib.init_state(cfg, mesh)
-    rt, graphdef = llama.Runtime(mesh=mesh, cfg=cfg), llama.model_graphdef(cfg)
+    rt, graphdef = runtime(cfg, mesh), llama.model_graphdef(cfg.model, cfg.param_dtype)
     hidden, head = llama.forward(graphdef, state["params"], batch["inputs"], rt, batch["positions"],
                                  batch["segment_ids"])
     tl = np.asarray(loss_lib.token_losses(hidden, head, batch["targets"])) * batch["mask"]
     src = batch[data_lib.SOURCE_FEATURE]
     want = [tl[src == k].sum() / batch["mask"][src == k].sum() for k in (1, 2)]
-    _, m = step_lib.make_train_step(cfg, mesh)(state, step_lib.put_batch(batch, mesh))
+    _, m = step_lib.make_train_step(cfg, mesh)(state, put_batch(batch, mesh))
     assert batch["mask"][src == 1].sum() < (src == 1).sum() and batch["mask"][src == 2].all()
     np.testing.assert_allclose(np.asarray(m["source_loss"]), want, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(m["source_tokens_trained"]), [batch["mask"][src == k].sum() for k in (1, 2)])

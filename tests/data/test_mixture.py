@@ -12,7 +12,7 @@ from helpers import TINY
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jaxlong import data
-from jaxlong import evaluation as eval_lib
+from jaxlong.data import heldout
 from jaxlong.config import ConfigError, load_config
 from jaxlong.data import mixture
 from jaxlong.training.checkpoint import config_changes
@@ -282,13 +282,13 @@ def test_a_validation_split_the_first_source_cannot_fill_names_it_and_its_docume
                              f"data.sources=[{{path: {two}, weight: 0.9}}, {{path: {corpora['long']}, weight: 0.1}}]"])
     with pytest.raises(ValueError, match=rf"^data.sources\[0\] \({two}\): eval_batches=2: its 2 documents cannot "
                                          r"fill 2 validation batches of 4 x seq_len=128 tokens") as e:
-        eval_lib.validation_split(cfg, data.first_source(cfg), BYTE)
+        heldout.validation_split(cfg, data.first_source(cfg), BYTE)
     assert "\n" not in str(e.value)
     one = tmp_path / "one.jsonl"
     one.write_text(json.dumps({"text": "x"}) + "\n", encoding="utf-8")
     cfg = load_config(None, [*TINY, "eval_every=5", f"data.sources=[{{path: {one}}}, {{path: {two}}}]"])
     with pytest.raises(ValueError, match=rf"^data.sources\[0\] \({one}\): eval_fraction=.*: it has 1 document"):
-        eval_lib.validation_split(cfg, data.first_source(cfg), BYTE)
+        heldout.validation_split(cfg, data.first_source(cfg), BYTE)
 
 
 def test_held_out_documents_stay_out_of_every_source_that_reads_their_corpus(tmp_path):

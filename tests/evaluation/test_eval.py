@@ -17,36 +17,40 @@ from jaxlong import evaluation as ev
 from jaxlong.evaluation import ruler
 from jaxlong.core.memstats import compiled_bytes
 from jaxlong.core.mesh import resolve_mesh_shape
-from jaxlong.data import ByteTokenizer, make_dataset
+from jaxlong.core.batch import put_batch
+from jaxlong.data import ByteTokenizer, PipelineOptions, make_dataset
 from jaxlong.layers import loss as loss_lib
-from jaxlong.models.llama import Runtime, forward, model_graphdef
+from jaxlong.config import runtime
+from jaxlong.models.llama import forward, model_graphdef
 from jaxlong.training import step as step_lib
+from jaxlong.data import heldout
+from jaxlong.evaluation import checkpoint as evaluation
 
 TEXTS = [("The grass is green and the sky is blue. " * (1 + i % 4))[: 20 + 13 * i] for i in range(24)]
 
 
 def test_held_out_documents_are_whole_and_fixed_by_seed():
     tok = ByteTokenizer()
-    held = ev.held_out_documents(TEXTS, tok, 0.25, seed=0)
+    held = heldout.held_out_documents(TEXTS, tok, 0.25, seed=0)
     assert len(held) == 6 and held == sorted(held)
-    assert ev.held_out_documents(TEXTS, tok, 0.25, seed=0) == held
-    assert ev.held_out_documents(TEXTS, tok, 0.25, seed=1) != held
-    more = ev.held_out_documents(TEXTS, tok, 0.25, seed=0, min_tokens=1500)  # more documents to fill the batches
+    assert heldout.held_out_documents(TEXTS, tok, 0.25, seed=0) == held
+    assert heldout.held_out_documents(TEXTS, tok, 0.25, seed=1) != held
+    more = heldout.held_out_documents(TEXTS, tok, 0.25, seed=0, min_tokens=1500)  # more documents to fill the batches
     assert set(held) <= set(more) and sum(len(TEXTS[i]) + 2 for i in more) >= 1500
-    assert len(ev.held_out_documents(TEXTS, tok, 0.25, seed=0, min_tokens=10**9)) == len(TEXTS) - 1
+    assert len(heldout.held_out_documents(TEXTS, tok, 0.25, seed=0, min_tokens=10**9)) == len(TEXTS) - 1
     with pytest.raises(ValueError, match="eval_fraction.* 1 document"):
-        ev.held_out_documents(TEXTS[:1], tok, 0.1, seed=0)
+        heldout.held_out_documents(TEXTS[:1], tok, 0.1, seed=0)
     with pytest.raises(ValueError, match="eval_batches=40: .* lower eval_batches or seq_len"):
-        ev.validation_split(tiny_cfg("model.vocab_size=257", "eval_batches=40"), TEXTS, tok)
+        heldout.validation_split(tiny_cfg("model.vocab_size=257", "eval_batches=40"), TEXTS, tok)
 
 
 @pytest.mark.parametrize("packing", ["documents", "concat"])
 def test_validation_batches_present_documents_as_training_does(packing):
     tok = ByteTokenizer()
     cfg = tiny_cfg("model.vocab_size=257", "seq_len=16", "global_batch=1", "mesh.fsdp=1", "mesh.context=8", f"data.packing={packing}")
-    (batch,) = ev.validation_batches(cfg, ["ABCD", "xyz"], tok, [0, 1], 1)
-    train = next(iter(make_dataset(["ABCD", "xyz"], tok, seq_len=16, global_batch=1, seed=cfg.seed,
-                                   packing=packing, shuffle=False)))
+    (batch,) = heldout.validation_batches(cfg, ["ABCD", "xyz"], tok, [0, 1], 1)
+    train = next(iter(make_dataset(["ABCD", "xyz"], tok, seq_len=16, global_batch=1,
+                                   options=PipelineOptions(seed=cfg.seed, packing=packing, shuffle=False))))
     docs = batch["mask"] > 0  # training goes on with the next epoch where validation pads
     for k in ("inputs", "targets", "positions", "segment_ids", "mask"):
         np.testing.assert_array_equal(batch[k][docs], train[k][docs], err_msg=k)
@@ -55,7 +59,7 @@ def test_validation_batches_present_documents_as_training_does(packing):
         np.testing.assert_array_equal(batch["positions"][0][:9], [0, 1, 2, 3, 4, 0, 1, 2, 3])
         assert batch["inputs"][0][0] == tok.bos_id and batch["targets"][0][0] == ord("A")
         np.testing.assert_array_equal(batch["mask"][0], batch["segment_ids"][0] > 0)
-    indices, batches = ev.validation_split(tiny_cfg("model.vocab_size=257"), TEXTS, tok)
+    indices, batches = heldout.validation_split(tiny_cfg("model.vocab_size=257"), TEXTS, tok)
     assert len(batches) == 2 and all(b["inputs"].shape == (2, 64) for b in batches)
 
 
@@ -64,7 +68,7 @@ def _eval_loss(cfg, n_devices, batch, params_host=None):
     params = step_lib.init_state(cfg, mesh)["params"]
     if params_host is not None:
         params = jax.tree.map(lambda h, p: jax.device_put(h, p.sharding), params_host, params)
-    s, c = ev.make_eval_step(cfg, mesh)(params, step_lib.put_batch(batch, mesh))
+    s, _, c = ev.make_eval_step(cfg, mesh)(params, put_batch(batch, mesh))
     return float(s) / float(c), jax.tree.map(np.asarray, params)
 
 
@@ -96,7 +100,7 @@ def test_token_stats_over_tiles_on_the_mesh_equal_dense_logits():
     ref = reference_cfg(cfg)
     mesh1 = mesh_for(ref, 1)
     params = step_lib.init_state(ref, mesh1)["params"]
-    hidden, head = jax.jit(lambda p, x: forward(model_graphdef(ref), p, x, Runtime(mesh=mesh1, cfg=ref)))(
+    hidden, head = jax.jit(lambda p, x: forward(model_graphdef(ref.model, ref.param_dtype), p, x, runtime(ref, mesh1)))(
         params, batch["inputs"])
     want_loss = np.asarray(loss_lib.token_losses(hidden, head, batch["targets"]))
     want_arg = np.asarray(jax.numpy.argmax(jax.numpy.einsum("bsh,hv->bsv", hidden, head), axis=-1))
@@ -129,10 +133,10 @@ def _one_device_eval(packing):
     ref = reference_cfg(_eval_cfg(packing, "mesh.fsdp=2", "mesh.context=4"))
     mesh = mesh_for(ref, 1)
     params = step_lib.init_state(ref, mesh)["params"]
-    _, batches = ev.validation_split(ref, TEXTS, ByteTokenizer())
+    _, batches = heldout.validation_split(ref, TEXTS, ByteTokenizer())
     result = ev.evaluate_params(ref, mesh, params, batches, encode=ENC, passkey=GRID)
     passkey = ev.passkey_batch([ev.passkey_example(ENC, 128, d, "31415") for d in (0.0, 0.3, 0.6, 1.0)])
-    hidden, head = jax.jit(lambda p, x: forward(model_graphdef(ref), p, x, Runtime(mesh=mesh, cfg=ref)))(
+    hidden, head = jax.jit(lambda p, x: forward(model_graphdef(ref.model, ref.param_dtype), p, x, runtime(ref, mesh)))(
         params, passkey["inputs"])
     top2 = np.sort(np.asarray(jax.numpy.einsum("bsh,hv->bsv", hidden, head)), axis=-1)[..., -2:]
     return jax.tree.map(np.asarray, params), batches, result, passkey, top2[..., 1] - top2[..., 0]
@@ -152,7 +156,7 @@ def test_evaluation_on_every_mesh_equals_one_device(mesh, packing):
     counts = []
     got = ev.evaluate_params(cfg, m, params, batches, encode=ENC, passkey=GRID, progress=counts.append)
     # progress: each validation sequence once (after its batch's two forwards), then each passkey example
-    size = ev.eval_batch_size(cfg)
+    size = heldout.eval_batch_size(cfg)
     assert counts == [len(b["inputs"]) for b in batches] + [size] * (2 * -(-GRID.per_cell // size))
     assert sum(counts) == ev.sequences_to_evaluate(cfg, batches, GRID)
     np.testing.assert_allclose(got.loss, want.loss, rtol=1e-5)
@@ -262,7 +266,7 @@ def test_passkey_score_counts_each_example():
 @pytest.mark.slow
 def test_training_validates_and_the_cli_evaluates_the_run(tmp_path, capsys, monkeypatch):
     from jaxlong.eval import __main__ as eval_cli
-    from jaxlong.training.loop import run
+    from jaxlong.recipes import train as run
 
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "seq_len=128", "global_batch=4", "grad_accum=2",
                    "data.max_tokens=200000", "model.vocab_size=257", "steps=3", "eval_every=2", "eval_batches=2",
@@ -362,7 +366,7 @@ def test_the_cli_evaluates_a_ring_run_like_a_mesh_without_ring(tmp_path, capsys)
     import csv
 
     from jaxlong.eval import __main__ as eval_cli
-    from jaxlong.training.loop import run
+    from jaxlong.recipes import train as run
 
     run(tiny_cfg("model.vocab_size=257", "seq_len=128", "global_batch=2", "mesh.fsdp=1", "mesh.ring=2",
                  "mesh.context=4", "data.max_tokens=100000", "steps=2", "eval_every=2", "run_name=r",
@@ -408,8 +412,8 @@ def test_passkey_lengths_hold_the_prompt(tmp_path, capsys):
 
     def lengths(*argv):
         args = eval_cli.parse_args([str(tmp_path), *argv])
-        _, _, cfg = eval_cli.resolve(args)
-        return eval_cli.passkey_lengths(cfg, args, ByteTokenizer())
+        _, _, cfg = evaluation.resolve(args.run_dir, args)
+        return evaluation.passkey_lengths(cfg, args, ByteTokenizer())
 
     assert lengths() == [] and "note: no passkey retrieval: seq_len 64 cannot hold" in capsys.readouterr().out
     assert lengths("--lengths", "128,256") == [128, 256]
@@ -431,7 +435,7 @@ def test_each_evaluation_setup_has_its_own_directory(tmp_path):
         args = eval_cli.parse_args([str(tmp_path), *argv])
         cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", *args.overrides)
         shape = dict(zip(("data", "fsdp", "ring", "context"), resolve_mesh_shape(cfg.mesh, 8)))
-        return eval_cli.evaluation_setup(cfg, tmp_path, 3, shape, args)["name"]
+        return evaluation.evaluation_setup(cfg, tmp_path, 3, shape, args)["name"]
 
     assert name() == name() == "mesh_1x2x1x4"
     assert name("mesh.fsdp=1", "mesh.context=8") == "mesh_1x1x1x8"
@@ -442,7 +446,7 @@ def test_each_evaluation_setup_has_its_own_directory(tmp_path):
 
 
 def test_the_summary_says_when_passkey_retrieval_is_at_chance_level():
-    from jaxlong.eval.__main__ import format_summary
+    from jaxlong.evaluation.report import format_summary
 
     rows = [{"start": 0, "end": 8, "tokens": 8, "loss": 2.0}]
     pk = {"lengths": [128], "depths": [0.0, 1.0], "accuracy": [[0.0], [0.0]], "mean": 0.0, "per_cell": 2, "digits": 5}
@@ -467,7 +471,7 @@ def test_ruler_flags_are_checked_before_anything_compiles(tmp_path, capsys):
 
     def resolved(*argv):
         args = eval_cli.parse_args([str(tmp_path), *argv])
-        eval_cli.resolve(args)
+        evaluation.resolve(args.run_dir, args)
         return args
 
     args = resolved("--ruler")
@@ -530,7 +534,7 @@ def test_every_ruler_length_is_checked_and_every_problem_named_before_a_case_is_
 
 def test_training_refuses_a_ruler_length_the_mesh_cannot_take_before_compiling(tmp_path, capsys):
     from jaxlong.config import ConfigError
-    from jaxlong.training.loop import run
+    from jaxlong.recipes import train as run
 
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", "seq_len=128", "model.vocab_size=257", "data.max_tokens=50000",
                    "eval_fraction=0.2", "ruler_tasks=[niah_single_1]", "ruler_lengths=[512, 514]", "run_name=r",
@@ -555,8 +559,8 @@ def test_ruler_pairs_too_short_for_a_task_are_skipped_by_default_and_refused_whe
 
     def suite(*argv):
         args = eval_cli.parse_args([str(tmp_path), "--ruler", "--ruler-cases", "2", *argv])
-        _, _, cfg = eval_cli.resolve(args)
-        return eval_cli.ruler_suite(cfg, args, ByteTokenizer(), TEXTS, range(len(TEXTS)))
+        _, _, cfg = evaluation.resolve(args.run_dir, args)
+        return evaluation.ruler_suite(cfg, args, ByteTokenizer(), TEXTS, range(len(TEXTS)))
 
     cases, notes = suite("--ruler-tasks", "niah_single_1,niah_single_2")
     assert {(c.task, c.length) for c in cases} == {("niah_single_1", 512), ("niah_single_2", 512)}

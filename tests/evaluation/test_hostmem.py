@@ -57,7 +57,7 @@ from jaxlong.models import llama
 cfg = load_config(None, sys.argv[2:])
 mesh = build_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
 n = int(sys.argv[1])
-params = llama.init_params(cfg, mesh)
+params = llama.init_params(cfg.model, mesh, cfg.seed, cfg.param_dtype)
 est, _ = hostmem.prefill_estimate(cfg, mesh, n, 1, 2)
 gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=2, trained=n + 2)
 gen([np.arange(n) % 250])

@@ -73,7 +73,7 @@ def test_greedy_generation_equals_transformers(smol, golden, name):
     cfg = load_config(None, [f"model.from_hf={smol}", "seq_len=768", "global_batch=1", "attention.block_q=64",
                              "attention.block_k=64", *MESHES[name]])
     mesh = build_mesh(cfg.mesh)
-    gen = Generator(cfg, mesh, hf.load_params(smol, cfg, mesh), HFTokenizer(smol), max_new_tokens=64)
+    gen = Generator(cfg, mesh, hf.load_params(smol, cfg.model, mesh, cfg.param_dtype), HFTokenizer(smol), max_new_tokens=64)
     steps: list = []
     out = gen([golden[f"{k}/prompt"] for k in KEYS], logits=steps)
     parted = {}

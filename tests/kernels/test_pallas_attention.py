@@ -250,7 +250,7 @@ def test_auto_picks_pallas_for_segment_ids_on_gpus_and_config_accepts_it():
 
 def test_training_with_pallas_on_the_cpu_is_refused(tmp_path, monkeypatch):
     from jaxlong import data as data_lib
-    from jaxlong.training.loop import run
+    from jaxlong.recipes import train as run
 
     def no_data(*args, **kwargs):
         raise AssertionError("the corpus was loaded")
@@ -319,13 +319,13 @@ def test_auto_train_step_with_packed_documents_uses_the_pallas_kernel_on_sm90(im
     """`attention.backend=auto` with `data.packing=documents` on compile-only H100s resolves to the Pallas
     kernel, and the whole train step (Ulysses or U-Pipe, C = 4) compiles with it and no blockwise loop."""
     from jaxlong.core.mesh import build_mesh
-    from jaxlong.models.llama import Runtime
+    from jaxlong.config import runtime
     from jaxlong.training import step as step_lib
 
     cfg = tiny_cfg("compute_dtype=bfloat16", "mesh.fsdp=2", "mesh.context=4", "data.packing=documents",
                    f"attention.impl={impl}", "seq_len=256")
     mesh = build_mesh(cfg.mesh, devices=_devices())
-    assert Runtime(mesh=mesh, cfg=cfg).attention_backend == "pallas"
+    assert runtime(cfg, mesh).attention_backend == "pallas"
     kernels = set(_triton_kernels(step_lib.compile_train_step(cfg, mesh)))
     # named with their mask (`_causal`), which the planner's cost model reads (jaxlong.plan.cost)
     assert kernels == {"jaxlong_flash_fwd_causal", "jaxlong_flash_bwd_dkdv_causal",

@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from helpers import assert_trees_close, loss_and_grads, mesh_for, random_batch, reference_cfg, tiered, tiny_cfg
 
+from jaxlong.config import runtime
 from jaxlong.config import ConfigError
 from jaxlong.models import llama as model_lib
 from jaxlong.plan.target import cuda_plugin_available
 from jaxlong.training import step as step_lib
+from jaxlong.objectives.base import loss_sum
 
 try:  # public in newer JAX; JAX 0.10 exposes only print_saved_residuals publicly
     from jax.ad_checkpoint import saved_residuals
@@ -95,8 +97,8 @@ def _kept_residuals(*overrides):
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.context=4", f"model.layers={LAYERS}", "data.packing=concat", *overrides)
     mesh = mesh_for(cfg, 8)
     params = step_lib.init_state(cfg, mesh)["params"]
-    graphdef, rt = model_lib.model_graphdef(cfg), model_lib.Runtime(mesh=mesh, cfg=cfg)
-    res = saved_residuals(lambda p: step_lib.loss_fn(p, random_batch(cfg), graphdef, rt), params)
+    graphdef, rt = model_lib.model_graphdef(cfg.model, cfg.param_dtype), runtime(cfg, mesh)
+    res = saved_residuals(lambda p: loss_sum(p, random_batch(cfg), graphdef, rt), params)
     return cfg, sorted((tuple(a.shape), "<host>" in a.str_short()) for a, d in res if "output of scan" in d and a.ndim >= 4)
 
 

@@ -4,10 +4,12 @@ equality of loss and gradients with the single-device model."""
 import pytest
 from helpers import assert_matches_single_device, mesh_for, pairwise, random_batch, tiered, tiny_cfg
 
+from jaxlong.config import runtime
 from jaxlong.config import ConfigError, RematConfig
 from jaxlong.layers.remat import default_offload_every, host_layer_inputs, make_policy
 from jaxlong.models import llama as model_lib
 from jaxlong.training import step as step_lib
+from jaxlong.objectives.base import loss_sum
 
 try:  # public in newer JAX; JAX 0.10 exposes only print_saved_residuals publicly
     from jax.ad_checkpoint import saved_residuals
@@ -22,9 +24,9 @@ def _stacked_residuals(policy: str, *extra: str):
     cfg = tiny_cfg(*BASE, f"remat.policy={policy}", *extra)
     mesh = mesh_for(cfg, 8)
     params = step_lib.init_state(cfg, mesh)["params"]
-    graphdef, rt = model_lib.model_graphdef(cfg), model_lib.Runtime(mesh=mesh, cfg=cfg)
+    graphdef, rt = model_lib.model_graphdef(cfg.model, cfg.param_dtype), runtime(cfg, mesh)
     batch = random_batch(cfg)
-    res = saved_residuals(lambda p: step_lib.loss_fn(p, batch, graphdef, rt), params)
+    res = saved_residuals(lambda p: loss_sum(p, batch, graphdef, rt), params)
     out = []
     for aval, desc in res:
         if "output of scan" in desc and aval.shape and aval.shape[0] == cfg.model.layers:
@@ -91,8 +93,8 @@ def _host_residuals(*extra: str) -> tuple[object, list[tuple[int, ...]]]:
     cfg = tiny_cfg(*BASE, "remat.policy=offload", *extra)
     mesh = mesh_for(cfg, 8)
     params = step_lib.init_state(cfg, mesh)["params"]
-    graphdef, rt = model_lib.model_graphdef(cfg), model_lib.Runtime(mesh=mesh, cfg=cfg)
-    res = saved_residuals(lambda p: step_lib.loss_fn(p, random_batch(cfg), graphdef, rt), params)
+    graphdef, rt = model_lib.model_graphdef(cfg.model, cfg.param_dtype), runtime(cfg, mesh)
+    res = saved_residuals(lambda p: loss_sum(p, random_batch(cfg), graphdef, rt), params)
     return cfg, [tuple(a.shape) for a, _ in res if "<host>" in a.str_short()]
 
 

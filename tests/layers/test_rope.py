@@ -10,9 +10,11 @@ import pytest
 from helpers import mesh_for, pairwise, tiny_cfg
 
 from jaxlong.config import RopeScalingConfig
+from jaxlong.core.batch import natural_order, put_batch
 from jaxlong.layers.blocks import rope_frequencies, rope_tables
-from jaxlong.models.llama import Runtime, forward, init_params, model_graphdef
-from jaxlong.training.step import abstract_state, natural_order, put_batch
+from jaxlong.config import runtime
+from jaxlong.models.llama import forward, init_params, model_graphdef
+from jaxlong.training.step import abstract_state
 
 SCALINGS = {
     "none": RopeScalingConfig(),
@@ -94,10 +96,10 @@ def _logits_fn(mesh_name: str, scaling: str, dtype: str):
         mesh = mesh_for(cfg, n)
         if "params" not in _PARAMS:  # one set of weights for every mesh (the shapes do not depend on it)
             one = tiny_cfg(*MODEL, *MESHES["one-device"][0])
-            _PARAMS["params"] = jax.tree.map(np.asarray, init_params(one, mesh_for(one, 1)))
+            _PARAMS["params"] = jax.tree.map(np.asarray, init_params(one.model, mesh_for(one, 1), one.seed, one.param_dtype))
         shardings = jax.tree.map(lambda a: a.sharding, abstract_state(cfg, mesh)["params"])
         params = jax.tree.map(jax.device_put, _PARAMS["params"], shardings)
-        rt, graphdef = Runtime(mesh=mesh, cfg=cfg), model_graphdef(cfg)
+        rt, graphdef = runtime(cfg, mesh), model_graphdef(cfg.model, cfg.param_dtype)
 
         @jax.jit
         def run(p, x):

@@ -18,10 +18,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlong.config import ConfigError, RopeScalingConfig, load_config, model_config_from_hf
+from jaxlong.core.batch import put_batch
 from jaxlong.layers.blocks import rms_norm, rope_frequencies
 from jaxlong.models import hf
-from jaxlong.models.llama import Runtime, forward, model_graphdef
-from jaxlong.training.step import put_batch
+from jaxlong.config import runtime
+from jaxlong.models.llama import forward, model_graphdef
+
 
 FIX = Path(__file__).parents[1] / "fixtures" / "hf"
 MODELS = ("llama31", "qwen3")
@@ -40,9 +42,9 @@ def jax_logits(cfg, n_devices: int, tokens: np.ndarray, params=None, positions=N
     """Float32 logits `[b, s, vocab]` of `tokens` under `cfg` on the first `n_devices` devices (with the packed
     batch's `positions` and `segment_ids` when given)."""
     mesh = mesh_for(cfg, n_devices)
-    params = hf.load_params(cfg.model.from_hf, cfg, mesh) if params is None else params
-    rt = Runtime(mesh=mesh, cfg=cfg)
-    graphdef = model_graphdef(cfg)
+    params = hf.load_params(cfg.model.from_hf, cfg.model, mesh, cfg.param_dtype) if params is None else params
+    rt = runtime(cfg, mesh)
+    graphdef = model_graphdef(cfg.model, cfg.param_dtype)
     extra = {k: v for k, v in (("positions", positions), ("segment_ids", segment_ids)) if v is not None}
     x = put_batch({"t": tokens, **extra}, mesh)
 
@@ -265,7 +267,7 @@ def test_loading_reads_one_tensor_at_a_time_into_the_planned_shardings(name):
     cfg = hf_cfg(name, "mesh.fsdp=8", "mesh.context=1", "global_batch=8")
     mesh = mesh_for(cfg, 8)
     reader = CountingReader(FIX / name)
-    params = hf.load_params(FIX / name, cfg, mesh, reader=reader)
+    params = hf.load_params(FIX / name, cfg.model, mesh, cfg.param_dtype, reader=reader)
     order = [n for i, (n, _) in enumerate(reader.reads) if i == 0 or reader.reads[i - 1][0] != n]
     assert len(order) == len(set(order)), "a tensor was read again after another one"
     itemsize = {"BF16": 2, "F32": 4}
@@ -323,7 +325,7 @@ def test_bad_checkpoints_fail_before_compiling(tmp_path):
                         (reshape, r"model.layers.0.mlp.up_proj.weight has shape \[65, 32\] but config.json implies \[64, 32\]")):
         d = _rewrite(tmp_path / edit.__name__, "qwen3", edit)
         with pytest.raises(ConfigError, match=match):
-            hf.load_params(d, hf_cfg("qwen3", directory=d), mesh)
+            hf.load_params(d, hf_cfg("qwen3", directory=d).model, mesh)
     with pytest.raises(ConfigError, match="model_type 'mistral' is not supported"):
         hf_cfg("qwen3", directory=_edit_config(tmp_path / "a", "qwen3", model_type="mistral"))
     rope = {"rope_type": "longrope", "rope_theta": 1e6}
@@ -338,7 +340,7 @@ def test_bad_checkpoints_fail_before_compiling(tmp_path):
     c = json.loads((small / "config.json").read_text())
     (small / "config.json").write_text(json.dumps(dict(c, vocab_size=100)))
     with pytest.raises(ConfigError, match="tokenizer.json has 1\\d\\d tokens but the embedding has 100 rows"):
-        hf.check_checkpoint(small, hf_cfg("qwen3", directory=small))
+        hf.check_checkpoint(small, hf_cfg("qwen3", directory=small).model)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -351,14 +353,16 @@ def test_import_export_import_is_bit_exact(tmp_path, param_dtype):
 
     cfg = hf_cfg("llama31", f"param_dtype={param_dtype}")
     mesh = mesh_for(cfg, 8)
-    first = hf.load_params(FIX / "llama31", cfg, mesh)
-    out = hf.save_hf(first, cfg, tmp_path / "out", source=FIX / "llama31", max_shard_bytes=60_000)
+    first = hf.load_params(FIX / "llama31", cfg.model, mesh, cfg.param_dtype)
+    out = hf.save_hf(first, cfg.model, tmp_path / "out", seq_len=cfg.seq_len, param_dtype=cfg.param_dtype,
+                     source=FIX / "llama31", max_shard_bytes=60_000)
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "tokenizer.json").is_file()
     umask = os.umask(0o022)
     os.umask(umask)
     modes = {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()}
     assert set(modes.values()) == {oct(0o666 & ~umask)}, modes  # as a plain write leaves config.json
-    second = hf.load_params(out, hf_cfg("llama31", f"param_dtype={param_dtype}", directory=out), mesh)
+    again = hf_cfg("llama31", f"param_dtype={param_dtype}", directory=out)
+    second = hf.load_params(out, again.model, mesh, again.param_dtype)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(first)[0], jax.tree.leaves(second)):
         assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
     # The exported tensors are the original (bf16) ones, exactly.
@@ -384,7 +388,7 @@ def test_fine_tune_starts_at_transformers_loss_and_exports(tmp_path, name):
     whose logits (read back by jaxlong, and by transformers when it is installed) equal the trained model's."""
     from jaxlong import data as data_lib  # noqa: PLC0415
     from jaxlong.export import __main__ as export_lib  # noqa: PLC0415
-    from jaxlong.training.loop import run  # noqa: PLC0415
+    from jaxlong.recipes import train as run  # noqa: PLC0415
 
     g = golden(name)
 
@@ -409,7 +413,7 @@ def test_fine_tune_starts_at_transformers_loss_and_exports(tmp_path, name):
     _, cfg, trained = export_lib.restore_params(tmp_path / "ft")
     cfg = hf_cfg(name, "mesh.fsdp=2", "mesh.context=4")
     tokens = np.concatenate([g["prompt"], g["prompt"]])
-    shardings = jax.tree.map(lambda a: a.sharding, hf.load_params(FIX / name, cfg, mesh_for(cfg, 8)))
+    shardings = jax.tree.map(lambda a: a.sharding, hf.load_params(FIX / name, cfg.model, mesh_for(cfg, 8), cfg.param_dtype))
     want = jax_logits(cfg, 8, tokens, params=jax.tree.map(lambda a, s: jax.device_put(np.asarray(a), s), trained,
                                                           shardings))
     assert float(np.abs(want[0] - g["logits"][0]).max()) > 1e-3  # training changed the model
@@ -514,8 +518,8 @@ def test_run_directory_stands_alone(tmp_path, capsys):
     from jaxlong.eval import __main__ as eval_cli  # noqa: PLC0415
     from jaxlong.export import __main__ as export_cli  # noqa: PLC0415
     from jaxlong.training.checkpoint import saved_config  # noqa: PLC0415
-    from jaxlong.training.loop import run  # noqa: PLC0415
-    from jaxlong.training.recipe import expand, run_recipe  # noqa: PLC0415
+    from jaxlong.recipes import train as run  # noqa: PLC0415
+    from jaxlong.recipes import expand, run_recipe  # noqa: PLC0415
 
     imp, moved, run_dir = tmp_path / "imp", tmp_path / "moved", tmp_path / "runs" / "ft"
     shutil.copytree(FIX / "llama31", imp)

@@ -18,10 +18,12 @@ import smollm2
 
 from jaxlong.config import ConfigError, load_config, model_config_from_hf
 from jaxlong.core.mesh import build_mesh
+from jaxlong.core.batch import natural_order, put_batch
 from jaxlong.data import HFTokenizer
 from jaxlong.models import hf
-from jaxlong.models.llama import Runtime, forward, model_graphdef
-from jaxlong.training.step import natural_order, put_batch
+from jaxlong.config import runtime
+from jaxlong.models.llama import forward, model_graphdef
+
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +56,8 @@ def logits_of(cfg, tokens: np.ndarray, params=None) -> np.ndarray:
     """Float32 logits `[b, s, vocab]` of `tokens` `[b, s]` on `cfg`'s mesh (its first `mesh.num_devices`), in
     token order (ring attention's zigzag layout undone)."""
     mesh = build_mesh(cfg.mesh)
-    params = hf.load_params(cfg.model.from_hf, cfg, mesh) if params is None else params
-    rt, graphdef = Runtime(mesh=mesh, cfg=cfg), model_graphdef(cfg)
+    params = hf.load_params(cfg.model.from_hf, cfg.model, mesh, cfg.param_dtype) if params is None else params
+    rt, graphdef = runtime(cfg, mesh), model_graphdef(cfg.model, cfg.param_dtype)
 
     @jax.jit
     def run(p, x):
@@ -82,7 +84,7 @@ def test_fixture_equals_transformers_on_real_text(smol, one_device):
     assert got["argmax_equal"] == 1.0 and abs(got["loss"] - got["golden_loss"]) < 1e-4 and got["loss"] < 3.0, got
 
     cfg = smol_cfg(smol, *ONE_DEVICE)
-    params = hf.load_params(smol, cfg, build_mesh(cfg.mesh))
+    params = hf.load_params(smol, cfg.model, build_mesh(cfg.mesh), cfg.param_dtype)
 
     def llama_cpp_order(w):  # each head's rows as llama.cpp's converter writes them: (0, d/2, 1, d/2 + 1, ...)
         *lead, d = w.shape  # [layers, hidden, heads, head_dim]
@@ -118,9 +120,11 @@ def test_import_export_import_is_bit_exact(smol, tmp_path):
 
     cfg = smol_cfg(smol, *MESHES["ring8"])
     mesh = build_mesh(cfg.mesh)
-    first = hf.load_params(smol, cfg, mesh)
-    out = hf.save_hf(first, cfg, tmp_path / "out", source=smol)
-    second = hf.load_params(out, smol_cfg(out, *MESHES["ring8"]), mesh)
+    first = hf.load_params(smol, cfg.model, mesh, cfg.param_dtype)
+    out = hf.save_hf(first, cfg.model, tmp_path / "out", seq_len=cfg.seq_len, param_dtype=cfg.param_dtype,
+                     source=smol)
+    again = smol_cfg(out, *MESHES["ring8"])
+    second = hf.load_params(out, again.model, mesh, again.param_dtype)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(first)[0], jax.tree.leaves(second)):
         assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
     original, exported = load_file(str(smol / "model.safetensors")), {}

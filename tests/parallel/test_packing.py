@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from helpers import assert_trees_close, loss_and_grads, mesh_for, pairwise, reference_cfg, tiered, tiny_cfg
 
+from jaxlong.config import runtime
 from jaxlong.kernels import backend as B
 from jaxlong.kernels import blockwise as K
 from jaxlong.models import llama as model_lib
 from jaxlong.training import step as step_lib
+from jaxlong.core.batch import put_batch
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -142,9 +144,9 @@ def _hidden(cfg, n_devices, batch, params_host):
     mesh = mesh_for(cfg, n_devices)
     params = step_lib.init_state(cfg, mesh)["params"]
     params = jax.tree.map(lambda h, p: jax.device_put(h, p.sharding), params_host, params)
-    rt = model_lib.Runtime(mesh=mesh, cfg=cfg)
-    b = step_lib.put_batch(batch, mesh)
-    fwd = jax.jit(lambda p, x: model_lib.forward(model_lib.model_graphdef(cfg), p, x["inputs"], rt,
+    rt = runtime(cfg, mesh)
+    b = put_batch(batch, mesh)
+    fwd = jax.jit(lambda p, x: model_lib.forward(model_lib.model_graphdef(cfg.model, cfg.param_dtype), p, x["inputs"], rt,
                                                  x.get("positions"), x.get("segment_ids"))[0])
     return np.asarray(fwd(params, b))
 
@@ -222,7 +224,7 @@ def test_resume_reproduces_next_batches_and_loss(tmp_path):
     uninterrupted 8-step run's losses exactly (same batches in the same order)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from jaxlong.training.loop import run
+    from jaxlong.recipes import train as run
 
     corpus = tmp_path / "c.jsonl"
     rng = np.random.default_rng(0)

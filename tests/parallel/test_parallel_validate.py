@@ -4,7 +4,7 @@ multi-node ladder. Nothing here compiles."""
 
 import pytest
 
-from jaxlong.config import ConfigError, load_config
+from jaxlong.config import ConfigError, load_config, runtime
 from jaxlong.parallel.dispatch import IMPLS, METHODS
 from jaxlong.parallel.ulysses import context_degrees
 from jaxlong.plan.planner import ladder
@@ -103,7 +103,6 @@ def test_ring_meshes_resolve_the_gpu_kernels_on_gpu_targets():
     from helpers import tiny_cfg
 
     from jaxlong.core.mesh import build_mesh
-    from jaxlong.models.llama import Runtime
     from jaxlong.plan.target import compile_only_devices, cuda_plugin_available, parse_target
 
     if not cuda_plugin_available():
@@ -113,7 +112,7 @@ def test_ring_meshes_resolve_the_gpu_kernels_on_gpu_targets():
                                (["mesh.context=8", "data.packing=concat"], "cudnn"),
                                (["mesh.ring=2", "mesh.context=4", "data.packing=documents"], "pallas")):
         cfg = tiny_cfg("compute_dtype=bfloat16", "mesh.fsdp=1", *overrides)
-        assert Runtime(mesh=build_mesh(cfg.mesh, devices=devices), cfg=cfg).attention_backend == backend
+        assert runtime(cfg, build_mesh(cfg.mesh, devices=devices)).attention_backend == backend
 
 
 @pytest.mark.parametrize("argv,message", [

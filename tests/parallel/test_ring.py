@@ -10,7 +10,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlong.kernels.blockwise import reference_attention
-from jaxlong.parallel.ring import ring_attention, unzigzag, zigzag, zigzag_order, zigzag_positions
+from jaxlong.parallel.ring import ring_attention, unzigzag, zigzag, zigzag_positions
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -70,6 +70,7 @@ from helpers import RING_SEQ, ring_mesh  # noqa: E402
 from jaxlong.layers.blocks import apply_rope, rope_tables  # noqa: E402
 from jaxlong.parallel.ulysses import ulysses_attention  # noqa: E402
 from jaxlong.parallel.upipe import upipe_attention  # noqa: E402
+from jaxlong.core.batch import zigzag_order
 
 _mesh, SEQ = ring_mesh, RING_SEQ
 

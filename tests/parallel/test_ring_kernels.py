@@ -173,13 +173,13 @@ def test_two_node_ring_train_step_runs_attention_only_in_gpu_kernels(impl, packi
     cuDNN flash attention (concatenated documents) or the Pallas kernels (packed documents) and no matmul of the
     blockwise kernel remains."""
     from jaxlong.core.mesh import build_mesh
-    from jaxlong.models.llama import Runtime
+    from jaxlong.config import runtime
     from jaxlong.training import step as step_lib
 
     cfg = tiny_cfg("compute_dtype=bfloat16", "mesh.fsdp=1", "mesh.ring=2", "mesh.context=8", "mesh.num_devices=16",
                    "global_batch=1", "seq_len=256", f"attention.impl={impl}", f"data.packing={packing}")
     mesh = build_mesh(cfg.mesh, devices=compile_only_devices(parse_target("h100:8x2")))
-    backend = Runtime(mesh=mesh, cfg=cfg).attention_backend
+    backend = runtime(cfg, mesh).attention_backend
     assert backend == ("cudnn" if packing == "concat" else "pallas")
     hlo = step_lib.compile_train_step(cfg, mesh).as_text()
     if backend == "cudnn":
@@ -220,7 +220,9 @@ def test_run_ids_are_computed_once_per_step_outside_the_layer_scan(impl):
     layer scan; no layer (and no U-Pipe stage) computes them again (traced loss of a 3-layer model)."""
     from helpers import mesh_for, random_batch
 
+    from jaxlong.config import runtime
     from jaxlong.models import llama as model_lib
+    from jaxlong.objectives.base import loss_sum
     from jaxlong.training import step as step_lib
 
     cfg = tiny_cfg("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", f"attention.impl={impl}", "model.layers=3",
@@ -229,8 +231,8 @@ def test_run_ids_are_computed_once_per_step_outside_the_layer_scan(impl):
     seg, pos = _segments(cfg.global_batch, cfg.seq_len)
     batch = {**random_batch(cfg), "segment_ids": np.asarray(seg), "positions": np.asarray(pos)}
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), step_lib.abstract_state(cfg, mesh)["params"])
-    graphdef, rt = model_lib.model_graphdef(cfg), model_lib.Runtime(mesh=mesh, cfg=cfg)
-    jaxpr = jax.make_jaxpr(jax.grad(lambda p, b: step_lib.loss_fn(p, b, graphdef, rt)))(params, batch)
+    graphdef, rt = model_lib.model_graphdef(cfg.model, cfg.param_dtype), runtime(cfg, mesh)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p, b: loss_sum(p, b, graphdef, rt)))(params, batch)
     assert _cummax_over_whole_rows(jaxpr.jaxpr, cfg.seq_len) == [False]
 
 

@@ -61,14 +61,14 @@ def test_deviceless_gpu_compile_of_a_small_config():
     """The train step compiles for 8 compile-only H100s; `auto` attention resolves to cuDNN from the mesh's
     devices (the process's default backend is the CPU), and the plan adds its GPU-only rows."""
     from jaxlong.core.mesh import build_mesh
-    from jaxlong.models.llama import Runtime
+    from jaxlong.config import runtime
     from jaxlong.plan import plan
 
     cfg = tiny_cfg("compute_dtype=bfloat16", "mesh.fsdp=2", "mesh.context=4", "data.packing=concat")
     target = parse_target("h100")
     assert jax.default_backend() == "cpu"
     mesh = build_mesh(cfg.mesh, devices=compile_only_devices(target))
-    assert Runtime(mesh=mesh, cfg=cfg).attention_backend == "cudnn"
+    assert runtime(cfg, mesh).attention_backend == "cudnn"
     p = plan(cfg, target)
     assert p["source"].startswith("GPU compile") and p["device_memory"] == target.device_memory
     assert p["workspace"] > 0 and p["collectives"] > 0 and p["headroom"] == int(target.device_memory * 0.02)

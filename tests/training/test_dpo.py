@@ -15,17 +15,21 @@ import pytest
 import yaml
 from helpers import TINY, assert_trees_close, mesh_for, reference_cfg, tiered, tiny_cfg
 
+from jaxlong.config import runtime
 from jaxlong import data as data_lib
-from jaxlong.config import ConfigError
+from jaxlong.config import ConfigError, objective_of
+from jaxlong.core.batch import put_batch
 from jaxlong.data.chat import ChatTemplate
 from jaxlong.data.pipeline import PAIR_FEATURE
 from jaxlong.data.preference import PreferenceSource
 from jaxlong.data.tokenizer import ByteTokenizer
 from jaxlong.models import llama
-from jaxlong.training import preference
-from jaxlong.training.gates import parse_gate
+from jaxlong.recipes.gates import parse_gate
 from jaxlong.training import step as step_lib
-from jaxlong.training.reference import check_reference, compute_reference, needs_reference
+from jaxlong.objectives.base import Preparation
+from jaxlong.objectives.dpo import PreferenceOptimization
+from jaxlong.objectives.reference import compute_reference
+from jaxlong.training.accumulate import loss_and_grads
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_recipe import _final_params, _ok, _scalars, _train  # noqa: E402  (the recipe tests' runner)
@@ -93,22 +97,22 @@ def test_dpo_on_a_context_parallel_mesh_equals_trl_on_each_half_alone(tmp_path, 
     source = data_lib.first_source(cfg, tok)
     mesh = mesh_for(cfg, cfg.mesh.num_devices)
     params = step_lib.init_state(cfg, mesh)["params"]
-    frozen = llama.init_params(cfg, mesh, seed=7)  # the reference: other weights than the policy's
-    source.reference = compute_reference(cfg, mesh, frozen, source, tok)
+    frozen = llama.init_params(cfg.model, mesh, 7, cfg.param_dtype)  # the reference: other weights than the policy's
+    rt, graphdef = runtime(cfg, mesh), llama.model_graphdef(cfg.model, cfg.param_dtype)
+    source.reference = compute_reference(Preparation(cfg, tmp_path, source, tok, graphdef, rt, None, None), frozen)
     batch = next(data_lib.batch_iterator(cfg, tok, source=source))
     pair_ids = batch.pop(PAIR_FEATURE)
-    rt, graphdef = llama.Runtime(mesh=mesh, cfg=cfg), llama.model_graphdef(cfg)
-    def step(p, b):
-        micro = step_lib.micro_batches(b, cfg.grad_accum, mesh) if cfg.grad_accum > 1 else None
-        return preference.loss_and_grads(p, b, graphdef, rt, micro)
 
-    loss, grads, metrics = jax.jit(step)(params, step_lib.put_batch(batch, mesh))
+    def step(p, b):
+        return loss_and_grads(PreferenceOptimization(cfg.dpo), p, b, cfg.grad_accum, graphdef, rt)
+
+    loss, grads, metrics = jax.jit(step)(params, put_batch(batch, mesh))
 
     ref = reference_cfg(cfg)
     ref_mesh = mesh_for(ref, 1)
     like = step_lib.init_state(ref, ref_mesh)["params"]
     on_one = lambda tree: jax.tree.map(lambda h, p: jax.device_put(np.asarray(h), p.sharding), tree, like)  # noqa: E731
-    ref_rt, ref_graphdef = llama.Runtime(mesh=ref_mesh, cfg=ref), llama.model_graphdef(ref)
+    ref_rt, ref_graphdef = runtime(ref, ref_mesh), llama.model_graphdef(ref.model, ref.param_dtype)
 
     halves = {k: [] for k in ("inputs", "targets", "mask")}  # each half its own row: chosen rows, then rejected
     pairs = []
@@ -187,10 +191,10 @@ def test_pairs_need_a_template_fit_seq_len_and_the_dpo_objective(tmp_path):
     dpo = tiny_cfg(f"data.path={path}", "data.format=preference", "objective=dpo", "eval_every=10")
     assert parse_gate({"min": {"dpo/rewards/accuracies": 0.6}, "max": {"dpo/loss": 0.7}}, dpo).metrics
     with pytest.raises(ConfigError, match=r"dpo.reference='[^']+': no \*.safetensors files"):
-        check_reference(tiny_cfg(f"data.path={path}", "data.format=preference", "objective=dpo",
-                                 f"dpo.reference={tmp_path}"))
-    assert needs_reference(dpo) and not needs_reference(tiny_cfg(f"data.path={path}", "data.format=preference",
-                                                                 "objective=dpo", "dpo.loss=simpo"))
+        bad = tiny_cfg(f"data.path={path}", "data.format=preference", "objective=dpo", f"dpo.reference={tmp_path}")
+        objective_of(bad).check_files(bad.model)
+    assert objective_of(dpo).needs_reference and not objective_of(tiny_cfg(
+        f"data.path={path}", "data.format=preference", "objective=dpo", "dpo.loss=simpo")).needs_reference
 
 
 CHAT = [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},

@@ -6,9 +6,13 @@ import pytest
 from helpers import assert_trees_close, mesh_for, random_batch, tiered, tiny_cfg
 
 from jaxlong.config import ConfigError
+from jaxlong.core.batch import put_batch
 from jaxlong.layers.loss import IGNORE_INDEX
-from jaxlong.models.llama import Runtime, model_graphdef
+from jaxlong.config import runtime
+from jaxlong.models.llama import model_graphdef
 from jaxlong.training import step as step_lib
+from jaxlong.objectives.lm import LanguageModeling
+from jaxlong.training.accumulate import loss_and_grads
 
 
 def _uneven_batch(cfg):
@@ -22,11 +26,11 @@ def _uneven_batch(cfg):
 
 def _loss_grads_update(cfg, batch):
     mesh = mesh_for(cfg, 8)
-    graphdef, rt = model_graphdef(cfg), Runtime(mesh=mesh, cfg=cfg)
-    b = step_lib.put_batch(batch, mesh)
+    graphdef, rt = model_graphdef(cfg.model, cfg.param_dtype), runtime(cfg, mesh)
+    b = put_batch(batch, mesh)
     state = step_lib.init_state(cfg, mesh)
     loss, grads = jax.jit(
-        lambda p, x: step_lib.accumulated_loss_and_grads(p, x, graphdef, rt, cfg.grad_accum)
+        lambda p, x: loss_and_grads(LanguageModeling(), p, x, cfg.grad_accum, graphdef, rt)[:2]
     )(state["params"], b)
     grads = jax.tree.map(np.asarray, grads)
     new_state, metrics = step_lib.make_train_step(cfg, mesh)(state, b)

@@ -25,7 +25,7 @@ from jaxlong.core.mesh import build_mesh
 from jaxlong.training import step as step_lib
 from jaxlong.training.checkpoint import Checkpointer
 from jaxlong.training.loop import FAULT_ENV
-from jaxlong.training.recipe import expand, stage_of_step
+from jaxlong.recipes import expand, stage_of_step
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [{"path": None, "name": "short", "weight": 0.4, "max_doc_tokens": 2048},

@@ -17,6 +17,7 @@ from jaxlong.layers.loss import IGNORE_INDEX, cross_entropy
 from jaxlong.layers.tiled import tiled_cross_entropy
 from jaxlong.train.__main__ import main
 from jaxlong.training.checkpoint import config_changes
+from jaxlong.optim.adamw import make_optimizer
 
 
 @pytest.mark.parametrize(
@@ -56,9 +57,9 @@ def test_accepted_edge_values():
 
 
 def test_training_without_clipping_runs():
-    from jaxlong.training import step as step_lib
 
-    tx, _ = step_lib.make_optimizer(tiny_cfg("optim.clip_norm=null"))
+    c = tiny_cfg("optim.clip_norm=null")
+    tx, _ = make_optimizer(c.optim, c.steps)
     grads = {"w": jnp.full((3,), 100.0)}
     updates, _ = tx.update(grads, tx.init(grads), {"w": jnp.zeros(3)})
     assert np.all(np.isfinite(np.asarray(updates["w"])))
@@ -168,7 +169,7 @@ def test_resume_config_changes_are_deny_by_default():
 def _resume_advice(first: list[str], resume: list[str]) -> list[str] | None:
     """What the trainer's config check says to `--resume <resume>` of a checkpoint written by a run of `first`:
     None when it accepts the resume, else the overrides its refusal says to add (as a shell splits them)."""
-    from jaxlong.training.loop import check_resume_config
+    from jaxlong.training.resume import check_resume_config
 
     saved = to_dict(load_config(None, first))
     try:

@@ -7,7 +7,7 @@ import pytest
 from helpers import tiny_cfg
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jaxlong.training.loop import run
+from jaxlong.recipes import train as run
 
 TRAIN = ("mesh.fsdp=2", "mesh.context=4", "seq_len=128", "global_batch=4", "data.max_tokens=200000",
          "optim.lr=1e-2", "optim.warmup_steps=1", "model.vocab_size=257")
@@ -207,7 +207,7 @@ def test_sigterm_saves_the_last_finished_step(tmp_path, monkeypatch):
     from jaxlong.training import loop as trainer
 
     calls = {"n": 0}
-    real_put = trainer.step_lib.put_batch
+    real_put = trainer.put_batch
 
     def put_then_preempt(batch, mesh, *args):
         calls["n"] += 1
@@ -227,10 +227,10 @@ def test_a_gpu_sized_model_on_the_cpu_is_refused_before_the_data_and_the_compile
     """configs/llama3_1_8b.yaml on the CPU: its train state alone exceeds host memory, so the trainer says so in
     one line (naming what to run instead) before reading data or compiling."""
     from jaxlong.config import ConfigError, load_config
-    from jaxlong.training import loop
+    from jaxlong.training import loop, start
 
-    monkeypatch.setattr(loop.data_lib, "DocumentSource", lambda *a: pytest.fail("read the corpus"))
-    monkeypatch.setattr(loop.step_lib, "compile_train_step", lambda *a: pytest.fail("compiled"))
+    monkeypatch.setattr(start.data_lib, "DocumentSource", lambda *a: pytest.fail("read the corpus"))
+    monkeypatch.setattr(start.step_lib, "compile_train_step", lambda *a: pytest.fail("compiled"))
     cfg = load_config(str(Path(__file__).parents[2] / "configs" / "llama3_1_8b.yaml"),
                       ["seq_len=131072", "mesh.context=8", f"run_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB for its train state alone .* python -m jaxlong.memory "
