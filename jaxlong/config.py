@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import jax
 import yaml
 
 from jaxlong.core.errors import ConfigError, check_choice
-from jaxlong.core.mesh import MeshConfig, check_mesh, resolve_mesh_shape
+from jaxlong.core.mesh import MeshConfig, build_mesh, check_mesh, check_process_layout, resolve_mesh_shape, run_devices
 from jaxlong.core.suggest import advice, fixes, sides
 from jaxlong.data.config import DataConfig, SourceConfig, check_data
 from jaxlong.data.imported import config_source
@@ -49,7 +50,7 @@ from jaxlong.parallel.upipe import check_upipe_remat_names, check_upipe_schedule
 __all__ = ["Config", "ModelConfig", "RopeScalingConfig", "MeshConfig", "AttentionConfig", "RematConfig", "TilingConfig",
            "DataConfig", "SourceConfig", "OptimConfig", "DPOConfig", "ConfigError", "load_config", "from_dict",
            "to_dict", "parse_override", "apply_setting", "read_yaml", "validate", "validate_optim", "schedule_length",
-           "refusal", "advise", "with_settings", "changed_keys", "runtime", "objective_of"]
+           "refusal", "advise", "with_settings", "changed_keys", "runtime", "run_mesh", "objective_of"]
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -109,6 +110,27 @@ def runtime(cfg: Config, mesh, *, keep_attention: bool = False) -> Runtime:
     remat, tiling), the compute dtype and whether attention masks by segment ids (`data.packing=documents`)."""
     return Runtime(mesh, cfg.model, cfg.attention, cfg.remat, cfg.tiling, cfg.compute_dtype,
                    document_masking=cfg.data.packing == "documents", keep_attention=keep_attention)
+
+
+def run_mesh(cfg: Config):
+    """The mesh of a run on the devices present: `cfg` validated for them (their platform: the GPU kernels' limits
+    where `attention.backend=auto`), the mesh built and its layout over the processes checked.
+
+    Raises:
+      ConfigError: the config does not fit these devices (in a multi-process launch, the launch named too), or
+        the processes do not hold whole blocks of the mesh.
+    """
+    try:
+        devices = run_devices(cfg.mesh)
+        validate(cfg, num_devices=len(devices), platform=devices[0].platform)
+    except ConfigError as e:
+        if jax.process_count() == 1:
+            raise
+        raise ConfigError(f"{e} (this launch: {jax.process_count()} processes of {jax.local_device_count()} devices "
+                          f"each)", key=e.key, value=e.value, keys=e.keys, suggestions=e.suggestions) from None
+    mesh = build_mesh(cfg.mesh)
+    check_process_layout(mesh)
+    return mesh
 
 
 def objective_of(cfg: Config) -> Objective:

@@ -108,10 +108,18 @@ def assert_matches_single_device(cfg, seed: int = 1, rtol: float = 1e-5):
 RING_SEQ = P(("data", "fsdp"), ("ring", "context"))
 
 
+def axes_mesh(devices=None, **sizes: int):
+    """The one mesh helper of the tests that build a mesh by hand (not from a config, `mesh_for`): the named axes of
+    `data x fsdp x ring x context` with their sizes, in that order, Auto axis types, over the first devices (or
+    `devices`): `axes_mesh(fsdp=2, context=4)`, `axes_mesh(context=8)`."""
+    names = [a for a in ("data", "fsdp", "ring", "context") if a in sizes]
+    return jax.make_mesh(tuple(sizes[a] for a in names), tuple(names), axis_types=(AxisType.Auto,) * len(names),
+                         **({"devices": devices} if devices is not None else {}))
+
+
 def ring_mesh(ring: int, context: int):
     """8 simulated devices as `data 1 x fsdp 8/(ring*context) x ring x context` (Auto axes)."""
-    return jax.make_mesh((1, 8 // (ring * context), ring, context), ("data", "fsdp", "ring", "context"),
-                         axis_types=(AxisType.Auto,) * 4)
+    return axes_mesh(data=1, fsdp=8 // (ring * context), ring=ring, context=context)
 
 
 def tiered(argnames: str, cases, fast, ids=None):

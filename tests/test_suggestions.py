@@ -236,3 +236,16 @@ def test_the_gpu_kernels_size_limit_is_a_validation_rule_where_the_platform_is_k
     for s in info.value.suggestions:
         validate(with_settings(cfg, s), platform="gpu")
     validate(with_settings(cfg, {"attention.impl": "upipe", "attention.heads_per_stage": 8}), platform="gpu")
+
+
+def test_two_problems_get_their_own_advice_and_the_objective_is_never_suggested(tmp_path):
+    """DPO on text data with a model whose 9 heads the default context of 4 does not divide (a model the file
+    gives): the data problem keeps its own advice, the heads problem follows with its own, and no advice tells the
+    user to train another objective."""
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump({"model": {"heads": 9, "kv_heads": 3, "head_dim": 16}}))
+    with pytest.raises(ConfigError) as e:
+        load_config(str(tmp_path / "m.yaml"), ["objective=dpo"])
+    first, _, second = str(e.value).partition("; also, ")
+    assert first.startswith("objective=dpo trains on preference pairs: set data.format=preference")
+    assert second.startswith("model.heads=9 is not divisible by mesh.context=4") and "mesh.context=1" in second
+    assert "objective=lm" not in str(e.value) and e.value.key == "objective"

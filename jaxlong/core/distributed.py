@@ -183,12 +183,6 @@ def _detect(n: int) -> tuple:
         return None, n, None, slurm_local_device_ids()
 
 
-def is_main_process() -> bool:
-    """Process 0 writes logs, TensorBoard events and the progress bar."""
-
-    return jax.process_index() == 0
-
-
 def say(*args, **kwargs) -> None:
     """`print` on process 0 only (the other processes of a multi-process run stay quiet)."""
     if jax.process_index() == 0:

@@ -23,10 +23,9 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxlong import data as data_lib
-from jaxlong.config import Config, ConfigError, from_dict, objective_of, refusal, runtime, to_dict, validate
+from jaxlong.config import Config, ConfigError, from_dict, objective_of, refusal, run_mesh, runtime, to_dict
 from jaxlong.core.distributed import say as say_main
 from jaxlong.core.memstats import format_compiled
-from jaxlong.core.mesh import build_mesh, check_process_layout, run_devices
 from jaxlong.core.suggest import nearest
 from jaxlong.core.units import fmt_bytes
 from jaxlong.data.chat import run_template
@@ -161,7 +160,6 @@ def resolve_ruler(cfg, args) -> None:
     Raises:
       ConfigError: naming the flag, its value and what would work.
     """
-
     args.ruler_tasks_list = [t.strip() for t in args.ruler_tasks.split(",") if t.strip()] or list(ruler.TASKS)
     args.ruler_lengths_list = []
     if not args.ruler:
@@ -186,7 +184,6 @@ def resolve_ruler(cfg, args) -> None:
 
 
 def _ruler_takes(cfg, length: int) -> bool:
-
     try:
         ruler.check_length(cfg, length)
     except ConfigError:
@@ -203,7 +200,6 @@ def check_passkey_length(cfg, length: int) -> None:
       ConfigError: naming `--lengths`, the length, the rule it breaks and the nearest lengths that pass
         (`suggestions`, `{"--lengths": n}`: a length to put in its place).
     """
-
     why = _passkey_refusal(cfg, length)
     if why is None:
         return
@@ -216,8 +212,6 @@ def check_passkey_length(cfg, length: int) -> None:
 
 def _passkey_refusal(cfg, length: int) -> str | None:
     """Why `length` cannot be a passkey length of this run, or None."""
-
-
     if length < 64:
         return "a passkey length must be >= 64 tokens (the needle and question)"
     # the loss tile is chosen per length by the stats step; every other sequence rule applies
@@ -227,14 +221,6 @@ def _passkey_refusal(cfg, length: int) -> str | None:
 
 def _takes(cfg, length: int) -> bool:
     return _passkey_refusal(cfg, length) is None
-
-
-def _mesh(cfg: Config):
-    devices = run_devices(cfg.mesh)
-    validate(cfg, num_devices=len(devices), platform=devices[0].platform)
-    mesh = build_mesh(cfg.mesh)
-    check_process_layout(mesh)
-    return mesh
 
 
 def _held_out(cfg: Config, source, tokenizer, args: EvalOptions) -> tuple[list[int], list[dict]]:
@@ -271,7 +257,7 @@ def evaluate(cfg: Config, run_dir: Path, step: int, args: EvalOptions) -> dict:
       ConfigError: the checkpoint does not fit `cfg` (a changed model key: the message names it).
       ValueError: the held-out documents cannot fill the batches (the message names `--batches`).
     """
-    mesh = _mesh(cfg)
+    mesh = run_mesh(cfg)
     main = jax.process_index() == 0  # process 0 prints and writes; every process computes
     say = say_main
     tokenizer = data_lib.run_tokenizer(cfg, run_dir)  # the trainer's: the run's copy, then model.from_hf
@@ -376,7 +362,6 @@ def ruler_suite(cfg, args: EvalOptions, tokenizer, source, held_out) -> tuple[li
       ConfigError: a length given by `--ruler-lengths` is too short for a task, or the tokenizer is larger than
         `model.vocab_size`.
     """
-
     try:
         check_vocab(tokenizer, cfg.model.vocab_size)
     except ValueError as e:
@@ -411,7 +396,6 @@ def passkey_lengths(cfg, args: EvalOptions, tokenizer) -> list[int]:
     Raises:
       ConfigError: a length given by `--lengths` is too short for the prompt.
     """
-
     shortest = passkey_min_length(tokenizer.encode, args.digits)
     short = [n for n in args.lengths_list if n < shortest]
     if short and args.lengths:
@@ -434,8 +418,6 @@ def evaluation_setup(cfg, run_dir: Path, step: int, mesh_shape: dict, args: Eval
     `model.from_hf` (where the tokenizer files are) and `imported`, or a flag is not at its default: the same setup has the same
     name, another setup another name.
     """
-
-
     saved = from_dict(saved_config(run_dir / "checkpoints", step))
     # model.from_hf only says where the tokenizer files are (the weights are the checkpoint's): not a setup
     same = dataclasses.replace(cfg, mesh=saved.mesh, model=dataclasses.replace(cfg.model, from_hf=saved.model.from_hf))

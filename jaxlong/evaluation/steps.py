@@ -68,10 +68,9 @@ def make_eval_step(cfg: Config, mesh: jax.sharding.Mesh, objective: Objective | 
 
 
 def compile_eval_step(cfg: Config, mesh: jax.sharding.Mesh, objective: Objective | None = None):
-    """Ahead-of-time compile of `make_eval_step` (nothing allocated); `memory_analysis()` gives its per-device
-    bytes, to print next to the train step's."""
-    objective = objective or objective_of(cfg)
-    batch = step_lib.abstract_batch(cfg, mesh, eval_batch_size(cfg), objective)
+    """Ahead-of-time compile of `make_eval_step` (nothing allocated) on the run's batches (their entries are the
+    run's objective's, whatever `objective` sums); `memory_analysis()` gives its per-device bytes."""
+    batch = step_lib.abstract_batch(cfg, mesh, eval_batch_size(cfg))  # what the run's batches carry
     return make_eval_step(cfg, mesh, objective).lower(step_lib.abstract_params(cfg, mesh), batch).compile()
 
 

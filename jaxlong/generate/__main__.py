@@ -219,14 +219,11 @@ def run(cfg, run_dir, step, ids, tokenizer, eos, args) -> int:
     """Load the weights on the run's mesh, generate, stream the text to stdout (process 0)."""
     import jax  # noqa: PLC0415 (after the device count is set)
 
-    from jaxlong.config import validate  # noqa: PLC0415
-    from jaxlong.core.mesh import build_mesh, check_process_layout, run_devices  # noqa: PLC0415
+    from jaxlong.config import run_mesh  # noqa: PLC0415
     from jaxlong.generation.decode import Sampling  # noqa: PLC0415
     from jaxlong.generation.generate import Generator  # noqa: PLC0415
 
-    validate(cfg, num_devices=len(run_devices(cfg.mesh)))
-    mesh = build_mesh(cfg.mesh)
-    check_process_layout(mesh)
+    mesh = run_mesh(cfg)
     main = jax.process_index() == 0
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if main else (lambda *a: None)
     if args.mesh_choice is not None:

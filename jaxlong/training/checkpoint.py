@@ -219,11 +219,6 @@ class Checkpointer:
             self.manager.close()
 
 
-def abstract_like(state: dict) -> dict:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-
-
-
 # ----------------------------------------------------------------------------------------------
 # What a resume may change.
 

@@ -19,12 +19,11 @@ import jax
 import numpy as np
 
 from jaxlong import data as data_lib
-from jaxlong.config import Config, ConfigError, objective_of, runtime, validate
+from jaxlong.config import Config, ConfigError, objective_of, run_mesh, runtime
 from jaxlong.core import xla_log
 from jaxlong.core.batch import process_rows
 from jaxlong.core.distributed import say
 from jaxlong.core.memstats import compiled_bytes, format_compiled
-from jaxlong.core.mesh import build_mesh, check_process_layout, run_devices
 from jaxlong.core.units import fmt_bytes
 from jaxlong.data.heldout import validation_batches, validation_split
 from jaxlong.data.imported import keep_chat_template, keep_imported
@@ -100,23 +99,13 @@ def check_state_fits_host(cfg: Config, mesh) -> None:
 
 
 def _mesh(cfg: Config) -> jax.sharding.Mesh:
-    """The config validated for the devices present (their platform: the GPU kernels' limits where
-    `attention.backend=auto`), and its mesh."""
-    try:
-        devices = run_devices(cfg.mesh)
-        validate(cfg, num_devices=len(devices), platform=devices[0].platform)
-    except ConfigError as e:
-        if jax.process_count() == 1:
-            raise
-        raise ConfigError(f"{e} (this launch: {jax.process_count()} processes of {jax.local_device_count()} devices "
-                          f"each)", key=e.key, value=e.value, keys=e.keys, suggestions=e.suggestions) from None
+    """The run's mesh (`jaxlong.config.run_mesh`), an explicit GPU kernel refused off GPUs."""
+    mesh = run_mesh(cfg)
     if cfg.attention.backend in ("cudnn", "pallas") and jax.default_backend() != "gpu":
         raise ConfigError(
             f"attention.backend={cfg.attention.backend} needs an NVIDIA GPU, but jax runs on {jax.default_backend()}; "
             f"use attention.backend=auto (cuDNN where available) or blockwise"
         )
-    mesh = build_mesh(cfg.mesh)
-    check_process_layout(mesh)
     return mesh
 
 

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from helpers import axes_mesh
+
 from jaxlong.core.ordering import grads_together, opaque_one, varying_axes, zeros_after
 from jaxlong.layers.blocks import rms_norm
 
@@ -29,7 +31,7 @@ def test_rms_norm_matches_autodiff_of_the_formula():
 
 
 def _mesh():
-    return jax.make_mesh((8,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
+    return axes_mesh(context=8)
 
 
 @pytest.mark.parametrize("value", [0.0, -np.inf])

@@ -8,6 +8,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from helpers import ring_mesh
+
 from jaxlong import data
 from jaxlong.data.pipeline import token_limit
 from jaxlong.core.batch import natural_order, put_batch
@@ -317,8 +319,7 @@ def test_max_tokens(tmp_path):
 
 
 def _mesh(ring=1, context=4):
-    return jax.make_mesh((1, 8 // (ring * context), ring, context), ("data", "fsdp", "ring", "context"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    return ring_mesh(ring, context)
 
 
 @pytest.mark.parametrize("ring,context", [(1, 4), (2, 2)], ids=["context4", "ring2-context2"])

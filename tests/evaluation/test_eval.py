@@ -569,3 +569,48 @@ def test_ruler_pairs_too_short_for_a_task_are_skipped_by_default_and_refused_whe
     with pytest.raises(ConfigError, match="--ruler-lengths 256: ruler task vt: length 256 cannot hold its template.*"
                                           "use at least"):
         suite("--ruler-tasks", "vt", "--ruler-lengths", "256,512")
+
+
+def test_a_split_the_evaluation_cannot_make_names_the_evaluations_own_options():
+    """A corpus too small for the held-out batches: the trainer's refusal names its keys (`eval_batches`,
+    `eval_every=0`), the evaluation's names its flags (`--batches`, `--batches 0`), never the other's."""
+    cfg, tok = tiny_cfg("model.vocab_size=257", "eval_batches=40"), ByteTokenizer()
+    with pytest.raises(ValueError, match=r"eval_batches=40: .* lower eval_batches or seq_len, .* or eval_every=0$"):
+        heldout.validation_split(cfg, TEXTS, tok)
+    with pytest.raises(ValueError, match=r"--batches 40: .* lower --batches or seq_len, .* or --batches 0$") as e:
+        heldout.validation_split(cfg, TEXTS, tok, options=heldout.EVALUATION)
+    assert "eval_every" not in str(e.value)
+    with pytest.raises(ValueError, match=r"or --batches 0 to evaluate without validation batches\)"):
+        heldout.held_out_documents(TEXTS[:1], tok, 0.1, seed=0, options=heldout.EVALUATION)
+    args = evaluation.EvalOptions(batches=0, passkey=False)
+    evaluation.check_flags(tiny_cfg(), args)  # --batches 0: no validation loss, RULER and passkey need none
+    with pytest.raises(ValueError, match=r"--batches=-1 must be >= 0; use --batches 2 .* or --batches 0"):
+        evaluation.check_flags(tiny_cfg(), evaluation.EvalOptions(batches=-1))
+
+
+@pytest.mark.slow
+def test_ruler_on_a_run_trained_on_a_small_chat_file_needs_no_validation_batches(tmp_path, capsys):
+    """An SFT run of 20 short conversations (`eval_every=0`): their held-out batches cannot be made, and the refusal
+    names the evaluation's own flag; with `--batches 0` RULER runs, and the summary has no validation loss."""
+    from jaxlong.eval import __main__ as eval_cli  # noqa: PLC0415
+    from jaxlong.recipes import train  # noqa: PLC0415
+
+    chats = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+             for i in range(20)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                                      "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    train(tiny_cfg("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1", "model.vocab_size=257", "seq_len=128",
+                   f"data.path={tmp_path / 'chat.jsonl'}", "data.format=chat", f"data.chat_template={tmp_path / 't.jinja'}",
+                   "steps=1", "eval_every=0", "checkpoint_every=1", "run_name=sft", f"run_dir={tmp_path}"))
+    ruler_args = ["--no-passkey", "--ruler", "--ruler-scoring", "forced", "--ruler-tasks", "niah_single_1",
+                  "--ruler-lengths", "384", "--ruler-cases", "1"]
+    capsys.readouterr()
+    assert eval_cli.main([str(tmp_path / "sft"), *ruler_args]) == 2
+    err = capsys.readouterr().err
+    assert "--batches" in err and "eval_every" not in err
+    assert eval_cli.main([str(tmp_path / "sft"), "--batches", "0", *ruler_args]) == 0
+    out = capsys.readouterr().out
+    assert "no validation loss (--batches 0)" in out and "RULER teacher-forced" in out
+    (summary,) = [json.loads(p.read_text()) for p in (tmp_path / "sft" / "eval").glob("*/step_1/summary.json")]
+    assert summary["loss"] is None and summary["ruler"]["rows"][0]["task"] == "niah_single_1"

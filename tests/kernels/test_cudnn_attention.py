@@ -16,6 +16,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from helpers import axes_mesh
+
 from jaxlong.config import ConfigError, load_config
 from jaxlong.kernels import backend as B
 from jaxlong.kernels import cudnn as CU
@@ -40,8 +42,7 @@ def _devices():
 
 
 def _mesh():
-    return jax.make_mesh((1, 1, C), ("data", "fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 3,
-                         devices=_devices())
+    return axes_mesh(_devices(), data=1, fsdp=1, context=C)
 
 
 def _sds(shape, mesh, spec, dtype=jnp.bfloat16):

@@ -8,6 +8,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from helpers import axes_mesh
+
 from jaxlong.layers.blocks import rms_norm
 from jaxlong.layers.loss import cross_entropy
 from jaxlong.layers.tiled import (
@@ -26,7 +28,7 @@ SDS = jax.ShapeDtypeStruct
 
 
 def _mesh():
-    return jax.make_mesh((1, 2, 4), ("data", "fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    return axes_mesh(data=1, fsdp=2, context=4)
 
 
 def _close(a, b, rtol=RTOL, atol=ATOL):

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches_single_device, tiered, tiny_cfg
+from helpers import assert_matches_single_device, axes_mesh, tiered, tiny_cfg
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -26,7 +26,7 @@ CASES = {
 
 
 def _mesh(fsdp, context):
-    return jax.make_mesh((1, fsdp, context), ("data", "fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    return axes_mesh(data=1, fsdp=fsdp, context=context)
 
 
 def _op_inputs(heads, kv_heads, batch, seq=64, hidden=32, d=8):

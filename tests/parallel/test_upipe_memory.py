@@ -14,7 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import pairwise, tiered
+from helpers import axes_mesh, pairwise, tiered
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -38,7 +38,7 @@ MAX_RATIO = {"llama3-8b": 0.8, "qwen3-32b": 0.55}
 
 @functools.cache
 def _mesh():
-    return jax.make_mesh((1, 1, C), ("data", "fsdp", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    return axes_mesh(data=1, fsdp=1, context=C)
 
 
 def _abstract(shape):

@@ -1,6 +1,7 @@
 """Gradient accumulation: N micro-batches in a scan give the update of one batch N times larger."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_trees_close, mesh_for, random_batch, tiered, tiny_cfg
@@ -63,3 +64,44 @@ def test_grad_accum_that_does_not_divide_the_batch_is_a_config_error():
         tiny_cfg("mesh.fsdp=2", "mesh.context=4", "global_batch=4", "grad_accum=3")
     with pytest.raises(ConfigError, match="grad_accum=0 must be positive"):
         tiny_cfg("grad_accum=0")
+
+
+class _Weighted:
+    """A toy objective without a model: the loss of a token is `w * x`, the denominator the count of `mask`."""
+
+    normalize, batch_keys = "batch", {}
+
+    def __init__(self, normalize):
+        self.normalize = normalize
+
+    def denominator(self, batch, mesh):
+        return jnp.sum(batch["mask"])
+
+    def sum_shapes(self):
+        return {}
+
+    def sums(self, params, batch, graphdef, rt):
+        return jnp.sum(params["w"] * batch["x"] * batch["mask"]), {}
+
+    def metrics(self, sums, denominator, batch):
+        return {}
+
+
+def test_one_accumulator_normalises_over_the_batch_or_per_micro_batch():
+    """`normalize="batch"` (TRL's dapo): the sums of every micro-batch over the whole batch's count, equal to one
+    batch; `"micro"` (bnpo, grpo): each micro-batch's mean, averaged. Micro-batch j holds rows j, j + n, ..."""
+    from types import SimpleNamespace
+
+    mesh = mesh_for(tiny_cfg("mesh.fsdp=1", "mesh.context=1", "mesh.num_devices=1"), 1)
+    x = np.arange(1.0, 17.0, dtype=np.float32).reshape(4, 4)
+    mask = np.array([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], np.float32)
+    batch, params, rt = {"x": x, "mask": mask}, {"w": jnp.float32(2.0)}, SimpleNamespace(mesh=mesh)
+    whole = float((x * mask).sum() * 2 / mask.sum())
+    for n in (1, 2):
+        loss, grads, _ = loss_and_grads(_Weighted("batch"), params, batch, n, None, rt)
+        np.testing.assert_allclose(float(loss), whole, rtol=1e-6)
+        np.testing.assert_allclose(float(grads["w"]), whole / 2, rtol=1e-6)
+    loss, grads, _ = loss_and_grads(_Weighted("micro"), params, batch, 2, None, rt)
+    means = [(x[j::2] * mask[j::2]).sum() * 2 / mask[j::2].sum() for j in (0, 1)]  # rows (0, 2) and (1, 3)
+    np.testing.assert_allclose(float(loss), np.mean(means), rtol=1e-6)
+    np.testing.assert_allclose(float(grads["w"]), np.mean(means) / 2, rtol=1e-6)

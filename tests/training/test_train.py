@@ -204,7 +204,7 @@ def test_sigterm_saves_the_last_finished_step(tmp_path, monkeypatch):
     import os
     import signal
 
-    from jaxlong.training import loop as trainer
+    from jaxlong.training import stepping as trainer
 
     calls = {"n": 0}
     real_put = trainer.put_batch
@@ -215,7 +215,7 @@ def test_sigterm_saves_the_last_finished_step(tmp_path, monkeypatch):
             os.kill(os.getpid(), signal.SIGTERM)
         return real_put(batch, mesh, *args)
 
-    monkeypatch.setattr(trainer.step_lib, "put_batch", put_then_preempt)
+    monkeypatch.setattr(trainer, "put_batch", put_then_preempt)
     with pytest.raises(KeyboardInterrupt):
         run(_cfg(tmp_path, "steps=10", "checkpoint_every=100", "run_name=pre"))
     from jaxlong.training.checkpoint import Checkpointer
