@@ -77,6 +77,13 @@ LONGEST_FIRST = (
     "parallel/test_packing.py",
     "training/test_train.py",
     "plan/test_fit.py",
+    # then the fast tier's longest (measured with tests/timing.py), so that both workers end on short files
+    "models/test_hf.py",
+    "parallel/test_upipe.py",
+    "training/test_recipe.py",
+    "data/test_chat_data.py",
+    "generation/test_generate.py",
+    "layers/test_remat.py",
 )
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 

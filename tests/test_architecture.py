@@ -6,6 +6,7 @@ time), the objective is named in one place, and functions stay short."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,9 +26,14 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def _imports(path: Path):
     """(imported jaxlong module, imported names, inside a function?) for every import of a jaxlong module."""
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     inside = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -44,6 +50,7 @@ def _imports(path: Path):
                     yield alias.name, [], id(node) in inside
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     return {m: {t for t, _, _ in _imports(p) if t in MODULES and t != m} for m, p in MODULES.items()}
 
@@ -166,7 +173,7 @@ def test_only_the_config_and_the_registry_name_an_objective():
     found = []
     for path in PACKAGE.rglob("*.py"):
         rel = str(path.relative_to(ROOT))
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if not isinstance(node, ast.Compare):
                 continue
             sides = [node.left, *node.comparators]
@@ -185,7 +192,7 @@ def test_functions_a_reader_can_hold():
     long, many = [], []
     for path in PACKAGE.rglob("*.py"):
         rel = str(path.relative_to(ROOT))
-        for n in ast.walk(ast.parse(path.read_text())):
+        for n in ast.walk(_tree(path)):
             if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             if n.end_lineno - n.lineno + 1 > 100 and rel not in exempt:

@@ -1,8 +1,8 @@
 """The suite's pytest-xdist scheduler (`tests/crash_retry.py`) when a worker dies: the run ends, the crashed test
 runs once more, and a test that crashes every time fails the run.
 
-The first tests run pytest on a small generated suite in a child process (no jax), with a time limit: pytest-xdist
-3.8's own `--dist loadfile` scheduler hangs on the first case. The last ones drive the scheduler directly with
+The first tests (slow tier) run pytest on a small generated suite in a child process (no jax), with a time limit:
+pytest-xdist 3.8's own `--dist loadfile` scheduler hangs on the first case. The last ones (fast tier) drive the scheduler directly with
 stand-in workers, for orders of events a real run cannot be made to produce reliably."""
 import collections
 import os
@@ -55,6 +55,7 @@ PASSING = {
 }
 
 
+@pytest.mark.slow  # a child pytest run each
 def test_a_test_that_crashes_once_is_rerun_and_the_run_passes(tmp_path):
     """One worker: it finishes two files, then dies in the last file's only test. pytest-xdist 3.8 requeues the
     finished files as empty work units and hangs; here the test reruns on the replacement worker and passes."""
@@ -65,6 +66,7 @@ def test_a_test_that_crashes_once_is_rerun_and_the_run_passes(tmp_path):
     assert "7 passed, 1 rerun" in out, out
 
 
+@pytest.mark.slow  # a child pytest run each
 def test_a_test_that_always_crashes_fails_and_the_rest_still_run(tmp_path):
     """Two workers: a test that aborts its worker every time is rerun once, then reported failed; the test after
     it in the same file and every other file still run."""
@@ -79,6 +81,7 @@ def _logged(tmp_path):
     return collections.Counter((tmp_path / "log.txt").read_text().split())
 
 
+@pytest.mark.slow  # a child pytest run each
 def test_a_worker_that_dies_holding_the_next_file_is_replaced_by_one_that_runs_both(tmp_path):
     """One worker dies in the last test of its file while it already holds the next file: the replacement gets
     both (with only the crashed test it would wait for a next test forever), and every test runs once."""
@@ -93,6 +96,7 @@ def test_a_worker_that_dies_holding_the_next_file_is_replaced_by_one_that_runs_b
     assert set(_logged(tmp_path).values()) == {1} and len(_logged(tmp_path)) == 11, _logged(tmp_path)
 
 
+@pytest.mark.slow  # a child pytest run each
 def test_a_crash_that_uses_up_the_worker_restarts_fails_the_run(tmp_path):
     """With `--max-worker-restart=1` the second crash leaves no worker to rerun anything: it is reported failed
     (not `rerun`), and the run fails although no test crashed twice."""

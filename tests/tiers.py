@@ -49,7 +49,7 @@ TIERS = {
     "plan/test_plan_gpu.py": "fast+slow",
     "test_architecture.py": "fast",
     "test_config.py": "fast",
-    "test_crash_retry.py": "fast",
+    "test_crash_retry.py": "fast+slow",
     "test_docs.py": "fast+slow",
     "test_docs_fresh.py": "slow",
     "test_experiments.py": "slow",

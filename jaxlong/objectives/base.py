@@ -15,7 +15,7 @@ It owns:
   reference pass).
 
 A new objective is one module of `jaxlong.objectives` and one entry in its registry (`jaxlong.objectives.registry`);
-a user's own can also be passed to the trainer directly (docs/training.md#objectives-and-hooks).
+a user's own can also be passed to the trainer directly (docs/training.md#the-trainer-as-a-library).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec as P
 
 from jaxlong.core.mesh import BATCH_AXES, seq_axes, seq_shards

@@ -1,7 +1,7 @@
 """The objectives a config names (`objective: lm | dpo`): the one place that maps the name to its `Objective`.
 
 A new objective is a module of `jaxlong.objectives` with a `name`, a `from_config(cfg)` and a `check(data)`, and one
-entry in `OBJECTIVES` (docs/training.md#objectives-and-hooks).
+entry in `OBJECTIVES` (docs/training.md#the-trainer-as-a-library).
 """
 
 from __future__ import annotations

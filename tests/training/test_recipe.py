@@ -9,6 +9,7 @@ parameters."""
 import json
 import os
 import subprocess
+from types import SimpleNamespace
 import sys
 from pathlib import Path
 
@@ -58,6 +59,17 @@ def _train(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
         env[FAULT_ENV] = fault
     return subprocess.run([sys.executable, "-m", "jaxlong.train", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
+
+
+def _train_here(capsys, *args: str) -> SimpleNamespace:
+    """`python -m jaxlong.train ARGS` in this process (its compiled programs shared with the test's): the exit
+    status, stdout and stderr, as `_train` gives them."""
+    from jaxlong.train.__main__ import main  # noqa: PLC0415
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -162,7 +174,7 @@ def test_bad_gates_are_refused_in_one_line_before_anything_compiles(tmp_path):
                                                          "template"), err
 
 
-def test_a_recipe_runs_its_stages_in_one_run_and_its_gates_decide(tmp_path):
+def test_a_recipe_runs_its_stages_in_one_run_and_its_gates_decide(tmp_path, capsys):
     """One command runs the stages: one TensorBoard run with a global step, `seq_len` and `stage` per step, each
     stage warming up from its first step, every stage's checkpoint in one directory. Gates: stage 0's (held-out
     loss below 100) passes and the recipe goes on; stage 1's (passkey accuracy >= 0.5: a tiny model trained a few
@@ -175,7 +187,7 @@ def test_a_recipe_runs_its_stages_in_one_run_and_its_gates_decide(tmp_path):
     stages[1]["gate"] = {"max": {"loss": 100.0}, "min": {"passkey": 0.5}, "per_cell": 2, "depths": [0, 1]}
     stages[2]["optim"] = {**stages[2]["optim"], "reset_state": True}
     base = [t.replace("eval_every=0", "eval_every=1000") for t in BASE]  # documents held out; validated at the ends
-    proc = _train("--config", str(_recipe(tmp_path, stages)), *base, f"run_dir={tmp_path}")
+    proc = _train_here(capsys, "--config", str(_recipe(tmp_path, stages)), *base, f"run_dir={tmp_path}")
     run = tmp_path / "recipe"
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "gate of stage 0 (64) passed at step 2: loss " in proc.stdout
@@ -188,7 +200,7 @@ def test_a_recipe_runs_its_stages_in_one_run_and_its_gates_decide(tmp_path):
     assert summary["passkey"]["mean"] == 0 and summary["passkey"]["lengths"] == [128]
 
     stages[1]["gate"]["action"] = "warn"
-    proc = _train("--resume", "--config", str(_recipe(tmp_path, stages)), *base, f"run_dir={tmp_path}")
+    proc = _train_here(capsys, "--resume", "--config", str(_recipe(tmp_path, stages)), *base, f"run_dir={tmp_path}")
     _ok(proc)
     assert "gate of stage 1 (128): decided from" in proc.stdout and "python -m jaxlong.eval" not in proc.stdout
     assert "warning: gate of stage 1 (128) failed at step 4: passkey = 0" in proc.stdout
