@@ -28,6 +28,7 @@ TIERS = {
     "kernels/test_cudnn_attention.py": "fast+slow",
     "kernels/test_kernels.py": "fast+slow",
     "kernels/test_pallas_attention.py": "fast+slow",
+    "kernels/test_window.py": "fast+slow",
     "layers/test_keep_attention.py": "fast+slow",
     "layers/test_remat.py": "fast+slow",
     "layers/test_rope.py": "fast+slow",

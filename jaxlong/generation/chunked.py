@@ -39,15 +39,18 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlong.config import runtime
 from jaxlong.core.mesh import BATCH_AXES, SEQ_AXES, axis_size, seq_shards
-from jaxlong.generation.decode import NEG, Cache, cache_shardings, layer_qkv, layer_rest, output_head
+from jaxlong.generation.decode import Cache, cache_shardings, output_head
 from jaxlong.kernels import pallas_gpu as pallas_kernel
+from jaxlong.kernels.merge import NEG, merge_across, normalise
 from jaxlong.kernels.layout import pallas_head_dim_ok
 from jaxlong.layers import blocks as L
+from jaxlong.models import llama as model_lib
 
 __all__ = ["chunk_order", "chunk_tiles", "chunk_kv_steps", "chunk_kernel", "ChunkedPrefill"]
 
@@ -94,22 +97,60 @@ def chunk_kernel(cfg, mesh) -> str:
     return "pallas" if gpu and ok else "blockwise"
 
 
-def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
-    """The jitted step of one chunk: `(params, k, v, batch, j, last, logits) -> (logits, k, v)`.
+def _partial_blockwise(q, k, v, lo, kb: int, qb: int):
+    """One shard's attention of a chunk's queries over its cache, by a blockwise online softmax (FlashAttention,
+    arXiv 2205.14135, Alg. 1). q `[b, chunk, h, d]`, k, v `[b, kv, local_n, d]` (one layer, head-major), `lo`
+    `[chunk]` the first slot each query sees (the key tiles below a query tile's least bound are not visited); `kb`,
+    `qb` the key and query tiles (`chunk_tiles`). Returns (the output over these keys `[b, chunk, h, d]` float32,
+    its log-sum-exp `[b, chunk, h]`, `NEG` where a query sees none)."""
+    b, chunk, h, d = q.shape
+    kv, local_n = k.shape[1], k.shape[2]
+    group = h // kv
 
-    `k`, `v` `[layers, b, kv_heads, n, head_dim]` (the cache, donated, returned with chunk `j` written); `batch`
-    the chunk's `inputs`, `positions`, `segment_ids` `[b, chunk]` int32 in prompt order; `last` `[b]` int32 each
-    row's last real token (prompt index); `logits` `[b, vocab]` float32: each row's logits of that token, taken
-    from this chunk where it holds it, else passed through. `kernel`: `chunk_kernel`'s, or `pallas-interpret`
-    (the Pallas kernel in its interpreter: CPU tests)."""
-    m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
-    rt = runtime(cfg, mesh)
-    group, scale = m.heads // m.kv_heads, 1.0 / float(np.sqrt(m.head_dim))
+    def q_block(qi):
+        qs = jax.lax.dynamic_slice_in_dim(q, qi * qb, qb, axis=1).astype(jnp.float32) * (1.0 / float(np.sqrt(d)))
+        qs = qs.reshape(b, qb, kv, group, d)
+        first = jax.lax.dynamic_slice_in_dim(lo, qi * qb, qb)
+
+        def kv_step(t, carry):
+            o, mx, sm = carry
+            kblk = jax.lax.dynamic_slice_in_dim(k, t * kb, kb, axis=2).astype(jnp.float32)
+            vblk = jax.lax.dynamic_slice_in_dim(v, t * kb, kb, axis=2).astype(jnp.float32)
+            ok = (t * kb + jnp.arange(kb))[None, :] >= first[:, None]  # [qb, kb]
+            sc = jnp.where(ok, jnp.einsum("bqkgd,bknd->bkgqn", qs, kblk), NEG)
+            top = jnp.maximum(mx, jnp.max(sc, axis=-1))
+            p = jnp.where(ok, jnp.exp(sc - top[..., None]), 0.0)
+            corr = jnp.exp(mx - top)
+            o = o * corr[..., None] + jnp.einsum("bkgqn,bknd->bkgqd", p, vblk)
+            return o, top, sm * corr + jnp.sum(p, axis=-1)
+
+        init = (jnp.zeros((b, kv, group, qb, d), jnp.float32), jnp.full((b, kv, group, qb), NEG, jnp.float32),
+                jnp.zeros((b, kv, group, qb), jnp.float32))
+        return normalise(*jax.lax.fori_loop(jnp.min(first) // kb, local_n // kb, kv_step, init))
+
+    o, lse = jax.lax.map(q_block, jnp.arange(chunk // qb))  # [nq, b, kv, g, qb, (d)]
+    return (o.transpose(1, 0, 4, 2, 3, 5).reshape(b, chunk, h, d),
+            lse.transpose(1, 0, 4, 2, 3).reshape(b, chunk, h))
+
+
+def _partial_pallas(q, k, v, lo, interpret: bool):
+    """`_partial_blockwise` by the Pallas kernel reading the head-major cache in place (`kv_starts` = `lo`)."""
+    b, chunk = q.shape[:2]
+    out, lse = pallas_kernel.pallas_attention_fwd(
+        q, k, v, causal=False, kv_starts=jnp.broadcast_to(lo, (b, chunk)), kv_head_major=True, interpret=interpret)
+    lse = jnp.swapaxes(lse, 1, 2)  # [b, chunk, h]
+    return out.astype(jnp.float32), jnp.where(jnp.isfinite(lse), lse, NEG)
+
+
+def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str):
+    """The chunk step's two sharded operations on layer i of the cache: `write(kc, vc, k, v, i, j)` puts the
+    slice's keys and values (`[b, kv_heads, chunk, head_dim]`, sequence over ring x context) of chunk j into the
+    cache, and `attend(q, kc, vc, i, j)` attends the chunk's queries `[b, chunk, heads, head_dim]` (same sharding) to
+    it, merged exactly over the shards (`jaxlong.kernels.merge.merge_across`)."""
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
     devices = seq_shards(mesh)
     cl, local_n = chunk // devices, n // devices
     kb, qb = chunk_tiles(cfg, chunk, devices)
-    cache_spec, q_spec = P(None, BATCH_AXES, None, SEQ_AXES, None), P(BATCH_AXES, SEQ_AXES, None, None)
 
     def write(kc, vc, k, v, i, j):
         """Local: the slice's k, v `[b, kv, cl, d]` (ascending) into layer i of the shard, descending, chunk j's
@@ -118,54 +159,6 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
         return (jax.lax.dynamic_update_slice(kc, k[None, :, :, ::-1], at),
                 jax.lax.dynamic_update_slice(vc, v[None, :, :, ::-1], at))
 
-    def seen(dev, j):
-        """Per query of chunk j (`[chunk]`): the local keys of prompt index <= its own, which are the shard's
-        last ones: the earlier chunks' slices, and of chunk j's slice those up to the query."""
-        u = jnp.arange(chunk)
-        return j * cl + jnp.clip(u - dev * cl + 1, 0, cl)
-
-    def partial_blockwise(q, k, v, lo):
-        """q `[b, chunk, h, d]`, k, v `[b, kv, local_n, d]` (layer i), `lo` `[chunk]` the first slot each query sees
-        (the key tiles below a query tile's least bound are not visited): (the output over these keys `[b, chunk,
-        h, d]` float32, its log-sum-exp `[b, chunk, h]`, NEG where a query sees none)."""
-        b = q.shape[0]
-
-        def q_block(qi):
-            qs = jax.lax.dynamic_slice_in_dim(q, qi * qb, qb, axis=1).astype(jnp.float32) * scale
-            qs = qs.reshape(b, qb, m.kv_heads, group, m.head_dim)
-            first = jax.lax.dynamic_slice_in_dim(lo, qi * qb, qb)
-
-            def kv_step(t, carry):
-                o, mx, sm = carry
-                kblk = jax.lax.dynamic_slice_in_dim(k, t * kb, kb, axis=2).astype(jnp.float32)
-                vblk = jax.lax.dynamic_slice_in_dim(v, t * kb, kb, axis=2).astype(jnp.float32)
-                ok = (t * kb + jnp.arange(kb))[None, :] >= first[:, None]  # [qb, kb]
-                sc = jnp.where(ok, jnp.einsum("bqkgd,bknd->bkgqn", qs, kblk), NEG)
-                top = jnp.maximum(mx, jnp.max(sc, axis=-1))
-                p = jnp.where(ok, jnp.exp(sc - top[..., None]), 0.0)
-                corr = jnp.exp(mx - top)
-                o = o * corr[..., None] + jnp.einsum("bkgqn,bknd->bkgqd", p, vblk)
-                return o, top, sm * corr + jnp.sum(p, axis=-1)
-
-            init = (jnp.zeros((b, m.kv_heads, group, qb, m.head_dim), jnp.float32),
-                    jnp.full((b, m.kv_heads, group, qb), NEG, jnp.float32),
-                    jnp.zeros((b, m.kv_heads, group, qb), jnp.float32))
-            o, mx, sm = jax.lax.fori_loop(jnp.min(first) // kb, local_n // kb, kv_step, init)
-            mx = mx + jnp.log(jnp.where(sm > 0, sm, 1.0))  # the log-sum-exp; -inf-like where nothing is seen
-            return o / jnp.where(sm > 0, sm, 1.0)[..., None], jnp.where(sm > 0, mx, NEG)
-
-        o, lse = jax.lax.map(q_block, jnp.arange(chunk // qb))  # [nq, b, kv, g, qb, (d)]
-        o = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, chunk, m.heads, m.head_dim)
-        return o, lse.transpose(1, 0, 4, 2, 3).reshape(b, chunk, m.heads)
-
-    def partial_pallas(q, k, v, lo, interpret):
-        b = q.shape[0]
-        out, lse = pallas_kernel.pallas_attention_fwd(
-            q, k, v, causal=False, kv_starts=jnp.broadcast_to(lo, (b, chunk)), kv_head_major=True,
-            interpret=interpret)
-        lse = jnp.swapaxes(lse, 1, 2)  # [b, chunk, h]
-        return out.astype(jnp.float32), jnp.where(jnp.isfinite(lse), lse, NEG)
-
     def attend(q, kc, vc, i, j):
         """Local: q `[b, cl, h, d]` of this device's slice -> its attention output, same shape (float32)."""
         dev = jnp.int32(0)
@@ -173,44 +166,53 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
             dev = dev * axis_size(mesh, a) + jax.lax.axis_index(a)
         if seq:
             q = jax.lax.all_gather(q, seq, axis=1, tiled=True)  # [b, chunk, h, d]: the whole chunk
-        k, v = kc[i], vc[i]  # [b, kv, local_n, d]
-        lo = local_n - seen(dev, j)
+        # Each query sees the local keys of prompt index <= its own, the shard's last ones: the earlier chunks'
+        # slices, and of chunk j's slice those up to the query.
+        lo = local_n - (j * cl + jnp.clip(jnp.arange(chunk) - dev * cl + 1, 0, cl))
         if kernel == "blockwise":
-            o, lse = partial_blockwise(q, k, v, lo)
+            o, lse = _partial_blockwise(q, kc[i], vc[i], lo, kb, qb)
         else:
-            o, lse = partial_pallas(q, k, v, lo, interpret=kernel == "pallas-interpret")
-        if not seq:
-            return o
-        top = jax.lax.pmax(lse, seq)  # exact merge over the shards; each device keeps its own slice's queries
-        w = jnp.where(lse > NEG / 2, jnp.exp(lse - top), 0.0)
-        o = jax.lax.psum_scatter(o * w[..., None], seq, scatter_dimension=1, tiled=True)
-        total = jax.lax.psum_scatter(w, seq, scatter_dimension=1, tiled=True)
-        return o / jnp.where(total > 0, total, 1.0)[..., None]  # a query that sees no key (padding): 0
+            o, lse = _partial_pallas(q, kc[i], vc[i], lo, interpret=kernel == "pallas-interpret")
+        # exact merge over the shards, each device keeping its own slice's queries; a query that sees no key: 0
+        return merge_across(o, lse, seq, scatter_axis=1)[0] if seq else o
 
+    cache_spec, kv_spec = P(None, BATCH_AXES, None, SEQ_AXES, None), P(BATCH_AXES, None, SEQ_AXES, None)
+    q_spec = P(BATCH_AXES, SEQ_AXES, None, None)
     local = dict(mesh=mesh, check_vma=False)
-    kv_spec = P(BATCH_AXES, None, SEQ_AXES, None)
-    write_sm = jax.shard_map(write, in_specs=(cache_spec, cache_spec, kv_spec, kv_spec, P(), P()),
-                             out_specs=(cache_spec, cache_spec), **local)
-    attend_sm = jax.shard_map(attend, in_specs=(q_spec, cache_spec, cache_spec, P(), P()), out_specs=q_spec, **local)
+    return (jax.shard_map(write, in_specs=(cache_spec, cache_spec, kv_spec, kv_spec, P(), P()),
+                          out_specs=(cache_spec, cache_spec), **local),
+            jax.shard_map(attend, in_specs=(q_spec, cache_spec, cache_spec, P(), P()), out_specs=q_spec, **local))
+
+
+def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
+    """The jitted step of one chunk: `(params, k, v, batch, j, last, logits) -> (logits, k, v)`.
+
+    `k`, `v` `[layers, b, kv_heads, n, head_dim]` (the cache, donated, returned with chunk `j` written); `batch`
+    the chunk's `inputs`, `positions`, `segment_ids` `[b, chunk]` int32 in prompt order; `last` `[b]` int32 each
+    row's last real token (prompt index); `logits` `[b, vocab]` float32: each row's logits of that token, taken
+    from this chunk where it holds it, else passed through. `kernel`: `chunk_kernel`'s, or `pallas-interpret`
+    (the Pallas kernel in its interpreter: CPU tests). The layers are the model's own
+    (`jaxlong.models.llama.Llama.cached_layers`)."""
+    m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
+    rt = runtime(cfg, mesh)
+    graphdef = model_lib.model_graphdef(cfg.model, cfg.param_dtype)
+    write, attend_cache = _cache_ops(cfg, mesh, n, chunk, kernel)
+    kv_spec, q_spec = P(BATCH_AXES, None, SEQ_AXES, None), P(BATCH_AXES, SEQ_AXES, None, None)
 
     def step(params, kc, vc, batch, j, last, logits):
-        tokens, positions = batch["inputs"], batch["positions"]
-        x = jnp.take(rt.gather(params["embed"]), tokens, axis=0)
+        x = jnp.take(rt.gather(params["embed"]), batch["inputs"], axis=0)
         x = rt.constrain(x, P(BATCH_AXES, SEQ_AXES, None))
         keep = (batch["segment_ids"] > 0)[..., None, None]
-        cos, sin = L.rope_tables(positions, m.head_dim, m.rope_theta, m.rope_scaling)
+        cos, sin = L.rope_tables(batch["positions"], m.head_dim, m.rope_theta, m.rope_scaling)
 
-        def body(carry, xs):
-            x, kc, vc = carry
-            w, i = xs
-            q, k, v = layer_qkv(w, x, cos, sin, rt)
+        def attend(q, k, v, i, cache, _):
+            """Layer i: the slice's k, v (padding zeroed) into the cache, then the chunk's attention over it."""
             k, v = (rt.constrain(jnp.swapaxes(jnp.where(keep, a, 0), 1, 2).astype(cd), kv_spec) for a in (k, v))
-            kc, vc = write_sm(kc, vc, k, v, i, j)
-            attn = attend_sm(rt.constrain(q.astype(cd), q_spec), kc, vc, i, j).astype(cd)
-            x = layer_rest(w, x, attn, rt)
-            return (rt.constrain(x, P(BATCH_AXES, SEQ_AXES, None)), kc, vc), None
+            kc, vc = write(*cache, k, v, i, j)
+            return attend_cache(rt.constrain(q.astype(cd), q_spec), kc, vc, i, j).astype(cd), (kc, vc)
 
-        (x, kc, vc), _ = jax.lax.scan(body, (x, kc, vc), (params["layers"], jnp.arange(m.layers)))
+        x, (kc, vc) = nnx.merge(graphdef, params).cached_layers(x, cos, sin, rt, attend, (kc, vc),
+                                                                spec=P(BATCH_AXES, SEQ_AXES, None))
         at = last - j * chunk  # each row's last token in this chunk, if it is
         here = (at >= 0) & (at < chunk)
         h = jnp.take_along_axis(x, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
@@ -218,7 +220,7 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
         new = jnp.einsum("bh,hv->bv", h, rt.gather(output_head(params, cfg))).astype(jnp.float32)
         return jnp.where(here[:, None], new, logits), kc, vc
 
-    cache = NamedSharding(mesh, cache_spec)
+    cache = NamedSharding(mesh, P(None, BATCH_AXES, None, SEQ_AXES, None))
     rows = NamedSharding(mesh, P(BATCH_AXES, None))
     return jax.jit(step, donate_argnums=(1, 2, 6), out_shardings=(rows, cache, cache))
 

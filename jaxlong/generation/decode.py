@@ -37,14 +37,14 @@ from jax.sharding import PartitionSpec as P
 from jaxlong.config import runtime
 from jaxlong.core.mesh import BATCH_AXES, RING_AXIS, SEQ_AXES, axis_size
 from jaxlong.core.batch import zigzag_order
+from jaxlong.kernels.merge import NEG, merge, merge_across, normalise
 from jaxlong.layers import blocks as L
 from jaxlong.models import llama as model_lib
 
 
-__all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "cache_shardings", "sample", "layer_qkv",
-           "layer_rest", "output_head", "decode_weights_mode", "replicate_weights", "weight_bytes"]
+__all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "cache_shardings", "sample", "output_head",
+           "decode_weights_mode", "replicate_weights", "weight_bytes"]
 
-NEG = -1e30  # a masked score: finite, so a shard with no valid key gives exp(NEG - max) = 0, never NaN
 
 
 class Cache(NamedTuple):
@@ -170,48 +170,15 @@ def replicate_weights(cfg, mesh: jax.sharding.Mesh):
     return jax.jit(lambda p: jax.tree_util.tree_map_with_path(cast, p), out_shardings=NamedSharding(mesh, P()))
 
 
-def layer_qkv(w: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, rt) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A decoder layer's queries, keys and values from its input `x` `[b, s, hidden]` (layer weights `w` of the
-    parameter dict, FSDP-gathered here; RoPE tables `cos`, `sin` of the tokens' positions): `q` `[b, s, heads,
-    head_dim]`, `k`, `v` `[b, s, kv_heads, head_dim]`, q and k normed (Qwen3) and rotated, as the layer's attention
-    computes them."""
-    m = rt.model
-    h = L.rms_norm(x, w["attn_norm"], m.norm_eps)
-    q = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wq"]))
-    k = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wk"]))
-    v = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(w["wv"]))
-    if m.qk_norm:
-        q, k = L.rms_norm(q, w["q_norm"], m.norm_eps), L.rms_norm(k, w["k_norm"], m.norm_eps)
-    return L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v
-
-
-def layer_rest(w: dict, x: jax.Array, attn: jax.Array, rt) -> jax.Array:
-    """The rest of the decoder layer after its attention `attn` `[b, s, heads, head_dim]` (compute dtype): the output
-    projection and its residual, then the MLP sublayer and its residual; `[b, s, hidden]`."""
-    m = rt.model
-    x = x + jnp.einsum("bsnd,ndh->bsh", attn, rt.gather(w["wo"]))
-    hm = L.rms_norm(x, w["mlp_norm"], m.norm_eps)
-    return x + model_lib.mlp(hm, rt.gather(w["w_gate"]), rt.gather(w["w_up"]), rt.gather(w["w_down"]))
-
-
 def _partial(q, k, v, valid):
     """One shard's attention of the new queries `q` `[b, kv, g, d]` (float32, scaled) over its keys and values
-    `[b, kv, n, d]` with `valid` `[b, n]`: (unnormalized output `[b, kv, g, d]`, max `[b, kv, g]`, sum)."""
+    `[b, kv, n, d]` with `valid` `[b, n]`: (output `[b, kv, g, d]` float32, log-sum-exp `[b, kv, g]`; `NEG` where no
+    key is valid), for `jaxlong.kernels.merge`."""
     s = jnp.einsum("bkgd,bknd->bkgn", q, k.astype(jnp.float32))
     s = jnp.where(valid[:, None, None, :], s, NEG)
     mx = jnp.max(s, axis=-1)
     p = jnp.where(valid[:, None, None, :], jnp.exp(s - mx[..., None]), 0.0)
-    return jnp.einsum("bkgn,bknd->bkgd", p, v.astype(jnp.float32)), mx, jnp.sum(p, axis=-1)
-
-
-def _merge(parts):
-    """Exact merge of (output, max, sum) partials of disjoint key sets: the softmax over their union."""
-    mx = parts[0][1]
-    for _, m, _ in parts[1:]:
-        mx = jnp.maximum(mx, m)
-    out = sum(o * jnp.exp(m - mx)[..., None] for o, m, _ in parts)
-    total = sum(s * jnp.exp(m - mx) for _, m, s in parts)
-    return out / total[..., None]
+    return normalise(jnp.einsum("bkgn,bknd->bkgd", p, v.astype(jnp.float32)), mx, jnp.sum(p, axis=-1))
 
 
 def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling(), vocab: int | None = None):
@@ -225,50 +192,42 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
     (`sample`, ids from `vocab` on never drawn)."""
     m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
     rt = runtime(cfg, mesh)
+    graphdef = model_lib.model_graphdef(cfg.model, cfg.param_dtype)
     group = m.heads // m.kv_heads
     scale = 1.0 / float(np.sqrt(m.head_dim))
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
 
     def shard_attention(q, k, v, valid):
-        o, mx, sm = _partial(q, k, v, valid)
-        if seq:
-            top = jax.lax.pmax(mx, seq)
-            w = jnp.exp(mx - top)
-            o, sm, mx = jax.lax.psum(o * w[..., None], seq), jax.lax.psum(sm * w, seq), top
-        return o, mx, sm
+        o, lse = _partial(q, k, v, valid)
+        return merge_across(o, lse, seq) if seq else (o, lse)
 
     batch_q = P(BATCH_AXES, None, None, None)
     prompt_attention = jax.shard_map(
         shard_attention, mesh=mesh, check_vma=False,
         in_specs=(batch_q, P(BATCH_AXES, None, SEQ_AXES, None), P(BATCH_AXES, None, SEQ_AXES, None),
                   P(BATCH_AXES, SEQ_AXES)),
-        out_specs=(batch_q, P(BATCH_AXES, None, None), P(BATCH_AXES, None, None)))
+        out_specs=(batch_q, P(BATCH_AXES, None, None)))
 
     def step(params, cache: Cache, tokens, positions, t, key):
         b = tokens.shape[0]
+        model = nnx.merge(graphdef, params)
         tokens = rt.constrain(tokens, P(BATCH_AXES))  # replicated between steps; looked up per batch shard
         x = jnp.take(params["embed"].astype(cd), tokens, axis=0)[:, None, :]  # [b, 1, hidden]: rows of the shards
         x = rt.constrain(x, P(BATCH_AXES, None, None))
         pos = positions[:, None].astype(jnp.int32)
         cos, sin = L.rope_tables(pos, m.head_dim, m.rope_theta, m.rope_scaling)
         seen = (jnp.arange(cache.new_k.shape[3]) <= t)[None, :].repeat(b, 0)
-        layers = params["layers"]
 
-        def body(carry, xs):
-            x, new_k, new_v = carry
-            w, k_cache, v_cache, i = xs
-            q, k, v = layer_qkv(w, x, cos, sin, rt)
-            new_k = jax.lax.dynamic_update_slice(new_k, jnp.swapaxes(k, 1, 2)[None].astype(cd), (i, 0, 0, t, 0))
-            new_v = jax.lax.dynamic_update_slice(new_v, jnp.swapaxes(v, 1, 2)[None].astype(cd), (i, 0, 0, t, 0))
+        def attend(q, k, v, i, new, prompt):
+            """Write the token's k, v into slot t of layer i's small cache; attend to the prompt cache and to it."""
+            new_k, new_v = (jax.lax.dynamic_update_slice(c, jnp.swapaxes(a, 1, 2)[None].astype(cd), (i, 0, 0, t, 0))
+                            for c, a in zip(new, (k, v)))
             qg = (q[:, 0].astype(jnp.float32) * scale).reshape(b, m.kv_heads, group, m.head_dim)
-            parts = [prompt_attention(qg, k_cache, v_cache, cache.valid),
-                     _partial(qg, new_k[i], new_v[i], seen)]
-            attn = _merge(parts).reshape(b, 1, m.heads, m.head_dim).astype(cd)
-            x = layer_rest(w, x, attn, rt)
-            return (rt.constrain(x, P(BATCH_AXES, None, None)), new_k, new_v), None
+            attn, _ = merge([prompt_attention(qg, *prompt, cache.valid), _partial(qg, new_k[i], new_v[i], seen)])
+            return attn.reshape(b, 1, m.heads, m.head_dim).astype(cd), (new_k, new_v)
 
-        xs = (layers, cache.k, cache.v, jnp.arange(m.layers))
-        (x, new_k, new_v), _ = jax.lax.scan(body, (x, cache.new_k, cache.new_v), xs)
+        x, (new_k, new_v) = model.cached_layers(x, cos, sin, rt, attend, (cache.new_k, cache.new_v),
+                                                xs=(cache.k, cache.v), spec=P(BATCH_AXES, None, None))
         h = L.rms_norm(x[:, 0], params["final_norm"], m.norm_eps)
         logits = jnp.einsum("bh,hv->bv", h, output_head(params, cfg).astype(cd)).astype(jnp.float32)  # head sharded
         logits = rt.constrain(logits, P(BATCH_AXES, None))

@@ -93,24 +93,30 @@ def kernel_that_runs(backend: str, platform: str | None, *, compute_dtype: str, 
 
 
 def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: int = 512,
-              block_k: int = 512, segment_ids=None):
+              block_k: int = 512, segment_ids=None, window: int = 0):
     """Differentiable attention with backend dispatch; returns `out` (shape/dtype of q).
 
     backend: `'auto'` (see `resolve_backend`), `'blockwise'`, `'cudnn'`, `'pallas'` or
     `'reference'`. `block_q`/`block_k` are used only by `'blockwise'` (the Pallas kernel keeps its
     own Triton tile sizes).
     `segment_ids`: int `[batch, seq]` or None, document masking (module docstring).
-    Raises ValueError for an unknown backend, cuDNN with segment ids (and as the kernel does).
+    `window`: 0, or a sliding window of that many positions (`jaxlong.kernels.blockwise`, Gemma 3's local layers):
+    the blockwise and reference kernels take it; cuDNN and Pallas do not yet.
+    Raises ValueError for an unknown backend, cuDNN with segment ids, a window on cuDNN or Pallas (and as the
+    kernel does).
     """
     backend = resolve_backend(backend, q, segment_ids)
+    if window and backend in ("cudnn", "pallas"):
+        raise ValueError(f"attention.backend={backend} does not take a sliding window (window={window}) yet; "
+                         f"attention.backend=blockwise does")
     if backend == "blockwise":
         return blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
-                                   segment_ids=segment_ids)
+                                   segment_ids=segment_ids, window=window)
     if backend == "cudnn":
         return cudnn_attention(q, k, v, causal=causal)
     if backend == "pallas":
         return pallas_kernel.pallas_attention(q, k, v, causal=causal, segment_ids=segment_ids)
-    return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
 
 
 def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = True,

@@ -16,6 +16,12 @@ For `causal=True` queries and keys share one sequence length and one origin (que
 (`k`, `v`: `[batch, kv_seq, kv_heads, head_dim]`, ring attention's remote blocks). Scores are
 `q . k / sqrt(head_dim)`.
 
+Sliding windows (`window` = W > 0, causal only; Gemma 3's local layers, arXiv 2503.19786 section 2): query `t`
+sees keys `t - W < k <= t`, itself and the W - 1 before it (transformers' `sliding_window`), combined with the
+causal and document masks. The key tiles wholly before a query tile's window (forward) and the query tiles wholly
+past a key tile's reach (backward) are not visited, so a window of W costs about `W / (seq / 2)` of causal
+attention's tiles (`window_tiles` counts them).
+
 Packed documents (`segment_ids`, int32 `[batch, seq]`, 0 = padding): a query attends only to
 the earlier keys of its own *run* of equal segment ids (document masking, block-diagonal causal).
 Packed documents are contiguous, so a run is a document; an id that reappears after another id
@@ -150,6 +156,30 @@ def _check_segments(segment_ids, q, causal):
     return segment_ids.astype(jnp.int32)
 
 
+def _check_window(window, causal: bool) -> int:
+    """`window` as an int: 0 (none) or a positive number of positions, with `causal` only."""
+    if window is None or int(window) == 0:
+        return 0
+    if int(window) < 0 or int(window) != window:
+        raise ValueError(f"window={window!r} must be 0 (no window) or a positive number of positions")
+    if not causal:
+        raise ValueError("a sliding window needs causal=True (a query sees itself and the window - 1 keys before it)")
+    return int(window)
+
+
+def window_tiles(seq: int, block_q: int, block_k: int, window: int = 0) -> int:
+    """Score tiles `[block_q, block_k]` the causal blockwise kernel computes for one `[seq]` row and head, with a
+    sliding `window` (> 0) or without (0): the tiles that every mask leaves entirely empty are not visited. Both
+    the forward and the backward visit the same tiles."""
+    bq, bk = min(block_q, seq), min(block_k, seq)
+    total = 0
+    for i in range(seq // bq):
+        hi = min(seq // bk, ((i + 1) * bq + bk - 1) // bk)
+        lo = max(0, i * bq - window + 1) // bk if window else 0
+        total += hi - lo
+    return total
+
+
 def _tile_ends(ids, block):
     """First and last id of each tile, `[batch, n_tiles]` each (its range, for non-decreasing ids)."""
     return ids[:, ::block], ids[:, block - 1::block]
@@ -179,23 +209,27 @@ def _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal):
 # ------------------------------------------------------------------------- reference
 
 
-def reference_attention(q, k, v, *, causal: bool = True, segment_ids=None):
+def reference_attention(q, k, v, *, causal: bool = True, segment_ids=None, window: int = 0):
     """Materialized `softmax(q k^T / sqrt(d)) v` computed in float32 (tests only).
 
     Shapes as in the module docstring; `segment_ids` int `[batch, seq]` or None (document
-    masking, see the module docstring). Returns `[batch, seq, heads, head_dim]` in `q.dtype`.
-    Uses O(seq^2) memory. Raises ValueError on malformed shapes or segment ids.
+    masking, see the module docstring); `window` > 0 a sliding window (module docstring). Returns `[batch, seq,
+    heads, head_dim]` in `q.dtype`. Uses O(seq^2) memory. Raises ValueError on malformed shapes, segment ids or
+    window.
     """
-    return reference_attention_with_lse(q, k, v, causal=causal, segment_ids=segment_ids)[0]
+    return reference_attention_with_lse(q, k, v, causal=causal, segment_ids=segment_ids, window=window)[0]
 
 
-def reference_attention_with_lse(q, k, v, *, causal: bool, segment_ids=None):
+def reference_attention_with_lse(q, k, v, *, causal: bool, segment_ids=None, window: int = 0):
     b, s, h, kvh, d = _check_shapes(q, k, v, causal)
     segment_ids = _check_segments(segment_ids, q, causal)
+    window = _check_window(window, causal)
     q5 = _split_heads(q.astype(_F32), kvh)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q5, k.astype(_F32)) / math.sqrt(d)
     if causal:
         mask = jnp.tril(jnp.ones((s, s), dtype=bool))[None]
+        if window:
+            mask = mask & ~jnp.tril(jnp.ones((s, s), dtype=bool), -window)[None]  # q - k < window
         if segment_ids is not None:
             mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
             mask = mask & (jnp.arange(s)[None, None, :] >= segment_starts(segment_ids)[:, :, None])
@@ -207,6 +241,16 @@ def reference_attention_with_lse(q, k, v, *, causal: bool, segment_ids=None):
 
 
 # ------------------------------------------------------------------ blockwise forward
+
+
+def _causal_mask(q_pos, k_pos, window: int, starts=None):
+    """Which keys at `k_pos` `[bk]` the queries at `q_pos` `[bq]` see, `[1 or b, bq, bk]` bool: the earlier ones
+    (causal), within the `window` (if > 0), and none before the query's run start `starts` `[b, bq]` (if given)."""
+    mask = q_pos[:, None] >= k_pos[None, :]
+    if window:
+        mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
+    mask = mask[None]
+    return mask if starts is None else mask & (k_pos[None, None, :] >= starts[:, :, None])
 
 
 def _tile_starts(starts, bq):
@@ -229,7 +273,7 @@ def _tiling(q, k, v, block_q, block_k, segment_ids, kv_segment_ids, causal):
 
 
 def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
-                            block_k: int = 512, segment_ids=None, kv_segment_ids=None):
+                            block_k: int = 512, segment_ids=None, kv_segment_ids=None, window: int = 0):
     """FlashAttention-2 forward (Dao 2023, Alg. 1) in pure JAX; returns `(out, lse)`.
 
     Args:
@@ -245,6 +289,8 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
         non-decreasing along the sequence (e.g. each token's document start): kv tiles whose id
         range misses the query tile's are skipped. A query that sees no key gets output 0 and
         lse `-inf`.
+      window: 0, or a sliding window of that many positions with `causal` (query `t` sees keys `t - window + 1 ..
+        t`, transformers' `sliding_window`); the key tiles wholly before every query's window are not visited.
 
     Returns:
       `out` with the shape and dtype of `q`; `lse` float32 `[batch, heads, seq]`.
@@ -262,6 +308,7 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
     """
     (b, s, h, kvh, d), (bq, bk), (pair, q_ids, kv_ids, segment_ids) = _tiling(
         q, k, v, block_q, block_k, segment_ids, kv_segment_ids, causal)
+    window = _check_window(window, causal)
     g, nq, nk = h // kvh, s // bq, k.shape[1] // bk
     scale = 1.0 / math.sqrt(d)
     q5 = _split_heads(q, kvh)
@@ -285,11 +332,8 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
             sc = sc * scale
             mask = None
             if causal:
-                k_pos = j * bk + jnp.arange(bk)
-                mask = (q_pos[:, None] >= k_pos[None, :])[None]  # [1, bq, bk]
-                if segment_ids is not None:
-                    mask = mask & (k_pos[None, None, :] >= st_i[:, :, None])  # [b, bq, bk]
-                mask = mask[:, None, None]
+                mask = _causal_mask(q_pos, j * bk + jnp.arange(bk), window,
+                                    st_i if segment_ids is not None else None)[:, None, None]
                 sc = jnp.where(mask, sc, _NEG)
             if pair:
                 kv_j = lax.dynamic_slice_in_dim(kv_ids, j * bk, bk, axis=1)
@@ -312,6 +356,8 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
                 _full((b, kvh, g, bq, d), 0, q, k, v))
         hi = jnp.minimum(nk, ((i + 1) * bq + bk - 1) // bk) if causal else (hi_tiles[i] if pair else nk)
         lo = lo_tiles[i] if segment_ids is not None or pair else 0
+        if window:  # the first key tile any query of the tile sees
+            lo = jnp.maximum(lo, jnp.maximum(i * bq - window + 1, 0) // bk)
         m, l, acc = lax.fori_loop(lo, hi, kv_step, init)
         lse_i = m + jnp.log(l)
         if pair:  # rows that see no key: out 0, lse -inf
@@ -331,14 +377,14 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
 
 def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
                             block_q: int = 512, block_k: int = 512, segment_ids=None,
-                            kv_segment_ids=None):
+                            kv_segment_ids=None, window: int = 0):
     """FlashAttention-2 backward (Dao 2023, Alg. 2) in pure JAX; returns `(dq, dk, dv)`.
 
     Args:
       q, k, v: as for `blockwise_attention_fwd`.
       out: forward output, shape/dtype of `q`; lse: float32 `[batch, heads, seq]` from
         the forward; dout: cotangent of `out` (shape of `q`).
-      causal, block_q, block_k, segment_ids, kv_segment_ids: must match the forward call
+      causal, block_q, block_k, segment_ids, kv_segment_ids, window: must match the forward call
         (same checks); `lse` may be of more keys than `k` (ring attention's global lse).
 
     Returns:
@@ -357,6 +403,7 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
     """
     (b, s, h, kvh, d), (bq, bk), (pair, q_ids, kv_ids, segment_ids) = _tiling(
         q, k, v, block_q, block_k, segment_ids, kv_segment_ids, causal)
+    window = _check_window(window, causal)
     sk = k.shape[1]
     g, nq, nk = h // kvh, s // bq, sk // bk
     scale = 1.0 / math.sqrt(d)
@@ -390,10 +437,8 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
             sc = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, k_j, preferred_element_type=_F32)
             sc = sc * scale
             if causal:
-                mask = ((i * bq + jnp.arange(bq))[:, None] >= k_pos[None, :])[None]
-                if segment_ids is not None:
-                    st_i = lax.dynamic_slice_in_dim(starts, i * bq, bq, axis=1)  # [b, bq]
-                    mask = mask & (k_pos[None, None, :] >= st_i[:, :, None])
+                st_i = None if segment_ids is None else lax.dynamic_slice_in_dim(starts, i * bq, bq, axis=1)
+                mask = _causal_mask(i * bq + jnp.arange(bq), k_pos, window, st_i)
                 sc = jnp.where(mask[:, None, None], sc, _NEG)
             if pair:
                 mask = (lax.dynamic_slice_in_dim(q_ids, i * bq, bq, axis=1)[:, :, None]
@@ -413,6 +458,8 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
 
         lo = (j * bk) // bq if causal else (lo_tiles[j] if pair else 0)
         hi = hi_tiles[j] if segment_ids is not None or pair else nq
+        if window:  # past the last query tile whose window reaches the key tile's last key
+            hi = jnp.minimum(hi, ((j + 1) * bk + window - 2) // bq + 1)
         zeros = _full((b, bk, kvh, d), 0, *refs)
         dq_acc, dk_j, dv_j = lax.fori_loop(lo, hi, q_step, (dq_acc, zeros, zeros))
         return dq_acc, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))
@@ -428,24 +475,24 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
 # ------------------------------------------------------------------------ custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _blockwise(q, k, v, segment_ids, causal, block_q, block_k):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _blockwise(q, k, v, segment_ids, causal, block_q, block_k, window):
     return blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
-                                   block_k=block_k, segment_ids=segment_ids)[0]
+                                   block_k=block_k, segment_ids=segment_ids, window=window)[0]
 
 
-def _blockwise_vjp_fwd(q, k, v, segment_ids, causal, block_q, block_k):
+def _blockwise_vjp_fwd(q, k, v, segment_ids, causal, block_q, block_k, window):
     out, lse = blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
-                                       block_k=block_k, segment_ids=segment_ids)
+                                       block_k=block_k, segment_ids=segment_ids, window=window)
     out, lse = keep_attention_residuals(out, lse)  # `remat.keep_attention` may keep them
     return out, (q, k, v, segment_ids, out, lse)  # O(seq) residuals only: no score tiles
 
 
-def _blockwise_vjp_bwd(causal, block_q, block_k, res, dout):
+def _blockwise_vjp_bwd(causal, block_q, block_k, window, res, dout):
     q, k, v, segment_ids, out, lse = res
     dq, dk, dv = blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal,
                                          block_q=block_q, block_k=block_k,
-                                         segment_ids=segment_ids)
+                                         segment_ids=segment_ids, window=window)
     return dq, dk, dv, None
 
 
@@ -453,7 +500,7 @@ _blockwise.defvjp(_blockwise_vjp_fwd, _blockwise_vjp_bwd)
 
 
 def blockwise_attention(q, k, v, *, causal: bool = True, block_q: int = 512,
-                        block_k: int = 512, segment_ids=None):
+                        block_k: int = 512, segment_ids=None, window: int = 0):
     """Differentiable blockwise attention (`jax.custom_vjp`); returns `out`.
 
     Forward is `blockwise_attention_fwd`, backward `blockwise_attention_bwd`;
@@ -465,7 +512,7 @@ def blockwise_attention(q, k, v, *, causal: bool = True, block_q: int = 512,
     bq = _check_block("block_q", block_q, s)
     bk = _check_block("block_k", block_k, k.shape[1])
     segment_ids = _check_segments(segment_ids, q, causal)
-    return _blockwise(q, k, v, segment_ids, bool(causal), bq, bk)
+    return _blockwise(q, k, v, segment_ids, bool(causal), bq, bk, _check_window(window, causal))
 
 
 def check_attention_block(key: str, block: int, seq: int) -> None:

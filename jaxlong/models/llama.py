@@ -37,6 +37,7 @@ from jaxlong.core.ordering import grads_together
 from jaxlong.kernels.backend import resolve_backend
 from jaxlong.layers import blocks as L
 from jaxlong.layers import remat as R
+from jaxlong.layers.projection import project_qkv
 from jaxlong.layers.remat import RematConfig
 from jaxlong.layers.tiled import TilingConfig, default_mlp_tiles, tiled_mlp
 from jaxlong.models.config import ModelConfig
@@ -127,53 +128,57 @@ class DecoderLayer(nnx.Module):
             self.q_norm = nnx.Param(jnp.ones((d,), param_dtype))
             self.k_norm = nnx.Param(jnp.ones((d,), param_dtype))
 
+    def weights(self) -> SublayerWeights:
+        """The attention sublayer's weights as held (FSDP-sharded, `param_dtype`)."""
+        qk = (self.q_norm[...], self.k_norm[...]) if hasattr(self, "q_norm") else None  # Qwen3
+        return SublayerWeights(self.attn_norm[...], self.wq[...], self.wk[...], self.wv[...], self.wo[...], qk)
+
     def attention_block(self, x: jax.Array, positions: jax.Array, rt: Runtime,
                         segment_ids: jax.Array | None = None) -> jax.Array:
         """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))`, by the
         method `attention.impl` names (`jaxlong.parallel.dispatch`)."""
-        weights = SublayerWeights(self.attn_norm[...], self.wq[...], self.wk[...], self.wv[...], self.wo[...],
-                                  self._qk_norm_scales())
-        return attention_sublayer(x, weights, positions, segment_ids, rt.sublayer)
+        return attention_sublayer(x, self.weights(), positions, segment_ids, rt.sublayer)
 
-    def _qk_norm_scales(self):
-        """(q_norm, k_norm) scales `[head_dim]` (Qwen3), or None."""
-        return (self.q_norm[...], self.k_norm[...]) if hasattr(self, "q_norm") else None
+    def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array, rt: Runtime, queries: bool = True):
+        """`(q, k, v)` of the layer input `x` `[b, s, hidden]` at RoPE tables `cos`, `sin` `[b, s, head_dim / 2]`
+        (`jaxlong.layers.projection.project_qkv`, weights gathered in the compute dtype): q `[b, s, heads,
+        head_dim]` (None unless `queries`), k, v `[b, s, kv_heads, head_dim]`."""
+        w = self.weights()
+        wq = rt.gather(w.wq) if queries else None
+        return project_qkv(x, w.norm, wq, rt.gather(w.wk), rt.gather(w.wv), w.qk_norm, cos, sin, rt.model.norm_eps)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, rt: Runtime,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
-        eps = rt.model.norm_eps
-        x = checkpoint_name(rt.constrain(x, activation_spec()), R.LAYER_INPUT)
-        x = self.attention_block(x, positions, rt, segment_ids)
+    def mlp_block(self, x: jax.Array, rt: Runtime, tiled: bool) -> jax.Array:
+        """The MLP sublayer with its residual, `[b, s, hidden]` -> `x + SwiGLU(RMSNorm(x))`; `tiled`: over sequence
+        tiles (`jaxlong.layers.tiled.tiled_mlp`, ALST's tiled MLP, arXiv 2506.13996 section 3.2)."""
         # The attention sublayer's backward waits for the MLP weights' reduced gradients: their unsharded
         # float32 sums are not held through it (`grads_together`).
         x, ws = grads_together(x, (self.w_gate[...], self.w_up[...], self.w_down[...]))
         ws = tuple(rt.gather(w) for w in ws)
-        if rt.tiling.mlp:  # the norm and the residual inside the tiles
-            x = tiled_mlp(x, *ws, tiles=mlp_tiles(x, rt), mesh=rt.mesh, norm_scale=self.mlp_norm[...], norm_eps=eps)
-        else:
-            h = checkpoint_name(L.rms_norm(x, self.mlp_norm[...], eps), "mlp_norm_out")
-            x = x + mlp(h, *ws)
-        return rt.constrain(x, activation_spec())
+        if tiled:  # the norm and the residual inside the tiles
+            return tiled_mlp(x, *ws, tiles=mlp_tiles(x, rt), mesh=rt.mesh, norm_scale=self.mlp_norm[...],
+                             norm_eps=rt.model.norm_eps)
+        h = checkpoint_name(L.rms_norm(x, self.mlp_norm[...], rt.model.norm_eps), "mlp_norm_out")
+        return x + mlp(h, *ws)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, rt: Runtime,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        x = checkpoint_name(rt.constrain(x, activation_spec()), R.LAYER_INPUT)
+        x = self.attention_block(x, positions, rt, segment_ids)
+        return rt.constrain(self.mlp_block(x, rt, rt.tiling.mlp), activation_spec())
+
+    def cached(self, x: jax.Array, cos: jax.Array, sin: jax.Array, rt: Runtime, attend) -> jax.Array:
+        """The layer with attention over a KV cache (prefill in chunks, decode): `x` `[b, s, hidden]` ->
+        `x + W_o attend(q, k, v)`, then the MLP sublayer (untiled). `attend(q, k, v)` writes the new keys and values
+        into the cache and returns the attention output `[b, s, heads, head_dim]`."""
+        q, k, v = self.project(x, cos, sin, rt)
+        x = x + jnp.einsum("bsnd,ndh->bsh", attend(q, k, v), rt.gather(self.wo[...]))
+        return self.mlp_block(x, rt, tiled=False)
 
 
 def mlp_tiles(x: jax.Array, rt: Runtime) -> int:
     """Tiles per local sequence of the tiled MLP: `tiling.mlp_tiles`, or ALST's `ceil(S_local / hidden)`."""
     s_local = x.shape[1] // seq_shards(rt.mesh)
     return rt.tiling.mlp_tiles or default_mlp_tiles(s_local, x.shape[-1])
-
-
-def project_kv(x: jax.Array, layer: DecoderLayer, positions: jax.Array, rt: Runtime) -> tuple[jax.Array, jax.Array]:
-    """The layer's keys and values as its attention computes them: `RoPE(k_norm(W_k RMSNorm(x)))` and
-    `W_v RMSNorm(x)`, `[b, s, kv_heads, head_dim]` in the compute dtype, from the layer input `x` `[b, s, hidden]` at
-    integer `positions` `[b, s]` (the cache of `jaxlong.generation`: prefill and each decoded token)."""
-    m = rt.model
-    h = L.rms_norm(x, layer.attn_norm[...], m.norm_eps)
-    k = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(layer.wk[...]))
-    v = jnp.einsum("bsh,hnd->bsnd", h, rt.gather(layer.wv[...]))
-    if hasattr(layer, "k_norm"):  # Qwen3
-        k = L.rms_norm(k, layer.k_norm[...], m.norm_eps)
-    cos, sin = L.rope_tables(positions, m.head_dim, m.rope_theta, m.rope_scaling)
-    return L.apply_rope(k, cos, sin), v
 
 
 def mlp(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -246,17 +251,45 @@ class Llama(nnx.Module):
         cache), the K/V of padding (segment id 0) zero. The cache of `jaxlong.generation`."""
         x, positions, ids = self._inputs(tokens, rt, positions, segment_ids)
         keep = rt.constrain(segment_ids > 0, batch_spec())[..., None, None]
+        cos, sin = L.rope_tables(positions, rt.model.head_dim, rt.model.rope_theta, rt.model.rope_scaling)
         layer_def, layer_state = nnx.split(self.layers)
 
         def body(x, state):
             layer = nnx.merge(layer_def, state)
-            k, v = project_kv(x, layer, positions, rt)
+            _, k, v = layer.project(x, cos, sin, rt, queries=False)
             spec = P(BATCH_AXES, None, SEQ_AXES, None)
             k, v = (rt.constrain(jnp.swapaxes(jnp.where(keep, a, 0), 1, 2), spec) for a in (k, v))
             return layer(x, positions, rt, ids), (k, v)
 
         x, (k, v) = jax.lax.scan(body, x, layer_state)
         return L.rms_norm(x, self.final_norm[...], self.norm_eps), k, v
+
+    def cached_layers(self, x: jax.Array, cos: jax.Array, sin: jax.Array, rt: Runtime, attend, carry,
+                      xs=None, spec: P | None = None):
+        """Every decoder layer (`DecoderLayer.cached`) over `x` `[b, s, hidden]` with attention over a KV cache, in
+        one `lax.scan` over the stacked layers: the chunked prefill and the decode step.
+
+        `attend(q, k, v, i, carry, xs_i) -> (attention [b, s, heads, head_dim], carry)` for layer `i` (traced
+        int32) writes the new keys and values into the cache it carries (`carry`, any pytree) and attends over it;
+        `xs` (a pytree with a leading `[layers]` axis, or None) is handed to it a layer at a time. `spec`: the
+        sharding of x between layers. Returns `(x, carry)` after the last layer (before the final norm)."""
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def body(c, inp):
+            x, carry = c
+            state, i, xs_i = inp
+            box = [carry]
+
+            def attend_here(q, k, v):
+                out, box[0] = attend(q, k, v, i, box[0], xs_i)
+                return out
+
+            x = nnx.merge(layer_def, state).cached(x, cos, sin, rt, attend_here)
+            return (x if spec is None else rt.constrain(x, spec), box[0]), None
+
+        n = jax.tree.leaves(layer_state)[0].shape[0]
+        (x, carry), _ = jax.lax.scan(body, (x, carry), (layer_state, jnp.arange(n), xs))
+        return x, carry
 
     def __call__(self, tokens: jax.Array, rt: Runtime, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:

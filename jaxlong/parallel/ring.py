@@ -83,6 +83,7 @@ from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels import cudnn as cudnn_kernel
 from jaxlong.kernels import pallas_gpu as pallas_kernel
 from jaxlong.kernels.blockwise import blockwise_attention_bwd, blockwise_attention_fwd, segment_starts
+from jaxlong.kernels.merge import merge_into
 
 _F32 = jnp.float32
 
@@ -213,17 +214,6 @@ def ring_kernel(backend: str, block_q: int = 512, block_k: int = 512) -> BlockKe
     return BlockKernel(backend if backend in ("cudnn", "pallas") else "blockwise", int(block_q), int(block_k))
 
 
-def _merge(out_a, lse_a, out_b, lse_b):
-    """Log-sum-exp merge of two partial attentions over disjoint key sets.
-
-    out: float32 `[b, s, h, d]`; lse: float32 `[b, h, s]`. `lse_a` is finite (the diagonal block's: every
-    query sees itself); `lse_b` may be -inf (a query that sees no key of block b), whose weight is then 0."""
-    lse = jnp.logaddexp(lse_a, lse_b)
-    wa = jnp.swapaxes(jnp.exp(lse_a - lse), 1, 2)[..., None]
-    wb = jnp.swapaxes(jnp.exp(lse_b - lse), 1, 2)[..., None]
-    return wa * out_a + wb * out_b.astype(_F32), lse
-
-
 def _chunk_starts(src, n: int, c: int):
     """Original positions of the first tokens of ring rank `src`'s two zigzag chunks of `c` tokens."""
     return src * c, (2 * n - 1 - src) * c
@@ -254,17 +244,17 @@ def _fwd_step(q, k, v, out, lse, before, causal, kernel: BlockKernel, q_ids=None
     `before`: src precedes this rank) into `(out, lse)`: one kernel call (module docstring, "One call per
     step"). `q_ids`, `k_ids`: run ids `[b, S/R]` of the queries and of the block (`run_ids`), or None."""
     if not causal:
-        return _merge(out, lse, *kernel.block_fwd(q, k, v))
+        return merge_into(out, lse, *kernel.block_fwd(q, k, v))
     c = q.shape[1] // 2
     first, second = _chunk_starts(src, n, c)
 
     def early(out, lse):  # every local query sees the block's first chunk, none of its second
         o, l = kernel.block_fwd(q, _head(k, c), _head(v, c), q_ids, _head(k_ids, c), (first,))
-        return _merge(out, lse, o, l)
+        return merge_into(out, lse, o, l)
 
     def late(out, lse):  # only the second query chunk sees the block, all of it
         o, l = kernel.block_fwd(_tail(q, c), k, v, _tail(q_ids, c), k_ids, (first, second))
-        m, ml = _merge(_tail(out, c), _tail(lse, c, 2), o, l)
+        m, ml = merge_into(_tail(out, c), _tail(lse, c, 2), o, l)
         return out.at[:, c:].set(m), lse.at[:, :, c:].set(ml)
 
     return lax.cond(before, early, late, out, lse)

@@ -36,6 +36,7 @@ from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, axis_size, seq_axes
 from jaxlong.kernels.backend import attention, resolve_backend
 from jaxlong.layers import blocks as L
+from jaxlong.layers.projection import project_qkv
 from jaxlong.parallel.ring import ring_attention_local, run_ids
 
 
@@ -82,6 +83,7 @@ def ulysses_attention(
     block_k: int = 512,
     segment_ids: jax.Array | None = None,
     ids_are_runs: bool = False,
+    window: int = 0,
 ) -> jax.Array:
     """Causal attention with Ulysses context parallelism over the mesh's `context` axis (and ring attention
     over its `ring` axis when that has size > 1: the Ulysses x ring hybrid).
@@ -98,12 +100,16 @@ def ulysses_attention(
         with ring > 1 in the zigzag layout like q, and ring attention slices each K/V block's ids from them.
       ids_are_runs: with ring > 1, `segment_ids` are already run ids (`gather_segment_ids` makes them once per
         step); otherwise each call computes them.
+      window: 0, or a sliding window of that many positions (a local layer): after the all-to-all each device
+        holds whole sequences for its heads, so the kernel skips what the window masks
+        (`jaxlong.kernels.blockwise`); ring > 1 does not take a window yet.
 
     Returns:
       `[batch, seq, heads, head_dim]`, sharded like q.
 
     Raises:
       ConfigError: heads not divisible by the context degree, or kv_heads and context not dividing one another.
+      ValueError: a window with ring > 1.
     """
     context = mesh.shape[CONTEXT_AXIS]
     check_heads(q.shape[2], k.shape[2], context)
@@ -111,7 +117,10 @@ def ulysses_attention(
     v = replicate_kv_heads(v, context)
     spec = P(BATCH_AXES, seq_axes(mesh), None, None)
     ring = axis_size(mesh, RING_AXIS)
-    kernel = dict(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
+    if window and ring > 1:
+        raise ValueError(f"a sliding window (window={window}) does not run under ring attention (mesh.ring={ring}) "
+                         f"yet; mesh.ring=1 runs it under Ulysses")
+    kernel = dict(backend=backend, causal=causal, block_q=block_q, block_k=block_k, window=window)
     if ring > 1:
         ring_backend = resolve_backend(backend, q, segment_ids, platform=mesh.devices.flat[0].platform)
 
@@ -153,15 +162,8 @@ def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | Non
     cos, sin = L.rope_tables(positions, ctx.head_dim, ctx.rope_theta, ctx.rope_scaling)
 
     def project(x, scale, wq, wk, wv, *qk_scales):
-        h = checkpoint_name(L.rms_norm(x, scale, ctx.norm_eps), "attn_norm_out")
-        q = jnp.einsum("bsh,hnd->bsnd", h, wq)
-        k = jnp.einsum("bsh,hnd->bsnd", h, wk)
-        v = jnp.einsum("bsh,hnd->bsnd", h, wv)
-        if qk_scales:  # Qwen3: RMSNorm over head_dim of each query and key head, before RoPE
-            q, k = L.rms_norm(q, qk_scales[0], ctx.norm_eps), L.rms_norm(k, qk_scales[1], ctx.norm_eps)
-        q = checkpoint_name(ctx.constrain(L.apply_rope(q, cos, sin), qkv_spec), "query_proj")
-        k = checkpoint_name(ctx.constrain(L.apply_rope(k, cos, sin), qkv_spec), "key_proj")
-        return q, k, checkpoint_name(ctx.constrain(v, qkv_spec), "value_proj")
+        return project_qkv(x, scale, wq, wk, wv, qk_scales or None, cos, sin, ctx.norm_eps,
+                           place=lambda a: ctx.constrain(a, qkv_spec))
 
     if ctx.recompute_projection:
         # The layer is recomputed in its backward anyway; checkpointing the projection as well makes the

@@ -1,0 +1,153 @@
+"""Sliding-window attention in the blockwise kernel: forward, lse and gradients against a dense softmax written
+here in numpy (not the package's reference), with the window inside a tile, straddling tiles and wider than the
+sequence, combined with packed documents and GQA; the tiles the window masks are never visited (NaN poison), and
+`window_tiles` counts what is computed against causal."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlong.kernels import blockwise as K
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _inputs(seq, heads, kv_heads, batch=2, d=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(s, np.float32)
+                 for s in ((batch, seq, heads, d), (batch, seq, kv_heads, d), (batch, seq, kv_heads, d),
+                           (batch, seq, heads, d)))
+
+
+def _dense(q, k, v, window, ids=None):
+    """Softmax attention in float64 numpy with the mask spelled out: key j is visible to query i when
+    j <= i, i - j < window and (with ids) both lie in the same run of one id."""
+    b, s, h, d = q.shape
+    g = h // k.shape[2]
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    mask = np.broadcast_to((j <= i) & (i - j < window), (b, s, s)).copy()
+    if ids is not None:
+        for r in range(b):
+            start = np.array([max(t for t in range(p + 1) if t == 0 or ids[r, t] != ids[r, t - 1])
+                              for p in range(s)])
+            mask[r] &= (ids[r][:, None] == ids[r][None, :]) & (j >= start[:, None])
+    kr, vr = np.repeat(k, g, axis=2).astype(np.float64), np.repeat(v, g, axis=2).astype(np.float64)
+    sc = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), kr) / np.sqrt(d)
+    sc = np.where(mask[:, None], sc, -np.inf)
+    lse = np.log(np.exp(sc - sc.max(-1, keepdims=True)).sum(-1)) + sc.max(-1)
+    return np.einsum("bhqk,bkhd->bqhd", np.exp(sc - lse[..., None]), vr), lse
+
+
+# (seq, block_q, block_k, window): inside one tile, straddling tiles, tiles that do not nest, a window of 1
+# (each query sees itself), and one wider than the sequence (causal). The slow tier runs the middle two.
+CASES = [(64, 16, 16, 5), (64, 16, 8, 20), pytest.param(48, 16, 24, 17, marks=pytest.mark.slow),
+         pytest.param(32, 8, 8, 1, marks=pytest.mark.slow), (32, 16, 16, 100)]
+
+
+@pytest.mark.parametrize("seq,bq,bk,window", CASES)
+def test_window_forward_lse_and_grads_equal_the_dense_softmax(seq, bq, bk, window):
+    q, k, v, w = _inputs(seq, 4, 2)
+    out, lse = K.blockwise_attention_fwd(q, k, v, causal=True, block_q=bq, block_k=bk, window=window)
+    ref_out, ref_lse = _dense(q, k, v, window)
+    np.testing.assert_allclose(out, ref_out, **TOL)
+    np.testing.assert_allclose(lse, ref_lse, **TOL)
+    np.testing.assert_allclose(K.reference_attention(q, k, v, window=window), ref_out, **TOL)
+    fn = functools.partial(K.blockwise_attention, causal=True, block_q=bq, block_k=bk, window=window)
+    got = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+    ref = functools.partial(K.reference_attention, window=window)
+    want = jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, **TOL)
+
+
+def test_window_with_packed_documents_never_crosses_a_boundary():
+    """Documents of 9, 30 and 25 tokens with a window of 12: a query near a document's start sees fewer than 12
+    keys, never the previous document's; gradients equal the reference's with both masks."""
+    seq, window = 64, 12
+    q, k, v, w = _inputs(seq, 4, 4, seed=1)
+    ids = np.repeat(np.array([[1, 2, 3], [4, 5, 6]]), [9, 30, 25], axis=1).astype(np.int32)
+    opts = dict(causal=True, block_q=16, block_k=16, window=window)
+    out, lse = K.blockwise_attention_fwd(q, k, v, segment_ids=jnp.asarray(ids), **opts)
+    ref_out, ref_lse = _dense(q, k, v, window, ids)
+    np.testing.assert_allclose(out, ref_out, **TOL)
+    np.testing.assert_allclose(lse, ref_lse, **TOL)
+    fn = functools.partial(K.blockwise_attention, segment_ids=jnp.asarray(ids), **opts)
+    got = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+    ref = functools.partial(K.reference_attention, segment_ids=jnp.asarray(ids), window=window)
+    want = jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, **TOL)
+
+
+def test_tiles_wholly_outside_the_window_are_never_visited():
+    """NaN poison: the first key tile poisoned, queries whose window starts past it stay finite (forward); the
+    last query tile poisoned, key tiles no query of it reaches get finite gradients (backward)."""
+    seq, bq, bk, window = 64, 16, 16, 10
+    q, k, v, w = _inputs(seq, 2, 2, seed=2)
+    opts = dict(causal=True, block_q=bq, block_k=bk, window=window)
+    v_bad = np.where(np.arange(seq)[None, :, None, None] < bk, np.nan, v)
+    out, _ = K.blockwise_attention_fwd(q, k, v_bad, **opts)
+    assert np.isnan(np.asarray(out[:, :bk])).all()
+    assert np.isfinite(np.asarray(out[:, 2 * bq:])).all()  # windows start at 23 or later: tiles 1 on
+    out, lse = K.blockwise_attention_fwd(q, k, v, **opts)
+    q_bad = np.where(np.arange(seq)[None, :, None, None] >= seq - bq, np.nan, q)
+    _, dk, dv = K.blockwise_attention_bwd(q_bad, k, v, out, lse, w, **opts)
+    assert np.isfinite(np.asarray(dk[:, :2 * bk])).all() and np.isfinite(np.asarray(dv[:, :2 * bk])).all()
+    assert np.isnan(np.asarray(dk[:, -bk:])).all()
+
+
+def test_window_tiles_counts_what_is_computed_against_causal():
+    """At 1M tokens in 512-token tiles a window of 1,024 computes 3 tiles per query tile (1 and 2 for the first two)
+    against causal's (n + 1) / 2 on average: 1/342 of the tiles (the exact work is 1/512; the tiles on the window's
+    edges are computed whole)."""
+    assert K.window_tiles(64, 8, 8) == 36 and K.window_tiles(64, 8, 8, window=8) == 15
+    assert K.window_tiles(64, 8, 8, window=1) == 8 and K.window_tiles(64, 8, 8, window=64) == 36
+    n = 2**20 // 512
+    assert K.window_tiles(2**20, 512, 512) == n * (n + 1) // 2
+    assert K.window_tiles(2**20, 512, 512, window=1024) == 3 * n - 3
+    assert round(K.window_tiles(2**20, 512, 512) / K.window_tiles(2**20, 512, 512, window=1024)) == 342
+
+
+def test_bad_windows_are_refused():
+    q, k, v, _ = _inputs(16, 2, 2)
+    with pytest.raises(ValueError, match="window=-3"):
+        K.blockwise_attention_fwd(q, k, v, window=-3)
+    with pytest.raises(ValueError, match="needs causal=True"):
+        K.blockwise_attention_fwd(q, k, v, causal=False, window=4)
+
+
+def test_ulysses_runs_a_window_on_whole_sequences_per_head_group_with_one_kv_head():
+    """Ulysses on context 4 x FSDP 2 (batch 2), 4 query heads and 1 KV head (Gemma 3 270M's), packed documents, a
+    window of 12 straddling the 16-token shards: the output and the gradients equal the dense softmax's; after the
+    all-to-all every device holds whole sequences, so the kernel applies the window as on one device. Under ring
+    the window is refused in one line."""
+    from helpers import axes_mesh
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxlong.parallel.ulysses import ulysses_attention
+
+    mesh = axes_mesh(data=1, fsdp=2, context=4)
+    seq, window = 64, 12
+    q, k, v, w = _inputs(seq, 4, 1, seed=3)
+    ids = np.repeat(np.array([[1, 2], [3, 4]]), [40, 24], axis=1).astype(np.int32)
+    spec = NamedSharding(mesh, P(("data", "fsdp"), "context", None, None))
+    opts = dict(mesh=mesh, backend="blockwise", block_q=16, block_k=16, window=window)
+
+    def loss(q, k, v, ids):
+        ids = jax.lax.with_sharding_constraint(ids, NamedSharding(mesh, P(("data", "fsdp"), None)))
+        out = ulysses_attention(*(jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v)), segment_ids=ids,
+                                **opts)
+        return jnp.sum(out * w), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v, jnp.asarray(ids))
+    np.testing.assert_allclose(out, _dense(q, k, v, window, ids)[0], **TOL)
+    ref = functools.partial(K.reference_attention, segment_ids=jnp.asarray(ids), window=window)
+    want = jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(grads, want):
+        np.testing.assert_allclose(a, b, **TOL)
+    with pytest.raises(ValueError, match="does not run under ring attention"):
+        ulysses_attention(q, k, v, **{**opts, "mesh": axes_mesh(data=1, fsdp=1, ring=2, context=4)})
