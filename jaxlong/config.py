@@ -496,9 +496,41 @@ def _check_layout(cfg: Config, n: int, platform: str | None) -> None:
             check_upipe_remat_names(cfg.remat.save + cfg.remat.offload)
     kernel = kernel_that_runs(cfg.attention.backend, platform, compute_dtype=cfg.compute_dtype,
                               head_dim=m.head_dim, segment_ids=cfg.data.packing == "documents")
+    _check_family(cfg, ring, kernel)
     check_kernel_size(kernel, backend=cfg.attention.backend, batch=cfg.global_batch // (cfg.grad_accum * data * fsdp),
                       seq=cfg.seq_len // ring, heads=(u if cfg.attention.impl == "upipe" else m.heads) // context,
                       head_dim=m.head_dim)
+
+
+def _check_family(cfg: Config, ring: int, kernel: str) -> None:
+    """What the model's family and its sliding windows need of the rest of the run, where jaxlong does not run it yet:
+    Gemma 3's sandwich norms and query scale under U-Pipe, a window under ring attention, in the cuDNN and Pallas
+    kernels, and in the chunked prefill.
+
+    Raises:
+      ConfigError: naming the option, its value and what does run.
+    """
+    m, a = cfg.model, cfg.attention
+    if m.family != "llama" and a.impl == "upipe":
+        raise ConfigError(f"attention.impl=upipe does not run model.family={m.family} yet (its post-attention norm "
+                          f"and query scale); attention.impl=ulysses does", key="attention.impl", value=a.impl,
+                          keys=("model.family",), suggestions=({"attention.impl": "ulysses"},))
+    if not m.sliding_window:
+        return
+    if ring > 1:
+        raise ConfigError(f"mesh.ring={ring}: sliding-window layers (model.sliding_window={m.sliding_window}) do not "
+                          f"run under ring attention yet; give mesh.ring=1 (Ulysses over mesh.context runs them), or "
+                          f"model.sliding_window=0 to make every layer global", key="mesh.ring", value=ring,
+                          keys=("model.sliding_window",), suggestions=({"mesh.ring": 1},))
+    if kernel in ("cudnn", "pallas"):
+        raise ConfigError(f"attention.backend={a.backend} runs the {kernel} kernel, which does not take a sliding "
+                          f"window (model.sliding_window={m.sliding_window}) yet; give attention.backend=blockwise",
+                          key="attention.backend", value=a.backend, keys=("model.sliding_window",),
+                          suggestions=({"attention.backend": "blockwise"},))
+    if cfg.prefill_chunk:
+        raise ConfigError(f"prefill_chunk={cfg.prefill_chunk}: the chunked prefill does not take sliding-window "
+                          f"layers (model.sliding_window={m.sliding_window}) yet; give prefill_chunk=0",
+                          key="prefill_chunk", value=cfg.prefill_chunk, suggestions=({"prefill_chunk": 0},))
 
 
 def validate_ruler(cfg: Config) -> None:

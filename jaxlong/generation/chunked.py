@@ -49,7 +49,6 @@ from jaxlong.generation.decode import Cache, cache_shardings, output_head
 from jaxlong.kernels import pallas_gpu as pallas_kernel
 from jaxlong.kernels.merge import NEG, merge_across, normalise
 from jaxlong.kernels.layout import pallas_head_dim_ok
-from jaxlong.layers import blocks as L
 from jaxlong.models import llama as model_lib
 
 __all__ = ["chunk_order", "chunk_tiles", "chunk_kv_steps", "chunk_kernel", "ChunkedPrefill"]
@@ -193,17 +192,16 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
     from this chunk where it holds it, else passed through. `kernel`: `chunk_kernel`'s, or `pallas-interpret`
     (the Pallas kernel in its interpreter: CPU tests). The layers are the model's own
     (`jaxlong.models.llama.Llama.cached_layers`)."""
-    m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
+    cd = jnp.dtype(cfg.compute_dtype)
     rt = runtime(cfg, mesh)
     graphdef = model_lib.model_graphdef(cfg.model, cfg.param_dtype)
     write, attend_cache = _cache_ops(cfg, mesh, n, chunk, kernel)
     kv_spec, q_spec = P(BATCH_AXES, None, SEQ_AXES, None), P(BATCH_AXES, SEQ_AXES, None, None)
 
     def step(params, kc, vc, batch, j, last, logits):
-        x = jnp.take(rt.gather(params["embed"]), batch["inputs"], axis=0)
-        x = rt.constrain(x, P(BATCH_AXES, SEQ_AXES, None))
+        model = nnx.merge(graphdef, params)
+        x = rt.constrain(model.embed_tokens(batch["inputs"], rt), P(BATCH_AXES, SEQ_AXES, None))
         keep = (batch["segment_ids"] > 0)[..., None, None]
-        cos, sin = L.rope_tables(batch["positions"], m.head_dim, m.rope_theta, m.rope_scaling)
 
         def attend(q, k, v, i, cache, _):
             """Layer i: the slice's k, v (padding zeroed) into the cache, then the chunk's attention over it."""
@@ -211,12 +209,12 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
             kc, vc = write(*cache, k, v, i, j)
             return attend_cache(rt.constrain(q.astype(cd), q_spec), kc, vc, i, j).astype(cd), (kc, vc)
 
-        x, (kc, vc) = nnx.merge(graphdef, params).cached_layers(x, cos, sin, rt, attend, (kc, vc),
-                                                                spec=P(BATCH_AXES, SEQ_AXES, None))
+        x, (kc, vc) = model.cached_layers(x, batch["positions"], rt, attend, (kc, vc),
+                                          spec=P(BATCH_AXES, SEQ_AXES, None))
         at = last - j * chunk  # each row's last token in this chunk, if it is
         here = (at >= 0) & (at < chunk)
         h = jnp.take_along_axis(x, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
-        h = rt.constrain(L.rms_norm(h, params["final_norm"], m.norm_eps), P(BATCH_AXES, None))
+        h = rt.constrain(model.final(h), P(BATCH_AXES, None))
         new = jnp.einsum("bh,hv->bv", h, rt.gather(output_head(params, cfg))).astype(jnp.float32)
         return jnp.where(here[:, None], new, logits), kc, vc
 

@@ -38,7 +38,6 @@ from jaxlong.config import runtime
 from jaxlong.core.mesh import BATCH_AXES, RING_AXIS, SEQ_AXES, axis_size
 from jaxlong.core.batch import zigzag_order
 from jaxlong.kernels.merge import NEG, merge, merge_across, normalise
-from jaxlong.layers import blocks as L
 from jaxlong.models import llama as model_lib
 
 
@@ -212,10 +211,9 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
         b = tokens.shape[0]
         model = nnx.merge(graphdef, params)
         tokens = rt.constrain(tokens, P(BATCH_AXES))  # replicated between steps; looked up per batch shard
-        x = jnp.take(params["embed"].astype(cd), tokens, axis=0)[:, None, :]  # [b, 1, hidden]: rows of the shards
+        x = model.embed_tokens(tokens[:, None], rt, gather=False)  # [b, 1, hidden]: rows of the shards
         x = rt.constrain(x, P(BATCH_AXES, None, None))
         pos = positions[:, None].astype(jnp.int32)
-        cos, sin = L.rope_tables(pos, m.head_dim, m.rope_theta, m.rope_scaling)
         seen = (jnp.arange(cache.new_k.shape[3]) <= t)[None, :].repeat(b, 0)
 
         def attend(q, k, v, i, new, prompt):
@@ -226,9 +224,9 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
             attn, _ = merge([prompt_attention(qg, *prompt, cache.valid), _partial(qg, new_k[i], new_v[i], seen)])
             return attn.reshape(b, 1, m.heads, m.head_dim).astype(cd), (new_k, new_v)
 
-        x, (new_k, new_v) = model.cached_layers(x, cos, sin, rt, attend, (cache.new_k, cache.new_v),
+        x, (new_k, new_v) = model.cached_layers(x, pos, rt, attend, (cache.new_k, cache.new_v),
                                                 xs=(cache.k, cache.v), spec=P(BATCH_AXES, None, None))
-        h = L.rms_norm(x[:, 0], params["final_norm"], m.norm_eps)
+        h = model.final(x[:, 0])
         logits = jnp.einsum("bh,hv->bv", h, output_head(params, cfg).astype(cd)).astype(jnp.float32)  # head sharded
         logits = rt.constrain(logits, P(BATCH_AXES, None))
         nxt = sample(logits, key, sampling, vocab)

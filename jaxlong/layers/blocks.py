@@ -268,3 +268,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     c, s = cos[:, :, None, :], sin[:, :, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
+
+def gate_activation(name: str):
+    """A gated MLP's activation by its name: `silu` (SwiGLU, Llama) or `gelu_tanh` (GeGLU with the tanh GELU,
+    transformers' `gelu_pytorch_tanh`: Gemma 3).
+
+    Raises:
+      ValueError: another name."""
+    if name == "silu":
+        return jax.nn.silu
+    if name == "gelu_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    raise ValueError(f"activation {name!r} is not supported; choose silu or gelu_tanh")
+

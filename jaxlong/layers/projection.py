@@ -24,7 +24,7 @@ __all__ = ["project_qkv"]
 
 def project_qkv(x: jax.Array, norm: jax.Array, wq: jax.Array | None, wk: jax.Array, wv: jax.Array,
                 qk_norm: tuple[jax.Array, jax.Array] | None, cos: jax.Array, sin: jax.Array, eps: float,
-                place: Callable[[jax.Array], jax.Array] = lambda a: a):
+                place: Callable[[jax.Array], jax.Array] = lambda a: a, q_scale: float = 1.0):
     """Queries, keys and values of a decoder layer from its input, as its attention reads them.
 
     `q = RoPE(qn(W_q n(x)))`, `k = RoPE(kn(W_k n(x)))`, `v = W_v n(x)` with `n` the attention RMSNorm and `qn`, `kn`
@@ -41,6 +41,8 @@ def project_qkv(x: jax.Array, norm: jax.Array, wq: jax.Array | None, wk: jax.Arr
         (`jaxlong.layers.blocks.rope_tables`).
       eps: the RMSNorms' epsilon.
       place: applied to q, k and v before they are named (a sharding constraint); identity by default.
+      q_scale: multiplies q after RoPE (`model.query_pre_attn_scalar`: the kernels' `1/sqrt(head_dim)` then gives
+        `1/sqrt(query_pre_attn_scalar)`); 1 leaves q as it is.
 
     Returns:
       `(q [batch, seq, heads, head_dim] or None, k, v [batch, seq, kv_heads, head_dim])` in x's dtype.
@@ -53,6 +55,7 @@ def project_qkv(x: jax.Array, norm: jax.Array, wq: jax.Array | None, wk: jax.Arr
         k = L.rms_norm(k, qk_norm[1], eps)
         q = None if q is None else L.rms_norm(q, qk_norm[0], eps)
     if q is not None:
-        q = checkpoint_name(place(L.apply_rope(q, cos, sin)), "query_proj")
+        q = L.apply_rope(q, cos, sin)
+        q = checkpoint_name(place(q if q_scale == 1.0 else (q * q_scale).astype(q.dtype)), "query_proj")
     k = checkpoint_name(place(L.apply_rope(k, cos, sin)), "key_proj")
     return q, k, checkpoint_name(place(v), "value_proj")

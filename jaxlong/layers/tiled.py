@@ -45,7 +45,7 @@ from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import BATCH_AXES, seq_axes, seq_shards
 from jaxlong.core.ordering import zeros_after
 from jaxlong.core.units import MiB
-from jaxlong.layers.blocks import rms_norm
+from jaxlong.layers.blocks import gate_activation, rms_norm
 from jaxlong.layers.loss import IGNORE_INDEX
 
 DEFAULT_LOSS_BUDGET_BYTES = 256 * MiB
@@ -361,53 +361,61 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) 
     return jnp.einsum("bsf,fh->bsh", jax.nn.silu(gate) * up, w_down)
 
 
-def _mlp_tile(x_t, scale, w_gate, w_up, w_down, eps):
-    """One tile's output: `swiglu(x_t)`, or with a norm `scale` the sublayer `x_t + swiglu(rms_norm(x_t))`."""
-    if scale is None:
-        return swiglu(x_t, w_gate, w_up, w_down)
-    return x_t + swiglu(rms_norm(x_t, scale, eps), w_gate, w_up, w_down)
+def _mlp_tile(x_t, norms, w_gate, w_up, w_down, eps, act):
+    """One tile's output: the gated MLP of `x_t`, or with `norms` = (pre, post) scales (each `[hidden]` or None) the
+    sublayer `x_t + post_norm(mlp(pre_norm(x_t)))` (no post-norm where post is None)."""
+    fn = gate_activation(act)
+    if norms is None:
+        return _gated(x_t, w_gate, w_up, w_down, fn)
+    pre, post = norms
+    out = _gated(rms_norm(x_t, pre, eps), w_gate, w_up, w_down, fn)
+    return x_t + (out if post is None else rms_norm(out, post, eps))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _mlp_tiled(x, scale, w_gate, w_up, w_down, tile, axes, eps):
-    """SwiGLU over tiles of `tile` tokens (with `scale`: the normalized, residual sublayer); `axes` as in
+def _gated(x, w_gate, w_up, w_down, fn):
+    gate = jnp.einsum("bsh,hf->bsf", x, w_gate)
+    return jnp.einsum("bsf,fh->bsh", fn(gate) * jnp.einsum("bsh,hf->bsf", x, w_up), w_down)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _mlp_tiled(x, norms, w_gate, w_up, w_down, tile, axes, eps, act):
+    """The gated MLP over tiles of `tile` tokens (with `norms`: the normalized, residual sublayer); `axes` as in
     `_ce_sum`."""
-    return _mlp_fwd(x, scale, w_gate, w_up, w_down, tile, axes, eps)[0]
+    return _mlp_fwd(x, norms, w_gate, w_up, w_down, tile, axes, eps, act)[0]
 
 
-def _mlp_fwd(x, scale, w_gate, w_up, w_down, tile, axes, eps):
+def _mlp_fwd(x, norms, w_gate, w_up, w_down, tile, axes, eps, act):
     b, s, _ = x.shape
     dtype = jnp.result_type(x, w_gate, w_up, w_down)
 
     def body(y, i):
-        y_t = _mlp_tile(_tile(x, i, tile), scale, w_gate, w_up, w_down, eps)
+        y_t = _mlp_tile(_tile(x, i, tile), norms, w_gate, w_up, w_down, eps, act)
         return jax.lax.dynamic_update_slice_in_dim(y, y_t.astype(dtype), i * tile, axis=1), None
 
     y0 = zeros_after(x, (b, s, w_down.shape[1]), dtype, axes)
     y, _ = jax.lax.scan(body, y0, jnp.arange(s // tile))
-    return y, (x, scale, w_gate, w_up, w_down)
+    return y, (x, norms, w_gate, w_up, w_down)
 
 
-def _mlp_bwd(tile, axes, eps, res, dy):
-    x, scale, w_gate, w_up, w_down = res
-    ws = (w_gate, w_up, w_down) if scale is None else (scale, w_gate, w_up, w_down)
+def _mlp_bwd(tile, axes, eps, act, res, dy):
+    x, norms, w_gate, w_up, w_down = res
+    ws = (norms, w_gate, w_up, w_down)  # the differentiated weights: the norms' scales (a pytree, maybe None) first
 
-    def tile_fn(x_t, *w):  # w: the differentiated weights, with the norm scale first when there is one
-        return _mlp_tile(x_t, None, *w, eps) if scale is None else _mlp_tile(x_t, *w, eps)
+    def tile_fn(x_t, norms, *w):
+        return _mlp_tile(x_t, norms, *w, eps, act)
 
     def body(carry, i):
         dx, dws = carry
         _, vjp = jax.vjp(tile_fn, _tile(x, i, tile), *ws)  # recompute this tile's intermediates only
         dx_t, *dws_t = vjp(_tile(dy, i, tile))
         dx = jax.lax.dynamic_update_slice_in_dim(dx, dx_t.astype(x.dtype), i * tile, axis=1)
-        return (dx, tuple(a + d.astype(jnp.float32) for a, d in zip(dws, dws_t))), None
+        return (dx, jax.tree.map(lambda a, d: a + d.astype(jnp.float32), dws, tuple(dws_t))), None
 
     # After dy and x: under layer remat x is recomputed just before this backward; dy alone is known earlier.
     init = (zeros_after((dy, x), x.shape, x.dtype, axes),
-            tuple(zeros_after((dy, x), w.shape, jnp.float32, axes) for w in ws))
+            jax.tree.map(lambda w: zeros_after((dy, x), w.shape, jnp.float32, axes), ws))
     (dx, dws), _ = jax.lax.scan(body, init, jnp.arange(x.shape[1] // tile))
-    dws = tuple(d.astype(w.dtype) for d, w in zip(dws, ws))
-    return (dx, None, *dws) if scale is None else (dx, *dws)
+    return (dx, *jax.tree.map(lambda d, w: d.astype(w.dtype), dws, ws))
 
 
 _mlp_tiled.defvjp(_mlp_fwd, _mlp_bwd)
@@ -415,7 +423,7 @@ _mlp_tiled.defvjp(_mlp_fwd, _mlp_bwd)
 
 def tiled_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, tiles: int,
               mesh: jax.sharding.Mesh | None = None, norm_scale: jax.Array | None = None,
-              norm_eps: float = 1e-5) -> jax.Array:
+              norm_eps: float = 1e-5, post_norm_scale: jax.Array | None = None, activation: str = "silu") -> jax.Array:
     """SwiGLU MLP `(silu(x W_gate) * (x W_up)) W_down` over `tiles` sequence tiles, with recompute.
 
     With `norm_scale` (the MLP RMSNorm's scale `[hidden]`, replicated), the whole MLP sublayer
@@ -434,6 +442,9 @@ def tiled_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
       mesh: the `data x fsdp x context` mesh, or None to run on the arrays as given.
 
       norm_scale, norm_eps: the RMSNorm to apply first (and the residual to add), or None.
+      post_norm_scale: with `norm_scale`, the RMSNorm applied to the MLP's output before the residual (Gemma 3's
+        post-MLP norm, `[hidden]`), or None.
+      activation: the gate's activation, `silu` (SwiGLU) or `gelu_tanh` (GeGLU; `jaxlong.models.family`).
 
     Returns:
       `[batch, seq, hidden]` in the promoted dtype of the inputs, equal to `swiglu(x, ...)` (with
@@ -448,20 +459,20 @@ def tiled_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
         not divisible by mesh.context.
     """
     eps = float(norm_eps)
+    norms = None if norm_scale is None else (norm_scale, post_norm_scale)
     if mesh is None:
         validate_mlp_tiles(x.shape[1], tiles)
-        return _mlp_tiled(x, norm_scale, w_gate, w_up, w_down, x.shape[1] // int(tiles), (), eps)
+        return _mlp_tiled(x, norms, w_gate, w_up, w_down, x.shape[1] // int(tiles), (), eps, activation)
     seq_local = _check_mesh_seq(x.shape[1], mesh)
     validate_mlp_tiles(seq_local, tiles)
     axes = tuple(mesh.axis_names)
-    ws = (w_gate, w_up, w_down) if norm_scale is None else (norm_scale, w_gate, w_up, w_down)
 
-    def local(x, *ws):
-        ws = [jax.lax.pcast(w, axes, to="varying") for w in ws]  # the shard_map transpose sums weight grads
-        scale, ws = (None, ws) if norm_scale is None else (ws[0], ws[1:])
-        return _mlp_tiled(x, scale, *ws, seq_local // int(tiles), axes, eps)
+    def local(x, norms, *ws):
+        # the shard_map transpose sums the weights' gradients
+        norms, ws = jax.tree.map(lambda w: jax.lax.pcast(w, axes, to="varying"), (norms, ws))
+        return _mlp_tiled(x, norms, *ws, seq_local // int(tiles), axes, eps, activation)
 
     act = P(BATCH_AXES, seq_axes(mesh), None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(act, *(P(),) * len(ws)), out_specs=act, check_vma=True)(
-        x, *ws
-    )
+    norm_specs = jax.tree.map(lambda _: P(), norms)
+    return jax.shard_map(local, mesh=mesh, in_specs=(act, norm_specs, P(), P(), P()), out_specs=act,
+                         check_vma=True)(x, norms, w_gate, w_up, w_down)

@@ -1,5 +1,6 @@
 """Hugging Face `config.json` <-> the `model` settings of `jaxlong.config.ModelConfig`, for Llama-3.x
-(`model_type: llama`) and Qwen3 (`model_type: qwen3`). Pure Python (no jax): the trainer's CLI builds its config
+(`model_type: llama`), Qwen3 (`model_type: qwen3`) and Gemma 3 (`gemma3_text`, and the multimodal `gemma3`, whose
+`text_config` is read: the vision tower is left out). Pure Python (no jax): the trainer's CLI builds its config
 before any device exists. `model_settings_from_hf` returns plain values (a nested dict of `model.*` keys), which
 `jaxlong.config` turns into a `ModelConfig`; this module imports nothing of the config tree.
 
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from jaxlong.core.errors import ConfigError
 
-MODEL_TYPES = ("llama", "qwen3")
+MODEL_TYPES = ("llama", "qwen3", "gemma3_text", "gemma3")
+GEMMA3 = ("gemma3_text", "gemma3")
 # config.json field -> ModelConfig field.
 MAPPED = {
     "vocab_size": "vocab_size", "hidden_size": "hidden", "num_hidden_layers": "layers",
@@ -106,6 +108,69 @@ def _rope_scaling(hf: dict, where: str) -> tuple[float | None, dict]:
     return theta, scaling
 
 
+# Gemma 3: what `Gemma3TextConfig` (transformers 4.5x and 5.x) defaults a field to when a config omits it.
+GEMMA3_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+}
+# Gemma 3's own fields -> ModelConfig field (besides `MAPPED`).
+GEMMA3_MAPPED = {"query_pre_attn_scalar": "query_pre_attn_scalar", "sliding_window": "sliding_window",
+                 "sliding_window_pattern": "sliding_window_pattern"}
+# Gemma 3 fields jaxlong reads elsewhere or that must keep their inert value (None: unset).
+GEMMA3_REQUIRED = {"hidden_activation": ("gelu_pytorch_tanh",), "final_logit_softcapping": (None,),
+                   "attn_logit_softcapping": (None,), "use_bidirectional_attention": (False, None),
+                   "attention_bias": (False,)}
+# The multimodal `gemma3` config's own fields: the vision tower's and the image tokens', left out with it.
+GEMMA3_VISION = ("vision_config", "mm_tokens_per_image", "boi_token_index", "eoi_token_index", "image_token_index",
+                 "boi_token_id", "eoi_token_id", "image_token_id", "text_config")
+
+
+def _gemma3_settings(hf: dict, where: str) -> dict:
+    """The `model.*` settings of a Gemma 3 text config (`gemma3_text`, or a `gemma3` config's `text_config`), as
+    transformers reads it: omitted fields take Gemma 3's defaults; `layer_types` from `sliding_window_pattern`
+    where absent; RoPE per layer type (`rope_parameters` with `full_attention` and `sliding_attention` in 5.x;
+    `rope_theta`, `rope_local_base_freq` and `rope_scaling` on global layers only in 4.x).
+
+    Raises:
+      ConfigError: a field that changes the math and is not implemented (soft-capping set to a number,
+        `attention_bias: true`, `use_bidirectional_attention: true`), named; an unknown field; a RoPE scaling on the
+        local layers."""
+    hf = {**GEMMA3_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k in GEMMA3_REQUIRED}}
+    for key, allowed in GEMMA3_REQUIRED.items():
+        if key in hf and hf[key] not in allowed:
+            raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported for Gemma 3 (jaxlong implements "
+                              f"{allowed[0]!r})")
+    known = set(MAPPED) | set(IGNORED) | set(GEMMA3_MAPPED) | set(GEMMA3_REQUIRED) | {
+        "rope_local_base_freq", "cache_implementation", "layer_types"}
+    unknown = sorted(k for k in hf if k not in known and not k.startswith("_"))
+    if unknown:
+        raise ConfigError(f"{where}: fields {unknown} are not supported by jaxlong's Gemma 3: they may change the "
+                          f"computation")
+    m = {"family": "gemma3", "qk_norm": False}
+    for key, field in {**MAPPED, **GEMMA3_MAPPED}.items():
+        if hf.get(key) is not None and key not in ("rope_theta",):
+            m[field] = (FIELD_TYPES.get(field) or type(GEMMA3_DEFAULTS.get(key, 0.0)))(hf[key])
+    m["query_pre_attn_scalar"] = float(hf["query_pre_attn_scalar"])
+    if hf.get("layer_types"):
+        m["layer_types"] = list(hf["layer_types"])
+    params = hf.get("rope_parameters") or {}
+    full, local = params.get("full_attention"), params.get("sliding_attention")
+    if full is None:  # 4.x: rope_theta and rope_scaling are the global layers'
+        full = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1_000_000.0)}
+        local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    theta, m["rope_scaling"] = _rope_scaling({"rope_parameters": full, **{k: hf[k] for k in (
+        "max_position_embeddings",) if k in hf}}, where)
+    m["rope_theta"] = float(theta if theta is not None else 1_000_000.0)
+    local = local or {}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ConfigError(f"{where}: a RoPE scaling on the sliding-window layers ({local}) is not supported; "
+                          f"Gemma 3 scales the global layers only")
+    m["rope_local_theta"] = float(local.get("rope_theta", 10_000.0))
+    return m
+
+
 def model_settings_from_hf(directory: str | Path) -> dict:
     """The `model.*` settings of a Hugging Face Llama-3.x or Qwen3 checkpoint from its `config.json`: a nested
     dict of field values (`rope_scaling` a dict too), for `jaxlong.config.model_config_from_hf`.
@@ -118,7 +183,19 @@ def model_settings_from_hf(directory: str | Path) -> dict:
     where = f"model.from_hf={str(directory)!r} (config.json)"
     mt = hf.get("model_type")
     if mt not in MODEL_TYPES:
-        raise ConfigError(f"{where}: model_type {mt!r} is not supported; supported: {', '.join(MODEL_TYPES)}")
+        raise ConfigError(f"{where}: model_type {mt!r} is not supported; supported: {', '.join(MODEL_TYPES)}"
+                          + (" (Gemma 3n is not Gemma 3)" if str(mt).startswith("gemma3n") else ""))
+    if mt in GEMMA3:
+        text = hf.get("text_config") or {} if mt == "gemma3" else hf
+        ignored = set(GEMMA3_VISION) | {"tie_word_embeddings", "initializer_range"} if mt == "gemma3" else set()
+        unknown = sorted(k for k in hf if mt == "gemma3" and k not in ignored and k not in IGNORED
+                         and not k.startswith("_"))
+        if unknown:
+            raise ConfigError(f"{where}: fields {unknown} of the gemma3 config are not supported")
+        if mt == "gemma3" and "tie_word_embeddings" in hf and "tie_word_embeddings" not in text:
+            text = {**text, "tie_word_embeddings": hf["tie_word_embeddings"]}
+        return {"name": str(Path(directory).name or mt), "from_hf": str(directory),
+                **_gemma3_settings(text, where + (" text_config" if mt == "gemma3" else ""))}
     unknown = sorted(k for k in hf if k not in MAPPED and k not in IGNORED and not k.startswith("_"))
     if unknown:
         raise ConfigError(f"{where}: fields {unknown} are not supported by jaxlong's {mt}: they may change the "
@@ -160,6 +237,8 @@ def hf_config_dict(m, *, model_type: str, context: int, dtype: str = "float32") 
     """
     if model_type not in MODEL_TYPES:
         raise ConfigError(f"export: model_type {model_type!r} is not supported; supported: {', '.join(MODEL_TYPES)}")
+    if model_type in GEMMA3:
+        return _gemma3_config_dict(m, context, dtype)
     if (model_type == "qwen3") != m.qk_norm:
         raise ConfigError(f"export: model.qk_norm={m.qk_norm} does not fit model_type {model_type!r} "
                           f"(qwen3 has q/k norms, llama has none)")
@@ -176,16 +255,56 @@ def hf_config_dict(m, *, model_type: str, context: int, dtype: str = "float32") 
         out["mlp_bias"] = False
     else:
         out["use_sliding_window"] = False
-    rs = m.rope_scaling
-    if rs.type != "none":
-        scaling = {"rope_type": rs.type, "factor": rs.factor}
-        if rs.type in ("llama3", "yarn"):
-            scaling["original_max_position_embeddings"] = rs.original_max_position_embeddings
-        if rs.type == "llama3":
-            scaling.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
-        if rs.type == "yarn":
-            scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, truncate=rs.truncate)
-            if rs.attention_factor is not None:
-                scaling["attention_factor"] = rs.attention_factor
-        out["rope_scaling"] = scaling
+    if m.rope_scaling.type != "none":
+        out["rope_scaling"] = _scaling_dict(m.rope_scaling)
     return out
+
+
+def _gemma3_config_dict(m, context: int, dtype: str) -> dict:
+    """`config.json` of a `model.family=gemma3` model as a `gemma3_text` checkpoint (the text model alone), with the
+    RoPE settings in both spellings: `rope_parameters` per layer type (transformers 5) and `rope_theta`,
+    `rope_local_base_freq`, `rope_scaling` (4.x)."""
+    full = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling.type != "none":
+        full = {**_scaling_dict(m.rope_scaling), "rope_theta": m.rope_theta}
+    types = ["sliding_attention" if k else "full_attention" for k in _kinds(m)]
+    out = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden, "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
+        "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "intermediate_size": m.mlp_hidden,
+        "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
+        "initializer_range": m.init_std, "max_position_embeddings": int(context), "attention_bias": False,
+        "attention_dropout": 0.0, "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
+        "sliding_window": m.sliding_window or None, "layer_types": types, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "torch_dtype": dtype, "use_cache": True,
+        "rope_parameters": {"full_attention": full,
+                            "sliding_attention": {"rope_type": "default", "rope_theta": m.rope_local_theta}},
+        "rope_theta": m.rope_theta, "rope_local_base_freq": m.rope_local_theta,
+    }
+    if m.rope_scaling.type != "none":
+        out["rope_scaling"] = _scaling_dict(m.rope_scaling)
+    return out
+
+
+def _kinds(m) -> list[int]:
+    """1 for a sliding-window layer, 0 for a global one (`jaxlong.models.family.layer_kinds`, which this module may
+    not import: it is pure Python)."""
+    if not m.sliding_window:
+        return [0] * m.layers
+    if m.layer_types:
+        return [int(t == "sliding_attention") for t in m.layer_types]
+    return [int((i + 1) % m.sliding_window_pattern != 0) for i in range(m.layers)]
+
+
+def _scaling_dict(rs) -> dict:
+    """A `RopeScalingConfig` as transformers' `rope_scaling` dict."""
+    scaling = {"rope_type": rs.type, "factor": rs.factor}
+    if rs.type in ("llama3", "yarn"):
+        scaling["original_max_position_embeddings"] = rs.original_max_position_embeddings
+    if rs.type == "llama3":
+        scaling.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
+    if rs.type == "yarn":
+        scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, truncate=rs.truncate)
+        if rs.attention_factor is not None:
+            scaling["attention_factor"] = rs.attention_factor
+    return scaling

@@ -23,6 +23,7 @@ reuses them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -37,10 +38,12 @@ from jaxlong.core.ordering import grads_together
 from jaxlong.kernels.backend import resolve_backend
 from jaxlong.layers import blocks as L
 from jaxlong.layers import remat as R
+from jaxlong.layers.blocks import RopeScalingConfig
 from jaxlong.layers.projection import project_qkv
 from jaxlong.layers.remat import RematConfig
 from jaxlong.layers.tiled import TilingConfig, default_mlp_tiles, tiled_mlp
 from jaxlong.models.config import ModelConfig
+from jaxlong.models.family import GLOBAL, LOCAL, embed_scale, family_of, layer_kinds, query_scale
 from jaxlong.parallel.dispatch import AttentionConfig, SublayerContext, SublayerWeights, attention_sublayer
 from jaxlong.parallel.ring import zigzag_positions
 from jaxlong.parallel.ulysses import gather_segment_ids
@@ -86,15 +89,42 @@ class Runtime:
                                platform=self.mesh.devices.flat[0].platform)
 
     @property
-    def sublayer(self) -> SublayerContext:
-        """The attention sublayer's typed context: what the parallel ops may read."""
+    def kinds(self) -> tuple[int, ...]:
+        """Each layer's kind (`jaxlong.models.family.GLOBAL` or `LOCAL`), `[layers]`."""
+        return layer_kinds(self.model)
+
+    @property
+    def mixed(self) -> bool:
+        """The layers are of more than one kind: the layer scan switches on each layer's (one compiled program)."""
+        return len(set(self.kinds)) > 1
+
+    def attention_context(self, kind: int) -> SublayerContext:
+        """The attention sublayer's typed record for layers of `kind`: what the parallel ops and kernels read (the
+        method, kernel and tiles; a local layer's window and RoPE base, a global layer's RoPE base and scaling;
+        the query scale)."""
         m, a = self.model, self.attention
+        local = kind == LOCAL
         return SublayerContext(
             mesh=self.mesh, impl=a.impl, backend=self.attention_backend, block_q=a.block_q, block_k=a.block_k,
-            heads_per_stage=a.heads_per_stage, head_dim=m.head_dim, rope_theta=m.rope_theta,
-            rope_scaling=m.rope_scaling, norm_eps=m.norm_eps, compute_dtype=self.compute_dtype,
-            recompute_projection=self.remat.policy in ("full", "offload"),
-            offload_attention_output=R.offloads_attention_output(self.remat, self.keep_attention))
+            heads_per_stage=a.heads_per_stage, head_dim=m.head_dim,
+            rope_theta=m.rope_local_theta if local else m.rope_theta,
+            rope_scaling=RopeScalingConfig() if local else m.rope_scaling, norm_eps=m.norm_eps,
+            compute_dtype=self.compute_dtype, recompute_projection=self.remat.policy in ("full", "offload"),
+            offload_attention_output=R.offloads_attention_output(self.remat, self.keep_attention),
+            window=m.sliding_window if local else 0, query_scale=query_scale(m))
+
+    @property
+    def sublayer(self) -> SublayerContext:
+        """The attention record of a model whose layers are all of one kind (the first layer's)."""
+        return self.attention_context(self.kinds[0])
+
+    def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """RoPE tables `(cos, sin)` of integer `positions` `[b, s]` for each kind of layer, stacked on a leading
+        axis indexed by the kind (`[2, b, s, head_dim / 2]` for a model with both kinds, else `[1, ...]`: index 0)."""
+        kinds = (GLOBAL, LOCAL) if self.mixed else (self.kinds[0],)
+        tables = [L.rope_tables(positions, self.model.head_dim, c.rope_theta, c.rope_scaling)
+                  for c in map(self.attention_context, kinds)]
+        return jnp.stack([t[0] for t in tables]), jnp.stack([t[1] for t in tables])
 
     def constrain(self, x: jax.Array, spec: P) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
@@ -109,35 +139,56 @@ def _normal(std: float):
 
 
 class DecoderLayer(nnx.Module):
-    """One Llama-3 decoder layer. Called on `[batch, seq, hidden]` with global positions `[batch, seq]`."""
+    """One decoder layer of the model's family (`jaxlong.models.family`). Called on `[batch, seq, hidden]` with
+    global positions `[batch, seq]`."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         h, n, kv, d, f = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_hidden
+        fam = family_of(cfg)
         init = _normal(cfg.init_std)
         out_init = _normal(cfg.init_std / (2 * cfg.layers) ** 0.5)
-        self.attn_norm = nnx.Param(jnp.ones((h,), param_dtype))
+        self.norm_offset, self.activation, self.eps = fam.norm_offset, fam.activation, cfg.norm_eps
+        norm = functools.partial(jnp.zeros if fam.norm_offset else jnp.ones, dtype=param_dtype)  # scale 1 at init
+        self.attn_norm = nnx.Param(norm((h,)))
         self.wq = nnx.Param(init(rngs.params(), (h, n, d), param_dtype))
         self.wk = nnx.Param(init(rngs.params(), (h, kv, d), param_dtype))
         self.wv = nnx.Param(init(rngs.params(), (h, kv, d), param_dtype))
         self.wo = nnx.Param(out_init(rngs.params(), (n, d, h), param_dtype))
-        self.mlp_norm = nnx.Param(jnp.ones((h,), param_dtype))
+        self.mlp_norm = nnx.Param(norm((h,)))
         self.w_gate = nnx.Param(init(rngs.params(), (h, f), param_dtype))
         self.w_up = nnx.Param(init(rngs.params(), (h, f), param_dtype))
         self.w_down = nnx.Param(out_init(rngs.params(), (f, h), param_dtype))
-        if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim of every query and key head, before RoPE
-            self.q_norm = nnx.Param(jnp.ones((d,), param_dtype))
-            self.k_norm = nnx.Param(jnp.ones((d,), param_dtype))
+        if cfg.qk_norm or fam.qk_norm:  # RMSNorm over head_dim of every query and key head, before RoPE
+            self.q_norm = nnx.Param(norm((d,)))
+            self.k_norm = nnx.Param(norm((d,)))
+        if fam.sandwich_norms:  # Gemma 3: norms after the attention and the MLP, inside the residual
+            self.post_attn_norm = nnx.Param(norm((h,)))
+            self.post_mlp_norm = nnx.Param(norm((h,)))
+
+    def _scale(self, name: str) -> jax.Array | None:
+        """The scale a norm multiplies by: its weight, or `1 + w` in float32 (Gemma); None if the layer lacks it."""
+        if not hasattr(self, name):
+            return None
+        w = getattr(self, name)[...]
+        return w if not self.norm_offset else self.norm_offset + w.astype(jnp.float32)
 
     def weights(self) -> SublayerWeights:
-        """The attention sublayer's weights as held (FSDP-sharded, `param_dtype`)."""
-        qk = (self.q_norm[...], self.k_norm[...]) if hasattr(self, "q_norm") else None  # Qwen3
-        return SublayerWeights(self.attn_norm[...], self.wq[...], self.wk[...], self.wv[...], self.wo[...], qk)
+        """The attention sublayer's weights as held (FSDP-sharded, `param_dtype`), the norms' scales as applied."""
+        qk = (self._scale("q_norm"), self._scale("k_norm")) if hasattr(self, "q_norm") else None
+        return SublayerWeights(self._scale("attn_norm"), self.wq[...], self.wk[...], self.wv[...], self.wo[...], qk,
+                               self._scale("post_attn_norm"))
 
     def attention_block(self, x: jax.Array, positions: jax.Array, rt: Runtime,
-                        segment_ids: jax.Array | None = None) -> jax.Array:
-        """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))`, by the
-        method `attention.impl` names (`jaxlong.parallel.dispatch`)."""
-        return attention_sublayer(x, self.weights(), positions, segment_ids, rt.sublayer)
+                        segment_ids: jax.Array | None = None, kind: jax.Array | None = None) -> jax.Array:
+        """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))` (Gemma:
+        the post-norm inside), by the method `attention.impl` names (`jaxlong.parallel.dispatch`). `kind`: the
+        layer's kind (traced int32) where the model mixes kinds: a `lax.switch` between their attention records."""
+        w = self.weights()
+        if kind is None:
+            return attention_sublayer(x, w, positions, segment_ids, rt.sublayer)
+        branches = [functools.partial(attention_sublayer, weights=w, positions=positions, segment_ids=segment_ids,
+                                      ctx=rt.attention_context(k)) for k in (GLOBAL, LOCAL)]
+        return jax.lax.switch(kind, branches, x)
 
     def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array, rt: Runtime, queries: bool = True):
         """`(q, k, v)` of the layer input `x` `[b, s, hidden]` at RoPE tables `cos`, `sin` `[b, s, head_dim / 2]`
@@ -145,33 +196,39 @@ class DecoderLayer(nnx.Module):
         head_dim]` (None unless `queries`), k, v `[b, s, kv_heads, head_dim]`."""
         w = self.weights()
         wq = rt.gather(w.wq) if queries else None
-        return project_qkv(x, w.norm, wq, rt.gather(w.wk), rt.gather(w.wv), w.qk_norm, cos, sin, rt.model.norm_eps)
+        return project_qkv(x, w.norm, wq, rt.gather(w.wk), rt.gather(w.wv), w.qk_norm, cos, sin, self.eps,
+                           q_scale=query_scale(rt.model))
 
     def mlp_block(self, x: jax.Array, rt: Runtime, tiled: bool) -> jax.Array:
-        """The MLP sublayer with its residual, `[b, s, hidden]` -> `x + SwiGLU(RMSNorm(x))`; `tiled`: over sequence
-        tiles (`jaxlong.layers.tiled.tiled_mlp`, ALST's tiled MLP, arXiv 2506.13996 section 3.2)."""
+        """The MLP sublayer with its residual, `[b, s, hidden]` -> `x + MLP(RMSNorm(x))` (Gemma: the post-norm
+        inside); `tiled`: over sequence tiles (`jaxlong.layers.tiled.tiled_mlp`, ALST's tiled MLP, arXiv 2506.13996
+        section 3.2)."""
         # The attention sublayer's backward waits for the MLP weights' reduced gradients: their unsharded
         # float32 sums are not held through it (`grads_together`).
         x, ws = grads_together(x, (self.w_gate[...], self.w_up[...], self.w_down[...]))
         ws = tuple(rt.gather(w) for w in ws)
-        if tiled:  # the norm and the residual inside the tiles
-            return tiled_mlp(x, *ws, tiles=mlp_tiles(x, rt), mesh=rt.mesh, norm_scale=self.mlp_norm[...],
-                             norm_eps=rt.model.norm_eps)
-        h = checkpoint_name(L.rms_norm(x, self.mlp_norm[...], rt.model.norm_eps), "mlp_norm_out")
-        return x + mlp(h, *ws)
+        post = self._scale("post_mlp_norm")
+        if tiled:  # the norms and the residual inside the tiles
+            return tiled_mlp(x, *ws, tiles=mlp_tiles(x, rt), mesh=rt.mesh, norm_scale=self._scale("mlp_norm"),
+                             norm_eps=self.eps, post_norm_scale=post, activation=self.activation)
+        h = checkpoint_name(L.rms_norm(x, self._scale("mlp_norm"), self.eps), "mlp_norm_out")
+        out = mlp(h, *ws, act=L.gate_activation(self.activation))
+        return x + (out if post is None else L.rms_norm(out, post, self.eps))
 
     def __call__(self, x: jax.Array, positions: jax.Array, rt: Runtime,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, kind: jax.Array | None = None) -> jax.Array:
         x = checkpoint_name(rt.constrain(x, activation_spec()), R.LAYER_INPUT)
-        x = self.attention_block(x, positions, rt, segment_ids)
+        x = self.attention_block(x, positions, rt, segment_ids, kind)
         return rt.constrain(self.mlp_block(x, rt, rt.tiling.mlp), activation_spec())
 
     def cached(self, x: jax.Array, cos: jax.Array, sin: jax.Array, rt: Runtime, attend) -> jax.Array:
         """The layer with attention over a KV cache (prefill in chunks, decode): `x` `[b, s, hidden]` ->
-        `x + W_o attend(q, k, v)`, then the MLP sublayer (untiled). `attend(q, k, v)` writes the new keys and values
-        into the cache and returns the attention output `[b, s, heads, head_dim]`."""
+        `x + W_o attend(q, k, v)` (Gemma: post-normed), then the MLP sublayer (untiled). `attend(q, k, v)` writes
+        the new keys and values into the cache and returns the attention output `[b, s, heads, head_dim]`."""
         q, k, v = self.project(x, cos, sin, rt)
-        x = x + jnp.einsum("bsnd,ndh->bsh", attend(q, k, v), rt.gather(self.wo[...]))
+        out = jnp.einsum("bsnd,ndh->bsh", attend(q, k, v), rt.gather(self.wo[...]))
+        post = self._scale("post_attn_norm")
+        x = x + (out if post is None else L.rms_norm(out, post, self.eps))
         return self.mlp_block(x, rt, tiled=False)
 
 
@@ -181,17 +238,17 @@ def mlp_tiles(x: jax.Array, rt: Runtime) -> int:
     return rt.tiling.mlp_tiles or default_mlp_tiles(s_local, x.shape[-1])
 
 
-def mlp(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """The layer's SwiGLU MLP on the normalized `[b, s, hidden]`, untiled (`tiling.mlp` runs the whole sublayer
-    in `jaxlong.layers.tiled.tiled_mlp` instead)."""
+def mlp(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, act=jax.nn.silu) -> jax.Array:
+    """The layer's gated MLP on the normalized `[b, s, hidden]`, `act(h W_gate) * (h W_up) W_down` (SwiGLU; GeGLU
+    with the tanh GELU), untiled (`tiling.mlp` runs the whole sublayer in `jaxlong.layers.tiled.tiled_mlp`)."""
     gate = jnp.einsum("bsh,hf->bsf", h, w_gate)
     up = jnp.einsum("bsh,hf->bsf", h, w_up)
-    act = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+    act = checkpoint_name(act(gate) * up, "mlp_hidden")
     return jnp.einsum("bsf,fh->bsh", act, w_down)
 
 
 class Llama(nnx.Module):
-    """Llama-3 decoder-only model. `__call__(tokens [b, s] int32, rt)` -> final hidden states `[b, s, hidden]`.
+    """The decoder-only model of every family (`model.family`: Llama-3, Qwen3, SmolLM2; Gemma 3). `__call__(tokens [b, s] int32, rt)` -> final hidden states `[b, s, hidden]`.
 
     With `mesh.ring` > 1 the tokens (and the hidden states returned) are in ring attention's zigzag layout
     (`jaxlong.core.batch.zigzag_order`; `jaxlong.core.batch.put_batch` permutes the batch on the host) and RoPE uses
@@ -204,6 +261,7 @@ class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         self.tie_embeddings = cfg.tie_embeddings
         self.norm_eps = cfg.norm_eps
+        self.norm_offset = family_of(cfg).norm_offset
         self.embed = nnx.Param(_normal(cfg.init_std)(rngs.params(), (cfg.vocab_size, cfg.hidden), param_dtype))
 
         @nnx.split_rngs(splits=cfg.layers)
@@ -212,7 +270,7 @@ class Llama(nnx.Module):
             return DecoderLayer(cfg, rngs=rngs, param_dtype=param_dtype)
 
         self.layers = make_layers(rngs)
-        self.final_norm = nnx.Param(jnp.ones((cfg.hidden,), param_dtype))
+        self.final_norm = nnx.Param((jnp.zeros if self.norm_offset else jnp.ones)((cfg.hidden,), param_dtype))
         if not cfg.tie_embeddings:
             self.lm_head = nnx.Param(_normal(cfg.init_std)(rngs.params(), (cfg.hidden, cfg.vocab_size), param_dtype))
 
@@ -228,12 +286,24 @@ class Llama(nnx.Module):
         hidden, w = grads_together(hidden, w)
         return hidden, rt.gather(w)
 
+    def embed_tokens(self, tokens: jax.Array, rt: Runtime, gather: bool = True) -> jax.Array:
+        """Token embeddings `[b, s, hidden]` in the compute dtype (Gemma: times sqrt(hidden) rounded to it), from the
+        table gathered whole (`gather`) or looked up where its shards lie (the decode step's sharded weights)."""
+        table = rt.gather(self.embed[...]) if gather else self.embed[...].astype(rt.compute_dtype)
+        x = jnp.take(table, tokens, axis=0)
+        scale = embed_scale(rt.model, rt.compute_dtype)
+        return x if scale is None else x * scale
+
+    def final(self, x: jax.Array) -> jax.Array:
+        """The final RMSNorm of the hidden states `[..., hidden]` (Gemma: `1 + w`)."""
+        w = self.final_norm[...]
+        return L.rms_norm(x, w if not self.norm_offset else self.norm_offset + w.astype(jnp.float32), self.norm_eps)
+
     def _inputs(self, tokens: jax.Array, rt: Runtime, positions: jax.Array | None,
                 segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """(embedded tokens `[b, s, hidden]`, positions `[b, s]`, segment ids gathered for every layer)."""
         b, s = tokens.shape
-        x = jnp.take(rt.gather(self.embed[...]), tokens, axis=0)
-        x = rt.constrain(x, activation_spec())
+        x = rt.constrain(self.embed_tokens(tokens, rt), activation_spec())
         if positions is None:  # the global index (in ring attention's zigzag layout when ring > 1)
             pos = zigzag_positions(jnp.arange(s, dtype=jnp.int32), s, axis_size(rt.mesh, RING_AXIS))
             positions = jnp.broadcast_to(pos, (b, s))
@@ -241,6 +311,12 @@ class Llama(nnx.Module):
         if segment_ids is not None:  # whole sequences on every context device, once for all layers
             segment_ids = gather_segment_ids(segment_ids, rt.mesh)
         return x, positions, segment_ids
+
+    def _stack(self, rt: Runtime):
+        """(the layers' graph, the scanned inputs: their stacked state, with each layer's kind `[layers]` int32 where
+        the model mixes kinds)."""
+        layer_def, layer_state = nnx.split(self.layers)
+        return layer_def, ((layer_state, jnp.asarray(rt.kinds, jnp.int32)) if rt.mixed else (layer_state, None))
 
     def prefill(self, tokens: jax.Array, rt: Runtime, positions: jax.Array,
                 segment_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -251,63 +327,71 @@ class Llama(nnx.Module):
         cache), the K/V of padding (segment id 0) zero. The cache of `jaxlong.generation`."""
         x, positions, ids = self._inputs(tokens, rt, positions, segment_ids)
         keep = rt.constrain(segment_ids > 0, batch_spec())[..., None, None]
-        cos, sin = L.rope_tables(positions, rt.model.head_dim, rt.model.rope_theta, rt.model.rope_scaling)
-        layer_def, layer_state = nnx.split(self.layers)
+        cos, sin = rt.rope(positions)
+        layer_def, xs = self._stack(rt)
 
-        def body(x, state):
+        def body(x, xs):
+            state, kind = xs
             layer = nnx.merge(layer_def, state)
-            _, k, v = layer.project(x, cos, sin, rt, queries=False)
+            at = 0 if kind is None else kind
+            _, k, v = layer.project(x, cos[at], sin[at], rt, queries=False)
             spec = P(BATCH_AXES, None, SEQ_AXES, None)
             k, v = (rt.constrain(jnp.swapaxes(jnp.where(keep, a, 0), 1, 2), spec) for a in (k, v))
-            return layer(x, positions, rt, ids), (k, v)
+            return layer(x, positions, rt, ids, kind), (k, v)
 
-        x, (k, v) = jax.lax.scan(body, x, layer_state)
-        return L.rms_norm(x, self.final_norm[...], self.norm_eps), k, v
+        x, (k, v) = jax.lax.scan(body, x, xs)
+        return self.final(x), k, v
 
-    def cached_layers(self, x: jax.Array, cos: jax.Array, sin: jax.Array, rt: Runtime, attend, carry,
-                      xs=None, spec: P | None = None):
-        """Every decoder layer (`DecoderLayer.cached`) over `x` `[b, s, hidden]` with attention over a KV cache, in
-        one `lax.scan` over the stacked layers: the chunked prefill and the decode step.
+    def cached_layers(self, x: jax.Array, positions: jax.Array, rt: Runtime, attend, carry, xs=None,
+                      spec: P | None = None):
+        """Every decoder layer (`DecoderLayer.cached`) over `x` `[b, s, hidden]` at integer `positions` `[b, s]`
+        with attention over a KV cache, in one `lax.scan` over the stacked layers: the chunked prefill and the
+        decode step.
 
         `attend(q, k, v, i, carry, xs_i) -> (attention [b, s, heads, head_dim], carry)` for layer `i` (traced
-        int32) writes the new keys and values into the cache it carries (`carry`, any pytree) and attends over it;
-        `xs` (a pytree with a leading `[layers]` axis, or None) is handed to it a layer at a time. `spec`: the
-        sharding of x between layers. Returns `(x, carry)` after the last layer (before the final norm)."""
-        layer_def, layer_state = nnx.split(self.layers)
+        int32; its kind is `rt.kinds[i]`) writes the new keys and values into the cache it carries (`carry`, any
+        pytree) and attends over it; `xs` (a pytree with a leading `[layers]` axis, or None) is handed to it a layer
+        at a time. `spec`: the sharding of x between layers. Returns `(x, carry)` after the last layer (before the
+        final norm)."""
+        layer_def, (layer_state, kinds) = self._stack(rt)
+        cos, sin = rt.rope(positions)
 
         def body(c, inp):
             x, carry = c
-            state, i, xs_i = inp
+            state, kind, i, xs_i = inp
             box = [carry]
 
             def attend_here(q, k, v):
                 out, box[0] = attend(q, k, v, i, box[0], xs_i)
                 return out
 
-            x = nnx.merge(layer_def, state).cached(x, cos, sin, rt, attend_here)
+            at = 0 if kind is None else kind
+            x = nnx.merge(layer_def, state).cached(x, cos[at], sin[at], rt, attend_here)
             return (x if spec is None else rt.constrain(x, spec), box[0]), None
 
         n = jax.tree.leaves(layer_state)[0].shape[0]
-        (x, carry), _ = jax.lax.scan(body, (x, carry), (layer_state, jnp.arange(n), xs))
+        (x, carry), _ = jax.lax.scan(body, (x, carry), (layer_state, kinds, jnp.arange(n), xs))
         return x, carry
 
     def __call__(self, tokens: jax.Array, rt: Runtime, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """`positions` int32 `[b, s]` (RoPE; default the global index) and `segment_ids` int32 `[b, s]`
-        (document masking, 0 = padding; default none) come from packed batches."""
+        (document masking, 0 = padding; default none) come from packed batches. Layers of different kinds (a
+        sliding window or none) run in the one scan, each switching on its kind."""
         x, positions, segment_ids = self._inputs(tokens, rt, positions, segment_ids)
-        layer_def, layer_state = nnx.split(self.layers)
+        layer_def, (layer_state, kinds) = self._stack(rt)
 
         def layer(rt):
-            def body(carry, state):
-                return nnx.merge(layer_def, state)(carry, positions, rt, segment_ids), None
+            def body(carry, xs):
+                state, kind = xs if rt.mixed else (xs, None)
+                return nnx.merge(layer_def, state)(carry, positions, rt, segment_ids, kind), None
             return body
 
         cd = rt.compute_dtype
-        x = R.scan_layers(layer(rt), x, layer_state, rt.remat,
+        x = R.scan_layers(layer(rt), x, layer_state if kinds is None else (layer_state, kinds), rt.remat,
                           group_params=lambda p: jax.tree.map(lambda a: a.astype(cd) if a.ndim > 2 else a, p),
                           keep_layer=layer(dataclasses.replace(rt, keep_attention=True)))
-        return L.rms_norm(x, self.final_norm[...], self.norm_eps)
+        return self.final(x)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,7 +37,10 @@ class SublayerWeights:
     Attributes:
       norm: the attention RMSNorm's scale `[hidden]`.
       wq: `[hidden, heads, head_dim]`; wk, wv: `[hidden, kv_heads, head_dim]`; wo: `[heads, head_dim, hidden]`.
-      qk_norm: Qwen3's (q_norm, k_norm) RMSNorm scales `[head_dim]`, or None.
+      qk_norm: the (q_norm, k_norm) RMSNorm scales `[head_dim]` (Qwen3, Gemma 3), or None.
+      post_norm: the post-attention RMSNorm's scale `[hidden]` (Gemma 3's sandwich norms: `x + post_norm(W_o
+        attention)`), or None.
+    The norms' scales are as the norm multiplies by them (Gemma's `1 + w` already added).
     """
 
     norm: jax.Array
@@ -46,6 +49,7 @@ class SublayerWeights:
     wv: jax.Array
     wo: jax.Array
     qk_norm: tuple[jax.Array, jax.Array] | None = None
+    post_norm: jax.Array | None = None
 
 
 AttentionImpl = Literal["ulysses", "upipe"]  # `attention.impl`
@@ -96,6 +100,10 @@ class SublayerContext:
         the Ulysses path also checkpoints its q/k/v projection.
       offload_attention_output: U-Pipe keeps its output buffer (the attention output before W_o, the op's
         saved residual) in pinned host memory until its backward (`remat.policy=offload`).
+      window: 0 for a global layer; a local layer's sliding window in positions (a query sees itself and the
+        window - 1 before it; `jaxlong.kernels.blockwise`).
+      query_scale: multiplies the queries after RoPE, so that the kernels' `1/sqrt(head_dim)` makes the scale
+        `1/sqrt(model.query_pre_attn_scalar)` (Gemma 3); 1 otherwise.
     """
 
     mesh: jax.sharding.Mesh
@@ -111,6 +119,8 @@ class SublayerContext:
     compute_dtype: jnp.dtype
     recompute_projection: bool
     offload_attention_output: bool = False
+    window: int = 0
+    query_scale: float = 1.0
 
     def constrain(self, x: jax.Array, spec: P) -> jax.Array:
         """`x` with the sharding `spec` on the mesh (a `with_sharding_constraint`)."""

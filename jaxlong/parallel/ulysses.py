@@ -163,7 +163,7 @@ def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | Non
 
     def project(x, scale, wq, wk, wv, *qk_scales):
         return project_qkv(x, scale, wq, wk, wv, qk_scales or None, cos, sin, ctx.norm_eps,
-                           place=lambda a: ctx.constrain(a, qkv_spec))
+                           place=lambda a: ctx.constrain(a, qkv_spec), q_scale=ctx.query_scale)
 
     if ctx.recompute_projection:
         # The layer is recomputed in its backward anyway; checkpointing the projection as well makes the
@@ -174,9 +174,10 @@ def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | Non
     q, k, v = project(x, w.norm, *weights, *(w.qk_norm or ()))
     attn = ulysses_attention(q, k, v, mesh=ctx.mesh, backend=ctx.backend, block_q=ctx.block_q,
                              block_k=ctx.block_k, segment_ids=segment_ids,
-                             ids_are_runs=axis_size(ctx.mesh, RING_AXIS) > 1)
+                             ids_are_runs=axis_size(ctx.mesh, RING_AXIS) > 1, window=ctx.window)
     attn = checkpoint_name(attn, "attn_out")
-    return x + jnp.einsum("bsnd,ndh->bsh", attn, ctx.gather(w.wo))
+    out = jnp.einsum("bsnd,ndh->bsh", attn, ctx.gather(w.wo))
+    return x + (out if w.post_norm is None else L.rms_norm(out, w.post_norm, ctx.norm_eps))
 
 
 def context_degrees(heads: int, kv_heads: int) -> list[int]:

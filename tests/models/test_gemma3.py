@@ -1,0 +1,161 @@
+"""Gemma 3 as a family on the one decoder layer: the layer's math against a forward written out here in numpy from
+transformers' `Gemma3TextModel` (not the package's code), sliding-window and global layers in one scan, on one
+device and on the meshes that run windows (FSDP, Ulysses with 1 KV head), forward and gradients against the dense
+single-device reference, with the memory techniques; and the one-line refusals of what does not run windows yet."""
+
+import jax
+import numpy as np
+import pytest
+from helpers import assert_matches_single_device, mesh_for, reference_cfg, tiny_cfg
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxlong.config import runtime, validate
+from jaxlong.core.errors import ConfigError
+from jaxlong.models import llama as model_lib
+from jaxlong.models.family import LOCAL, layer_kinds
+
+# 4 layers, local-global-local-global (pattern 2), a window of 8 positions inside the 16-token tiles, 4 query heads
+# and 1 KV head (Gemma 3 270M's), an attention scalar of 24 with head_dim 16, tied embeddings, RoPE bases 1M / 10K.
+GEMMA = ["model.family=gemma3", "model.layers=4", "model.sliding_window_pattern=2", "model.sliding_window=8",
+         "model.heads=4", "model.kv_heads=1", "model.query_pre_attn_scalar=24", "model.tie_embeddings=true",
+         "model.rope_theta=1000000", "model.rope_local_theta=10000"]
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
+
+
+def _rope(x, pos, theta):
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    ang = pos[..., None].astype(np.float64) * inv  # [b, s, d/2]
+    c, s = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def gemma3_logits(p, tokens, positions, ids, m):
+    """Gemma 3's forward as transformers writes it (`Gemma3TextModel`, `Gemma3DecoderLayer`), float64 numpy: the
+    embeddings times sqrt(hidden); per layer `x + post_norm(attn(norm(x)))`, `x + post_norm(mlp(norm(x)))` with
+    RMSNorm `(1 + w)`, QK-norm before RoPE (base 10K on local layers, 1M on global ones), scores times
+    `query_pre_attn_scalar ** -0.5`, a local layer's query seeing itself and the window - 1 keys before it, no key of
+    another document; GeGLU with the tanh GELU; the final norm; tied head."""
+    f = lambda a: np.asarray(a, np.float64)
+    eps, g = m.norm_eps, m.heads // m.kv_heads
+    x = f(p["embed"])[tokens] * np.sqrt(m.hidden)
+    s = tokens.shape[1]
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    same = ids[:, :, None] == ids[:, None, :]
+    for layer, kind in enumerate(layer_kinds(m)):
+        w = jax.tree.map(lambda a: f(a[layer]), p["layers"])
+        h = _rms(x, w["attn_norm"], eps)
+        q = np.einsum("bsh,hnd->bsnd", h, w["wq"])
+        k = np.einsum("bsh,hnd->bsnd", h, w["wk"])
+        v = np.einsum("bsh,hnd->bsnd", h, w["wv"])
+        theta = m.rope_local_theta if kind == LOCAL else m.rope_theta
+        q, k = _rope(_rms(q, w["q_norm"], eps), positions, theta), _rope(_rms(k, w["k_norm"], eps), positions, theta)
+        k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+        sc = np.einsum("bqnd,bknd->bnqk", q, k) * m.query_pre_attn_scalar ** -0.5
+        mask = (j <= i) & ((i - j < m.sliding_window) if kind == LOCAL else True)
+        sc = np.where((mask[None] & same)[:, None], sc, -np.inf)
+        pr = np.exp(sc - sc.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        o = np.einsum("bnqk,bknd,ndh->bqh", pr, v, w["wo"])
+        x = x + _rms(o, w["post_attn_norm"], eps)
+        h = _rms(x, w["mlp_norm"], eps)
+        y = (_gelu_tanh(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        x = x + _rms(y, w["post_mlp_norm"], eps)
+    return _rms(x, f(p["final_norm"]), eps) @ f(p["embed"]).T
+
+
+def _packed(cfg, seed=0):
+    """Two rows of packed documents (20 + 44 and 64 tokens), positions restarting at each."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.model.vocab_size, (2, cfg.seq_len)).astype(np.int32)
+    ids = np.ones((2, cfg.seq_len), np.int32)
+    ids[0, 20:] = 2
+    positions = np.stack([np.r_[np.arange(20), np.arange(44)], np.arange(64)]).astype(np.int32)
+    return tokens, positions, ids
+
+
+def _params(cfg, mesh, seed=0):
+    """Initial parameters with every norm weight drawn (so that `1 + w` differs from `w`), on `mesh`."""
+    params = model_lib.init_params(cfg.model, mesh, 0)
+    rng = np.random.default_rng(seed)
+
+    def draw(path, a):
+        if "norm" not in jax.tree_util.keystr(path):
+            return a
+        return jax.device_put(0.3 * rng.standard_normal(a.shape).astype(np.float32), a.sharding)
+
+    return jax.tree_util.tree_map_with_path(draw, params)
+
+
+@pytest.mark.parametrize("mesh", [("mesh.fsdp=2", "mesh.context=4")], ids=["fsdp2-ulysses4"])
+def test_the_layer_equals_gemma3_written_out_with_windows_and_documents(mesh):
+    """Logits of packed documents on one device and on Ulysses 4 x FSDP 2 (1 KV head replicated to the 4 devices)
+    equal the numpy forward, within float32's rounding."""
+    tokens, positions, ids = None, None, None
+    for overrides, n in ((("mesh.fsdp=1", "mesh.context=1", "mesh.num_devices=1"), 1), (mesh, 8)):
+        cfg = tiny_cfg(*GEMMA, "data.packing=documents", *overrides)
+        dev = mesh_for(cfg, n)
+        params = _params(cfg, dev)
+        tokens, positions, ids = _packed(cfg)
+        rt = runtime(cfg, dev)
+        graphdef = model_lib.model_graphdef(cfg.model, cfg.param_dtype)
+        put = lambda a: jax.device_put(a, NamedSharding(dev, P(("data", "fsdp"), "context")))
+
+        @jax.jit
+        def logits(p, t, pos, seg):
+            hidden, head = model_lib.forward(graphdef, p, t, rt, pos, seg)
+            return hidden @ head
+
+        got = np.asarray(logits(params, put(tokens), put(positions), put(ids)))
+        want = gemma3_logits(jax.tree.map(np.asarray, params), tokens, positions, ids, cfg.model)
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+MESHES = {
+    "fsdp2-ulysses4-tiled-full": ("mesh.fsdp=2", "mesh.context=4", "tiling.mlp=true", "tiling.loss=true",
+                                  "remat.policy=full"),
+    "fsdp8": ("mesh.fsdp=8", "mesh.context=1", "global_batch=8"),
+    "dp2-fsdp2-ulysses2-offload-kept": ("mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "global_batch=4",
+                                        "remat.policy=offload", "remat.offload_every=2", "remat.keep_attention=1"),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if i == 0 else pytest.mark.slow)
+                                  for i, n in enumerate(MESHES)])
+def test_every_windowed_mesh_equals_the_dense_single_device_reference(name):
+    """Loss and every gradient of the windowed model (local and global layers in one scan) on 8 devices equal the
+    dense single-device reference's (materialized attention with the window, no remat, no tiling)."""
+    cfg = tiny_cfg(*GEMMA, *MESHES[name])
+    assert reference_cfg(cfg).attention.backend == "reference"
+    assert_matches_single_device(cfg)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (("mesh.ring=2", "mesh.fsdp=1"), "do not run under ring attention yet"),
+    (("attention.impl=upipe", "mesh.context=4", "mesh.fsdp=2"), "attention.impl=upipe does not run model.family"),
+    (("prefill_chunk=16",), "the chunked prefill does not take sliding-window"),
+    (("attention.backend=cudnn", "data.packing=concat", "compute_dtype=bfloat16"), "does not take a sliding window"),
+    (("model.family=llama",), "model.family=llama has no sliding-window layers"),
+    (("model.layer_types=[full_attention]",), "give model.layers=4 entries"),
+])
+def test_what_does_not_run_windows_yet_is_refused_in_one_line(overrides, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        validate(tiny_cfg(*GEMMA, *overrides), 8, platform="gpu" if "cudnn" in str(overrides) else None)
+    assert "\n" not in str(e.value)
+
+
+def test_layer_kinds_follow_the_pattern_or_the_listed_types():
+    cfg = tiny_cfg(*GEMMA, "model.layers=8", "model.sliding_window_pattern=6")
+    assert layer_kinds(cfg.model) == (1, 1, 1, 1, 1, 0, 1, 1)
+    cfg = tiny_cfg(*GEMMA, "model.layer_types=[full_attention,sliding_attention,sliding_attention,full_attention]")
+    assert layer_kinds(cfg.model) == (0, 1, 1, 0)
+    assert layer_kinds(tiny_cfg(*GEMMA, "model.sliding_window=0").model) == (0, 0, 0, 0)
