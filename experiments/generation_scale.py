@@ -153,7 +153,7 @@ def cache_like(cfg, b, max_new):
     m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
     big = jnp.zeros((m.layers, b, m.kv_heads, cfg.seq_len, m.head_dim), cd)  # head-major, as the prefill returns
     small = jnp.zeros((m.layers, b, m.kv_heads, max_new, m.head_dim), cd)
-    return Cache(big, big, jnp.zeros((b, cfg.seq_len), bool), small, small)
+    return Cache(big, big, jnp.zeros((b, cfg.seq_len), bool), small, small, jnp.zeros((b, cfg.seq_len), jnp.int32))
 
 
 def setup_text(cfg) -> str:

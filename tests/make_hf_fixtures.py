@@ -161,7 +161,53 @@ def rope_reference() -> None:
     np.savez(ROOT / "rope.npz", cases=json.dumps(ROPE_CASES), **arrays)
 
 
+def gemma3_text_config(**extra) -> transformers.Gemma3TextConfig:
+    """Tiny Gemma 3: 4 layers local-global-local-global with a window of 8, 4 query heads and 1 KV head of 16,
+    `query_pre_attn_scalar` 24 (not head_dim), linear x8 RoPE on the global layers (base 1M; 10K on local ones)."""
+    return transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24, tie_word_embeddings=True, bos_token_id=None, eos_token_id=1, pad_token_id=0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}, **extra)
+
+
+def build_gemma3() -> None:
+    """`gemma3_text/` (`Gemma3ForCausalLM`) and `gemma3/` (the multimodal `Gemma3ForConditionalGeneration` with a
+    tiny SigLIP tower; its language model has the text model's weights), each with transformers' float32 logits
+    of the prompt (`golden.npz`: `prompt`, `logits`)."""
+    for name in ("gemma3_text", "gemma3"):
+        out = ROOT / name
+        out.mkdir(parents=True, exist_ok=True)
+        tok = make_tokenizer(out)
+        torch.manual_seed(0)
+        if name == "gemma3_text":
+            model = transformers.Gemma3ForCausalLM(gemma3_text_config()).eval()
+            randomize(model, seed=7)
+            text_state = {k: v.clone() for k, v in model.state_dict().items()}
+        else:
+            vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                     num_attention_heads=2, image_size=16, patch_size=8)
+            config = transformers.Gemma3Config(text_config=gemma3_text_config().to_dict(),
+                                               vision_config=vision.to_dict(), mm_tokens_per_image=4)
+            model = transformers.Gemma3ForConditionalGeneration(config).eval()
+            randomize(model, seed=8)
+            lm = model.model.language_model
+            lm.load_state_dict({k[len("model."):]: v for k, v in text_state.items() if k.startswith("model.")})
+        model.save_pretrained(out)
+        reloaded = type(model).from_pretrained(out, dtype=torch.float32).eval()
+        prompt = prompt_ids(tok)
+        with torch.no_grad():
+            logits = reloaded(input_ids=torch.from_numpy(prompt).long()).logits.float().numpy()
+        np.savez(out / "golden.npz", prompt=prompt, logits=logits.astype(np.float32))
+        print(f"{name}: {sum(p.numel() for p in reloaded.parameters())} parameters")
+
+
 def main() -> None:
+    if sys.argv[1:] == ["gemma3"]:  # the Gemma 3 fixtures alone
+        build_gemma3()
+        return
     ROOT.mkdir(parents=True, exist_ok=True)
     rope_reference()
     (ROOT / "corpus.txt").write_text(" ".join(SENTENCES * 4) + "\n")
@@ -179,6 +225,7 @@ def main() -> None:
         tie_word_embeddings=True, rope_theta=1000000.0, bos_token_id=None, eos_token_id=1, pad_token_id=None,
     )
     build("qwen3", qwen, transformers.Qwen3ForCausalLM, torch.float32, shard=False)
+    build_gemma3()
     versions = (f"python {platform.python_version()}, torch {torch.__version__}, transformers "
                 f"{transformers.__version__}, safetensors {safetensors.__version__}, tokenizers "
                 f"{tokenizers.__version__}, numpy {np.__version__}, grain {importlib.metadata.version('grain')}")

@@ -279,7 +279,8 @@ class ChunkedPrefill:
                 logits.block_until_ready()  # the chunk has run, not only been dispatched
                 on_chunk(j + 1, n // self.chunk)
         small = (m.layers, rows, m.kv_heads, self.max_new, m.head_dim)
-        return logits, Cache(kc, vc, valid, zeros(small, cd, sh.new_k), zeros(small, cd, sh.new_v))
+        pos = put(np.ascontiguousarray(host["positions"][:, order]).astype(np.int32))
+        return logits, Cache(kc, vc, valid, zeros(small, cd, sh.new_k), zeros(small, cd, sh.new_v), pos)
 
 
 @functools.lru_cache(maxsize=32)

@@ -38,6 +38,7 @@ from jaxlong.config import runtime
 from jaxlong.core.mesh import BATCH_AXES, RING_AXIS, SEQ_AXES, axis_size
 from jaxlong.core.batch import zigzag_order
 from jaxlong.kernels.merge import NEG, merge, merge_across, normalise
+from jaxlong.models.family import LOCAL
 from jaxlong.models import llama as model_lib
 
 
@@ -56,6 +57,8 @@ class Cache(NamedTuple):
       new_k, new_v: the generated tokens' keys and values `[layers, batch, kv_heads, max_new, head_dim]`, batch over
         data x fsdp, replicated over the sequence axes; slot t holds the t-th generated token's (the token fed at
         decode step t).
+      pos: int32 `[batch, prompt]`, sharded like `valid`: each prompt key's position (a sliding-window layer's
+        query at position p sees the keys at positions above p - window).
     """
 
     k: jax.Array
@@ -63,6 +66,7 @@ class Cache(NamedTuple):
     valid: jax.Array
     new_k: jax.Array
     new_v: jax.Array
+    pos: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +104,7 @@ def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int | None = N
 def _specs():
     big = P(None, BATCH_AXES, None, SEQ_AXES, None)
     small = P(None, BATCH_AXES, None, None, None)
-    return Cache(big, big, P(BATCH_AXES, SEQ_AXES), small, small)
+    return Cache(big, big, P(BATCH_AXES, SEQ_AXES), small, small, P(BATCH_AXES, SEQ_AXES))
 
 
 def cache_shardings(mesh: jax.sharding.Mesh) -> Cache:
@@ -136,7 +140,7 @@ def make_prefill(cfg, mesh: jax.sharding.Mesh, max_new: int):
         logits = jnp.einsum("bh,hv->bv", h, rt.gather(output_head(params, cfg))).astype(jnp.float32)
         b = batch["inputs"].shape[0]
         small = jnp.zeros((m.layers, b, m.kv_heads, max_new, m.head_dim), cd)
-        return logits, Cache(k, v, batch["segment_ids"] > 0, small, small)
+        return logits, Cache(k, v, batch["segment_ids"] > 0, small, small, batch["positions"].astype(jnp.int32))
 
     return jax.jit(prefill, out_shardings=(NamedSharding(mesh, P(BATCH_AXES, None)), cache_shardings(mesh)))
 
@@ -187,8 +191,8 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
 
     Feeds `tokens` (each row's newest token) at global `positions`, writes their keys and values into slot `t` of
     the small cache, attends to the valid prompt cache (split-KV over the sequence shards, merged exactly with a
-    `pmax` and a `psum`) and to the small cache's slots `<= t`, runs the layer's MLP, and draws the next token
-    (`sample`, ids from `vocab` on never drawn)."""
+    `pmax` and a `psum`) and to the small cache's slots `<= t` (a sliding-window layer to the keys within its window
+    of positions), runs the layer's MLP, and draws the next token (`sample`, ids from `vocab` on never drawn)."""
     m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
     rt = runtime(cfg, mesh)
     graphdef = model_lib.model_graphdef(cfg.model, cfg.param_dtype)
@@ -214,14 +218,21 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
         x = model.embed_tokens(tokens[:, None], rt, gather=False)  # [b, 1, hidden]: rows of the shards
         x = rt.constrain(x, P(BATCH_AXES, None, None))
         pos = positions[:, None].astype(jnp.int32)
-        seen = (jnp.arange(cache.new_k.shape[3]) <= t)[None, :].repeat(b, 0)
+        slots = jnp.arange(cache.new_k.shape[3])
+        seen = (slots <= t)[None, :].repeat(b, 0)
+        local = jnp.asarray(rt.kinds) == LOCAL  # [layers]
+        window = m.sliding_window or 1  # a local layer's query at p sees positions p - window + 1 .. p
 
         def attend(q, k, v, i, new, prompt):
             """Write the token's k, v into slot t of layer i's small cache; attend to the prompt cache and to it."""
             new_k, new_v = (jax.lax.dynamic_update_slice(c, jnp.swapaxes(a, 1, 2)[None].astype(cd), (i, 0, 0, t, 0))
                             for c, a in zip(new, (k, v)))
             qg = (q[:, 0].astype(jnp.float32) * scale).reshape(b, m.kv_heads, group, m.head_dim)
-            attn, _ = merge([prompt_attention(qg, *prompt, cache.valid), _partial(qg, new_k[i], new_v[i], seen)])
+            valid, seen_i = cache.valid, seen
+            if m.sliding_window:  # slot j of the small cache holds position p - (t - j)
+                valid = valid & ((cache.pos > pos - window) | ~local[i])
+                seen_i = seen & ((slots > t - window)[None, :] | ~local[i])
+            attn, _ = merge([prompt_attention(qg, *prompt, valid), _partial(qg, new_k[i], new_v[i], seen_i)])
             return attn.reshape(b, 1, m.heads, m.head_dim).astype(cd), (new_k, new_v)
 
         x, (new_k, new_v) = model.cached_layers(x, pos, rt, attend, (cache.new_k, cache.new_v),

@@ -23,7 +23,7 @@ __all__ = ["project_qkv"]
 
 
 def project_qkv(x: jax.Array, norm: jax.Array, wq: jax.Array | None, wk: jax.Array, wv: jax.Array,
-                qk_norm: tuple[jax.Array, jax.Array] | None, cos: jax.Array, sin: jax.Array, eps: float,
+                qk_norm: tuple[jax.Array, jax.Array] | None, rope: tuple[jax.Array, jax.Array], eps: float,
                 place: Callable[[jax.Array], jax.Array] = lambda a: a, q_scale: float = 1.0):
     """Queries, keys and values of a decoder layer from its input, as its attention reads them.
 
@@ -37,7 +37,7 @@ def project_qkv(x: jax.Array, norm: jax.Array, wq: jax.Array | None, wk: jax.Arr
       wq: `[hidden, heads, head_dim]`, or None when only the keys and values are wanted (a cache); wk, wv:
         `[hidden, kv_heads, head_dim]`, in the compute dtype (gathered by the caller).
       qk_norm: (q_norm, k_norm) scales `[head_dim]`, or None.
-      cos, sin: RoPE tables `[batch or 1, seq, head_dim / 2]` of the tokens' positions
+      rope: the RoPE tables `(cos, sin)`, each `[batch or 1, seq, head_dim / 2]`, of the tokens' positions
         (`jaxlong.layers.blocks.rope_tables`).
       eps: the RMSNorms' epsilon.
       place: applied to q, k and v before they are named (a sharding constraint); identity by default.
@@ -47,6 +47,7 @@ def project_qkv(x: jax.Array, norm: jax.Array, wq: jax.Array | None, wk: jax.Arr
     Returns:
       `(q [batch, seq, heads, head_dim] or None, k, v [batch, seq, kv_heads, head_dim])` in x's dtype.
     """
+    cos, sin = rope
     h = checkpoint_name(L.rms_norm(x, norm, eps), "attn_norm_out")
     k = jnp.einsum("bsh,hnd->bsnd", h, wk)
     v = jnp.einsum("bsh,hnd->bsnd", h, wv)

@@ -68,8 +68,33 @@ LEAVES = {
     "layers.w_up": (LAYER + "mlp.up_proj.weight", "T"),
     "layers.w_down": (LAYER + "mlp.down_proj.weight", "T"),
 }
+# Gemma 3's names where they differ (`model.family=gemma3`: a norm before and after the attention and the MLP).
+GEMMA3_LEAVES = {
+    "layers.mlp_norm": (LAYER + "pre_feedforward_layernorm.weight", "copy"),
+    "layers.post_attn_norm": (LAYER + "post_attention_layernorm.weight", "copy"),
+    "layers.post_mlp_norm": (LAYER + "post_feedforward_layernorm.weight", "copy"),
+}
 # Tensors some checkpoints carry that hold nothing jaxlong needs.
 IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+# Where a multimodal Gemma 3 checkpoint keeps its language model: the Hub's files and transformers 5's
+# `save_pretrained` hold `language_model.model.*`; transformers >= 4.52 names the module `model.language_model.*`,
+# which files saved from it may hold. The vision tower is left out.
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+VISION_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
+
+
+def text_prefix(names) -> str:
+    """The prefix of the language model's tensors among a checkpoint's tensor `names`: `model.` (a text model), or
+    where a multimodal Gemma 3 checkpoint keeps it (`TEXT_PREFIXES`)."""
+    for prefix in TEXT_PREFIXES:
+        if prefix + "embed_tokens.weight" in names:
+            return prefix
+    return "model."
+
+
+def leaf_names(family: str) -> dict[str, tuple[str, str]]:
+    """jaxlong leaf -> (HF name, layout) for a model family."""
+    return {**LEAVES, **GEMMA3_LEAVES} if family == "gemma3" else LEAVES
 
 
 def _hf_shape(ours: tuple[int, ...], layout: str) -> tuple[int, ...]:
@@ -83,15 +108,20 @@ def _hf_shape(ours: tuple[int, ...], layout: str) -> tuple[int, ...]:
     return (ours[2], ours[0] * ours[1])  # out_heads: [n, d, D] <- [D, n*d]
 
 
-def expected_tensors(abstract: dict, tied: bool) -> dict[str, tuple[str, str, int | None, tuple]]:
-    """HF tensor name -> (jaxlong leaf path, layout, layer index or None, HF shape), from the abstract params."""
+def expected_tensors(abstract: dict, tied: bool, family: str = "llama",
+                     prefix: str = "model.") -> dict[str, tuple[str, str, int | None, tuple]]:
+    """HF tensor name -> (jaxlong leaf path, layout, layer index or None, HF shape), from the abstract params of a
+    model `family`; the language model's names under `prefix` (`text_prefix`)."""
+    names = leaf_names(family)
     out = {}
     flat = {".".join(str(getattr(k, "key", k)) for k in path): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     for path, leaf in flat.items():
-        if path not in LEAVES:
+        if path not in names:
             raise ValueError(f"no Hugging Face name for parameter {path}")
-        name, layout = LEAVES[path]
+        name, layout = names[path]
+        if name.startswith("model.") and prefix != "model.":
+            name = prefix + name[len("model."):]
         if path.startswith("layers."):
             for i in range(leaf.shape[0]):
                 out[name.format(i=i)] = (path, layout, i, _hf_shape(tuple(leaf.shape[1:]), layout))
@@ -147,9 +177,12 @@ def check_checkpoint(directory: str | Path, model: ModelConfig, reader: Safetens
 
     reader = reader or SafetensorsReader(directory)
     where = f"model.from_hf={str(directory)!r}"
-    want = expected_tensors(abstract_params(model), model.tie_embeddings)
     have = reader.names()
+    prefix = text_prefix(have)
+    want = expected_tensors(abstract_params(model), model.tie_embeddings, model.family, prefix)
     ignorable = {n for n in have if n.endswith(IGNORABLE_SUFFIXES)}
+    if prefix != "model.":  # the vision tower is left out
+        ignorable |= {n for n in have if n.startswith(VISION_PREFIXES) or n == "language_model.lm_head.weight"}
     if model.tie_embeddings:
         ignorable.add("lm_head.weight")  # some tied checkpoints store the copy anyway
     missing = sorted(set(want) - have)
@@ -158,7 +191,8 @@ def check_checkpoint(directory: str | Path, model: ModelConfig, reader: Safetens
         raise ConfigError(f"{where}: tensors missing from the safetensors files: {', '.join(missing[:8])}"
                           + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     if extra:
-        raise ConfigError(f"{where}: tensors the {'qwen3' if model.qk_norm else 'llama'} model does not have: "
+        kind = model.family if model.family != "llama" else "qwen3" if model.qk_norm else "llama"
+        raise ConfigError(f"{where}: tensors the {kind} model does not have: "
                           f"{', '.join(extra[:8])}" + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
     for name, (_, _, _, shape) in want.items():
         got = reader.shape(name)
@@ -234,7 +268,9 @@ def load_params(directory: str | Path, model: ModelConfig, mesh: jax.sharding.Me
     shardings = tree_shardings(mesh, abstract)
     dtype = np.dtype(jnp.dtype(param_dtype))
     by_leaf: dict[str, list] = {}
-    for name, (path, layout, layer, _) in expected_tensors(abstract, model.tie_embeddings).items():
+    prefix = text_prefix(reader.names())
+    for name, (path, layout, layer, _) in expected_tensors(abstract, model.tie_embeddings, model.family,
+                                                           prefix).items():
         by_leaf.setdefault(path, []).append((layer, name, layout))
     flat_abs = {".".join(str(getattr(k, "key", k)) for k in p): (leaf, sh) for (p, leaf), (_, sh) in zip(
         jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree_util.tree_flatten_with_path(shardings)[0])}
@@ -284,7 +320,8 @@ def save_hf(params: dict, model: ModelConfig, out: str | Path, *, seq_len: int, 
             source: str | Path | None = None, max_shard_bytes: int = 2 << 30) -> Path:
     """Write `params` as a Hugging Face checkpoint directory `transformers.AutoModelForCausalLM` loads.
 
-    Writes `config.json` (`hf_config_dict`: model_type `qwen3` when `model.qk_norm`, else `llama`;
+    Writes `config.json` (`hf_config_dict`: model_type `gemma3_text` for `model.family=gemma3` (the text model
+    alone), `qwen3` when `model.qk_norm`, else `llama`;
     `max_position_embeddings` = max(`seq_len`, the checkpoint's), RoPE theta and scaling of the run), the
     weights in `param_dtype` as `model-0000k-of-0000n.safetensors` shards of at most `max_shard_bytes` with
     `model.safetensors.index.json`, and, from `source` (the run's tokenizer directory,
@@ -304,7 +341,7 @@ def save_hf(params: dict, model: ModelConfig, out: str | Path, *, seq_len: int, 
         raise FileExistsError(f"--out {out}: the directory exists and is not empty; choose a new one")
     out.mkdir(parents=True, exist_ok=True)
     m = model
-    model_type = "qwen3" if m.qk_norm else "llama"
+    model_type = "gemma3_text" if m.family == "gemma3" else "qwen3" if m.qk_norm else "llama"
     config = hf_config_dict(m, model_type=model_type, context=max(seq_len, m.max_position_embeddings),
                             dtype=param_dtype)
     if source is not None:
@@ -320,7 +357,7 @@ def save_hf(params: dict, model: ModelConfig, out: str | Path, *, seq_len: int, 
 
     flat = {".".join(str(getattr(k, "key", k)) for k in p): leaf
             for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-    want = expected_tensors(abstract_params(m, param_dtype), m.tie_embeddings)
+    want = expected_tensors(abstract_params(m, param_dtype), m.tie_embeddings, m.family)
     itemsize = jnp.dtype(param_dtype).itemsize
     shards: list[list[str]] = [[]]  # planned from the shapes, so only one shard is ever on the host
     size = 0

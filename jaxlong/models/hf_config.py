@@ -274,7 +274,7 @@ def _gemma3_config_dict(m, context: int, dtype: str) -> dict:
         "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim, "intermediate_size": m.mlp_hidden,
         "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std, "max_position_embeddings": int(context), "attention_bias": False,
-        "attention_dropout": 0.0, "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
+        "attention_dropout": 0.0, "query_pre_attn_scalar": _number(m.query_pre_attn_scalar or m.head_dim),
         "sliding_window": m.sliding_window or None, "layer_types": types, "final_logit_softcapping": None,
         "attn_logit_softcapping": None, "torch_dtype": dtype, "use_cache": True,
         "rope_parameters": {"full_attention": full,
@@ -284,6 +284,11 @@ def _gemma3_config_dict(m, context: int, dtype: str) -> dict:
     if m.rope_scaling.type != "none":
         out["rope_scaling"] = _scaling_dict(m.rope_scaling)
     return out
+
+
+def _number(x: float) -> int | float:
+    """An int where `x` is whole (transformers 5 types `query_pre_attn_scalar` as an int and refuses 24.0)."""
+    return int(x) if float(x).is_integer() else float(x)
 
 
 def _kinds(m) -> list[int]:

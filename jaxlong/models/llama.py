@@ -196,7 +196,7 @@ class DecoderLayer(nnx.Module):
         head_dim]` (None unless `queries`), k, v `[b, s, kv_heads, head_dim]`."""
         w = self.weights()
         wq = rt.gather(w.wq) if queries else None
-        return project_qkv(x, w.norm, wq, rt.gather(w.wk), rt.gather(w.wv), w.qk_norm, cos, sin, self.eps,
+        return project_qkv(x, w.norm, wq, rt.gather(w.wk), rt.gather(w.wv), w.qk_norm, (cos, sin), self.eps,
                            q_scale=query_scale(rt.model))
 
     def mlp_block(self, x: jax.Array, rt: Runtime, tiled: bool) -> jax.Array:

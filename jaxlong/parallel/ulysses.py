@@ -162,7 +162,7 @@ def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | Non
     cos, sin = L.rope_tables(positions, ctx.head_dim, ctx.rope_theta, ctx.rope_scaling)
 
     def project(x, scale, wq, wk, wv, *qk_scales):
-        return project_qkv(x, scale, wq, wk, wv, qk_scales or None, cos, sin, ctx.norm_eps,
+        return project_qkv(x, scale, wq, wk, wv, qk_scales or None, (cos, sin), ctx.norm_eps,
                            place=lambda a: ctx.constrain(a, qkv_spec), q_scale=ctx.query_scale)
 
     if ctx.recompute_projection:

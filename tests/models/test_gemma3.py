@@ -159,3 +159,39 @@ def test_layer_kinds_follow_the_pattern_or_the_listed_types():
     cfg = tiny_cfg(*GEMMA, "model.layer_types=[full_attention,sliding_attention,sliding_attention,full_attention]")
     assert layer_kinds(cfg.model) == (0, 1, 1, 0)
     assert layer_kinds(tiny_cfg(*GEMMA, "model.sliding_window=0").model) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("mesh", [pytest.param(("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1"), id="one"),
+                                  pytest.param(("mesh.fsdp=2", "mesh.context=4"), id="fsdp2-ulysses4",
+                                               marks=pytest.mark.slow)])
+def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
+    """Prompts of 37, 20 and 3 tokens (the longest 4 windows long) decoded 6 steps from the cache: a local layer's
+    query sees the prompt keys and generated tokens within its window of positions (the cache keeps each key's
+    position); every step's logits equal a whole one-device forward of the sequence so far (materialized attention
+    with the window), and the tokens are its argmax."""
+    from jaxlong.core.mesh import build_mesh
+    from jaxlong.data import ByteTokenizer
+    from jaxlong.generation.generate import Generator
+
+    base = [*GEMMA, "model.vocab_size=257", "global_batch=4", "model.tie_embeddings=true"]
+    ref_cfg = tiny_cfg(*base, "mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1", "attention.backend=reference")
+    ref_mesh = build_mesh(ref_cfg.mesh, jax.devices()[:1])
+    host = jax.tree.map(np.asarray, _params(ref_cfg, ref_mesh))
+    graphdef, rt = model_lib.model_graphdef(ref_cfg.model, ref_cfg.param_dtype), runtime(ref_cfg, ref_mesh)
+    fwd = jax.jit(lambda p, t: model_lib.forward(graphdef, p, t, rt))
+
+    cfg = tiny_cfg(*base, *mesh)
+    dev = build_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
+    shardings = jax.tree.map(lambda a: a.sharding, model_lib.init_params(cfg.model, dev, 0))
+    params = jax.tree.map(jax.device_put, host, shardings)
+    prompts = [np.arange(3, 40), np.arange(60, 80), np.array([256, 72, 105])]
+    steps: list = []
+    out = Generator(cfg, dev, params, ByteTokenizer(), max_new_tokens=6)(prompts, logits=steps)
+    for r, prompt in enumerate(prompts):
+        seq = list(prompt)
+        for t, token in enumerate(out[r].tokens):
+            hidden, head = fwd(host, np.asarray(seq, np.int32)[None])
+            want = np.asarray(hidden[0, -1] @ head)
+            np.testing.assert_allclose(steps[t][r], want, rtol=0, atol=2e-5, err_msg=f"row {r}, step {t}")
+            assert token == int(np.argmax(want))
+            seq.append(token)
