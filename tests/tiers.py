@@ -35,6 +35,7 @@ TIERS = {
     "layers/test_tiled.py": "fast",
     "models/test_gemma3.py": "fast+slow",
     "models/test_gemma3_hf.py": "fast+slow",
+    "models/test_gemma3_real.py": "slow",
     "models/test_hf.py": "fast+slow",
     "models/test_real_model.py": "slow",
     "parallel/test_packing.py": "fast+slow",
