@@ -43,6 +43,7 @@ from jaxlong.objectives.dpo import DPOConfig
 from jaxlong.objectives.registry import ObjectiveName, check_objective, objective_for
 from jaxlong.optim.adamw import OptimConfig, schedule_length, validate_optim
 from jaxlong.parallel.dispatch import AttentionConfig, check_attention
+from jaxlong.parallel.halo import check_halo
 from jaxlong.parallel.ring import check_ring
 from jaxlong.parallel.ulysses import check_heads
 from jaxlong.parallel.upipe import check_upipe_remat_names, check_upipe_schedule
@@ -504,8 +505,9 @@ def _check_layout(cfg: Config, n: int, platform: str | None) -> None:
 
 def _check_family(cfg: Config, ring: int, kernel: str) -> None:
     """What the model's family and its sliding windows need of the rest of the run, where jaxlong does not run it yet:
-    Gemma 3's sandwich norms and query scale under U-Pipe, a window under ring attention, in the cuDNN and Pallas
-    kernels, and in the chunked prefill.
+    Gemma 3's sandwich norms and query scale under U-Pipe, a window wider than a ring rank's half-chunk (the halo's
+    one hop, `jaxlong.parallel.halo.check_halo`), a window in the cuDNN and Pallas kernels and in the chunked
+    prefill.
 
     Raises:
       ConfigError: naming the option, its value and what does run.
@@ -518,10 +520,7 @@ def _check_family(cfg: Config, ring: int, kernel: str) -> None:
     if not m.sliding_window:
         return
     if ring > 1:
-        raise ConfigError(f"mesh.ring={ring}: sliding-window layers (model.sliding_window={m.sliding_window}) do not "
-                          f"run under ring attention yet; give mesh.ring=1 (Ulysses over mesh.context runs them), or "
-                          f"model.sliding_window=0 to make every layer global", key="mesh.ring", value=ring,
-                          keys=("model.sliding_window",), suggestions=({"mesh.ring": 1},))
+        check_halo(m.sliding_window, cfg.seq_len, ring, a.block_q, a.block_k)
     if kernel in ("cudnn", "pallas"):
         raise ConfigError(f"attention.backend={a.backend} runs the {kernel} kernel, which does not take a sliding "
                           f"window (model.sliding_window={m.sliding_window}) yet; give attention.backend=blockwise",

@@ -37,6 +37,7 @@ from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, axi
 from jaxlong.kernels.backend import attention, resolve_backend
 from jaxlong.layers import blocks as L
 from jaxlong.layers.projection import project_qkv
+from jaxlong.parallel.halo import halo_attention_local
 from jaxlong.parallel.ring import ring_attention_local, run_ids
 
 
@@ -101,15 +102,16 @@ def ulysses_attention(
       ids_are_runs: with ring > 1, `segment_ids` are already run ids (`gather_segment_ids` makes them once per
         step); otherwise each call computes them.
       window: 0, or a sliding window of that many positions (a local layer): after the all-to-all each device
-        holds whole sequences for its heads, so the kernel skips what the window masks
-        (`jaxlong.kernels.blockwise`); ring > 1 does not take a window yet.
+        holds whole sequences for its heads (ring = 1), so the kernel skips what the window masks
+        (`jaxlong.kernels.blockwise`); with ring > 1 each ring rank receives a halo of the window's K/V from its
+        neighbours instead of the ring (`jaxlong.parallel.halo`).
 
     Returns:
       `[batch, seq, heads, head_dim]`, sharded like q.
 
     Raises:
       ConfigError: heads not divisible by the context degree, or kv_heads and context not dividing one another.
-      ValueError: a window with ring > 1.
+      ConfigError: with ring > 1, a window wider than a ring rank's half-chunk (`jaxlong.parallel.halo`).
     """
     context = mesh.shape[CONTEXT_AXIS]
     check_heads(q.shape[2], k.shape[2], context)
@@ -117,16 +119,16 @@ def ulysses_attention(
     v = replicate_kv_heads(v, context)
     spec = P(BATCH_AXES, seq_axes(mesh), None, None)
     ring = axis_size(mesh, RING_AXIS)
-    if window and ring > 1:
-        raise ValueError(f"a sliding window (window={window}) does not run under ring attention (mesh.ring={ring}) "
-                         f"yet; mesh.ring=1 runs it under Ulysses")
     kernel = dict(backend=backend, causal=causal, block_q=block_q, block_k=block_k, window=window)
     if ring > 1:
         ring_backend = resolve_backend(backend, q, segment_ids, platform=mesh.devices.flat[0].platform)
 
     def local(q, k, v, seg=None):
         q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
-        if ring > 1:
+        if ring > 1 and window:
+            out = halo_attention_local(q, k, v, window=window, block_q=block_q, block_k=block_k, segment_ids=seg,
+                                       ids_are_runs=ids_are_runs)
+        elif ring > 1:
             out = ring_attention_local(q, k, v, causal=causal, block_q=block_q, block_k=block_k, segment_ids=seg,
                                        backend=ring_backend, ids_are_runs=ids_are_runs)
         else:

@@ -119,28 +119,38 @@ def test_bad_windows_are_refused():
         K.blockwise_attention_fwd(q, k, v, causal=False, window=4)
 
 
-def test_ulysses_runs_a_window_on_whole_sequences_per_head_group_with_one_kv_head():
-    """Ulysses on context 4 x FSDP 2 (batch 2), 4 query heads and 1 KV head (Gemma 3 270M's), packed documents, a
-    window of 12 straddling the 16-token shards: the output and the gradients equal the dense softmax's; after the
-    all-to-all every device holds whole sequences, so the kernel applies the window as on one device. Under ring
-    the window is refused in one line."""
+RING_CASES = [  # (data, fsdp, ring, context), window: Ulysses alone; the halo exchange on ring 2 and ring 4 x Ulysses 2
+    ((1, 2, 1, 4), 12), ((1, 1, 2, 4), 12), ((1, 1, 4, 2), 8)]
+
+
+@pytest.mark.parametrize("axes,window", [pytest.param(a, w, marks=() if i < 2 else pytest.mark.slow)
+                                         for i, (a, w) in enumerate(RING_CASES)], ids=["ulysses4", "ring2-ulysses4",
+                                                                                        "ring4-ulysses2"])
+def test_ulysses_and_ring_run_a_window_with_one_kv_head(axes, window):
+    """4 query heads and 1 KV head (Gemma 3 270M's), packed documents, 64 tokens, a window straddling the shards:
+    the output and the gradients equal the dense softmax's. Under Ulysses alone each device holds whole sequences
+    after the all-to-all; under ring each rank receives its halo (the window's K/V) from its neighbours by
+    `ppermute` in the zigzag layout, and sends their gradients back. A window wider than a ring rank's half-chunk
+    is refused in one line."""
     from helpers import axes_mesh
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from jaxlong.core.errors import ConfigError
+    from jaxlong.parallel.ring import unzigzag, zigzag
     from jaxlong.parallel.ulysses import ulysses_attention
 
-    mesh = axes_mesh(data=1, fsdp=2, context=4)
-    seq, window = 64, 12
+    data, fsdp, ring, context = axes
+    mesh = axes_mesh(data=data, fsdp=fsdp, ring=ring, context=context)
+    seq = 64
     q, k, v, w = _inputs(seq, 4, 1, seed=3)
     ids = np.repeat(np.array([[1, 2], [3, 4]]), [40, 24], axis=1).astype(np.int32)
-    spec = NamedSharding(mesh, P(("data", "fsdp"), "context", None, None))
+    spec = NamedSharding(mesh, P(("data", "fsdp"), ("ring", "context"), None, None))
     opts = dict(mesh=mesh, backend="blockwise", block_q=16, block_k=16, window=window)
 
-    def loss(q, k, v, ids):
-        ids = jax.lax.with_sharding_constraint(ids, NamedSharding(mesh, P(("data", "fsdp"), None)))
-        out = ulysses_attention(*(jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v)), segment_ids=ids,
-                                **opts)
+    def loss(q, k, v, ids):  # natural order in and out; the zigzag layout inside, as the model lays out its batch
+        z = [jax.lax.with_sharding_constraint(zigzag(x, ring), spec) for x in (q, k, v)]
+        out = unzigzag(ulysses_attention(*z, segment_ids=zigzag(ids, ring), **opts), ring)
         return jnp.sum(out * w), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v, jnp.asarray(ids))
@@ -149,5 +159,21 @@ def test_ulysses_runs_a_window_on_whole_sequences_per_head_group_with_one_kv_hea
     want = jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(grads, want):
         np.testing.assert_allclose(a, b, **TOL)
-    with pytest.raises(ValueError, match="does not run under ring attention"):
-        ulysses_attention(q, k, v, **{**opts, "mesh": axes_mesh(data=1, fsdp=1, ring=2, context=4)})
+    if ring == 4:
+        with pytest.raises(ConfigError, match="longer than a ring rank's half-chunk"):
+            jax.jit(loss)(q, k, v, jnp.asarray(ids)) if False else jax.eval_shape(
+                lambda *a: ulysses_attention(*a[:3], segment_ids=a[3], **{**opts, "window": 12}), q, k, v,
+                jnp.asarray(ids))
+
+
+@pytest.mark.slow
+def test_a_local_layer_under_ring_sends_its_halo_not_the_shards():
+    """The compiled forward and backward of a local layer's attention under ring 4 x Ulysses 2 holds 8
+    collective-permutes of the halo (128 rows of K and V for each half-chunk, and their gradients back): 1/6 of the
+    bytes a global layer's ring permutes show in its program, before the R - 1 = 3 trips of their loops
+    (experiments/window_permute_bytes.py)."""
+    from experiments.window_permute_bytes import permute_bytes
+
+    local, glob = permute_bytes(2048, 4, 2, 128), permute_bytes(2048, 4, 2, 0)
+    assert local == 8 * 128 * 1 * 64 * 4  # 8 permutes of [1, 128, 1 KV head, 64] float32
+    assert glob >= 6 * local
