@@ -85,7 +85,9 @@ def test_greedy_generation_equals_transformers(model_dir, name):
     mesh = build_mesh(cfg.mesh)
     gen = Generator(cfg, mesh, hf.load_params(model_dir, cfg.model, mesh, cfg.param_dtype), HFTokenizer(model_dir),
                     max_new_tokens=new)
-    out = gen(prompts)
+    short = [i for i, p in enumerate(prompts) if len(p) < 512]  # two batches: the short prompts are not padded long
+    long_ = [i for i in range(len(prompts)) if i not in short]
+    out = dict(zip(short, gen([prompts[i] for i in short]))) | dict(zip(long_, gen([prompts[i] for i in long_])))
     parted = {}
     for r, want in enumerate(g["greedy"]):
         got = np.asarray(out[r].tokens)
