@@ -506,8 +506,8 @@ def _check_layout(cfg: Config, n: int, platform: str | None) -> None:
 def _check_family(cfg: Config, ring: int, kernel: str) -> None:
     """What the model's family and its sliding windows need of the rest of the run, where jaxlong does not run it yet:
     Gemma 3's sandwich norms and query scale under U-Pipe, a window wider than a ring rank's half-chunk (the halo's
-    one hop, `jaxlong.parallel.halo.check_halo`), a window in the cuDNN and Pallas kernels and in the chunked
-    prefill.
+    one hop, `jaxlong.parallel.halo.check_halo`), a window in the cuDNN and Pallas kernels (the chunked prefill
+    runs its blockwise loop for a windowed model).
 
     Raises:
       ConfigError: naming the option, its value and what does run.
@@ -526,10 +526,6 @@ def _check_family(cfg: Config, ring: int, kernel: str) -> None:
                           f"window (model.sliding_window={m.sliding_window}) yet; give attention.backend=blockwise",
                           key="attention.backend", value=a.backend, keys=("model.sliding_window",),
                           suggestions=({"attention.backend": "blockwise"},))
-    if cfg.prefill_chunk:
-        raise ConfigError(f"prefill_chunk={cfg.prefill_chunk}: the chunked prefill does not take sliding-window "
-                          f"layers (model.sliding_window={m.sliding_window}) yet; give prefill_chunk=0",
-                          key="prefill_chunk", value=cfg.prefill_chunk, suggestions=({"prefill_chunk": 0},))
 
 
 def validate_ruler(cfg: Config) -> None:

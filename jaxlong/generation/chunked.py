@@ -50,6 +50,7 @@ from jaxlong.kernels import pallas_gpu as pallas_kernel
 from jaxlong.kernels.merge import NEG, merge_across, normalise
 from jaxlong.kernels.layout import pallas_head_dim_ok
 from jaxlong.models import llama as model_lib
+from jaxlong.models.family import LOCAL, layer_kinds
 
 __all__ = ["chunk_order", "chunk_tiles", "chunk_kv_steps", "chunk_kernel", "ChunkedPrefill"]
 
@@ -93,15 +94,18 @@ def chunk_kernel(cfg, mesh) -> str:
     where it takes the head dim and dtype, `blockwise` (a pure-JAX online softmax) elsewhere."""
     gpu = mesh.devices.flat[0].platform == "gpu"
     ok = pallas_head_dim_ok(cfg.model.head_dim) and cfg.compute_dtype in ("bfloat16", "float16", "float32")
+    ok = ok and not cfg.model.sliding_window  # the Pallas kernel takes no window
     return "pallas" if gpu and ok else "blockwise"
 
 
-def _partial_blockwise(q, k, v, lo, kb: int, qb: int):
+def _partial_blockwise(q, k, v, lo, kb: int, qb: int, window=None):
     """One shard's attention of a chunk's queries over its cache, by a blockwise online softmax (FlashAttention,
     arXiv 2205.14135, Alg. 1). q `[b, chunk, h, d]`, k, v `[b, kv, local_n, d]` (one layer, head-major), `lo`
     `[chunk]` the first slot each query sees (the key tiles below a query tile's least bound are not visited); `kb`,
-    `qb` the key and query tiles (`chunk_tiles`). Returns (the output over these keys `[b, chunk, h, d]` float32,
-    its log-sum-exp `[b, chunk, h]`, `NEG` where a query sees none)."""
+    `qb` the key and query tiles (`chunk_tiles`). `window`: None, or `(key_index [local_n], floor [chunk])`: a
+    query sees only the keys whose prompt index is above its floor (a sliding-window layer: its index less the
+    window). Returns (the output over these keys `[b, chunk, h, d]` float32, its log-sum-exp `[b, chunk, h]`, `NEG`
+    where a query sees none)."""
     b, chunk, h, d = q.shape
     kv, local_n = k.shape[1], k.shape[2]
     group = h // kv
@@ -116,6 +120,10 @@ def _partial_blockwise(q, k, v, lo, kb: int, qb: int):
             kblk = jax.lax.dynamic_slice_in_dim(k, t * kb, kb, axis=2).astype(jnp.float32)
             vblk = jax.lax.dynamic_slice_in_dim(v, t * kb, kb, axis=2).astype(jnp.float32)
             ok = (t * kb + jnp.arange(kb))[None, :] >= first[:, None]  # [qb, kb]
+            if window is not None:  # and within the window of prompt indices
+                key_index, floor = window
+                ok = ok & (jax.lax.dynamic_slice_in_dim(key_index, t * kb, kb)[None, :]
+                           > jax.lax.dynamic_slice_in_dim(floor, qi * qb, qb)[:, None])
             sc = jnp.where(ok, jnp.einsum("bqkgd,bknd->bkgqn", qs, kblk), NEG)
             top = jnp.maximum(mx, jnp.max(sc, axis=-1))
             p = jnp.where(ok, jnp.exp(sc - top[..., None]), 0.0)
@@ -150,6 +158,8 @@ def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str):
     devices = seq_shards(mesh)
     cl, local_n = chunk // devices, n // devices
     kb, qb = chunk_tiles(cfg, chunk, devices)
+    # each layer's window in prompt positions: a local layer's, or wider than any prompt for a global one
+    windows = jnp.asarray([cfg.model.sliding_window if k == LOCAL else 2**30 for k in layer_kinds(cfg.model)])
 
     def write(kc, vc, k, v, i, j):
         """Local: the slice's k, v `[b, kv, cl, d]` (ascending) into layer i of the shard, descending, chunk j's
@@ -168,8 +178,13 @@ def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str):
         # Each query sees the local keys of prompt index <= its own, the shard's last ones: the earlier chunks'
         # slices, and of chunk j's slice those up to the query.
         lo = local_n - (j * cl + jnp.clip(jnp.arange(chunk) - dev * cl + 1, 0, cl))
+        window = None
+        if cfg.model.sliding_window:  # each slot's prompt index (`chunk_order`), each query's floor
+            r = local_n - 1 - jnp.arange(local_n)
+            key_index = (r // cl) * chunk + dev * cl + r % cl
+            window = (key_index, j * chunk + jnp.arange(chunk) - windows[i])
         if kernel == "blockwise":
-            o, lse = _partial_blockwise(q, kc[i], vc[i], lo, kb, qb)
+            o, lse = _partial_blockwise(q, kc[i], vc[i], lo, kb, qb, window)
         else:
             o, lse = _partial_pallas(q, kc[i], vc[i], lo, interpret=kernel == "pallas-interpret")
         # exact merge over the shards, each device keeping its own slice's queries; a query that sees no key: 0

@@ -1,4 +1,7 @@
-"""Llama-3 in Flax NNX: token embedding, a scan over stacked decoder layers, final RMSNorm, output head.
+"""The decoder-only model of every family in Flax NNX: token embedding, a scan over stacked decoder layers, final
+RMSNorm, output head. Llama-3 is written out below; a family (`jaxlong.models.family`: Gemma 3) names the parts its
+layer adds (the norm's `1 + w`, post-attention and post-MLP norms, GeGLU, the embedding scale, the query scale,
+sliding-window layers), and the one `DecoderLayer` serves training, the prefill, the chunked prefill and decoding.
 
 Each decoder layer (Llama-3, Grattafiori et al. 2024, §3; Touvron et al. 2023, §2.2) is
 `x += W_o attention(RoPE(W_q n(x)), RoPE(W_k n(x)), W_v n(x))` then `x += SwiGLU(n(x))`, with RMSNorm `n`
@@ -10,7 +13,8 @@ linear, llama3, yarn; `jaxlong.layers.blocks.rope_frequencies`). Hugging Face ch
 `jaxlong.models.hf`.
 
 The decoder layers' parameters are stacked on a leading `[layers]` axis and run by one `lax.scan`, so compile
-time does not grow with depth. Inside the scan body each layer's FSDP-sharded weights are cast to the compute
+time does not grow with depth; layers of different kinds (global, or local with a window) switch on their kind
+inside it (`lax.switch` between the kinds' attention records, `Runtime.attention_context`). Inside the scan body each layer's FSDP-sharded weights are cast to the compute
 dtype and gathered (a replicated sharding constraint), so only one layer's full weights are live at a time;
 the transpose of that gather reduce-scatters the gradients.
 

@@ -146,7 +146,6 @@ def test_every_windowed_mesh_equals_the_dense_single_device_reference(name):
 @pytest.mark.parametrize("overrides,match", [
     (("mesh.ring=8", "mesh.fsdp=1", "mesh.context=1"), "longer than a ring rank's half-chunk"),
     (("attention.impl=upipe", "mesh.context=4", "mesh.fsdp=2"), "attention.impl=upipe does not run model.family"),
-    (("prefill_chunk=16",), "the chunked prefill does not take sliding-window"),
     (("attention.backend=cudnn", "data.packing=concat", "compute_dtype=bfloat16"), "does not take a sliding window"),
     (("model.family=llama",), "model.family=llama has no sliding-window layers"),
     (("model.layer_types=[full_attention]",), "give model.layers=4 entries"),
@@ -169,12 +168,19 @@ def test_layer_kinds_follow_the_pattern_or_the_listed_types():
                                   pytest.param(("mesh.fsdp=2", "mesh.context=4"), id="fsdp2-ulysses4",
                                                marks=pytest.mark.slow),
                                   pytest.param(("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "attention.block_q=8",
-                                                "attention.block_k=8"), id="ring2-ulysses4", marks=pytest.mark.slow)])
+                                                "attention.block_k=8"), id="ring2-ulysses4", marks=pytest.mark.slow),
+                                  pytest.param(("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1",
+                                                "prefill_chunk=16"), id="one-chunks16"),
+                                  pytest.param(("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "attention.block_q=8",
+                                                "attention.block_k=8", "prefill_chunk=16"), id="ring2-ulysses4-chunks16",
+                                               marks=pytest.mark.slow)])
 def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
     """Prompts of 37, 20 and 3 tokens (the longest 4 windows long) decoded 6 steps from the cache: a local layer's
     query sees the prompt keys and generated tokens within its window of positions (the cache keeps each key's
-    position); every step's logits equal a whole one-device forward of the sequence so far (materialized attention
-    with the window), and the tokens are its argmax."""
+    position); with `prefill_chunk=16` the 37 and 20-token prompts are prefilled in chunks, each chunk's local
+    layers seeing the cache within their window (windows straddle the chunks). Every step's logits equal a whole
+    one-device forward of the sequence so far (materialized attention with the window), and the tokens are its
+    argmax."""
     from jaxlong.core.mesh import build_mesh
     from jaxlong.data import ByteTokenizer
     from jaxlong.generation.generate import Generator
