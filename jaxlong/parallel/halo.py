@@ -54,10 +54,13 @@ def halo_rows(window: int, half: int, block_q: int, block_k: int) -> int:
 
 
 def check_halo(window: int, seq_len: int, ring: int, block_q: int, block_k: int) -> None:
-    """A sliding window under ring attention needs its halo within one half-chunk (`seq_len / (2 mesh.ring)`).
+    """A sliding window under ring attention needs its halo within one half-chunk (`seq_len / (2 mesh.ring)`), unless
+    it is as long as the sequence (it then masks nothing, and the layer runs as a global one).
 
     Raises:
       ConfigError: the halo (`halo_rows`) is longer than a half-chunk, naming what would fit."""
+    if window >= seq_len:  # every query sees the whole sequence: the ring runs it as a global layer
+        return
     half = seq_len // (2 * ring)
     h = halo_rows(window, half, block_q, block_k)
     if h > half:

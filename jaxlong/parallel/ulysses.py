@@ -119,13 +119,14 @@ def ulysses_attention(
     v = replicate_kv_heads(v, context)
     spec = P(BATCH_AXES, seq_axes(mesh), None, None)
     ring = axis_size(mesh, RING_AXIS)
+    seq = q.shape[1]
     kernel = dict(backend=backend, causal=causal, block_q=block_q, block_k=block_k, window=window)
     if ring > 1:
         ring_backend = resolve_backend(backend, q, segment_ids, platform=mesh.devices.flat[0].platform)
 
     def local(q, k, v, seg=None):
         q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
-        if ring > 1 and window:
+        if ring > 1 and 0 < window < seq:  # a window as long as the sequence masks nothing: the ring runs it
             out = halo_attention_local(q, k, v, window=window, block_q=block_q, block_k=block_k, segment_ids=seg,
                                        ids_are_runs=ids_are_runs)
         elif ring > 1:

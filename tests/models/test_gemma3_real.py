@@ -4,7 +4,8 @@ its greedy continuations with `jaxlong.generation` equal transformers' `generate
 shorter than a window, 3 of 2,100 to 2,600 tokens: longer than 4 windows, where a wrong window shows), parting
 only at a near-tie; the tokenizer.json derived from the GGUF gives transformers' ids; `python -m jaxlong.generate
 DIR --prompt ...` prints transformers' text. On one device in the slow tier; on Ulysses 4 (the largest degree its 4
-query heads allow; the 1 KV head replicated) too with JAXLONG_GENERATE_ALL_MESHES=1. transformers' outputs are stored once
+query heads allow; the 1 KV head replicated) and, for the greedy text, ring 2 too with
+JAXLONG_GENERATE_ALL_MESHES=1. transformers' outputs are stored once
 (tests/fixtures/gemma3/golden.npz, tests/make_gemma3_golden.py, versions in its RECORD.md)."""
 
 import os
@@ -28,9 +29,18 @@ pytestmark = pytest.mark.slow
 
 ALL = os.environ.get("JAXLONG_GENERATE_ALL_MESHES") == "1"
 MESHES = {"one": ("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1"),
-          "ulysses4": ("mesh.num_devices=4", "mesh.fsdp=1", "mesh.context=4")}
-CASES = [pytest.param(n, marks=() if n == "one" or ALL else pytest.mark.skip(reason="set JAXLONG_GENERATE_ALL_MESHES=1"))
-         for n in MESHES]
+          "ulysses4": ("mesh.num_devices=4", "mesh.fsdp=1", "mesh.context=4"),
+          # the long prompts' local layers by the halo exchange (half-chunks of 650 tokens and more hold the 512 window);
+          # the short prompts', no longer than the window, by the ring as global layers
+          "ring2": ("mesh.num_devices=2", "mesh.fsdp=1", "mesh.ring=2", "mesh.context=1")}
+
+
+def _cases(names):
+    return [pytest.param(n, marks=() if n == "one" or ALL else pytest.mark.skip(
+        reason="set JAXLONG_GENERATE_ALL_MESHES=1")) for n in names]
+
+
+CASES = _cases(["one", "ulysses4"])
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +86,12 @@ def test_logits_of_real_text_equal_transformers(model_dir, name):
     assert result["argmax_equal"] > 0.999, result
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", _cases(["one", "ulysses4", "ring2"]))
 def test_greedy_generation_equals_transformers(model_dir, name):
     g = gemma3.golden()
     prompts = [p[p >= 0] for p in g["prompt_ids"]]
     new = g["greedy"].shape[1]
-    cfg = _cfg(model_dir, name, 2688)
+    cfg = _cfg(model_dir, name, 3072)
     mesh = build_mesh(cfg.mesh)
     gen = Generator(cfg, mesh, hf.load_params(model_dir, cfg.model, mesh, cfg.param_dtype), HFTokenizer(model_dir),
                     max_new_tokens=new)
