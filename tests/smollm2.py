@@ -77,12 +77,14 @@ def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face name of a GGUF tensor (KeyError for one this model does not have)."""
+def hf_name(gguf_name: str, names: dict | None = None) -> str:
+    """The Hugging Face name of a GGUF tensor by `names` (GGUF name -> HF name, `{i}` the layer; default this model's
+    `NAMES`); KeyError for one the model does not have."""
+    names = NAMES if names is None else names
     parts = gguf_name.split(".")
     if parts[0] == "blk":
-        return NAMES["blk.{i}." + ".".join(parts[2:])].format(i=parts[1])
-    return NAMES[gguf_name]
+        return names["blk.{i}." + ".".join(parts[2:])].format(i=parts[1])
+    return names[gguf_name]
 
 
 def _gguf_file(cache: Path) -> Path:
