@@ -43,7 +43,6 @@ from jaxlong.objectives.dpo import DPOConfig
 from jaxlong.objectives.registry import ObjectiveName, check_objective, objective_for
 from jaxlong.optim.adamw import OptimConfig, schedule_length, validate_optim
 from jaxlong.parallel.dispatch import AttentionConfig, check_attention
-from jaxlong.parallel.halo import check_halo
 from jaxlong.parallel.ring import check_ring
 from jaxlong.parallel.ulysses import check_heads
 from jaxlong.parallel.upipe import check_upipe_remat_names, check_upipe_schedule
@@ -504,23 +503,15 @@ def _check_layout(cfg: Config, n: int, platform: str | None) -> None:
 
 
 def _check_family(cfg: Config, ring: int, kernel: str) -> None:
-    """What the model's family and its sliding windows need of the rest of the run, where jaxlong does not run it yet:
-    Gemma 3's sandwich norms and query scale under U-Pipe, a window wider than a ring rank's half-chunk (the halo's
-    one hop, `jaxlong.parallel.halo.check_halo`), a window in the cuDNN and Pallas kernels (the chunked prefill
-    runs its blockwise loop for a windowed model).
+    """What the model's sliding windows need of the rest of the run, where jaxlong does not run it yet: a window in
+    the cuDNN and Pallas kernels (the chunked prefill runs its blockwise loop for a windowed model).
 
     Raises:
       ConfigError: naming the option, its value and what does run.
     """
     m, a = cfg.model, cfg.attention
-    if m.family != "llama" and a.impl == "upipe":
-        raise ConfigError(f"attention.impl=upipe does not run model.family={m.family} yet (its post-attention norm "
-                          f"and query scale); attention.impl=ulysses does", key="attention.impl", value=a.impl,
-                          keys=("model.family",), suggestions=({"attention.impl": "ulysses"},))
     if not m.sliding_window:
         return
-    if ring > 1:
-        check_halo(m.sliding_window, cfg.seq_len, ring, a.block_q, a.block_k)
     if kernel in ("cudnn", "pallas"):
         raise ConfigError(f"attention.backend={a.backend} runs the {kernel} kernel, which does not take a sliding "
                           f"window (model.sliding_window={m.sliding_window}) yet; give attention.backend=blockwise",

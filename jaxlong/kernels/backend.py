@@ -92,6 +92,12 @@ def kernel_that_runs(backend: str, platform: str | None, *, compute_dtype: str, 
     return None if platform is None else auto_backend(platform, compute_dtype, head_dim, segment_ids)
 
 
+def _check_window_backend(backend: str, window: int) -> None:
+    if window and backend in ("cudnn", "pallas"):
+        raise ValueError(f"attention.backend={backend} does not take a sliding window (window={window}) yet; "
+                         f"attention.backend=blockwise does")
+
+
 def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: int = 512,
               block_k: int = 512, segment_ids=None, window: int = 0):
     """Differentiable attention with backend dispatch; returns `out` (shape/dtype of q).
@@ -106,9 +112,7 @@ def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: i
     kernel does).
     """
     backend = resolve_backend(backend, q, segment_ids)
-    if window and backend in ("cudnn", "pallas"):
-        raise ValueError(f"attention.backend={backend} does not take a sliding window (window={window}) yet; "
-                         f"attention.backend=blockwise does")
+    _check_window_backend(backend, window)
     if backend == "blockwise":
         return blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
                                    segment_ids=segment_ids, window=window)
@@ -120,7 +124,7 @@ def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: i
 
 
 def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = True,
-                           block_q: int = 512, block_k: int = 512, segment_ids=None):
+                           block_q: int = 512, block_k: int = 512, segment_ids=None, window: int = 0):
     """Forward returning `(out, lse)`, for ops with their own custom_vjp.
 
     * `'blockwise'`: `blockwise_attention_fwd` (real lse).
@@ -128,38 +132,41 @@ def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = Tru
     * `'cudnn'`: `jaxlong.kernels.cudnn.cudnn_attention_fwd`, cuDNN's softmax statistic,
       which is the same natural-log lse.
     * `'pallas'`: `jaxlong.kernels.pallas_gpu.pallas_attention_fwd` (real lse, segment ids).
-    `segment_ids` as for `attention`.
+    `segment_ids`, `window` as for `attention`.
     """
     backend = resolve_backend(backend, q, segment_ids)
+    _check_window_backend(backend, window)
     if backend == "blockwise":
         return blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
-                                       block_k=block_k, segment_ids=segment_ids)
+                                       block_k=block_k, segment_ids=segment_ids, window=window)
     if backend == "reference":
-        return reference_attention_with_lse(q, k, v, causal=causal, segment_ids=segment_ids)
+        return reference_attention_with_lse(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
     if backend == "pallas":
         return pallas_kernel.pallas_attention_fwd(q, k, v, causal=causal, segment_ids=segment_ids)
     return cudnn_kernel.cudnn_attention_fwd(q, k, v, causal=causal)
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: bool = True,
-                  block_q: int = 512, block_k: int = 512, segment_ids=None):
+                  block_q: int = 512, block_k: int = 512, segment_ids=None, window: int = 0):
     """Backward matching `attention_fwd_with_lse`; returns `(dq, dk, dv)`.
 
     `'blockwise'` uses `blockwise_attention_bwd`, `'cudnn'`
     `jaxlong.kernels.cudnn.cudnn_attention_bwd` and `'pallas'`
     `jaxlong.kernels.pallas_gpu.pallas_attention_bwd`, all from the saved `out`/`lse` (no
     forward is rerun). `'reference'` (tests only) ignores `out`/`lse` and recomputes the
-    forward under `jax.vjp`. Dtypes follow q, k, v.
+    forward under `jax.vjp`. Dtypes follow q, k, v. `window` must match the forward's.
     """
     backend = resolve_backend(backend, q, segment_ids)
+    _check_window_backend(backend, window)
     if backend == "blockwise":
-        return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal,
-                                       block_q=block_q, block_k=block_k, segment_ids=segment_ids)
+        return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal, block_q=block_q,
+                                       block_k=block_k, segment_ids=segment_ids, window=window)
     if backend == "cudnn":
         return cudnn_kernel.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=causal)
     if backend == "pallas":
         return pallas_kernel.pallas_attention_bwd(q, k, v, out, lse, dout, causal=causal, segment_ids=segment_ids)
-    _, vjp = jax.vjp(functools.partial(reference_attention, causal=causal, segment_ids=segment_ids), q, k, v)
+    _, vjp = jax.vjp(functools.partial(reference_attention, causal=causal, segment_ids=segment_ids, window=window),
+                     q, k, v)
     return vjp(dout.astype(q.dtype))
 
 

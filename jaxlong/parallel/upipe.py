@@ -103,6 +103,8 @@ from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels.backend import attention_bwd, attention_fwd_with_lse, resolve_backend
 from jaxlong.layers import blocks as L
 from jaxlong.layers.remat import ATTENTION_NAMES
+from jaxlong.parallel.halo import halo_attention_bwd, halo_attention_fwd
+from jaxlong.parallel.record import SublayerContext, SublayerWeights
 from jaxlong.parallel.ring import add_rounded, ring_attention_bwd, ring_attention_fwd, zigzag_positions
 from jaxlong.parallel.ulysses import check_heads, ulysses_attention
 
@@ -117,14 +119,31 @@ def _ring_size() -> int:
     return int(mesh.shape[RING_AXIS]) if RING_AXIS in mesh.axis_names else 1
 
 
+def _halo(q, kernel: dict) -> bool:
+    """Whether this stage's attention is a local layer's under ring: the halo exchange (`jaxlong.parallel.halo`)
+    instead of the ring, unless the window spans the whole sequence (then it masks nothing)."""
+    return _ring_size() > 1 and 0 < kernel["window"] < q.shape[1] * _ring_size()
+
+
+def _ring_args(kernel: dict) -> dict:
+    return {k: v for k, v in kernel.items() if k != "window"}
+
+
+def _halo_args(kernel: dict) -> dict:
+    return dict(window=kernel["window"], block_q=kernel["block_q"], block_k=kernel["block_k"])
+
+
 def _attention_fwd(q, k, v, kernel: dict, seg=None, runs: bool = False):
     """The stage's attention on `[b, S/R, U/C, d]`: ring attention over `ring` (U-Pipe x ring) when R > 1, its
-    blocks on `kernel["backend"]` (resolved for the mesh's devices); `seg`: segment ids of the whole sequence
-    `[b, S]` (document masking; zigzag layout with ring attention, where `runs` says they are run ids).
+    blocks on `kernel["backend"]` (resolved for the mesh's devices), or a local layer's halo exchange
+    (`kernel["window"]`); `seg`: segment ids of the whole sequence `[b, S]` (document masking; zigzag layout with
+    ring attention, where `runs` says they are run ids).
     Returns (out, lse, k, v): under ring attention the KV group's K/V come back from their trip around the ring
     (`return_kv`), so the next stage uses them and no second copy stays on the device while the ring runs."""
+    if _halo(q, kernel):  # only the window's K/V move, one way; the group's K/V stay home
+        return (*halo_attention_fwd(q, k, v, segment_ids=seg, ids_are_runs=runs, **_halo_args(kernel)), k, v)
     if _ring_size() > 1:
-        return ring_attention_fwd(q, k, v, segment_ids=seg, ids_are_runs=runs, return_kv=True, **kernel)
+        return ring_attention_fwd(q, k, v, segment_ids=seg, ids_are_runs=runs, return_kv=True, **_ring_args(kernel))
     return (*attention_fwd_with_lse(q, k, v, segment_ids=seg, **kernel), k, v)
 
 
@@ -132,10 +151,14 @@ def _attention_bwd(q, k, v, o, lse, do, dkv, kernel: dict, seg=None, runs: bool 
     """The stage's attention backward: (dq, the KV group's accumulators `dkv` with this stage's dK, dV added,
     k, v); under ring attention the accumulators and K/V travel the ring (`ring_attention_bwd`'s `dkv`,
     `return_kv`), so the device holds one KV block and one pair of accumulators at a time."""
-    if _ring_size() > 1:
+    if _halo(q, kernel):
+        dq, dk, dv = halo_attention_bwd(q, k, v, o, lse, do, segment_ids=seg, ids_are_runs=runs,
+                                        **_halo_args(kernel))
+    elif _ring_size() > 1:
         return ring_attention_bwd(q, k, v, o, lse, do, segment_ids=seg, ids_are_runs=runs, dkv=dkv,
-                                  return_kv=True, **kernel)
-    dq, dk, dv = attention_bwd(q, k, v, o, lse, do, segment_ids=seg, **kernel)
+                                  return_kv=True, **_ring_args(kernel))
+    else:
+        dq, dk, dv = attention_bwd(q, k, v, o, lse, do, segment_ids=seg, **kernel)
     return dq, add_rounded(dkv[0], dk), add_rounded(dkv[1], dv), k, v
 
 
@@ -394,6 +417,12 @@ def accumulate_product(dx: jax.Array, dy: jax.Array, w: jax.Array, tiles: int = 
     return jax.lax.fori_loop(0, tiles, body, dx)
 
 
+def _q_scaled(q, opts: dict):
+    """Queries times the layer's query scale (`SublayerContext.query_scale`, Gemma 3's `query_pre_attn_scalar`),
+    after RoPE; the backward applies the same scalar to dq (its own transpose)."""
+    return q if opts["q_scale"] == 1.0 else (q * opts["q_scale"]).astype(q.dtype)
+
+
 def _rope_positions(x, pos):
     """RoPE positions of this device's shard: the batch's `pos` `[b, S/C]` (per-document positions of packed
     documents), or the global token indices when None."""
@@ -420,13 +449,41 @@ def _forward(x, wq, wk, wv, pos, seg, sch: Schedule, opts: dict, qk=None, fold=N
         def stage(carry, u):
             out, k, v = carry
             q = _seq_to_heads(_project(x, _stage_get(wq, t, u, 1, sch), cos, sin, True, qn, eps, fold))
-            o, lse, k, v = _attention_fwd(q, k, v, opts["kernel"], seg, opts.get("runs", False))
+            o, lse, k, v = _attention_fwd(_q_scaled(q, opts), k, v, opts["kernel"], seg, opts.get("runs", False))
             return (_stage_set(out, _heads_to_seq(o), t, u, 2, sch), k, v), lse
 
         (out, _, _), lse = jax.lax.scan(stage, (out, k, v), jnp.arange(sch.stages_per_group))
         return out, lse
 
     return jax.lax.scan(group, out, jnp.arange(sch.groups))
+
+
+def _stage_output(out, dout, wo, dwo, tu, sch: Schedule, one, opts: dict):
+    """Stage (t, u)'s slice of the saved output buffer `[b, S/C, U, d]` (back from the host if offloaded) and of its
+    gradient: `dout`'s slice, or with `wo` the stage's own `dout @ W_o[s]^T` from the `[b, S/C, hidden]` gradient,
+    whose rows of dW_o (`out_s^T dout`) are written into `dwo` (returned)."""
+    t, u = tu
+    o_s = _stage_get(out, t, u, 2, sch)
+    if opts.get("offload_output"):  # this stage's slice of the output buffer, back from the host
+        o_s = jax.device_put(o_s, jax.memory.Space.Device)
+    if wo is None:
+        return o_s, _stage_get(dout, t, u, 2, sch), dwo
+    wo_s = _stage_get(wo, t, u, 0, sch) * one
+    do_s = jnp.einsum("bsh,ndh->bsnd", dout, wo_s).astype(dout.dtype)
+    dwo_s = jnp.einsum("bsnd,bsh->ndh", o_s, dout, preferred_element_type=jnp.float32)
+    return o_s, do_s, _stage_set(dwo, dwo_s, t, u, 0, sch)
+
+
+def _place_kv_grads(dwk, dwv, dwkv, t, sch: Schedule):
+    """Add KV group t's weight gradients `dwkv` `[hidden, 2 C kc, d]` (K's then V's) into dW_k, dW_v `[hidden,
+    kv_heads, d]`: at the group's heads, or summed over the replicas of each real KV head (H_kv < C)."""
+    n_kv, d = sch.context * sch.kc, dwkv.shape[-1]
+    dwk_t, dwv_t = dwkv[:, :n_kv], dwkv[:, n_kv:]
+    if sch.kv_rep > 1:  # replicas' gradients sum into the real KV head
+        return (dwk + dwk_t.reshape(dwk_t.shape[0], sch.kv_heads, sch.kv_rep, d).sum(2),
+                dwv + dwv_t.reshape(dwv_t.shape[0], sch.kv_heads, sch.kv_rep, d).sum(2))
+    return (jax.lax.dynamic_update_slice_in_dim(dwk, dwk_t, t * n_kv, axis=1),
+            jax.lax.dynamic_update_slice_in_dim(dwv, dwv_t, t * n_kv, axis=1))
 
 
 def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict, wo=None, qk=None, fold=None):
@@ -445,15 +502,12 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
     `dout_s = dout @ W_o[s]^T` `[b, S/C, U, d]`, and accumulates `dW_o[s] = out_s^T dout`, so no full-width
     `[b, S/C, H, d]` output gradient exists. dWo is None without `wo`.
 
-    The recomputed projections use weight slices multiplied by a 1 that XLA cannot fold and that depends on the
-    forward's lse: otherwise, with a single stage (no loop between forward and backward), XLA either merges them
-    with the forward's projections (its CPU pipeline runs common subexpression elimination again after
-    expanding optimization barriers) or schedules them during the forward, and Q, K, V stay alive from the
-    forward to the backward, which is what U-Pipe avoids."""
+    The recomputed projections use weight slices times a 1 that XLA cannot fold and that depends on the forward's
+    lse: otherwise, with a single stage, XLA merges them with the forward's projections (its CPU pipeline runs CSE
+    again after expanding optimization barriers) or schedules them in the forward, and Q, K, V stay alive."""
     d = wq.shape[-1]
     cos, sin = L.rope_tables(_rope_positions(x, pos), d, opts["theta"], opts.get("scaling"))
     f32 = jnp.float32
-    n_kv = sch.context * sch.kc
     # Sequence-sized accumulators (dx `[b, S/C, hidden]`, dK/dV `[b, S, kc, d]`) are kept in the activation
     # dtype; each stage's contribution is a matmul or kernel output with float32 accumulation inside, rounded
     # once, and the running sum is added in float32 and rounded again. In bf16 this is what autodiff of the
@@ -494,21 +548,13 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
             else:
                 q_loc, q_vjp = jax.vjp(rope_norm, _linear(x, wq_s, fold), qk[0])
                 q = _seq_to_heads(q_loc)
-            o_s = _stage_get(out, t, u, 2, sch)
-            if opts.get("offload_output"):  # this stage's slice of the output buffer, back from the host
-                o_s = jax.device_put(o_s, jax.memory.Space.Device)
-            if wo is None:
-                do_s = _stage_get(dout, t, u, 2, sch)
-            else:
-                wo_s = _stage_get(wo, t, u, 0, sch) * one
-                do_s = jnp.einsum("bsh,ndh->bsnd", dout, wo_s).astype(dout.dtype)
-                dwo_s = jnp.einsum("bsnd,bsh->ndh", o_s, dout, preferred_element_type=f32)
-                dwo = _stage_set(dwo, dwo_s, t, u, 0, sch)
-            o, do = _seq_to_heads(o_s), _seq_to_heads(do_s)
+            o_s, do_s, dwo = _stage_output(out, dout, wo, dwo, (t, u), sch, one, opts)
+            o, do, q = _seq_to_heads(o_s), _seq_to_heads(do_s), _q_scaled(q, opts)
             if wo is not None:  # dW_o's rows first: the stage's output slice then dies before the attention backward
                 o, do, dwo = jax.lax.optimization_barrier((o, do, dwo))
             dq, dk_acc, dv_acc, k, v = _attention_bwd(q, k, v, o, lse_s, do, (dk_acc, dv_acc), opts["kernel"], seg,
                                                       opts.get("runs", False))
+            dq = _q_scaled(dq, opts)  # the scale's transpose: dq of the unscaled queries
             if qk is None:
                 dq = _rope(_heads_to_seq(dq), cos, -sin)  # transpose of the rotation
             else:  # through RoPE and the q norm
@@ -530,20 +576,12 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
             dqk = (dqk[0], dqk[1] + dkn.astype(f32))
         dkv = jnp.concatenate([dk.astype(dv.dtype), dv], axis=2)  # one [S/C, hidden] product for both
         dx, dwkv = pull(dx, jnp.concatenate([wk_t, wv_t], axis=1), dkv)
-        dwk_t, dwv_t = dwkv[:, :n_kv], dwkv[:, n_kv:]
-        if sch.kv_rep > 1:  # replicas' gradients sum into the real KV head
-            dwk = dwk + dwk_t.reshape(dwk_t.shape[0], sch.kv_heads, sch.kv_rep, d).sum(2)
-            dwv = dwv + dwv_t.reshape(dwv_t.shape[0], sch.kv_heads, sch.kv_rep, d).sum(2)
-        else:
-            dwk = jax.lax.dynamic_update_slice_in_dim(dwk, dwk_t, t * n_kv, axis=1)
-            dwv = jax.lax.dynamic_update_slice_in_dim(dwv, dwv_t, t * n_kv, axis=1)
+        dwk, dwv = _place_kv_grads(dwk, dwv, dwkv, t, sch)
         return (dx, dwq, dwk, dwv, dwo, dqk), None
 
-    init = [zeros_after(dout, x.shape, acc, _all_axes())]
-    init += [zeros_after(dout, a.shape, f32, _all_axes()) for a in (wq, wk, wv)]
-    init.append(None if wo is None else zeros_after(dout, wo.shape, f32, _all_axes()))
-    init.append(None if qk is None else tuple(zeros_after(dout, s.shape, f32, _all_axes()) for s in qk))
-    (dx, dwq, dwk, dwv, dwo, dqk), _ = jax.lax.scan(group, tuple(init), (jnp.arange(sch.groups), lse))
+    init = (zeros_after(dout, x.shape, acc, _all_axes()),
+            *jax.tree.map(lambda a: zeros_after(dout, a.shape, f32, _all_axes()), (wq, wk, wv, wo, qk)))
+    (dx, dwq, dwk, dwv, dwo, dqk), _ = jax.lax.scan(group, init, (jnp.arange(sch.groups), lse))
     dwo = None if wo is None else dwo.astype(wo.dtype)
     dqk = None if qk is None else tuple(g.astype(s.dtype) for g, s in zip(dqk, qk))
     return dx.astype(x.dtype), dwq.astype(wq.dtype), dwk.astype(wk.dtype), dwv.astype(wv.dtype), dwo, dqk
@@ -571,37 +609,50 @@ def _upipe_local_bwd(sch, opts, res, dout):
 _upipe_local.defvjp(_upipe_local_fwd, _upipe_local_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
-def _upipe_norm_local(x, scale, wq, wk, wv, wo, qk, pos, seg, sch, opts):
-    """U-Pipe on `rms_norm(x, scale)`, with the norm inside the op (see `upipe_attention(norm_scale=...)`);
-    with `wo` (not None) the attention sublayer's output `x + out @ W_o` instead of `out`; `qk`: None or the
-    q/k norm scales; `pos`, `seg`: RoPE positions and segment ids (or None)."""
-    return _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, pos, seg, sch, opts)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
+def _upipe_norm_local(x, scale, wq, wk, wv, wo, qk, post, pos, seg, sch, opts):
+    """U-Pipe on `rms_norm(x, scale)`, with the norm inside the op (see `upipe_attention`); with `wo` (not None)
+    the attention sublayer's output `x + out @ W_o` (`x + post_norm(out @ W_o)` with `post`, Gemma 3's
+    post-attention norm scale) instead of `out`; `qk`: None or the q/k norm scales; `pos`, `seg`: RoPE positions
+    and segment ids (or None)."""
+    return _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, post, pos, seg, sch, opts)[0]
 
 
-def _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, pos, seg, sch, opts):
+def _out_proj(out, wo, post, eps: float, dtype):
+    """`out @ W_o` `[b, S/C, hidden]`, through the post-attention norm when `post` is a scale."""
+    z = jnp.einsum("bsnd,ndh->bsh", out, wo).astype(dtype)
+    return z if post is None else L.rms_norm(z, post, eps)
+
+
+def _upipe_norm_local_fwd(x, scale, wq, wk, wv, wo, qk, post, pos, seg, sch, opts):
     r = L.inv_rms(x, opts["eps"])  # the norm itself is folded into the projections
     out, lse = _forward(x, wq, wk, wv, pos, seg, sch, opts, qk, fold=(r, scale))
     # Tagged for `remat.keep_attention`: a layer that keeps them finds the output buffer and lse where the policy
     # kept them, and its recomputation skips the stages' attention (y is then formed from the kept buffer).
     out, lse = keep_attention_residuals(out, lse)
-    y = out if wo is None else x + jnp.einsum("bsnd,ndh->bsh", out, wo).astype(x.dtype)
-    if opts.get("offload_output"):  # kept in pinned host memory until the backward's stages fetch their slices
+    y = out if wo is None else x + _out_proj(out, wo, post, opts["eps"], x.dtype)
+    if opts["offload_output"]:  # kept in pinned host memory until the backward's stages fetch their slices
         out = jax.device_put(out, jax.memory.Space.Host)
-    return y, (x, scale, r, wq, wk, wv, wo, qk, pos, seg, out, lse)  # the layer input x, not the normalized h
+    return y, (x, scale, r, wq, wk, wv, wo, qk, post, pos, seg, out, lse)  # the layer input x, not the normalized h
 
 
 def _upipe_norm_local_bwd(sch, opts, res, dy):
-    x, scale, r, wq, wk, wv, wo, qk, pos, seg, out, lse = jax.lax.optimization_barrier(res)
+    x, scale, r, wq, wk, wv, wo, qk, post, pos, seg, out, lse = jax.lax.optimization_barrier(res)
+    d_post, dz = None, dy
+    if post is not None:  # through the post-attention norm: out @ W_o recomputed from the saved buffer
+        whole = jax.device_put(out, jax.memory.Space.Device) if opts["offload_output"] else out
+        z = _out_proj(whole, wo, None, opts["eps"], x.dtype)
+        _, pull = jax.vjp(lambda z, p: L.rms_norm(z, p, opts["eps"]), z, post)
+        dz, d_post = pull(dy)
     # The norm stays folded into the recomputed projections (no normalized `[b, S/C, hidden]` copy of x); the
     # opaque 1 keeps the compiler from reusing the forward's folded weights and products instead.
     fold = (r, scale.astype(jnp.float32) * opaque_one(dy, jnp.float32, _all_axes()))
-    dh, dwq, dwk, dwv, dwo, dqk = _backward(x, wq, wk, wv, pos, seg, out, lse, dy, sch, opts, wo=wo, qk=qk,
+    dh, dwq, dwk, dwv, dwo, dqk = _backward(x, wq, wk, wv, pos, seg, out, lse, dz, sch, opts, wo=wo, qk=qk,
                                             fold=fold)
     dx, d_scale = L.rms_norm_bwd(opts["eps"], (x, scale, r), dh)
     if wo is not None:  # the residual connection
         dx = (dy.astype(jnp.float32) + dx.astype(jnp.float32)).astype(x.dtype)
-    return dx, d_scale, dwq, dwk, dwv, dwo, dqk, None, None
+    return dx, d_scale, dwq, dwk, dwv, dwo, dqk, d_post, None, None
 
 
 _upipe_norm_local.defvjp(_upipe_norm_local_fwd, _upipe_norm_local_bwd)
@@ -614,52 +665,58 @@ class _Opts(dict):
         return hash(repr(sorted(self.items())))
 
 
-def upipe_attention(
-    x: jax.Array,
-    wq: jax.Array,
-    wk: jax.Array,
-    wv: jax.Array,
-    *,
-    mesh: jax.sharding.Mesh,
-    heads_per_stage: int,
-    rope_theta: float,
-    backend: str = "auto",
-    causal: bool = True,
-    block_q: int = 512,
-    block_k: int = 512,
-    norm_scale: jax.Array | None = None,
-    norm_eps: float = 1e-5,
-    out_weight: jax.Array | None = None,
-    rope_scaling=None,
-    qk_norm: tuple[jax.Array, jax.Array] | None = None,
-    positions: jax.Array | None = None,
-    segment_ids: jax.Array | None = None,
-    ids_are_runs: bool = False,
-    offload_output: bool = False,
-) -> jax.Array:
+def _options(x, w: SublayerWeights, ctx: SublayerContext, segment_ids, ids_are_runs: bool) -> _Opts:
+    """The op's static options from the layer's record: the kernel (resolved for the mesh's devices under ring,
+    compile-only GPUs included), RoPE, the norms' epsilon, the query scale, offload."""
+    ring = axis_size(ctx.mesh, RING_AXIS)
+    backend = ctx.backend
+    if ring > 1:
+        probe = jax.ShapeDtypeStruct((w.wq.shape[2],), x.dtype)
+        backend = resolve_backend(backend, probe, segment_ids, platform=ctx.mesh.devices.flat[0].platform)
+    kernel = _Opts(backend=backend, causal=True, block_q=ctx.block_q, block_k=ctx.block_k, window=int(ctx.window))
+    scaling = ctx.rope_scaling
+    scaling = None if scaling is None or scaling.type == "none" else scaling
+    return _Opts(theta=float(ctx.rope_theta), kernel=kernel, eps=float(ctx.norm_eps), scaling=scaling,
+                 runs=bool(ids_are_runs and ring > 1), q_scale=float(ctx.query_scale),
+                 offload_output=bool(ctx.offload_attention_output and w.wo is not None))
+
+
+def _check_weights(x, w: SublayerWeights) -> None:
+    if w.norm is None and (w.wo is not None or w.post_norm is not None):
+        raise ValueError("upipe_attention: W_o (and a post-attention norm) need the attention norm's scale: the op "
+                         "then computes x + W_o attention(RMSNorm(x)); give SublayerWeights.norm, or neither")
+    want = (w.wq.shape[1], w.wq.shape[2], x.shape[-1])
+    if w.wo is not None and tuple(w.wo.shape) != want:
+        raise ValueError(f"upipe_attention: wo has shape {tuple(w.wo.shape)}; W_o must be [heads, head_dim, hidden] "
+                         f"= {list(want)}")
+
+
+def upipe_attention(x: jax.Array, w: SublayerWeights, ctx: SublayerContext, *, positions: jax.Array | None = None,
+                    segment_ids: jax.Array | None = None, ids_are_runs: bool = False) -> jax.Array:
     """Head-chunked Ulysses attention from the layer input (projection, RoPE, all-to-alls, attention).
 
     Args:
-      x: layer input `[batch, seq, hidden]`, global; batch over data x fsdp, seq over context. Normalized
-        already, unless `norm_scale` is given.
-      wq: `[hidden, heads, head_dim]`; wk, wv: `[hidden, kv_heads, head_dim]` (replicated, i.e. gathered).
-      heads_per_stage: U, a multiple of the context degree C that divides `heads`.
-      rope_theta: RoPE base; positions are global token indices.
-      backend, causal, block_q, block_k: the attention kernel (`jaxlong.kernels.backend`; with mesh.ring > 1,
-        `auto` is resolved for the mesh's devices and runs ring attention's blocks, `jaxlong.parallel.ring`).
-      norm_scale: the attention RMSNorm's scale `[hidden]` (replicated), to normalize x inside the op:
-        the forward then saves the layer input instead of the normalized one and the backward recomputes the
-        norm after the incoming gradient arrives, so no normalized copy of x stays alive through the rest of
-        the layer's backward (under layer remat x is alive anyway). `norm_eps`: its epsilon.
-      out_weight: W_o `[heads, head_dim, hidden]` (replicated); requires `norm_scale`. The op then returns the
-        whole attention sublayer with its residual connection, `x + W_o attention(RMSNorm(x))`, and its
-        backward forms each stage's slice of the output gradient from the incoming `[b, S/C, hidden]` gradient
-        (`dy @ W_o[stage]^T`, `[b, S/C, U, d]`) and accumulates dW_o stage by stage: no `[b, S/C, H, d]`
-        output gradient is ever live, and the residual gradient seeds dx.
-      rope_scaling: a `jaxlong.layers.blocks.RopeScalingConfig` (or None), as `jaxlong.layers.blocks.rope_tables` takes.
-      qk_norm: None, or Qwen3's (q_norm, k_norm) RMSNorm scales `[head_dim]` (replicated): each stage normalizes
-        its query heads and its KV group's key heads over head_dim (epsilon `norm_eps`) before RoPE, and the
-        backward pulls dQ, dK back through the norms (the scales' gradients included).
+      x: layer input `[batch, seq, hidden]`, global; batch over data x fsdp, seq over ring x context (zigzag
+        layout when ring > 1). Normalized already, unless `w.norm` is given.
+      w: the layer's weights, gathered (replicated) in the compute dtype: wq `[hidden, heads, head_dim]`; wk, wv
+        `[hidden, kv_heads, head_dim]`. With `w.norm` (the attention RMSNorm's scale `[hidden]`) x is normalized
+        inside the op: the forward saves the layer input instead of the normalized one and the backward
+        recomputes the norm after the incoming gradient arrives (folded into the projections), so no normalized
+        copy of x stays alive through the rest of the layer's backward. With `w.wo` (`[heads, head_dim, hidden]`,
+        needs `w.norm`) the op returns the whole sublayer with its residual, `x + W_o attention(RMSNorm(x))`
+        (`x + post_norm(...)` with `w.post_norm`, Gemma 3), and its backward forms each stage's slice of the output
+        gradient from the incoming `[b, S/C, hidden]` gradient (`dy @ W_o[stage]^T`, `[b, S/C, U, d]`) and
+        accumulates dW_o stage by stage: no `[b, S/C, H, d]` output gradient is ever live. `w.qk_norm`: Qwen3's
+        and Gemma 3's q/k RMSNorm scales `[head_dim]`, applied per stage before RoPE.
+      ctx: the layer's attention record: U = `ctx.heads_per_stage` (0: the context degree C; a multiple of C
+        dividing heads), RoPE (`rope_theta`, `rope_scaling`, global token indices unless `positions`), the kernel
+        (`backend`, `block_q`, `block_k`; under ring, `auto` is resolved for the mesh's devices and runs ring
+        attention's blocks), `norm_eps`, `query_scale`, a local layer's `window` (whole sequences per head group
+        through the window kernel; under ring the halo exchange, `jaxlong.parallel.halo`), and
+        `offload_attention_output`: with `w.wo`, keep the output buffer `[batch, seq, heads, head_dim]` (the
+        residual the backward needs) in pinned host memory from the forward to the backward, which brings back one
+        stage's slice at a time (`remat.policy=offload`; ALST, arXiv 2506.13996, §3.4 offloads checkpoints the
+        same way).
       positions: int32 `[batch, seq]` RoPE positions (per-document positions of packed documents), sharded like
         the tokens; None: global token indices.
       segment_ids: int32 `[batch, seq]` (0 = padding) or None: document masking. Every device attends over the
@@ -668,90 +725,53 @@ def upipe_attention(
         x, and each ring step slices its K/V block's ids from them (nothing extra is communicated).
       ids_are_runs: with mesh.ring > 1, `segment_ids` are already run ids (`gather_segment_ids` makes them once
         per step); otherwise every stage's ring computes them.
-      offload_output: with `out_weight`, keep the output buffer `[batch, seq, heads, head_dim]` (the residual the
-        backward needs) in pinned host memory from the forward to the backward, which brings back one stage's
-        slice `[b, S/C, U, d]` at a time (`remat.policy=offload`; ALST, arXiv 2506.13996, §3.4 offloads
-        checkpoints the same way). Under layer remat the forward that saves it is the layer's recompute, so the
-        buffer leaves the device for the layer's MLP backward and U-Pipe stages: 10 GiB per device at 10M tokens
-        on Llama-3.1-8B, C = 8.
 
     Returns:
       attention output before W_o, `[batch, seq, heads, head_dim]` in natural head order, sharded like x;
-      with `out_weight`, the sublayer output `[batch, seq, hidden]`.
+      with `w.wo`, the sublayer output `[batch, seq, hidden]`.
 
     Raises:
-      ValueError: `out_weight` without `norm_scale`, or not of shape `[heads, head_dim, hidden]`.
+      ValueError: `w.wo` or `w.post_norm` without `w.norm`, or `w.wo` not of shape `[heads, head_dim, hidden]`.
       ConfigError: U not a multiple of C or not dividing H, heads/KV heads not splittable over C, or
         U/C and H/max(H_kv, C) not dividing one another.
     """
-    sch = Schedule(wq.shape[1], wk.shape[1], mesh.shape[CONTEXT_AXIS], heads_per_stage)
+    mesh = ctx.mesh
+    sch = Schedule(w.wq.shape[1], w.wk.shape[1], mesh.shape[CONTEXT_AXIS],
+                   ctx.heads_per_stage or mesh.shape[CONTEXT_AXIS])
     sch.validate()
-    ring = axis_size(mesh, RING_AXIS)
-    if ring > 1:  # the blocks' kernel, for the mesh's devices (compile-only GPUs included)
-        probe = jax.ShapeDtypeStruct((wq.shape[2],), x.dtype)
-        backend = resolve_backend(backend, probe, segment_ids, platform=mesh.devices.flat[0].platform)
-    kernel = _Opts(backend=backend, causal=causal, block_q=block_q, block_k=block_k)
-    scaling = None if rope_scaling is None or rope_scaling.type == "none" else rope_scaling
-    opts = _Opts(theta=float(rope_theta), kernel=kernel, eps=float(norm_eps), scaling=scaling,
-                 runs=bool(ids_are_runs and ring > 1), offload_output=bool(offload_output and out_weight is not None))
-    act, rep = P(BATCH_AXES, seq_axes(mesh), None), P()
-    out_spec = P(BATCH_AXES, seq_axes(mesh), None, None)
-    if out_weight is not None:
-        if norm_scale is None:
-            raise ValueError("upipe_attention(out_weight=...) computes x + W_o attention(RMSNorm(x)) and needs "
-                             "norm_scale= (the attention norm's scale); pass both or neither")
-        want = (wq.shape[1], wq.shape[2], x.shape[-1])
-        if tuple(out_weight.shape) != want:
-            raise ValueError(f"upipe_attention: out_weight has shape {tuple(out_weight.shape)}; W_o must be "
-                             f"[heads, head_dim, hidden] = {list(want)}")
-        out_spec = act
+    _check_weights(x, w)
+    opts = _options(x, w, ctx, segment_ids, ids_are_runs)
+    act, rep, tok = P(BATCH_AXES, seq_axes(mesh), None), P(), P(BATCH_AXES, seq_axes(mesh))
+    out_spec = act if w.wo is not None else P(BATCH_AXES, seq_axes(mesh), None, None)
+    # Weights enter replicated (unvarying); marking them varying makes the shard_map transpose sum the per-device
+    # weight gradients (psum), so the custom backward must not sum them itself.
+    weights = jax.tree.map(lambda a: a, (w.norm, w.wq, w.wk, w.wv, w.wo, w.qk_norm, w.post_norm))
+    extra = [None if a is None else a.astype(jnp.int32) for a in (positions, segment_ids)]
+    specs = (act, jax.tree.map(lambda _: rep, weights), None if positions is None else tok,
+             None if segment_ids is None else P(BATCH_AXES, None))
 
-    fused = norm_scale is not None
-    weights = ((norm_scale,) if fused else ()) + (wq, wk, wv) + (() if out_weight is None else (out_weight,))
-    weights += () if qk_norm is None else tuple(qk_norm)
-    n_qk = 0 if qk_norm is None else 2
+    def local(x, weights, pos, seg):
+        scale, wq, wk, wv, wo, qk, post = jax.tree.map(_varying, weights)
+        if scale is None:
+            return _upipe_local(x, wq, wk, wv, qk, pos, seg, sch, opts)
+        return _upipe_norm_local(x, scale, wq, wk, wv, wo, qk, post, pos, seg, sch, opts)
 
-    tok, whole = P(BATCH_AXES, seq_axes(mesh)), P(BATCH_AXES, None)
-    extra = tuple(a.astype(jnp.int32) for a in (positions, segment_ids) if a is not None)
-    extra_specs = (() if positions is None else (tok,)) + (() if segment_ids is None else (whole,))
-
-    n_weights = len(weights)
-
-    def local(x, *args):
-        weights, extra_local = args[:n_weights], list(args[n_weights:])
-        pos = extra_local.pop(0) if positions is not None else None
-        seg = extra_local.pop(0) if segment_ids is not None else None
-        # Weights enter replicated (unvarying); marking them varying makes the shard_map transpose sum the
-        # per-device weight gradients (psum), so the custom backward must not sum them itself.
-        weights = [_varying(w) for w in weights]
-        qk = tuple(weights[len(weights) - n_qk:]) if n_qk else None
-        weights = weights[: len(weights) - n_qk]
-        if not fused:
-            return _upipe_local(x, *weights, qk, pos, seg, sch, opts)
-        scale, wq, wk, wv, *wo = weights
-        return _upipe_norm_local(x, scale, wq, wk, wv, wo[0] if wo else None, qk, pos, seg, sch, opts)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(act, *(rep,) * len(weights), *extra_specs),
-                         out_specs=out_spec, check_vma=True)(x, *weights, *extra)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=True)(x, weights, *extra)
 
 
-def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | None, ctx) -> jax.Array:
-    """The attention sublayer run by U-Pipe as one op: RMSNorm, the head stages, W_o and the residual
-    (`upipe_attention` with `norm_scale=` and `out_weight=`), U = `attention.heads_per_stage` (0: C).
+def sublayer(x: jax.Array, w: SublayerWeights, positions: jax.Array, segment_ids: jax.Array | None,
+             ctx: SublayerContext) -> jax.Array:
+    """The attention sublayer run by U-Pipe as one op: RMSNorm, the head stages, W_o (and Gemma 3's post-attention
+    norm) and the residual (`upipe_attention` with `w.norm` and `w.wo`), U = `attention.heads_per_stage` (0: C).
 
-    Args and returns as `jaxlong.parallel.ulysses.sublayer` (`w`: `SublayerWeights`, gathered here). The
-    tensors named `attn_norm_out`, `query_proj`, `key_proj`, `value_proj` and `attn_out` do not exist on
+    Args and returns as `jaxlong.parallel.ulysses.sublayer` (`w`: `SublayerWeights`, its matrices gathered here).
+    The tensors named `attn_norm_out`, `query_proj`, `key_proj`, `value_proj` and `attn_out` do not exist on
     this path: the op saves only the layer input and its output buffer.
     """
-    return upipe_attention(
-        x, ctx.gather(w.wq), ctx.gather(w.wk), ctx.gather(w.wv),
-        mesh=ctx.mesh, heads_per_stage=ctx.heads_per_stage or ctx.mesh.shape[CONTEXT_AXIS],
-        rope_theta=ctx.rope_theta, backend=ctx.backend, block_q=ctx.block_q, block_k=ctx.block_k,
-        norm_scale=w.norm, norm_eps=ctx.norm_eps, out_weight=ctx.gather(w.wo),
-        rope_scaling=ctx.rope_scaling, qk_norm=w.qk_norm,
-        positions=positions, segment_ids=segment_ids, ids_are_runs=axis_size(ctx.mesh, RING_AXIS) > 1,
-        offload_output=ctx.offload_attention_output,
-    )
+    gathered = dataclasses.replace(w, wq=ctx.gather(w.wq), wk=ctx.gather(w.wk), wv=ctx.gather(w.wv),
+                                   wo=ctx.gather(w.wo))
+    return upipe_attention(x, gathered, ctx, positions=positions, segment_ids=segment_ids,
+                           ids_are_runs=axis_size(ctx.mesh, RING_AXIS) > 1)
 
 
 def attention_layer(impl: str, mesh: jax.sharding.Mesh, *, heads_per_stage: int | None = None,
@@ -761,8 +781,9 @@ def attention_layer(impl: str, mesh: jax.sharding.Mesh, *, heads_per_stage: int 
     global positions, `ulysses_attention`). For memory and speed comparisons of the two (tests, sweeps)."""
     kernel = dict(backend=backend, block_q=block_q, block_k=block_k)
     if impl == "upipe":
-        return functools.partial(upipe_attention, mesh=mesh, heads_per_stage=heads_per_stage,
-                                 rope_theta=rope_theta, **kernel)
+        ctx = SublayerContext(mesh, impl="upipe", heads_per_stage=heads_per_stage or 0, rope_theta=rope_theta,
+                              **kernel)
+        return lambda x, wq, wk, wv: upipe_attention(x, SublayerWeights(None, wq, wk, wv), ctx)
     if impl != "ulysses":
         raise ValueError(f"impl must be 'upipe' or 'ulysses', got {impl!r}")
     spec = jax.sharding.NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXIS, None, None))

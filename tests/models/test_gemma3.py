@@ -128,8 +128,19 @@ MESHES = {
                                         "remat.policy=offload", "remat.offload_every=2", "remat.keep_attention=1"),
     "ring2-ulysses4-documents": ("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "data.packing=documents"),
     "fsdp2-ring4-tiled": ("mesh.fsdp=2", "mesh.ring=4", "mesh.context=1", "tiling.mlp=true", "tiling.loss=true"),
+    "ring8-wide-window": ("mesh.fsdp=1", "mesh.ring=8", "mesh.context=1", "attention.block_q=4",
+                          "attention.block_k=4"),
+    "fsdp2-upipe4-documents": ("mesh.fsdp=2", "mesh.context=4", "attention.impl=upipe", "data.packing=documents"),
+    "fsdp4-upipe2-U2-offload-kept": ("mesh.fsdp=4", "mesh.context=2", "attention.impl=upipe",
+                                     "attention.heads_per_stage=2", "global_batch=4", "remat.policy=offload",
+                                     "remat.keep_attention=1"),
+    "ring2-upipe2-U2-documents": ("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "attention.impl=upipe",
+                                  "attention.heads_per_stage=2", "data.packing=documents", "attention.block_q=8",
+                                  "attention.block_k=8"),
+    "ring4-upipe2-wide-window": ("mesh.fsdp=1", "mesh.ring=4", "mesh.context=2", "attention.impl=upipe",
+                                 "attention.block_q=4", "attention.block_k=4", "model.sliding_window=12"),
 }
-FAST_MESHES = {"fsdp2-ulysses4-tiled-full", "ring2-ulysses4-documents"}
+FAST_MESHES = {"fsdp2-ulysses4-tiled-full", "ring2-upipe2-U2-documents"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_MESHES else pytest.mark.slow)
@@ -137,15 +148,17 @@ FAST_MESHES = {"fsdp2-ulysses4-tiled-full", "ring2-ulysses4-documents"}
 def test_every_windowed_mesh_equals_the_dense_single_device_reference(name):
     """Loss and every gradient of the windowed model (local and global layers in one scan) on 8 devices equal the
     dense single-device reference's (materialized attention with the window, no remat, no tiling). Under ring the
-    local layers take the halo exchange (`jaxlong.parallel.halo`), the global layers the ring."""
+    local layers take the halo exchange (`jaxlong.parallel.halo`), the global layers the ring; on ring 8 (half-chunks
+    of 4 tokens) and ring 4 x U-Pipe 2 (8 tokens, a window of 12) the halo takes two hops. U-Pipe runs the sandwich
+    norm and the query scale inside its op, in one stage of 4 heads or two of 2."""
     cfg = tiny_cfg(*GEMMA, *MESHES[name])
     assert reference_cfg(cfg).attention.backend == "reference"
-    assert_matches_single_device(cfg)
+    # atol 2e-7 on gradients of scale 0.1 to 0.2: float32's rounding of sums taken in another order (every mesh's
+    # median error is 1e-6 of the value; its largest relative ones are on elements near 0)
+    assert_matches_single_device(cfg, atol=2e-7)
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (("mesh.ring=8", "mesh.fsdp=1", "mesh.context=1"), "longer than a ring rank's half-chunk"),
-    (("attention.impl=upipe", "mesh.context=4", "mesh.fsdp=2"), "attention.impl=upipe does not run model.family"),
     (("attention.backend=cudnn", "data.packing=concat", "compute_dtype=bfloat16"), "does not take a sliding window"),
     (("model.family=llama",), "model.family=llama has no sliding-window layers"),
     (("model.layer_types=[full_attention]",), "give model.layers=4 entries"),

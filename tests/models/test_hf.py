@@ -193,6 +193,7 @@ def test_upipe_qk_norm_and_yarn_match_dense(case):
     """U-Pipe normalizes each stage's query heads and its KV group's key heads inside the op; the loss and the
     gradients of x, the attention norm, W_q, W_k, W_v, W_o, q_norm and k_norm equal autodiff of the dense
     sublayer (q/k norm, YaRN-scaled RoPE with its attention factor, reference attention)."""
+    from jaxlong.parallel.record import SublayerContext, SublayerWeights  # noqa: PLC0415
     from jaxlong.parallel.upipe import upipe_attention  # noqa: PLC0415
 
     heads, kv, context, u, fsdp = UPIPE_CASES[case]
@@ -210,9 +211,9 @@ def test_upipe_qk_norm_and_yarn_match_dense(case):
     args = (jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), "context", None))),) + args[1:]
 
     def fused(x, scale, wq, wk, wv, wo, qn, kn):
-        y = upipe_attention(x, wq, wk, wv, mesh=mesh, heads_per_stage=u, rope_theta=10000.0, backend="blockwise",
-                            block_q=16, block_k=16, norm_scale=scale, norm_eps=1e-6, out_weight=wo,
-                            rope_scaling=YARN, qk_norm=(qn, kn))
+        ctx = SublayerContext(mesh, heads_per_stage=u, backend="blockwise", block_q=16, block_k=16, norm_eps=1e-6,
+                              rope_scaling=YARN)
+        y = upipe_attention(x, SublayerWeights(scale, wq, wk, wv, wo, (qn, kn)), ctx)
         return jnp.sum(y * ct)
 
     def dense(*a):

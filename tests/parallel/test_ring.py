@@ -69,6 +69,7 @@ from helpers import RING_SEQ, ring_mesh  # noqa: E402
 
 from jaxlong.layers.blocks import apply_rope, rope_tables  # noqa: E402
 from jaxlong.parallel.ulysses import ulysses_attention  # noqa: E402
+from jaxlong.parallel.record import SublayerContext, SublayerWeights  # noqa: E402
 from jaxlong.parallel.upipe import upipe_attention  # noqa: E402
 from jaxlong.core.batch import zigzag_order
 
@@ -120,9 +121,8 @@ def test_upipe_ring_hybrid_matches_reference(ring, context, u_per_c, kv_heads):
     sh = NamedSharding(mesh, P(*SEQ, None))
 
     def upipe(x, wq, wk, wv):
-        out = upipe_attention(jax.device_put(zigzag(x, ring), sh), wq, wk, wv, mesh=mesh,
-                              heads_per_stage=u_per_c * context, rope_theta=10000.0, backend="blockwise",
-                              block_q=4, block_k=4)
+        ctx = SublayerContext(mesh, heads_per_stage=u_per_c * context, backend="blockwise", block_q=4, block_k=4)
+        out = upipe_attention(jax.device_put(zigzag(x, ring), sh), SublayerWeights(None, wq, wk, wv), ctx)
         return unzigzag(out, ring)
 
     def grads(fn):

@@ -14,6 +14,7 @@ from jaxlong.kernels.blockwise import reference_attention
 from jaxlong.layers.blocks import apply_rope, rope_tables
 from jaxlong.parallel.ring import ring_attention, run_ids, unzigzag, zigzag
 from jaxlong.parallel.ulysses import ulysses_attention
+from jaxlong.parallel.record import SublayerContext, SublayerWeights
 from jaxlong.parallel.upipe import upipe_attention
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -155,9 +156,10 @@ def test_upipe_ring_with_segments_matches_reference(ring, context, u_per_c, kv_h
         return reference_attention(q, k, jnp.einsum("bsh,hnd->bsnd", x, wv), segment_ids=seg)
 
     def upipe(x, wq, wk, wv):
-        out = upipe_attention(jax.device_put(zigzag(x, ring), NamedSharding(mesh, P(*SEQ, None))), wq, wk, wv,
-                              mesh=mesh, heads_per_stage=u_per_c * context, rope_theta=10000.0, backend="blockwise",
-                              block_q=4, block_k=4, positions=zigzag(pos, ring), segment_ids=zigzag(seg, ring))
+        ctx = SublayerContext(mesh, heads_per_stage=u_per_c * context, backend="blockwise", block_q=4, block_k=4)
+        out = upipe_attention(jax.device_put(zigzag(x, ring), NamedSharding(mesh, P(*SEQ, None))),
+                              SublayerWeights(None, wq, wk, wv), ctx, positions=zigzag(pos, ring),
+                              segment_ids=zigzag(seg, ring))
         return unzigzag(out, ring)
 
     _check(upipe, dense, (x, wq, wk, wv), ct, ("dx", "dWq", "dWk", "dWv"))

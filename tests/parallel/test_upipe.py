@@ -12,6 +12,7 @@ from jaxlong.config import ConfigError
 from jaxlong.kernels.blockwise import reference_attention
 from jaxlong.layers.blocks import apply_rope, rms_norm, rope_tables
 from jaxlong.parallel.ulysses import ulysses_attention
+from jaxlong.parallel.record import SublayerContext, SublayerWeights
 from jaxlong.parallel.upipe import Schedule, upipe_attention
 
 CASES = {
@@ -67,8 +68,8 @@ def test_upipe_op_matches_ulysses_and_reference(case):
     def loss(fn):
         return lambda x, wq, wk, wv: jnp.sum(fn(x, wq, wk, wv) * ct)
 
-    upipe = lambda *a: upipe_attention(*a, mesh=mesh, heads_per_stage=u, rope_theta=10000.0,
-                                       backend="blockwise", block_q=16, block_k=16)
+    ctx = SublayerContext(mesh, impl="upipe", heads_per_stage=u, rope_theta=10000.0, backend="blockwise", block_q=16, block_k=16)
+    upipe = lambda x, *w: upipe_attention(x, SublayerWeights(None, *w), ctx)
     ulysses = lambda *a: _ulysses(*a, mesh)
     ref_out = _dense(x, wq, wk, wv)
     for fn in (upipe, ulysses):
@@ -92,8 +93,7 @@ def test_upipe_with_fused_norm_matches_norm_then_upipe(case):
     scale = 1.0 + 0.1 * jax.random.normal(jax.random.key(7), (x.shape[-1],))
 
     def fused(x, scale, wq, wk, wv):
-        out = upipe_attention(x, wq, wk, wv, mesh=mesh, heads_per_stage=u, rope_theta=10000.0, backend="blockwise",
-                              block_q=16, block_k=16, norm_scale=scale, norm_eps=1e-5)
+        out = upipe_attention(x, SublayerWeights(scale, wq, wk, wv), SublayerContext(mesh, impl="upipe", heads_per_stage=u, rope_theta=10000.0, backend="blockwise", block_q=16, block_k=16))
         return jnp.sum(out * ct)
 
     def dense(x, scale, wq, wk, wv):
@@ -126,9 +126,8 @@ def _dense_sublayer(x, scale, wq, wk, wv, wo):
 
 
 def _upipe_sublayer(mesh, u):
-    return lambda x, scale, wq, wk, wv, wo: upipe_attention(
-        x, wq, wk, wv, mesh=mesh, heads_per_stage=u, rope_theta=10000.0, backend="blockwise", block_q=16,
-        block_k=16, norm_scale=scale, norm_eps=1e-5, out_weight=wo)
+    ctx = SublayerContext(mesh, impl="upipe", heads_per_stage=u, rope_theta=10000.0, backend="blockwise", block_q=16, block_k=16)
+    return lambda x, scale, wq, wk, wv, wo: upipe_attention(x, SublayerWeights(scale, wq, wk, wv, wo), ctx)
 
 
 @pytest.mark.parametrize(*tiered("case", ["gqa4-U=C", "gqa4-U=2C", "kv<C-U=C"], ids=["gqa4-U=C", "gqa4-U=2C", "kv<C-U=C"],
@@ -186,12 +185,12 @@ def test_upipe_sublayer_in_bfloat16_is_as_accurate_as_ulysses():
 def test_upipe_out_weight_needs_norm_scale_and_its_shape():
     mesh = _mesh(2, 4)
     x, wq, wk, wv, _ = _op_inputs(16, 4, 2)
-    with pytest.raises(ValueError, match="needs norm_scale"):
-        upipe_attention(x, wq, wk, wv, mesh=mesh, heads_per_stage=4, rope_theta=10000.0,
-                        out_weight=jnp.zeros((16, 8, 32)))
+    with pytest.raises(ValueError, match="need the attention norm.s scale"):
+        upipe_attention(x, SublayerWeights(None, wq, wk, wv, jnp.zeros((16, 8, 32))),
+                        SublayerContext(mesh, heads_per_stage=4))
     with pytest.raises(ValueError, match="W_o must be \\[heads, head_dim, hidden\\] = \\[16, 8, 32\\]"):
-        upipe_attention(x, wq, wk, wv, mesh=mesh, heads_per_stage=4, rope_theta=10000.0,
-                        norm_scale=jnp.ones((32,)), out_weight=jnp.zeros((128, 32)))
+        upipe_attention(x, SublayerWeights(jnp.ones((32,)), wq, wk, wv, jnp.zeros((128, 32))),
+                        SublayerContext(mesh, heads_per_stage=4))
 
 
 def test_upipe_natural_head_order_with_distinct_heads():
@@ -200,7 +199,8 @@ def test_upipe_natural_head_order_with_distinct_heads():
     mesh = _mesh(2, context)
     x, wq, wk, wv, _ = _op_inputs(heads, kv_heads, 2)
     wq = wq * (1.0 + jnp.arange(heads))[None, :, None]
-    out = upipe_attention(x, wq, wk, wv, mesh=mesh, heads_per_stage=4, rope_theta=10000.0, backend="reference")
+    out = upipe_attention(x, SublayerWeights(None, wq, wk, wv), SublayerContext(mesh, heads_per_stage=4,
+                                                                                backend="reference"))
     np.testing.assert_allclose(out, _dense(x, wq, wk, wv), rtol=1e-5, atol=1e-5)
 
 
