@@ -51,6 +51,7 @@ TIERS = {
     "plan/test_fit.py": "fast+slow",
     "plan/test_memory.py": "fast+slow",
     "plan/test_plan_gpu.py": "fast+slow",
+    "plan/test_window_cost.py": "fast",
     "test_architecture.py": "fast",
     "test_config.py": "fast",
     "test_crash_retry.py": "fast+slow",

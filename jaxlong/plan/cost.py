@@ -22,12 +22,24 @@ None), and XLA's CPU `cost_analysis()` does not see cuDNN attention. So the comp
     H, D from the query operand, Sk from the key operand (its dim 2 for `_kvhm`, a head-major KV cache). With
     segment ids (packed documents) or `kv_starts` the kernels skip tiles, so this is the dense work: an upper
     bound.
+    The blockwise kernel (`jaxlong.kernels.blockwise`, pure JAX: its matmuls are `dot`s in loops): its tile loops
+    have bounds that are data (the causal diagonal, a sliding window, documents), so XLA knows no trip count. Such
+    a loop (a `while` without `known_trip_count` whose ops trace to `jaxlong/kernels/blockwise.py`, by the
+    module's stack-frame tables) is counted one iteration (one score tile) per entry and recorded by direction in
+    `tile_loop_flops`, `tile_loop_bytes` and `tile_loop_entries`: "forward" (2 matmuls per tile: QK^T, PV),
+    "backward" (5: QK^T, dV, dP, dK, dQ). The counts are in `flops` and `hbm_bytes` as one iteration each; what
+    the kernel computes per call depends on the layer kind (causal or windowed), which the HLO does not tell, so
+    `jaxlong.plan.tiles.blockwise_attention_cost` replaces them by the kernel's tile counts per layer kind
+    (`window_tiles`, docs/windows.md): forward 4 x block_q x block_k x head_dim per tile and (batch x head),
+    backward 2.5 x that, for every kernel call the program makes (its remat recomputation included). Without the
+    stack-frame tables such loops fall back to the rule for loops below.
     Elementwise work is not counted (it is memory bound; the HBM bytes carry it).
   HBM bytes (per device, per step) -- an approximation
     the operand + output bytes of every top-level op (fusions, custom calls, copies, collectives) of the entry
     computation and of loop bodies, i.e. each kernel reads its inputs from and writes its outputs to HBM once.
     Slicing fusions count the slice, in-place dynamic-update-slice fusions the update, not the whole buffer
-    (also where the slice reads the operand through a `bitcast`, e.g. one layer's slice of a stacked buffer).
+    (also where the slice reads the operand through a `bitcast`, e.g. one layer's slice of a stacked buffer, and
+    where one fusion reads a tile of a buffer and writes it back in place, an accumulator's tile).
     Caches and re-reads inside a kernel are not modelled. Copies to or from host memory (offloaded residuals,
     layouts in memory space S(5)) count half as HBM bytes, half as `host_transfer_bytes`.
   Collective bytes (per device, per step), by kind
@@ -60,6 +72,7 @@ NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", 
               "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency", "domain",
               "async-start", "async-update", "async-done", "copy-done", "send-done", "recv-done"}
 
+BLOCKWISE_SOURCE = "jaxlong/kernels/blockwise.py"  # the blockwise kernel's ops trace to this file
 HOST_SPACE = ":S(5)"  # XLA's memory-space annotation of host memory in a layout
 _SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
@@ -160,12 +173,35 @@ def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
     return comps, entry
 
 
+def source_frames(text: str, path_suffix: str) -> frozenset[int]:
+    """Ids of the stack frames (an op's `stack_frame_id=` metadata) whose own source location lies in a file whose
+    path ends with `path_suffix` (e.g. "jaxlong/kernels/blockwise.py"), read from the module's `FileNames`,
+    `FileLocations` and `StackFrames` tables: the ops a function of that file traced. Empty when the text has no
+    such tables (an HLO text printed without source locations)."""
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+        elif current is not None and (m := re.match(r"(\d+) (.*)$", line)):
+            current[int(m.group(1))] = m.group(2)
+        elif current is not None:
+            current = None
+            if len(tables) == 4:
+                break
+    files = {k for k, v in tables.get("FileNames", {}).items() if v.strip('"').endswith(path_suffix)}
+    locations = {k for k, v in tables.get("FileLocations", {}).items()
+                 if (m := re.search(r"file_name_id=(\d+)", v)) and int(m.group(1)) in files}
+    return frozenset(k for k, v in tables.get("StackFrames", {}).items()
+                     if (m := re.search(r"file_location_id=(\d+)", v)) and int(m.group(1)) in locations)
+
+
 @dataclasses.dataclass
 class Cost:
     """Per-device cost of one step. FLOPs and bytes are per device; counts are kernel executions."""
 
     flops: float = 0.0  # matmul + attention FLOPs
-    attention_flops: float = 0.0  # the cuDNN attention part of `flops`
+    attention_flops: float = 0.0  # the attention kernels' part of `flops` (cuDNN, Pallas; blockwise: jaxlong.plan.tiles)
     hbm_bytes: float = 0.0  # approximation, see the module docstring
     host_transfer_bytes: float = 0.0  # bytes copied between device and host memory (offload), one way each
     collective_bytes: dict = dataclasses.field(default_factory=dict)  # kind -> bytes (larger buffer)
@@ -173,6 +209,10 @@ class Cost:
     network_wire_bytes: dict = dataclasses.field(default_factory=dict)  # the part over groups wider than a node
     attention_calls: dict = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> executions
     attention_head_calls: dict = dataclasses.field(default_factory=dict)  # executions x (batch x heads) per call
+    # The blockwise kernel's tile loops (bounds are data: counted one iteration per entry), by "forward"/"backward":
+    tile_loop_flops: dict = dataclasses.field(default_factory=dict)  # FLOPs of one iteration x entries
+    tile_loop_bytes: dict = dataclasses.field(default_factory=dict)  # HBM bytes of one iteration x entries
+    tile_loop_entries: dict = dataclasses.field(default_factory=dict)  # times the loop is entered per step
     warnings: list = dataclasses.field(default_factory=list)
 
     def add(self, other: "Cost", times: float = 1.0) -> None:
@@ -184,7 +224,10 @@ class Cost:
                              (self.collective_wire_bytes, other.collective_wire_bytes),
                              (self.network_wire_bytes, other.network_wire_bytes),
                              (self.attention_calls, other.attention_calls),
-                             (self.attention_head_calls, other.attention_head_calls)):
+                             (self.attention_head_calls, other.attention_head_calls),
+                             (self.tile_loop_flops, other.tile_loop_flops),
+                             (self.tile_loop_bytes, other.tile_loop_bytes),
+                             (self.tile_loop_entries, other.tile_loop_entries)):
             for k, v in theirs.items():
                 mine[k] = mine.get(k, 0) + v * times
         self.warnings += [w for w in other.warnings if w not in self.warnings]
@@ -208,9 +251,40 @@ def _group_size(ins: Instr, default: int) -> int:
 
 
 class _Walker:
-    def __init__(self, comps: dict[str, list[Instr]], devices: int, node_size: int | None):
+    def __init__(self, comps: dict[str, list[Instr]], devices: int, node_size: int | None,
+                 tile_frames: frozenset[int] = frozenset()):
         self.comps, self.devices, self.node_size, self.memo = comps, devices, node_size or devices, {}
         self.by_name = {c: {i.name: i for i in body} for c, body in comps.items()}
+        self.tile_frames = tile_frames  # stack frames of the blockwise kernel (`source_frames`)
+
+    def is_tile_loop(self, ins: Instr) -> bool:
+        """A loop of the blockwise kernel whose bounds are data (no trip count known to XLA)."""
+        frame = re.search(r"stack_frame_id=(\d+)", ins.attrs)
+        return (frame is not None and int(frame.group(1)) in self.tile_frames
+                and "known_trip_count" not in ins.backend_config())
+
+    def matmuls(self, comp: str) -> int:
+        """Matmul ops in a computation and the fusions and calls it makes (not in its loops)."""
+        n = 0
+        for ins in self.comps.get(comp, []):
+            if ins.op in ("fusion", "call", "async-start"):
+                n += self.matmuls(ins.attr("calls") or ins.attr("to_apply"))
+            elif ins.op != "while" and self.instr_flops(comp, ins, Cost()) > 0:
+                n += 1
+        return n
+
+    def tile_loop(self, ins: Instr, top: bool, c: Cost) -> None:
+        """One iteration per entry of a tile loop of the blockwise kernel, recorded by direction: FlashAttention-2's
+        forward does 2 matmuls per tile (QK^T, PV), its backward 5 (QK^T, dV, dP, dK, dQ)."""
+        body = self.cost(ins.attr("body"), top)
+        c.add(body)
+        kind = {2: "forward", 5: "backward"}.get(self.matmuls(ins.attr("body")))
+        if kind is None:
+            c.warnings.append(f"while {ins.name}: a blockwise kernel loop of data-dependent length, counted once")
+            return
+        for field, v in ((c.tile_loop_flops, body.flops), (c.tile_loop_bytes, body.hbm_bytes),
+                         (c.tile_loop_entries, 1)):
+            field[kind] = field.get(kind, 0) + v
 
     def shape_of(self, comp: str, name: str) -> list:
         ins = self.by_name[comp].get(name)
@@ -251,10 +325,9 @@ class _Walker:
         for k, operand in enumerate(ins.operands):
             full = _bytes(self.shape_of(comp, operand))
             uses = users.get(params.get(k), [])
-            if uses and all(u.op in ("dynamic-slice", "slice") and j == 0 for u, j in uses):
-                total += min(full, sum(_bytes(_shapes(u.shape)) for u, _ in uses))
-            elif uses and all(u.op == "dynamic-update-slice" and j == 0 for u, j in uses):
-                pass  # updated in place: the update is counted as the output
+            if uses and all(u.op in ("dynamic-slice", "slice", "dynamic-update-slice") and j == 0 for u, j in uses):
+                # slices read, an in-place update (counted as the output) not read: e.g. an accumulator's tile
+                total += min(full, sum(_bytes(_shapes(u.shape)) for u, _ in uses if u.op != "dynamic-update-slice"))
             else:
                 total += full
         root = next((i for i in body if i.root), body[-1] if body else None)
@@ -276,6 +349,9 @@ class _Walker:
         c = Cost()
         for ins in self.comps.get(comp, []):
             op = ins.op
+            if op == "while" and self.is_tile_loop(ins):
+                self.tile_loop(ins, top, c)
+                continue
             if op == "while":
                 n = self.trip_count(comp, ins, c)
                 c.add(self.cost(ins.attr("body"), top), n)
@@ -407,7 +483,7 @@ def hlo_cost(text: str, devices: int = 1, node_size: int | None = None) -> Cost:
       ValueError: the text has no ENTRY computation.
     """
     comps, entry = parse_module(text)
-    return _Walker(comps, devices, node_size).cost(entry)
+    return _Walker(comps, devices, node_size, source_frames(text, BLOCKWISE_SOURCE)).cost(entry)
 
 
 EFFICIENCY = 0.6  # fraction of peak FLOP/s that matmuls and flash attention sustain at long sequences
@@ -500,7 +576,8 @@ def assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, ef
         "Estimate, not a measurement: roofline of the compiled step (XLA's GPU compile, its HLO counted).",
         f"Compute: matmul + attention FLOPs at {efficiency:.0%} of {peak_flops / 1e12:.0f} TFLOP/s dense bf16 "
         "(cuDNN: backward = 2.5x forward; Pallas, for packed documents: forward 2, backward 7 matmuls, counted as "
-        "dense causal, an upper bound; causal = half); elementwise work is left to the memory term.",
+        "dense causal, an upper bound; causal = half; blockwise: the score tiles it computes per layer kind, causal "
+        "or windowed, backward = 2.5x forward, jaxlong.plan.tiles); elementwise work is left to the memory term.",
         f"Memory: operand + output bytes of each top-level kernel at {hbm_bandwidth / 1e12:.2f} TB/s (approximation: "
         "no cache reuse); step = max(compute, memory) + exposed collectives.",
         f"Collectives: ring/pairwise wire bytes at {link_bandwidth / 1e9:.0f} GB/s NVLink per direction inside a node, "
@@ -511,7 +588,8 @@ def assumptions(peak_flops, hbm_bandwidth, link_bandwidth, network_bandwidth, ef
          "compute (only their excess counts)." if pcie_bandwidth else "Offload transfers: not timed."),
         "Not modelled: kernel launch gaps, load imbalance, the data pipeline.",
         "Model FLOPs: jaxlong.training.metrics.flops_per_token (6 x matmul params + causal attention 6 x layers x S x heads x "
-        "head_dim) x tokens; MFU = model FLOPs / step time / peak.",
+        "head_dim; a sliding-window layer's attention over its window, jaxlong.plan.tiles) x tokens; MFU = model FLOPs "
+        "/ step time / peak.",
     ])
 
 

@@ -51,10 +51,12 @@ from jaxlong.core.units import GiB, fmt_gib, parse_bytes
 from jaxlong.core.xla_log import compile_logged
 from jaxlong.layers.remat import default_offload_every, host_layer_inputs, offloads_attention_output
 from jaxlong.models import llama as model_lib
+from jaxlong.models.family import GLOBAL, layer_kinds
 from jaxlong.objectives.lm import LanguageModeling
 from jaxlong.plan import workspace as ws
 from jaxlong.plan.cost import hlo_cost, roofline
 from jaxlong.plan.packing import attention_tile_fraction, document_lengths
+from jaxlong.plan.tiles import blockwise_attention_cost, window_model_flops_per_token
 from jaxlong.plan.target import compile_only_devices, parse_target
 from jaxlong.training import step as step_lib
 from jaxlong.training.metrics import flops_per_token
@@ -197,15 +199,20 @@ def _estimate(cfg: Config, compiled, target, devices: list) -> dict:
     if target.peak_flops is None:
         raise ConfigError(f"--estimate: target {target.name} has no peak FLOP/s (a spec file); use a shipped target")
     cost = hlo_cost(compiled.as_text(), n, target.devices_per_node)
-    tokens = cfg.global_batch * cfg.seq_len
-    model_flops = flops_per_token(cfg) * tokens / n
-    packed = document_lengths(cfg)
+    tokens, m = cfg.global_batch * cfg.seq_len, cfg.model
+    # model FLOPs with each local layer's window (jaxlong.plan.tiles), not causal attention over the sequence
+    model_flops = (flops_per_token(cfg) - 6.0 * m.layers * cfg.seq_len * m.heads * m.head_dim
+                   + window_model_flops_per_token(cfg)) * tokens / n
+    packed, fraction = document_lengths(cfg), 1.0
     if packed is not None:  # the kernels skip the tiles between documents (jaxlong.plan.packing)
         fraction = attention_tile_fraction(packed[0], cfg.seq_len, cfg.attention.block_q, cfg.attention.block_k)
+        global_layers = layer_kinds(m).count(GLOBAL)
+        model_flops -= 6.0 * global_layers * cfg.seq_len * m.heads * m.head_dim * tokens / n * (1.0 - fraction)
+    if cost.tile_loop_entries:  # the blockwise kernel: its tiles per layer kind (jaxlong.plan.tiles)
+        cost = blockwise_attention_cost(cost, cfg, fraction)
+    elif packed is not None:
         cost = dataclasses.replace(cost, flops=cost.flops - cost.attention_flops * (1.0 - fraction),
                                    attention_flops=cost.attention_flops * fraction)
-        m = cfg.model
-        model_flops -= 6.0 * m.layers * cfg.seq_len * m.heads * m.head_dim * tokens / n * (1.0 - fraction)
     est = roofline(cost, peak_flops=target.peak_flops, hbm_bandwidth=target.hbm_bandwidth,
                    link_bandwidth=target.link_bandwidth or target.hbm_bandwidth,
                    network_bandwidth=target.network_bandwidth if target.nodes > 1 else None,
