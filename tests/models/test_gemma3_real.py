@@ -3,9 +3,9 @@ tier): its logits of 1,100 tokens of real Python source (two windows and more) e
 its greedy continuations with `jaxlong.generation` equal transformers' `generate` token for token for 6 prompts (3
 shorter than a window, 3 of 2,100 to 2,600 tokens: longer than 4 windows, where a wrong window shows), parting
 only at a near-tie; the tokenizer.json derived from the GGUF gives transformers' ids; `python -m jaxlong.generate
-DIR --prompt ...` prints transformers' text. On one device in the slow tier; on Ulysses 4 (the largest degree its 4
-query heads allow; the 1 KV head replicated) and, for the greedy text, ring 2 too with
-JAXLONG_GENERATE_ALL_MESHES=1. transformers' outputs are stored once
+DIR --prompt ...` prints transformers' text. On one device in the slow tier; with JAXLONG_GENERATE_ALL_MESHES=1 also
+on Ulysses 4 and U-Pipe 4 (the largest degree its 4 query heads allow; the 1 KV head replicated), ring 2 and
+ring 2 x Ulysses 2. transformers' outputs are stored once
 (tests/fixtures/gemma3/golden.npz, tests/make_gemma3_golden.py, versions in its RECORD.md)."""
 
 import os
@@ -30,9 +30,11 @@ pytestmark = pytest.mark.slow
 ALL = os.environ.get("JAXLONG_GENERATE_ALL_MESHES") == "1"
 MESHES = {"one": ("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1"),
           "ulysses4": ("mesh.num_devices=4", "mesh.fsdp=1", "mesh.context=4"),
-          # the long prompts' local layers by the halo exchange (half-chunks of 650 tokens and more hold the 512 window);
-          # the short prompts', no longer than the window, by the ring as global layers
-          "ring2": ("mesh.num_devices=2", "mesh.fsdp=1", "mesh.ring=2", "mesh.context=1")}
+          # local layers by the halo exchange: the logits' half-chunks of 256 tokens take two hops for the 512 window;
+          # the short prompts, no longer than the window, run their local layers by the ring as global layers
+          "ring2": ("mesh.num_devices=2", "mesh.fsdp=1", "mesh.ring=2", "mesh.context=1"),
+          "upipe4": ("mesh.num_devices=4", "mesh.fsdp=1", "mesh.context=4", "attention.impl=upipe"),
+          "ring2-ulysses2": ("mesh.num_devices=4", "mesh.fsdp=1", "mesh.ring=2", "mesh.context=2")}
 
 
 def _cases(names):
@@ -40,7 +42,7 @@ def _cases(names):
         reason="set JAXLONG_GENERATE_ALL_MESHES=1")) for n in names]
 
 
-CASES = _cases(["one", "ulysses4"])
+CASES = _cases(list(MESHES))
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def test_logits_of_real_text_equal_transformers(model_dir, name):
     assert result["argmax_equal"] > 0.999, result
 
 
-@pytest.mark.parametrize("name", _cases(["one", "ulysses4", "ring2"]))
+@pytest.mark.parametrize("name", CASES)
 def test_greedy_generation_equals_transformers(model_dir, name):
     g = gemma3.golden()
     prompts = [p[p >= 0] for p in g["prompt_ids"]]
