@@ -14,6 +14,15 @@ parent never touches the GPU, and every child starts with a clean `peak_bytes_in
           forward, lse and gradients, both against float32 blockwise; and a large-tensor probe: a cuDNN call on
           tensors of more than 2**31 elements compared head by head with small calls (does `MAX_ELEMENTS` need
           to stay?).
+  window  rows of the kernel table, in their own child: a sliding window (Gemma 3's local layers, window 1,024
+          over 4,096 tokens, 4 query heads over 1 KV head, head_dim 256; docs/windows.md) on cuDNN without
+          documents and on the Pallas kernel with documents, against the windowed blockwise kernel in bf16,
+          forward, lse and gradients, both against float32 blockwise.
+  generate  a tiny Gemma 3 (a local and a global layer, window 8) generating greedily from prompts up to 4 windows
+          long: the logits of the prefill and of every cached decode step against one whole forward of each
+          row's prompt and generated tokens (the full recompute), in float32 (the blockwise kernel) and in
+          bfloat16 (on a GPU the kernels `auto` picks: the prefill, with its padding's segment ids, on Pallas; the
+          whole forward on cuDNN), with a float32 reference-attention forward as the truth.
   train   Llama-3.2-1B shapes on one GPU (mesh.context=1): Ulysses (C = 1) and U-Pipe at several U, a few steps
           at 64K (all 16 layers), 256K and a long length (fewer layers, so a step fits the time budget; the
           layer count is in the table): tokens/s, MFU (flops_per_token, dense bf16 peak) and
@@ -237,6 +246,62 @@ def _pallas_row(K, smoke: bool, gpu: bool) -> dict:
     return row
 
 
+def child_window(smoke: bool) -> list[dict]:
+    """The sliding-window rows of the kernel table (their own child, so that their compiles cannot push the kernel
+    section past its timeout): the GPU backend (smoke: blockwise) and the Pallas kernel with documents."""
+    import jax  # noqa: PLC0415
+
+    jax.config.update("jax_default_matmul_precision", "highest")  # the float32 truth without TF32
+    gpu = jax.default_backend() == "gpu"
+    return [_window_row(backend, smoke, gpu) for backend in ("cudnn" if gpu else "blockwise", "pallas")]
+
+
+def _window_row(backend: str, smoke: bool, gpu: bool) -> dict:
+    """A sliding window (query t sees keys t - W + 1 .. t) on `backend` against the windowed blockwise kernel, both
+    bf16, errors relative to a float32 blockwise run: forward, lse and the backward from each kernel's own (out, lse)
+    (the backward that `attention(window=)`'s custom_vjp runs).
+    Gemma 3's heads (4 query heads over 1 KV head, head_dim 256 on the GPU); cuDNN without documents, the Pallas
+    kernel with three documents cut through tiles and trailing padding. Smoke: the blockwise kernel and Pallas'
+    interpreter against the reference kernel (float32 reference as the truth) at tiny shapes."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jaxlong.kernels import backend as B  # noqa: PLC0415
+    from jaxlong.kernels import pallas_gpu as PG  # noqa: PLC0415
+
+    b, s, h, kv, d, window = (1, 64, 4, 1, 16, 20) if smoke else (1, 4096, 4, 1, 256, 1024)
+    docs = backend == "pallas"
+    name = f"window {window}{' + documents' if docs else ''} b={b} S={s} H={h} KV={kv} d={d}"
+    base = "blockwise" if gpu else "reference"
+    row = {"case": name, "candidate": backend, "baseline": base}
+    blk = 16 if smoke else 512
+    seg = None
+    if docs:
+        lens = [s * 3 // 16, s * 7 // 16, s // 4]
+        seg = jnp.asarray(sum(([i + 1] * n for i, n in enumerate(lens)), []) + [0] * (s - sum(lens)), jnp.int32)[None]
+    try:
+        q, k, v, do = (_np_inputs((b, s, n, d), i, jnp.bfloat16) for i, n in enumerate((h, kv, kv, h)))
+
+        def run(fwd, bwd, q, k, v, do):
+            out, lse = jax.jit(lambda q, k, v: fwd(q, k, v, segment_ids=seg, window=window))(q, k, v)
+            grads = jax.jit(lambda *a: bwd(*a, segment_ids=seg, window=window))(q, k, v, out, lse, do)
+            return [x.astype(jnp.float32) for x in (out, lse, *grads)]
+
+        def kernel(name):
+            if name == "pallas":
+                return (functools.partial(PG.pallas_attention_fwd, interpret=not gpu),
+                        functools.partial(PG.pallas_attention_bwd, interpret=not gpu))
+            kw = dict(backend=name, block_q=blk, block_k=blk)
+            return functools.partial(B.attention_fwd_with_lse, **kw), functools.partial(B.attention_bwd, **kw)
+
+        truth = run(*kernel(base), *(x.astype(jnp.float32) for x in (q, k, v, do)))
+        got, ref = run(*kernel(backend), q, k, v, do), run(*kernel(base), q, k, v, do)
+        row["pass"] = _errors(row, got, ref, truth)
+    except Exception as e:  # noqa: BLE001
+        row.update({"pass": False, "error": f"{type(e).__name__}: {e}"[:400]})
+    return row
+
+
 def _ring_row(K, backend: str, smoke: bool, gpu: bool) -> dict:
     """Ring attention's block kernel (`jaxlong.parallel.ring.BlockKernel`, what a ring step calls) on one device:
     a causal sequence cut in two as ring rank 1 of 2 sees it -- its own half causal, the first half's K/V as one
@@ -336,6 +401,77 @@ def _large_tensor_row(b: int = 1, s: int = 65536, h: int = 264, d: int = 128) ->
     return row
 
 
+# a tiny Gemma 3: a local layer (window 8) and a global one, 4 query heads over 1 KV head (Gemma 3 270M's)
+GEMMA_TINY = ["model.family=gemma3", "model.layers=2", "model.sliding_window_pattern=2", "model.sliding_window=8",
+              "model.heads=4", "model.kv_heads=1", "model.head_dim=16", "model.hidden=64", "model.mlp_hidden=128",
+              "model.vocab_size=257", "model.query_pre_attn_scalar=16", "model.tie_embeddings=true", "seq_len=64",
+              "global_batch=4", "attention.block_q=16", "attention.block_k=16", "data.packing=concat",
+              "param_dtype=float32", "mesh.data=1", "mesh.fsdp=1", "mesh.context=1", "mesh.num_devices=1"]
+
+
+def child_generate(smoke: bool) -> list[dict]:
+    """Greedy generation of the tiny Gemma 3 against the full recompute, one row per compute dtype (module
+    docstring): prompts of 37, 20 and 3 tokens, 6 new tokens each; each step's logits (the prefill's, then each
+    cached decode step's) against one whole forward of the row's prompt and generated tokens in the same dtype
+    (`err_recompute`), and both against a float32 forward with reference attention (`err`, `err_baseline`), max
+    error / max |truth|; whether each generated token is the argmax of the recompute's logits."""
+    import dataclasses  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from jaxlong.config import load_config, runtime  # noqa: PLC0415
+    from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
+    from jaxlong.data import ByteTokenizer  # noqa: PLC0415
+    from jaxlong.generation.generate import Generator  # noqa: PLC0415
+    from jaxlong.models import llama as model_lib  # noqa: PLC0415
+
+    prompts = [np.arange(3, 40), np.arange(60, 80), np.array([256, 72, 105])]
+    rows, params = [], None
+    for dtype in ("float32", "bfloat16"):
+        row = {"case": f"generate gemma3 window 8, {dtype}", "dtype": dtype}
+        try:
+            cfg = load_config(None, [*GEMMA_TINY, f"compute_dtype={dtype}"])
+            mesh = build_mesh(cfg.mesh, devices=jax.devices()[:1])
+            if params is None:
+                params = model_lib.init_params(cfg.model, mesh, 0, cfg.param_dtype)
+            rt = runtime(cfg, mesh)
+            row["kernels"] = {"prefill": dataclasses.replace(rt, document_masking=True).attention_backend,
+                              "recompute": rt.attention_backend}
+            steps: list = []
+            out = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=6)(prompts, logits=steps)
+            seqs = [np.concatenate([p, o.tokens]) for p, o in zip(prompts, out)]
+            batch = np.zeros((len(seqs), -(-max(map(len, seqs)) // 16) * 16), np.int32)  # whole tiles
+            for r, seq in enumerate(seqs):
+                batch[r, :len(seq)] = seq
+
+            def whole(rt_):
+                graphdef = model_lib.model_graphdef(cfg.model, cfg.param_dtype)
+                hidden, head = jax.jit(lambda p, t: model_lib.forward(graphdef, p, t, rt_))(params, batch)
+                return np.asarray(hidden.astype(np.float32) @ head.astype(np.float32))
+
+            recompute = whole(rt)
+            truth = whole(dataclasses.replace(rt, compute_dtype=np.float32, attention=dataclasses.replace(
+                rt.attention, backend="reference")))
+            pick = lambda x: np.stack([x[r, len(p) - 1 + t] for t in range(len(steps))  # noqa: E731
+                                       for r, p in enumerate(prompts)])
+            got = np.stack([steps[t][r] for t in range(len(steps)) for r in range(len(prompts))])
+            scale = float(np.abs(pick(truth)).max()) + 1e-6
+            row.update(err=float(np.abs(got - pick(truth)).max()) / scale,
+                       err_baseline=float(np.abs(pick(recompute) - pick(truth)).max()) / scale,
+                       err_recompute=float(np.abs(got - pick(recompute)).max()) / scale,
+                       argmax_agree=float(np.mean([o.tokens[t] == int(np.argmax(recompute[r, len(p) - 1 + t]))
+                                                   for r, (p, o) in enumerate(zip(prompts, out))
+                                                   for t in range(len(o.tokens))])))
+            tol = 1e-4 if dtype == "float32" else max(2 * row["err_baseline"], 3e-2)
+            row["pass"] = bool(row["err"] <= tol and row["err_recompute"] <= tol
+                               and (row["argmax_agree"] == 1.0 or dtype != "float32"))
+        except Exception as e:  # noqa: BLE001
+            row.update({"pass": False, "error": f"{type(e).__name__}: {e}"[:400]})
+        rows.append(row)
+    return rows
+
+
 def child_train(spec: dict, smoke: bool, steps: int, profile_dir: str | None) -> dict:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
@@ -415,7 +551,7 @@ class Report:
     def __init__(self, out: Path, argv: list[str]):
         self.out, self.argv = out, argv
         self.data = {"command": "python experiments/gpu_check.py " + " ".join(argv), "env": {}, "kernel": [],
-                     "train": [], "plan": {}, "skipped": [], "errors": []}
+                     "generate": [], "train": [], "plan": {}, "skipped": [], "errors": []}
 
     def flush(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -453,6 +589,14 @@ class Report:
             lines.append(f"| {r['case']} | {r.get('candidate', '')} | {'yes' if r.get('pass') else 'NO'} | "
                          f"{f(r, 'out_err')} | {f(r, 'lse_err')} | {f(r, 'dq_err')} | {f(r, 'dk_err')} | "
                          f"{f(r, 'dv_err')} | {f(r, 'out_err_baseline')} / {f(r, 'dq_err_baseline')} | {note} |")
+        lines += ["\n## Generation: prefill and cached decode against the full recompute (max error / max |truth|)\n",
+                  "| case | kernels (prefill / recompute) | pass | vs float32 truth | recompute's | vs recompute | "
+                  "argmax agree | note |", "|---|---|---|---:|---:|---:|---:|---|"]
+        for r in d["generate"]:
+            kernels = " / ".join(r.get("kernels", {}).values())
+            agree = "" if r.get("argmax_agree") is None else f"{100 * r['argmax_agree']:.0f}%"
+            lines.append(f"| {r['case']} | {kernels} | {'yes' if r.get('pass') else 'NO'} | {f(r, 'err')} | "
+                         f"{f(r, 'err_baseline')} | {f(r, 'err_recompute')} | {agree} | {r.get('error', '')} |")
         lines += ["\n## Training, one device (Llama-3.2-1B shapes; L = layers)\n",
                   "| config | status | backend | tokens/s | MFU | step s | compile s | peak in use GiB | "
                   "compiled peak GiB | plan peak GiB | plan total GiB | measured / plan |",
@@ -534,13 +678,16 @@ def main(argv: list[str] | None = None) -> int:
          json.dumps({"kind": "plan", "specs": specs, "smoke": smoke, "out": str(plan_file)})],
         env=cpu_env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
-    for section in ("env", "kernel"):
+    for section in ("env", "kernel", "window", "generate"):
         try:
             payload = {"kind": section, "smoke": smoke, "large": not args.no_large}
             rc, so, se = _child(["--_child", json.dumps(payload)], min(left() - 10, 150), run_env)
             if rc != 0:
                 raise RuntimeError(f"exit {rc}: {se.strip().splitlines()[-1] if se.strip() else ''}"[:400])
-            rep.data[section] = _last_json(so)
+            if section == "window":  # rows of the kernel table
+                rep.data["kernel"] += _last_json(so)
+            else:
+                rep.data[section] = _last_json(so)
         except Exception as e:  # noqa: BLE001
             rep.data["errors"].append(f"{section}: {type(e).__name__}: {e}")
         rep.flush()
@@ -626,6 +773,10 @@ def _run_child(payload: dict) -> int:
             result = info
         elif kind == "kernel":
             result = child_kernel(payload["smoke"], payload["large"])
+        elif kind == "window":
+            result = child_window(payload["smoke"])
+        elif kind == "generate":
+            result = child_generate(payload["smoke"])
         else:
             result = child_train(payload["spec"], payload["smoke"], payload["steps"], payload["profile"])
     except Exception:  # noqa: BLE001

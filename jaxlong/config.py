@@ -496,27 +496,9 @@ def _check_layout(cfg: Config, n: int, platform: str | None) -> None:
             check_upipe_remat_names(cfg.remat.save + cfg.remat.offload)
     kernel = kernel_that_runs(cfg.attention.backend, platform, compute_dtype=cfg.compute_dtype,
                               head_dim=m.head_dim, segment_ids=cfg.data.packing == "documents")
-    _check_family(cfg, ring, kernel)
     check_kernel_size(kernel, backend=cfg.attention.backend, batch=cfg.global_batch // (cfg.grad_accum * data * fsdp),
                       seq=cfg.seq_len // ring, heads=(u if cfg.attention.impl == "upipe" else m.heads) // context,
                       head_dim=m.head_dim)
-
-
-def _check_family(cfg: Config, ring: int, kernel: str) -> None:
-    """What the model's sliding windows need of the rest of the run, where jaxlong does not run it yet: a window in
-    the cuDNN and Pallas kernels (the chunked prefill runs its blockwise loop for a windowed model).
-
-    Raises:
-      ConfigError: naming the option, its value and what does run.
-    """
-    m, a = cfg.model, cfg.attention
-    if not m.sliding_window:
-        return
-    if kernel in ("cudnn", "pallas"):
-        raise ConfigError(f"attention.backend={a.backend} runs the {kernel} kernel, which does not take a sliding "
-                          f"window (model.sliding_window={m.sliding_window}) yet; give attention.backend=blockwise",
-                          key="attention.backend", value=a.backend, keys=("model.sliding_window",),
-                          suggestions=({"attention.backend": "blockwise"},))
 
 
 def validate_ruler(cfg: Config) -> None:

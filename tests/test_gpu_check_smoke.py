@@ -30,6 +30,9 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     kernel = [r for r in data["kernel"] if r["case"] != "segment ids"]
     assert kernel and all(r["pass"] for r in kernel), kernel
     assert all(r["out_err"] < 2e-2 and r["lse_err"] < 1e-3 for r in kernel), kernel
+    assert sum(r["case"].startswith("window") for r in kernel) == 2, kernel  # blockwise and Pallas' interpreter
+    assert [r["dtype"] for r in data["generate"]] == ["float32", "bfloat16"], data["generate"]
+    assert all(r["pass"] for r in data["generate"]) and data["generate"][0]["argmax_agree"] == 1.0, data["generate"]
     rows = list(csv.DictReader(open(out / "gpu_check.csv")))
     assert {r["impl"] for r in rows} == {"ulysses", "upipe"}
     for r in rows:

@@ -29,16 +29,17 @@ Backend = Literal["auto", "blockwise", "cudnn", "pallas", "reference"]  # `atten
 BACKENDS = get_args(Backend)
 
 
-def cudnn_attention(q, k, v, *, causal: bool = True):
+def cudnn_attention(q, k, v, *, causal: bool = True, window: int = 0):
     """Differentiable cuDNN flash attention (`jaxlong.kernels.cudnn`, a `custom_vjp` saving
     `(q, k, v, out, lse)` whose backward does not rerun the forward).
 
-    Same layout (GQA handled natively). GPU only; bf16/fp16 inputs, head_dim a multiple of 8 and <= 256.
+    Same layout (GQA handled natively). GPU only; bf16/fp16 inputs, head_dim a multiple of 8 and <= 256;
+    `window` a sliding window (cuDNN's `sliding_window_length`, causal only).
     It takes no segment ids: packed documents go to the Pallas GPU kernel (`backend='auto'`) or raise
     (`backend='cudnn'`, see `resolve_backend`).
     Raises ValueError/ConfigError as `jaxlong.kernels.cudnn.cudnn_attention_fwd`.
     """
-    return cudnn_kernel.cudnn_attention(q, k, v, causal=causal)
+    return cudnn_kernel.cudnn_attention(q, k, v, causal=causal, window=window)
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -92,12 +93,6 @@ def kernel_that_runs(backend: str, platform: str | None, *, compute_dtype: str, 
     return None if platform is None else auto_backend(platform, compute_dtype, head_dim, segment_ids)
 
 
-def _check_window_backend(backend: str, window: int) -> None:
-    if window and backend in ("cudnn", "pallas"):
-        raise ValueError(f"attention.backend={backend} does not take a sliding window (window={window}) yet; "
-                         f"attention.backend=blockwise does")
-
-
 def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: int = 512,
               block_k: int = 512, segment_ids=None, window: int = 0):
     """Differentiable attention with backend dispatch; returns `out` (shape/dtype of q).
@@ -106,20 +101,18 @@ def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: i
     `'reference'`. `block_q`/`block_k` are used only by `'blockwise'` (the Pallas kernel keeps its
     own Triton tile sizes).
     `segment_ids`: int `[batch, seq]` or None, document masking (module docstring).
-    `window`: 0, or a sliding window of that many positions (`jaxlong.kernels.blockwise`, Gemma 3's local layers):
-    the blockwise and reference kernels take it; cuDNN and Pallas do not yet.
-    Raises ValueError for an unknown backend, cuDNN with segment ids, a window on cuDNN or Pallas (and as the
-    kernel does).
+    `window`: 0, or a sliding window of that many positions (`jaxlong.kernels.blockwise`, Gemma 3's local layers,
+    docs/windows.md): every backend takes it (cuDNN without segment ids, as always).
+    Raises ValueError for an unknown backend, cuDNN with segment ids (and as the kernel does).
     """
     backend = resolve_backend(backend, q, segment_ids)
-    _check_window_backend(backend, window)
     if backend == "blockwise":
         return blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
                                    segment_ids=segment_ids, window=window)
     if backend == "cudnn":
-        return cudnn_attention(q, k, v, causal=causal)
+        return cudnn_attention(q, k, v, causal=causal, window=window)
     if backend == "pallas":
-        return pallas_kernel.pallas_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+        return pallas_kernel.pallas_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
     return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
 
 
@@ -132,18 +125,17 @@ def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = Tru
     * `'cudnn'`: `jaxlong.kernels.cudnn.cudnn_attention_fwd`, cuDNN's softmax statistic,
       which is the same natural-log lse.
     * `'pallas'`: `jaxlong.kernels.pallas_gpu.pallas_attention_fwd` (real lse, segment ids).
-    `segment_ids`, `window` as for `attention`.
+    `segment_ids` and `window` as for `attention`.
     """
     backend = resolve_backend(backend, q, segment_ids)
-    _check_window_backend(backend, window)
     if backend == "blockwise":
         return blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
                                        block_k=block_k, segment_ids=segment_ids, window=window)
     if backend == "reference":
         return reference_attention_with_lse(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
     if backend == "pallas":
-        return pallas_kernel.pallas_attention_fwd(q, k, v, causal=causal, segment_ids=segment_ids)
-    return cudnn_kernel.cudnn_attention_fwd(q, k, v, causal=causal)
+        return pallas_kernel.pallas_attention_fwd(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
+    return cudnn_kernel.cudnn_attention_fwd(q, k, v, causal=causal, window=window)
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: bool = True,
@@ -154,17 +146,17 @@ def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: boo
     `jaxlong.kernels.cudnn.cudnn_attention_bwd` and `'pallas'`
     `jaxlong.kernels.pallas_gpu.pallas_attention_bwd`, all from the saved `out`/`lse` (no
     forward is rerun). `'reference'` (tests only) ignores `out`/`lse` and recomputes the
-    forward under `jax.vjp`. Dtypes follow q, k, v. `window` must match the forward's.
+    forward under `jax.vjp`. Dtypes follow q, k, v; `window` must be the forward's.
     """
     backend = resolve_backend(backend, q, segment_ids)
-    _check_window_backend(backend, window)
     if backend == "blockwise":
-        return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal, block_q=block_q,
-                                       block_k=block_k, segment_ids=segment_ids, window=window)
+        return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal,
+                                       block_q=block_q, block_k=block_k, segment_ids=segment_ids, window=window)
     if backend == "cudnn":
-        return cudnn_kernel.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=causal)
+        return cudnn_kernel.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=causal, window=window)
     if backend == "pallas":
-        return pallas_kernel.pallas_attention_bwd(q, k, v, out, lse, dout, causal=causal, segment_ids=segment_ids)
+        return pallas_kernel.pallas_attention_bwd(q, k, v, out, lse, dout, causal=causal, segment_ids=segment_ids,
+                                                  window=window)
     _, vjp = jax.vjp(functools.partial(reference_attention, causal=causal, segment_ids=segment_ids, window=window),
                      q, k, v)
     return vjp(dout.astype(q.dtype))

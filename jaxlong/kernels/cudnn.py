@@ -44,6 +44,13 @@ JAX returns it as float32 `[batch, heads, seq]` (`softmax_stat_shape = (B, N, T)
 That is exactly `blockwise_attention_fwd`'s lse, so `_stat_to_lse` is the identity; the device check compares
 the two numerically.
 
+Sliding windows (`window` W > 0, causal only; Gemma 3's local layers, docs/windows.md): query t sees keys
+`t - W + 1 .. t`, as in `jaxlong.kernels.blockwise`. The module's `sliding_window_length` has exactly that
+meaning (its docstring: "(pos - sliding_window_length, pos]"; `jax.nn.dot_product_attention`'s
+`local_window_size=(left, 0)` passes `left + 1`), so W is passed as is, to the forward and to the backward, whose
+backend configs carry it (`sliding_window_length` of `cudnn_fmha_backend_config`); a window of at least the
+sequence masks nothing and is not passed. With segment ids a window is refused as any segment ids are (below).
+
 Segment ids (document masking) are not supported here and raise a clear error: JAX's packed layout
 (`q_seqlen/kv_seqlen/q_offsets/kv_offsets`) needs a static maximum number of segments M per row, returns the
 statistic with shape `[batch * M, heads, seq]` (M times the memory of the lse: gigabytes per call at a million
@@ -81,7 +88,7 @@ import jax.numpy as jnp
 
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.kept import keep_attention_residuals
-from jaxlong.kernels.layout import check_qkv, cudnn_head_dim_ok
+from jaxlong.kernels.layout import check_qkv, check_window, cudnn_head_dim_ok
 
 __all__ = ["CHECKED_JAX", "MAX_ELEMENTS", "cudnn_attention", "cudnn_attention_bwd", "cudnn_attention_fwd"]
 
@@ -109,12 +116,14 @@ def _api():
     return fa
 
 
-def _check(q, k, v, segment_ids, causal: bool = True):
-    """Validate shapes, dtypes and sizes before anything is traced into cuDNN; return head_dim."""
+def _check(q, k, v, segment_ids, causal: bool = True, window: int = 0):
+    """Validate shapes, dtypes, sizes and the window before anything is traced into cuDNN; return head_dim."""
     if segment_ids is not None:
-        raise ValueError("attention.backend=cudnn does not support segment ids (document masking): cuDNN's packed "
-                         "layout is not usable at long context (see jaxlong.kernels.cudnn); use "
-                         "attention.backend=pallas (GPUs) or attention.backend=blockwise")
+        raise ValueError("attention.backend=cudnn does not support segment ids (document masking"
+                         f"{', with a sliding window or without' if window else ''}): cuDNN's packed layout is not "
+                         "usable at long context (see jaxlong.kernels.cudnn); use attention.backend=pallas (GPUs) or "
+                         "attention.backend=blockwise")
+    check_window(window, causal, "cudnn attention")
     b, s, h, d = check_qkv(q, k, v, "cudnn attention", causal)
     s = max(s, k.shape[1])
     if not (jnp.dtype(q.dtype) == jnp.dtype(k.dtype) == jnp.dtype(v.dtype)) or \
@@ -136,13 +145,20 @@ def _mask(fa, causal: bool):
     return fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
 
 
+def _sliding_window(window: int, seq: int) -> int | None:
+    """cuDNN's `sliding_window_length` for a window of `window` positions over `seq` keys: the same number (cuDNN's
+    window `(pos - length, pos]` is the blockwise kernel's `pos - window + 1 .. pos`), or None (no band) where the
+    window masks nothing (0, or at least the sequence)."""
+    return window if 0 < window < seq else None
+
+
 def _stat_to_lse(stat):
     """cuDNN's softmax statistic -> the blockwise kernel's lse: both natural-log logsumexp of the scaled scores,
     float32 `[batch, heads, seq]` (module docstring), so this is the identity."""
     return stat
 
 
-def cudnn_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None):
+def cudnn_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, window: int = 0):
     """cuDNN flash attention forward; returns `(out, lse)`.
 
     Args:
@@ -150,23 +166,28 @@ def cudnn_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None):
         `kv_seq` = `seq` when `causal`: an unmasked call may take a key block of another length).
       causal: query t sees keys 0..t.
       segment_ids: must be None (see the module docstring).
+      window: 0, or a sliding window of that many positions with `causal` (query t sees keys `t - window + 1 ..
+        t`; module docstring: sliding windows).
 
     Returns:
       `out` (shape and dtype of q) and `lse` float32 `[batch, heads, seq]`: the natural-log logsumexp of
       the scaled scores per query row, the convention of `blockwise_attention_fwd`.
 
     Raises:
-      ValueError: segment ids, malformed shapes, a dtype other than bf16/fp16, an unsupported head_dim.
+      ValueError: segment ids, malformed shapes, a dtype other than bf16/fp16, an unsupported head_dim, a window
+        that is negative or comes without `causal`.
       ConfigError: a tensor of 2**31 or more elements (`MAX_ELEMENTS`).
       RuntimeError: this JAX lacks the private cuDNN module (`CHECKED_JAX`).
     """
-    d = _check(q, k, v, segment_ids, causal)
+    d = _check(q, k, v, segment_ids, causal, window)
     fa = _api()
+    band = _sliding_window(window, k.shape[1])
     outs, lses = [], []
     for lo, hi, kv_lo, kv_hi in _calls(q, k, _forward_heads_per_call(q, k)):
         out, stat = fa.dot_product_attention(q[:, :, lo:hi], k[:, :, kv_lo:kv_hi], v[:, :, kv_lo:kv_hi],
                                              scale=1.0 / math.sqrt(d), mask_type=_mask(fa, causal),
-                                             qkv_layout="BTNH", return_residual=True)
+                                             qkv_layout="BTNH", sliding_window_length=band,
+                                             return_residual=True)
         outs.append(out)
         lses.append(_stat_to_lse(stat))
     if len(outs) == 1:
@@ -196,11 +217,11 @@ def _calls(q, k, heads_per_call: int):
     return out
 
 
-def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None):
+def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None, window: int = 0):
     """cuDNN flash attention backward from the saved `out` and `lse`; returns `(dq, dk, dv)`.
 
     Args:
-      q, k, v, causal, segment_ids: as for `cudnn_attention_fwd`.
+      q, k, v, causal, segment_ids, window: as for `cudnn_attention_fwd` (the window must be the forward's).
       out: the forward output (shape of q); lse: float32 `[batch, heads, seq]` in the blockwise convention
         (from `cudnn_attention_fwd` or `blockwise_attention_fwd`); dout: the gradient of out.
 
@@ -211,7 +232,7 @@ def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment
     Raises:
       as `cudnn_attention_fwd`, and ValueError when `out`/`dout`/`lse` have the wrong shapes.
     """
-    d = _check(q, k, v, segment_ids, causal)
+    d = _check(q, k, v, segment_ids, causal, window)
     b, s, h, _ = q.shape
     if out.shape != q.shape or dout.shape != q.shape or lse.shape != (b, h, s):
         raise ValueError(f"cudnn attention backward: out {out.shape} and dout {dout.shape} must have q's shape "
@@ -221,7 +242,7 @@ def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment
              "fwd_output": out.astype(q.dtype), "grad_output": dout.astype(q.dtype)}
     params = {"scale": 1.0 / math.sqrt(d), "seed": 42, "dropout_rate": 0.0, "variadic_args": (False, False),
               "mask_type": _mask(fa, causal), "layout": fa.AttentionLayout.BTNH.value,
-              "sliding_window_length": None}
+              "sliding_window_length": _sliding_window(window, k.shape[1])}
     operands, keywords = _bwd_signature(fa)
     unknown = [n for n in keywords if n not in params]
     if unknown:
@@ -260,30 +281,30 @@ def _bwd_signature(fa) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(names[:first]), tuple(names[first:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _cudnn(q, k, v, causal):
-    return cudnn_attention_fwd(q, k, v, causal=causal)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _cudnn(q, k, v, causal, window):
+    return cudnn_attention_fwd(q, k, v, causal=causal, window=window)[0]
 
 
-def _cudnn_vjp_fwd(q, k, v, causal):
-    out, lse = cudnn_attention_fwd(q, k, v, causal=causal)
+def _cudnn_vjp_fwd(q, k, v, causal, window):
+    out, lse = cudnn_attention_fwd(q, k, v, causal=causal, window=window)
     out, lse = keep_attention_residuals(out, lse)  # `remat.keep_attention` may keep them
     return out, (q, k, v, out, lse)
 
 
-def _cudnn_vjp_bwd(causal, res, dout):
-    return cudnn_attention_bwd(*res, dout, causal=causal)
+def _cudnn_vjp_bwd(causal, window, res, dout):
+    return cudnn_attention_bwd(*res, dout, causal=causal, window=window)
 
 
 _cudnn.defvjp(_cudnn_vjp_fwd, _cudnn_vjp_bwd)
 
 
-def cudnn_attention(q, k, v, *, causal: bool = True, segment_ids=None):
+def cudnn_attention(q, k, v, *, causal: bool = True, segment_ids=None, window: int = 0):
     """Differentiable cuDNN attention (`jax.custom_vjp`); returns `out` (shape and dtype of q).
 
     The residuals are exactly `(q, k, v, out, lse)` and the backward is `cudnn_attention_bwd`, the same
-    kernel pair that U-Pipe calls through `attention_fwd_with_lse` / `attention_bwd`. Shapes and errors as
-    for `cudnn_attention_fwd` (checked before tracing the custom_vjp).
+    kernel pair that U-Pipe calls through `attention_fwd_with_lse` / `attention_bwd`. Shapes, `window` and errors
+    as for `cudnn_attention_fwd` (checked before tracing the custom_vjp).
     """
-    _check(q, k, v, segment_ids)
-    return _cudnn(q, k, v, bool(causal))
+    _check(q, k, v, segment_ids, causal, window)
+    return _cudnn(q, k, v, bool(causal), check_window(window, causal, "cudnn attention"))

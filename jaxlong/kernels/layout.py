@@ -23,6 +23,24 @@ def check_qkv(q, k, v, name: str, causal: bool = True) -> tuple[int, int, int, i
     return b, s, h, d
 
 
+def check_window(window, causal: bool, name: str) -> int:
+    """A sliding window as an int: 0 (none) or W > 0 positions, with the causal mask only (query t sees keys
+    `t - W + 1 .. t`, itself and the W - 1 before it: transformers' `sliding_window`, `jaxlong.kernels.blockwise`,
+    docs/windows.md).
+
+    Raises:
+      ValueError: a negative or fractional window, or one with `causal=False` (naming the kernel `name`).
+    """
+    if window is None or window == 0:
+        return 0
+    if int(window) != window or window < 0:
+        raise ValueError(f"{name}: window={window!r} must be 0 (no window) or a positive number of positions")
+    if not causal:
+        raise ValueError(f"{name}: a sliding window needs causal=True (a query sees itself and the window - 1 keys "
+                         f"before it)")
+    return int(window)
+
+
 def cudnn_head_dim_ok(d: int) -> bool:
     """cuDNN flash attention: head_dim a multiple of 8 and at most 256 (Hopper)."""
     return d % 8 == 0 and 0 < d <= 256

@@ -12,9 +12,12 @@ on GPUs when the batches carry segment ids and cuDNN otherwise.
 
 Masking is exactly the blockwise kernel's (`jaxlong.kernels.blockwise`): with `causal`, query t sees keys 0..t;
 with segment ids (int32 `[batch, seq]`, 0 = padding, `causal=True` required) it sees only the keys of its own
-run of equal ids, i.e. keys `starts[t] <= key <= t` with `starts = segment_starts(segment_ids)`. Every query
-sees at least itself, so no softmax row is empty (padding attends to earlier padding of its run). The run
-starts (and run ends, for the backward's bounds) are computed once outside the kernels, O(seq) int32.
+run of equal ids, i.e. keys `starts[t] <= key <= t` with `starts = segment_starts(segment_ids)`. With a sliding
+`window` W > 0 (`causal=True` required; Gemma 3's local layers, docs/windows.md) it sees only keys `t - W < key
+<= t` as well: itself and the W - 1 before it (transformers' `sliding_window`, cuDNN's `sliding_window_length`),
+combined with the segment ids. Every query sees at least itself, so no softmax row is empty (padding attends to
+earlier padding of its run). The run starts (and run ends, for the backward's bounds) are computed once outside
+the kernels, O(seq) int32.
 
 Ring attention's off-diagonal blocks (`jaxlong.parallel.ring`: every key before every query) take `kv_starts`
 instead (int32 `[batch, seq]`, `causal=False`): query t sees key j iff `j >= kv_starts[t]`, the number of the
@@ -35,8 +38,10 @@ Algorithm (T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism a
   - Skipped tiles (loop bounds, no work and no loads): with `causal`, kv tiles wholly above the diagonal
     (forward, dQ) and query tiles wholly above it (dK/dV); with segment ids, kv tiles before the earliest run
     start of the query tile (forward, dQ) and query tiles after the end of the run holding the kv tile's last
-    key (dK/dV). Bounds are per (batch row, tile), so n equal documents cost about 1/n of causal attention.
-    Tiles that straddle a document boundary are computed and masked.
+    key (dK/dV); with a window W, kv tiles wholly before the query tile's earliest window start (forward, dQ)
+    and query tiles wholly past the kv tile's last key + W - 1 (dK/dV), as `jaxlong.kernels.blockwise`
+    (`window_tiles` counts them). Bounds are per (batch row, tile), so n equal documents cost about 1/n of causal
+    attention. Tiles that straddle a document boundary or a window's edge are computed and masked.
 
 Statistics, accumulators and the softmax are float32; matmuls take the input dtype (bf16/fp16/fp32) with
 float32 accumulation (fp32 inputs without TF32). head_dim must be a power of two in [16, 256] (Triton tile
@@ -65,7 +70,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxlong.core.ordering import varying_axes
 from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels.blockwise import segment_starts
-from jaxlong.kernels.layout import check_qkv, pallas_head_dim_ok, pallas_tiles
+from jaxlong.kernels.layout import check_qkv, check_window, pallas_head_dim_ok, pallas_tiles
 
 __all__ = ["MAX_ELEMENTS", "pallas_attention", "pallas_attention_bwd", "pallas_attention_fwd"]
 
@@ -133,12 +138,14 @@ def _runs(segment_ids, padded: int):
             jnp.pad(ends, pad, constant_values=padded - 1))
 
 
-def _mask(q_pos, k_pos, starts, causal: bool, seq: int, padded: bool):
+def _mask(q_pos, k_pos, starts, causal: bool, seq: int, padded: bool, window: int = 0):
     """Visible (query, key) pairs of one tile, bool `[bq, bk]`, or None when all are. `starts`: the queries' run
-    starts (causal) or `kv_starts` (not causal), or None."""
+    starts (causal) or `kv_starts` (not causal), or None; `window` > 0: a sliding window (causal only)."""
     mask = None
     if causal:
         mask = q_pos[:, None] >= k_pos[None, :]
+        if window:
+            mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
         if starts is not None:
             mask = mask & (k_pos[None, :] >= starts[:, None])
         return mask
@@ -154,14 +161,25 @@ def _dot(a, b, trans_a=False, trans_b=False):
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False if a.dtype == _F32 else None)
 
 
-def _kv_bounds(i, st, *, causal, bq, bk, nk):
+def _kv_bounds(i, st, *, causal, bq, bk, nk, window=0):
     """kv tiles [lo, hi) that query tile i can see (module docstring: skipped tiles)."""
     hi = jnp.minimum(nk, lax.div((i + 1) * bq + bk - 1, bk)) if causal else nk
     lo = lax.div(jnp.maximum(jnp.min(st), 0), bk) if st is not None else 0  # kv_starts may be < 0
+    if window:  # the key tile of the earliest window start among the tile's queries
+        lo = jnp.maximum(lo, lax.div(jnp.maximum(i * bq - window + 1, 0), bk))
     return jnp.minimum(lo, hi), hi
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk, seq, padded):
+def _q_bounds(j, end_ref, *, causal, bq, bk, nq, window=0):
+    """query tiles [lo, hi) that can see kv tile j (module docstring: skipped tiles)."""
+    lo = lax.div(j * bk, bq) if causal else 0
+    hi = jnp.minimum(nq, lax.div(jnp.max(end_ref[...]), bq) + 1) if end_ref is not None else nq
+    if window:  # up to the tile of the last query whose window reaches the kv tile's last key
+        hi = jnp.minimum(hi, lax.div((j + 1) * bk + window - 2, bq) + 1)
+    return lo, hi
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk, seq, padded, window):
     st_ref, o_ref, lse_ref = refs if segments else (None, *refs)
     i = pl.program_id(0)
     q = q_ref[...]  # [bq, d]
@@ -173,7 +191,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk,
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
         sc = _dot(q, k, trans_b=True) * scale  # [bq, bk] float32
-        mask = _mask(q_pos, j * bk + jnp.arange(bk), st, causal, seq, padded)
+        mask = _mask(q_pos, j * bk + jnp.arange(bk), st, causal, seq, padded, window)
         if mask is not None:
             sc = jnp.where(mask, sc, _NEG)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
@@ -185,7 +203,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk,
         acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    lo, hi = _kv_bounds(i, st, causal=causal, bq=bq, bk=bk, nk=nk)
+    lo, hi = _kv_bounds(i, st, causal=causal, bq=bq, bk=bk, nk=nk, window=window)
     init = (jnp.zeros(q.shape, _F32), jnp.full((bq,), _NEG, _F32), jnp.zeros((bq,), _F32))
     acc, m, l = lax.fori_loop(lo, hi, body, init)
     if segments and not causal:  # kv_starts: a query may see no key of the block (l == 0)
@@ -234,7 +252,7 @@ def _pad_seq(x, padded: int, axis: int = 1, value=0):
 
 def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, block_q: int = DEFAULT_BLOCK,
                          block_k: int = DEFAULT_BLOCK, interpret: bool = False, num_warps: int = 4,
-                         num_stages: int = 2, kv_starts=None, kv_head_major: bool = False):
+                         num_stages: int = 2, kv_starts=None, kv_head_major: bool = False, window: int = 0):
     """FlashAttention-2 forward (Pallas, Triton lowering); returns `(out, lse)`.
 
     Args:
@@ -250,6 +268,9 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
         cache, `jaxlong.generation.chunked`).
       kv_head_major: k, v are `[batch, kv_heads, kv_seq, head_dim]` (a KV cache's layout: read in place, not
         transposed).
+      window: 0, or a sliding window of that many positions with `causal` (query t sees keys `t - window + 1 ..
+        t`, combined with the segment ids; module docstring, docs/windows.md); the kv tiles wholly before a query
+        tile's earliest window start are not visited.
 
     Returns:
       `out` (shape and dtype of q) and `lse` float32 `[batch, heads, seq]` (natural log), the convention
@@ -257,13 +278,14 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
       with lse -inf.
 
     Raises:
-      ValueError: malformed shapes, dtypes, head_dim, block sizes or segment ids, or q with more than
-        `MAX_ELEMENTS` elements (before tracing a kernel).
+      ValueError: malformed shapes, dtypes, head_dim, block sizes, segment ids or window (negative, or without
+        `causal`), or q with more than `MAX_ELEMENTS` elements (before tracing a kernel).
     """
     seq_axis = 2 if kv_head_major else 1
     shapes = [jax.ShapeDtypeStruct(jnp.swapaxes(x, 1, 2).shape if kv_head_major else x.shape, x.dtype)
               for x in (k, v)]
     segment_ids, bq, bk = _check(q, *shapes, segment_ids, causal, block_q, block_k, kv_starts)
+    window = check_window(window, causal, "pallas attention")
     b, s, h, d = q.shape
     sk, g = shapes[0].shape[1], h // shapes[0].shape[2]
     sp, skp = _padded(s, bq, bk), _padded(sk, bq, bk)
@@ -271,7 +293,7 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
     k_, v_ = (_pad_seq(x, skp, axis=seq_axis) for x in (k, v))
     segments = segment_ids is not None or kv_starts is not None
     kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(d), causal=bool(causal), segments=segments,
-                               bq=bq, bk=bk, nk=skp // bk, seq=sk, padded=skp != sk)
+                               bq=bq, bk=bk, nk=skp // bk, seq=sk, padded=skp != sk, window=window)
     tile = pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0))
     whole_kv = (pl.BlockSpec((None, None, skp, d), lambda i, bb, hh: (bb, lax.div(hh, g), 0, 0)) if kv_head_major
                 else pl.BlockSpec((None, skp, None, d), lambda i, bb, hh: (bb, 0, lax.div(hh, g), 0)))
@@ -291,7 +313,7 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, causal, segments, bq, bk, nq,
-                 g, seq, padded):
+                 g, seq, padded, window):
     if not segments:
         st_ref, end_ref, (dk_ref, dv_ref) = None, None, refs
     elif causal:  # document masking: run starts and ends
@@ -302,8 +324,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, 
     k = k_ref[...]  # [bk, d]
     v = v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
-    lo = lax.div(j * bk, bq) if causal else 0
-    hi = jnp.minimum(nq, lax.div(jnp.max(end_ref[...]), bq) + 1) if end_ref is not None else nq
+    lo, hi = _q_bounds(j, end_ref, causal=causal, bq=bq, bk=bk, nq=nq, window=window)
 
     def q_step(i, carry, hg):
         dk, dv = carry
@@ -311,7 +332,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, 
         q = q_ref[rows, hg, :]  # [bq, d]
         do = do_ref[rows, hg, :]
         sc = _dot(q, k, trans_b=True) * scale
-        mask = _mask(i * bq + jnp.arange(bq), k_pos, st_ref[rows] if segments else None, causal, seq, padded)
+        mask = _mask(i * bq + jnp.arange(bq), k_pos, st_ref[rows] if segments else None, causal, seq, padded,
+                     window)
         if mask is not None:
             sc = jnp.where(mask, sc, _NEG)
         p = jnp.exp(sc - lse_ref[hg, rows][:, None])  # masked -> exp(_NEG - lse) == 0
@@ -330,7 +352,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, 
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, causal, segments, bq, bk, nk, seq,
-               padded):
+               padded, window):
     st_ref, dq_ref = refs if segments else (None, *refs)
     i = pl.program_id(0)
     q, do = q_ref[...], do_ref[...]  # [bq, d]
@@ -342,25 +364,26 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, ca
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
         sc = _dot(q, k, trans_b=True) * scale
-        mask = _mask(q_pos, j * bk + jnp.arange(bk), st, causal, seq, padded)
+        mask = _mask(q_pos, j * bk + jnp.arange(bk), st, causal, seq, padded, window)
         if mask is not None:
             sc = jnp.where(mask, sc, _NEG)
         p = jnp.exp(sc - lse[:, None])
         ds = (p * (_dot(do, v, trans_b=True) - delta[:, None]) * scale).astype(k.dtype)
         return dq + _dot(ds, k)
 
-    lo, hi = _kv_bounds(i, st, causal=causal, bq=bq, bk=bk, nk=nk)
+    lo, hi = _kv_bounds(i, st, causal=causal, bq=bq, bk=bk, nk=nk, window=window)
     dq_ref[...] = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, _F32)).astype(dq_ref.dtype)
 
 
 def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None,
                          block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK, interpret: bool = False,
-                         num_warps: int = 4, num_stages: int = 2, kv_starts=None):
+                         num_warps: int = 4, num_stages: int = 2, kv_starts=None, window: int = 0):
     """FlashAttention-2 backward from the saved `out` and `lse` (no forward rerun); returns `(dq, dk, dv)`.
 
     Args:
-      q, k, v, causal, segment_ids, block_q, block_k, interpret, num_warps, num_stages, kv_starts: as for
-        `pallas_attention_fwd` (the blocks need not match the forward's).
+      q, k, v, causal, segment_ids, block_q, block_k, interpret, num_warps, num_stages, kv_starts, window: as for
+        `pallas_attention_fwd` (the blocks need not match the forward's; the window must); dK/dV skip the query
+        tiles past the reach of a kv tile's window.
       out: the forward output (shape of q); lse: float32 `[batch, heads, seq]` (from this forward,
         `cudnn_attention_fwd` or `blockwise_attention_fwd`, or ring attention's global output and lse for one
         of its blocks); dout: the gradient of out (shape of q).
@@ -372,6 +395,7 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
       ValueError: as `pallas_attention_fwd`, and when out, dout or lse have the wrong shapes.
     """
     segment_ids, bq, bk = _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts)
+    window = check_window(window, causal, "pallas attention")
     b, s, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     g = h // kvh
@@ -391,7 +415,7 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
     else:
         runs = _runs(segment_ids, sp) if segments else None
     common = dict(scale=1.0 / math.sqrt(d), causal=bool(causal), segments=segments, bq=bq, bk=bk, seq=sk,
-                  padded=skp != sk)
+                  padded=skp != sk, window=window)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
     # dK, dV: grid (kv tile, batch, kv head); q, dout, lse, delta of the group's g query heads, whole sequence.
@@ -449,13 +473,15 @@ _pallas.defvjp(_pallas_vjp_fwd, _pallas_vjp_bwd)
 
 
 def pallas_attention(q, k, v, *, causal: bool = True, segment_ids=None, block_q: int = DEFAULT_BLOCK,
-                     block_k: int = DEFAULT_BLOCK, interpret: bool = False):
+                     block_k: int = DEFAULT_BLOCK, interpret: bool = False, window: int = 0):
     """Differentiable Pallas flash attention (`jax.custom_vjp`); returns `out` (shape and dtype of q).
 
     The residuals are exactly `(q, k, v, segment_ids, out, lse)` and the backward is
-    `pallas_attention_bwd` (no forward rerun). Shapes and errors as for `pallas_attention_fwd`
+    `pallas_attention_bwd` (no forward rerun). Shapes, `window` and errors as for `pallas_attention_fwd`
     (checked before tracing the custom_vjp).
     """
     segment_ids, _, _ = _check(q, k, v, segment_ids, causal, block_q, block_k)
-    opts = (("block_q", int(block_q)), ("block_k", int(block_k)), ("interpret", bool(interpret)))
+    window = check_window(window, causal, "pallas attention")
+    opts = (("block_q", int(block_q)), ("block_k", int(block_k)), ("interpret", bool(interpret)),
+            ("window", window))
     return _pallas(q, k, v, segment_ids, bool(causal), opts)

@@ -13,7 +13,6 @@ the chat prompts' ids, rendered by jaxlong's template renderer, equal transforme
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
 import smollm2

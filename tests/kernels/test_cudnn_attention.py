@@ -155,6 +155,56 @@ def test_8b_train_step_upipe_calls_no_more_attention_kernels_than_ulysses():
     assert counts["upipe"][0] <= counts["ulysses"][0] and counts["upipe"][1] <= counts["ulysses"][1], counts
 
 
+def _window_lengths(compiled) -> list[tuple[str, int, str]]:
+    """(target, sliding_window_length, mask_type) of every cuDNN fused-attention call in a compiled program."""
+    found = []
+    for line in compiled.as_text().splitlines():
+        target = re.search(r'custom_call_target="(__cudnn\$fmha[A-Za-z0-9]*)"', line)
+        if target:
+            window = re.search(r'"sliding_window_length": ?"?(\d+)', line)
+            mask = re.search(r'"mask_type": ?"(\w+)"', line)
+            found.append((target.group(1), int(window.group(1)) if window else -1, mask.group(1) if mask else ""))
+    return found
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+def test_a_window_reaches_the_forward_and_backward_calls_of_the_sm90_program():
+    """`attention(backend='cudnn', window=W)` and its gradient, compiled for one compile-only H100 (bf16, 4 query
+    heads over 1 KV head, Gemma 3 270M's): the forward call and each backward call (one per query head) carry
+    `sliding_window_length` W with the causal mask in their backend config (cuDNN's window `(pos - W, pos]` is the
+    blockwise kernel's `t - W + 1 .. t`); a window as long as the sequence masks nothing and is not passed. The
+    numbers against the blockwise kernel come from a GPU (experiments/gpu_check.py)."""
+    dev = _devices()[0]
+    s, w = 1024, 100
+    q = jax.ShapeDtypeStruct((1, s, 4, 64), jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(dev))
+    k = jax.ShapeDtypeStruct((1, s, 1, 64), jnp.bfloat16, sharding=q.sharding)
+
+    def grads(window):
+        def loss(q, k, v, dout):
+            return jnp.sum(B.attention(q, k, v, backend="cudnn", window=window).astype(jnp.float32) * dout)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, q).compile()
+
+    calls = _window_lengths(grads(w))
+    assert calls == [("__cudnn$fmhaSoftmax", w, "CAUSAL")] + [("__cudnn$fmhaSoftmaxBackward", w, "CAUSAL")] * 4
+    assert {c[1] for c in _window_lengths(grads(s))} == {0}
+    fwd = jax.jit(functools.partial(B.attention_fwd_with_lse, backend="cudnn", window=w)).lower(q, k, k).compile()
+    assert _window_lengths(fwd) == [("__cudnn$fmhaSoftmax", w, "CAUSAL")]
+
+
+def test_a_window_with_documents_or_without_the_causal_mask_is_refused_in_one_line():
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+    with pytest.raises(ValueError, match="segment ids .*with a sliding window.*attention.backend=pallas") as e:
+        jax.eval_shape(functools.partial(CU.cudnn_attention, segment_ids=seg, window=64), q, q, q)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="sliding window needs causal=True"):
+        jax.eval_shape(functools.partial(CU.cudnn_attention_fwd, causal=False, window=64), q, q, q)
+    with pytest.raises(ValueError, match="window=-1"):
+        jax.eval_shape(functools.partial(CU.cudnn_attention_bwd, window=-1), q, q, q, q,
+                       jax.ShapeDtypeStruct((1, 4, 256), jnp.float32), q)
+
+
 def test_bad_inputs_are_clear_errors_before_compiling(monkeypatch):
     q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)

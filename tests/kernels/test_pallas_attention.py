@@ -75,6 +75,71 @@ def test_forward_lse_and_backward_equal_the_blockwise_kernel(name):
         np.testing.assert_allclose(got, want, **TOL)
 
 
+# Sliding windows (`window` W: query t sees keys t - W + 1 .. t): a window straddling 16/32-token tiles with GQA 2;
+# with documents cut through tiles and a sequence padded inside the call (GQA 1, Gemma 3 270M's heads); a window of
+# 1 (each query sees itself); one wider than the sequence (causal).
+WINDOWS = {
+    "window20-gqa2": dict(shape=(1, 64, 4, 2, 16), seg=None, window=20),
+    "window9-docs-uneven": dict(shape=(1, 80, 4, 1, 16), seg=DOCS_80, window=9),
+    "window1": dict(shape=(1, 32, 2, 2, 16), seg=None, window=1),
+    "window100": dict(shape=(1, 48, 2, 1, 16), seg=None, window=100),
+}
+
+
+@pytest.mark.parametrize(*tiered("name", list(WINDOWS), ids=list(WINDOWS), fast={"window9-docs-uneven"}))
+def test_window_forward_lse_and_backward_equal_the_blockwise_kernel(name):
+    """float32, Pallas' interpreter: forward, lse and the backward from the blockwise kernel's (out, lse), with
+    blocks unlike the forward's, equal the windowed blockwise kernel's (itself checked against a dense softmax in
+    tests/kernels/test_window.py)."""
+    case = WINDOWS[name]
+    q, k, v, do = _inputs(*case["shape"])
+    opts = dict(causal=True, segment_ids=case["seg"], window=case["window"])
+    out, lse = PG.pallas_attention_fwd(q, k, v, block_q=16, block_k=32, interpret=True, **opts)
+    ref_out, ref_lse = K.blockwise_attention_fwd(q, k, v, block_q=16, block_k=16, **opts)
+    np.testing.assert_allclose(out, ref_out, **TOL)
+    np.testing.assert_allclose(lse, ref_lse, **TOL)
+    grads = PG.pallas_attention_bwd(q, k, v, ref_out, ref_lse, do, block_q=32, block_k=16, interpret=True, **opts)
+    ref = K.blockwise_attention_bwd(q, k, v, ref_out, ref_lse, do, block_q=16, block_k=16, **opts)
+    for got, want in zip(grads, ref):
+        assert bool(jnp.isfinite(got).all())
+        np.testing.assert_allclose(got, want, **TOL)
+
+
+@pytest.mark.slow
+def test_window_custom_vjp_gradients_equal_the_dense_reference():
+    """`pallas_attention(window=)` (the custom_vjp `attention(backend='pallas', window=)` runs): gradients of a
+    weighted sum equal the dense reference's with the window and two documents."""
+    q, k, v, w = _inputs(1, 64, 4, 2, 16, seed=9)
+    seg = _segments([(1, 24), (2, 40)])
+    pallas = functools.partial(PG.pallas_attention, block_q=16, block_k=16, interpret=True)
+    got = jax.grad(lambda q, k, v: jnp.sum(pallas(q, k, v, segment_ids=seg, window=12) * w), argnums=(0, 1, 2))(
+        q, k, v)
+    ref = functools.partial(K.reference_attention, segment_ids=seg, window=12)
+    want = jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, **TOL)
+
+
+@pytest.mark.slow
+def test_tiles_outside_the_window_are_not_visited():
+    """NaN poison, blocks of 16, a window of 10: the first kv tile poisoned, the query tiles from 2 on (windows
+    starting at 23 or later) stay finite in the forward and dQ; the last query tile poisoned, the kv tiles no query
+    of it reaches (0 and 1) get finite dK, dV."""
+    s, blk, window = 64, 16, 10
+    q, k, v, do = _inputs(1, s, 2, 1, 16, seed=8)
+    opts = dict(window=window, block_q=blk, block_k=blk, interpret=True)
+    first = jnp.where(jnp.arange(s)[None, :, None, None] < blk, jnp.nan, 0.0)
+    out, _ = PG.pallas_attention_fwd(q, k, v + first, **opts)
+    assert not bool(jnp.isfinite(out[:, :blk]).any()) and bool(jnp.isfinite(out[:, 2 * blk:]).all())
+    out, lse = PG.pallas_attention_fwd(q, k, v, **opts)
+    dq, _, _ = PG.pallas_attention_bwd(q, k + first, v + first, out, lse, do, **opts)
+    assert bool(jnp.isfinite(dq[:, 2 * blk:]).all())
+    last = jnp.where(jnp.arange(s)[None, :, None, None] >= s - blk, jnp.nan, 0.0)
+    _, dk, dv = PG.pallas_attention_bwd(q, k, v, out, lse, do + last, **opts)
+    assert bool(jnp.isfinite(dk[:, :2 * blk]).all() and jnp.isfinite(dv[:, :2 * blk]).all())
+    assert not bool(jnp.isfinite(dk[:, -blk:]).any())
+
+
 def test_custom_vjp_gradients_equal_the_blockwise_kernel_with_documents_and_gqa():
     q, k, v, w = _inputs(2, 96, 4, 2, 16, seed=3)
 
@@ -230,6 +295,10 @@ def test_bad_inputs_are_clear_errors_before_tracing():
                                 jax.ShapeDtypeStruct((1, 2**21, 1, 128), jnp.bfloat16))
     with pytest.raises(ValueError, match="lse"):
         PG.pallas_attention_bwd(q, k, v, q, jnp.zeros((1, 4, 63)), q, interpret=True)
+    with pytest.raises(ValueError, match="window=-2"):
+        PG.pallas_attention_fwd(q, k, v, window=-2, interpret=True)
+    with pytest.raises(ValueError, match="sliding window needs causal=True"):
+        PG.pallas_attention(q, k, v, causal=False, window=8, interpret=True)
 
 
 def test_auto_picks_pallas_for_segment_ids_on_gpus_and_config_accepts_it():
@@ -309,6 +378,37 @@ def test_kernels_compile_for_sm90_inside_shard_map():
     grad = sm(jax.grad(loss, argnums=(0, 1, 2)), (spec,) * 4 + (seg_spec,), (spec,) * 3)
     assert _triton_kernels(grad.lower(q, k, k, q, seg).compile()) == [
         "jaxlong_flash_bwd_dkdv_causal", "jaxlong_flash_bwd_dq_causal", "jaxlong_flash_fwd_causal"]
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+@needs_plugin
+def test_windowed_kernels_compile_for_sm90_inside_shard_map():
+    """A local layer's attention as Ulysses runs it (bf16, 4 query heads over 1 KV head as Gemma 3 270M, head_dim
+    256, segment ids, a window of 512 over 2,048 tokens, 8 query and 2 KV heads split over 2 devices,
+    `check_vma=True`): the
+    custom_vjp's gradient compiles through Triton for sm_90 to the three kernels, whose Triton IR differs from the
+    windowless program's (the window's mask and loop bounds are in the kernels)."""
+    mesh = jax.make_mesh((2,), ("context",), axis_types=(jax.sharding.AxisType.Auto,), devices=_devices()[:2])
+    s, heads, kv_heads, d = 2048, 8, 2, 256
+    spec, seg_spec = P(None, None, "context", None), P(None, None)
+    q = jax.ShapeDtypeStruct((1, s, heads, d), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    k = jax.ShapeDtypeStruct((1, s, kv_heads, d), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    seg = jax.ShapeDtypeStruct((1, s), jnp.int32, sharding=NamedSharding(mesh, seg_spec))
+
+    def program(window):
+        def loss(q, k, v, w, sg):
+            out = B.attention(q, k, v, backend="pallas", segment_ids=sg, window=window)
+            return jnp.sum(out.astype(jnp.float32) * w)
+        grad = jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, in_specs=(spec,) * 4 + (seg_spec,),
+                             out_specs=(spec,) * 3, check_vma=True)
+        return jax.jit(grad).lower(q, k, k, q, seg).compile()
+
+    windowed, causal = program(512), program(0)
+    assert _triton_kernels(windowed) == ["jaxlong_flash_bwd_dkdv_causal", "jaxlong_flash_bwd_dq_causal",
+                                         "jaxlong_flash_fwd_causal"]
+    ir = lambda c: re.findall(r'ir = "((?:[^"\\]|\\.)*)"', c.as_text())  # noqa: E731  (serialized Triton IR)
+    assert len(ir(windowed)) == 3 and ir(windowed) != ir(causal)
 
 
 @pytest.mark.gpu_compile

@@ -1,7 +1,8 @@
 """Sliding-window attention in the blockwise kernel: forward, lse and gradients against a dense softmax written
 here in numpy (not the package's reference), with the window inside a tile, straddling tiles and wider than the
 sequence, combined with packed documents and GQA; the tiles the window masks are never visited (NaN poison), and
-`window_tiles` counts what is computed against causal."""
+`window_tiles` counts what is computed against causal; a windowed model validates with the GPU kernels (the Pallas
+and cuDNN kernels' windows: tests/kernels/test_pallas_attention.py, test_cudnn_attention.py)."""
 
 import functools
 
@@ -172,3 +173,29 @@ def test_a_local_layer_under_ring_sends_its_halo_not_the_shards():
     local, glob = permute_bytes(2048, 4, 2, 128), permute_bytes(2048, 4, 2, 0)
     assert local == 8 * 128 * 1 * 64 * 4  # 8 permutes of [1, 128, 1 KV head, 64] float32
     assert glob >= 6 * local
+
+
+@pytest.mark.parametrize("overrides,kernel", [
+    (("attention.backend=cudnn", "data.packing=concat"), "cudnn"),
+    (("attention.backend=pallas", "data.packing=documents"), "pallas"),
+    (("attention.backend=auto", "data.packing=documents"), "pallas"),
+    (("attention.backend=auto", "data.packing=concat"), "cudnn")], ids=["cudnn", "pallas", "auto-docs", "auto"])
+def test_the_gpu_kernels_take_a_windowed_model(overrides, kernel):
+    """A Gemma 3 config (local and global layers) validates for GPUs with the cuDNN and the Pallas kernel, explicit
+    or as `auto` picks them; cuDNN with packed documents is refused in one line naming what runs them."""
+    from helpers import tiny_cfg
+
+    from jaxlong.config import validate
+    from jaxlong.core.errors import ConfigError
+    from jaxlong.kernels.backend import kernel_that_runs
+
+    gemma = ("model.family=gemma3", "model.layers=4", "model.sliding_window_pattern=2", "model.sliding_window=8",
+             "model.heads=4", "model.kv_heads=1", "compute_dtype=bfloat16", "mesh.fsdp=2", "mesh.context=4")
+    cfg = tiny_cfg(*gemma, *overrides)
+    validate(cfg, 8, platform="gpu")
+    assert kernel_that_runs(cfg.attention.backend, "gpu", compute_dtype="bfloat16", head_dim=cfg.model.head_dim,
+                            segment_ids=cfg.data.packing == "documents") == kernel
+    if kernel == "cudnn":
+        with pytest.raises(ConfigError, match="cannot mask packed documents") as e:
+            validate(tiny_cfg(*gemma, "attention.backend=cudnn", "data.packing=documents"), 8, platform="gpu")
+        assert "\n" not in str(e.value)

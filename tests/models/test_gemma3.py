@@ -159,7 +159,6 @@ def test_every_windowed_mesh_equals_the_dense_single_device_reference(name):
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (("attention.backend=cudnn", "data.packing=concat", "compute_dtype=bfloat16"), "does not take a sliding window"),
     (("model.family=llama",), "model.family=llama has no sliding-window layers"),
     (("model.layer_types=[full_attention]",), "give model.layers=4 entries"),
 ])
