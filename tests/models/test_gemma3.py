@@ -175,12 +175,13 @@ def test_layer_kinds_follow_the_pattern_or_the_listed_types():
                                                 "attention.block_k=8", "prefill_chunk=16"), id="ring2-ulysses4-chunks16",
                                                marks=pytest.mark.slow)])
 def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
-    """Prompts of 37, 20 and 3 tokens (the longest 4 windows long) decoded 6 steps from the cache: a local layer's
-    query sees the prompt keys and generated tokens within its window of positions (the cache keeps each key's
-    position); with `prefill_chunk=16` the 37 and 20-token prompts are prefilled in chunks, each chunk's local
-    layers seeing the cache within their window (windows straddle the chunks). Every step's logits equal a whole
+    """Prompts of 37, 20 and 3 tokens (4.6, 2.5 and 0.4 windows) decoded 10 steps from the cache, past the window
+    of 8: a local layer's cache is a ring buffer of the window's 8 positions (the prompt's last ones, then each
+    generated token over the one leaving the window), the global layers' the whole prompt; with `prefill_chunk=16`
+    the 37 and 20-token prompts are prefilled in chunks, each chunk's local layers seeing the cache within their
+    window (windows straddle the chunks), the window kept after the last chunk. Every step's logits equal a whole
     one-device forward of the sequence so far (materialized attention with the window), and the tokens are its
-    argmax."""
+    argmax; every decode step's cache has window-sized local stacks."""
     from jaxlong.core.mesh import build_mesh
     from jaxlong.data import ByteTokenizer
     from jaxlong.generation.generate import Generator
@@ -198,7 +199,14 @@ def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
     params = jax.tree.map(jax.device_put, host, shardings)
     prompts = [np.arange(3, 40), np.arange(60, 80), np.array([256, 72, 105])]
     steps: list = []
-    out = Generator(cfg, dev, params, ByteTokenizer(), max_new_tokens=6)(prompts, logits=steps)
+    gen = Generator(cfg, dev, params, ByteTokenizer(), max_new_tokens=11)
+    shapes, step = [], gen.step
+    gen.step = lambda w, cache, *a: (shapes.append(jax.tree.map(np.shape, cache)), step(w, cache, *a))[1]
+    out = gen(prompts, logits=steps)
+    assert len(shapes) == 10 and all(s == shapes[0] for s in shapes)
+    rows, prompt = shapes[0].valid
+    assert shapes[0].win_k == shapes[0].win_v == (2, rows, 1, 8, 16)  # 2 local layers, the window's 8 slots
+    assert shapes[0].k == (2, rows, 1, prompt, 16) and prompt >= 37 and shapes[0].new_k == (2, rows, 1, 11, 16)
     # One whole forward of each row's prompt and generated tokens (right-padded to one length, so one compile):
     # by causality its logits at the prompt's last position + t are the ones that chose token t.
     rows = [np.concatenate([p, o.tokens]) for p, o in zip(prompts, out)]
