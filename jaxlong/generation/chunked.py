@@ -160,12 +160,17 @@ def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str, window: int):
     cl, local_n = chunk // devices, n // devices
     kb, qb = chunk_tiles(cfg, chunk, devices)
 
-    def write(kc, vc, k, v, i, j):
+    def write(kc, vc, k, v, i, j, on):
         """Local: the slice's k, v `[b, kv, cl, d]` (ascending) into layer i of the shard, descending, chunk j's
-        slots `[local_n - (j + 1) cl, local_n - j cl)`."""
+        slots `[local_n - (j + 1) cl, local_n - j cl)`; where `on` is False those slots keep what they hold (a
+        layer of the other kind: the write stays out of the `lax.switch`, so the stacks are updated in place)."""
         at = (i, 0, 0, local_n - (j + 1) * cl, 0)
-        return (jax.lax.dynamic_update_slice(kc, k[None, :, :, ::-1], at),
-                jax.lax.dynamic_update_slice(vc, v[None, :, :, ::-1], at))
+
+        def put(c, a):
+            now = jax.lax.dynamic_slice(c, at, (1, *a.shape[:2], cl, a.shape[3]))
+            return jax.lax.dynamic_update_slice(c, jnp.where(on, a[None, :, :, ::-1], now), at)
+
+        return put(kc, k), put(vc, v)
 
     def attend(q, kc, vc, i, j):
         """Local: q `[b, cl, h, d]` of this device's slice -> its attention output, same shape (float32)."""
@@ -192,7 +197,7 @@ def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str, window: int):
     cache_spec, kv_spec = P(None, BATCH_AXES, None, SEQ_AXES, None), P(BATCH_AXES, None, SEQ_AXES, None)
     q_spec = P(BATCH_AXES, SEQ_AXES, None, None)
     local = dict(mesh=mesh, check_vma=False)
-    return (jax.shard_map(write, in_specs=(cache_spec, cache_spec, kv_spec, kv_spec, P(), P()),
+    return (jax.shard_map(write, in_specs=(cache_spec, cache_spec, kv_spec, kv_spec, P(), P(), P()),
                           out_specs=(cache_spec, cache_spec), **local),
             jax.shard_map(attend, in_specs=(q_spec, cache_spec, cache_spec, P(), P()), out_specs=q_spec, **local))
 
@@ -226,18 +231,17 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
             """Layer i: the slice's k, v (padding zeroed) into its stack, then the chunk's attention over it."""
             k, v = (rt.constrain(jnp.swapaxes(jnp.where(keep, a, 0), 1, 2).astype(cd), kv_spec) for a in (k, v))
             q = rt.constrain(q.astype(cd), q_spec)
+            cache, kind, s = list(cache), jnp.asarray(kinds)[i], jnp.asarray(index)[i]
+            for here in present:  # each kind's stack takes the chunk where the layer is of its kind (else: as is)
+                at, on = 2 * here, kind == here
+                cache[at], cache[at + 1] = ops[here][0](cache[at], cache[at + 1], k, v, jnp.where(on, s, 0), j, on)
 
-            def on(kind, cache):
-                write, attend_cache = ops[kind]
-                at, cache = 2 * kind, list(cache)
-                s = jnp.asarray(index)[i]
-                cache[at], cache[at + 1] = write(cache[at], cache[at + 1], k, v, s, j)
-                return attend_cache(q, cache[at], cache[at + 1], s, j).astype(cd), tuple(cache)
+            def on(here):
+                return ops[here][1](q, cache[2 * here], cache[2 * here + 1], s, j).astype(cd)
 
             if len(present) == 1:
-                return on(present[0], cache)
-            return jax.lax.switch(jnp.asarray(kinds)[i], [functools.partial(on, GLOBAL),
-                                                          functools.partial(on, LOCAL)], cache)
+                return on(present[0]), tuple(cache)
+            return jax.lax.switch(kind, [functools.partial(on, GLOBAL), functools.partial(on, LOCAL)]), tuple(cache)
 
         x, cache = model.cached_layers(x, batch["positions"], rt, attend, tuple(cache),
                                        spec=P(BATCH_AXES, SEQ_AXES, None))
