@@ -29,6 +29,13 @@ Per layer and chunk `j`:
      weights), each device keeping its own slice's queries; then the output projection and the MLP.
 One path serves every attention method and mesh: the methods' own code is not used (the chunk's attention reads
 a cache, which theirs do not).
+
+Sliding-window layers (`model.sliding_window`) write to and attend over a stack of their own beside the global
+layers' (`jaxlong.generation.decode.stack_index`): each stack takes the chunk's keys where the layer is of its kind,
+and the attention switches on the kind (`lax.switch`), a local layer's queries masked to its window. The local stack
+holds the whole prompt while the chunks run (the bytes of an all-global cache); after the last chunk only each
+row's last `window` positions are kept (`jaxlong.generation.decode.window_gather`), the decode step's ring buffers,
+and the local stack is freed.
 """
 
 from __future__ import annotations

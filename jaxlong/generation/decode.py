@@ -3,16 +3,16 @@
 **Prefill** is the training forward (`jaxlong.models.llama.Llama.prefill`) on the run's mesh and attention method
 (FSDP, Ulysses, U-Pipe, ring and their hybrids). Each layer's post-RoPE keys and values are computed from the
 layer's input where the layer holds it, split by sequence over `ring x context` (in ring attention's zigzag
-order when ring > 1), and stay there: the prompt cache `[layers, batch, kv_heads, prompt, head_dim]` (head-major:
-each head's keys are read contiguously, the cache is never transposed), sharded `P(None, (data, fsdp), None,
-(ring, context))`. One cache path serves every attention method; the methods' own code
+order when ring > 1), and stay there: the prompt cache `[global layers, batch, kv_heads, prompt, head_dim]`
+(head-major: each head's keys are read contiguously, the cache is never transposed), sharded `P(None, (data, fsdp),
+None, (ring, context))`. One cache path serves every attention method; the methods' own code
 (`jaxlong.parallel.ulysses`, `upipe`, `ring`) is not touched.
 
 **Decode** (one token per row and step) is flash-decoding (Dao et al., "Flash-Decoding for long-context
 inference", 2023; vLLM's decode context parallelism): each device scores the new token's queries against its
 own slice of the prompt cache and returns a partial output with its log-sum-exp; the slices merge exactly with
 two small collectives per layer (`pmax` of the maxima, `psum` of the rescaled outputs and sums) over the sequence
-axes. The generated tokens' own keys and values go into a small cache `[layers, batch, max_new, kv_heads,
+axes. The generated tokens' own keys and values go into a small cache `[global layers, batch, kv_heads, max_new,
 head_dim]`, replicated over the sequence axes (each device holds the same, counted once), merged after the
 cross-device merge.
 
