@@ -3,6 +3,8 @@ transformers' `Gemma3TextModel` (not the package's code), sliding-window and glo
 device and on the meshes that run windows (FSDP, Ulysses with 1 KV head), forward and gradients against the dense
 single-device reference, with the memory techniques; and the one-line refusals of what does not run windows yet."""
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -220,3 +222,39 @@ def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
             want = whole[r, len(prompt) - 1 + t]
             np.testing.assert_allclose(steps[t][r], want, rtol=0, atol=2e-5, err_msg=f"row {r}, step {t}")
             assert token == int(np.argmax(want))
+
+
+def test_the_window_slots_invert_the_prefills_layouts():
+    """`zigzag_slot` and `chunk_slot` (the window gather's prompt index -> cache slot) invert ring attention's zigzag
+    order and the chunked prefill's order."""
+    from jaxlong.core.batch import zigzag_order
+    from jaxlong.generation.chunked import chunk_order, chunk_slot
+    from jaxlong.generation.decode import zigzag_slot
+
+    for n, ring in ((48, 1), (48, 2), (64, 4)):
+        np.testing.assert_array_equal(np.asarray(zigzag_slot(np.arange(n), n, ring)),
+                                      np.argsort(zigzag_order(n, ring)))
+    for n, chunk, devices in ((48, 16, 8), (64, 16, 4), (32, 32, 1)):
+        np.testing.assert_array_equal(np.asarray(chunk_slot(np.arange(n), n, chunk, devices)),
+                                      np.argsort(chunk_order(n, chunk, devices)))
+
+
+def test_a_window_layers_cache_is_window_sized_at_any_prompt_length():
+    """Gemma 3 12B on 8 devices (`configs/gemma3_12b.yaml`), shapes only: the 40 window layers' cache is their 1,024
+    positions, replicated over the sequence axes, at 128K and 1M prompt tokens; the 8 global layers' is the prompt,
+    split over the 8 devices; all-global (`model.sliding_window=0`), every layer's is the prompt."""
+    from jaxlong.config import load_config
+    from jaxlong.core.mesh import build_mesh
+    from jaxlong.generation.decode import cache_bytes, cache_shapes
+
+    gemma_12b = Path(__file__).parents[2] / "configs" / "gemma3_12b.yaml"
+    for n in (1 << 17, 1 << 20):
+        cfg = load_config(gemma_12b, [f"seq_len={n}"])
+        mesh = build_mesh(cfg.mesh, jax.devices()[:8])
+        c = cache_shapes(cfg, mesh, 1, n, 16)
+        assert c.win_k.shape == c.win_v.shape == (40, 1, 8, 1024, 256)
+        assert c.k.shape == (8, 1, 8, n, 256) and c.k.sharding.shard_shape(c.k.shape)[3] == n // 8
+        assert cache_bytes(c)["win_k"] == 40 * 8 * 1024 * 256 * 2  # bfloat16, whole on every device
+        flat = cache_shapes(load_config(gemma_12b, [f"seq_len={n}", "model.sliding_window=0"]),
+                            mesh, 1, n, 16)
+        assert flat.k.shape == (48, 1, 8, n, 256) and flat.win_k.shape[0] == 0
