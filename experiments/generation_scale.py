@@ -50,11 +50,12 @@ from experiments.provenance import commit, machine  # noqa: E402
 from jaxlong.config import apply_setting, load_config, parse_override, validate  # noqa: E402
 from jaxlong.core import xla_log  # noqa: E402
 from jaxlong.core.memstats import compiled_bytes  # noqa: E402
-from jaxlong.core.mesh import BATCH_AXES, build_mesh, seq_shards, tree_shardings  # noqa: E402
+from jaxlong.core.mesh import BATCH_AXES, build_mesh, tree_shardings  # noqa: E402
 from jaxlong.core.units import GiB  # noqa: E402
 from jaxlong.evaluation.ruler.tasks import TASKS  # noqa: E402
 from jaxlong.generation.chunked import ChunkedPrefill  # noqa: E402
-from jaxlong.generation.decode import Cache, cache_shardings, make_decode_step, make_prefill  # noqa: E402
+from jaxlong.generation import decode as decode_lib  # noqa: E402
+from jaxlong.generation.decode import make_decode_step, make_prefill  # noqa: E402
 from jaxlong.models import llama as model_lib  # noqa: E402
 from jaxlong.plan import workspace as ws  # noqa: E402
 from jaxlong.plan import cost as cost_lib  # noqa: E402
@@ -95,13 +96,12 @@ def memory(compiled, target, n: int) -> dict:
 
 
 def cache_bytes(cfg, mesh, b: int, max_new: int) -> dict:
-    """Per-device bytes of the cache from its shapes and shardings (`Cache`)."""
-    m, item = cfg.model, jnp.dtype(cfg.compute_dtype).itemsize
-    shards = seq_shards(mesh)
-    prompt = 2 * m.layers * b * (cfg.seq_len // shards) * m.kv_heads * m.head_dim * item
-    new = 2 * m.layers * b * max_new * m.kv_heads * m.head_dim * item
-    valid = b * cfg.seq_len // shards  # bool
-    return {"prompt": prompt, "new": new, "valid": valid, "total": prompt + new + valid}
+    """Per-device bytes of the cache from its shapes and shardings (`jaxlong.generation.decode.cache_shapes`): the
+    global layers' prompt K/V, the generated tokens', the sliding-window layers' windows, the valid mask."""
+    f = decode_lib.cache_bytes(decode_lib.cache_shapes(cfg, mesh, b, cfg.seq_len, max_new))
+    parts = {"prompt": f["k"] + f["v"], "new": f["new_k"] + f["new_v"], "window": f["win_k"] + f["win_v"],
+             "valid": f["valid"]}
+    return {**parts, "total": sum(parts.values())}
 
 
 def run_case(length, stage_name, stages, target, devices, args) -> dict:
@@ -132,8 +132,7 @@ def run_case(length, stage_name, stages, target, devices, args) -> dict:
     row["prefill_estimate"] = (chunked_prefill_estimate(cfg, prefill, target, n, length // chunk) if chunk else
                                prefill_estimate(cfg, prefill, target, n))
     del prefill
-    cache = Cache(*(jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh) for s, sh in zip(
-        jax.eval_shape(lambda: cache_like(cfg, b, args.max_new)), cache_shardings(mesh))))
+    cache = decode_lib.cache_shapes(cfg, mesh, b, cfg.seq_len, args.max_new)
     vec = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=NamedSharding(mesh, P(BATCH_AXES)))
     key = jax.eval_shape(lambda: jax.random.key(0))
     t0 = time.perf_counter()
@@ -147,13 +146,6 @@ def run_case(length, stage_name, stages, target, devices, args) -> dict:
     row["decode"] = memory(step, target, n)
     row["decode_estimate"] = decode_estimate(cfg, params, row["cache"], step, target, n, args)
     return row
-
-
-def cache_like(cfg, b, max_new):
-    m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
-    big = jnp.zeros((m.layers, b, m.kv_heads, cfg.seq_len, m.head_dim), cd)  # head-major, as the prefill returns
-    small = jnp.zeros((m.layers, b, m.kv_heads, max_new, m.head_dim), cd)
-    return Cache(big, big, jnp.zeros((b, cfg.seq_len), bool), small, small, jnp.zeros((b, cfg.seq_len), jnp.int32))
 
 
 def setup_text(cfg) -> str:
@@ -207,7 +199,7 @@ def decode_estimate(cfg, params, cache, compiled, target, n, args) -> dict:
     item = jnp.dtype(cfg.compute_dtype).itemsize
     weights = sum(math.prod(x.shape) for x in jax.tree.leaves(params)) * item  # every weight, gathered, per token
     gathered = weights * (n - 1) / n  # ring all-gather: what each device receives
-    hbm_s = (cache["prompt"] + weights) / target.hbm_bandwidth
+    hbm_s = (cache["prompt"] + cache["window"] + weights) / target.hbm_bandwidth
     gather_s = gathered / target.link_bandwidth
     small_s = 2 * cfg.model.layers * args.collective_latency
     text = compiled.as_text()

@@ -35,7 +35,6 @@ from jaxlong.config import load_config
 from jaxlong.core.mesh import BATCH_AXES, SEQ_AXES, build_mesh
 from jaxlong.evaluation import hostmem
 from jaxlong.generation.chunked import ChunkedPrefill, chunk_kv_steps
-from jaxlong.generation.decode import cache_shardings
 from jaxlong.models import llama
 
 TINY = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.head_dim=16",
@@ -65,10 +64,8 @@ def main(n: int, chunk: int) -> dict:
     estimated_s = time.perf_counter() - t0
     pre = ChunkedPrefill(cfg, mesh, chunk, 2)
     step, m, j = pre.step_for(n), cfg.model, n // chunk - 1
-    sh = cache_shardings(mesh)
-    shape = (m.layers, 1, m.kv_heads, n, m.head_dim)
-    kc = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sh.k)()
-    vc = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sh.v)()
+    cache = tuple(jax.jit(lambda a=a: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
+                  for a in pre.stacks(1, n))
     logits = jax.device_put(np.zeros((1, m.vocab_size), np.float32), NamedSharding(mesh, P(BATCH_AXES, None)))
     ids = NamedSharding(mesh, P(BATCH_AXES, SEQ_AXES))
     pos = np.arange(j * chunk, n, dtype=np.int32)[None]
@@ -76,9 +73,9 @@ def main(n: int, chunk: int) -> dict:
             "segment_ids": jax.device_put(np.ones_like(pos), ids)}
     last = jax.device_put(np.array([n - 1], np.int32), NamedSharding(mesh, P(BATCH_AXES)))
     t0 = time.perf_counter()
-    compiled = step.lower(params, kc, vc, part, np.int32(j), last, logits).compile()
+    compiled = step.lower(params, cache, part, np.int32(j), last, logits).compile()
     compile_s, t0 = time.perf_counter() - t0, time.perf_counter()
-    logits, kc, vc = compiled(params, kc, vc, part, np.int32(j), last, logits)
+    logits, cache = compiled(params, cache, part, np.int32(j), last, logits)
     jax.block_until_ready(logits)
     return {"tokens": n, "chunk": chunk, "chunks": n // chunk, "devices": est.devices,
             "kv_iterations_per_device_and_layer": chunk_kv_steps(cfg, chunk, est.devices, n),

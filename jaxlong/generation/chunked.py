@@ -29,6 +29,13 @@ Per layer and chunk `j`:
      weights), each device keeping its own slice's queries; then the output projection and the MLP.
 One path serves every attention method and mesh: the methods' own code is not used (the chunk's attention reads
 a cache, which theirs do not).
+
+Sliding-window layers (`model.sliding_window`) write to and attend over a stack of their own beside the global
+layers' (`jaxlong.generation.decode.stack_index`): each stack takes the chunk's keys where the layer is of its kind,
+and the attention switches on the kind (`lax.switch`), a local layer's queries masked to its window. The local stack
+holds the whole prompt while the chunks run (the bytes of an all-global cache); after the last chunk only each
+row's last `window` positions are kept (`jaxlong.generation.decode.window_gather`), the decode step's ring buffers,
+and the local stack is freed.
 """
 
 from __future__ import annotations
@@ -45,14 +52,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong.config import runtime
 from jaxlong.core.mesh import BATCH_AXES, SEQ_AXES, axis_size, seq_shards
-from jaxlong.generation.decode import Cache, cache_shardings, output_head
+from jaxlong.generation.decode import Cache, cache_shapes, output_head, stack_index, window_gather
 from jaxlong.kernels import pallas_gpu as pallas_kernel
 from jaxlong.kernels.merge import NEG, merge_across, normalise
 from jaxlong.kernels.layout import pallas_head_dim_ok
 from jaxlong.models import llama as model_lib
-from jaxlong.models.family import LOCAL, layer_kinds
+from jaxlong.models.family import GLOBAL, LOCAL
 
-__all__ = ["chunk_order", "chunk_tiles", "chunk_kv_steps", "chunk_kernel", "ChunkedPrefill"]
+__all__ = ["chunk_order", "chunk_slot", "chunk_tiles", "chunk_kv_steps", "chunk_kernel", "ChunkedPrefill"]
 
 
 def chunk_order(n: int, chunk: int, devices: int) -> np.ndarray:
@@ -149,24 +156,28 @@ def _partial_pallas(q, k, v, lo, interpret: bool):
     return out.astype(jnp.float32), jnp.where(jnp.isfinite(lse), lse, NEG)
 
 
-def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str):
-    """The chunk step's two sharded operations on layer i of the cache: `write(kc, vc, k, v, i, j)` puts the
-    slice's keys and values (`[b, kv_heads, chunk, head_dim]`, sequence over ring x context) of chunk j into the
-    cache, and `attend(q, kc, vc, i, j)` attends the chunk's queries `[b, chunk, heads, head_dim]` (same sharding) to
-    it, merged exactly over the shards (`jaxlong.kernels.merge.merge_across`)."""
+def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str, window: int):
+    """The chunk step's two sharded operations on layer i of a stack of the cache whose layers see `window`
+    positions (0: all before them): `write(kc, vc, k, v, i, j)` puts the slice's keys and values (`[b, kv_heads,
+    chunk, head_dim]`, sequence over ring x context) of chunk j into the cache, and `attend(q, kc, vc, i, j)` attends
+    the chunk's queries `[b, chunk, heads, head_dim]` (same sharding) to it, merged exactly over the shards
+    (`jaxlong.kernels.merge.merge_across`)."""
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
     devices = seq_shards(mesh)
     cl, local_n = chunk // devices, n // devices
     kb, qb = chunk_tiles(cfg, chunk, devices)
-    # each layer's window in prompt positions: a local layer's, or wider than any prompt for a global one
-    windows = jnp.asarray([cfg.model.sliding_window if k == LOCAL else 2**30 for k in layer_kinds(cfg.model)])
 
-    def write(kc, vc, k, v, i, j):
+    def write(kc, vc, k, v, i, j, on):
         """Local: the slice's k, v `[b, kv, cl, d]` (ascending) into layer i of the shard, descending, chunk j's
-        slots `[local_n - (j + 1) cl, local_n - j cl)`."""
+        slots `[local_n - (j + 1) cl, local_n - j cl)`; where `on` is False those slots keep what they hold (a
+        layer of the other kind: the write stays out of the `lax.switch`, so the stacks are updated in place)."""
         at = (i, 0, 0, local_n - (j + 1) * cl, 0)
-        return (jax.lax.dynamic_update_slice(kc, k[None, :, :, ::-1], at),
-                jax.lax.dynamic_update_slice(vc, v[None, :, :, ::-1], at))
+
+        def put(c, a):
+            now = jax.lax.dynamic_slice(c, at, (1, *a.shape[:2], cl, a.shape[3]))
+            return jax.lax.dynamic_update_slice(c, jnp.where(on, a[None, :, :, ::-1], now), at)
+
+        return put(kc, k), put(vc, v)
 
     def attend(q, kc, vc, i, j):
         """Local: q `[b, cl, h, d]` of this device's slice -> its attention output, same shape (float32)."""
@@ -178,13 +189,13 @@ def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str):
         # Each query sees the local keys of prompt index <= its own, the shard's last ones: the earlier chunks'
         # slices, and of chunk j's slice those up to the query.
         lo = local_n - (j * cl + jnp.clip(jnp.arange(chunk) - dev * cl + 1, 0, cl))
-        window = None
-        if cfg.model.sliding_window:  # each slot's prompt index (`chunk_order`), each query's floor
+        floor = None
+        if window:  # each slot's prompt index (`chunk_order`), each query's floor
             r = local_n - 1 - jnp.arange(local_n)
             key_index = (r // cl) * chunk + dev * cl + r % cl
-            window = (key_index, j * chunk + jnp.arange(chunk) - windows[i])
+            floor = (key_index, j * chunk + jnp.arange(chunk) - window)
         if kernel == "blockwise":
-            o, lse = _partial_blockwise(q, kc[i], vc[i], lo, kb, qb, window)
+            o, lse = _partial_blockwise(q, kc[i], vc[i], lo, kb, qb, floor)
         else:
             o, lse = _partial_pallas(q, kc[i], vc[i], lo, interpret=kernel == "pallas-interpret")
         # exact merge over the shards, each device keeping its own slice's queries; a query that sees no key: 0
@@ -193,49 +204,73 @@ def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str):
     cache_spec, kv_spec = P(None, BATCH_AXES, None, SEQ_AXES, None), P(BATCH_AXES, None, SEQ_AXES, None)
     q_spec = P(BATCH_AXES, SEQ_AXES, None, None)
     local = dict(mesh=mesh, check_vma=False)
-    return (jax.shard_map(write, in_specs=(cache_spec, cache_spec, kv_spec, kv_spec, P(), P()),
+    return (jax.shard_map(write, in_specs=(cache_spec, cache_spec, kv_spec, kv_spec, P(), P(), P()),
                           out_specs=(cache_spec, cache_spec), **local),
             jax.shard_map(attend, in_specs=(q_spec, cache_spec, cache_spec, P(), P()), out_specs=q_spec, **local))
 
 
 def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
-    """The jitted step of one chunk: `(params, k, v, batch, j, last, logits) -> (logits, k, v)`.
+    """The jitted step of one chunk: `(params, cache, batch, j, last, logits) -> (logits, cache)`.
 
-    `k`, `v` `[layers, b, kv_heads, n, head_dim]` (the cache, donated, returned with chunk `j` written); `batch`
-    the chunk's `inputs`, `positions`, `segment_ids` `[b, chunk]` int32 in prompt order; `last` `[b]` int32 each
-    row's last real token (prompt index); `logits` `[b, vocab]` float32: each row's logits of that token, taken
-    from this chunk where it holds it, else passed through. `kernel`: `chunk_kernel`'s, or `pallas-interpret`
-    (the Pallas kernel in its interpreter: CPU tests). The layers are the model's own
-    (`jaxlong.models.llama.Llama.cached_layers`)."""
+    `cache` `(k, v, local_k, local_v)` (donated, returned with chunk `j` written): the global layers' keys and
+    values `[global_layers, b, kv_heads, n, head_dim]` and the sliding-window layers' `[local_layers, ...]`, each
+    layer writing to and attending over its kind's stack (`jaxlong.generation.decode.stack_index`, a `lax.switch` on
+    the layer's kind in the one layer scan); `batch` the chunk's `inputs`, `positions`, `segment_ids` `[b, chunk]`
+    int32 in prompt order; `last` `[b]` int32 each row's last real token (prompt index); `logits` `[b, vocab]`
+    float32: each row's logits of that token, taken from this chunk where it holds it, else passed through.
+    `kernel`: `chunk_kernel`'s, or `pallas-interpret` (the Pallas kernel in its interpreter: CPU tests). The layers
+    are the model's own (`jaxlong.models.llama.Llama.cached_layers`)."""
     cd = jnp.dtype(cfg.compute_dtype)
     rt = runtime(cfg, mesh)
     graphdef = model_lib.model_graphdef(cfg.model, cfg.param_dtype)
-    write, attend_cache = _cache_ops(cfg, mesh, n, chunk, kernel)
+    ops = {GLOBAL: _cache_ops(cfg, mesh, n, chunk, kernel, 0),
+           LOCAL: _cache_ops(cfg, mesh, n, chunk, kernel, cfg.model.sliding_window)}
+    kinds, index = stack_index(cfg.model)
+    present = [kind for kind in (GLOBAL, LOCAL) if kind in kinds]
     kv_spec, q_spec = P(BATCH_AXES, None, SEQ_AXES, None), P(BATCH_AXES, SEQ_AXES, None, None)
 
-    def step(params, kc, vc, batch, j, last, logits):
+    def step(params, cache, batch, j, last, logits):
         model = nnx.merge(graphdef, params)
         x = rt.constrain(model.embed_tokens(batch["inputs"], rt), P(BATCH_AXES, SEQ_AXES, None))
         keep = (batch["segment_ids"] > 0)[..., None, None]
 
         def attend(q, k, v, i, cache, _):
-            """Layer i: the slice's k, v (padding zeroed) into the cache, then the chunk's attention over it."""
+            """Layer i: the slice's k, v (padding zeroed) into its stack, then the chunk's attention over it."""
             k, v = (rt.constrain(jnp.swapaxes(jnp.where(keep, a, 0), 1, 2).astype(cd), kv_spec) for a in (k, v))
-            kc, vc = write(*cache, k, v, i, j)
-            return attend_cache(rt.constrain(q.astype(cd), q_spec), kc, vc, i, j).astype(cd), (kc, vc)
+            q = rt.constrain(q.astype(cd), q_spec)
+            cache, kind, s = list(cache), jnp.asarray(kinds)[i], jnp.asarray(index)[i]
+            for here in present:  # each kind's stack takes the chunk where the layer is of its kind (else: as is)
+                at, on = 2 * here, kind == here
+                cache[at], cache[at + 1] = ops[here][0](cache[at], cache[at + 1], k, v, jnp.where(on, s, 0), j, on)
 
-        x, (kc, vc) = model.cached_layers(x, batch["positions"], rt, attend, (kc, vc),
-                                          spec=P(BATCH_AXES, SEQ_AXES, None))
+            def on(here):
+                return ops[here][1](q, cache[2 * here], cache[2 * here + 1], s, j).astype(cd)
+
+            if len(present) == 1:
+                return on(present[0]), tuple(cache)
+            return jax.lax.switch(kind, [functools.partial(on, GLOBAL), functools.partial(on, LOCAL)]), tuple(cache)
+
+        x, cache = model.cached_layers(x, batch["positions"], rt, attend, tuple(cache),
+                                       spec=P(BATCH_AXES, SEQ_AXES, None))
         at = last - j * chunk  # each row's last token in this chunk, if it is
         here = (at >= 0) & (at < chunk)
         h = jnp.take_along_axis(x, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
         h = rt.constrain(model.final(h), P(BATCH_AXES, None))
         new = jnp.einsum("bh,hv->bv", h, rt.gather(output_head(params, cfg))).astype(jnp.float32)
-        return jnp.where(here[:, None], new, logits), kc, vc
+        return jnp.where(here[:, None], new, logits), cache
 
     cache = NamedSharding(mesh, P(None, BATCH_AXES, None, SEQ_AXES, None))
     rows = NamedSharding(mesh, P(BATCH_AXES, None))
-    return jax.jit(step, donate_argnums=(1, 2, 6), out_shardings=(rows, cache, cache))
+    return jax.jit(step, donate_argnums=(1, 5), out_shardings=(rows, (cache,) * 4))
+
+
+def chunk_slot(index: jax.Array, n: int, chunk: int, devices: int) -> jax.Array:
+    """The slot of a chunk-prefilled cache (`chunk_order`) that holds prompt index `index` (int32, any shape): the
+    inverse of the order, computed (no table)."""
+    cl, local = chunk // devices, n // devices
+    within = index % chunk
+    r = (index // chunk) * cl + within % cl
+    return (within // cl) * local + local - 1 - r
 
 
 class ChunkedPrefill:
@@ -262,40 +297,59 @@ class ChunkedPrefill:
 
     def abstract_args(self, rows: int, n: int) -> tuple:
         """The chunk step's arguments but `params`, as `jax.ShapeDtypeStruct`s (ahead-of-time compiles)."""
-        m, cd = self.cfg.model, jnp.dtype(self.cfg.compute_dtype)
-        cache = NamedSharding(self.mesh, P(None, BATCH_AXES, None, SEQ_AXES, None))
-        kv = jax.ShapeDtypeStruct((m.layers, rows, m.kv_heads, n, m.head_dim), cd, sharding=cache)
+        m = self.cfg.model
         ids = jax.ShapeDtypeStruct((rows, self.chunk), jnp.int32, sharding=NamedSharding(self.mesh, P(BATCH_AXES,
                                                                                                      SEQ_AXES)))
         vec = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=NamedSharding(self.mesh, P(BATCH_AXES)))
         logits = jax.ShapeDtypeStruct((rows, m.vocab_size), jnp.float32,
                                       sharding=NamedSharding(self.mesh, P(BATCH_AXES, None)))
         batch = {k: ids for k in ("inputs", "positions", "segment_ids")}
-        return kv, kv, batch, jax.ShapeDtypeStruct((), jnp.int32), vec, logits
+        return self.stacks(rows, n), batch, jax.ShapeDtypeStruct((), jnp.int32), vec, logits
+
+    def stacks(self, rows: int, n: int) -> tuple:
+        """The chunk step's cache `(k, v, local_k, local_v)` as `jax.ShapeDtypeStruct`s: the global layers' and the
+        sliding-window layers' whole-prompt stacks (the window layers' chunks attend to the previous chunks'
+        keys within their window; after the last chunk only their window is kept)."""
+        full = cache_shapes(self.cfg, self.mesh, rows, n, self.max_new)
+        kinds, _ = stack_index(self.cfg.model)
+        local = jax.ShapeDtypeStruct((int((kinds == LOCAL).sum()), *full.k.shape[1:]), full.k.dtype,
+                                     sharding=full.k.sharding)
+        return full.k, full.v, local, local
 
     def __call__(self, params, host: dict, on_chunk: Callable[[int, int], None] | None = None):
         rows, n = host["inputs"].shape
-        m, cd = self.cfg.model, self.cfg.compute_dtype
         order = chunk_order(n, self.chunk, self.devices)
         put = _putter(self.mesh, P(BATCH_AXES, SEQ_AXES))
         valid = put(host["segment_ids"][:, order] > 0)
         last = _putter(self.mesh, P(BATCH_AXES))((host["segment_ids"] > 0).sum(axis=1).astype(np.int32) - 1)
-        sh = cache_shardings(self.mesh)
-
-        kc = zeros((m.layers, rows, m.kv_heads, n, m.head_dim), cd, sh.k)
-        vc = zeros((m.layers, rows, m.kv_heads, n, m.head_dim), cd, sh.v)
-        logits = zeros((rows, m.vocab_size), jnp.float32, NamedSharding(self.mesh, P(BATCH_AXES, None)))
+        cache = tuple(zeros(a.shape, a.dtype, a.sharding) for a in self.stacks(rows, n))
+        logits = zeros((rows, self.cfg.model.vocab_size), jnp.float32, NamedSharding(self.mesh, P(BATCH_AXES, None)))
         step = self.step_for(n)
         for j in range(n // self.chunk):
             part = {k: put(np.ascontiguousarray(host[k][:, j * self.chunk:(j + 1) * self.chunk]))
                     for k in ("inputs", "positions", "segment_ids")}
-            logits, kc, vc = step(params, kc, vc, part, np.int32(j), last, logits)
+            logits, cache = step(params, cache, part, np.int32(j), last, logits)
             if on_chunk is not None:
                 logits.block_until_ready()  # the chunk has run, not only been dispatched
                 on_chunk(j + 1, n // self.chunk)
-        small = (m.layers, rows, m.kv_heads, self.max_new, m.head_dim)
-        pos = put(np.ascontiguousarray(host["positions"][:, order]).astype(np.int32))
-        return logits, Cache(kc, vc, valid, zeros(small, cd, sh.new_k), zeros(small, cd, sh.new_v), pos)
+        k, v, local_k, local_v = cache
+        del cache
+        empty = cache_shapes(self.cfg, self.mesh, rows, n, self.max_new)
+        if local_k.shape[0]:
+            win_k, win_v = _trim(self.mesh, self.cfg.model.sliding_window, n, self.chunk, self.devices)(
+                local_k, local_v, last)
+        else:
+            win_k, win_v = (zeros(a.shape, a.dtype, a.sharding) for a in (empty.win_k, empty.win_v))
+        del local_k, local_v  # the window layers' whole-prompt stacks, freed here
+        new_k, new_v = (zeros(a.shape, a.dtype, a.sharding) for a in (empty.new_k, empty.new_v))  # two buffers
+        return logits, Cache(k, v, valid, new_k, new_v, win_k, win_v)
+
+
+@functools.lru_cache(maxsize=8)
+def _trim(mesh, window: int, n: int, chunk: int, devices: int):
+    """`trim(local_k, local_v, last) -> (win_k, win_v)`, jitted: the window layers' last `window` positions of each
+    row (`jaxlong.generation.decode.window_gather`) from their chunk-prefilled stacks."""
+    return jax.jit(window_gather(mesh, window, lambda i: chunk_slot(i, n, chunk, devices)))
 
 
 @functools.lru_cache(maxsize=32)

@@ -322,29 +322,36 @@ class Llama(nnx.Module):
         layer_def, layer_state = nnx.split(self.layers)
         return layer_def, ((layer_state, jnp.asarray(rt.kinds, jnp.int32)) if rt.mixed else (layer_state, None))
 
-    def prefill(self, tokens: jax.Array, rt: Runtime, positions: jax.Array,
-                segment_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def prefill(self, tokens: jax.Array, rt: Runtime, positions: jax.Array, segment_ids: jax.Array, store=None,
+                carry=None) -> tuple:
         """The forward of `__call__` (no remat: nothing is differentiated) that also returns every layer's post-RoPE
         keys and values, computed from the layer's input where the layer holds it, sharded by sequence over
         ring x context (zigzag layout when ring > 1): `(hidden [b, s, hidden], k, v [layers, b, kv_heads, s,
         head_dim])`, head-major (a decode step reads each head's keys contiguously, with no transpose of the
-        cache), the K/V of padding (segment id 0) zero. The cache of `jaxlong.generation`."""
+        cache), the K/V of padding (segment id 0) zero. The cache of `jaxlong.generation`.
+
+        `store(k, v, i, carry) -> carry`, when given, takes layer i's (traced int32) `k`, `v` `[b, kv_heads, s,
+        head_dim]` instead, into a cache it carries from `carry` (a pytree; a sliding-window layer may keep only its
+        window), and the result is `(hidden, carry)`."""
         x, positions, ids = self._inputs(tokens, rt, positions, segment_ids)
         keep = rt.constrain(segment_ids > 0, batch_spec())[..., None, None]
         cos, sin = rt.rope(positions)
-        layer_def, xs = self._stack(rt)
+        layer_def, (layer_state, kinds) = self._stack(rt)
 
-        def body(x, xs):
-            state, kind = xs
+        def body(c, xs):
+            x, acc = c
+            state, kind, i = xs
             layer = nnx.merge(layer_def, state)
             at = 0 if kind is None else kind
             _, k, v = layer.project(x, cos[at], sin[at], rt, queries=False)
             spec = P(BATCH_AXES, None, SEQ_AXES, None)
             k, v = (rt.constrain(jnp.swapaxes(jnp.where(keep, a, 0), 1, 2), spec) for a in (k, v))
-            return layer(x, positions, rt, ids, kind), (k, v)
+            x = layer(x, positions, rt, ids, kind)
+            return ((x, acc), (k, v)) if store is None else ((x, store(k, v, i, acc)), None)
 
-        x, (k, v) = jax.lax.scan(body, x, xs)
-        return self.final(x), k, v
+        n = jax.tree.leaves(layer_state)[0].shape[0]
+        (x, acc), kv = jax.lax.scan(body, (x, carry), (layer_state, kinds, jnp.arange(n)))
+        return (self.final(x), *kv) if store is None else (self.final(x), acc)
 
     def cached_layers(self, x: jax.Array, positions: jax.Array, rt: Runtime, attend, carry, xs=None,
                       spec: P | None = None):

@@ -3,6 +3,8 @@ transformers' `Gemma3TextModel` (not the package's code), sliding-window and glo
 device and on the meshes that run windows (FSDP, Ulysses with 1 KV head), forward and gradients against the dense
 single-device reference, with the memory techniques; and the one-line refusals of what does not run windows yet."""
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -187,12 +189,13 @@ def test_layer_kinds_follow_the_pattern_or_the_listed_types():
                                                 "attention.block_k=8", "prefill_chunk=16"), id="ring2-ulysses4-chunks16",
                                                marks=pytest.mark.slow)])
 def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
-    """Prompts of 37, 20 and 3 tokens (the longest 4 windows long) decoded 6 steps from the cache: a local layer's
-    query sees the prompt keys and generated tokens within its window of positions (the cache keeps each key's
-    position); with `prefill_chunk=16` the 37 and 20-token prompts are prefilled in chunks, each chunk's local
-    layers seeing the cache within their window (windows straddle the chunks). Every step's logits equal a whole
+    """Prompts of 37, 20 and 3 tokens (4.6, 2.5 and 0.4 windows) decoded 10 steps from the cache, past the window
+    of 8: a local layer's cache is a ring buffer of the window's 8 positions (the prompt's last ones, then each
+    generated token over the one leaving the window), the global layers' the whole prompt; with `prefill_chunk=16`
+    the 37 and 20-token prompts are prefilled in chunks, each chunk's local layers seeing the cache within their
+    window (windows straddle the chunks), the window kept after the last chunk. Every step's logits equal a whole
     one-device forward of the sequence so far (materialized attention with the window), and the tokens are its
-    argmax."""
+    argmax; every decode step's cache has window-sized local stacks."""
     from jaxlong.core.mesh import build_mesh
     from jaxlong.data import ByteTokenizer
     from jaxlong.generation.generate import Generator
@@ -210,7 +213,14 @@ def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
     params = jax.tree.map(jax.device_put, host, shardings)
     prompts = [np.arange(3, 40), np.arange(60, 80), np.array([256, 72, 105])]
     steps: list = []
-    out = Generator(cfg, dev, params, ByteTokenizer(), max_new_tokens=6)(prompts, logits=steps)
+    gen = Generator(cfg, dev, params, ByteTokenizer(), max_new_tokens=11)
+    shapes, step = [], gen.step
+    gen.step = lambda w, cache, *a: (shapes.append(jax.tree.map(np.shape, cache)), step(w, cache, *a))[1]
+    out = gen(prompts, logits=steps)
+    assert len(shapes) == 10 and all(s == shapes[0] for s in shapes)
+    rows, prompt = shapes[0].valid
+    assert shapes[0].win_k == shapes[0].win_v == (2, rows, 1, 8, 16)  # 2 local layers, the window's 8 slots
+    assert shapes[0].k == (2, rows, 1, prompt, 16) and prompt >= 37 and shapes[0].new_k == (2, rows, 1, 11, 16)
     # One whole forward of each row's prompt and generated tokens (right-padded to one length, so one compile):
     # by causality its logits at the prompt's last position + t are the ones that chose token t.
     rows = [np.concatenate([p, o.tokens]) for p, o in zip(prompts, out)]
@@ -224,3 +234,39 @@ def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
             want = whole[r, len(prompt) - 1 + t]
             np.testing.assert_allclose(steps[t][r], want, rtol=0, atol=2e-5, err_msg=f"row {r}, step {t}")
             assert token == int(np.argmax(want))
+
+
+def test_the_window_slots_invert_the_prefills_layouts():
+    """`zigzag_slot` and `chunk_slot` (the window gather's prompt index -> cache slot) invert ring attention's zigzag
+    order and the chunked prefill's order."""
+    from jaxlong.core.batch import zigzag_order
+    from jaxlong.generation.chunked import chunk_order, chunk_slot
+    from jaxlong.generation.decode import zigzag_slot
+
+    for n, ring in ((48, 1), (48, 2), (64, 4)):
+        np.testing.assert_array_equal(np.asarray(zigzag_slot(np.arange(n), n, ring)),
+                                      np.argsort(zigzag_order(n, ring)))
+    for n, chunk, devices in ((48, 16, 8), (64, 16, 4), (32, 32, 1)):
+        np.testing.assert_array_equal(np.asarray(chunk_slot(np.arange(n), n, chunk, devices)),
+                                      np.argsort(chunk_order(n, chunk, devices)))
+
+
+def test_a_window_layers_cache_is_window_sized_at_any_prompt_length():
+    """Gemma 3 12B on 8 devices (`configs/gemma3_12b.yaml`), shapes only: the 40 window layers' cache is their 1,024
+    positions, replicated over the sequence axes, at 128K and 1M prompt tokens; the 8 global layers' is the prompt,
+    split over the 8 devices; all-global (`model.sliding_window=0`), every layer's is the prompt."""
+    from jaxlong.config import load_config
+    from jaxlong.core.mesh import build_mesh
+    from jaxlong.generation.decode import cache_bytes, cache_shapes
+
+    gemma_12b = Path(__file__).parents[2] / "configs" / "gemma3_12b.yaml"
+    for n in (1 << 17, 1 << 20):
+        cfg = load_config(gemma_12b, [f"seq_len={n}"])
+        mesh = build_mesh(cfg.mesh, jax.devices()[:8])
+        c = cache_shapes(cfg, mesh, 1, n, 16)
+        assert c.win_k.shape == c.win_v.shape == (40, 1, 8, 1024, 256)
+        assert c.k.shape == (8, 1, 8, n, 256) and c.k.sharding.shard_shape(c.k.shape)[3] == n // 8
+        assert cache_bytes(c)["win_k"] == 40 * 8 * 1024 * 256 * 2  # bfloat16, whole on every device
+        flat = cache_shapes(load_config(gemma_12b, [f"seq_len={n}", "model.sliding_window=0"]),
+                            mesh, 1, n, 16)
+        assert flat.k.shape == (48, 1, 8, n, 256) and flat.win_k.shape[0] == 0
