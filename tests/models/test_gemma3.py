@@ -163,11 +163,14 @@ def test_every_windowed_mesh_equals_the_dense_single_device_reference(name):
 @pytest.mark.parametrize("overrides,match", [
     (("model.family=llama",), "model.family=llama has no sliding-window layers"),
     (("model.layer_types=[full_attention]",), "give model.layers=4 entries"),
+    (("remat.policy=full", "remat.keep_attention=2"), "does not compile on the GPU for a model mixing"),
 ])
 def test_what_does_not_run_windows_yet_is_refused_in_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match) as e:
-        validate(tiny_cfg(*GEMMA, *overrides), 8, platform="gpu" if "cudnn" in str(overrides) else None)
+        validate(tiny_cfg(*GEMMA, *overrides), 8, platform="gpu" if "keep_attention" in str(overrides) else None)
     assert "\n" not in str(e.value)
+    validate(tiny_cfg(*GEMMA, "remat.policy=full", "remat.keep_attention=2", "remat.keep_attention_memory=device"), 8,
+             platform="gpu")
 
 
 def test_layer_kinds_follow_the_pattern_or_the_listed_types():
