@@ -115,7 +115,7 @@ class Runtime:
             rope_scaling=RopeScalingConfig() if local else m.rope_scaling, norm_eps=m.norm_eps,
             compute_dtype=self.compute_dtype, recompute_projection=self.remat.policy in ("full", "offload"),
             offload_attention_output=R.offloads_attention_output(self.remat, self.keep_attention),
-            window=m.sliding_window if local else 0, query_scale=query_scale(m))
+            window=m.sliding_window if local else 0, query_scale=query_scale(m), window_exchange=a.window_exchange)
 
     @property
     def sublayer(self) -> SublayerContext:

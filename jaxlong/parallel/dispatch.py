@@ -28,6 +28,7 @@ from jaxlong.parallel.record import SublayerContext, SublayerWeights
 
 
 AttentionImpl = Literal["ulysses", "upipe"]  # `attention.impl`
+WindowExchange = Literal["auto", "all_to_all", "halo"]  # `attention.window_exchange`
 IMPLS = get_args(AttentionImpl)
 
 
@@ -40,6 +41,7 @@ class AttentionConfig:
     block_q: int = 256  # the blockwise kernel's query tile (tokens)
     block_k: int = 256  # its key tile (tokens)
     heads_per_stage: int = 0  # U-Pipe heads per stage U; 0 means U = context degree C
+    window_exchange: WindowExchange = "auto"  # a local layer over `context`: all_to_all, halo or auto (fewer bytes)
 
 
 def check_attention(a: AttentionConfig) -> None:
@@ -52,6 +54,7 @@ def check_attention(a: AttentionConfig) -> None:
     """
     check_choice("attention.impl", a.impl, AttentionImpl)
     check_choice("attention.backend", a.backend, Backend)
+    check_choice("attention.window_exchange", a.window_exchange, WindowExchange)
     if a.heads_per_stage < 0:
         raise ConfigError(f"attention.heads_per_stage={a.heads_per_stage} must be >= 0 (0: U = mesh.context)",
                           key="attention.heads_per_stage", value=a.heads_per_stage)

@@ -40,7 +40,8 @@ from jaxlong.core.mesh import RING_AXIS
 from jaxlong.kernels.blockwise import blockwise_attention_bwd, blockwise_attention_fwd
 from jaxlong.parallel.ring import run_ids
 
-__all__ = ["halo_tiles", "halo_rows", "halo_attention_fwd", "halo_attention_bwd", "halo_attention_local"]
+__all__ = ["halo_tiles", "halo_rows", "exchange_bytes", "halo_over_context", "halo_attention_fwd",
+           "halo_attention_bwd", "halo_attention_local"]
 
 
 def halo_tiles(half: int, block_q: int, block_k: int) -> tuple[int, int]:
@@ -58,71 +59,130 @@ def halo_rows(window: int, half: int, block_q: int, block_k: int) -> int:
     return -(-(window - 1) // tile) * tile
 
 
-def _self_free_shift(x, pairs, r):
-    """`lax.ppermute` of `x` over the ring by `(source, destination)` pairs; a pair (i, i) keeps rank i's own `x`
+def exchange_bytes(window: int, seq: int, context: int, heads: int, kv_heads: int, head_dim: int, itemsize: int,
+                   block_q: int, block_k: int) -> tuple[int, int]:
+    """Bytes one device sends in a local layer's forward over `context` (C devices, contiguous chunks of `seq / C`
+    tokens), each way of meeting the window: `(halo, all_to_all)`.
+
+    halo: the K/V rows of the window before its chunk, `2 * halo_rows * kv_heads * head_dim * itemsize` (a window
+    wider than a chunk takes several hops, the same rows in all). all_to_all (Ulysses): Q, K, V in and the output back,
+    the share `(C - 1) / C` of `seq / C * (2 heads + 2 max(kv_heads, C)) * head_dim * itemsize` (KV heads replicated
+    up to C). The backward sends as much again either way. Both ways compute the same tiles; the halo adds its own
+    rows' keys to each chunk's first tiles."""
+    chunk = seq // context
+    halo = 2 * halo_rows(window, chunk, block_q, block_k) * kv_heads * head_dim * itemsize
+    a2a = (context - 1) * chunk * (2 * heads + 2 * max(kv_heads, context)) * head_dim * itemsize // context
+    return halo, a2a
+
+
+def halo_over_context(exchange: str, window: int, seq: int, context: int, heads: int, kv_heads: int, head_dim: int,
+                      block_q: int, block_k: int) -> bool:
+    """Whether a local layer under Ulysses (no ring) meets its window by the halo exchange over `context` rather than
+    the all-to-all: `exchange` (`attention.window_exchange`) `halo`, or `auto` where `exchange_bytes` counts fewer
+    bytes for the halo; never for a global layer (`window` 0), a window as long as the sequence, or one device."""
+    if not 0 < window < seq or context == 1 or exchange == "all_to_all":
+        return False
+    if exchange == "halo":
+        return True
+    halo, a2a = exchange_bytes(window, seq, context, heads, kv_heads, head_dim, 1, block_q, block_k)
+    return halo < a2a
+
+
+def _zigzag(axis_name: str) -> bool:
+    """The sequence's layout over `axis_name`: ring attention's zigzag over `ring` (two half-chunks a rank), plain
+    contiguous chunks over `context` (Ulysses' sequence split, one chunk a rank)."""
+    return axis_name == RING_AXIS
+
+
+def _chunk(rank, slot: int, size: int):
+    """The token-order index of `rank`'s chunk in `slot` (an int, or traced)."""
+    return rank if slot == 0 else 2 * size - 1 - rank
+
+
+def _owner(i: int, size: int, zigzag: bool) -> tuple[int, int]:
+    """(rank, slot) holding chunk `i` in token order."""
+    if not zigzag or i < size:
+        return i, 0
+    return 2 * size - 1 - i, 1
+
+
+def _self_free_shift(x, pairs, r, axis_name: str):
+    """`lax.ppermute` of `x` over `axis_name` by `(source, destination)` pairs; a pair (i, i) keeps rank i's own `x`
     (no send, and no permute when that is all); ranks no pair reaches get zeros."""
     own = [s for s, d in pairs if s == d]
     sends = [(s, d) for s, d in pairs if s != d]
-    out = lax.ppermute(x, RING_AXIS, sends) if sends else jnp.zeros_like(x)
+    out = lax.ppermute(x, axis_name, sends) if sends else jnp.zeros_like(x)
     return jnp.where(r == own[0], x, out) if own else out
 
 
 def _pieces(h: int, c: int) -> list[tuple[int, int]]:
-    """The halo of a half-chunk, farthest hop first: `(hop a, rows taken from the end of chunk j - a)`."""
+    """The halo of a chunk, farthest hop first: `(hop a, rows taken from the end of chunk j - a)`."""
     hops = -(-h // c)
     return [(a, h - (hops - 1) * c if a == hops else c) for a in range(hops, 0, -1)]
 
 
-def _halo_kv(k, v, h: int):
-    """The `h` K/V rows before each of this rank's two half-chunks (token order), gathered from the ranks that hold
-    them (module docstring): `((k_halo_0, k_halo_1), (v_halo_0, v_halo_1))`, each `[batch, h, kv_heads, head_dim]`
-    (zeros before the sequence's start). Linear in k, v: its transpose (`jax.vjp`) sends the halo's gradients back."""
-    ring, r = lax.axis_size(RING_AXIS), lax.axis_index(RING_AXIS)
-    c = k.shape[1] // 2
+def _hop(chunks, slot: int, a: int, rows: int, r, axis_name: str):
+    """The last `rows` rows of the chunk `a` before this rank's chunk in `slot` (token order), from the rank and slot
+    that hold it: one `ppermute` per slot it comes from; zeros where it would lie before the sequence's start."""
+    size, zigzag, c = lax.axis_size(axis_name), _zigzag(axis_name), chunks[0].shape[1]
+    by_slot: dict[int, list] = {}
+    for dest in range(size):
+        i = _chunk(dest, slot, size) - a
+        if i >= 0:
+            src, src_slot = _owner(i, size, zigzag)
+            by_slot.setdefault(src_slot, []).append((src, dest))
+    got = jnp.zeros_like(chunks[0][:, c - rows:])
+    for src_slot, pairs in sorted(by_slot.items()):
+        moved = _self_free_shift(chunks[src_slot][:, c - rows:], pairs, r, axis_name)
+        mine = jnp.asarray([any(d == dest for _, d in pairs) for dest in range(size)])[r]
+        got = moved if len(by_slot) == 1 else jnp.where(mine, moved, got)
+    return got
+
+
+def _halo_kv(k, v, h: int, axis_name: str):
+    """The `h` K/V rows before each of this rank's chunks (token order), gathered from the ranks that hold them
+    (module docstring): `((k_halo per chunk), (v_halo per chunk))`, each `[batch, h, kv_heads, head_dim]` (zeros
+    before the sequence's start). Linear in k, v: its transpose (`jax.vjp`) sends the halo's gradients back."""
+    r, slots = lax.axis_index(axis_name), 2 if _zigzag(axis_name) else 1
+    c = k.shape[1] // slots
     out = []
     for x in (k, v):
-        first, second = x[:, :c], x[:, c:]
-        halves = ([], [])
-        for a, rows in _pieces(h, c):
-            tail = slice(c - rows, c)
-            halves[0].append(_self_free_shift(first[:, tail], [(s, s + a) for s in range(ring - a)], r))
-            from_second = _self_free_shift(second[:, tail], [(s, s - a) for s in range(a, ring)], r)
-            from_first = _self_free_shift(first[:, tail], [(s, 2 * ring - 1 - a - s) for s in range(ring)
-                                                           if 0 <= 2 * ring - 1 - a - s < ring], r)
-            halves[1].append(jnp.where(r + a < ring, from_second, from_first))
-        out.append(tuple(jnp.concatenate(p, axis=1) for p in halves))
+        chunks = [x[:, q * c:(q + 1) * c] for q in range(slots)]
+        out.append(tuple(jnp.concatenate([_hop(chunks, q, a, rows, r, axis_name) for a, rows in _pieces(h, c)],
+                                         axis=1) for q in range(slots)))
     return tuple(out)
 
 
-def _halo_ids(runs, n: int, h: int):
-    """Run ids `[batch, h + c]` of each half-chunk's halo and itself (-1 before the sequence's start), from the run
-    ids `runs` `[batch, S]` of the whole sequence in the zigzag layout; `n` = S / R rows per rank."""
-    ring, r = lax.axis_size(RING_AXIS), lax.axis_index(RING_AXIS)
-    c = n // 2
+def _halo_ids(runs, n: int, h: int, axis_name: str):
+    """Run ids `[batch, h + c]` of each of this rank's chunks' halo and itself (-1 before the sequence's start), from
+    the run ids `runs` `[batch, S]` of the whole sequence in the axis's layout; `n` = rows per rank."""
+    size, r, zigzag = lax.axis_size(axis_name), lax.axis_index(axis_name), _zigzag(axis_name)
+    slots = 2 if zigzag else 1
+    c = n // slots
     out = []
-    for half, j in enumerate((r, 2 * ring - 1 - r)):  # the half-chunk's index in token order
+    for q in range(slots):
         parts = []
         for a, rows in _pieces(h, c):
-            i = j - a
-            slot = jnp.where(i < ring, i * n, (2 * ring - 1 - i) * n + c)  # where chunk i starts in `runs`
-            ids = lax.dynamic_slice_in_dim(runs, jnp.clip(slot + c - rows, 0, runs.shape[1] - rows), rows, axis=1)
+            i = _chunk(r, q, size) - a  # the chunk `a` before, in token order
+            start = jnp.where(i < size, i * n, (2 * size - 1 - i) * n + c) if zigzag else i * n  # where it lies
+            ids = lax.dynamic_slice_in_dim(runs, jnp.clip(start + c - rows, 0, runs.shape[1] - rows), rows, axis=1)
             parts.append(jnp.where(i >= 0, ids, -1))
-        parts.append(lax.dynamic_slice_in_dim(runs, r * n + half * c, c, axis=1))
+        parts.append(lax.dynamic_slice_in_dim(runs, r * n + q * c, c, axis=1))
         out.append(jnp.concatenate(parts, axis=1))
     return out
 
 
-def _setup(q, window: int, block_q: int, block_k: int, segment_ids, ids_are_runs: bool):
-    """(halo rows h, tiles (tq, tk), each half-chunk's run ids `[batch, h + c]`)."""
-    ring = lax.axis_size(RING_AXIS)
+def _setup(q, window: int, block_q: int, block_k: int, segment_ids, ids_are_runs: bool, axis_name: str):
+    """(halo rows h, chunk length c, tiles (tq, tk), each chunk's run ids `[batch, h + c]`)."""
+    size, zigzag = lax.axis_size(axis_name), _zigzag(axis_name)
     b, n = q.shape[:2]
-    c = n // 2
+    c = n // 2 if zigzag else n
     h = halo_rows(window, c, block_q, block_k)
     if segment_ids is None:
-        runs = jnp.zeros((b, n * ring), jnp.int32)
+        runs = jnp.zeros((b, n * size), jnp.int32)
     else:
-        runs = segment_ids.astype(jnp.int32) if ids_are_runs else run_ids(segment_ids, ring)
-    return h, halo_tiles(c, block_q, block_k), _halo_ids(runs, n, h)
+        runs = segment_ids.astype(jnp.int32) if ids_are_runs else run_ids(segment_ids, size if zigzag else 1)
+    return h, c, halo_tiles(c, block_q, block_k), _halo_ids(runs, n, h, axis_name)
 
 
 def _pad(x, h: int, axis: int = 1):
@@ -133,26 +193,27 @@ def _pad(x, h: int, axis: int = 1):
 
 
 def halo_attention_fwd(q, k, v, *, window: int, block_q: int = 512, block_k: int = 512, segment_ids=None,
-                       ids_are_runs: bool = False):
-    """Sliding-window attention of one ring rank inside `jax.shard_map` over the `ring` axis (module docstring),
-    with its log-sum-exp.
+                       ids_are_runs: bool = False, axis_name: str = RING_AXIS):
+    """Sliding-window attention of one rank inside `jax.shard_map` over `axis_name` (module docstring), with its
+    log-sum-exp.
 
     Args:
-      q: `[batch, S/R, heads, head_dim]`, this rank's two half-chunks in the zigzag layout; k, v: `[batch, S/R,
+      q: `[batch, S/R, heads, head_dim]`, this rank's share of the sequence: over `ring` its two half-chunks in the
+        zigzag layout, over `context` one contiguous chunk (all heads: no all-to-all); k, v: `[batch, S/R,
         kv_heads, head_dim]`.
       window: the local layer's window W in positions (0 < W < S; any width: wider windows take more hops).
       block_q, block_k: the blockwise kernel's tiles (clamped to divisors of the half-chunk, `halo_tiles`).
-      segment_ids: int `[batch, S]` of the whole sequence in the zigzag layout (as ring attention takes them), or
-        None (each row one causal stream); `ids_are_runs`: they are run ids already.
+      segment_ids: int `[batch, S]` of the whole sequence in the axis's layout (zigzag over `ring`, as ring attention
+        takes them), or None (each row one causal stream); `ids_are_runs`: they are run ids already.
+      axis_name: `ring` (the zigzag layout) or `context` (contiguous chunks).
 
     Returns:
       `(out, lse)`: `[batch, S/R, heads, head_dim]` like q, and float32 `[batch, heads, S/R]`.
     """
-    h, (tq, tk), ids = _setup(q, window, block_q, block_k, segment_ids, ids_are_runs)
-    c = q.shape[1] // 2
-    (kh, vh) = _halo_kv(k, v, h)
+    h, c, (tq, tk), ids = _setup(q, window, block_q, block_k, segment_ids, ids_are_runs, axis_name)
+    (kh, vh) = _halo_kv(k, v, h, axis_name)
     outs, lses = [], []
-    for half in range(2):
+    for half in range(len(ids)):
         sl = slice(half * c, (half + 1) * c)
         out, lse = blockwise_attention_fwd(
             _pad(q[:, sl], h), jnp.concatenate([kh[half], k[:, sl]], axis=1),
@@ -164,7 +225,7 @@ def halo_attention_fwd(q, k, v, *, window: int, block_q: int = 512, block_k: int
 
 
 def halo_attention_bwd(q, k, v, out, lse, dout, *, window: int, block_q: int = 512, block_k: int = 512,
-                       segment_ids=None, ids_are_runs: bool = False):
+                       segment_ids=None, ids_are_runs: bool = False, axis_name: str = RING_AXIS):
     """The backward of `halo_attention_fwd` from its saved `out` and `lse` (no forward is rerun; the halo's K/V are
     exchanged again, and their gradients sent back to the ranks that hold them).
 
@@ -174,11 +235,10 @@ def halo_attention_bwd(q, k, v, out, lse, dout, *, window: int, block_q: int = 5
     Returns:
       `(dq, dk, dv)`, shaped like q, k, v.
     """
-    h, (tq, tk), ids = _setup(q, window, block_q, block_k, segment_ids, ids_are_runs)
-    c = q.shape[1] // 2
-    (kh, vh), pull = jax.vjp(lambda k, v: _halo_kv(k, v, h), k, v)
+    h, c, (tq, tk), ids = _setup(q, window, block_q, block_k, segment_ids, ids_are_runs, axis_name)
+    (kh, vh), pull = jax.vjp(lambda k, v: _halo_kv(k, v, h, axis_name), k, v)
     dq, dk, dv, dkh, dvh = [], [], [], [], []
-    for half in range(2):
+    for half in range(len(ids)):
         sl = slice(half * c, (half + 1) * c)
         g = blockwise_attention_bwd(
             _pad(q[:, sl], h), jnp.concatenate([kh[half], k[:, sl]], axis=1),
@@ -215,12 +275,12 @@ _halo.defvjp(_halo_vjp_fwd, _halo_vjp_bwd)
 
 
 def halo_attention_local(q, k, v, *, window: int, block_q: int = 512, block_k: int = 512, segment_ids=None,
-                         ids_are_runs: bool = False) -> jax.Array:
-    """Differentiable sliding-window attention of one ring rank inside `jax.shard_map` over the `ring` axis: the
-    forward of `halo_attention_fwd`, the backward `halo_attention_bwd` (arguments as theirs).
+                         ids_are_runs: bool = False, axis_name: str = RING_AXIS) -> jax.Array:
+    """Differentiable sliding-window attention of one rank inside `jax.shard_map` over `axis_name` (`ring` or
+    `context`): the forward of `halo_attention_fwd`, the backward `halo_attention_bwd` (arguments as theirs).
 
     Returns:
       `[batch, S/R, heads, head_dim]`, like q.
     """
-    opts = tuple(sorted(dict(window=window, block_q=block_q, block_k=block_k).items()))
+    opts = tuple(sorted(dict(window=window, block_q=block_q, block_k=block_k, axis_name=axis_name).items()))
     return _halo(q, k, v, segment_ids, opts, ids_are_runs)

@@ -64,6 +64,10 @@ class SublayerContext:
         window - 1 before it; `jaxlong.kernels.blockwise`).
       query_scale: multiplies the queries after RoPE, so that the kernels' `1/sqrt(head_dim)` makes the scale
         `1/sqrt(model.query_pre_attn_scalar)` (Gemma 3); 1 otherwise.
+      window_exchange: how a local layer meets its window over `context` (`attention.window_exchange`): `all_to_all`
+        (Ulysses: whole sequences per head group through the window kernel), `halo` (each device keeps its tokens'
+        heads and receives the window's K/V from the devices before it, `jaxlong.parallel.halo`), or `auto` (the
+        fewer bytes for the layer's shapes, `jaxlong.parallel.halo.exchange_bytes`).
     """
 
     mesh: jax.sharding.Mesh
@@ -81,6 +85,7 @@ class SublayerContext:
     offload_attention_output: bool = False
     window: int = 0
     query_scale: float = 1.0
+    window_exchange: str = "auto"
 
     def constrain(self, x: jax.Array, spec: P) -> jax.Array:
         """`x` with the sharding `spec` on the mesh (a `with_sharding_constraint`)."""

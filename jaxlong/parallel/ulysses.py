@@ -37,7 +37,7 @@ from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, SEQ_AXES, axi
 from jaxlong.kernels.backend import attention, resolve_backend
 from jaxlong.layers import blocks as L
 from jaxlong.layers.projection import project_qkv
-from jaxlong.parallel.halo import halo_attention_local
+from jaxlong.parallel.halo import halo_attention_local, halo_over_context
 from jaxlong.parallel.ring import ring_attention_local, run_ids
 
 
@@ -85,6 +85,7 @@ def ulysses_attention(
     segment_ids: jax.Array | None = None,
     ids_are_runs: bool = False,
     window: int = 0,
+    window_exchange: str = "all_to_all",
 ) -> jax.Array:
     """Causal attention with Ulysses context parallelism over the mesh's `context` axis (and ring attention
     over its `ring` axis when that has size > 1: the Ulysses x ring hybrid).
@@ -105,6 +106,9 @@ def ulysses_attention(
         holds whole sequences for its heads (ring = 1), so the kernel skips what the window masks
         (`jaxlong.kernels.blockwise`); with ring > 1 each ring rank receives a halo of the window's K/V from its
         neighbours instead of the ring (`jaxlong.parallel.halo`).
+      window_exchange: with a window and ring = 1, `halo` (or `auto` where it sends fewer bytes,
+        `jaxlong.parallel.halo.halo_over_context`): no all-to-all; each device keeps its tokens' heads and receives
+        the window's K/V from the devices before it over `context`.
 
     Returns:
       `[batch, seq, heads, head_dim]`, sharded like q.
@@ -114,17 +118,23 @@ def ulysses_attention(
       ConfigError: with ring > 1, a window wider than a ring rank's half-chunk (`jaxlong.parallel.halo`).
     """
     context = mesh.shape[CONTEXT_AXIS]
-    check_heads(q.shape[2], k.shape[2], context)
-    k = replicate_kv_heads(k, context)
-    v = replicate_kv_heads(v, context)
     spec = P(BATCH_AXES, seq_axes(mesh), None, None)
     ring = axis_size(mesh, RING_AXIS)
     seq = q.shape[1]
+    halo = ring == 1 and halo_over_context(window_exchange, window, seq, context, q.shape[2], k.shape[2],
+                                           q.shape[3], block_q, block_k)
+    if not halo:
+        check_heads(q.shape[2], k.shape[2], context)
+        k = replicate_kv_heads(k, context)
+        v = replicate_kv_heads(v, context)
     kernel = dict(backend=backend, causal=causal, block_q=block_q, block_k=block_k, window=window)
     if ring > 1:
         ring_backend = resolve_backend(backend, q, segment_ids, platform=mesh.devices.flat[0].platform)
 
     def local(q, k, v, seg=None):
+        if halo:  # no all-to-all: this device's tokens, every head
+            return halo_attention_local(q, k, v, window=window, block_q=block_q, block_k=block_k, segment_ids=seg,
+                                        axis_name=CONTEXT_AXIS)
         q, k, v = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
         if ring > 1 and 0 < window < seq:  # a window as long as the sequence masks nothing: the ring runs it
             out = halo_attention_local(q, k, v, window=window, block_q=block_q, block_k=block_k, segment_ids=seg,
@@ -177,7 +187,8 @@ def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | Non
     q, k, v = project(x, w.norm, *weights, *(w.qk_norm or ()))
     attn = ulysses_attention(q, k, v, mesh=ctx.mesh, backend=ctx.backend, block_q=ctx.block_q,
                              block_k=ctx.block_k, segment_ids=segment_ids,
-                             ids_are_runs=axis_size(ctx.mesh, RING_AXIS) > 1, window=ctx.window)
+                             ids_are_runs=axis_size(ctx.mesh, RING_AXIS) > 1, window=ctx.window,
+                             window_exchange=ctx.window_exchange)
     attn = checkpoint_name(attn, "attn_out")
     out = jnp.einsum("bsnd,ndh->bsh", attn, ctx.gather(w.wo))
     return x + (out if w.post_norm is None else L.rms_norm(out, w.post_norm, ctx.norm_eps))

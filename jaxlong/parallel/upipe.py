@@ -103,7 +103,8 @@ from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels.backend import attention_bwd, attention_fwd_with_lse, resolve_backend
 from jaxlong.layers import blocks as L
 from jaxlong.layers.remat import ATTENTION_NAMES
-from jaxlong.parallel.halo import halo_attention_bwd, halo_attention_fwd
+from jaxlong.parallel import ulysses
+from jaxlong.parallel.halo import halo_attention_bwd, halo_attention_fwd, halo_over_context
 from jaxlong.parallel.record import SublayerContext, SublayerWeights
 from jaxlong.parallel.ring import add_rounded, ring_attention_bwd, ring_attention_fwd, zigzag_positions
 from jaxlong.parallel.ulysses import check_heads, ulysses_attention
@@ -766,8 +767,15 @@ def sublayer(x: jax.Array, w: SublayerWeights, positions: jax.Array, segment_ids
 
     Args and returns as `jaxlong.parallel.ulysses.sublayer` (`w`: `SublayerWeights`, its matrices gathered here).
     The tensors named `attn_norm_out`, `query_proj`, `key_proj`, `value_proj` and `attn_out` do not exist on
-    this path: the op saves only the layer input and its output buffer.
+    this path: the op saves only the layer input and its output buffer. A local layer whose window meets its K/V by
+    the halo exchange over `context` (`SublayerContext.window_exchange`, ring = 1) has no all-to-all to stage: it
+    runs the Ulysses sublayer's halo path, every head of its tokens at once.
     """
+    mesh = ctx.mesh
+    if axis_size(mesh, RING_AXIS) == 1 and halo_over_context(
+            ctx.window_exchange, ctx.window, x.shape[1], mesh.shape[CONTEXT_AXIS], w.wq.shape[1], w.wk.shape[1],
+            w.wq.shape[2], ctx.block_q, ctx.block_k):
+        return ulysses.sublayer(x, w, positions, segment_ids, ctx)
     gathered = dataclasses.replace(w, wq=ctx.gather(w.wq), wk=ctx.gather(w.wk), wv=ctx.gather(w.wv),
                                    wo=ctx.gather(w.wo))
     return upipe_attention(x, gathered, ctx, positions=positions, segment_ids=segment_ids,

@@ -120,15 +120,16 @@ def test_bad_windows_are_refused():
         K.blockwise_attention_fwd(q, k, v, causal=False, window=4)
 
 
-RING_CASES = [  # (data, fsdp, ring, context), window: Ulysses alone; the halo exchange on ring 2 and ring 4 x Ulysses 2,
-    # over two hops (windows wider than a ring rank's half-chunk of 16 and 8 tokens)
-    ((1, 2, 1, 4), 12), ((1, 1, 2, 4), 20), ((1, 1, 4, 2), 12)]
+RING_CASES = {  # (data, fsdp, ring, context), window, window_exchange: Ulysses alone by its all-to-all, or by the
+    # halo exchange over context (contiguous chunks of 16 tokens: two hops); the halo exchange on ring 2 and ring 4 x
+    # Ulysses 2, over two hops (windows wider than a ring rank's half-chunk of 16 and 8 tokens)
+    "ulysses4": ((1, 2, 1, 4), 12, "all_to_all"), "ulysses4-halo": ((1, 2, 1, 4), 20, "halo"),
+    "ring2-ulysses4": ((1, 1, 2, 4), 20, "all_to_all"), "ring4-ulysses2": ((1, 1, 4, 2), 12, "all_to_all")}
 
 
-@pytest.mark.parametrize("axes,window", [pytest.param(a, w, marks=() if i < 2 else pytest.mark.slow)
-                                         for i, (a, w) in enumerate(RING_CASES)], ids=["ulysses4", "ring2-ulysses4",
-                                                                                        "ring4-ulysses2"])
-def test_ulysses_and_ring_run_a_window_with_one_kv_head(axes, window):
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n != "ring4-ulysses2" else pytest.mark.slow)
+                                  for n in RING_CASES])
+def test_ulysses_and_ring_run_a_window_with_one_kv_head(name):
     """4 query heads and 1 KV head (Gemma 3 270M's), packed documents, 64 tokens, a window straddling the shards:
     the output and the gradients equal the dense softmax's. Under Ulysses alone each device holds whole sequences
     after the all-to-all; under ring each rank receives its halo (the window's K/V) from its neighbours by
@@ -141,13 +142,13 @@ def test_ulysses_and_ring_run_a_window_with_one_kv_head(axes, window):
     from jaxlong.parallel.ring import unzigzag, zigzag
     from jaxlong.parallel.ulysses import ulysses_attention
 
-    data, fsdp, ring, context = axes
+    (data, fsdp, ring, context), window, exchange = RING_CASES[name]
     mesh = axes_mesh(data=data, fsdp=fsdp, ring=ring, context=context)
     seq = 64
     q, k, v, w = _inputs(seq, 4, 1, seed=3)
     ids = np.repeat(np.array([[1, 2], [3, 4]]), [40, 24], axis=1).astype(np.int32)
     spec = NamedSharding(mesh, P(("data", "fsdp"), ("ring", "context"), None, None))
-    opts = dict(mesh=mesh, backend="blockwise", block_q=16, block_k=16, window=window)
+    opts = dict(mesh=mesh, backend="blockwise", block_q=16, block_k=16, window=window, window_exchange=exchange)
 
     def loss(q, k, v, ids):  # natural order in and out; the zigzag layout inside, as the model lays out its batch
         z = [jax.lax.with_sharding_constraint(zigzag(x, ring), spec) for x in (q, k, v)]

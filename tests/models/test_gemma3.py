@@ -132,10 +132,13 @@ MESHES = {
     "fsdp2-ring4-tiled": ("mesh.fsdp=2", "mesh.ring=4", "mesh.context=1", "tiling.mlp=true", "tiling.loss=true"),
     "ring8-wide-window": ("mesh.fsdp=1", "mesh.ring=8", "mesh.context=1", "attention.block_q=4",
                           "attention.block_k=4"),
-    "fsdp2-upipe4-documents": ("mesh.fsdp=2", "mesh.context=4", "attention.impl=upipe", "data.packing=documents"),
-    "fsdp4-upipe2-U2-offload-kept": ("mesh.fsdp=4", "mesh.context=2", "attention.impl=upipe",
-                                     "attention.heads_per_stage=2", "global_batch=4", "remat.policy=offload",
-                                     "remat.keep_attention=1"),
+    "fsdp2-upipe4-documents-a2a": ("mesh.fsdp=2", "mesh.context=4", "attention.impl=upipe", "data.packing=documents",
+                                   "attention.window_exchange=all_to_all"),
+    "fsdp4-upipe2-U2-offload-kept-a2a": ("mesh.fsdp=4", "mesh.context=2", "attention.impl=upipe",
+                                         "attention.heads_per_stage=2", "global_batch=4", "remat.policy=offload",
+                                         "remat.keep_attention=1", "attention.window_exchange=all_to_all"),
+    "fsdp4-upipe2-halo": ("mesh.fsdp=4", "mesh.context=2", "attention.impl=upipe", "global_batch=4",
+                          "attention.window_exchange=halo"),
     "ring2-upipe2-U2-documents": ("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "attention.impl=upipe",
                                   "attention.heads_per_stage=2", "data.packing=documents", "attention.block_q=8",
                                   "attention.block_k=8"),
@@ -151,8 +154,10 @@ def test_every_windowed_mesh_equals_the_dense_single_device_reference(name):
     """Loss and every gradient of the windowed model (local and global layers in one scan) on 8 devices equal the
     dense single-device reference's (materialized attention with the window, no remat, no tiling). Under ring the
     local layers take the halo exchange (`jaxlong.parallel.halo`), the global layers the ring; on ring 8 (half-chunks
-    of 4 tokens) and ring 4 x U-Pipe 2 (8 tokens, a window of 12) the halo takes two hops. U-Pipe runs the sandwich
-    norm and the query scale inside its op, in one stage of 4 heads or two of 2."""
+    of 4 tokens) and ring 4 x U-Pipe 2 (8 tokens, a window of 12) the halo takes two hops. Without ring the local
+    layers take the halo exchange over context (`attention.window_exchange=auto` finds it fewer bytes here) or, with
+    `all_to_all`, Ulysses' and U-Pipe's all-to-alls. U-Pipe runs the sandwich norm and the query scale inside its op,
+    in one stage of 4 heads or two of 2."""
     cfg = tiny_cfg(*GEMMA, *MESHES[name])
     assert reference_cfg(cfg).attention.backend == "reference"
     # atol 2e-7 on gradients of scale 0.1 to 0.2: float32's rounding of sums taken in another order (every mesh's
