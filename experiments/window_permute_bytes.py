@@ -30,33 +30,41 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxlong.parallel.halo import halo_rows  # noqa: E402
+from jaxlong.parallel.halo import exchange_bytes, halo_rows  # noqa: E402
 from jaxlong.parallel.ulysses import ulysses_attention  # noqa: E402
 
 BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
 
 
-def permute_bytes(seq: int, ring: int, context: int, window: int, *, heads: int = 4, kv_heads: int = 1,
-                  head_dim: int = 64, block: int = 128) -> int:
-    """Bytes of every `collective-permute` in the compiled forward and backward of one attention layer (f32,
-    batch 1) under ring x Ulysses on 8 CPU devices, `window` 0 for a global layer."""
+def collective_bytes(seq: int, ring: int, context: int, window: int, *, heads: int = 4, kv_heads: int = 1,
+                     head_dim: int = 64, block: int = 128, exchange: str = "all_to_all") -> dict[str, int]:
+    """Bytes of every `collective-permute` and `all-to-all` in the compiled forward and backward of one attention
+    layer (f32, batch 1) under ring x Ulysses on 8 CPU devices, `window` 0 for a global layer; `exchange` the local
+    layer's `attention.window_exchange` without ring."""
     mesh = jax.make_mesh((1, 8 // (ring * context), ring, context), ("data", "fsdp", "ring", "context"),
                          axis_types=(AxisType.Auto,) * 4, devices=jax.devices()[:8])
     spec = NamedSharding(mesh, P(("data", "fsdp"), ("ring", "context"), None, None))
 
     def loss(q, k, v):
         return jnp.sum(ulysses_attention(q, k, v, mesh=mesh, backend="blockwise", block_q=block, block_k=block,
-                                         window=window))
+                                         window=window, window_exchange=exchange))
 
     args = [jax.ShapeDtypeStruct((8 // (ring * context), seq, n, head_dim), jnp.float32, sharding=spec)
             for n in (heads, kv_heads, kv_heads)]
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
-    total = 0
+    total = {"permute": 0, "all_to_all": 0}
     for line in text.splitlines():
-        if re.search(r"collective-permute(-start)?\(", line):
-            m = re.search(r"=\s*\(?([a-z0-9]+)\[([\d,]*)\]", line)
-            total += int(np.prod([int(x) for x in m.group(2).split(",") if x])) * BYTES[m.group(1)]
+        for kind, op in (("permute", "collective-permute"), ("all_to_all", "all-to-all")):
+            if re.search(op + r"(-start)?\(", line):
+                total[kind] += sum(int(np.prod([int(x) for x in dims.split(",") if x])) * BYTES[t]
+                                   for t, dims in re.findall(r"([a-z0-9]+)\[([\d,]*)\]", line.split("=", 1)[1]
+                                                             .split(op)[0]))
     return total
+
+
+def permute_bytes(seq: int, ring: int, context: int, window: int, **kw) -> int:
+    """The collective-permute bytes of `collective_bytes`."""
+    return collective_bytes(seq, ring, context, window, **kw)["permute"]
 
 
 def main() -> None:
@@ -71,6 +79,17 @@ def main() -> None:
         h = halo_rows(window, args.seq // (2 * ring), 128, 128)
         rows.append(f"| {args.seq} | {ring} x {context} | {window} | {h} | {local:,} B | {glob:,} B | "
                     f"{glob / local:.1f} |")
+    rows += ["", "Without ring (Ulysses 8; 8 query heads, 2 KV heads), a local layer's window by the all-to-all or by the halo exchange over context "
+             "(`attention.window_exchange`), and the bytes `exchange_bytes` counts for the forward (the rule `auto` "
+             "follows):", "",
+             "| sequence | context | window | exchange | all-to-all | collective-permute | counted (forward) |",
+             "|---:|---:|---:|---|---:|---:|---:|"]
+    for window in (128, 512):
+        counted = exchange_bytes(window, args.seq, 8, 8, 2, 64, 4, 128, 128)
+        for exchange, n in (("all_to_all", counted[1]), ("halo", counted[0])):
+            got = collective_bytes(args.seq, 1, 8, window, heads=8, kv_heads=2, exchange=exchange)
+            rows.append(f"| {args.seq} | 8 | {window} | {exchange} | {got['all_to_all']:,} B | {got['permute']:,} B | "
+                        f"{n:,} B |")
     table = "\n".join(rows)
     print(table)
     if args.out:
