@@ -114,8 +114,8 @@ def ulysses_attention(
       `[batch, seq, heads, head_dim]`, sharded like q.
 
     Raises:
-      ConfigError: heads not divisible by the context degree, or kv_heads and context not dividing one another.
-      ConfigError: with ring > 1, a window wider than a ring rank's half-chunk (`jaxlong.parallel.halo`).
+      ConfigError: heads not divisible by the context degree, or kv_heads and context not dividing one another
+        (not for a local layer's halo exchange over `context`).
     """
     context = mesh.shape[CONTEXT_AXIS]
     spec = P(BATCH_AXES, seq_axes(mesh), None, None)
