@@ -125,11 +125,9 @@ def test_the_layer_equals_gemma3_written_out_with_windows_and_documents(mesh):
 MESHES = {
     "fsdp2-ulysses4-tiled-full": ("mesh.fsdp=2", "mesh.context=4", "tiling.mlp=true", "tiling.loss=true",
                                   "remat.policy=full"),
-    "fsdp8": ("mesh.fsdp=8", "mesh.context=1", "global_batch=8"),
     "dp2-fsdp2-ulysses2-offload-kept": ("mesh.data=2", "mesh.fsdp=2", "mesh.context=2", "global_batch=4",
                                         "remat.policy=offload", "remat.offload_every=2", "remat.keep_attention=1"),
     "ring2-ulysses4-documents": ("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "data.packing=documents"),
-    "fsdp2-ring4-tiled": ("mesh.fsdp=2", "mesh.ring=4", "mesh.context=1", "tiling.mlp=true", "tiling.loss=true"),
     "ring8-wide-window": ("mesh.fsdp=1", "mesh.ring=8", "mesh.context=1", "attention.block_q=4",
                           "attention.block_k=4"),
     "fsdp2-upipe4-documents-a2a": ("mesh.fsdp=2", "mesh.context=4", "attention.impl=upipe", "data.packing=documents",

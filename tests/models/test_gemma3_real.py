@@ -33,7 +33,10 @@ MESHES = {"one": ("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1"),
           # local layers by the halo exchange: the logits' half-chunks of 256 tokens take two hops for the 512 window;
           # the short prompts, no longer than the window, run their local layers by the ring as global layers
           "ring2": ("mesh.num_devices=2", "mesh.fsdp=1", "mesh.ring=2", "mesh.context=1"),
+          # Ulysses and U-Pipe 4: local layers by the halo over context (auto), or by the all-to-all
           "upipe4": ("mesh.num_devices=4", "mesh.fsdp=1", "mesh.context=4", "attention.impl=upipe"),
+          "upipe4-a2a": ("mesh.num_devices=4", "mesh.fsdp=1", "mesh.context=4", "attention.impl=upipe",
+                         "attention.window_exchange=all_to_all"),
           "ring2-ulysses2": ("mesh.num_devices=4", "mesh.fsdp=1", "mesh.ring=2", "mesh.context=2")}
 
 
