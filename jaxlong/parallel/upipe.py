@@ -746,7 +746,7 @@ def upipe_attention(x: jax.Array, w: SublayerWeights, ctx: SublayerContext, *, p
     out_spec = act if w.wo is not None else P(BATCH_AXES, seq_axes(mesh), None, None)
     # Weights enter replicated (unvarying); marking them varying makes the shard_map transpose sum the per-device
     # weight gradients (psum), so the custom backward must not sum them itself.
-    weights = jax.tree.map(lambda a: a, (w.norm, w.wq, w.wk, w.wv, w.wo, w.qk_norm, w.post_norm))
+    weights = (w.norm, w.wq, w.wk, w.wv, w.wo, w.qk_norm, w.post_norm)  # None where absent
     extra = [None if a is None else a.astype(jnp.int32) for a in (positions, segment_ids)]
     specs = (act, jax.tree.map(lambda _: rep, weights), None if positions is None else tok,
              None if segment_ids is None else P(BATCH_AXES, None))
