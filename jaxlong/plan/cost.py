@@ -24,15 +24,21 @@ None), and XLA's CPU `cost_analysis()` does not see cuDNN attention. So the comp
     bound.
     The blockwise kernel (`jaxlong.kernels.blockwise`, pure JAX: its matmuls are `dot`s in loops): its tile loops
     have bounds that are data (the causal diagonal, a sliding window, documents), so XLA knows no trip count. Such
-    a loop (a `while` without `known_trip_count` whose ops trace to `jaxlong/kernels/blockwise.py`, by the
-    module's stack-frame tables) is counted one iteration (one score tile) per entry and recorded by direction in
+    a loop is a `while` without `known_trip_count` whose op traces, by the module's stack-frame tables, to
+    `jaxlong/kernels/blockwise.py`, or to an op of KERNEL_CALLERS (the halo exchange, ring attention, U-Pipe: they
+    call the kernel inside a `custom_vjp`, whose rules JAX traces with the op's call site as every op's traceback,
+    so the loop's frame is that call site's, in one of those files or below it) with a tile's 2 or 5 matmuls in
+    its body. It is counted one iteration (one score tile) per entry and recorded by direction in
     `tile_loop_flops`, `tile_loop_bytes` and `tile_loop_entries`: "forward" (2 matmuls per tile: QK^T, PV),
-    "backward" (5: QK^T, dV, dP, dK, dQ). The counts are in `flops` and `hbm_bytes` as one iteration each; what
-    the kernel computes per call depends on the layer kind (causal or windowed), which the HLO does not tell, so
-    `jaxlong.plan.tiles.blockwise_attention_cost` replaces them by the kernel's tile counts per layer kind
-    (`window_tiles`, docs/windows.md): forward 4 x block_q x block_k x head_dim per tile and (batch x head),
-    backward 2.5 x that, for every kernel call the program makes (its remat recomputation included). Without the
-    stack-frame tables such loops fall back to the rule for loops below.
+    "backward" (5: QK^T, dV, dP, dK, dQ), and by direction and one tile's FLOPs (the call's shape: its tiles and
+    batch x heads) in `tile_loop_groups` and `tile_loop_group_bytes`. The counts are in `flops` and `hbm_bytes`
+    as one iteration each; what the kernel computes per call depends on the layer kind (causal or windowed) and
+    its path (the whole sequence with H/C heads, or a local layer's chunk and halo with every head), which the
+    loop does not tell, so `jaxlong.plan.tiles.blockwise_attention_cost` replaces them by the kernel's tile
+    counts per layer kind and path (`window_tiles`, docs/windows.md): forward 4 x tq x tk x head_dim per tile and
+    (batch x head), backward 2.5 x that, for every time the program runs a layer's kernel (its remat
+    recomputation included; the rule is in `jaxlong.plan.tiles`). Without the stack-frame tables such loops fall
+    back to the rule for loops below.
     Elementwise work is not counted (it is memory bound; the HBM bytes carry it).
   HBM bytes (per device, per step) -- an approximation
     the operand + output bytes of every top-level op (fusions, custom calls, copies, collectives) of the entry
@@ -73,6 +79,12 @@ NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", 
               "async-start", "async-update", "async-done", "copy-done", "send-done", "recv-done"}
 
 BLOCKWISE_SOURCE = "jaxlong/kernels/blockwise.py"  # the blockwise kernel's ops trace to this file
+# Ops that call the blockwise kernel inside a `custom_vjp` (the halo exchange, ring attention, U-Pipe's stage
+# scans): JAX traces a custom_vjp's rules with the op's call site as their traceback, so every op of the rules, the
+# kernel's tile loops included, carries the call site's stack frame, in one of these files, and none of the
+# kernel's own (the kernel's `blockwise_attention` is itself such an op: its loops' frame is its call in
+# BLOCKWISE_SOURCE).
+KERNEL_CALLERS = ("jaxlong/parallel/halo.py", "jaxlong/parallel/ring.py", "jaxlong/parallel/upipe.py")
 HOST_SPACE = ":S(5)"  # XLA's memory-space annotation of host memory in a layout
 _SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
@@ -173,11 +185,13 @@ def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
     return comps, entry
 
 
-def source_frames(text: str, path_suffix: str) -> frozenset[int]:
+def source_frames(text: str, path_suffix, *, callers: bool = False) -> frozenset[int]:
     """Ids of the stack frames (an op's `stack_frame_id=` metadata) whose own source location lies in a file whose
-    path ends with `path_suffix` (e.g. "jaxlong/kernels/blockwise.py"), read from the module's `FileNames`,
-    `FileLocations` and `StackFrames` tables: the ops a function of that file traced. Empty when the text has no
-    such tables (an HLO text printed without source locations)."""
+    path ends with `path_suffix` (a string or a tuple of them, e.g. "jaxlong/kernels/blockwise.py"), read from the
+    module's `FileNames`, `FileLocations` and `StackFrames` tables: the ops a function of that file traced. With
+    `callers`, also the frames one of whose parents (`parent_frame_id`, the calling frames) lies in such a file:
+    the ops traced by anything a function of that file called. Empty when the text has no such tables (an HLO
+    text printed without source locations)."""
     tables: dict[str, dict[int, str]] = {}
     current = None
     for line in text.splitlines():
@@ -192,8 +206,21 @@ def source_frames(text: str, path_suffix: str) -> frozenset[int]:
     files = {k for k, v in tables.get("FileNames", {}).items() if v.strip('"').endswith(path_suffix)}
     locations = {k for k, v in tables.get("FileLocations", {}).items()
                  if (m := re.search(r"file_name_id=(\d+)", v)) and int(m.group(1)) in files}
-    return frozenset(k for k, v in tables.get("StackFrames", {}).items()
-                     if (m := re.search(r"file_location_id=(\d+)", v)) and int(m.group(1)) in locations)
+    frames = tables.get("StackFrames", {})
+    own = frozenset(k for k, v in frames.items()
+                    if (m := re.search(r"file_location_id=(\d+)", v)) and int(m.group(1)) in locations)
+    if not callers:
+        return own
+    parent = {k: int(m.group(1)) for k, v in frames.items() if (m := re.search(r"parent_frame_id=(\d+)", v))}
+    found = set(own)
+    for k in frames:
+        chain, f = [], k
+        while f in frames and f not in found and f not in chain:  # a root frame is its own parent
+            chain.append(f)
+            f = parent.get(f, 0)
+        if f in found:
+            found.update(chain)
+    return frozenset(found)
 
 
 @dataclasses.dataclass
@@ -213,6 +240,14 @@ class Cost:
     tile_loop_flops: dict = dataclasses.field(default_factory=dict)  # FLOPs of one iteration x entries
     tile_loop_bytes: dict = dataclasses.field(default_factory=dict)  # HBM bytes of one iteration x entries
     tile_loop_entries: dict = dataclasses.field(default_factory=dict)  # times the loop is entered per step
+    # The same entries and HBM bytes by "<direction> <FLOPs of one tile over the call's batch x heads>": calls of
+    # different shapes (heads per call, tiles) apart, e.g. a local layer's halo call and a global layer's
+    tile_loop_groups: dict = dataclasses.field(default_factory=dict)
+    tile_loop_group_bytes: dict = dataclasses.field(default_factory=dict)
+    # The same over every branch of a conditional too (the counted one and the others): each group's bytes per
+    # entry, for calls of a shape a conditional's dearest branch hides (e.g. the global layers' beside the local)
+    tile_loop_seen_entries: dict = dataclasses.field(default_factory=dict)
+    tile_loop_seen_bytes: dict = dataclasses.field(default_factory=dict)
     warnings: list = dataclasses.field(default_factory=list)
 
     def add(self, other: "Cost", times: float = 1.0) -> None:
@@ -227,7 +262,11 @@ class Cost:
                              (self.attention_head_calls, other.attention_head_calls),
                              (self.tile_loop_flops, other.tile_loop_flops),
                              (self.tile_loop_bytes, other.tile_loop_bytes),
-                             (self.tile_loop_entries, other.tile_loop_entries)):
+                             (self.tile_loop_entries, other.tile_loop_entries),
+                             (self.tile_loop_groups, other.tile_loop_groups),
+                             (self.tile_loop_group_bytes, other.tile_loop_group_bytes),
+                             (self.tile_loop_seen_entries, other.tile_loop_seen_entries),
+                             (self.tile_loop_seen_bytes, other.tile_loop_seen_bytes)):
             for k, v in theirs.items():
                 mine[k] = mine.get(k, 0) + v * times
         self.warnings += [w for w in other.warnings if w not in self.warnings]
@@ -252,16 +291,23 @@ def _group_size(ins: Instr, default: int) -> int:
 
 class _Walker:
     def __init__(self, comps: dict[str, list[Instr]], devices: int, node_size: int | None,
-                 tile_frames: frozenset[int] = frozenset()):
+                 tile_frames: frozenset[int] = frozenset(), caller_frames: frozenset[int] = frozenset()):
         self.comps, self.devices, self.node_size, self.memo = comps, devices, node_size or devices, {}
         self.by_name = {c: {i.name: i for i in body} for c, body in comps.items()}
         self.tile_frames = tile_frames  # stack frames of the blockwise kernel (`source_frames`)
+        self.caller_frames = caller_frames  # frames of KERNEL_CALLERS' ops and what they call
 
     def is_tile_loop(self, ins: Instr) -> bool:
-        """A loop of the blockwise kernel whose bounds are data (no trip count known to XLA)."""
+        """A loop of the blockwise kernel whose bounds are data (no trip count known to XLA): traced by the kernel
+        (its frame in BLOCKWISE_SOURCE), or by an op of KERNEL_CALLERS (its frame there or below it) with a tile's
+        matmuls in its body (2: forward, 5: backward). A tile loop may have one constant bound (the backward's last
+        query tile without a window), never both."""
         frame = re.search(r"stack_frame_id=(\d+)", ins.attrs)
-        return (frame is not None and int(frame.group(1)) in self.tile_frames
-                and "known_trip_count" not in ins.backend_config())
+        if frame is None or "known_trip_count" in ins.backend_config():
+            return False
+        if int(frame.group(1)) in self.tile_frames:
+            return True
+        return int(frame.group(1)) in self.caller_frames and self.matmuls(ins.attr("body")) in (2, 5)
 
     def matmuls(self, comp: str) -> int:
         """Matmul ops in a computation and the fusions and calls it makes (not in its loops)."""
@@ -282,9 +328,12 @@ class _Walker:
         if kind is None:
             c.warnings.append(f"while {ins.name}: a blockwise kernel loop of data-dependent length, counted once")
             return
-        for field, v in ((c.tile_loop_flops, body.flops), (c.tile_loop_bytes, body.hbm_bytes),
-                         (c.tile_loop_entries, 1)):
-            field[kind] = field.get(kind, 0) + v
+        group = f"{kind} {body.flops:.0f}"  # the direction and one tile's FLOPs: the kernel call's shape
+        for field, key, v in ((c.tile_loop_flops, kind, body.flops), (c.tile_loop_bytes, kind, body.hbm_bytes),
+                              (c.tile_loop_entries, kind, 1), (c.tile_loop_groups, group, 1),
+                              (c.tile_loop_group_bytes, group, body.hbm_bytes),
+                              (c.tile_loop_seen_entries, group, 1), (c.tile_loop_seen_bytes, group, body.hbm_bytes)):
+            field[key] = field.get(key, 0) + v
 
     def shape_of(self, comp: str, name: str) -> list:
         ins = self.by_name[comp].get(name)
@@ -294,6 +343,14 @@ class _Walker:
         n = ins.backend_config().get("known_trip_count", {}).get("n")
         if n is not None:
             return int(n)
+        n = self.constant_bound(ins)
+        if n is not None:
+            return n
+        cost.warnings.append(f"while {ins.name}: no known trip count, counted once")
+        return 1
+
+    def constant_bound(self, ins: Instr) -> int | None:
+        """The loop bound: the largest integer constant in the condition or a computation it calls, or None."""
         consts, todo, seen = [], [ins.attr("condition")], set()
         while todo:  # the loop bound: an integer constant in the condition or a computation it calls
             name = todo.pop()
@@ -302,10 +359,7 @@ class _Walker:
                 if i.op == "constant" and re.fullmatch(r"s(32|64)\[\]", i.shape) and re.fullmatch(r"-?\d+", i.args):
                     consts.append(int(i.args))
                 todo += [n for n in (i.attr("calls"), i.attr("to_apply")) if n and n not in seen]
-        if consts:
-            return max(consts)
-        cost.warnings.append(f"while {ins.name}: no known trip count, counted once")
-        return 1
+        return max(consts) if consts else None
 
     def fused_traffic(self, comp: str, ins: Instr) -> float:
         """Bytes a fusion reads and writes: slices of sliced operands, updates of in-place updates."""
@@ -362,7 +416,14 @@ class _Walker:
                 names += [n for n in (ins.attr("true_computation"), ins.attr("false_computation")) if n]
                 branches = [self.cost(b, top) for b in names]
                 if branches:
-                    c.add(max(branches, key=lambda b: b.flops + b.hbm_bytes))
+                    dearest = max(branches, key=lambda b: b.flops + b.hbm_bytes)
+                    c.add(dearest)
+                    for b in branches:  # the other branches' tile loops: their shapes' bytes per entry
+                        if b is not dearest:
+                            for mine, theirs in ((c.tile_loop_seen_entries, b.tile_loop_seen_entries),
+                                                 (c.tile_loop_seen_bytes, b.tile_loop_seen_bytes)):
+                                for k, v in theirs.items():
+                                    mine[k] = mine.get(k, 0) + v
                 continue
             if op in ("call", "async-start"):
                 c.add(self.cost(ins.attr("to_apply") or ins.attr("calls"), top))
@@ -483,7 +544,8 @@ def hlo_cost(text: str, devices: int = 1, node_size: int | None = None) -> Cost:
       ValueError: the text has no ENTRY computation.
     """
     comps, entry = parse_module(text)
-    return _Walker(comps, devices, node_size, source_frames(text, BLOCKWISE_SOURCE)).cost(entry)
+    return _Walker(comps, devices, node_size, source_frames(text, BLOCKWISE_SOURCE),
+                   source_frames(text, KERNEL_CALLERS, callers=True)).cost(entry)
 
 
 EFFICIENCY = 0.6  # fraction of peak FLOP/s that matmuls and flash attention sustain at long sequences

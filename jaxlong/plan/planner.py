@@ -208,7 +208,7 @@ def _estimate(cfg: Config, compiled, target, devices: list) -> dict:
         fraction = attention_tile_fraction(packed[0], cfg.seq_len, cfg.attention.block_q, cfg.attention.block_k)
         global_layers = layer_kinds(m).count(GLOBAL)
         model_flops -= 6.0 * global_layers * cfg.seq_len * m.heads * m.head_dim * tokens / n * (1.0 - fraction)
-    if cost.tile_loop_entries:  # the blockwise kernel: its tiles per layer kind (jaxlong.plan.tiles)
+    if cost.tile_loop_groups:  # the blockwise kernel: its tiles per layer kind (jaxlong.plan.tiles)
         cost = blockwise_attention_cost(cost, cfg, fraction)
     elif packed is not None:
         cost = dataclasses.replace(cost, flops=cost.flops - cost.attention_flops * (1.0 - fraction),
