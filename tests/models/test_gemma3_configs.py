@@ -1,10 +1,11 @@
 """The shipped Gemma 3 configs (`configs/gemma3_*.yaml`) load, validate at their full size, and their train step
 builds on the CPU in miniature: the file's mesh axes, attention, remat, tiling, data and dtype options, with the
-model shrunk (hidden 64, head_dim 16, a vocabulary of 1,024, one period of the file's layer pattern, its window
-scaled to 64 positions) and a sequence of 512 tokens, so that a broken shipped config (an unknown key, a mesh that
-does not divide the heads, an option the windows refuse) fails here. The shrunk model keeps the file's query and KV
-heads, layer pattern, `query_pre_attn_scalar`, RoPE bases and scaling, on 8 simulated devices (a file for more
-devices gives up FSDP first: the 27B's FSDP 2 x Ulysses 8 on 16 becomes Ulysses 8).
+model shrunk (hidden 64, head_dim 16, a vocabulary of 1,024, one period of the file's layer pattern) and a sequence
+of twice the longer of its window and attention blocks (1,024 or 2,048 tokens), so that a broken shipped config (an
+unknown key, a mesh that does not divide the heads, an option the windows refuse) fails here. The shrunk model keeps
+the file's query and KV heads, window, layer pattern, `query_pre_attn_scalar`, RoPE bases and scaling, on 8
+simulated devices (a file for more devices gives up FSDP first: the 27B's FSDP 2 x Ulysses 8 on 16 becomes
+Ulysses 8).
 
 Fast tier: the train step traced and lowered with its shardings (`jax.jit(...).lower`: shapes, shardings,
 collectives and the config's checks); slow tier: also compiled by XLA."""
@@ -25,8 +26,9 @@ DEVICES = 8  # the test process's simulated CPU devices (tests/conftest.py)
 
 def small_overrides(path: Path) -> list[str]:
     """`key=value` overrides that shrink the config at `path` to a model and mesh that compile in seconds on 8 CPU
-    devices, keeping its heads, layer pattern, options and mesh axes (FSDP given up first when the file asks for
-    more than 8 devices).
+    devices, keeping its heads, window, layer pattern, options and mesh axes (FSDP given up first when the file asks
+    for more than 8 devices; the global batch scaled with it, at least one sequence per data x FSDP replica); the
+    sequence is twice the longer of the window and the attention blocks (tokens).
 
     Raises:
       AssertionError: the file asks for devices that dropping FSDP does not bring to 8.
