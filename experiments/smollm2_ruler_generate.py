@@ -33,7 +33,8 @@ import json
 import sys
 from pathlib import Path
 
-SCORINGS = ("generate", "forced", "transformers")
+from ruler_generate_report import SCORINGS, YARN_KEYS, collect, column_label, columns, heatmap, hf_key, rope_scaling, \
+    table, write_csv, yarn_factor
 
 
 def _argv(step_dir: Path, summary: dict) -> list[str]:
@@ -47,26 +48,6 @@ def _argv(step_dir: Path, summary: dict) -> list[str]:
         else:
             argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv + list(summary["setup"]["overrides"])
-
-
-def _rope_scaling(argv: list[str]) -> dict:
-    """The `model.rope_scaling.*` overrides of an evaluation's arguments, as {key: value text}."""
-    prefix = "model.rope_scaling."
-    return dict(a[len(prefix):].split("=", 1) for a in argv if a.startswith(prefix))
-
-
-YARN_KEYS = {"type", "factor", "original_max_position_embeddings"}  # the overrides `transformers` passes on
-
-
-def _yarn_factor(argv: list[str]) -> str | None:
-    """The YaRN factor of an evaluation's arguments (as written), or None without YaRN."""
-    rs = _rope_scaling(argv)
-    return rs["factor"] if rs.get("type") == "yarn" else None
-
-
-def _hf_key(key: str, factor: str | None) -> str:
-    """A case's key in the `transformers` output: `task/length/index`, `+yarn x<factor>` after it with YaRN."""
-    return key + (f"+yarn x{factor}" if factor else "")
 
 
 def prompts(step_dir: Path, out: Path) -> None:
@@ -95,7 +76,7 @@ def prompts(step_dir: Path, out: Path) -> None:
         data[f"{c.task}/{c.length}/{c.index}"] = {
             "task": c.task, "length": c.length, "index": c.index, "prompt": [int(i) for i in c.prompt],
             "ttg": c.tokens_to_generate, "refs": list(c.refs), "jaxlong": row["generated"],
-            "jaxlong_score": float(row["score"]), "stopped": row["stopped"], "yarn": _yarn_factor(argv) is not None}
+            "jaxlong_score": float(row["score"]), "stopped": row["stopped"], "yarn": yarn_factor(argv) is not None}
     out.write_text(json.dumps({"eval": str(step_dir), "argv": argv, "cases": data}))
     print(f"wrote {out}: {len(data)} cases of {step_dir} (python -m jaxlong.eval {' '.join(argv)}), each equal to "
           f"the CLI's in count, prompt length and answer")
@@ -121,7 +102,7 @@ def transformers_generate(path: Path, out: Path, lengths: list[int] | None) -> N
         if yarn not in models:
             config = transformers.AutoConfig.from_pretrained(cache, gguf_file=name)
             if yarn:
-                rs = _rope_scaling(data["argv"])
+                rs = rope_scaling(data["argv"])
                 assert set(rs) <= YARN_KEYS, f"{sorted(set(rs) - YARN_KEYS)}: not passed on to transformers"
                 theta = (config.rope_parameters or {}).get("rope_theta", getattr(config, "rope_theta", None))
                 config.rope_parameters = {"rope_type": "yarn", "rope_theta": theta, "factor": float(rs["factor"]),
@@ -136,7 +117,7 @@ def transformers_generate(path: Path, out: Path, lengths: list[int] | None) -> N
     t0 = time.perf_counter()
     for key, case in data["cases"].items():
         yarn = bool(case.get("yarn"))  # prompts files made before YaRN was handled hold no YaRN cases
-        key = _hf_key(key, _yarn_factor(data["argv"]) if yarn else None)
+        key = hf_key(key, yarn_factor(data["argv"]) if yarn else None)
         if key in done or (lengths and case["length"] not in lengths):
             continue
         model = model_for(yarn)
@@ -159,45 +140,6 @@ def transformers_generate(path: Path, out: Path, lengths: list[int] | None) -> N
     print(f"wrote {out}: {len(done)} cases")
 
 
-def collect(run_dir: Path, hf: Path | None) -> tuple[list[dict], list[dict]]:
-    """(score rows: scoring, task, length, rope, cases, score, setup; generated case rows with transformers')."""
-    from jaxlong.evaluation.ruler import string_match_all
-
-    rows, cases = [], []
-    hf_cases = json.loads(hf.read_text())["cases"] if hf else {}
-    for path in sorted(run_dir.glob("eval/*/step_1/summary.json")):
-        s = json.loads(path.read_text())
-        if "ruler" not in s:
-            continue
-        factor = _yarn_factor(s["setup"]["overrides"])
-        rope = f"yarn x{factor}" if factor else "default"
-        scoring = s["ruler"]["scoring"]
-        for r in s["ruler"]["rows"]:
-            rows.append({"scoring": scoring, "task": r["task"], "length": r["length"], "rope": rope,
-                         "cases": r["cases"], "score": r["score"], "setup": s["setup"]["name"]})
-        if scoring != "generate":
-            continue
-        with open(path.parent / "ruler_cases.csv") as f:
-            for c in csv.DictReader(f):
-                h = hf_cases.get(_hf_key(f"{c['task']}/{c['length']}/{c['index']}", factor))
-                cases.append({"task": c["task"], "length": c["length"], "rope": rope, "index": c["index"],
-                              "depth": c["depth"], "answer": c["answer"], "prompt_tokens": c["prompt_tokens"],
-                              "jaxlong_score": c["score"], "jaxlong_stopped": c["stopped"],
-                              "jaxlong": c["generated"],
-                              "transformers_score": "" if h is None else
-                              f"{string_match_all(h['text'], h['refs']):.4g}",
-                              "transformers": "" if h is None else h["text"],
-                              "same_text": "" if h is None else int(h["text"] == c["generated"])})
-    by_cell: dict = {}
-    for c in cases:
-        if c["transformers"] != "" or c["same_text"] != "":
-            by_cell.setdefault((c["task"], int(c["length"]), c["rope"]), []).append(float(c["transformers_score"]))
-    for (task, length, rope), scores in by_cell.items():
-        rows.append({"scoring": "transformers", "task": task, "length": length, "rope": rope,
-                     "cases": len(scores), "score": sum(scores) / len(scores), "setup": "transformers (GGUF)"})
-    return rows, cases
-
-
 def keep_earlier(directory: Path, rows: list[dict], cases: list[dict]) -> tuple[list[dict], list[dict]]:
     """`rows` and `cases` with the earlier CSVs' cells (scoring, task, length, rope) and cases (task, length, rope)
     that they do not hold again, read back with their types."""
@@ -215,31 +157,11 @@ def keep_earlier(directory: Path, rows: list[dict], cases: list[dict]) -> tuple[
     return kept + rows, [c for c in old_cases if (c["task"], c["length"], c["rope"]) not in groups] + cases
 
 
-def _columns(rows: list[dict]) -> list[dict]:
-    """`rows` with `length` as the table's column: (tokens, 1 with YaRN else 0), so a length scored with YaRN is a
-    column of its own (`16K +YaRN`) in the same task's line."""
-    return [{**r, "length": (r["length"], int(r["rope"] != "default"))} for r in rows]
-
-
-def _column_label(column: tuple[int, int]) -> str:
-    from jaxlong.evaluation.ruler.report import length_label
-
-    return length_label(column[0]) + (" +YaRN" if column[1] else "")
-
-
-def table(rows: list[dict], scoring: str) -> str:
-    """One scoring's table as the CLI prints it (a YaRN cell as a task line of its own, `task +YaRN`)."""
-    from jaxlong.evaluation.ruler import format_table
-
-    return format_table([{**r, "task": r["task"] + (" +YaRN" if r["rope"] != "default" else "")}
-                         for r in rows if r["scoring"] == scoring])
-
-
 def combined(rows: list[dict]) -> str:
     """One table, a task per line and a length per column, each cell `generation / teacher-forced / transformers`
     in percent (`-`: not run); then each scoring's mean over the tasks run at that length (RULER's per-length
     average), and over the tasks run at every length of several tasks in both of jaxlong's scorings."""
-    labelled = _columns(rows)
+    labelled = columns(rows)
     tasks = list(dict.fromkeys(r["task"] for r in labelled if r["scoring"] == "generate"))
     tasks += [t for t in dict.fromkeys(r["task"] for r in labelled) if t not in tasks]
     lengths = sorted({r["length"] for r in labelled})
@@ -257,7 +179,7 @@ def combined(rows: list[dict]) -> str:
     several = [n for n in lengths if sum(("generate", t, n) in score and ("forced", t, n) in score
                                          for t in tasks) > 1]
     everywhere = [t for t in tasks if all((s, t, n) in score for n in several for s in ("generate", "forced"))]
-    common = f"mean, {len(everywhere)} tasks of {_column_label(several[0])}-{_column_label(several[-1])}"
+    common = f"mean, {len(everywhere)} tasks of {column_label(several[0])}-{column_label(several[-1])}"
     width = max(len(t) for t in tasks + [common])
     body = [(t, [cell(score.get((s, t, n)) for s in SCORINGS) if any((s, t, n) in score for s in SCORINGS)
                  else "" for n in lengths]) for t in tasks]
@@ -265,43 +187,10 @@ def combined(rows: list[dict]) -> str:
              for label, names, every, at in (("mean, the tasks run", tasks, False, lengths),
                                              (common, everywhere, True, several))]
     col = max(len(c) for _, cells in body for c in cells)
-    col = max(col, *(len(_column_label(n)) for n in lengths))
-    lines = [f"{'gen/forced/hf, %':<{width}}  " + "  ".join(f"{_column_label(n):>{col}}" for n in lengths)]
+    col = max(col, *(len(column_label(n)) for n in lengths))
+    lines = [f"{'gen/forced/hf, %':<{width}}  " + "  ".join(f"{column_label(n):>{col}}" for n in lengths)]
     lines += [(f"{label:<{width}}  " + "  ".join(f"{c:>{col}}" for c in cells)).rstrip() for label, cells in body]
     return "\n".join(lines)
-
-
-def heatmap(path: Path, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    labelled = _columns(rows)
-    tasks = list(dict.fromkeys(r["task"] for r in labelled if r["scoring"] == "generate"))
-    lengths = sorted({r["length"] for r in labelled})
-    panels = [s for s in SCORINGS if any(r["scoring"] == s for r in rows)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 2.5, 0.42 * len(tasks) + 1.8),
-                             sharey=True, squeeze=False)
-    titles = {"generate": "jaxlong, by generation", "forced": "jaxlong, teacher-forced",
-              "transformers": "transformers, by generation"}
-    for ax, scoring in zip(axes[0], panels):
-        g = np.full((len(tasks), len(lengths)), np.nan)
-        for r in labelled:
-            if r["scoring"] == scoring and r["task"] in tasks:
-                g[tasks.index(r["task"]), lengths.index(r["length"])] = r["score"]
-        im = ax.imshow(g, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(lengths)), [_column_label(n).replace(" ", "\n") for n in lengths])
-        ax.set_yticks(range(len(tasks)), tasks)
-        for i, row in enumerate(g):
-            for j, x in enumerate(row):
-                ax.text(j, i, "-" if np.isnan(x) else f"{100 * x:.0f}", ha="center", va="center", fontsize=7)
-        ax.set(xlabel="context length (tokens)", title=titles[scoring])
-    fig.colorbar(im, ax=axes[0].tolist(), label="score (string_match_all; forced: exact match)")
-    fig.suptitle("SmolLM2-135M-Instruct, RULER (CPU)")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
 
 
 def main() -> None:
@@ -331,11 +220,8 @@ def main() -> None:
         rows, cases = keep_earlier(args.keep, rows, cases)
     args.out.mkdir(parents=True, exist_ok=True)
     for name, data in (("smollm2_ruler_generate.csv", rows), ("smollm2_ruler_generate_cases.csv", cases)):
-        with open(args.out / name, "w", newline="") as f:
-            w = csv.DictWriter(f, list(data[0]))
-            w.writeheader()
-            w.writerows(data)
-    heatmap(args.out / "smollm2_ruler_generate.png", rows)
+        write_csv(args.out / name, data)
+    heatmap(args.out / "smollm2_ruler_generate.png", rows, "SmolLM2-135M-Instruct, RULER (CPU)")
     for scoring in SCORINGS:
         if any(r["scoring"] == scoring for r in rows):
             print(f"\n{scoring}, %:\n{table(rows, scoring)}")

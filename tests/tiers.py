@@ -34,6 +34,7 @@ TIERS = {
     "layers/test_rope.py": "fast+slow",
     "layers/test_tiled.py": "fast",
     "models/test_gemma3.py": "fast+slow",
+    "models/test_gemma3_configs.py": "fast+slow",
     "models/test_gemma3_hf.py": "fast+slow",
     "models/test_gemma3_real.py": "slow",
     "models/test_hf.py": "fast+slow",
