@@ -52,7 +52,7 @@ TIERS = {
     "plan/test_fit.py": "fast+slow",
     "plan/test_memory.py": "fast+slow",
     "plan/test_plan_gpu.py": "fast+slow",
-    "plan/test_window_cost.py": "fast",
+    "plan/test_window_cost.py": "fast+slow",
     "test_architecture.py": "fast",
     "test_config.py": "fast",
     "test_crash_retry.py": "fast+slow",

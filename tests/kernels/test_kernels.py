@@ -290,9 +290,10 @@ def _bounded_case(window, documents):
     return (q, k, v, w), dict(causal=False, kv_starts=starts, kv_ends=ends)
 
 
-@pytest.mark.parametrize("window", [0, 12])
-@pytest.mark.parametrize("documents", [False, True], ids=["cache", "documents"])
-def test_per_query_key_bounds_match_the_dense_reference(window, documents):
+@pytest.mark.parametrize("documents,window", [  # the fast tier: the cache with a window, documents without
+    pytest.param(False, 0, id="cache-0", marks=pytest.mark.slow), pytest.param(False, 12, id="cache-12"),
+    pytest.param(True, 0, id="documents-0"), pytest.param(True, 12, id="documents-12", marks=pytest.mark.slow)])
+def test_per_query_key_bounds_match_the_dense_reference(documents, window):
     """`kv_starts` / `kv_ends` (each query's first key and one past its last), with and without a window, over a
     cache-ordered key block of another length and over causal documents: out, lse (-inf where a query sees no key)
     and dq, dk, dv equal the dense reference's; the forward reads head-major keys in place (also through the

@@ -91,7 +91,9 @@ UPIPE = ("model.family=gemma3", "model.layers=6", "model.sliding_window_pattern=
          "mesh.num_devices=4", "global_batch=1", "remat.policy=full")
 
 
-@pytest.mark.parametrize("impl,exchange", [("upipe", "all_to_all"), ("upipe", "halo"), ("ulysses", "halo")])
+@pytest.mark.parametrize("impl,exchange", [("upipe", "all_to_all"),  # the fast tier's; the halo's in the slow tier
+                                           pytest.param("upipe", "halo", marks=pytest.mark.slow),
+                                           pytest.param("ulysses", "halo", marks=pytest.mark.slow)])
 def test_a_windowed_train_step_counts_its_tiles_by_hand(impl, exchange):
     """A tiny Gemma 3 train step (CPU compile, 4 devices over `context`, 8 heads of 16, 512 tokens in tiles of 32:
     16 query tiles; 1 global layer, 5 local of W 64; full remat: 2 forward passes and 1 backward per layer). Its tile
