@@ -36,8 +36,8 @@ Sliding-window layers (`model.sliding_window`) write to and attend over a stack 
 layers' (`jaxlong.generation.decode.stack_index`): each stack takes the chunk's keys where the layer is of its kind,
 and the attention switches on the kind (`lax.switch`). A local layer's window is, in the shard's descending order,
 a second bound per query: the slots before the first one holding a prompt index at or below the query's less the
-window (`kv_ends`, which the blockwise kernel takes and the Pallas kernel does not: local layers run the blockwise
-kernel on GPUs too), so the key tiles past every window of a query tile are not visited. The local stack
+window (`kv_ends`, which the blockwise and Pallas kernels take), so the key tiles past every window of a query tile
+are not visited. The local stack
 holds the whole prompt while the chunks run (the bytes of an all-global cache); after the last chunk only each
 row's last `window` positions are kept (`jaxlong.generation.decode.window_gather`), the decode step's ring buffers,
 and the local stack is freed.
@@ -102,9 +102,8 @@ def chunk_kv_steps(cfg, chunk: int, devices: int, n: int) -> int:
 
 
 def chunk_kernel(cfg, mesh) -> str:
-    """The global layers' chunk attention kernel: `pallas` (the Pallas GPU kernel) on GPUs where it takes the head
-    dim and dtype, `blockwise` (`jaxlong.kernels.blockwise`, pure JAX) elsewhere. Sliding-window layers take the
-    blockwise kernel everywhere (`_cache_ops`)."""
+    """The chunk attention kernel: `pallas` (the Pallas GPU kernel) on GPUs where it takes the head dim and dtype,
+    `blockwise` (`jaxlong.kernels.blockwise`, pure JAX) elsewhere; both take a window's per-query key ends."""
     gpu = mesh.devices.flat[0].platform == "gpu"
     ok = pallas_head_dim_ok(cfg.model.head_dim) and cfg.compute_dtype in ("bfloat16", "float16", "float32")
     return "pallas" if gpu and ok else "blockwise"
@@ -115,13 +114,12 @@ def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str, window: int):
     positions (0: all before them): `write(kc, vc, k, v, i, j)` puts the slice's keys and values (`[b, kv_heads,
     chunk, head_dim]`, sequence over ring x context) of chunk j into the cache, and `attend(q, kc, vc, i, j)` attends
     the chunk's queries `[b, chunk, heads, head_dim]` (same sharding) to it, merged exactly over the shards
-    (`jaxlong.kernels.merge.merge_across`). `kernel`: `chunk_kernel`'s or `pallas-interpret`; a window's layers
-    take the blockwise kernel (the Pallas kernel has no per-query key ends)."""
+    (`jaxlong.kernels.merge.merge_across`). `kernel`: `chunk_kernel`'s or `pallas-interpret`."""
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
     devices = seq_shards(mesh)
     cl, local_n = chunk // devices, n // devices
     kb, qb = chunk_tiles(cfg, chunk, devices)
-    backend = "blockwise" if window or kernel == "blockwise" else "pallas"
+    backend = "blockwise" if kernel == "blockwise" else "pallas"
     tiles = dict(block_q=qb, block_k=kb) if backend == "blockwise" else dict(interpret=kernel == "pallas-interpret")
 
     def write(kc, vc, k, v, i, j, on):

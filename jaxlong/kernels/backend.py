@@ -128,13 +128,13 @@ def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = Tru
     * `'pallas'`: `jaxlong.kernels.pallas_gpu.pallas_attention_fwd` (real lse, segment ids).
     `segment_ids` and `window` as for `attention`. `kv_starts` (int `[batch, seq]`: query t sees key j only if
     `j >= kv_starts[t]`) and `kv_head_major` (k, v `[batch, kv_heads, kv_seq, head_dim]`, a KV cache read in
-    place) as the blockwise and Pallas kernels take them; `kv_ends` (query t sees key j only if `j < kv_ends[t]`)
-    the blockwise kernel (and the reference) only. With them a query that sees no key gets output 0 and lse -inf.
+    place) and `kv_ends` (query t sees key j only if `j < kv_ends[t]`; the Pallas kernel's forward takes it with
+    `kv_starts`) as the blockwise and Pallas kernels take them. With them a query that sees no key gets output 0 and
+    lse -inf.
     `interpret`: the Pallas kernel in its interpreter (CPU tests).
 
     Raises:
-      ValueError: as `resolve_backend` and the kernel; bounds or the head-major layout given to cuDNN, or
-        `kv_ends` to the Pallas kernel.
+      ValueError: as `resolve_backend` and the kernel; bounds or the head-major layout given to cuDNN.
     """
     backend = resolve_backend(backend, q, segment_ids)
     bounds = dict(kv_starts=kv_starts, kv_ends=kv_ends)
@@ -145,12 +145,8 @@ def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = Tru
         k, v = (jnp.swapaxes(x, 1, 2) for x in (k, v)) if kv_head_major else (k, v)
         return reference_attention_with_lse(q, k, v, causal=causal, segment_ids=segment_ids, window=window, **bounds)
     if backend == "pallas":
-        if kv_ends is not None:
-            raise ValueError("the Pallas kernel takes no kv_ends (per-query key ends); use attention.backend="
-                             "blockwise")
         return pallas_kernel.pallas_attention_fwd(q, k, v, causal=causal, segment_ids=segment_ids, window=window,
-                                                  kv_starts=kv_starts, kv_head_major=kv_head_major,
-                                                  interpret=interpret)
+                                                  kv_head_major=kv_head_major, interpret=interpret, **bounds)
     if kv_starts is not None or kv_ends is not None or kv_head_major:
         raise ValueError("the cuDNN kernel takes no per-query key bounds and no head-major keys; use "
                          "attention.backend=blockwise or pallas")

@@ -297,8 +297,8 @@ def test_per_query_key_bounds_match_the_dense_reference(documents, window):
     """`kv_starts` / `kv_ends` (each query's first key and one past its last), with and without a window, over a
     cache-ordered key block of another length and over causal documents: out, lse (-inf where a query sees no key)
     and dq, dk, dv equal the dense reference's; the forward reads head-major keys in place (also through the
-    backend); key tiles outside a query tile's bounds are not visited (NaN poison in the first and last key
-    tiles)."""
+    backend, and the Pallas kernel's forward in its interpreter); key tiles outside a query tile's bounds are not
+    visited (NaN poison in the first and last key tiles)."""
     (q, k, v, w), opts = _bounded_case(window, documents)
     tiles = dict(block_q=8, block_k=16)
     ref = jax.jit(functools.partial(K.reference_attention_with_lse, **opts))
@@ -314,6 +314,10 @@ def test_per_query_key_bounds_match_the_dense_reference(documents, window):
     for kernel in ("blockwise", "reference"):
         got = B.attention_fwd_with_lse(q, *head_major, backend=kernel, kv_head_major=True, **opts, **tiles)
         np.testing.assert_allclose(got[0], out, **TOL)
+    if not documents:  # the Pallas kernel's forward (in its interpreter) takes both bounds, as the chunked prefill
+        got = B.attention_fwd_with_lse(q, *head_major, backend="pallas", kv_head_major=True, interpret=True, **opts)
+        np.testing.assert_allclose(got[0], want_out, **TOL)
+        np.testing.assert_allclose(got[1], want_lse, **TOL)
     # The key tiles [lo, hi) each query tile visits: from its least first key (its window's, its own) to its
     # greatest end (its own key, with `causal`); NaN in the first or last key tile reaches only the rows that visit.
     first = np.maximum(np.asarray(opts["kv_starts"]), 0)
@@ -340,5 +344,6 @@ def test_per_query_key_bounds_are_checked():
         K.blockwise_attention_fwd(q, k, v, kv_starts=jnp.zeros((2, 31), jnp.int32))
     with pytest.raises(ValueError, match=r"kv_ends must be integer"):
         K.blockwise_attention_bwd(q, k, v, q, jnp.zeros((2, 4, 32)), q, kv_ends=jnp.zeros((2, 32)))
-    with pytest.raises(ValueError, match="Pallas kernel takes no kv_ends"):
-        B.attention_fwd_with_lse(q, k, v, backend="pallas", causal=False, kv_ends=jnp.zeros((2, 32), jnp.int32))
+    with pytest.raises(ValueError, match="kv_ends must come with kv_starts"):
+        B.attention_fwd_with_lse(q, k, v, backend="pallas", causal=False, kv_ends=jnp.zeros((2, 32), jnp.int32),
+                                 interpret=True)

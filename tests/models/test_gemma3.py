@@ -243,11 +243,11 @@ def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
 
 
 @pytest.mark.slow
-def test_chunked_prefill_with_the_pallas_kernel_on_the_global_layers_equals_the_whole_forward(monkeypatch):
+def test_chunked_prefill_with_the_pallas_kernel_equals_the_whole_forward(monkeypatch):
     """The chunked prefill's GPU path on a model with windows, run on one device with the Pallas kernel in its
-    interpreter: the global layers' chunk attention by the Pallas kernel (`kv_starts`), the local layers' by the
-    blockwise kernel (`kv_starts` and `kv_ends`), switched per layer in one scan; greedy decoding equals the whole
-    forward as in `test_greedy_decode_with_windows_equals_the_whole_forward`."""
+    interpreter: the global layers' chunk attention by the Pallas kernel with `kv_starts`, the local layers' with
+    `kv_starts` and `kv_ends`, switched per layer in one scan; greedy decoding equals the whole forward as in
+    `test_greedy_decode_with_windows_equals_the_whole_forward`."""
     from jaxlong.generation import chunked
 
     monkeypatch.setattr(chunked, "chunk_kernel", lambda cfg, mesh: "pallas-interpret")
