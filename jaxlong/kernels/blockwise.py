@@ -288,7 +288,9 @@ class _Masks(NamedTuple):
     """What hides a key from a query, for every tile of one call: `causal` and `window`; `low` each query's first
     visible key (its run start with segment ids, `kv_starts`, or the later of the two) and `ends` one past its last
     (`kv_ends`), int32 `[batch, seq]` or None; `q_ids`, `kv_ids` the (query, key) segment id pair or None;
-    `empty`: a query may see no key (output 0, lse -inf)."""
+    `empty`: a query may see no key (output 0, lse -inf); `bounded`: `kv_starts` or `kv_ends` given (the backward
+    then zeroes the rows whose lse is -inf; with segment id pairs alone the lse is ring attention's, over every
+    block, and finite)."""
     causal: bool
     window: int
     low: jax.Array | None
@@ -296,6 +298,7 @@ class _Masks(NamedTuple):
     q_ids: jax.Array | None
     kv_ids: jax.Array | None
     empty: bool
+    bounded: bool
 
 
 def _dims(q, k, v, block_q, block_k, causal):
@@ -317,7 +320,7 @@ def _masks(q, k, causal, window, segment_ids, kv_segment_ids, kv_starts, kv_ends
         low = kv_starts if low is None else jnp.maximum(low, kv_starts)
     offsets = kv_starts is not None or kv_ends is not None
     return _Masks(bool(causal), _check_window(window, causal), low, kv_ends, q_ids, kv_ids,
-                  offsets or q_ids is not None)
+                  offsets or q_ids is not None, offsets)
 
 
 def _rows(x, i, bq):
@@ -549,7 +552,7 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
             if mask is not None:
                 sc = jnp.where(mask[:, None, None], sc, _NEG)
             p = jnp.exp(sc - lse_i[..., None])  # masked entries -> 0 (unless the row's lse is -inf)
-            if m.empty:
+            if m.bounded:
                 p = jnp.where(mask[:, None, None], p, 0.0)
             dv_j = dv_j + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do_i.dtype), do_i,
                                      preferred_element_type=_F32)
