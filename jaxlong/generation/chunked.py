@@ -13,18 +13,20 @@ Layout. The sequence axes `ring x context` (D devices, ring-major) split each ch
 contiguous slices of `c / D`; device d holds slice d of every chunk, so every device holds an equal share of every
 chunk and the causal work is balanced. Its cache shard holds them in *descending* prompt order, chunk 0 at the
 end (`chunk_order`): the keys a query may see (prompt index <= its own) are then a suffix of the shard, so the
-kernel's mask is one lower bound per query (`kv_starts` of the Pallas kernel) and the slots of chunks not yet
-written lie below every bound. The decode step does not see the order (a new token attends to every valid prompt
+kernel's mask is one lower bound per query (`kv_starts`) and the slots of chunks not yet written lie below every
+bound. The decode step does not see the order (a new token attends to every valid prompt
 key). Prompts are right-padded here (the padding after every real token: no real query sees it).
 
 Per layer and chunk `j`:
   1. q, k, v of each device's slice (weights FSDP-gathered per layer, as in the train step), RoPE at the prompt's
      true positions; k and v of padding zeroed (and masked by `valid` in the decode step).
   2. k and v written into the local cache at their slots, in place (the cache is donated).
-  3. the chunk's queries all-gathered over the sequence axes; each device attends them to its cache shard
-     (FlashAttention's online softmax, arXiv 2205.14135: the Pallas kernel reading the head-major cache in place
-     on GPUs, a blockwise loop elsewhere), each query to the keys of prompt index <= its own: a partial output
-     with its log-sum-exp.
+  3. the chunk's queries all-gathered over the sequence axes; each device attends them to its cache shard by
+     the attention kernel (`jaxlong.kernels.backend.attention_fwd_with_lse`, FlashAttention-2's forward, arXiv
+     2307.08691, Alg. 1: the Pallas kernel on GPUs, the blockwise kernel elsewhere), reading the head-major cache
+     in place, each query to the keys of prompt index <= its own (`kv_starts`): a partial output with its
+     log-sum-exp. The kernel's loop bounds skip the key tiles below a query tile's least bound: the slots of the
+     chunks not yet written.
   4. the partials merged exactly (`pmax` of the log-sum-exps, `psum_scatter` of the rescaled outputs and
      weights), each device keeping its own slice's queries; then the output projection and the MLP.
 One path serves every attention method and mesh: the methods' own code is not used (the chunk's attention reads
@@ -32,7 +34,10 @@ a cache, which theirs do not).
 
 Sliding-window layers (`model.sliding_window`) write to and attend over a stack of their own beside the global
 layers' (`jaxlong.generation.decode.stack_index`): each stack takes the chunk's keys where the layer is of its kind,
-and the attention switches on the kind (`lax.switch`), a local layer's queries masked to its window. The local stack
+and the attention switches on the kind (`lax.switch`). A local layer's window is, in the shard's descending order,
+a second bound per query: the slots before the first one holding a prompt index at or below the query's less the
+window (`kv_ends`, which the blockwise and Pallas kernels take), so the key tiles past every window of a query tile
+are not visited. The local stack
 holds the whole prompt while the chunks run (the bytes of an all-global cache); after the last chunk only each
 row's last `window` positions are kept (`jaxlong.generation.decode.window_gather`), the decode step's ring buffers,
 and the local stack is freed.
@@ -53,8 +58,8 @@ from jax.sharding import PartitionSpec as P
 from jaxlong.config import runtime
 from jaxlong.core.mesh import BATCH_AXES, SEQ_AXES, axis_size, seq_shards
 from jaxlong.generation.decode import Cache, cache_shapes, output_head, stack_index, window_gather
-from jaxlong.kernels import pallas_gpu as pallas_kernel
-from jaxlong.kernels.merge import NEG, merge_across, normalise
+from jaxlong.kernels.backend import attention_fwd_with_lse
+from jaxlong.kernels.merge import NEG, merge_across
 from jaxlong.kernels.layout import pallas_head_dim_ok
 from jaxlong.models import llama as model_lib
 from jaxlong.models.family import GLOBAL, LOCAL
@@ -81,79 +86,27 @@ def chunk_order(n: int, chunk: int, devices: int) -> np.ndarray:
 
 
 def chunk_tiles(cfg, chunk: int, devices: int) -> tuple[int, int]:
-    """(key tile, query tile) of the blockwise loop: `attention.block_k` over each shard's slice of a chunk (`chunk
-    / devices` tokens) and `attention.block_q` over the chunk's queries, each the whole slice or chunk where that is
-    shorter (`jaxlong.config.validate` requires one or the other)."""
+    """(key tile, query tile) of the blockwise kernel over a shard's cache: `attention.block_k` over each shard's
+    slice of a chunk (`chunk / devices` tokens) and `attention.block_q` over the chunk's queries, each the whole
+    slice or chunk where that is shorter (`jaxlong.config.validate` requires one or the other)."""
     cl, a = chunk // devices, cfg.attention
     return (a.block_k if cl % a.block_k == 0 else cl), (a.block_q if chunk % a.block_q == 0 else chunk)
 
 
 def chunk_kv_steps(cfg, chunk: int, devices: int, n: int) -> int:
-    """Iterations of the blockwise loop per device and layer in the last (longest) chunk of a prompt of `n` tokens:
-    the chunk's query tiles times the key tiles of the shard (the host-memory estimate,
+    """Iterations of the blockwise kernel's key loop per device and layer in the last (longest) chunk of a prompt of
+    `n` tokens, at most: the chunk's query tiles times the key tiles of the shard (the host-memory estimate,
     `jaxlong.evaluation.hostmem`)."""
     kb, qb = chunk_tiles(cfg, chunk, devices)
     return (chunk // qb) * (n // devices // kb)
 
 
 def chunk_kernel(cfg, mesh) -> str:
-    """The chunk's attention kernel: `pallas` (the Pallas GPU kernel, head-major cache read in place) on GPUs
-    where it takes the head dim and dtype, `blockwise` (a pure-JAX online softmax) elsewhere."""
+    """The chunk attention kernel: `pallas` (the Pallas GPU kernel) on GPUs where it takes the head dim and dtype,
+    `blockwise` (`jaxlong.kernels.blockwise`, pure JAX) elsewhere; both take a window's per-query key ends."""
     gpu = mesh.devices.flat[0].platform == "gpu"
     ok = pallas_head_dim_ok(cfg.model.head_dim) and cfg.compute_dtype in ("bfloat16", "float16", "float32")
-    ok = ok and not cfg.model.sliding_window  # the Pallas kernel takes no window
     return "pallas" if gpu and ok else "blockwise"
-
-
-def _partial_blockwise(q, k, v, lo, kb: int, qb: int, window=None):
-    """One shard's attention of a chunk's queries over its cache, by a blockwise online softmax (FlashAttention,
-    arXiv 2205.14135, Alg. 1). q `[b, chunk, h, d]`, k, v `[b, kv, local_n, d]` (one layer, head-major), `lo`
-    `[chunk]` the first slot each query sees (the key tiles below a query tile's least bound are not visited); `kb`,
-    `qb` the key and query tiles (`chunk_tiles`). `window`: None, or `(key_index [local_n], floor [chunk])`: a
-    query sees only the keys whose prompt index is above its floor (a sliding-window layer: its index less the
-    window). Returns (the output over these keys `[b, chunk, h, d]` float32, its log-sum-exp `[b, chunk, h]`, `NEG`
-    where a query sees none)."""
-    b, chunk, h, d = q.shape
-    kv, local_n = k.shape[1], k.shape[2]
-    group = h // kv
-
-    def q_block(qi):
-        qs = jax.lax.dynamic_slice_in_dim(q, qi * qb, qb, axis=1).astype(jnp.float32) * (1.0 / float(np.sqrt(d)))
-        qs = qs.reshape(b, qb, kv, group, d)
-        first = jax.lax.dynamic_slice_in_dim(lo, qi * qb, qb)
-
-        def kv_step(t, carry):
-            o, mx, sm = carry
-            kblk = jax.lax.dynamic_slice_in_dim(k, t * kb, kb, axis=2).astype(jnp.float32)
-            vblk = jax.lax.dynamic_slice_in_dim(v, t * kb, kb, axis=2).astype(jnp.float32)
-            ok = (t * kb + jnp.arange(kb))[None, :] >= first[:, None]  # [qb, kb]
-            if window is not None:  # and within the window of prompt indices
-                key_index, floor = window
-                ok = ok & (jax.lax.dynamic_slice_in_dim(key_index, t * kb, kb)[None, :]
-                           > jax.lax.dynamic_slice_in_dim(floor, qi * qb, qb)[:, None])
-            sc = jnp.where(ok, jnp.einsum("bqkgd,bknd->bkgqn", qs, kblk), NEG)
-            top = jnp.maximum(mx, jnp.max(sc, axis=-1))
-            p = jnp.where(ok, jnp.exp(sc - top[..., None]), 0.0)
-            corr = jnp.exp(mx - top)
-            o = o * corr[..., None] + jnp.einsum("bkgqn,bknd->bkgqd", p, vblk)
-            return o, top, sm * corr + jnp.sum(p, axis=-1)
-
-        init = (jnp.zeros((b, kv, group, qb, d), jnp.float32), jnp.full((b, kv, group, qb), NEG, jnp.float32),
-                jnp.zeros((b, kv, group, qb), jnp.float32))
-        return normalise(*jax.lax.fori_loop(jnp.min(first) // kb, local_n // kb, kv_step, init))
-
-    o, lse = jax.lax.map(q_block, jnp.arange(chunk // qb))  # [nq, b, kv, g, qb, (d)]
-    return (o.transpose(1, 0, 4, 2, 3, 5).reshape(b, chunk, h, d),
-            lse.transpose(1, 0, 4, 2, 3).reshape(b, chunk, h))
-
-
-def _partial_pallas(q, k, v, lo, interpret: bool):
-    """`_partial_blockwise` by the Pallas kernel reading the head-major cache in place (`kv_starts` = `lo`)."""
-    b, chunk = q.shape[:2]
-    out, lse = pallas_kernel.pallas_attention_fwd(
-        q, k, v, causal=False, kv_starts=jnp.broadcast_to(lo, (b, chunk)), kv_head_major=True, interpret=interpret)
-    lse = jnp.swapaxes(lse, 1, 2)  # [b, chunk, h]
-    return out.astype(jnp.float32), jnp.where(jnp.isfinite(lse), lse, NEG)
 
 
 def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str, window: int):
@@ -161,11 +114,13 @@ def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str, window: int):
     positions (0: all before them): `write(kc, vc, k, v, i, j)` puts the slice's keys and values (`[b, kv_heads,
     chunk, head_dim]`, sequence over ring x context) of chunk j into the cache, and `attend(q, kc, vc, i, j)` attends
     the chunk's queries `[b, chunk, heads, head_dim]` (same sharding) to it, merged exactly over the shards
-    (`jaxlong.kernels.merge.merge_across`)."""
+    (`jaxlong.kernels.merge.merge_across`). `kernel`: `chunk_kernel`'s or `pallas-interpret`."""
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
     devices = seq_shards(mesh)
     cl, local_n = chunk // devices, n // devices
     kb, qb = chunk_tiles(cfg, chunk, devices)
+    backend = "blockwise" if kernel == "blockwise" else "pallas"
+    tiles = dict(block_q=qb, block_k=kb) if backend == "blockwise" else dict(interpret=kernel == "pallas-interpret")
 
     def write(kc, vc, k, v, i, j, on):
         """Local: the slice's k, v `[b, kv, cl, d]` (ascending) into layer i of the shard, descending, chunk j's
@@ -186,18 +141,20 @@ def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str, window: int):
             dev = dev * axis_size(mesh, a) + jax.lax.axis_index(a)
         if seq:
             q = jax.lax.all_gather(q, seq, axis=1, tiled=True)  # [b, chunk, h, d]: the whole chunk
-        # Each query sees the local keys of prompt index <= its own, the shard's last ones: the earlier chunks'
-        # slices, and of chunk j's slice those up to the query.
-        lo = local_n - (j * cl + jnp.clip(jnp.arange(chunk) - dev * cl + 1, 0, cl))
-        floor = None
-        if window:  # each slot's prompt index (`chunk_order`), each query's floor
-            r = local_n - 1 - jnp.arange(local_n)
-            key_index = (r // cl) * chunk + dev * cl + r % cl
-            floor = (key_index, j * chunk + jnp.arange(chunk) - window)
-        if kernel == "blockwise":
-            o, lse = _partial_blockwise(q, kc[i], vc[i], lo, kb, qb, floor)
-        else:
-            o, lse = _partial_pallas(q, kc[i], vc[i], lo, interpret=kernel == "pallas-interpret")
+
+        def after(index):  # the shard's slots holding prompt indices > index, its first ones (`chunk_order`)
+            held = (index // chunk) * cl + jnp.clip(index % chunk - dev * cl + 1, 0, cl)  # indices <= index
+            return local_n - jnp.where(index >= 0, held, 0)
+
+        # Each query sees the shard's keys of prompt index <= its own, the slots from `after(index)` on (the earlier
+        # chunks' slices, and of chunk j's slice those up to the query), and in a window only those above its
+        # floor, the slots before `after(index - window)`.
+        index = jnp.broadcast_to(j * chunk + jnp.arange(chunk), q.shape[:2])
+        o, lse = attention_fwd_with_lse(q, kc[i], vc[i], backend=backend, causal=False, kv_starts=after(index),
+                                        kv_ends=after(index - window) if window else None, kv_head_major=True,
+                                        **tiles)
+        lse = jnp.swapaxes(lse, 1, 2)  # [b, chunk, h]; -inf where a query sees none of these keys
+        o, lse = o.astype(jnp.float32), jnp.where(jnp.isfinite(lse), lse, NEG)
         # exact merge over the shards, each device keeping its own slice's queries; a query that sees no key: 0
         return merge_across(o, lse, seq, scatter_axis=1)[0] if seq else o
 

@@ -117,24 +117,39 @@ def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: i
 
 
 def attention_fwd_with_lse(q, k, v, *, backend: str = "auto", causal: bool = True,
-                           block_q: int = 512, block_k: int = 512, segment_ids=None, window: int = 0):
-    """Forward returning `(out, lse)`, for ops with their own custom_vjp.
+                           block_q: int = 512, block_k: int = 512, segment_ids=None, window: int = 0,
+                           kv_starts=None, kv_ends=None, kv_head_major: bool = False, interpret: bool = False):
+    """Forward returning `(out, lse)`, for ops with their own custom_vjp and for the chunked prefill.
 
     * `'blockwise'`: `blockwise_attention_fwd` (real lse).
     * `'reference'`: exact lse from the materialized scores.
     * `'cudnn'`: `jaxlong.kernels.cudnn.cudnn_attention_fwd`, cuDNN's softmax statistic,
       which is the same natural-log lse.
     * `'pallas'`: `jaxlong.kernels.pallas_gpu.pallas_attention_fwd` (real lse, segment ids).
-    `segment_ids` and `window` as for `attention`.
+    `segment_ids` and `window` as for `attention`. `kv_starts` (int `[batch, seq]`: query t sees key j only if
+    `j >= kv_starts[t]`) and `kv_head_major` (k, v `[batch, kv_heads, kv_seq, head_dim]`, a KV cache read in
+    place) and `kv_ends` (query t sees key j only if `j < kv_ends[t]`; the Pallas kernel's forward takes it with
+    `kv_starts`) as the blockwise and Pallas kernels take them. With them a query that sees no key gets output 0 and
+    lse -inf.
+    `interpret`: the Pallas kernel in its interpreter (CPU tests).
+
+    Raises:
+      ValueError: as `resolve_backend` and the kernel; bounds or the head-major layout given to cuDNN.
     """
     backend = resolve_backend(backend, q, segment_ids)
+    bounds = dict(kv_starts=kv_starts, kv_ends=kv_ends)
     if backend == "blockwise":
-        return blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q,
-                                       block_k=block_k, segment_ids=segment_ids, window=window)
+        return blockwise_attention_fwd(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
+                                       segment_ids=segment_ids, window=window, kv_head_major=kv_head_major, **bounds)
     if backend == "reference":
-        return reference_attention_with_lse(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
+        k, v = (jnp.swapaxes(x, 1, 2) for x in (k, v)) if kv_head_major else (k, v)
+        return reference_attention_with_lse(q, k, v, causal=causal, segment_ids=segment_ids, window=window, **bounds)
     if backend == "pallas":
-        return pallas_kernel.pallas_attention_fwd(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
+        return pallas_kernel.pallas_attention_fwd(q, k, v, causal=causal, segment_ids=segment_ids, window=window,
+                                                  kv_head_major=kv_head_major, interpret=interpret, **bounds)
+    if kv_starts is not None or kv_ends is not None or kv_head_major:
+        raise ValueError("the cuDNN kernel takes no per-query key bounds and no head-major keys; use "
+                         "attention.backend=blockwise or pallas")
     return cudnn_kernel.cudnn_attention_fwd(q, k, v, causal=causal, window=window)
 
 

@@ -33,8 +33,17 @@ before the first run that a query tile touches (forward) and query tiles past th
 touches a kv tile (backward) are not visited, so `n` equal documents cost about `1/n` of full
 causal attention. Nothing `[seq, seq]`-shaped and nothing per head is added.
 
+Per-query key bounds (`kv_starts`, `kv_ends`, int32 `[batch, seq]`, forward and backward): query `t` sees key
+`j` only if `kv_starts[t] <= j < kv_ends[t]`, combined with the causal, window and document masks (and with
+`kv_segment_ids`). `kv_starts` means what the Pallas kernel's does (`jaxlong.kernels.pallas_gpu`, which takes it
+without the causal mask); both bounds let a chunk of queries attend to a KV cache in any order in which each
+query's keys are contiguous (the chunked prefill, `jaxlong.generation.chunked`). The key tiles wholly outside a
+query tile's bounds (forward) and the query tiles whose bounds miss a key tile (backward) are not visited. A query
+that sees no key gets output 0 and lse -inf. The forward also reads head-major keys and values (`kv_head_major`, a
+cache's layout) in place.
+
 The blockwise kernels follow FlashAttention-2 (T. Dao, "FlashAttention-2: Faster Attention
-with Better Parallelism and Work Partitioning", 2023): Algorithm 1 (forward, online softmax
+with Better Parallelism and Work Partitioning", 2023, arXiv 2307.08691): Algorithm 1 (forward, online softmax
 over kv tiles per query tile, saving only `out` and `lse`) and Algorithm 2 (backward,
 recomputing each score tile from `q`, `k` and `lse`). They are written with
 `lax.map` / `lax.scan` / `lax.fori_loop` so XLA never materializes a
@@ -47,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -206,6 +216,19 @@ def _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal):
     return segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
 
 
+def _check_offsets(kv_starts, kv_ends, q):
+    """Validate the per-query key bounds against q's `[batch, seq]`; return both as int32 (or None)."""
+    out = []
+    for name, x in (("kv_starts", kv_starts), ("kv_ends", kv_ends)):
+        if x is not None:
+            if tuple(x.shape) != tuple(q.shape[:2]) or not jnp.issubdtype(x.dtype, jnp.integer):
+                raise ValueError(f"{name} must be integer [batch, seq] = {list(q.shape[:2])}; "
+                                 f"got {x.dtype}{list(x.shape)}")
+            x = jnp.asarray(x).astype(jnp.int32)
+        out.append(x)
+    return tuple(out)
+
+
 # ------------------------------------------------------------------------- reference
 
 
@@ -220,65 +243,171 @@ def reference_attention(q, k, v, *, causal: bool = True, segment_ids=None, windo
     return reference_attention_with_lse(q, k, v, causal=causal, segment_ids=segment_ids, window=window)[0]
 
 
-def reference_attention_with_lse(q, k, v, *, causal: bool, segment_ids=None, window: int = 0):
+def reference_attention_with_lse(q, k, v, *, causal: bool, segment_ids=None, window: int = 0, kv_starts=None,
+                                 kv_ends=None):
+    """`reference_attention` returning `(out, lse)`, lse float32 `[batch, heads, seq]` (tests only).
+
+    `kv_starts`, `kv_ends`: int `[batch, seq]` or None, each query's first key and one past its last
+    (`blockwise_attention_fwd`), combined with the other masks; a query that sees no key gets output 0 and lse
+    -inf. Materializes the `[batch, heads, seq, kv_seq]` scores. Raises ValueError as `reference_attention` and on
+    malformed bounds.
+    """
     b, s, h, kvh, d = _check_shapes(q, k, v, causal)
     segment_ids = _check_segments(segment_ids, q, causal)
     window = _check_window(window, causal)
+    kv_starts, kv_ends = _check_offsets(kv_starts, kv_ends, q)
     q5 = _split_heads(q.astype(_F32), kvh)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q5, k.astype(_F32)) / math.sqrt(d)
+    mask, keys = None, jnp.arange(k.shape[1])[None, None, :]
     if causal:
         mask = jnp.tril(jnp.ones((s, s), dtype=bool))[None]
         if window:
             mask = mask & ~jnp.tril(jnp.ones((s, s), dtype=bool), -window)[None]  # q - k < window
         if segment_ids is not None:
             mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-            mask = mask & (jnp.arange(s)[None, None, :] >= segment_starts(segment_ids)[:, :, None])
+            mask = mask & (keys >= segment_starts(segment_ids)[:, :, None])
+    for bound in (kv_starts is not None and keys >= kv_starts[:, :, None],
+                  kv_ends is not None and keys < kv_ends[:, :, None]):
+        if bound is not False:
+            mask = bound if mask is None else mask & bound
+    if mask is not None:
         scores = jnp.where(mask[:, None, None], scores, _NEG)
     lse = jax.nn.logsumexp(scores, axis=-1)  # [b, kvh, g, s]
     probs = jnp.exp(scores - lse[..., None])
+    if kv_starts is not None or kv_ends is not None:  # rows that see no key: out 0, lse -inf
+        probs = jnp.where(mask[:, None, None], probs, 0.0)
+        lse = jnp.where(mask.any(axis=-1)[:, None, None], lse, -jnp.inf)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(_F32))
     return out.reshape(b, s, h, d).astype(q.dtype), lse.reshape(b, h, s)
+
+
+# ------------------------------------------------------------------------- masks
+
+
+class _Masks(NamedTuple):
+    """What hides a key from a query, for every tile of one call: `causal` and `window`; `low` each query's first
+    visible key (its run start with segment ids, `kv_starts`, or the later of the two) and `ends` one past its last
+    (`kv_ends`), int32 `[batch, seq]` or None; `q_ids`, `kv_ids` the (query, key) segment id pair or None;
+    `empty`: a query may see no key (output 0, lse -inf); `bounded`: `kv_starts` or `kv_ends` given (the backward
+    then zeroes the rows whose lse is -inf; with segment id pairs alone the lse is ring attention's, over every
+    block, and finite)."""
+    causal: bool
+    window: int
+    low: jax.Array | None
+    ends: jax.Array | None
+    q_ids: jax.Array | None
+    kv_ids: jax.Array | None
+    empty: bool
+    bounded: bool
+
+
+def _dims(q, k, v, block_q, block_k, causal):
+    """The checks and tile sizes shared by the forward and backward kernels: `((b, s, h, kvh, d), (bq, bk))`."""
+    dims = _check_shapes(q, k, v, causal)
+    return dims, (_check_block("block_q", block_q, dims[1]), _check_block("block_k", block_k, k.shape[1]))
+
+
+def _masks(q, k, causal, window, segment_ids, kv_segment_ids, kv_starts, kv_ends) -> _Masks:
+    """Check the masking arguments (as `blockwise_attention_fwd` documents) and gather them."""
+    q_ids = kv_ids = None
+    if kv_segment_ids is not None:  # the query and key ids, checked as a pair
+        q_ids, kv_ids = _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal)
+        segment_ids = None
+    segment_ids = _check_segments(segment_ids, q, causal)
+    kv_starts, kv_ends = _check_offsets(kv_starts, kv_ends, q)
+    low = None if segment_ids is None else segment_starts(segment_ids)
+    if kv_starts is not None:
+        low = kv_starts if low is None else jnp.maximum(low, kv_starts)
+    offsets = kv_starts is not None or kv_ends is not None
+    return _Masks(bool(causal), _check_window(window, causal), low, kv_ends, q_ids, kv_ids,
+                  offsets or q_ids is not None, offsets)
+
+
+def _rows(x, i, bq):
+    """Query tile i's rows of a `[batch, seq]` array."""
+    return lax.dynamic_slice_in_dim(x, i * bq, bq, axis=1)
+
+
+def _tile_mask(m: _Masks, i, bq: int, j, bk: int):
+    """Which keys of key tile j the queries of query tile i see, bool `[batch or 1, bq, bk]`, or None (all)."""
+    q_pos, k_pos = i * bq + jnp.arange(bq), j * bk + jnp.arange(bk)
+    parts = []
+    if m.causal:
+        mask = q_pos[:, None] >= k_pos[None, :]
+        if m.window:
+            mask = mask & (q_pos[:, None] - k_pos[None, :] < m.window)
+        parts.append(mask[None])
+    if m.low is not None:
+        parts.append(k_pos[None, None, :] >= _rows(m.low, i, bq)[:, :, None])
+    if m.ends is not None:
+        parts.append(k_pos[None, None, :] < _rows(m.ends, i, bq)[:, :, None])
+    if m.q_ids is not None:
+        parts.append(_rows(m.q_ids, i, bq)[:, :, None] == _rows(m.kv_ids, j, bk)[:, None, :])
+    return functools.reduce(jnp.logical_and, parts) if parts else None
+
+
+def _kv_range(m: _Masks, i, bq: int, bk: int, nk: int, pair):
+    """Key tiles `[lo, hi)` that query tile i may see (the forward's loop bounds): up to the diagonal (`causal`) and
+    the tile's greatest key end (`ends`), from its least first key (`low`) and its earliest window start; `pair`:
+    the key tiles sharing ids with each query tile (`_overlapping`) or None."""
+    hi = jnp.minimum(nk, ((i + 1) * bq + bk - 1) // bk) if m.causal else nk
+    lo = 0
+    if m.low is not None:  # kv_starts may be < 0
+        lo = jnp.maximum(jnp.min(_rows(m.low, i, bq)), 0) // bk
+    if m.ends is not None:
+        hi = jnp.minimum(hi, (jnp.max(_rows(m.ends, i, bq)) + bk - 1) // bk)
+    if m.window:  # the first key tile any query of the tile sees
+        lo = jnp.maximum(lo, jnp.maximum(i * bq - m.window + 1, 0) // bk)
+    if pair is not None:
+        lo, hi = jnp.maximum(lo, pair[0][i]), jnp.minimum(hi, pair[1][i])
+    return lo, hi
+
+
+def _reach(tile_low, tile_end, first, last):
+    """Query tiles `[lo, hi)` that may see each key tile of keys `[first, last]` (int32 `[n_k]` each), from each
+    query tile's least first key `tile_low` and greatest key end `tile_end` (`[n_q]`): tile i may see key tile j
+    only if `tile_low[i] <= last[j]` and `tile_end[i] > first[j]`. Neither need be monotone (running minima and
+    maxima); the range spans every such tile. O(n_q log n_q) per key tile."""
+    lo_a = jnp.searchsorted(-lax.cummin(tile_low), -last, side="left")
+    hi_a = jnp.searchsorted(lax.cummin(tile_low, reverse=True), last, side="right")
+    lo_e = jnp.searchsorted(lax.cummax(tile_end), first, side="right")
+    hi_e = jnp.searchsorted(-lax.cummax(tile_end, reverse=True), -first, side="left")
+    return jnp.maximum(lo_a, lo_e).astype(jnp.int32), jnp.minimum(hi_a, hi_e).astype(jnp.int32)
+
+
+def _q_ranges(m: _Masks, bq: int, bk: int, nq: int, nk: int, sk: int):
+    """Query tiles `[lo, hi)` that may see each key tile (the backward's loop bounds), int32 `[nk]` each: from the
+    diagonal (`causal`), up to the last query tile whose window reaches the key tile, and those whose bounds
+    (`low`, `ends`) or ids (`q_ids`) reach it."""
+    j = jnp.arange(nk, dtype=jnp.int32)
+    first, last = j * bk, (j + 1) * bk - 1
+    lo = first // bq if m.causal else jnp.zeros_like(j)
+    hi = jnp.full_like(j, nq)
+    if m.q_ids is not None:
+        lo_p, hi_p = _overlapping(*_tile_ends(m.q_ids, bq), *_tile_ends(m.kv_ids, bk))
+        lo, hi = jnp.maximum(lo, lo_p), jnp.minimum(hi, hi_p)
+    if m.window:  # past the last query tile whose window reaches the key tile's last key
+        hi = jnp.minimum(hi, (last + m.window - 1) // bq + 1)
+    if m.low is not None or m.ends is not None:
+        b = (m.low if m.low is not None else m.ends).shape[0]
+        low = jnp.zeros((nq,), jnp.int32) if m.low is None else m.low.reshape(b, nq, bq).min(axis=(0, 2))
+        end = jnp.full((nq,), sk, jnp.int32) if m.ends is None else m.ends.reshape(b, nq, bq).max(axis=(0, 2))
+        lo_r, hi_r = _reach(low, end, first, last)
+        lo, hi = jnp.maximum(lo, lo_r), jnp.minimum(hi, hi_r)
+    return lo, hi
 
 
 # ------------------------------------------------------------------ blockwise forward
 
 
-def _causal_mask(q_pos, k_pos, window: int, starts=None):
-    """Which keys at `k_pos` `[bk]` the queries at `q_pos` `[bq]` see, `[1 or b, bq, bk]` bool: the earlier ones
-    (causal), within the `window` (if > 0), and none before the query's run start `starts` `[b, bq]` (if given)."""
-    mask = q_pos[:, None] >= k_pos[None, :]
-    if window:
-        mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
-    mask = mask[None]
-    return mask if starts is None else mask & (k_pos[None, None, :] >= starts[:, :, None])
-
-
-def _tile_starts(starts, bq):
-    """Run start of each query tile's first token, `[batch, n_q_tiles]` (the tile's minimum)."""
-    return starts[:, ::bq]
-
-
-def _tiling(q, k, v, block_q, block_k, segment_ids, kv_segment_ids, causal):
-    """The checks and tile sizes shared by the forward and backward kernels: `((b, s, h, kvh, d), (bq, bk),
-    (pair, q_ids, kv_ids, segment_ids))`. With `kv_segment_ids` (`pair`) the query and key ids are checked as a
-    pair (`q_ids`, `kv_ids`) and `segment_ids` becomes None."""
-    dims = _check_shapes(q, k, v, causal)
-    tiles = _check_block("block_q", block_q, dims[1]), _check_block("block_k", block_k, k.shape[1])
-    pair = kv_segment_ids is not None
-    q_ids = kv_ids = None
-    if pair:
-        q_ids, kv_ids = _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal)
-        segment_ids = None
-    return dims, tiles, (pair, q_ids, kv_ids, _check_segments(segment_ids, q, causal))
-
-
-def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
-                            block_k: int = 512, segment_ids=None, kv_segment_ids=None, window: int = 0):
-    """FlashAttention-2 forward (Dao 2023, Alg. 1) in pure JAX; returns `(out, lse)`.
+def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512, block_k: int = 512,
+                            segment_ids=None, kv_segment_ids=None, window: int = 0, kv_starts=None, kv_ends=None,
+                            kv_head_major: bool = False):
+    """FlashAttention-2 forward (Dao 2023, arXiv 2307.08691, Alg. 1) in pure JAX; returns `(out, lse)`.
 
     Args:
-      q: `[batch, seq, heads, head_dim]`; k, v: `[batch, kv_seq, kv_heads, head_dim]` (`kv_seq` = `seq`
-        when `causal`).
+      q: `[batch, seq, heads, head_dim]`; k, v: `[batch, kv_seq, kv_heads, head_dim]` (`kv_seq` = `seq` when
+        `causal`).
       causal: mask keys after the query position.
       block_q, block_k: query / key tile lengths (may differ). Each is clamped to its sequence
         (`seq`, `kv_seq`) and must then divide it.
@@ -287,80 +416,72 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
         blocks of a sequence (ring attention's off-diagonal blocks); then `causal=False` and
         query `i` sees key `j` iff `segment_ids[i] == kv_segment_ids[j]`. Both must be
         non-decreasing along the sequence (e.g. each token's document start): kv tiles whose id
-        range misses the query tile's are skipped. A query that sees no key gets output 0 and
-        lse `-inf`.
+        range misses the query tile's are skipped.
       window: 0, or a sliding window of that many positions with `causal` (query `t` sees keys `t - window + 1 ..
         t`, transformers' `sliding_window`); the key tiles wholly before every query's window are not visited.
+      kv_starts: int `[batch, seq]` or None: query `t` sees key `j` only if `j >= kv_starts[t]` (key indices, any
+        sign), as `jaxlong.kernels.pallas_gpu`'s: the first key of a query's document in a block of keys, or of
+        the keys a chunk's query may see in a cache (`jaxlong.generation.chunked`). Combined with every other mask.
+      kv_ends: int `[batch, seq]` or None: query `t` sees key `j` only if `j < kv_ends[t]` (a window in a cache
+        whose order is not the prompt's, `jaxlong.generation.chunked`). The key tiles wholly before a query
+        tile's least `kv_starts` or from its greatest `kv_ends` on are not visited.
+      kv_head_major: k, v are `[batch, kv_heads, kv_seq, head_dim]` (a KV cache's layout, read in place).
 
     Returns:
-      `out` with the shape and dtype of `q`; `lse` float32 `[batch, heads, seq]`.
+      `out` with the shape and dtype of `q`; `lse` float32 `[batch, heads, seq]`. With `kv_segment_ids`,
+      `kv_starts` or `kv_ends` a query that sees no key gets output 0 and lse `-inf`.
 
     Raises:
       ValueError: malformed shapes (q and k of different lengths with `causal`), a block size that
-        does not divide its sequence, or segment ids that are not `[batch, seq]` integers (or come
-        with `causal=False`).
+        does not divide its sequence, segment ids that are not `[batch, seq]` integers (or come
+        with `causal=False`), bounds that are not integer `[batch, seq]`, or a window without `causal`.
 
     Query tiles are processed by `lax.map`; each runs an online softmax over kv tiles in a
-    `lax.fori_loop` whose upper bound (for `causal`) is the last kv tile that touches
-    the diagonal, so tiles fully above it are skipped; with segment ids the lower bound is the
-    kv tile holding the earliest run start of the query tile (over the batch), so tiles of
-    earlier documents are skipped too. Peak extra memory is O(tile^2).
+    `lax.fori_loop` whose bounds skip the tiles no query of the tile sees: above the diagonal (`causal`), before
+    the earliest run start or `kv_starts` of the query tile (over the batch), before its earliest window start,
+    from its greatest `kv_ends` on. Tiles straddling a bound are computed and masked. Peak extra memory is
+    O(tile^2).
     """
-    (b, s, h, kvh, d), (bq, bk), (pair, q_ids, kv_ids, segment_ids) = _tiling(
-        q, k, v, block_q, block_k, segment_ids, kv_segment_ids, causal)
-    window = _check_window(window, causal)
-    g, nq, nk = h // kvh, s // bq, k.shape[1] // bk
+    keys = [jax.ShapeDtypeStruct(x.shape[:1] + x.shape[2:3] + x.shape[1:2] + x.shape[3:], x.dtype)
+            for x in (k, v)] if kv_head_major else (k, v)
+    (b, s, h, kvh, d), (bq, bk) = _dims(q, *keys, block_q, block_k, causal)
+    m = _masks(q, keys[0], causal, window, segment_ids, kv_segment_ids, kv_starts, kv_ends)
+    g, nq, nk = h // kvh, s // bq, keys[0].shape[1] // bk
     scale = 1.0 / math.sqrt(d)
     q5 = _split_heads(q, kvh)
-    if segment_ids is not None:
-        starts = segment_starts(segment_ids)  # [b, s]
-        lo_tiles = _tile_starts(starts, bq).min(axis=0) // bk  # [nq]
-    if pair:  # kv tiles [lo, hi) share ids with query tile i
-        lo_tiles, hi_tiles = _overlapping(*_tile_ends(kv_ids, bk), *_tile_ends(q_ids, bq))
+    pair = None if m.q_ids is None else _overlapping(*_tile_ends(m.kv_ids, bk), *_tile_ends(m.q_ids, bq))
+
+    def kv_tile(x, j):  # [b, bk, kvh, d]
+        if kv_head_major:
+            return jnp.swapaxes(lax.dynamic_slice_in_dim(x, j * bk, bk, axis=2), 1, 2)
+        return lax.dynamic_slice_in_dim(x, j * bk, bk, axis=1)
 
     def q_tile(i):
         q_i = lax.dynamic_slice_in_dim(q5, i * bq, bq, axis=1)  # [b, bq, kvh, g, d]
-        q_pos = i * bq + jnp.arange(bq)
-        if segment_ids is not None:
-            st_i = lax.dynamic_slice_in_dim(starts, i * bq, bq, axis=1)  # [b, bq]
 
         def kv_step(j, carry):
-            m, l, acc = carry  # m, l: [b, kvh, g, bq]; acc: [b, kvh, g, bq, d] (float32)
-            k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [b, bk, kvh, d]
-            v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
-            sc = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, k_j, preferred_element_type=_F32)
-            sc = sc * scale
-            mask = None
-            if causal:
-                mask = _causal_mask(q_pos, j * bk + jnp.arange(bk), window,
-                                    st_i if segment_ids is not None else None)[:, None, None]
-                sc = jnp.where(mask, sc, _NEG)
-            if pair:
-                kv_j = lax.dynamic_slice_in_dim(kv_ids, j * bk, bk, axis=1)
-                mask = (lax.dynamic_slice_in_dim(q_ids, i * bq, bq, axis=1)[:, :, None]
-                        == kv_j[:, None, :])[:, None, None]  # [b, 1, 1, bq, bk]
+            mx, l, acc = carry  # mx, l: [b, kvh, g, bq]; acc: [b, kvh, g, bq, d] (float32)
+            k_j, v_j = kv_tile(k, j), kv_tile(v, j)
+            sc = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, k_j, preferred_element_type=_F32) * scale
+            mask = _tile_mask(m, i, bq, j, bk)
+            if mask is not None:
+                mask = mask[:, None, None]  # [b or 1, 1, 1, bq, bk]
                 sc = jnp.where(mask, sc, _NEG)
             # A row may have no visible key in this tile (all _NEG, so m_new == _NEG too): the
             # explicit where keeps its exp(_NEG - _NEG) = 1 out of l and acc.
-            m_new = jnp.maximum(m, sc.max(axis=-1))
+            m_new = jnp.maximum(mx, sc.max(axis=-1))
             p = jnp.exp(sc - m_new[..., None])
             if mask is not None:
                 p = jnp.where(mask, p, 0.0)
-            corr = jnp.exp(m - m_new)
-            l = l * corr + p.sum(axis=-1)
-            pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v_j,
-                            preferred_element_type=_F32)
-            return m_new, l, acc * corr[..., None] + pv
+            corr = jnp.exp(mx - m_new)
+            pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v_j, preferred_element_type=_F32)
+            return m_new, l * corr + p.sum(axis=-1), acc * corr[..., None] + pv
 
         init = (_full((b, kvh, g, bq), _NEG, q, k, v), _full((b, kvh, g, bq), 0, q, k, v),
                 _full((b, kvh, g, bq, d), 0, q, k, v))
-        hi = jnp.minimum(nk, ((i + 1) * bq + bk - 1) // bk) if causal else (hi_tiles[i] if pair else nk)
-        lo = lo_tiles[i] if segment_ids is not None or pair else 0
-        if window:  # the first key tile any query of the tile sees
-            lo = jnp.maximum(lo, jnp.maximum(i * bq - window + 1, 0) // bk)
-        m, l, acc = lax.fori_loop(lo, hi, kv_step, init)
-        lse_i = m + jnp.log(l)
-        if pair:  # rows that see no key: out 0, lse -inf
+        mx, l, acc = lax.fori_loop(*_kv_range(m, i, bq, bk, nk, pair), kv_step, init)
+        lse_i = mx + jnp.log(l)
+        if m.empty:  # rows that see no key: out 0, lse -inf
             lse_i = jnp.where(l > 0, lse_i, -jnp.inf)
             l = jnp.where(l > 0, l, 1.0)
         out_i = jnp.transpose(acc / l[..., None], (0, 3, 1, 2, 4))  # [b, bq, kvh, g, d]
@@ -377,15 +498,16 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
 
 def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
                             block_q: int = 512, block_k: int = 512, segment_ids=None,
-                            kv_segment_ids=None, window: int = 0):
-    """FlashAttention-2 backward (Dao 2023, Alg. 2) in pure JAX; returns `(dq, dk, dv)`.
+                            kv_segment_ids=None, window: int = 0, kv_starts=None, kv_ends=None):
+    """FlashAttention-2 backward (Dao 2023, arXiv 2307.08691, Alg. 2) in pure JAX; returns `(dq, dk, dv)`.
 
     Args:
-      q, k, v: as for `blockwise_attention_fwd`.
+      q, k, v: as for `blockwise_attention_fwd` (k, v sequence-major).
       out: forward output, shape/dtype of `q`; lse: float32 `[batch, heads, seq]` from
         the forward; dout: cotangent of `out` (shape of `q`).
-      causal, block_q, block_k, segment_ids, kv_segment_ids, window: must match the forward call
-        (same checks); `lse` may be of more keys than `k` (ring attention's global lse).
+      causal, block_q, block_k, segment_ids, kv_segment_ids, window, kv_starts, kv_ends: must match the forward
+        call (same checks); `lse` may be of more keys than `k` (ring attention's global lse), and -inf for a row
+        that sees no key (its gradients are 0).
 
     Returns:
       `dq`, `dk`, `dv` with the shapes and dtypes of `q`, `k`, `v`; `dk` and
@@ -395,15 +517,15 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
       ValueError: as `blockwise_attention_fwd`.
 
     An outer `lax.scan` walks kv tiles, accumulating that tile's `dk`/`dv` in float32;
-    an inner `lax.fori_loop` walks the query tiles (for `causal` starting at the first
-    one that reaches the tile; with segment ids ending after the last query tile whose run
-    starts at or before the kv tile's end), recomputing `P = exp(q k^T * scale - lse)` per
+    an inner `lax.fori_loop` walks the query tiles that may see the kv tile (`causal`: from the first one that
+    reaches it; with segment ids or `kv_starts`, up to the last one whose least first key is at or before the kv
+    tile's end; with `kv_ends` from the first whose greatest end is past its start; with a window up to the last
+    one the window reaches), recomputing `P = exp(q k^T * scale - lse)` per
     tile and adding into a float32 `dq` buffer carried through the scan. No `[seq, seq]`
     array is formed.
     """
-    (b, s, h, kvh, d), (bq, bk), (pair, q_ids, kv_ids, segment_ids) = _tiling(
-        q, k, v, block_q, block_k, segment_ids, kv_segment_ids, causal)
-    window = _check_window(window, causal)
+    (b, s, h, kvh, d), (bq, bk) = _dims(q, k, v, block_q, block_k, causal)
+    m = _masks(q, k, causal, window, segment_ids, kv_segment_ids, kv_starts, kv_ends)
     sk = k.shape[1]
     g, nq, nk = h // kvh, s // bq, sk // bk
     scale = 1.0 / math.sqrt(d)
@@ -412,21 +534,12 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
     # D_i = rowsum(dO_i * O_i), [b, kvh, g, s]
     delta = jnp.einsum("bshgd,bshgd->bhgs", do5.astype(_F32),
                        _split_heads(out, kvh).astype(_F32))
-    if segment_ids is not None:
-        starts = segment_starts(segment_ids)  # [b, s]
-        # q tiles whose first run start is <= the kv tile's last key: a prefix (starts grow).
-        last_key = (jnp.arange(nk, dtype=jnp.int32) + 1) * bk - 1
-        hi_tiles = jax.vmap(lambda t: jnp.searchsorted(t, last_key, side="right"))(
-            _tile_starts(starts, bq)).max(axis=0).astype(jnp.int32)  # [nk]
-    if pair:  # query tiles [lo, hi) share ids with kv tile j
-        lo_tiles, hi_tiles = _overlapping(*_tile_ends(q_ids, bq), *_tile_ends(kv_ids, bk))
-
+    lo_tiles, hi_tiles = _q_ranges(m, bq, bk, nq, nk, sk)
     refs = (q, k, v, out, lse, dout)  # for the shard_map varying axes of the carries
 
     def kv_tile(dq_acc, j):
         k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [b, bk, kvh, d]
         v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
-        k_pos = j * bk + jnp.arange(bk)
 
         def q_step(i, carry):
             dq_acc, dk_j, dv_j = carry
@@ -434,17 +547,13 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
             do_i = lax.dynamic_slice_in_dim(do5, i * bq, bq, axis=1)
             lse_i = lax.dynamic_slice_in_dim(lse4, i * bq, bq, axis=3)  # [b, kvh, g, bq]
             delta_i = lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
-            sc = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, k_j, preferred_element_type=_F32)
-            sc = sc * scale
-            if causal:
-                st_i = None if segment_ids is None else lax.dynamic_slice_in_dim(starts, i * bq, bq, axis=1)
-                mask = _causal_mask(i * bq + jnp.arange(bq), k_pos, window, st_i)
+            sc = jnp.einsum("bqhgd,bkhd->bhgqk", q_i, k_j, preferred_element_type=_F32) * scale
+            mask = _tile_mask(m, i, bq, j, bk)
+            if mask is not None:
                 sc = jnp.where(mask[:, None, None], sc, _NEG)
-            if pair:
-                mask = (lax.dynamic_slice_in_dim(q_ids, i * bq, bq, axis=1)[:, :, None]
-                        == lax.dynamic_slice_in_dim(kv_ids, j * bk, bk, axis=1)[:, None, :])
-                sc = jnp.where(mask[:, None, None], sc, _NEG)
-            p = jnp.exp(sc - lse_i[..., None])  # masked entries -> 0
+            p = jnp.exp(sc - lse_i[..., None])  # masked entries -> 0 (unless the row's lse is -inf)
+            if m.bounded:
+                p = jnp.where(mask[:, None, None], p, 0.0)
             dv_j = dv_j + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do_i.dtype), do_i,
                                      preferred_element_type=_F32)
             dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_i, v_j, preferred_element_type=_F32)
@@ -456,12 +565,8 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
             dq_acc = lax.dynamic_update_slice_in_dim(dq_acc, dq_old + dq_i, i * bq, axis=1)
             return dq_acc, dk_j, dv_j
 
-        lo = (j * bk) // bq if causal else (lo_tiles[j] if pair else 0)
-        hi = hi_tiles[j] if segment_ids is not None or pair else nq
-        if window:  # past the last query tile whose window reaches the key tile's last key
-            hi = jnp.minimum(hi, ((j + 1) * bk + window - 2) // bq + 1)
         zeros = _full((b, bk, kvh, d), 0, *refs)
-        dq_acc, dk_j, dv_j = lax.fori_loop(lo, hi, q_step, (dq_acc, zeros, zeros))
+        dq_acc, dk_j, dv_j = lax.fori_loop(lo_tiles[j], hi_tiles[j], q_step, (dq_acc, zeros, zeros))
         return dq_acc, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))
 
     dq_acc = _full((b, s, kvh, g, d), 0, *refs)

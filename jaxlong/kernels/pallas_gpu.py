@@ -161,9 +161,11 @@ def _dot(a, b, trans_a=False, trans_b=False):
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False if a.dtype == _F32 else None)
 
 
-def _kv_bounds(i, st, *, causal, bq, bk, nk, window=0):
-    """kv tiles [lo, hi) that query tile i can see (module docstring: skipped tiles)."""
+def _kv_bounds(i, st, *, causal, bq, bk, nk, window=0, en=None):
+    """kv tiles [lo, hi) that query tile i can see (module docstring: skipped tiles); `en`: the queries' `kv_ends`."""
     hi = jnp.minimum(nk, lax.div((i + 1) * bq + bk - 1, bk)) if causal else nk
+    if en is not None:  # up to the tile of the last key any query of the tile sees
+        hi = jnp.minimum(hi, lax.div(jnp.maximum(jnp.max(en), 0) + bk - 1, bk))
     lo = lax.div(jnp.maximum(jnp.min(st), 0), bk) if st is not None else 0  # kv_starts may be < 0
     if window:  # the key tile of the earliest window start among the tile's queries
         lo = jnp.maximum(lo, lax.div(jnp.maximum(i * bq - window + 1, 0), bk))
@@ -179,12 +181,14 @@ def _q_bounds(j, end_ref, *, causal, bq, bk, nq, window=0):
     return lo, hi
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk, seq, padded, window):
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk, seq, padded, window, ends=False):
+    en_ref, refs = (refs[-3], refs[:-3] + refs[-2:]) if ends else (None, refs)
     st_ref, o_ref, lse_ref = refs if segments else (None, *refs)
     i = pl.program_id(0)
     q = q_ref[...]  # [bq, d]
     q_pos = i * bq + jnp.arange(bq)
     st = st_ref[...] if segments else None  # [bq] run starts
+    en = en_ref[...] if ends else None  # [bq] kv_ends
 
     def body(j, carry):
         acc, m, l = carry
@@ -192,6 +196,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk,
         v = v_ref[pl.ds(j * bk, bk), :]
         sc = _dot(q, k, trans_b=True) * scale  # [bq, bk] float32
         mask = _mask(q_pos, j * bk + jnp.arange(bk), st, causal, seq, padded, window)
+        if en is not None:  # kv_ends
+            before = jnp.broadcast_to((j * bk + jnp.arange(bk))[None, :] < en[:, None], (bq, bk))
+            mask = before if mask is None else mask & before
         if mask is not None:
             sc = jnp.where(mask, sc, _NEG)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
@@ -203,7 +210,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk,
         acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    lo, hi = _kv_bounds(i, st, causal=causal, bq=bq, bk=bk, nk=nk, window=window)
+    lo, hi = _kv_bounds(i, st, causal=causal, bq=bq, bk=bk, nk=nk, window=window, en=en)
     init = (jnp.zeros(q.shape, _F32), jnp.full((bq,), _NEG, _F32), jnp.zeros((bq,), _F32))
     acc, m, l = lax.fori_loop(lo, hi, body, init)
     if segments and not causal:  # kv_starts: a query may see no key of the block (l == 0)
@@ -252,7 +259,8 @@ def _pad_seq(x, padded: int, axis: int = 1, value=0):
 
 def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, block_q: int = DEFAULT_BLOCK,
                          block_k: int = DEFAULT_BLOCK, interpret: bool = False, num_warps: int = 4,
-                         num_stages: int = 2, kv_starts=None, kv_head_major: bool = False, window: int = 0):
+                         num_stages: int = 2, kv_starts=None, kv_head_major: bool = False, window: int = 0,
+                         kv_ends=None):
     """FlashAttention-2 forward (Pallas, Triton lowering); returns `(out, lse)`.
 
     Args:
@@ -266,6 +274,9 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
       kv_starts: int `[batch, seq]` or None: with `causal=False`, query t sees key j iff `j >= kv_starts[t]`
         (ring attention's off-diagonal blocks with document masking, module docstring; the chunked prefill's
         cache, `jaxlong.generation.chunked`).
+      kv_ends: int `[batch, seq]` or None: with `kv_starts`, query t sees key j only if `j < kv_ends[t]` too (a
+        sliding window over the chunked prefill's cache, `jaxlong.generation.chunked`); the kv tiles past a query
+        tile's last end are not visited.
       kv_head_major: k, v are `[batch, kv_heads, kv_seq, head_dim]` (a KV cache's layout: read in place, not
         transposed).
       window: 0, or a sliding window of that many positions with `causal` (query t sees keys `t - window + 1 ..
@@ -286,6 +297,9 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
               for x in (k, v)]
     segment_ids, bq, bk = _check(q, *shapes, segment_ids, causal, block_q, block_k, kv_starts)
     window = check_window(window, causal, "pallas attention")
+    if kv_ends is not None and (kv_starts is None or tuple(kv_ends.shape) != tuple(kv_starts.shape)):
+        raise ValueError(f"pallas attention: kv_ends must come with kv_starts, of its shape {q.shape[:2]}; got "
+                         f"{None if kv_ends is None else tuple(kv_ends.shape)}")
     b, s, h, d = q.shape
     sk, g = shapes[0].shape[1], h // shapes[0].shape[2]
     sp, skp = _padded(s, bq, bk), _padded(sk, bq, bk)
@@ -293,7 +307,8 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
     k_, v_ = (_pad_seq(x, skp, axis=seq_axis) for x in (k, v))
     segments = segment_ids is not None or kv_starts is not None
     kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(d), causal=bool(causal), segments=segments,
-                               bq=bq, bk=bk, nk=skp // bk, seq=sk, padded=skp != sk, window=window)
+                               bq=bq, bk=bk, nk=skp // bk, seq=sk, padded=skp != sk, window=window,
+                               ends=kv_ends is not None)
     tile = pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0))
     whole_kv = (pl.BlockSpec((None, None, skp, d), lambda i, bb, hh: (bb, lax.div(hh, g), 0, 0)) if kv_head_major
                 else pl.BlockSpec((None, skp, None, d), lambda i, bb, hh: (bb, 0, lax.div(hh, g), 0)))
@@ -301,6 +316,9 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
     if segments:
         in_specs.append(pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)))
         args.append(_starts(segment_ids, kv_starts, sp, skp))
+    if kv_ends is not None:  # padded rows see no key
+        in_specs.append(pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)))
+        args.append(_pad_seq(kv_ends.astype(jnp.int32), sp, value=0))
     args, sds = _vary_alike(*args)
     out, lse = pl.pallas_call(
         kernel, grid=(sp // bq, b, h), in_specs=in_specs,

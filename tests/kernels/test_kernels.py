@@ -267,3 +267,83 @@ def test_unmasked_call_with_a_key_block_of_another_length_matches_reference(sq, 
         np.testing.assert_allclose(g, r, err_msg=f"d{name}", **TOL)
     with pytest.raises(ValueError, match="does not match q shape"):
         K.blockwise_attention_fwd(q, k, v, causal=True, block_q=16, block_k=16)
+
+
+def _bounded_case(window, documents):
+    """q, k, v, w and the bounds of two cases (batch 2, 8 query heads over 2 KV heads, head_dim 16):
+
+    * cache: 32 queries at prompt indices 32..63 over a 64-key cache in descending prompt order (slot s holds index
+      63 - s, as a chunk-prefilled shard of one device), `kv_starts` the slot of each query's own index, `kv_ends`
+      (with a window) the slot past its window; row 1 is shifted by 3 slots, and its first 3 queries see no key.
+    * documents (causal): 64 tokens in documents of 20, 30 and 14, with `kv_starts` each query's position less 9
+      (a second window, any sign) and 4 queries whose `kv_starts` lie past themselves (they see no key)."""
+    if documents:
+        q, k, v, w = _inputs(64, 8, 2, seed=3)
+        seg = jnp.asarray(np.stack([np.repeat([1, 2, 3], [20, 30, 14]), np.repeat([4, 4, 5], [20, 30, 14])]))
+        starts = jnp.broadcast_to(jnp.arange(64) - 9, (2, 64)).at[1, 40:44].set(50)
+        return (q, k, v, w), dict(causal=True, segment_ids=seg, window=window, kv_starts=starts)
+    q, w = (x[:, :32] for x in _inputs(64, 8, 2, seed=4)[::3])
+    _, k, v, _ = _inputs(64, 8, 2, seed=5)
+    starts = jnp.stack([31 - jnp.arange(32), 34 - jnp.arange(32)])
+    ends = starts + window if window else jnp.full((2, 32), 64)
+    ends = ends.at[1, :3].set(starts[1, :3])  # empty rows
+    return (q, k, v, w), dict(causal=False, kv_starts=starts, kv_ends=ends)
+
+
+@pytest.mark.parametrize("documents,window", [  # the fast tier: the cache with a window, documents without
+    pytest.param(False, 0, id="cache-0", marks=pytest.mark.slow), pytest.param(False, 12, id="cache-12"),
+    pytest.param(True, 0, id="documents-0"), pytest.param(True, 12, id="documents-12", marks=pytest.mark.slow)])
+def test_per_query_key_bounds_match_the_dense_reference(documents, window):
+    """`kv_starts` / `kv_ends` (each query's first key and one past its last), with and without a window, over a
+    cache-ordered key block of another length and over causal documents: out, lse (-inf where a query sees no key)
+    and dq, dk, dv equal the dense reference's; the forward reads head-major keys in place (also through the
+    backend, and the Pallas kernel's forward in its interpreter); key tiles outside a query tile's bounds are not
+    visited (NaN poison in the first and last key tiles)."""
+    (q, k, v, w), opts = _bounded_case(window, documents)
+    tiles = dict(block_q=8, block_k=16)
+    ref = jax.jit(functools.partial(K.reference_attention_with_lse, **opts))
+    out, lse = jax.jit(functools.partial(K.blockwise_attention_fwd, **opts, **tiles))(q, k, v)
+    want_out, want_lse = ref(q, k, v)
+    np.testing.assert_allclose(out, want_out, **TOL)
+    np.testing.assert_allclose(lse, want_lse, **TOL)  # -inf at the same rows
+    assert bool(jnp.isneginf(lse).any()) and not bool(jnp.isnan(out).any())
+    got = jax.jit(functools.partial(K.blockwise_attention_bwd, **opts, **tiles))(q, k, v, out, lse, w)
+    for name, g, r in zip("qkv", got, _grads(lambda *a: ref(*a)[0], q, k, v, w)):
+        np.testing.assert_allclose(g, r, err_msg=f"d{name}", **TOL)
+    head_major = [jnp.swapaxes(x, 1, 2) for x in (k, v)]
+    for kernel in ("blockwise", "reference"):
+        got = B.attention_fwd_with_lse(q, *head_major, backend=kernel, kv_head_major=True, **opts, **tiles)
+        np.testing.assert_allclose(got[0], out, **TOL)
+    if not documents:  # the Pallas kernel's forward (in its interpreter) takes both bounds, as the chunked prefill
+        got = B.attention_fwd_with_lse(q, *head_major, backend="pallas", kv_head_major=True, interpret=True, **opts)
+        np.testing.assert_allclose(got[0], want_out, **TOL)
+        np.testing.assert_allclose(got[1], want_lse, **TOL)
+    # The key tiles [lo, hi) each query tile visits: from its least first key (its window's, its own) to its
+    # greatest end (its own key, with `causal`); NaN in the first or last key tile reaches only the rows that visit.
+    first = np.maximum(np.asarray(opts["kv_starts"]), 0)
+    if documents:
+        first = np.maximum(first, np.asarray(K.segment_starts(opts["segment_ids"])))
+        first = np.maximum(first, np.arange(64) - window + 1) if window else first
+    ends = np.asarray(opts["kv_ends"]) if "kv_ends" in opts else np.arange(1, 65)[None].repeat(2, 0)
+    lo = first.reshape(2, -1, 8).min(axis=(0, 2)) // 16
+    hi = -(-ends.reshape(2, -1, 8).max(axis=(0, 2)) // 16)
+    skipped = 0
+    for tile in (0, 3):
+        visits = (lo <= tile) & (hi > tile)
+        bad = v.at[:, 16 * tile:16 * (tile + 1)].set(jnp.nan)
+        out = K.blockwise_attention_fwd(q, k, bad, **opts, **tiles)[0]
+        np.testing.assert_array_equal(np.asarray(jnp.isnan(out).any(axis=(0, 2, 3))).reshape(-1, 8).any(axis=1),
+                                      visits, err_msg=f"key tile {tile}")
+        skipped += int((~visits).sum())
+    assert skipped
+
+
+def test_per_query_key_bounds_are_checked():
+    q, k, v, _ = _inputs(32, 4, 2)
+    with pytest.raises(ValueError, match=r"kv_starts must be integer \[batch, seq\]"):
+        K.blockwise_attention_fwd(q, k, v, kv_starts=jnp.zeros((2, 31), jnp.int32))
+    with pytest.raises(ValueError, match=r"kv_ends must be integer"):
+        K.blockwise_attention_bwd(q, k, v, q, jnp.zeros((2, 4, 32)), q, kv_ends=jnp.zeros((2, 32)))
+    with pytest.raises(ValueError, match="kv_ends must come with kv_starts"):
+        B.attention_fwd_with_lse(q, k, v, backend="pallas", causal=False, kv_ends=jnp.zeros((2, 32), jnp.int32),
+                                 interpret=True)

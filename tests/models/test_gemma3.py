@@ -242,6 +242,19 @@ def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
             assert token == int(np.argmax(want))
 
 
+@pytest.mark.slow
+def test_chunked_prefill_with_the_pallas_kernel_equals_the_whole_forward(monkeypatch):
+    """The chunked prefill's GPU path on a model with windows, run on one device with the Pallas kernel in its
+    interpreter: the global layers' chunk attention by the Pallas kernel with `kv_starts`, the local layers' with
+    `kv_starts` and `kv_ends`, switched per layer in one scan; greedy decoding equals the whole forward as in
+    `test_greedy_decode_with_windows_equals_the_whole_forward`."""
+    from jaxlong.generation import chunked
+
+    monkeypatch.setattr(chunked, "chunk_kernel", lambda cfg, mesh: "pallas-interpret")
+    test_greedy_decode_with_windows_equals_the_whole_forward(("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1",
+                                                               "prefill_chunk=16"))
+
+
 def test_the_window_slots_invert_the_prefills_layouts():
     """`zigzag_slot` and `chunk_slot` (the window gather's prompt index -> cache slot) invert ring attention's zigzag
     order and the chunked prefill's order."""
