@@ -53,8 +53,6 @@ RUN = {
     "python -m jaxlong.train --resume steps=25 optim.decay_steps=20": AFTER_DEFAULT,
     "python -m jaxlong.train --resume-with-changes steps=25 optim.lr=1e-3": AFTER_DEFAULT,
     "python -m jaxlong.train --profile run_name=profiled steps=5": "a fresh directory",
-    "python -m jaxlong.train attention.impl=upipe attention.heads_per_stage=4 remat.policy=full run_name=upipe steps=4":
-        "a fresh directory",
     "python -m jaxlong.eval runs/default": AFTER_DEFAULT,
     "python -m jaxlong.eval runs/default --ruler --ruler-tasks niah_single_1,vt --ruler-cases 1 --no-passkey":
         AFTER_DEFAULT,
@@ -74,6 +72,10 @@ NOT_RUN = [
     (r"^python -m jaxlong\.train mesh\.fsdp=1 mesh\.ring=2 mesh\.context=4 run_name=ring steps=4$",
      ("ring 2 x context 4 on 8 devices, trained through the same command as the one-process reference run of "
       "tests/training/test_multinode.py's ring layouts (slow tier), which also resumes and evaluates it")),
+    (r"^python -m jaxlong\.train attention\.impl=upipe attention\.heads_per_stage=4 remat\.policy=full ",
+     ("U-Pipe with full remat: the fast tier validates this command's config; tests/parallel/test_upipe.py checks "
+      "U-Pipe with full remat against the one-device model and tests/training/test_train.py trains U-Pipe through "
+      "the same trainer to Ulysses' loss curve (both fast tier)")),
     (r"^pip install ", "changes the Python environment (the tests run in one already installed)"),
     (r"^python -m pytest( |$)", "the test suite itself"),
     (r"^tensorboard ", "a server that runs until stopped"),

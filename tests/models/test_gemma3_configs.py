@@ -51,7 +51,11 @@ def test_every_shipped_gemma3_config_is_checked():
     assert {p.name for p in CONFIGS} >= SHIPPED, sorted(p.name for p in CONFIGS)
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+FAST_CONFIGS = {"gemma3_270m.yaml", "gemma3_27b.yaml"}  # the smallest and the largest (62 layers, 168 / 128 scale)
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=() if p.name in FAST_CONFIGS else pytest.mark.slow)
+                                  for p in CONFIGS], ids=[p.name for p in CONFIGS])
 def test_the_shipped_config_loads_at_full_size_and_lowers_small(path):
     """The file validates as shipped (its own device count, heads against its mesh, its window and kernels), and
     its train step, shrunk, traces and lowers on 8 CPU devices with the file's axes and options."""

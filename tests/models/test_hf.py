@@ -506,6 +506,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
+@pytest.mark.slow
 def test_run_directory_stands_alone(tmp_path, capsys):
     """A run trained from a Hugging Face directory keeps its tokenizer files in RUN_DIR/imported/ (their sha256 in
     the saved config). Once the directory is moved away, `python -m jaxlong.eval`, `python -m jaxlong.export` (the

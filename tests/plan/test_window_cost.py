@@ -91,7 +91,7 @@ UPIPE = ("model.family=gemma3", "model.layers=6", "model.sliding_window_pattern=
          "mesh.num_devices=4", "global_batch=1", "remat.policy=full")
 
 
-@pytest.mark.parametrize("impl,exchange", [("upipe", "all_to_all"),  # the fast tier's; the halo's in the slow tier
+@pytest.mark.parametrize("impl,exchange", [pytest.param("upipe", "all_to_all", marks=pytest.mark.slow),
                                            pytest.param("upipe", "halo", marks=pytest.mark.slow),
                                            pytest.param("ulysses", "halo", marks=pytest.mark.slow)])
 def test_a_windowed_train_step_counts_its_tiles_by_hand(impl, exchange):

@@ -83,11 +83,12 @@ run(tiny_cfg(*sys.argv[1:]))
 # in jaxlong/training/loop.py, for both signals), so it is sent where the handler's state differs: before the
 # train state exists, during an asynchronous save, and during the final save a first signal started. SIGKILL
 # kills a child process that runs no handler, so what a point tests is which checkpoints were committed when it
-# died: one point per such state is killed (nothing committed yet; step 2's save in flight or committed; around
-# step 4's save; around the last save and its commit; during a final save).
+# died: one point per such state is killed (nothing committed yet; step 2's save committed or in flight; step 4's
+# save in flight, and after it; the last save in flight, and committed; a final save in flight). The points
+# between those states (after step 3, before the saves of steps 3 and 4, after step 6 and after the loop) leave
+# what a neighbour leaves on disk, and SIGTERM is sent at each of them.
 SIGINT_POINTS = ("after_compile@1", "during_save@4", "after_step@3:SIGTERM,during_final_save@3")
-SIGKILL_POINTS = ("after_step@1", "before_batch@3", "after_step@3", "before_save@3", "before_save@4",
-                  "during_save@4", "end_of_step@4", "after_step@6", "during_save@6", "after_loop@6",
+SIGKILL_POINTS = ("after_step@1", "before_batch@3", "during_save@4", "end_of_step@4", "during_save@6",
                   "after_commit@6", "after_step@3:SIGTERM,during_final_save@3")
 KILLS = [(p, f, sig) for sig in SIGNALS for p, f in KILL_POINTS
          if sig == "SIGTERM" or p in (SIGINT_POINTS if sig == "SIGINT" else SIGKILL_POINTS)]

@@ -25,8 +25,8 @@ LAYOUTS = {
     # by hand, then resumed and evaluated as srun starts it
     "upipe-ring-spans-batch1": (["mesh.ring=2", "mesh.context=4", "attention.impl=upipe", "global_batch=1"],
                                 "hand", "slurm"),
-    "ring-spans-batch2": (["mesh.ring=2", "mesh.context=4", "global_batch=2"], "hand", "hand"),
-    "context-spans-batch1": (["mesh.ring=1", "mesh.context=8", "global_batch=1"], "slurm", "hand"),
+    # context (Ulysses) across the nodes, two sequences per step, started as srun starts it, then by hand
+    "context-spans-batch2": (["mesh.ring=1", "mesh.context=8", "global_batch=2"], "slurm", "hand"),
 }
 EVAL = ["--lengths", "128", "--depths", "0.5", "--per-cell", "2"]  # one passkey cell at the training length
 

@@ -1,8 +1,8 @@
 """The other attention x global_batch pairs of test_multinode's two layouts (ring, or context, spanning two processes of
 4 simulated CPU devices each), checked the same way; a file of their own, so that the slow tier's workers run the
 two halves side by side. They run with JAXLONG_MULTINODE_ALL_PAIRS=1 (about 50 CPU-s each); the slow tier
-runs test_multinode's three layouts, which cover each axis across the processes, U-Pipe, both launchers and both
-batch sizes."""
+runs test_multinode's two layouts, which cover each axis across the processes, Ulysses and U-Pipe, both launchers
+for both the first run and the resume, and both batch sizes."""
 
 import os
 
@@ -16,7 +16,8 @@ PAIRS = {
     "ring-spans-batch1": (["mesh.ring=2", "mesh.context=4", "global_batch=1"], "slurm", "hand"),
     "upipe-ring-spans-batch2": (["mesh.ring=2", "mesh.context=4", "attention.impl=upipe", "global_batch=2"],
                                 "hand", "hand"),
-    "context-spans-batch2": (["mesh.ring=1", "mesh.context=8", "global_batch=2"], "hand", "slurm"),
+    "ring-spans-batch2": (["mesh.ring=2", "mesh.context=4", "global_batch=2"], "hand", "hand"),
+    "context-spans-batch1": (["mesh.ring=1", "mesh.context=8", "global_batch=1"], "hand", "slurm"),
 }
 
 

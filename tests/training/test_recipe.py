@@ -1,11 +1,11 @@
 """Context-extension recipes (`stages:`, jaxlong.training.recipe), run as a user runs them, `python -m
 jaxlong.train --config RECIPE.yaml` in a child process: a three-stage miniature of the shipped recipe's shape
 (64 -> 128 -> 256 tokens, RoPE theta raised at each stage, a mixture of short and long documents, long ones
-upsampled in the last stage). Fast tier: the expansion into one validated config per stage, every stage's
-errors in one line before anything compiles, and the recipe end to end (one run in TensorBoard, each stage's
-`seq_len`, its own warmup). Slow tier: the recipe equals its stages typed by hand as `--resume-with-changes`
-runs, and a kill (SIGTERM, SIGKILL) mid-stage or at a stage boundary resumes with `--resume` to bit-equal final
-parameters."""
+upsampled in the last stage). Fast tier: the expansion into one validated config per stage and every stage's
+errors in one line before anything compiles. Slow tier: the recipe end to end with its gates (one run in
+TensorBoard, each stage's `seq_len`, its own warmup), the recipe equal to its stages typed by hand as
+`--resume-with-changes` runs, and a kill (SIGTERM, SIGKILL) mid-stage or at a stage boundary resumes with
+`--resume` to bit-equal final parameters."""
 import json
 import os
 import subprocess
@@ -174,6 +174,7 @@ def test_bad_gates_are_refused_in_one_line_before_anything_compiles(tmp_path):
                                                          "template"), err
 
 
+@pytest.mark.slow
 def test_a_recipe_runs_its_stages_in_one_run_and_its_gates_decide(tmp_path, capsys):
     """One command runs the stages: one TensorBoard run with a global step, `seq_len` and `stage` per step, each
     stage warming up from its first step, every stage's checkpoint in one directory. Gates: stage 0's (held-out

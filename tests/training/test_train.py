@@ -75,6 +75,7 @@ def _copy_task(step, rows, seen, seq_len=128, vocab=257):
             "segment_ids": np.ones((len(rows), seq_len), np.int32)}
 
 
+@pytest.mark.slow
 def test_batches_of_ones_own_train_checkpoint_and_resume_like_the_corpus(tmp_path):
     """`run(cfg, batches=fn)` trains on `fn(step, rows)` instead of the corpus (never read: `data.path` does not
     exist), with the trainer's checkpoints and `--resume`: stopped after step 2 and resumed, it is fed steps 3 and 4
