@@ -57,8 +57,6 @@ RUN = {
     "python -m jaxlong.eval runs/default --ruler --ruler-tasks niah_single_1,vt --ruler-cases 1 --no-passkey":
         AFTER_DEFAULT,
     "python -m jaxlong.generate runs/default --prompt 'def fibonacci(n):' --max-new-tokens 64": AFTER_DEFAULT,
-    "python -m jaxlong.train run_name=ruler steps=4 eval_every=4 'ruler_tasks=[niah_single_1,vt]' "
-    "'ruler_lengths=[1024,2048]' ruler_cases=1": "a fresh directory",
     "python -m jaxlong.train --config configs/recipes/tiny_extension.yaml": "a fresh directory",
     "python -m jaxlong.train --config configs/recipes/tiny_dpo.yaml": "a fresh directory",
 }
@@ -76,6 +74,10 @@ NOT_RUN = [
      ("U-Pipe with full remat: the fast tier validates this command's config; tests/parallel/test_upipe.py checks "
       "U-Pipe with full remat against the one-device model and tests/training/test_train.py trains U-Pipe through "
       "the same trainer to Ulysses' loss curve (both fast tier)")),
+    (r"^python -m jaxlong\.train run_name=ruler steps=4 eval_every=4 ",
+     ("RULER during training: the fast tier validates this command's config (its tasks and lengths against the "
+      "mesh); tests/evaluation/test_eval.py trains with RULER by generation in the trainer's validation and "
+      "evaluates the run with the CLI (slow tier), and the default run's chain runs the RULER evaluation command")),
     (r"^pip install ", "changes the Python environment (the tests run in one already installed)"),
     (r"^python -m pytest( |$)", "the test suite itself"),
     (r"^tensorboard ", "a server that runs until stopped"),
