@@ -180,10 +180,10 @@ def check_passkey(hand: Hand, summary: dict) -> None:
     np.testing.assert_array_equal(np.asarray(pk["accuracy"]), want / pk["per_cell"])
 
 
-def check_loss(hand: Hand, run_dir: Path, summary: dict) -> None:
-    """The CLI's validation loss and loss by position equal the hand-scored forward's on the same held-out batch
-    (packed documents: positions and segment ids)."""
-    cfg = load_config(None, [f"model.from_hf={hand.smol}", "seq_len=512", "global_batch=1", *RING8])
+def check_loss(hand: Hand, run_dir: Path, summary: dict, global_batch: int = 1) -> None:
+    """The CLI's validation loss and loss by position equal the hand-scored forward's on the same held-out batch of
+    `global_batch` rows (packed documents: positions and segment ids)."""
+    cfg = load_config(None, [f"model.from_hf={hand.smol}", "seq_len=512", f"global_batch={global_batch}", *RING8])
     _, batches = validation_split(cfg, DocumentSource(cfg.data.path, cfg.data.text_field), hand.tokenizer, 1)
     by_pos, total, count = PositionLoss(cfg.seq_len), 0.0, 0.0
     for b in batches:
