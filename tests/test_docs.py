@@ -68,8 +68,9 @@ NOT_RUN = [
      ("the evaluation of the command before it (which runs) with its step, lengths, depths and cases given; the "
       "fast tier parses and checks these flags")),
     (r"^python -m jaxlong\.train mesh\.fsdp=1 mesh\.ring=2 mesh\.context=4 run_name=ring steps=4$",
-     ("ring 2 x context 4 on 8 devices, trained through the same command as the one-process reference run of "
-      "tests/training/test_multinode.py's ring layouts (slow tier), which also resumes and evaluates it")),
+     ("ring 2 x context 4 on 8 devices: the same mesh trains through the same trainer and is evaluated on it and "
+      "without ring in tests/evaluation/test_eval.py (slow tier), and spans two processes with U-Pipe in "
+      "tests/training/test_multinode.py (slow tier), which also resumes and evaluates it")),
     (r"^python -m jaxlong\.train attention\.impl=upipe attention\.heads_per_stage=4 remat\.policy=full ",
      ("U-Pipe with full remat: the fast tier validates this command's config; tests/parallel/test_upipe.py checks "
       "U-Pipe with full remat against the one-device model and tests/training/test_train.py trains U-Pipe through "
