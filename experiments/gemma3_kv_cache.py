@@ -7,7 +7,8 @@ The bytes come from the cache's shapes and shardings as the code makes them, not
 `jaxlong.generation.decode.cache_shapes` (the decode step's cache), checked against `jax.eval_shape` of the prefill
 program itself (`make_prefill`, abstract parameters and batch: the shapes it returns), each field's shard shape
 under its sharding (`cache_bytes`); and the chunked prefill's stacks while its chunks run
-(`ChunkedPrefill.stacks`: the window layers' whole prompt too, trimmed after the last chunk).
+(`ChunkedPrefill.stacks`: the global layers' whole prompt, the window layers' chunks that a window reaches) with the
+window buffers it fills as rows end.
 
     python experiments/gemma3_kv_cache.py --out experiments/results/gemma3_kv_cache.md
 
@@ -63,7 +64,7 @@ def measure(prompt: int, max_new: int, windows: bool, chunk: int, check: bool) -
     stacks = ChunkedPrefill(cfg, mesh, chunk, max_new).stacks(1, prompt)
     return {"prompt": prompt, "windows": windows, "global_kv": f["k"] + f["v"], "new_kv": f["new_k"] + f["new_v"],
             "window_kv": f["win_k"] + f["win_v"], "valid": f["valid"], "total": sum(f.values()),
-            "chunked": sum(_shard(a) for a in stacks), "global_layers": cache.k.shape[0],
+            "chunked": sum(_shard(a) for a in stacks) + f["win_k"] + f["win_v"], "global_layers": cache.k.shape[0],
             "local_layers": cache.win_k.shape[0], "window": cfg.model.sliding_window}
 
 
@@ -79,7 +80,7 @@ def table(rows: list[dict]) -> str:
     """The Markdown table of `measure`'s rows, GiB per device."""
     g = lambda b: f"{b / GIB:,.3f}"  # noqa: E731
     lines = ["| prompt tokens | layers (global + window) | global layers' prompt K/V | generated K/V (global) | "
-             "window buffers | valid | **decode cache** | chunked prefill's stacks |",
+             "window buffers | valid | **decode cache** | chunked prefill's stacks and window buffers |",
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         kinds = (f"{r['global_layers']} + {r['local_layers']} (W={r['window']})" if r["windows"] else
@@ -107,7 +108,7 @@ def main(argv=None) -> None:
         with open(args.out, "w") as f:
             f.write(f"# Gemma 3 12B: KV-cache bytes per device, window layers against all-global\n\n{doc}\n\n"
                     f"One row (batch 1), room for {args.max_new} generated tokens, GiB (2^30 bytes) per device of 8 "
-                    f"(mesh context 8), bfloat16; the chunked prefill's stacks for chunks of {args.chunk} tokens."
+                    f"(mesh context 8), bfloat16; the chunked prefill in chunks of {args.chunk} tokens."
                     f"\n\n{text}\n\nCommand: `{cmd.strip()}`. Machine: {machine()} (computed from shapes, no GPU); "
                     f"commit {commit()}.\n")
 

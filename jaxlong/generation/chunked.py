@@ -34,13 +34,14 @@ a cache, which theirs do not).
 
 Sliding-window layers (`model.sliding_window`) write to and attend over a stack of their own beside the global
 layers' (`jaxlong.generation.decode.stack_index`): each stack takes the chunk's keys where the layer is of its kind,
-and the attention switches on the kind (`lax.switch`). A local layer's window is, in the shard's descending order,
-a second bound per query: the slots before the first one holding a prompt index at or below the query's less the
-window (`kv_ends`, which the blockwise and Pallas kernels take), so the key tiles past every window of a query tile
-are not visited. The local stack
-holds the whole prompt while the chunks run (the bytes of an all-global cache); after the last chunk only each
-row's last `window` positions are kept (`jaxlong.generation.decode.window_gather`), the decode step's ring buffers,
-and the local stack is freed.
+and the attention switches on the kind (`lax.switch`). A local layer's stack holds only the chunks its queries'
+windows reach (`window_chunks`: the current chunk and the ceil((W - 1) / chunk) before it), in the same descending
+order: each chunk shifts it by one slice and writes its own slice first, so it is the global layers' cache without
+the chunks that have left every window. A window is a second bound per query: the slots before the first one
+holding a prompt index at or below the query's less the window (`kv_ends`, which the blockwise and Pallas kernels
+take), so the key tiles past every window of a query tile are not visited. After the chunk that holds a row's last
+token, that row's last `window` positions are gathered from the stack into the decode step's window buffers
+(`jaxlong.generation.decode.window_gather`): the local layers never hold more than a few chunks.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ from jaxlong.kernels.layout import pallas_head_dim_ok
 from jaxlong.models import llama as model_lib
 from jaxlong.models.family import GLOBAL, LOCAL
 
-__all__ = ["chunk_order", "chunk_slot", "chunk_tiles", "chunk_kv_steps", "chunk_kernel", "ChunkedPrefill"]
+__all__ = ["chunk_order", "chunk_slot", "chunk_tiles", "chunk_kv_steps", "chunk_kernel", "window_chunks",
+           "ChunkedPrefill"]
 
 
 def chunk_order(n: int, chunk: int, devices: int) -> np.ndarray:
@@ -109,28 +111,49 @@ def chunk_kernel(cfg, mesh) -> str:
     return "pallas" if gpu and ok else "blockwise"
 
 
+def window_chunks(window: int, chunk: int, n: int) -> int:
+    """Chunks a sliding-window layer's stack holds while a prompt of `n` tokens is prefilled in chunks of `chunk`:
+    the current chunk and the `ceil((window - 1) / chunk)` before it, where its queries' windows (the query and the
+    `window - 1` positions before it) reach; at most the prompt's `n / chunk`."""
+    return min(n // chunk, 1 + -(-(window - 1) // chunk))
+
+
 def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str, window: int):
     """The chunk step's two sharded operations on layer i of a stack of the cache whose layers see `window`
-    positions (0: all before them): `write(kc, vc, k, v, i, j)` puts the slice's keys and values (`[b, kv_heads,
+    positions (0: all before them): `write(kc, vc, k, v, i, j, on)` puts the slice's keys and values (`[b, kv_heads,
     chunk, head_dim]`, sequence over ring x context) of chunk j into the cache, and `attend(q, kc, vc, i, j)` attends
     the chunk's queries `[b, chunk, heads, head_dim]` (same sharding) to it, merged exactly over the shards
-    (`jaxlong.kernels.merge.merge_across`). `kernel`: `chunk_kernel`'s or `pallas-interpret`."""
+    (`jaxlong.kernels.merge.merge_across`). `kernel`: `chunk_kernel`'s or `pallas-interpret`.
+
+    A global stack holds the whole prompt, chunk j's slice at slots `[local_n - (j + 1) cl, local_n - j cl)` of a
+    shard; a window stack the last `window_chunks` slices, chunk j's first: the global layout less its first
+    `base(j) = local_n - (j + 1) cl` slots."""
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
     devices = seq_shards(mesh)
     cl, local_n = chunk // devices, n // devices
+    held_n = window_chunks(window, chunk, n) * cl if window else local_n  # the stack's slots per shard
     kb, qb = chunk_tiles(cfg, chunk, devices)
     backend = "blockwise" if kernel == "blockwise" else "pallas"
     tiles = dict(block_q=qb, block_k=kb) if backend == "blockwise" else dict(interpret=kernel == "pallas-interpret")
 
-    def write(kc, vc, k, v, i, j, on):
-        """Local: the slice's k, v `[b, kv, cl, d]` (ascending) into layer i of the shard, descending, chunk j's
-        slots `[local_n - (j + 1) cl, local_n - j cl)`; where `on` is False those slots keep what they hold (a
-        layer of the other kind: the write stays out of the `lax.switch`, so the stacks are updated in place)."""
-        at = (i, 0, 0, local_n - (j + 1) * cl, 0)
+    def base(j):  # the slots of the global layout before this stack's first
+        return local_n - (j + 1) * cl if window else 0
 
-        def put(c, a):
-            now = jax.lax.dynamic_slice(c, at, (1, *a.shape[:2], cl, a.shape[3]))
-            return jax.lax.dynamic_update_slice(c, jnp.where(on, a[None, :, :, ::-1], now), at)
+    def write(kc, vc, k, v, i, j, on):
+        """Local: the slice's k, v `[b, kv, cl, d]` (ascending) into layer i of the shard, descending, at chunk j's
+        slots (a window stack shifted by one slice first, its oldest slice dropped); where `on` is False the layer
+        keeps what it holds (a layer of the other kind: the write stays out of the `lax.switch`, so the stacks are
+        updated in place)."""
+        if window:
+            def put(c, a):
+                layer = jax.lax.dynamic_slice_in_dim(c, i, 1, axis=0)
+                new = jnp.concatenate([a[None, :, :, ::-1].astype(c.dtype), layer[:, :, :, :held_n - cl]], axis=3)
+                return jax.lax.dynamic_update_slice_in_dim(c, jnp.where(on, new, layer), i, axis=0)
+        else:
+            def put(c, a):
+                at = (i, 0, 0, local_n - (j + 1) * cl, 0)
+                now = jax.lax.dynamic_slice(c, at, (1, *a.shape[:2], cl, a.shape[3]))
+                return jax.lax.dynamic_update_slice(c, jnp.where(on, a[None, :, :, ::-1], now), at)
 
         return put(kc, k), put(vc, v)
 
@@ -142,9 +165,9 @@ def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str, window: int):
         if seq:
             q = jax.lax.all_gather(q, seq, axis=1, tiled=True)  # [b, chunk, h, d]: the whole chunk
 
-        def after(index):  # the shard's slots holding prompt indices > index, its first ones (`chunk_order`)
+        def after(index):  # the stack's slots holding prompt indices > index, its first ones (`chunk_order`)
             held = (index // chunk) * cl + jnp.clip(index % chunk - dev * cl + 1, 0, cl)  # indices <= index
-            return local_n - jnp.where(index >= 0, held, 0)
+            return jnp.clip(local_n - base(j) - jnp.where(index >= 0, held, 0), 0, held_n)
 
         # Each query sees the shard's keys of prompt index <= its own, the slots from `after(index)` on (the earlier
         # chunks' slices, and of chunk j's slice those up to the query), and in a window only those above its
@@ -170,7 +193,8 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
     """The jitted step of one chunk: `(params, cache, batch, j, last, logits) -> (logits, cache)`.
 
     `cache` `(k, v, local_k, local_v)` (donated, returned with chunk `j` written): the global layers' keys and
-    values `[global_layers, b, kv_heads, n, head_dim]` and the sliding-window layers' `[local_layers, ...]`, each
+    values `[global_layers, b, kv_heads, n, head_dim]` and the sliding-window layers' `[local_layers, b, kv_heads,
+    window_chunks * chunk, head_dim]` (`ChunkedPrefill.stacks`), each
     layer writing to and attending over its kind's stack (`jaxlong.generation.decode.stack_index`, a `lax.switch` on
     the layer's kind in the one layer scan); `batch` the chunk's `inputs`, `positions`, `segment_ids` `[b, chunk]`
     int32 in prompt order; `last` `[b]` int32 each row's last real token (prompt index); `logits` `[b, vocab]`
@@ -264,13 +288,15 @@ class ChunkedPrefill:
         return self.stacks(rows, n), batch, jax.ShapeDtypeStruct((), jnp.int32), vec, logits
 
     def stacks(self, rows: int, n: int) -> tuple:
-        """The chunk step's cache `(k, v, local_k, local_v)` as `jax.ShapeDtypeStruct`s: the global layers' and the
-        sliding-window layers' whole-prompt stacks (the window layers' chunks attend to the previous chunks'
-        keys within their window; after the last chunk only their window is kept)."""
+        """The chunk step's cache `(k, v, local_k, local_v)` as `jax.ShapeDtypeStruct`s: the global layers' whole-
+        prompt stacks and the sliding-window layers' stacks of `window_chunks` chunks (the chunks their queries'
+        windows reach)."""
         full = cache_shapes(self.cfg, self.mesh, rows, n, self.max_new)
         kinds, _ = stack_index(self.cfg.model)
-        local = jax.ShapeDtypeStruct((int((kinds == LOCAL).sum()), *full.k.shape[1:]), full.k.dtype,
-                                     sharding=full.k.sharding)
+        m = self.cfg.model
+        held = window_chunks(m.sliding_window, self.chunk, n) * self.chunk if m.sliding_window else n
+        local = jax.ShapeDtypeStruct((int((kinds == LOCAL).sum()), *full.k.shape[1:3], held, full.k.shape[4]),
+                                     full.k.dtype, sharding=full.k.sharding)
         return full.k, full.v, local, local
 
     def __call__(self, params, host: dict, on_chunk: Callable[[int, int], None] | None = None):
@@ -278,35 +304,47 @@ class ChunkedPrefill:
         order = chunk_order(n, self.chunk, self.devices)
         put = _putter(self.mesh, P(BATCH_AXES, SEQ_AXES))
         valid = put(host["segment_ids"][:, order] > 0)
-        last = _putter(self.mesh, P(BATCH_AXES))((host["segment_ids"] > 0).sum(axis=1).astype(np.int32) - 1)
+        ends = (host["segment_ids"] > 0).sum(axis=1).astype(np.int32) - 1  # each row's last token (-1: none)
+        last = _putter(self.mesh, P(BATCH_AXES))(ends)
         cache = tuple(zeros(a.shape, a.dtype, a.sharding) for a in self.stacks(rows, n))
         logits = zeros((rows, self.cfg.model.vocab_size), jnp.float32, NamedSharding(self.mesh, P(BATCH_AXES, None)))
+        empty = cache_shapes(self.cfg, self.mesh, rows, n, self.max_new)
+        win = tuple(zeros(a.shape, a.dtype, a.sharding) for a in (empty.win_k, empty.win_v))
+        window = self.cfg.model.sliding_window
         step = self.step_for(n)
         for j in range(n // self.chunk):
             part = {k: put(np.ascontiguousarray(host[k][:, j * self.chunk:(j + 1) * self.chunk]))
                     for k in ("inputs", "positions", "segment_ids")}
             logits, cache = step(params, cache, part, np.int32(j), last, logits)
+            if win[0].shape[0] and (ends // self.chunk == j).any():  # rows ending here: keep their window
+                held = window_chunks(window, self.chunk, n)
+                win = _keep_window(self.mesh, window, self.chunk, self.devices, held)(*win, *cache[2:], last,
+                                                                                       np.int32(j))
             if on_chunk is not None:
                 logits.block_until_ready()  # the chunk has run, not only been dispatched
                 on_chunk(j + 1, n // self.chunk)
-        k, v, local_k, local_v = cache
-        del cache
-        empty = cache_shapes(self.cfg, self.mesh, rows, n, self.max_new)
-        if local_k.shape[0]:
-            win_k, win_v = _trim(self.mesh, self.cfg.model.sliding_window, n, self.chunk, self.devices)(
-                local_k, local_v, last)
-        else:
-            win_k, win_v = (zeros(a.shape, a.dtype, a.sharding) for a in (empty.win_k, empty.win_v))
-        del local_k, local_v  # the window layers' whole-prompt stacks, freed here
+        k, v, _, _ = cache
+        del cache  # the window layers' stacks, freed here
         new_k, new_v = (zeros(a.shape, a.dtype, a.sharding) for a in (empty.new_k, empty.new_v))  # two buffers
-        return logits, Cache(k, v, valid, new_k, new_v, win_k, win_v)
+        return logits, Cache(k, v, valid, new_k, new_v, *win)
 
 
 @functools.lru_cache(maxsize=8)
-def _trim(mesh, window: int, n: int, chunk: int, devices: int):
-    """`trim(local_k, local_v, last) -> (win_k, win_v)`, jitted: the window layers' last `window` positions of each
-    row (`jaxlong.generation.decode.window_gather`) from their chunk-prefilled stacks."""
-    return jax.jit(window_gather(mesh, window, lambda i: chunk_slot(i, n, chunk, devices)))
+def _keep_window(mesh, window: int, chunk: int, devices: int, held: int):
+    """`keep(win_k, win_v, local_k, local_v, last, j) -> (win_k, win_v)`, jitted: for the rows whose last token
+    (`last` `[b]`) is in chunk j, their last `window` positions (`jaxlong.generation.decode.window_gather`) from the
+    window layers' stacks as chunk j left them (`held` chunks, j's first: the chunk-prefilled cache of chunks
+    `j + 1 - held` to j, so a row's index less `(j + 1 - held) chunk` is its index there); the other rows' as
+    given."""
+    gather = window_gather(mesh, window, lambda i: chunk_slot(i, held * chunk, chunk, devices))
+
+    def keep(win_k, win_v, local_k, local_v, last, j):
+        wk, wv = gather(local_k, local_v, last - (j + 1 - held) * chunk)
+        here = (last // chunk == j)[None, :, None, None, None]
+        before = (last[:, None] - window + 1 + jnp.arange(window) < 0)[None, :, None, :, None]  # zero, never read
+        return tuple(jnp.where(here, jnp.where(before, 0, new), old) for new, old in ((wk, win_k), (wv, win_v)))
+
+    return jax.jit(keep, donate_argnums=(0, 1))
 
 
 @functools.lru_cache(maxsize=32)

@@ -190,17 +190,18 @@ def test_layer_kinds_follow_the_pattern_or_the_listed_types():
                                   pytest.param(("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "attention.block_q=8",
                                                 "attention.block_k=8"), id="ring2-ulysses4", marks=pytest.mark.slow),
                                   pytest.param(("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1",
-                                                "prefill_chunk=16"), id="one-chunks16"),
+                                                "prefill_chunk=4"), id="one-chunks4"),
                                   pytest.param(("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "attention.block_q=8",
                                                 "attention.block_k=8", "prefill_chunk=16"), id="ring2-ulysses4-chunks16",
                                                marks=pytest.mark.slow)])
 def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
     """Prompts of 37, 20 and 3 tokens (4.6, 2.5 and 0.4 windows) decoded 10 steps from the cache, past the window
     of 8: a local layer's cache is a ring buffer of the window's 8 positions (the prompt's last ones, then each
-    generated token over the one leaving the window), the global layers' the whole prompt; with `prefill_chunk=16`
-    the 37 and 20-token prompts are prefilled in chunks, each chunk's local layers seeing the cache within their
-    window (windows straddle the chunks), the window kept after the last chunk. Every step's logits equal a whole
-    one-device forward of the sequence so far (materialized attention with the window), and the tokens are its
+    generated token over the one leaving the window), the global layers' the whole prompt; with `prefill_chunk` the
+    prompts are prefilled in chunks (16: windows straddle two chunks; 4: three), each chunk's local layers seeing
+    the cache within their window, their stacks holding only the chunks a window reaches (2 or 3 of 3 or 10), each
+    row's window kept after the chunk where it ends (chunks 2, 1 and 0, or 9, 4 and 0). Every step's logits equal a
+    whole one-device forward of the sequence so far (materialized attention with the window), and the tokens are its
     argmax; every decode step's cache has window-sized local stacks."""
     from jaxlong.core.mesh import build_mesh
     from jaxlong.data import ByteTokenizer
@@ -227,6 +228,9 @@ def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
     rows, prompt = shapes[0].valid
     assert shapes[0].win_k == shapes[0].win_v == (2, rows, 1, 8, 16)  # 2 local layers, the window's 8 slots
     assert shapes[0].k == (2, rows, 1, prompt, 16) and prompt >= 37 and shapes[0].new_k == (2, rows, 1, 11, 16)
+    if cfg.prefill_chunk:  # the window layers' stacks while the chunks run: the 2 or 3 chunks a window reaches
+        held = {16: 32, 4: 12}[cfg.prefill_chunk]
+        assert gen.chunked.stacks(rows, prompt)[2].shape == (2, rows, 1, held, 16), gen.chunked.stacks(rows, prompt)
     # One whole forward of each row's prompt and generated tokens (right-padded to one length, so one compile):
     # by causality its logits at the prompt's last position + t are the ones that chose token t.
     rows = [np.concatenate([p, o.tokens]) for p, o in zip(prompts, out)]
