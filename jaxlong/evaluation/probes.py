@@ -124,28 +124,31 @@ def score_passkey(predict: Callable[[dict], np.ndarray], encode: Callable[[str],
       predict: `batch -> argmax [b, S]` (host numpy; e.g. the argmax of `make_token_stats_step`), called with
         `passkey_batch` batches of `batch_size` same-length examples.
       encode: tokenizer `str -> int [n]`.
-      lengths, depths: the grid; per_cell: examples per cell (rounded up to a multiple of batch_size).
-      digits: passkey length in digits; seed: fixes keys (and so the examples).
-      progress: called with the number of examples after each forward.
+      lengths, depths: the grid; per_cell: examples per cell, exactly. The examples of one length, cell by cell,
+        fill batches of `batch_size` across cells (the last batch of a length filled with repeats of its last
+        example, not counted): `ceil(len(depths) * per_cell / batch_size)` forwards per length.
+      digits: passkey length in digits; seed: fixes keys (and so the examples: drawn length by length, then depth
+        by depth, `per_cell` each).
+      progress: called with the number of examples counted after each forward.
 
     Returns:
       float `[len(depths), len(lengths)]`: the fraction of examples whose argmax equals the target at every
       answer position (all of the key's tokens right).
     """
     rng = np.random.default_rng([seed, 2])
-    n_batches = -(-per_cell // batch_size)
     acc = np.zeros((len(depths), len(lengths)))
     for j, length in enumerate(lengths):
-        for i, depth in enumerate(depths):
-            right = total = 0
-            for _ in range(n_batches):
-                examples = [passkey_example(encode, length, depth, random_key(rng, digits)) for _ in range(batch_size)]
-                batch = passkey_batch(examples)
-                argmax = np.asarray(predict(batch))
-                for k, e in enumerate(examples):
-                    right += bool(np.all(argmax[k, e.answer] == batch["targets"][k, e.answer]))
-                total += len(examples)
-                if progress:
-                    progress(len(examples))
-            acc[i, j] = right / total
+        cells = [(i, passkey_example(encode, length, depth, random_key(rng, digits)))
+                 for i, depth in enumerate(depths) for _ in range(per_cell)]
+        right = np.zeros(len(depths))
+        for at in range(0, len(cells), batch_size):
+            part = cells[at:at + batch_size]
+            examples = [e for _, e in part] + [part[-1][1]] * (batch_size - len(part))
+            batch = passkey_batch(examples)
+            argmax = np.asarray(predict(batch))
+            for k, (i, e) in enumerate(part):
+                right[i] += bool(np.all(argmax[k, e.answer] == batch["targets"][k, e.answer]))
+            if progress:
+                progress(len(part))
+        acc[:, j] = right / per_cell
     return acc

@@ -226,11 +226,10 @@ class Evaluation:
 
 def sequences_to_evaluate(cfg: Config, batches: list[dict], passkey: PasskeyGrid | None = None) -> int:
     """The total of `evaluate_params`'s `progress` counts (a progress bar's length): each validation sequence
-    once, and each passkey example (`per_cell` rounded up to a multiple of `eval_batch_size(cfg)`) per cell."""
+    once, and each passkey example (`per_cell` per cell)."""
     n = sum(len(b["inputs"]) for b in batches)
     if passkey is not None:
-        size = eval_batch_size(cfg)
-        n += len(passkey.lengths) * len(passkey.depths) * -(-passkey.per_cell // size) * size
+        n += len(passkey.lengths) * len(passkey.depths) * passkey.per_cell
     return n
 
 

@@ -241,7 +241,7 @@ def test_passkey_score_of_predictors_that_cannot_fail_or_cannot_succeed(predict,
                            progress=calls.append)
     assert acc.shape == (3, 2)
     np.testing.assert_array_equal(acc, np.full((3, 2), want))
-    assert sum(calls) == 3 * 2 * 4  # per_cell 3 rounded up to two batches of 2
+    assert sum(calls) == 3 * 2 * 3 and len(calls) == 2 * 5  # each length's 9 examples in 5 batches of 2
 
 
 def test_passkey_score_counts_each_example():
