@@ -1,7 +1,7 @@
 """`python -m jaxlong.eval` on a real pretrained model (slow tier): SmolLM2-135M-Instruct (tests/smollm2.py),
 trained for one step at learning rate 0 by `python -m jaxlong.train` on ring 8, as the documented command does,
 then evaluated by the CLI (a child process, as a user runs it) on ring 2:
-- RULER as RULER scores it (the default): a task of every family at 1K, one case each; every prompt's ids, every
+- RULER as RULER scores it (the default): a task of each family at 1K, one case each; every prompt's ids, every
   generated text and every score equal transformers' greedy generation scored by RULER's string_match_all
   (tests/fixtures/smollm2/ruler_generate.npz, made by tests/make_smollm2_generation.py);
 - in the same run, passkey retrieval cell by cell, the validation loss and loss by position as the forward scored
@@ -25,7 +25,9 @@ pytestmark = pytest.mark.slow
 
 RING2 = ("mesh.num_devices=2", "mesh.fsdp=1", "mesh.ring=2", "mesh.context=1")
 RULER_GOLDEN = smollm2.GOLDEN.with_name("ruler_generate.npz")  # tests/make_smollm2_generation.py ruler-generate
-RULER_TASKS = ("niah_multikey_3", "vt", "cwe", "fwe")  # one of each family (the golden file holds six tasks)
+# One of each family: retrieval, tracing, aggregation (the golden file holds six tasks; cwe, the other aggregation
+# task, generates RULER's 120 tokens where these stop by 50, and the batch decodes as long as its longest case)
+RULER_TASKS = ("niah_multikey_3", "vt", "fwe")
 RULER_LENGTH, RULER_CASES = 1024, 1
 
 
@@ -63,7 +65,7 @@ def test_cli_forced_scores_equal_the_hand_scored_forward(run_dir, hand):
 
 def test_cli_ruler_by_generation_equals_transformers_case_by_case(run_dir, smol, hand):
     """RULER as RULER scores it, through the CLI on ring 2 (a cache split by sequence, without the CPU time of 8
-    simulated devices; ring 8's split cache is checked on the tiny model), 4 cases in one batch: each prompt's ids
+    simulated devices; ring 8's split cache is checked on the tiny model), 3 cases in one batch: each prompt's ids
     equal the golden file's (and, rendered as a chat, transformers' `apply_chat_template` with the
     answer prefix); each generated text equals transformers' greedy generation (RULER's tokens_to_generate, EOS
     from the generation config), or parts from it where transformers' top-2 logits are within 2e-3 (a near-tie);
@@ -102,4 +104,4 @@ def test_cli_ruler_by_generation_equals_transformers_case_by_case(run_dir, smol,
                            for i in range(RULER_CASES)]) for t in RULER_TASKS}
     if not parted:  # the summary's scores are transformers' text scored by RULER's metric
         assert {r["task"]: r["score"] for r in summary["ruler"]["rows"]} == pytest.approx(by_task)
-    assert summary["ruler"]["mean"] > 0.3  # the model answers the needle, part of vt, cwe and fwe (0.41 in the golden)
+    assert summary["ruler"]["mean"] > 0.3  # the model answers the needle, part of vt and fwe (0.51 in the golden)
