@@ -52,10 +52,7 @@ RUN = {
     DEFAULT: "a fresh directory",
     "python -m jaxlong.train --resume steps=25 optim.decay_steps=20": AFTER_DEFAULT,
     "python -m jaxlong.train --resume-with-changes steps=25 optim.lr=1e-3": AFTER_DEFAULT,
-    "python -m jaxlong.train --profile run_name=profiled steps=5": "a fresh directory",
     "python -m jaxlong.eval runs/default": AFTER_DEFAULT,
-    "python -m jaxlong.eval runs/default --ruler --ruler-tasks niah_single_1,vt --ruler-cases 1 --no-passkey":
-        AFTER_DEFAULT,
     "python -m jaxlong.generate runs/default --prompt 'def fibonacci(n):' --max-new-tokens 64": AFTER_DEFAULT,
     "python -m jaxlong.train --config configs/recipes/tiny_extension.yaml": "a fresh directory",
     "python -m jaxlong.train --config configs/recipes/tiny_dpo.yaml": "a fresh directory",
@@ -79,6 +76,13 @@ NOT_RUN = [
      ("RULER during training: the fast tier validates this command's config (its tasks and lengths against the "
       "mesh); tests/evaluation/test_eval.py trains with RULER by generation in the trainer's validation and "
       "evaluates the run with the CLI (slow tier), and the default run's chain runs the RULER evaluation command")),
+    (r"^python -m jaxlong\.train --profile run_name=profiled steps=5$",
+     ("a profile of a fresh default run: the fast tier validates this command's config, and "
+      "tests/training/test_train.py (fast tier) trains with --profile and finds the trace under plugins/profile")),
+    (r"^python -m jaxlong\.eval runs/default --ruler --ruler-tasks niah_single_1,vt ",
+     ("RULER by generation through the evaluation command on a run: tests/evaluation/test_real_model_eval.py runs "
+      "it as a child process on SmolLM2 (ring 2) and tests/evaluation/test_ruler.py on a tiny run (slow tier), "
+      "with these flags; the fast tier parses and checks them against the default run's config")),
     (r"^pip install ", "changes the Python environment (the tests run in one already installed)"),
     (r"^python -m pytest( |$)", "the test suite itself"),
     (r"^tensorboard ", "a server that runs until stopped"),
@@ -343,12 +347,12 @@ def check_jaxlong_command(cmd: Command, capsys) -> None:
         assert args.run_dir in EVAL_RUNS, f"{what}: add the config {args.run_dir} was trained with to EVAL_RUNS"
         config, overrides = EVAL_RUNS[args.run_dir]
         cfg = _load(config, [*overrides, *args.overrides], what)
-        try:
-            for n in [int(x) for x in args.lengths.split(",")] if args.lengths else []:
-                evaluate.check_passkey_length(cfg, n)
+        from jaxlong.evaluation.checkpoint import check_flags
+
+        try:  # the command's own checks of its flags against the run's config: passkey and RULER lengths, tasks
+            check_flags(cfg, evaluate.options(args))
         except ValueError as e:  # ConfigError, or a length that is not a number
             pytest.fail(f"{what}: {e}")
-        assert all(0 <= float(d) <= 1 for d in args.depths.split(",")), f"{what}: --depths must be in [0, 1]"
     elif module == "jaxlong.generate":
         from jaxlong.generate import __main__ as generate
 

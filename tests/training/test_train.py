@@ -20,7 +20,9 @@ def _cfg(tmp_path, *extra):
 def test_training_reduces_loss_and_writes_events_and_checkpoints(tmp_path):
     """Eight steps: the loss falls, TensorBoard has its scalars, checkpoints every 4 steps; a hook every 3 steps
     (`jaxlong.training.hooks.Hook`) runs after steps 3, 6 and the last, and sees that step's logged loss and its
-    parameters (those the last checkpoint holds)."""
+    parameters (those the last checkpoint holds). With `--profile` (`profile=True`) a `jax.profiler` trace of
+    `profile_steps` steps (from the second) is written under RUN/plugins/profile, where TensorBoard's profile
+    plugin reads it."""
     import jax
     import numpy as np
 
@@ -34,11 +36,12 @@ def test_training_reduces_loss_and_writes_events_and_checkpoints(tmp_path):
     def probe(ctx):
         seen.append((ctx.step, ctx.metrics["loss"], jax.tree.map(np.asarray, ctx.params)))
 
-    cfg = _cfg(tmp_path, "steps=8", "checkpoint_every=4", "keep_checkpoints=3", "run_name=a")
+    cfg = _cfg(tmp_path, "steps=8", "checkpoint_every=4", "keep_checkpoints=3", "run_name=a", "profile_steps=2")
     with pytest.raises(ValueError, match="every=0"):
         Hook(probe, every=0)
-    out = run(cfg, hooks=[Hook(probe, every=3)])
+    out = run(cfg, hooks=[Hook(probe, every=3)], profile=True)
     run_dir = tmp_path / "a"
+    assert len(list((run_dir / "plugins" / "profile").glob("*/*.xplane.pb"))) == 1  # one trace (--profile)
     events = EventAccumulator(str(run_dir)).Reload()
     losses = [e.value for e in events.Scalars("loss")]
     assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
