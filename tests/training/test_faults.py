@@ -339,14 +339,14 @@ SHAPE_CHANGES = {"resume": ["-m", "jaxlong.train", "--resume-with-changes"], "ev
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_a_refused_changed_shape_prints_no_traceback_in_six_tries(two_steps, tmp_path):
-    """`python -m jaxlong.train --resume-with-changes model.hidden=128` (6 tries) and `python -m jaxlong.eval
-    RUN model.hidden=128` (2 tries) each end with one line on stderr and exit code 2: no orbax or asyncio
-    traceback at exit."""
+def test_a_refused_changed_shape_prints_no_traceback_in_four_tries(two_steps, tmp_path):
+    """`python -m jaxlong.train --resume-with-changes model.hidden=128` (3 tries) and `python -m jaxlong.eval
+    RUN model.hidden=128` (1 try) each end with one line on stderr and exit code 2: no orbax or asyncio
+    traceback at exit (a race at the interpreter's exit: several tries)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     run_dir = tmp_path / "run"
-    for name, tries in (("resume", 6), ("eval", 2)):
+    for name, tries in (("resume", 3), ("eval", 1)):
         args = [*TINY, *two_steps] if name == "resume" else [str(run_dir)]
         for _ in range(tries):
             proc = subprocess.run([sys.executable, *SHAPE_CHANGES[name], *args, "model.hidden=128"], env=env,
