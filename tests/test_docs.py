@@ -52,7 +52,8 @@ RUN = {
     DEFAULT: "a fresh directory",
     "python -m jaxlong.train --resume steps=25 optim.decay_steps=20": AFTER_DEFAULT,
     "python -m jaxlong.train --resume-with-changes steps=25 optim.lr=1e-3": AFTER_DEFAULT,
-    "python -m jaxlong.eval runs/default": AFTER_DEFAULT,
+    "python -m jaxlong.eval runs/default --step 20 --lengths 512,1024,2048,4096 --depths 0,0.25,0.5,0.75,1 "
+    "--per-cell 2": AFTER_DEFAULT,
     "python -m jaxlong.generate runs/default --prompt 'def fibonacci(n):' --max-new-tokens 64": AFTER_DEFAULT,
     "python -m jaxlong.train --config configs/recipes/tiny_extension.yaml": "a fresh directory",
     "python -m jaxlong.train --config configs/recipes/tiny_dpo.yaml": "a fresh directory",
@@ -61,9 +62,10 @@ RUN = {
 # The commands the slow tier does not run: (regular expression searched in the command, why). The first match
 # gives the reason.
 NOT_RUN = [
-    (r"^python -m jaxlong\.eval runs/default --step 20 --lengths ",
-     ("the evaluation of the command before it (which runs) with its step, lengths, depths and cases given; the "
-      "fast tier parses and checks these flags")),
+    (r"^python -m jaxlong\.eval runs/default$",
+     ("the evaluation of the command after it (which runs) with its defaults: that one gives the same step, "
+      "lengths and depths and 2 examples a cell, not 4; the fast tier checks these defaults against the run's "
+      "config")),
     (r"^python -m jaxlong\.train mesh\.fsdp=1 mesh\.ring=2 mesh\.context=4 run_name=ring steps=4$",
      ("ring 2 x context 4 on 8 devices: the same mesh trains through the same trainer and is evaluated on it and "
       "without ring in tests/evaluation/test_eval.py (slow tier), and spans two processes with U-Pipe in "
