@@ -80,7 +80,7 @@ NOT_RUN = [
       "evaluates the run with the CLI (slow tier), and the default run's chain runs the RULER evaluation command")),
     (r"^python -m jaxlong\.train --profile run_name=profiled steps=5$",
      ("a profile of a fresh default run: the fast tier validates this command's config, and "
-      "tests/training/test_train.py (fast tier) trains with --profile and finds the trace under plugins/profile")),
+      "tests/training/test_train.py (slow tier) trains with --profile and finds the trace under plugins/profile")),
     (r"^python -m jaxlong\.eval runs/default --ruler --ruler-tasks niah_single_1,vt ",
      ("RULER by generation through the evaluation command on a run: tests/evaluation/test_real_model_eval.py runs "
       "it as a child process on SmolLM2 (ring 2) and tests/evaluation/test_ruler.py on a tiny run (slow tier), "

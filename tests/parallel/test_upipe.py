@@ -71,10 +71,10 @@ def test_upipe_op_matches_ulysses_and_reference(case):
     ctx = SublayerContext(mesh, impl="upipe", heads_per_stage=u, rope_theta=10000.0, backend="blockwise", block_q=16, block_k=16)
     upipe = lambda x, *w: upipe_attention(x, SublayerWeights(None, *w), ctx)
     ulysses = lambda *a: _ulysses(*a, mesh)
-    ref_out = _dense(x, wq, wk, wv)
+    ref_out = jax.jit(_dense)(x, wq, wk, wv)  # one program: eager ops on sharded x dispatch collectives
     for fn in (upipe, ulysses):
         np.testing.assert_allclose(jax.jit(fn)(x, wq, wk, wv), ref_out, rtol=1e-5, atol=1e-5)
-    g_ref = jax.grad(loss(_dense), argnums=(0, 1, 2, 3))(x, wq, wk, wv)
+    g_ref = jax.jit(jax.grad(loss(_dense), argnums=(0, 1, 2, 3)))(x, wq, wk, wv)
     g_up = jax.jit(jax.grad(loss(upipe), argnums=(0, 1, 2, 3)))(x, wq, wk, wv)
     g_ul = jax.jit(jax.grad(loss(ulysses), argnums=(0, 1, 2, 3)))(x, wq, wk, wv)
     for name, a, b, c in zip(("dx", "dWq", "dWk", "dWv"), g_up, g_ul, g_ref):
@@ -169,7 +169,7 @@ def test_upipe_sublayer_in_bfloat16_is_as_accurate_as_ulysses():
     def dense(*a):
         return jnp.sum(_dense_sublayer(*a) * ct)
 
-    ref = jax.value_and_grad(dense, argnums=range(6))(*[a.astype(jnp.float32) for a in bf])
+    ref = jax.jit(jax.value_and_grad(dense, argnums=range(6)))(*[a.astype(jnp.float32) for a in bf])
     got = {f.__name__: jax.jit(jax.value_and_grad(f, argnums=range(6)))(*bf) for f in (upipe, ulysses)}
 
     def rel(a, b):

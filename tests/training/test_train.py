@@ -1,10 +1,13 @@
 """The train loop end to end on tiny shapes: loss goes down, TensorBoard events, checkpoints, exact resume."""
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import tiny_cfg
+from helpers import TINY, tiny_cfg
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jaxlong.recipes import train as run
@@ -20,9 +23,7 @@ def _cfg(tmp_path, *extra):
 def test_training_reduces_loss_and_writes_events_and_checkpoints(tmp_path):
     """Eight steps: the loss falls, TensorBoard has its scalars, checkpoints every 4 steps; a hook every 3 steps
     (`jaxlong.training.hooks.Hook`) runs after steps 3, 6 and the last, and sees that step's logged loss and its
-    parameters (those the last checkpoint holds). With `--profile` (`profile=True`) a `jax.profiler` trace of
-    `profile_steps` steps (from the second) is written under RUN/plugins/profile, where TensorBoard's profile
-    plugin reads it."""
+    parameters (those the last checkpoint holds)."""
     import jax
     import numpy as np
 
@@ -36,12 +37,11 @@ def test_training_reduces_loss_and_writes_events_and_checkpoints(tmp_path):
     def probe(ctx):
         seen.append((ctx.step, ctx.metrics["loss"], jax.tree.map(np.asarray, ctx.params)))
 
-    cfg = _cfg(tmp_path, "steps=8", "checkpoint_every=4", "keep_checkpoints=3", "run_name=a", "profile_steps=2")
+    cfg = _cfg(tmp_path, "steps=8", "checkpoint_every=4", "keep_checkpoints=3", "run_name=a")
     with pytest.raises(ValueError, match="every=0"):
         Hook(probe, every=0)
-    out = run(cfg, hooks=[Hook(probe, every=3)], profile=True)
+    out = run(cfg, hooks=[Hook(probe, every=3)])
     run_dir = tmp_path / "a"
-    assert len(list((run_dir / "plugins" / "profile").glob("*/*.xplane.pb"))) == 1  # one trace (--profile)
     events = EventAccumulator(str(run_dir)).Reload()
     losses = [e.value for e in events.Scalars("loss")]
     assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
@@ -241,3 +241,19 @@ def test_a_gpu_sized_model_on_the_cpu_is_refused_before_the_data_and_the_compile
                                           r"--target h100") as e:
         loop.run(cfg)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_profile_writes_a_trace_of_its_steps(tmp_path):
+    """`python -m jaxlong.train --profile` (a child process, as a user runs it: the profiler is the process's): a
+    `jax.profiler` trace of `profile_steps` steps, from the second, under RUN/plugins/profile where TensorBoard's
+    profile plugin reads it, and the line that says so."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "jaxlong.train", "--profile", *TINY, *TRAIN, "steps=3",
+                           "profile_steps=1", "eval_every=0", "run_name=p", f"run_dir={tmp_path}"],
+                          env={**os.environ, "PYTHONPATH": str(root)}, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list((tmp_path / "p" / "plugins" / "profile").glob("*/*.xplane.pb"))) == 1
+    assert f"profile of 1 steps written under {tmp_path / 'p'}/plugins/profile" in proc.stdout + proc.stderr
