@@ -77,7 +77,7 @@ NOT_RUN = [
     (r"^python -m jaxlong\.train run_name=ruler steps=4 eval_every=4 ",
      ("RULER during training: the fast tier validates this command's config (its tasks and lengths against the "
       "mesh); tests/evaluation/test_eval.py trains with RULER by generation in the trainer's validation and "
-      "evaluates the run with the CLI (slow tier), and the default run's chain runs the RULER evaluation command")),
+      "evaluates the run with the CLI (slow tier)")),
     (r"^python -m jaxlong\.train --profile run_name=profiled steps=5$",
      ("a profile of a fresh default run: the fast tier validates this command's config, and "
       "tests/training/test_train.py (slow tier) trains with --profile and finds the trace under plugins/profile")),

@@ -311,15 +311,15 @@ class ChunkedPrefill:
         empty = cache_shapes(self.cfg, self.mesh, rows, n, self.max_new)
         win = tuple(zeros(a.shape, a.dtype, a.sharding) for a in (empty.win_k, empty.win_v))
         window = self.cfg.model.sliding_window
+        keep = _keep_window(self.mesh, window, self.chunk, self.devices, window_chunks(window, self.chunk, n)) \
+            if win[0].shape[0] else None  # the window buffers of the rows that end in a chunk
         step = self.step_for(n)
         for j in range(n // self.chunk):
             part = {k: put(np.ascontiguousarray(host[k][:, j * self.chunk:(j + 1) * self.chunk]))
                     for k in ("inputs", "positions", "segment_ids")}
             logits, cache = step(params, cache, part, np.int32(j), last, logits)
-            if win[0].shape[0] and (ends // self.chunk == j).any():  # rows ending here: keep their window
-                held = window_chunks(window, self.chunk, n)
-                win = _keep_window(self.mesh, window, self.chunk, self.devices, held)(*win, *cache[2:], last,
-                                                                                       np.int32(j))
+            if keep is not None and (ends // self.chunk == j).any():  # rows ending here: keep their window
+                win = keep(*win, *cache[2:], last, np.int32(j))
             if on_chunk is not None:
                 logits.block_until_ready()  # the chunk has run, not only been dispatched
                 on_chunk(j + 1, n // self.chunk)
