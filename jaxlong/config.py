@@ -36,7 +36,6 @@ from jaxlong.layers.blocks import RopeScalingConfig
 from jaxlong.layers.remat import RematConfig, check_remat
 from jaxlong.layers.tiled import TilingConfig, check_tiling
 from jaxlong.models.config import ModelConfig, check_model
-from jaxlong.models.family import layer_kinds
 from jaxlong.models.hf_config import model_settings_from_hf
 from jaxlong.models.llama import Runtime
 from jaxlong.objectives.base import Objective
@@ -497,29 +496,9 @@ def _check_layout(cfg: Config, n: int, platform: str | None) -> None:
             check_upipe_remat_names(cfg.remat.save + cfg.remat.offload)
     kernel = kernel_that_runs(cfg.attention.backend, platform, compute_dtype=cfg.compute_dtype,
                               head_dim=m.head_dim, segment_ids=cfg.data.packing == "documents")
-    _check_kept_in_host(cfg, platform)
     check_kernel_size(kernel, backend=cfg.attention.backend, batch=cfg.global_batch // (cfg.grad_accum * data * fsdp),
                       seq=cfg.seq_len // ring, heads=(u if cfg.attention.impl == "upipe" else m.heads) // context,
                       head_dim=m.head_dim)
-
-
-def _check_kept_in_host(cfg: Config, platform: str | None) -> None:
-    """XLA:GPU (jax 0.10) fails to compile kept attention residuals offloaded to pinned host memory from inside the
-    per-layer switch of a model that mixes layer kinds (an INTERNAL error after layout assignment); on the device
-    they compile.
-
-    Raises:
-      ConfigError: `remat.keep_attention` > 0 with `remat.keep_attention_memory=host` on a GPU for such a model."""
-    r = cfg.remat
-    if platform != "gpu" or not r.keep_attention or r.keep_attention_memory != "host":
-        return
-    if len(set(layer_kinds(cfg.model))) > 1:
-        raise ConfigError(f"remat.keep_attention={r.keep_attention} with remat.keep_attention_memory=host does not "
-                          f"compile on the GPU for a model mixing sliding-window and global layers "
-                          f"(model.sliding_window={cfg.model.sliding_window}); give remat.keep_attention_memory=device "
-                          f"or remat.keep_attention=0", key="remat.keep_attention_memory", value="host",
-                          keys=("remat.keep_attention",), suggestions=({"remat.keep_attention_memory": "device"},
-                                                                      {"remat.keep_attention": 0}))
 
 
 def validate_ruler(cfg: Config) -> None:

@@ -40,6 +40,7 @@ body (jax#23869).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -209,7 +210,8 @@ def _offload_only(name: str):
     return _save_offload([], [name])
 
 
-def scan_layers(layer, x: jax.Array, stacked, cfg, group_params=None, keep_layer=None) -> jax.Array:
+def scan_layers(layer, x: jax.Array, stacked, cfg, group_params=None, keep_layer=None, kinds=None,
+                output_offload: bool = False) -> jax.Array:
     """Run `x` through the stacked decoder layers with the remat policy of `cfg` (a `jaxlong.config.RematConfig`).
 
     `layer(carry, layer_params) -> (carry, None)` is one decoder layer on `x` `[batch, seq, hidden]`; `stacked`
@@ -234,44 +236,72 @@ def scan_layers(layer, x: jax.Array, stacked, cfg, group_params=None, keep_layer
     on its own. When only some layers keep, the two parts' parameters are sliced apart (after `group_params`,
     so a copy in the compute dtype).
 
+    `kinds`: each layer's kind (Python ints, `[layers]`) where the layers are of more than one kind; `stacked` is
+    then `(params, kinds as int32 [layers])` and the layer switches on its traced kind, or, where it offloads to host
+    memory from inside attention, takes its kind as a Python int in a scan over the kinds' period (`_scan_part`).
+    `output_offload`: the attention op itself moves its output to host memory under `offload` in layers that do
+    not keep their attention (U-Pipe, `offloads_attention_output`).
+
     Returns the output of the last layer `[batch, seq, hidden]`.
     """
     n = jax.tree.leaves(stacked)[0].shape[0]
     keep = min(cfg.keep_attention, n) if cfg.policy in ("full", "offload") else 0
     if not keep:
-        return _scan_part(layer, x, stacked, cfg, group_params, keep=False)
+        return _scan_part(layer, x, stacked, cfg, group_params, keep=False, kinds=kinds, output_offload=output_offload)
     if keep == n:
-        return _scan_part(keep_layer, x, stacked, cfg, group_params, keep=True)
+        return _scan_part(keep_layer, x, stacked, cfg, group_params, keep=True, kinds=kinds)
     cast = group_params or (lambda p: p)
     params = cast(stacked)
-    x = _scan_part(keep_layer, x, jax.tree.map(lambda a: a[:keep], params), cfg, None, keep=True)
-    return _scan_part(layer, x, jax.tree.map(lambda a: a[keep:], params), cfg, None, keep=False)
+    x = _scan_part(keep_layer, x, jax.tree.map(lambda a: a[:keep], params), cfg, None, keep=True,
+                   kinds=kinds and kinds[:keep])
+    return _scan_part(layer, x, jax.tree.map(lambda a: a[keep:], params), cfg, None, keep=False,
+                      kinds=kinds and kinds[keep:], output_offload=output_offload)
 
 
-def _scan_part(layer, x, stacked, cfg, group_params, keep: bool) -> jax.Array:
-    """`scan_layers` over one part of the stack, every layer keeping its attention or none (`keep`)."""
-    k = cfg.offload_every
+def kind_period(kinds) -> int:
+    """The shortest p with `kinds[i] == kinds[i % p]` for every layer i (1 for one kind; Gemma 3's 5:1 pattern: 6)."""
+    return next(p for p in range(1, len(kinds) + 1) if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
+
+
+def _at(tree, i):
+    return jax.tree.map(lambda a: a[i], tree)
+
+
+def _scan_part(layer, x, stacked, cfg, group_params, keep: bool, kinds=None, output_offload=False) -> jax.Array:
+    """`scan_layers` over one part of the stack, every layer keeping its attention or none (`keep`); `kinds`: the
+    part's layer kinds (Python ints) where the model mixes them.
+
+    The scan runs over blocks of B layers: one layer (B = 1), or with grouped checkpointing one group of k. Where the
+    layers offload to host memory from inside attention (kept attention in host memory; U-Pipe's output buffer under
+    `offload`, `output_offload`; a `custom` policy's offloaded names) and the model mixes kinds, each layer's kind is a Python int instead
+    (XLA:GPU cannot offload from inside the kind's `lax.switch`): B is then the least common multiple of k and the
+    kinds' period, so every block starts at a multiple of the period and its i-th layer is of kind `kinds[i]`. A
+    block's layers are unrolled in its body (Gemma 3 with k = 1: 6 layers), and the `n % B` layers left over run
+    after the scan as one more, shorter block."""
+    k = cfg.offload_every if cfg.policy == "offload" else 1
     inner = remat(layer, cfg, keep)
-    if cfg.policy != "offload" or k <= 1:
+    host_kept = keep and cfg.keep_attention_memory == "host"
+    offloads = (host_kept or (output_offload and offloads_attention_output(cfg, keep))
+                or (cfg.policy == "custom" and bool(cfg.offload)))
+    static = kinds is not None and offloads
+    if k == 1 and not static:
         return jax.lax.scan(inner, x, stacked)[0]
-
-    cast = group_params or (lambda p: p)
+    by_kind = {kind: remat(lambda c, xs, kind=kind: layer(c, (xs[0], kind)), cfg, keep)
+               for kind in set(kinds)} if static else {}
 
     # Kept attention under grouping. In host memory: the group keeps its layers' attention output and lse in host
     # memory for the whole step (with its input), so neither the group's recomputation nor a layer's runs the
     # attention forward again. Its k layers are then unrolled in the group (XLA cannot offload a residual that a
     # scan nested in the group's scan stacks), each under the layer's own policy. On the device: the group saves
     # them too, and its inner scan stays.
-    host_kept = keep and cfg.keep_attention_memory == "host"
-
-    def group(carry, params):
-        carry = checkpoint_name(carry, GROUP_INPUT)
-        params = cast(params)
-        if host_kept:
-            for i in range(jax.tree.leaves(params)[0].shape[0]):
-                carry = inner(carry, jax.tree.map(lambda a: a[i], params))[0]
-            return carry, None
-        return jax.lax.scan(inner, carry, params)[0], None
+    def layers(carry, params, first: int):
+        """The layers of `params` (leading axis), the first being the block's `first`-th."""
+        size = jax.tree.leaves(params)[0].shape[0]
+        if not static and (k == 1 or not host_kept):
+            return jax.lax.scan(inner, carry, params)[0]
+        for i in range(size):
+            carry = (by_kind[kinds[first + i]] if static else inner)(carry, _at(params, i))[0]
+        return carry
 
     if host_kept:
         outer_policy = _save_offload([], [GROUP_INPUT, *KEPT_NAMES])
@@ -279,16 +309,28 @@ def _scan_part(layer, x, stacked, cfg, group_params, keep: bool) -> jax.Array:
         outer_policy = _save_offload(list(KEPT_NAMES), [GROUP_INPUT])
     else:
         outer_policy = _offload_only(GROUP_INPUT)
-    outer = jax.checkpoint(group, policy=outer_policy, prevent_cse=False)
+    cast = group_params or (lambda p: p)
+
+    def group(carry, params, first: int):
+        if k == 1:
+            return layers(carry, params, first)
+
+        def body(carry, params):
+            return layers(checkpoint_name(carry, GROUP_INPUT), cast(params), first)
+        return jax.checkpoint(body, policy=outer_policy, prevent_cse=False)(carry, params)
+
+    def block(carry, params):
+        size = jax.tree.leaves(params)[0].shape[0]
+        for g in range(0, size, k):
+            carry = group(carry, jax.tree.map(lambda a: a[g: g + k], params), g)
+        return carry
+
     n = jax.tree.leaves(stacked)[0].shape[0]
-    groups, rest = divmod(n, k)
-    if groups:
-        if rest:
-            head = jax.tree.map(lambda a: a[: groups * k], stacked)
-        else:
-            head = stacked
-        head = jax.tree.map(lambda a: a.reshape(groups, k, *a.shape[1:]), head)
-        x = jax.lax.scan(outer, x, head)[0]
+    b = math.lcm(k, kind_period(kinds)) if static else k
+    blocks, rest = divmod(n, b)
+    if blocks:
+        head = jax.tree.map(lambda a: a[: blocks * b].reshape(blocks, b, *a.shape[1:]), stacked)
+        x = jax.lax.scan(lambda c, p: (block(c, p), None), x, head)[0]
     if rest:
-        x = outer(x, jax.tree.map(lambda a: a[groups * k:], stacked))[0]
+        x = block(x, jax.tree.map(lambda a: a[blocks * b:], stacked))
     return x

@@ -14,7 +14,8 @@ linear, llama3, yarn; `jaxlong.layers.blocks.rope_frequencies`). Hugging Face ch
 
 The decoder layers' parameters are stacked on a leading `[layers]` axis and run by one `lax.scan`, so compile
 time does not grow with depth; layers of different kinds (global, or local with a window) switch on their kind
-inside it (`lax.switch` between the kinds' attention records, `Runtime.attention_context`). Inside the scan body each layer's FSDP-sharded weights are cast to the compute
+inside it (`lax.switch` between the kinds' attention records, `Runtime.attention_context`), or, where they offload
+from inside attention, take it as a constant in a scan over the kinds' period (`jaxlong.layers.remat.scan_layers`). Inside the scan body each layer's FSDP-sharded weights are cast to the compute
 dtype and gathered (a replicated sharding constraint), so only one layer's full weights are live at a time;
 the transpose of that gather reduce-scatters the gradients.
 
@@ -186,10 +187,12 @@ class DecoderLayer(nnx.Module):
                         segment_ids: jax.Array | None = None, kind: jax.Array | None = None) -> jax.Array:
         """The attention sublayer with its residual: `[b, s, hidden]` -> `x + W_o attention(RMSNorm(x))` (Gemma:
         the post-norm inside), by the method `attention.impl` names (`jaxlong.parallel.dispatch`). `kind`: the
-        layer's kind (traced int32) where the model mixes kinds: a `lax.switch` between their attention records."""
+        layer's kind where the model mixes kinds: a Python int picks its attention record, a traced int32 switches
+        between them (`lax.switch`)."""
         w = self.weights()
-        if kind is None:
-            return attention_sublayer(x, w, positions, segment_ids, rt.sublayer)
+        if kind is None or isinstance(kind, int):
+            ctx = rt.sublayer if kind is None else rt.attention_context(kind)
+            return attention_sublayer(x, w, positions, segment_ids, ctx)
         branches = [functools.partial(attention_sublayer, weights=w, positions=positions, segment_ids=segment_ids,
                                       ctx=rt.attention_context(k)) for k in (GLOBAL, LOCAL)]
         return jax.lax.switch(kind, branches, x)
@@ -401,7 +404,8 @@ class Llama(nnx.Module):
         cd = rt.compute_dtype
         x = R.scan_layers(layer(rt), x, layer_state if kinds is None else (layer_state, kinds), rt.remat,
                           group_params=lambda p: jax.tree.map(lambda a: a.astype(cd) if a.ndim > 2 else a, p),
-                          keep_layer=layer(dataclasses.replace(rt, keep_attention=True)))
+                          keep_layer=layer(dataclasses.replace(rt, keep_attention=True)),
+                          kinds=rt.kinds if rt.mixed else None, output_offload=rt.attention.impl == "upipe")
         return self.final(x)
 
 

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.core.mesh import RING_AXIS
 from jaxlong.kernels.blockwise import blockwise_attention_bwd, blockwise_attention_fwd
 from jaxlong.parallel.ring import run_ids
@@ -261,6 +262,7 @@ def _halo(q, k, v, segment_ids, opts, ids_are_runs):
 
 def _halo_vjp_fwd(q, k, v, segment_ids, opts, ids_are_runs):
     out, lse = halo_attention_fwd(q, k, v, segment_ids=segment_ids, ids_are_runs=ids_are_runs, **dict(opts))
+    out, lse = keep_attention_residuals(out, lse)  # `remat.keep_attention` may keep them
     return out, (q, k, v, segment_ids, out, lse)
 
 

@@ -16,6 +16,7 @@ from jaxlong.config import runtime, validate
 from jaxlong.core.errors import ConfigError
 from jaxlong.models import llama as model_lib
 from jaxlong.models.family import LOCAL, layer_kinds
+from jaxlong.plan.target import cuda_plugin_available
 
 # 4 layers, local-global-local-global (pattern 2), a window of 8 positions inside the 16-token tiles, 4 query heads
 # and 1 KV head (Gemma 3 270M's), an attention scalar of 24 with head_dim 16, tied embeddings, RoPE bases 1M / 10K.
@@ -166,14 +167,33 @@ def test_every_windowed_mesh_equals_the_dense_single_device_reference(name):
 @pytest.mark.parametrize("overrides,match", [
     (("model.family=llama",), "model.family=llama has no sliding-window layers"),
     (("model.layer_types=[full_attention]",), "give model.layers=4 entries"),
-    (("remat.policy=full", "remat.keep_attention=2"), "does not compile on the GPU for a model mixing"),
 ])
 def test_what_does_not_run_windows_yet_is_refused_in_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match) as e:
-        validate(tiny_cfg(*GEMMA, *overrides), 8, platform="gpu" if "keep_attention" in str(overrides) else None)
+        validate(tiny_cfg(*GEMMA, *overrides), 8)
     assert "\n" not in str(e.value)
-    validate(tiny_cfg(*GEMMA, "remat.policy=full", "remat.keep_attention=2", "remat.keep_attention_memory=device"), 8,
-             platform="gpu")
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_available(), reason="needs the CUDA plugin (pip install 'jax[cuda12]')")
+@pytest.mark.parametrize("remat", [("remat.policy=full", "remat.keep_attention=4"),
+                                   ("attention.impl=upipe", "remat.policy=offload")], ids=["kept-host", "upipe-offload"])
+def test_what_offloads_from_inside_attention_compiles_for_the_gpu_as_all_global_does(remat):
+    """Kept attention in host memory, and U-Pipe's output buffer under `offload`, move tensors to host memory from
+    inside the attention op. XLA:GPU cannot do that inside the kinds' `lax.switch`, so those layers take their kinds
+    as Python ints in a scan over the kinds' period. GPU compile (8 H100s): the mixed model compiles, offloads as
+    many bytes as the same model all-global, and kept layers run attention's forward once."""
+    from jaxlong.plan import plan
+    from jaxlong.plan.target import parse_target
+
+    base = (*GEMMA, "compute_dtype=bfloat16", "mesh.fsdp=2", "mesh.context=4", "global_batch=2", "seq_len=2048",
+            "model.hidden=256", "model.head_dim=64", "model.sliding_window=256", "data.packing=concat", *remat)
+    runs = {w: plan(tiny_cfg(*base, f"model.sliding_window={w}"), parse_target("h100"), estimate=True)
+            for w in (256, 0)}
+    assert runs[256]["host"] == pytest.approx(runs[0]["host"], rel=0.02) and runs[0]["host"] > 0, runs
+    calls = runs[256]["estimate"]["attention_head_calls"]
+    assert calls["forward"] == (1 if "remat.keep_attention=4" in remat else 2) * calls["backward"], calls
 
 
 def test_layer_kinds_follow_the_pattern_or_the_listed_types():
