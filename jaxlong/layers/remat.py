@@ -273,11 +273,12 @@ def _scan_part(layer, x, stacked, cfg, group_params, keep: bool, kinds=None, out
 
     The scan runs over blocks of B layers: one layer (B = 1), or with grouped checkpointing one group of k. Where the
     layers offload to host memory from inside attention (kept attention in host memory; U-Pipe's output buffer under
-    `offload`, `output_offload`; a `custom` policy's offloaded names) and the model mixes kinds, each layer's kind is a Python int instead
-    (XLA:GPU cannot offload from inside the kind's `lax.switch`): B is then the least common multiple of k and the
-    kinds' period, so every block starts at a multiple of the period and its i-th layer is of kind `kinds[i]`. A
-    block's layers are unrolled in its body (Gemma 3 with k = 1: 6 layers), and the `n % B` layers left over run
-    after the scan as one more, shorter block."""
+    `offload`, `output_offload`; a `custom` policy's offloaded names) and the model mixes kinds, each layer's kind
+    is a Python int instead (XLA:GPU cannot offload from inside the kind's `lax.switch`): B is then the least common
+    multiple of k and the kinds' period, so every block starts at a multiple of the period and its i-th layer is of
+    kind `kinds[i]`. A block's layers are unrolled in its body (Gemma 3 with k = 1: 6 layers), and the `n % B`
+    layers left over run after the scan as one more, shorter block. Where B > k, XLA:GPU keeps some of what the
+    block's groups offload on the device (docs/windows.md)."""
     k = cfg.offload_every if cfg.policy == "offload" else 1
     inner = remat(layer, cfg, keep)
     host_kept = keep and cfg.keep_attention_memory == "host"
