@@ -15,9 +15,10 @@ linear, llama3, yarn; `jaxlong.layers.blocks.rope_frequencies`). Hugging Face ch
 The decoder layers' parameters are stacked on a leading `[layers]` axis and run by one `lax.scan`, so compile
 time does not grow with depth; layers of different kinds (global, or local with a window) switch on their kind
 inside it (`lax.switch` between the kinds' attention records, `Runtime.attention_context`), or, where they offload
-from inside attention, take it as a constant in a scan over the kinds' period (`jaxlong.layers.remat.scan_layers`). Inside the scan body each layer's FSDP-sharded weights are cast to the compute
-dtype and gathered (a replicated sharding constraint), so only one layer's full weights are live at a time;
-the transpose of that gather reduce-scatters the gradients.
+from inside attention, take it as a constant in a scan over the kinds' period (`jaxlong.layers.remat.scan_layers`).
+Inside the scan body each layer's FSDP-sharded weights are cast to the compute dtype and gathered (a replicated
+sharding constraint), so only one layer's full weights are live at a time; the transpose of that gather
+reduce-scatters the gradients.
 
 Packed documents (`positions`, `segment_ids` `[batch, seq]` from the batch): RoPE rotates by each token's
 position within its document, and attention masks across documents. The segment ids are gathered whole onto
