@@ -181,8 +181,8 @@ def test_what_offloads_from_inside_attention_compiles_for_the_gpu_as_all_global_
     """Kept attention in host memory (the first 4 of 8 layers), and U-Pipe's output buffer under `offload` (the other
     4), move tensors to host memory from inside the attention op. XLA:GPU cannot do that inside the kinds'
     `lax.switch`, so those layers take their kinds as Python ints in a scan over the kinds' period. GPU compile (8
-    H100s): the mixed model compiles, offloads as many bytes as the same model all-global, and the kept half of the
-    layers runs attention's forward once (1.5 forward head-calls per backward one)."""
+    H100s): the mixed model compiles, offloads as many bytes as the same model all-global, and in both the kept half
+    of the layers runs attention's forward once (1.5 forward head-calls per backward one)."""
     from jaxlong.plan import plan
     from jaxlong.plan.target import parse_target
 
@@ -192,8 +192,9 @@ def test_what_offloads_from_inside_attention_compiles_for_the_gpu_as_all_global_
     runs = {w: plan(tiny_cfg(*base, f"model.sliding_window={w}"), parse_target("h100"), estimate=True)
             for w in (256, 0)}
     assert runs[256]["host"] == pytest.approx(runs[0]["host"], rel=0.02) and runs[0]["host"] > 0, runs
-    calls = runs[256]["estimate"]["attention_head_calls"]
-    assert calls["forward"] == 1.5 * calls["backward"], calls
+    for w, run in runs.items():
+        calls = run["estimate"]["attention_head_calls"]
+        assert calls["backward"] > 0 and calls["forward"] == 1.5 * calls["backward"], (w, calls)
     # (Each part scans 2 periods of 2 layers: XLA:GPU keeps on the device what a one-trip scan offloads, in the
     # all-global model too, docs/windows.md.)
 
