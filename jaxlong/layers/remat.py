@@ -297,10 +297,9 @@ def _scan_part(layer, x, stacked, cfg, group_params, keep: bool, kinds=None, out
     # them too, and its inner scan stays.
     def layers(carry, params, first: int):
         """The layers of `params` (leading axis), the first being the block's `first`-th."""
-        size = jax.tree.leaves(params)[0].shape[0]
-        if not static and (k == 1 or not host_kept):
+        if not static and not host_kept:  # (here k > 1: one layer per block returned above)
             return jax.lax.scan(inner, carry, params)[0]
-        for i in range(size):
+        for i in range(jax.tree.leaves(params)[0].shape[0]):
             carry = (by_kind[kinds[first + i]] if static else inner)(carry, _at(params, i))[0]
         return carry
 
