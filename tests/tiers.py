@@ -46,6 +46,7 @@ TIERS = {
     "parallel/test_ring_kernels.py": "fast+slow",
     "parallel/test_ring_memory.py": "fast+slow",
     "parallel/test_ring_segments.py": "fast+slow",
+    "parallel/test_shared_prefix.py": "fast+slow",
     "parallel/test_upipe.py": "fast+slow",
     "parallel/test_upipe_memory.py": "fast+slow",
     "plan/test_cost.py": "fast+slow",

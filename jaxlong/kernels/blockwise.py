@@ -31,7 +31,9 @@ require `causal=True`. The blockwise kernels compute each token's run start
 (`segment_starts`, `[batch, seq]` int32, O(seq)) and from it loop bounds per tile: kv tiles
 before the first run that a query tile touches (forward) and query tiles past the last run that
 touches a kv tile (backward) are not visited, so `n` equal documents cost about `1/n` of full
-causal attention. Nothing `[seq, seq]`-shaped and nothing per head is added.
+causal attention. Nothing `[seq, seq]`-shaped and nothing per head is added. Segment ids may carry a shared
+prefix's branches in their high bits (`jaxlong.core.segments`): a run is then a document with its branches, and
+a query sees the run's prefix and its own branch, never a sibling (one more term in each tile's mask).
 
 Per-query key bounds (`kv_starts`, `kv_ends`, int32 `[batch, seq]`, forward and backward): query `t` sees key
 `j` only if `kv_starts[t] <= j < kv_ends[t]`, combined with the causal, window and document masks (and with
@@ -65,6 +67,7 @@ from jax import lax
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.ordering import varying_axes, zeros_after
 from jaxlong.core.kept import keep_attention_residuals
+from jaxlong.core.segments import documents, segment_starts, visible
 
 __all__ = [
     "segment_starts",
@@ -137,21 +140,6 @@ def _split_heads(x, kv_heads):
     return x.reshape(b, s, kv_heads, h // kv_heads, d)
 
 
-def segment_starts(segment_ids):
-    """Index of the first token of each token's run of equal segment ids, int32 `[batch, seq]`.
-
-    `segment_ids`: int `[batch, seq]`. For packed (contiguous) documents this is where each
-    token's document starts in the row. Non-decreasing along the sequence. O(seq) work and memory.
-    """
-    seg = jnp.asarray(segment_ids)
-    if seg.ndim != 2:
-        raise ValueError(f"segment_ids must be [batch, seq]; got shape {seg.shape}")
-    pos = lax.broadcasted_iota(jnp.int32, seg.shape, 1)
-    new_run = jnp.concatenate(
-        [jnp.ones_like(seg[:, :1], dtype=bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    return lax.cummax(jnp.where(new_run, pos, 0), axis=1)
-
-
 def _check_segments(segment_ids, q, causal):
     """Validate `segment_ids` against q's `[batch, seq]`; return them as int32 (or None)."""
     if segment_ids is None:
@@ -191,7 +179,8 @@ def window_tiles(seq: int, block_q: int, block_k: int, window: int = 0) -> int:
 
 
 def _tile_ends(ids, block):
-    """First and last id of each tile, `[batch, n_tiles]` each (its range, for non-decreasing ids)."""
+    """First and last document of each tile, `[batch, n_tiles]` each (its range, for non-decreasing documents)."""
+    ids = documents(ids)
     return ids[:, ::block], ids[:, block - 1::block]
 
 
@@ -264,7 +253,7 @@ def reference_attention_with_lse(q, k, v, *, causal: bool, segment_ids=None, win
         if window:
             mask = mask & ~jnp.tril(jnp.ones((s, s), dtype=bool), -window)[None]  # q - k < window
         if segment_ids is not None:
-            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            mask = mask & visible(segment_ids[:, :, None], segment_ids[:, None, :])
             mask = mask & (keys >= segment_starts(segment_ids)[:, :, None])
     for bound in (kv_starts is not None and keys >= kv_starts[:, :, None],
                   kv_ends is not None and keys < kv_ends[:, :, None]):
@@ -287,7 +276,8 @@ def reference_attention_with_lse(q, k, v, *, causal: bool, segment_ids=None, win
 class _Masks(NamedTuple):
     """What hides a key from a query, for every tile of one call: `causal` and `window`; `low` each query's first
     visible key (its run start with segment ids, `kv_starts`, or the later of the two) and `ends` one past its last
-    (`kv_ends`), int32 `[batch, seq]` or None; `q_ids`, `kv_ids` the (query, key) segment id pair or None;
+    (`kv_ends`), int32 `[batch, seq]` or None; `ids` the segment ids of one call's queries and keys (a shared
+    prefix's branches, `jaxlong.core.segments`) or None; `q_ids`, `kv_ids` the (query, key) segment id pair or None;
     `empty`: a query may see no key (output 0, lse -inf); `bounded`: `kv_starts` or `kv_ends` given (the backward
     then zeroes the rows whose lse is -inf; with segment id pairs alone the lse is ring attention's, over every
     block, and finite)."""
@@ -295,6 +285,7 @@ class _Masks(NamedTuple):
     window: int
     low: jax.Array | None
     ends: jax.Array | None
+    ids: jax.Array | None
     q_ids: jax.Array | None
     kv_ids: jax.Array | None
     empty: bool
@@ -319,7 +310,7 @@ def _masks(q, k, causal, window, segment_ids, kv_segment_ids, kv_starts, kv_ends
     if kv_starts is not None:
         low = kv_starts if low is None else jnp.maximum(low, kv_starts)
     offsets = kv_starts is not None or kv_ends is not None
-    return _Masks(bool(causal), _check_window(window, causal), low, kv_ends, q_ids, kv_ids,
+    return _Masks(bool(causal), _check_window(window, causal), low, kv_ends, segment_ids, q_ids, kv_ids,
                   offsets or q_ids is not None, offsets)
 
 
@@ -341,8 +332,10 @@ def _tile_mask(m: _Masks, i, bq: int, j, bk: int):
         parts.append(k_pos[None, None, :] >= _rows(m.low, i, bq)[:, :, None])
     if m.ends is not None:
         parts.append(k_pos[None, None, :] < _rows(m.ends, i, bq)[:, :, None])
+    if m.ids is not None:  # a shared prefix's branches (same run: same document)
+        parts.append(visible(_rows(m.ids, i, bq)[:, :, None], _rows(m.ids, j, bk)[:, None, :]))
     if m.q_ids is not None:
-        parts.append(_rows(m.q_ids, i, bq)[:, :, None] == _rows(m.kv_ids, j, bk)[:, None, :])
+        parts.append(visible(_rows(m.q_ids, i, bq)[:, :, None], _rows(m.kv_ids, j, bk)[:, None, :]))
     return functools.reduce(jnp.logical_and, parts) if parts else None
 
 

@@ -49,6 +49,9 @@ shapes), block sizes powers of two >= 16, every operand under 2**31 elements (`M
 pointer offsets are not shown to be 64-bit, as for `jaxlong.kernels.cudnn`). A sequence that is not a
 multiple of the blocks is padded inside the call (padded keys are masked, padded rows dropped).
 
+Segment ids with a shared prefix's branches (`jaxlong.core.segments`) are not masked by branch here: such rows run
+the blockwise kernel (`attention.backend=auto`, `jaxlong.kernels.backend.auto_backend`).
+
 `interpret=True` runs the kernels in Pallas' interpreter (CPU tests; JAX 0.10.2's interpreter fails inside
 `shard_map(check_vma=True)`, so interpreted tests run with `check_vma=False`); otherwise they lower through
 Triton and need a GPU, or the deviceless GPU compile (`jaxlong.plan.target`), where XLA compiles them to sm_90
@@ -69,7 +72,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxlong.core.ordering import varying_axes
 from jaxlong.core.kept import keep_attention_residuals
-from jaxlong.kernels.blockwise import segment_starts
+from jaxlong.core.segments import segment_starts
 from jaxlong.kernels.layout import check_qkv, check_window, pallas_head_dim_ok, pallas_tiles
 
 __all__ = ["MAX_ELEMENTS", "pallas_attention", "pallas_attention_bwd", "pallas_attention_fwd"]

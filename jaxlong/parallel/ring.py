@@ -82,7 +82,9 @@ from jaxlong.core.mesh import RING_AXIS
 from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels import cudnn as cudnn_kernel
 from jaxlong.kernels import pallas_gpu as pallas_kernel
-from jaxlong.kernels.blockwise import blockwise_attention_bwd, blockwise_attention_fwd, segment_starts
+from jaxlong.core import segments
+from jaxlong.kernels.blockwise import blockwise_attention_bwd, blockwise_attention_fwd
+from jaxlong.core.segments import segment_starts
 from jaxlong.kernels.merge import merge_into
 
 _F32 = jnp.float32
@@ -130,14 +132,16 @@ def zigzag_positions(slot: jax.Array, seq_len: int, ring: int) -> jax.Array:
 
 
 def run_ids(segment_ids: jax.Array, ring: int) -> jax.Array:
-    """Each token's run id: the original position of the first token of its run of equal segment ids (its
-    document's start), int32 `[batch, S]`. `segment_ids` (int `[batch, S]`) and the result are in the zigzag
-    layout for `ring`.
+    """Each token's run id: the original position of the first token of its run of one document (its
+    document's start), with the token's shared-prefix branch (`jaxlong.core.segments`), int32 `[batch, S]`.
+    `segment_ids` (int `[batch, S]`) and the result are in the zigzag layout for `ring`.
 
-    Two tokens share a run id iff they are in the same run of the natural order, so for a key before a query
-    "same run id" is exactly the kernel's document mask (`jaxlong.kernels.blockwise`, module docstring), and run
-    ids never decrease along either of a rank's two chunks. O(S) work and memory."""
-    return zigzag(segment_starts(unzigzag(segment_ids.astype(jnp.int32), ring)), ring)
+    Two tokens share a run iff they are in the same run of the natural order, so for a key before a query
+    `segments.visible` of their run ids is exactly the kernel's mask (`jaxlong.kernels.blockwise`, module
+    docstring), and the runs never decrease along either of a rank's two chunks. O(S) work and memory."""
+    ids = segment_ids.astype(jnp.int32)
+    starts = zigzag(segment_starts(unzigzag(ids, ring)), ring)
+    return segments.encode(starts, segments.branches(ids))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +208,7 @@ def kv_starts_of_chunks(q_runs: jax.Array, k_starts, chunk: int) -> jax.Array:
     """The Pallas kernel's `kv_starts` `[b, Lq]` for a key block of zigzag chunks of `chunk` tokens starting at
     the original positions `k_starts` (increasing, every key before every query): the number of the block's keys
     before each query's run start `q_runs` `[b, Lq]`, so key j is seen iff j >= it (same document)."""
-    return sum(jnp.clip(q_runs - start, 0, chunk) for start in k_starts)
+    return sum(jnp.clip(segments.documents(q_runs) - start, 0, chunk) for start in k_starts)
 
 
 def ring_kernel(backend: str, block_q: int = 512, block_k: int = 512) -> BlockKernel:
