@@ -107,9 +107,11 @@ class Config:
 
 def runtime(cfg: Config, mesh, *, keep_attention: bool = False) -> Runtime:
     """The forward's `jaxlong.models.llama.Runtime` of a run on `mesh`: the sections it reads (model, attention,
-    remat, tiling), the compute dtype and whether attention masks by segment ids (`data.packing=documents`)."""
+    remat, tiling), the compute dtype, whether attention masks by segment ids (`data.packing=documents`) and
+    whether they carry a shared prompt's branches (`data.shared_prompt`)."""
     return Runtime(mesh, cfg.model, cfg.attention, cfg.remat, cfg.tiling, cfg.compute_dtype,
-                   document_masking=cfg.data.packing == "documents", keep_attention=keep_attention)
+                   document_masking=cfg.data.packing == "documents", keep_attention=keep_attention,
+                   shared_prefix=cfg.data.shared_prompt)
 
 
 def run_mesh(cfg: Config):
@@ -410,12 +412,26 @@ def _check(cfg: Config, n: int, platform: str | None) -> None:
         raise ConfigError(f"seed={cfg.seed} must be >= 0")
     check_data(cfg.data)
     check_backend(cfg.attention.backend, head_dim=cfg.model.head_dim, compute_dtype=cfg.compute_dtype,
-                  segment_ids=cfg.data.packing == "documents")
+                  segment_ids=cfg.data.packing == "documents", branches=cfg.data.shared_prompt)
+    _check_shared_prompt(cfg)
     check_objective(cfg)
     _check_run(cfg)
     validate_optim(cfg.optim)
     check_mesh(cfg.mesh)
     _check_layout(cfg, n, platform)
+
+
+def _check_shared_prompt(cfg: Config) -> None:
+    """Rows that hold a prompt once (`data.shared_prompt`, preference pairs, so packed with segment ids) take no
+    sliding window: a window counts positions, and a branch's row index is not its position
+    (`jaxlong.core.segments`)."""
+    if not cfg.data.shared_prompt:
+        return
+    if cfg.model.sliding_window:
+        raise ConfigError(f"data.shared_prompt=true: model.sliding_window={cfg.model.sliding_window} counts "
+                          f"positions, and a shared prompt's second branch does not follow it in the row; set "
+                          f"data.shared_prompt=false for a model with sliding-window layers",
+                          key="data.shared_prompt", value=True, keys=("model.sliding_window",))
 
 
 def _check_run(cfg: Config) -> None:
@@ -495,7 +511,8 @@ def _check_layout(cfg: Config, n: int, platform: str | None) -> None:
         if cfg.remat.policy == "custom":
             check_upipe_remat_names(cfg.remat.save + cfg.remat.offload)
     kernel = kernel_that_runs(cfg.attention.backend, platform, compute_dtype=cfg.compute_dtype,
-                              head_dim=m.head_dim, segment_ids=cfg.data.packing == "documents")
+                              head_dim=m.head_dim, segment_ids=cfg.data.packing == "documents",
+                              branches=cfg.data.shared_prompt)
     check_kernel_size(kernel, backend=cfg.attention.backend, batch=cfg.global_batch // (cfg.grad_accum * data * fsdp),
                       seq=cfg.seq_len // ring, heads=(u if cfg.attention.impl == "upipe" else m.heads) // context,
                       head_dim=m.head_dim)

@@ -54,6 +54,9 @@ class DataConfig:
     chat_turns: ChatTurns = "all"  # assistant turns trained: "all", or the "last" of each conversation
     too_long: TooLong = "refuse"  # a conversation longer than seq_len: "refuse" (stop) or "drop" (counted)
     chat_template: str | None = None  # a Jinja file that replaces the tokenizer's template (or gives one)
+    # Preference pairs: the row holds each pair's prompt once, chosen and rejected as two branches after it
+    # (jaxlong.data.preference): fewer positions, the same loss.
+    shared_prompt: bool = False
     # For plans only (`python -m jaxlong.memory --estimate/--fit`, jaxlong.plan.packing): a sample of the data's
     # document lengths in tokens, so a plan of packed documents counts the attention tiles the kernels skip between
     # documents; [] measures a chat or preference file where it exists, else counts dense causal attention.
@@ -83,6 +86,10 @@ def check_data(d: DataConfig) -> None:
         raise ConfigError(f"data.read_buffer={d.read_buffer} must be >= 1 document")
     check_sources(d)
     check_chat(d)
+    if d.shared_prompt and d.format != "preference":
+        raise ConfigError(f"data.shared_prompt=true shares the prompt of preference pairs; data.format is "
+                          f"{d.format!r}: set data.format=preference, or data.shared_prompt=false",
+                          key="data.shared_prompt", value=True, keys=("data.format",))
     if d.max_tokens is not None and d.max_tokens <= 0:
         raise ConfigError(f"data.max_tokens={d.max_tokens} must be positive, or null for the whole corpus")
 

@@ -60,8 +60,10 @@ from jaxlong.data.mixture import (
     source_label,
     source_name,
 )
+from jaxlong.core import segments
 from jaxlong.data.chat import run_template
 from jaxlong.data.chat_data import ChatSource, ChatTokens, template_directory
+from jaxlong.data.groups import group_row
 from jaxlong.data.imported import run_tokenizer
 from jaxlong.data.preference import PairTokens, PreferenceSource
 from jaxlong.data.sources import DocumentSource
@@ -70,7 +72,8 @@ from jaxlong.data.tokenizer import Tokenizer
 __all__ = ["document_tokens", "document_pairs", "SplitLongDocuments", "DocumentSubset", "token_limit", "make_dataset",
            "PipelineOptions", "ProcessBatches", "ProcessIterator", "merge_states", "batch_iterator",
            "packing_efficiency", "PACKING_BINS", "first_source", "mixture_sources", "source_shares", "open_source",
-           "LOSS_FEATURE", "PART_FEATURE", "REFERENCE_FEATURE", "PAIR_FEATURE", "is_preference"]
+           "LOSS_FEATURE", "PART_FEATURE", "REFERENCE_FEATURE", "PAIR_FEATURE", "SHARED_FEATURE",
+           "is_preference"]
 
 Packing = Literal["documents", "concat"]  # `data.packing`
 SplitPositions = Literal["restart", "continue"]  # `data.split_positions`
@@ -81,9 +84,10 @@ _FEATURES = ("inputs", "targets", "positions")
 LOSS_FEATURE = "loss"  # int32 per target: 1 where the loss counts it (a chat source's assistant tokens)
 # Preference pairs (`jaxlong.data.preference`): which half of its pair a token is in (1 chosen, 2 rejected), the
 # reference's summed response log-probs of the half (float32 nats, at the half's first position, 0 elsewhere) and
-# the pair's index in its source + 1 (every position).
-PART_FEATURE, REFERENCE_FEATURE, PAIR_FEATURE = "part", "reference", "pair"
-_PAIR_FEATURES = (PART_FEATURE, REFERENCE_FEATURE, PAIR_FEATURE)
+# the pair's index in its source + 1 (every position), and 1 where the pair holds its prompt once (`part` 0 there
+# for the prompt; `data.shared_prompt`).
+PART_FEATURE, REFERENCE_FEATURE, PAIR_FEATURE, SHARED_FEATURE = "part", "reference", "pair", "shared"
+_PAIR_FEATURES = (PART_FEATURE, REFERENCE_FEATURE, PAIR_FEATURE, SHARED_FEATURE)
 
 
 @dataclass(frozen=True)
@@ -151,20 +155,37 @@ def pairs_of(doc, tokenizer: Tokenizer, loss: bool = False) -> dict:
     (a stream that mixes conversations in)."""
     if isinstance(doc, ChatTokens):
         return document_pairs(doc.tokens, doc.trained)
-    if isinstance(doc, PairTokens):  # chosen then rejected, each with positions from 0 (one packed element)
-        halves = [document_pairs(h.tokens, h.trained) for h in (doc.chosen, doc.rejected)]
-        out = {k: np.concatenate([h[k] for h in halves]) for k in halves[0]}
-        n = [h["inputs"].size for h in halves]
-        out[PART_FEATURE] = np.repeat(np.array([1, 2], np.int32), n)
-        out[REFERENCE_FEATURE] = np.zeros(sum(n), np.float32)
-        if doc.reference is not None:
-            out[REFERENCE_FEATURE][[0, n[0]]] = doc.reference
-        out[PAIR_FEATURE] = np.full(sum(n), doc.index + 1, np.int32)
-        return out
+    if isinstance(doc, PairTokens):
+        return _pair_features(doc)
     pairs = document_pairs(document_tokens(doc, tokenizer))
     if loss:
         pairs[LOSS_FEATURE] = np.ones(pairs["inputs"].size, np.int32)
     return pairs
+
+
+def _pair_features(doc: PairTokens) -> dict:
+    """A preference pair as one packed element: chosen then rejected, each with positions from 0; or
+    (`doc.shared`) the prompt once, then the two halves' tails as branches 1 and 2 (`jaxlong.data.groups`)."""
+    halves = (doc.chosen, doc.rejected)
+    if doc.shared:
+        p = doc.prompt_length
+        g = group_row(doc.chosen.tokens[:p], [h.tokens[p:] for h in halves], 1, [h.trained[p:] for h in halves])
+        out = {k: g[k] for k in ("inputs", "targets", "positions")}
+        out[LOSS_FEATURE], out[PART_FEATURE] = g["completion"].astype(np.int32), g["branch"]
+        firsts = [int(np.argmax(g["branch"] == b)) for b in (1, 2)]
+    else:
+        parts = [document_pairs(h.tokens, h.trained) for h in halves]
+        out = {k: np.concatenate([h[k] for h in parts]) for k in parts[0]}
+        n = [h["inputs"].size for h in parts]
+        out[PART_FEATURE] = np.repeat(np.array([1, 2], np.int32), n)
+        firsts = [0, n[0]]
+    size = out["inputs"].size
+    out[REFERENCE_FEATURE] = np.zeros(size, np.float32)
+    if doc.reference is not None:
+        out[REFERENCE_FEATURE][firsts] = doc.reference
+    out[PAIR_FEATURE] = np.full(size, doc.index + 1, np.int32)
+    out[SHARED_FEATURE] = np.full(size, int(doc.shared), np.int32)
+    return out
 
 
 def is_chat(source) -> bool:
@@ -215,8 +236,10 @@ def token_limit(source: DocumentSource, tokenizer: Tokenizer, max_tokens: int) -
 def _finalize(row: dict) -> dict:
     seg = row["inputs_segment_ids"].astype(np.int32)
     mask = (seg > 0) & (row[LOSS_FEATURE] > 0) if LOSS_FEATURE in row else seg > 0
-    if PART_FEATURE in row:  # the k-th pair of the row: chosen in segment 2k - 1, rejected in 2k
-        seg = np.where(seg > 0, 2 * seg - (row[PART_FEATURE] == 1), 0).astype(np.int32)
+    if PART_FEATURE in row:  # the k-th pair of the row: chosen in segment 2k - 1, rejected in 2k; or one
+        part = row[PART_FEATURE]  # document k whose prompt is shared by branches 1 (chosen) and 2 (rejected)
+        seg = np.where(row[SHARED_FEATURE] > 0, segments.encode(seg, part), 2 * seg - (part == 1))
+        seg = np.where(row["inputs_segment_ids"] > 0, seg, 0).astype(np.int32)
     out = {"inputs": row["inputs"].astype(np.int32), "targets": row["targets"].astype(np.int32),
            "positions": row["positions"].astype(np.int32), "segment_ids": seg, "mask": mask.astype(np.float32)}
     if SOURCE_FEATURE in row:  # a mixture: the source of every token (0 on padding)
@@ -585,7 +608,7 @@ def open_source(cfg, path, text_field: str, fmt: str, tokenizer: Tokenizer | Non
     d = cfg.data
     template = run_template(d.chat_template, template_directory(tokenizer), mark_generation=True)
     if fmt == "preference":
-        return PreferenceSource(path, tokenizer, template, cfg.seq_len, d.too_long)
+        return PreferenceSource(path, tokenizer, template, cfg.seq_len, d.too_long, shared_prompt=d.shared_prompt)
     return ChatSource(path, tokenizer, template, cfg.seq_len, d.chat_turns, d.too_long)
 
 

@@ -17,6 +17,13 @@ step, the same row and the same data shard, and the pair's log-probabilities are
 counts both halves' next-token pairs: a pair of a `p`-token prompt and responses of `c` and `r` tokens takes
 `(p + c - 1) + (p + r - 1)` positions. A pair longer than `seq_len` is never cut (`data.too_long`).
 
+With `data.shared_prompt` a pair holds its prompt once: the tokens both halves start with, up to the first
+trained one, are a shared prefix, and the chosen and the rejected tail follow it as two branches that see the
+prefix and themselves, never each other (segment ids with branches, `jaxlong.data.groups`,
+`jaxlong.core.segments`; positions continue from the prompt). Halves of `c` and `r` tokens (each with the `p`
+shared ones) then take `c + r - p + 1` positions instead of `(c - 1) + (r - 1)`. The loss, the metrics and the
+reference equal the separate layout's.
+
 The loss mask marks the response tokens of each half (the completion's assistant tokens, end-of-turn included),
 the tokens whose log-probabilities DPO sums.
 """
@@ -42,15 +49,28 @@ _FORMATS = ('{"prompt": [messages], "chosen": [messages], "rejected": [messages]
 class PairTokens:
     """One encoded preference pair: the `chosen` and `rejected` sequences (`ChatTokens`: prompt + response, the
     response's tokens `trained`), its `index` in the source, and the frozen reference's summed response
-    log-probabilities `(chosen, rejected)` in nats when known (`PreferenceSource.reference`). `len()` is its
-    next-token pairs, the positions it takes in a row."""
+    log-probabilities `(chosen, rejected)` in nats when known (`PreferenceSource.reference`), and whether its row
+    holds the prompt once (`shared`, `data.shared_prompt`). `len()` is its next-token pairs, the positions it takes
+    in a row."""
 
     chosen: ChatTokens
     rejected: ChatTokens
     index: int = 0
     reference: tuple[float, float] | None = None
+    shared: bool = False
+
+    @property
+    def prompt_length(self) -> int:
+        """The tokens both halves start with, up to the first trained one of either (`data.shared_prompt`)."""
+        c, r = self.chosen.tokens, self.rejected.tokens
+        n = min(c.size, r.size)
+        differ = np.flatnonzero(c[:n] != r[:n])
+        first = min(int(np.flatnonzero(h.trained)[0]) for h in (self.chosen, self.rejected))
+        return min(int(differ[0]) if differ.size else n, first)
 
     def __len__(self) -> int:
+        if self.shared:  # the prompt once, then each half's tail after the prompt's last token
+            return len(self.chosen) + len(self.rejected) - self.prompt_length + 1
         return len(self.chosen) - 1 + len(self.rejected) - 1
 
 
@@ -105,19 +125,27 @@ def parse_pair(obj, where: str) -> dict:
     return out
 
 
-def encode_pair(record: dict, tokenizer: Tokenizer, template: ChatTemplate | None, index: int = 0) -> PairTokens:
+def encode_pair(record: dict, tokenizer: Tokenizer, template: ChatTemplate | None, index: int = 0,
+                shared: bool = False) -> PairTokens:
     """A parsed pair (`parse_pair`) as `PairTokens`: each half by `jaxlong.data.chat_data.encode_conversation`
     (its response's assistant turns trained).
 
+    `shared`: the pair's row holds the prompt once (`data.shared_prompt`).
+
     Raises:
-      ValueError: see `encode_conversation`, or a half with no token to train on."""
+      ValueError: see `encode_conversation`, a half with no token to train on, or (`shared`) halves that do not
+        start with the same token."""
     halves = []
     for field in ("chosen", "rejected"):
         tokens = encode_conversation(record[field], tokenizer, template, "all")
         if not tokens.trained[1:].any():
             raise ValueError(f"{field}: the response has no token to train on once rendered")
         halves.append(tokens)
-    return PairTokens(*halves, index=index)
+    pair = PairTokens(*halves, index=index, shared=shared)
+    if shared and pair.prompt_length < 1:
+        raise ValueError("data.shared_prompt: chosen and rejected do not start with the same token, so they share "
+                         "no prompt to compute once")
+    return pair
 
 
 class PreferenceRecords(ChatRecords):
@@ -140,6 +168,7 @@ class PreferenceSource:
       tokenizer: the run's tokenizer; template: the chat template (None: text pairs only).
       seq_len: the run's sequence length (a pair takes `len(PairTokens)` positions).
       too_long: `data.too_long` (`refuse` or `drop`).
+      shared_prompt: `data.shared_prompt`: each pair's row holds its prompt once (module docstring).
 
     Attributes:
       dropped: pairs `drop` left out; lengths: positions of each kept pair; halves: `[pairs, 2]` the positions
@@ -157,19 +186,20 @@ class PreferenceSource:
     is_preference = True
 
     def __init__(self, path, tokenizer: Tokenizer, template: ChatTemplate | None, seq_len: int,
-                 too_long: str = "refuse", option: str = "data.path"):
+                 too_long: str = "refuse", option: str = "data.path", shared_prompt: bool = False):
         self.records = PreferenceRecords(path, option)
         self.tokenizer, self.template, self.path, self.option = tokenizer, template, path, option
+        self.shared_prompt = bool(shared_prompt)
         keep, lengths, halves, digest = [], [], [], hashlib.sha256()
         for i in range(len(self.records)):
             try:
-                pair = encode_pair(self.records[i], tokenizer, template)
+                pair = encode_pair(self.records[i], tokenizer, template, shared=shared_prompt)
             except ValueError as e:
                 raise ValueError(f"{option}: {self.records.where(i)}: {e}") from None
             n = len(pair)
             if n > seq_len and too_long == "refuse":
                 raise ValueError(f"{option}: {self.records.where(i)}: the pair takes {n:,} positions (chosen and "
-                                 f"rejected, each with its prompt), more than seq_len={seq_len:,}; a pair is never "
+                                 f"rejected, {'after one prompt' if shared_prompt else 'each with its prompt'}), more than seq_len={seq_len:,}; a pair is never "
                                  f"cut: raise seq_len, or leave such ones out with data.too_long=drop")
             if n <= seq_len:
                 keep.append(i)
@@ -189,10 +219,10 @@ class PreferenceSource:
 
     def __getitem__(self, index: int) -> PairTokens:
         index = int(index)
-        pair = encode_pair(self.records[self.keep[index]], self.tokenizer, self.template, index)
+        pair = encode_pair(self.records[self.keep[index]], self.tokenizer, self.template, index, self.shared_prompt)
         if self.reference is None:
             return pair
-        return PairTokens(pair.chosen, pair.rejected, index, tuple(map(float, self.reference[index])))
+        return PairTokens(pair.chosen, pair.rejected, index, tuple(map(float, self.reference[index])), pair.shared)
 
     def __repr__(self) -> str:
         return f"PreferenceSource(path={self.path!r}, pairs={len(self)}, dropped={self.dropped})"

@@ -14,7 +14,8 @@ The loss is the mean over the pairs of the global batch. The metrics are TRL's: 
 `rewards/rejected` (`beta * (pi - ref)`; SimPO: `beta * pi`), `rewards/accuracies` (share of pairs whose chosen reward
 is higher), `rewards/margins`, `logps/chosen`, `logps/rejected` (the policy's, averaged per token under ipo and simpo).
 
-Layout (`jaxlong.data.preference`): the k-th pair of a row is its segments `2k - 1` (chosen) and `2k` (rejected);
+Layout (`jaxlong.data.preference`): the k-th pair of a row is its segments `2k - 1` (chosen) and `2k` (rejected),
+or, with `data.shared_prompt`, its document k's branches 1 and 2 after the prompt (`half_ids`);
 `mask` marks the response tokens; `reference` holds each half's reference sum at the half's first position. The
 per-token log-probabilities come from the train step's forward (dense, or `tiled_token_losses` under
 `tiling.loss`), sharded by sequence over ring x context; each device sums its tokens per segment and the partial
@@ -35,7 +36,7 @@ import numpy as np
 from jaxlong.core.errors import ConfigError
 from jaxlong.layers import loss as loss_lib
 from jaxlong.objectives.base import Objective, Preparation, segment_sums, token_losses
-from jaxlong.objectives.reference import check_reference, prepare_reference
+from jaxlong.objectives.reference import check_reference, half_ids, prepare_reference
 
 PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]  # `dpo.loss`
 REFERENCE_KEY = "reference"  # the batch entry of the reference's sums (`jaxlong.data.pipeline.REFERENCE_FEATURE`)
@@ -66,7 +67,7 @@ def _halves(sums: jax.Array) -> tuple[jax.Array, jax.Array]:
 def pair_count(batch: dict, mesh: jax.sharding.Mesh) -> jax.Array:
     """Pairs in a batch with response tokens in both halves (the loss's denominator), float32 scalar."""
     counted = loss_lib.effective_mask(batch["targets"], batch["mask"])
-    n_c, n_r = _halves(segment_sums(counted, batch["segment_ids"], mesh))
+    n_c, n_r = _halves(segment_sums(counted, half_ids(batch["segment_ids"]), mesh))
     return jnp.sum(((n_c > 0) & (n_r > 0)).astype(jnp.float32))
 
 
@@ -76,7 +77,7 @@ def preference_terms(logps: jax.Array, batch: dict, dpo, mesh: jax.sharding.Mesh
     (`jaxlong.objectives.base.token_losses`, negated) and the batch's `mask`, `segment_ids` and `reference`; `dpo`: the `dpo` config section (`DPOConfig`)
     (`loss`, `beta`, `simpo_gamma`)."""
     counted = loss_lib.effective_mask(batch["targets"], batch["mask"])
-    seg = batch["segment_ids"]
+    seg = half_ids(batch["segment_ids"])
     pi_c, pi_r = _halves(segment_sums(jnp.where(counted > 0, logps, 0.0), seg, mesh))
     n_c, n_r = _halves(segment_sums(counted, seg, mesh))
     valid = ((n_c > 0) & (n_r > 0)).astype(jnp.float32)

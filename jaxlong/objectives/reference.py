@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlong.core import segments
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.mesh import replicated
 from jaxlong.core.batch import batch_sharding, put_batch
@@ -31,7 +32,16 @@ from jaxlong.models import hf
 from jaxlong.models.config import ModelConfig
 from jaxlong.objectives.base import Preparation, segment_sums, token_losses
 
-__all__ = ["reference_file", "reference_key", "compute_reference", "prepare_reference", "check_reference"]
+__all__ = ["half_ids", "reference_file", "reference_key", "compute_reference", "prepare_reference", "check_reference"]
+
+
+def half_ids(segment_ids):
+    """Each token's half as DPO sums it, int32 `[batch, seq]` (numpy or JAX in, the same out): the k-th pair's
+    segment ids `2k - 1` (chosen) and `2k` (rejected), which a pair that holds its prompt once
+    (`data.shared_prompt`: document k, branches 1 and 2, `jaxlong.core.segments`) gets from its branches too. A
+    shared prompt's tokens keep their id: they carry no loss mask and no reference, so they add 0 to any sum."""
+    b = segments.branches(segment_ids)
+    return jnp.where(b > 0, 2 * segments.documents(segment_ids) - 2 + b, segment_ids)
 
 
 def reference_file(run_dir: str | Path, stage: int) -> Path:
@@ -56,7 +66,7 @@ def compute_reference(run: Preparation, params: dict) -> np.ndarray:
     def sums(p, batch):
         logps = -token_losses(p, batch, run.graphdef, run.rt)
         counted = loss_lib.effective_mask(batch["targets"], batch["mask"])
-        return segment_sums(jnp.where(counted > 0, logps, 0.0), batch["segment_ids"], mesh)
+        return segment_sums(jnp.where(counted > 0, logps, 0.0), half_ids(batch["segment_ids"]), mesh)
 
     shardings = jax.tree.map(lambda x: x.sharding, params)
     fn = jax.jit(sums, in_shardings=(shardings, batch_sharding(mesh)), out_shardings=replicated(mesh))
@@ -73,10 +83,11 @@ def compute_reference(run: Preparation, params: dict) -> np.ndarray:
         pad = per - len(group)
         batch = {k: np.pad(v, ((0, pad), (0, 0))) for k, v in batch.items()}
         got = np.asarray(fn(params, put_batch({k: batch[k] for k in keys}, mesh)).addressable_data(0))
+        halves = np.asarray(half_ids(batch["segment_ids"]))
         for r in range(per):
-            seg, pair = batch["segment_ids"][r], batch[PAIR_FEATURE][r]
-            for s in np.unique(seg[seg > 0]):
-                first = np.flatnonzero(seg == s)[0]
+            half, pair = np.where(batch["mask"][r] > 0, halves[r], 0), batch[PAIR_FEATURE][r]
+            for s in np.unique(half[half > 0]):  # each half by its first trained token
+                first = np.flatnonzero(half == s)[0]
                 out[pair[first] - 1, (s - 1) % 2] = got[r, s - 1]
 
     for row in rows:

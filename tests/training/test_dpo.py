@@ -28,7 +28,7 @@ from jaxlong.recipes.gates import parse_gate
 from jaxlong.training import step as step_lib
 from jaxlong.objectives.base import Preparation
 from jaxlong.objectives.dpo import PreferenceOptimization
-from jaxlong.objectives.reference import compute_reference
+from jaxlong.objectives.reference import compute_reference, half_ids
 from jaxlong.training.accumulate import loss_and_grads
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -59,8 +59,14 @@ def _dpo_cfg(tmp_path, *extra):
                     f"data.chat_template={tpl}", "eval_every=0", *extra)
 
 
-MESHES = {  # mesh, loss: fast Ulysses x ring, FSDP, two micro-batches; slow U-Pipe x ring, tiled loss; one device
+MESHES = {  # mesh, loss: fast Ulysses x ring, FSDP, two micro-batches; slow U-Pipe x ring, tiled loss; one device;
+    # each pair's prompt once (data.shared_prompt) on the fast mesh and under U-Pipe x ring
     "ulysses-ring-fsdp-accum2-sigmoid": ("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "grad_accum=2"),
+    "shared-ulysses-ring-fsdp-accum2-sigmoid": ("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "grad_accum=2",
+                                                "data.shared_prompt=true"),
+    "shared-upipe-ring-tiled-simpo": ("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "attention.impl=upipe",
+                                      "attention.heads_per_stage=4", "tiling.loss=true", "tiling.loss_tile=16",
+                                      "dpo.loss=simpo", "data.shared_prompt=true"),
     "upipe-ring-tiled-ipo": ("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "attention.impl=upipe",
                              "attention.heads_per_stage=4", "tiling.loss=true", "tiling.loss_tile=16", "dpo.loss=ipo"),
     "one-device-accum2-simpo": ("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1", "grad_accum=2",
@@ -114,18 +120,15 @@ def test_dpo_on_a_context_parallel_mesh_equals_trl_on_each_half_alone(tmp_path, 
     on_one = lambda tree: jax.tree.map(lambda h, p: jax.device_put(np.asarray(h), p.sharding), tree, like)  # noqa: E731
     ref_rt, ref_graphdef = runtime(ref, ref_mesh), llama.model_graphdef(ref.model, ref.param_dtype)
 
-    halves = {k: [] for k in ("inputs", "targets", "mask")}  # each half its own row: chosen rows, then rejected
-    pairs = []
+    pairs = []  # the batch's pairs in order, a pair packed twice counted twice
     for row in range(cfg.global_batch):
-        seg = batch["segment_ids"][row]
-        for s in range(1, seg.max() + 1, 2):
-            pairs.append(pair_ids[row][seg == s][0] - 1)
-            for half in (s, s + 1):
-                at = np.flatnonzero(seg == half)
-                for k in halves:
-                    halves[k].append(np.pad(batch[k][row][at], (0, cfg.seq_len - at.size)))
+        k = (np.where(batch["mask"][row] > 0, np.asarray(half_ids(batch["segment_ids"][row])), 0) + 1) // 2
+        pairs += [int(pair_ids[row][np.argmax(k == j)]) - 1 for j in np.unique(k[k > 0])]
+    rows = [(h.tokens[:-1], h.tokens[1:], h.trained[1:]) for i in pairs for h in (source[i].chosen, source[i].rejected)]
+    halves = {k: [np.pad(r[j], (0, cfg.seq_len - r[j].size)) for r in rows] for j, k in enumerate(("inputs", "targets",
+                                                                                                      "mask"))}
     n = len(pairs)
-    x, t, m = (np.stack(halves[k]) for k in ("inputs", "targets", "mask"))
+    x, t, m = (np.stack(halves[k]).astype(np.float32 if k == "mask" else np.int32) for k in halves)
     order = np.r_[0:2 * n:2, 1:2 * n:2]  # chosen halves first
     x, t, m = x[order], t[order], m[order]
 
