@@ -31,6 +31,14 @@ def token_losses(hidden: jax.Array, head: jax.Array, targets: jax.Array) -> jax.
     return lse - target_logit
 
 
+def token_entropies(hidden: jax.Array, head: jax.Array) -> jax.Array:
+    """Entropy of each position's next-token distribution `softmax(hidden @ head)`, float32 `[b, s]` in nats, with
+    no gradient (a metric: GRPO's `entropy`)."""
+    logits = jnp.einsum("bsh,hv->bsv", hidden, head, preferred_element_type=jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jax.lax.stop_gradient(-jnp.sum(jnp.exp(logp) * logp, axis=-1))
+
+
 def masked_mean(losses: jax.Array, mask: jax.Array) -> jax.Array:
     """`sum(losses * mask) / max(sum(mask), 1)` over the whole (global) batch."""
     mask = mask.astype(jnp.float32)

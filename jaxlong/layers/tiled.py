@@ -340,6 +340,34 @@ def tiled_token_losses(hidden: jax.Array, head: jax.Array, targets: jax.Array, *
                          check_vma=True)(hidden, head, targets)
 
 
+def _entropies(hidden, head, tile):
+    def body(_, i):
+        logp = jax.nn.log_softmax(_tile_logits(_tile(hidden, i, tile), head), axis=-1)
+        return None, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+    return _untile(jax.lax.scan(body, None, jnp.arange(hidden.shape[1] // tile))[1])
+
+
+def tiled_token_entropies(hidden: jax.Array, head: jax.Array, *, tile: int,
+                          mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+    """Entropy of each position's next-token distribution `softmax(hidden @ head)`, float32 `[batch, seq]` in nats,
+    one tile's logits at a time, with no gradient (a metric: GRPO's `entropy`); equal to
+    `jaxlong.layers.loss.token_entropies`. Arguments, sharding and errors as `tiled_token_losses`."""
+    hidden, head = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(head)
+    if mesh is None:
+        validate_loss_tile(hidden.shape[1], tile)
+        return _entropies(hidden, head, int(tile))
+    validate_loss_tile(_check_mesh_seq(hidden.shape[1], mesh), tile)
+    tile = int(tile)
+    axes = tuple(mesh.axis_names)
+
+    def local(h, w):
+        return _entropies(h, jax.lax.pcast(w, axes, to="varying"), tile)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(BATCH_AXES, seq_axes(mesh), None), P()),
+                         out_specs=P(BATCH_AXES, seq_axes(mesh)), check_vma=True)(hidden, head)
+
+
 def tiled_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array, *, tile: int,
                         mesh: jax.sharding.Mesh | None = None) -> jax.Array:
     """Mean next-token cross-entropy (nats/token, float32 scalar) over the valid tokens of the global batch:

@@ -31,10 +31,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong.core.mesh import BATCH_AXES, seq_axes, seq_shards
 from jaxlong.layers import loss as loss_lib
-from jaxlong.layers.tiled import loss_tile, tiled_loss_sum, tiled_token_losses
+from jaxlong.layers.tiled import loss_tile, tiled_loss_sum, tiled_token_entropies, tiled_token_losses
 from jaxlong.models import llama as model_lib
 
-__all__ = ["Objective", "Preparation", "forward", "token_losses", "loss_sum", "segment_sums"]
+__all__ = ["Objective", "Preparation", "forward", "token_losses", "token_logps_and_entropies", "loss_sum",
+           "segment_sums"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -59,9 +60,29 @@ def token_losses(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> 
     """Each target's cross-entropy, float32 `[b, s]` (nats; any value where the target is `IGNORE_INDEX` or
     padding: mask it), over sequence tiles under `tiling.loss` (`[b, s, vocab]` logits never exist then)."""
     hidden, head = forward(params, batch, graphdef, rt)
+    return _head_losses(hidden, head, batch["targets"], rt)
+
+
+def _head_losses(hidden: jax.Array, head: jax.Array, targets: jax.Array, rt: model_lib.Runtime) -> jax.Array:
     if not rt.tiling.loss:
-        return loss_lib.token_losses(hidden, head, batch["targets"])
-    return tiled_token_losses(hidden, head, batch["targets"], tile=_tile(hidden, head, rt), mesh=rt.mesh)
+        return loss_lib.token_losses(hidden, head, targets)
+    return tiled_token_losses(hidden, head, targets, tile=_tile(hidden, head, rt), mesh=rt.mesh)
+
+
+def token_logps_and_entropies(params: dict, batch: dict, graphdef, rt: model_lib.Runtime,
+                              temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Each target's log-probability under `softmax(logits / temperature)` (differentiable) and each position's
+    entropy of that distribution (no gradient), float32 `[b, s]` each in nats, from one forward; over sequence
+    tiles under `tiling.loss` (`[b, s, vocab]` logits never exist then). The logits divided by the sampling
+    temperature are what GRPO scores (TRL's `GRPOTrainer`). Values where the target is `IGNORE_INDEX` or padding
+    are meaningless: mask them."""
+    hidden, head = forward(params, batch, graphdef, rt)
+    if temperature != 1.0:  # (h / T) @ W = logits / T: the head is linear
+        hidden = hidden / jnp.asarray(temperature, hidden.dtype)
+    logps = -_head_losses(hidden, head, batch["targets"], rt)
+    if not rt.tiling.loss:
+        return logps, loss_lib.token_entropies(hidden, head)
+    return logps, tiled_token_entropies(hidden, head, tile=_tile(hidden, head, rt), mesh=rt.mesh)
 
 
 def loss_sum(params: dict, batch: dict, graphdef, rt: model_lib.Runtime) -> jax.Array:

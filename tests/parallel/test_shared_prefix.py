@@ -9,10 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import (RING_SEQ, assert_trees_close, loss_and_grads, mesh_for, reference_cfg, ring_mesh, tiered,
-                     tiny_cfg)
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from helpers import assert_trees_close, loss_and_grads, mesh_for, reference_cfg, tiered, tiny_cfg
 
 from jaxlong.config import runtime
 from jaxlong.core import segments
@@ -21,7 +18,6 @@ from jaxlong.data.groups import IGNORE, group_length, group_row
 from jaxlong.kernels import blockwise as K
 from jaxlong.layers.loss import IGNORE_INDEX
 from jaxlong.models import llama as model_lib
-from jaxlong.parallel.ring import ring_attention, unzigzag, zigzag
 from jaxlong.training import step as step_lib
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -144,37 +140,6 @@ def test_kernels_see_the_prefix_and_their_own_branch(kernel):
         g = jnp.zeros((128, SEQ, 8, 8)).at[ids, pos].add(jnp.concatenate([gq, gk, gv], axis=2))
         emb_grads.append(g)
     np.testing.assert_allclose(emb_grads[0], emb_grads[1], **TOL)
-
-
-@pytest.mark.slow  # the fast tier runs ring x Ulysses through the model (test_shared_prefix_rows_equal_...)
-@pytest.mark.parametrize("ring,context", [(2, 1), (2, 4), (8, 1)], ids=["r2", "r2c4", "r8"])
-def test_ring_attention_takes_shared_prefix_rows(ring, context):
-    """Ring attention (zigzag, and Ulysses x ring) over shared-prefix rows equals the reference kernel with the same
-    segment ids, forward and gradients: the group straddles the ring's chunks, so branches meet their prefix in
-    other ranks' blocks."""
-    from jaxlong.parallel.ulysses import ulysses_attention
-
-    packed, _, _ = _layout(ROWS)
-    mesh = ring_mesh(ring, context)
-    b = 8 // (ring * context)
-    seg = jnp.asarray(np.resize(packed["segment_ids"], (b, SEQ)))
-    q, k, v, ct = _qkv(b, SEQ, 8, 2)
-    sh = NamedSharding(mesh, P(*RING_SEQ, None, None))
-
-    def ring_fn(q, k, v):
-        args = [jax.device_put(zigzag(x, ring), sh) for x in (q, k, v)]
-        if context > 1:
-            out = ulysses_attention(*args, mesh=mesh, backend="blockwise", block_q=4, block_k=4,
-                                    segment_ids=zigzag(seg, ring))
-        else:
-            out = ring_attention(*args, mesh=mesh, block_q=4, block_k=4, segment_ids=zigzag(seg, ring))
-        return unzigzag(out, ring)
-
-    ref = lambda q, k, v: K.reference_attention(q, k, v, segment_ids=seg)
-    np.testing.assert_allclose(jax.jit(ring_fn)(q, k, v), ref(q, k, v), **TOL)
-    grads = lambda f: jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2))(q, k, v)
-    for name, a, w in zip(("dq", "dk", "dv"), jax.jit(lambda: grads(ring_fn))(), grads(ref)):
-        np.testing.assert_allclose(a, w, err_msg=name, **TOL)
 
 
 # ----------------------------------------------------------------------------------------------

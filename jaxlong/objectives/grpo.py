@@ -1,0 +1,196 @@
+"""GRPO, group relative policy optimization (Shao et al., arXiv 2402.03300 section 4.1), as TRL's `GRPOTrainer`
+computes it (trl v1.9.0: `_generate_and_score_completions` for the advantages, with its default
+`multi_objective_aggregation="sum_then_normalize"`, and `_compute_loss` for the loss), under TRL's option names,
+on shared-prefix rows under every context-parallel mode.
+
+**Rows.** A group is one prompt and its G = `num_generations` completions, packed as the prompt once and G
+branches (`jaxlong.data.groups`, `jaxlong.core.segments`), so the prompt's tokens are computed once. Besides the
+language model's entries a batch carries, per token, `completion` (the completion's number in its row, 1-based; 0
+on prompts and padding), `advantages` (its completion's advantage), and optionally `old_logps` (the log-probs at
+the rollout's parameters, for `num_iterations` > 1) and `ref_logps` (the reference's, for `beta` > 0). `mask` marks
+the completion tokens the loss counts (`mask_truncated_completions` zeroes a completion that did not end).
+
+**Advantages** (`group_advantages`, on the host): the rewards of a group minus their mean, divided by the group's
+standard deviation + 1e-4 (`scale_rewards="group"`), the batch's (`"batch"`) or not at all (`"none"`); standard
+deviations are unbiased. The rewards are each reward function's score times `reward_weights`, summed with a
+missing score (None) left out (`combine_rewards`); a completion no function could score has no reward: it is left
+out of its group's mean and deviation, and its advantage is 0.
+
+**Loss**, per completion token t with `logp` the policy's log-probability of the logits divided by `temperature`:
+`ratio = exp(logp - old_logp)` (`old_logp` = `stop_gradient(logp)` without `old_logps`, so the ratio is 1),
+`loss_t = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * kl_t` with TRL's k3 estimator
+`kl_t = exp(ref - logp) - (ref - logp) - 1`. Summed and normalised by `loss_type`:
+
+* `grpo`: each completion's mean over its tokens, averaged over the micro-batch's completions;
+* `bnpo`: the micro-batch's token sum over its counted tokens;
+* `dr_grpo`: the micro-batch's token sum over completions x `max_completion_length`;
+* `dapo` (TRL's default): the token sum over the counted tokens of the whole accumulated batch.
+
+The first three are normalised per micro-batch and averaged over the micro-batches (`normalize = "micro"`), as
+TRL divides each micro-batch's loss by the accumulation steps; `dapo` over the accumulated batch (`"batch"`).
+Per-completion sums over a sequence sharded by ring and context are `segment_sums` (one `psum`). Log-probs and
+entropies come from one forward, over sequence tiles under `tiling.loss` (`[seq, vocab]` logits never exist).
+
+**Metrics** (TRL's names): `entropy`, `kl` (with `beta` > 0), `clip_ratio/low_mean` (ratio below `1 - epsilon`
+with a negative advantage), `clip_ratio/high_mean` (above `1 + epsilon_high` with a positive one) and
+`clip_ratio/region_mean` (either), each a mean over the accumulated batch's counted tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlong.layers.loss import effective_mask
+from jaxlong.objectives.base import Objective, segment_sums, token_logps_and_entropies
+
+__all__ = ["GRPOConfig", "GroupRelativePolicyOptimization", "group_advantages", "combine_rewards", "LossType",
+           "ScaleRewards", "COMPLETION", "ADVANTAGES", "OLD_LOGPS", "REF_LOGPS"]
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]  # `grpo.loss_type`
+ScaleRewards = Literal["group", "batch", "none"]  # `grpo.scale_rewards`
+COMPLETION, ADVANTAGES, OLD_LOGPS, REF_LOGPS = "completion", "advantages", "old_logps", "ref_logps"
+METRICS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@dataclass
+class GRPOConfig:
+    """GRPO's options under TRL's `GRPOConfig` names (module docstring)."""
+
+    num_generations: int = 8  # G, completions per prompt
+    max_completion_length: int = 256  # tokens a completion may take (dr_grpo's constant)
+    temperature: float = 1.0  # sampling temperature; log-probs are of the logits divided by it
+    beta: float = 0.0  # the KL term's weight (0: no reference)
+    epsilon: float = 0.2  # the ratio's lower clip, 1 - epsilon
+    epsilon_high: float | None = None  # the upper clip, 1 + epsilon_high (None: epsilon; DAPO uses 0.28)
+    loss_type: LossType = "dapo"
+    scale_rewards: ScaleRewards = "group"
+    mask_truncated_completions: bool = False  # a completion that did not end (no EOS) counts no token
+    num_iterations: int = 1  # mu, optimizer steps per batch of rollouts
+    reward_weights: list[float] | None = None  # one per reward function (None: 1 each)
+
+
+def combine_rewards(per_function: np.ndarray, weights: Sequence[float] | None = None) -> np.ndarray:
+    """Each completion's reward, float64 `[n]`: the reward functions' scores `[n, functions]` (NaN where a function
+    returned None) times `weights` (None: 1 each), summed with the NaNs left out (TRL's `nansum`); NaN where every
+    function returned None (an unscorable completion).
+
+    Raises:
+      ValueError: `weights` not one per function."""
+    scores = np.asarray(per_function, np.float64)
+    w = np.ones(scores.shape[1]) if weights is None else np.asarray(weights, np.float64)
+    if w.shape != (scores.shape[1],):
+        raise ValueError(f"grpo.reward_weights has {w.size} weights for {scores.shape[1]} reward functions")
+    rewards = np.nansum(scores * w, axis=1)
+    return np.where(np.isnan(scores).all(axis=1), np.nan, rewards)
+
+
+def _nanstd(x: np.ndarray, axis=None) -> np.ndarray:
+    """TRL's `nanstd`: the unbiased standard deviation over the values that are not NaN (NaN for fewer than 2)."""
+    n = np.sum(~np.isnan(x), axis=axis)
+    mean = np.nanmean(x, axis=axis, keepdims=True) if np.any(n) else np.full_like(x, np.nan)
+    var = np.nansum((x - mean) ** 2, axis=axis) / np.where(n > 1, n - 1, np.nan)
+    return np.sqrt(var)
+
+
+def group_advantages(rewards: np.ndarray, num_generations: int, scale_rewards: str = "group"
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """TRL's advantages: `(advantages, std)`, float64 `[n]` each, for `rewards` `[n]` (NaN: unscorable) in groups of
+    `num_generations` consecutive completions: the reward minus its group's mean, divided by the group's unbiased
+    standard deviation + 1e-4 (`group`), the batch's (`batch`) or nothing (`none`), NaNs left out and an unscorable
+    completion's advantage 0; `std` is the one it would divide by (the group's for `none`, as TRL logs).
+
+    Raises:
+      ValueError: `n` not a multiple of `num_generations`."""
+    r = np.asarray(rewards, np.float64)
+    if r.size % num_generations:
+        raise ValueError(f"{r.size} rewards are not whole groups of grpo.num_generations={num_generations}")
+    grouped = r.reshape(-1, num_generations)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.repeat(np.array([np.nanmean(g) if np.any(~np.isnan(g)) else np.nan for g in grouped]),
+                         num_generations)
+        if scale_rewards == "batch":
+            std = np.full(r.shape, _nanstd(r) if r.size > 1 else 0.0)
+        else:
+            std = np.repeat(_nanstd(grouped, axis=1), num_generations)
+        advantages = r - mean
+        if scale_rewards != "none":
+            advantages = advantages / (std + 1e-4)
+    return np.nan_to_num(advantages, nan=0.0), std
+
+
+class GroupRelativePolicyOptimization(Objective):
+    """GRPO's loss and TRL's metrics on shared-prefix rows (module docstring); `cfg` the `grpo` section."""
+
+    name = "grpo"
+    batch_keys = {COMPLETION: np.int32, ADVANTAGES: np.float32, OLD_LOGPS: np.float32, REF_LOGPS: np.float32}
+    unit = "tokens"
+    records = "groups"
+    title = "GRPO"
+
+    def __init__(self, cfg: GRPOConfig):
+        self.cfg = cfg
+        self.normalize = "batch" if cfg.loss_type == "dapo" else "micro"
+
+    @classmethod
+    def from_config(cls, cfg) -> GroupRelativePolicyOptimization:
+        return cls(cfg.grpo)
+
+    def sum_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: () for k in (*METRICS, "tokens")}
+
+    def _completions(self, batch: dict, mesh) -> jax.Array:
+        """Completions in the batch (float32 []): the distinct `completion` numbers of each row."""
+        ids = batch[COMPLETION]
+        return jnp.sum(segment_sums((ids > 0).astype(jnp.float32), ids, mesh) > 0).astype(jnp.float32)
+
+    def denominator(self, batch: dict, mesh) -> jax.Array:
+        if self.cfg.loss_type == "grpo":
+            return self._completions(batch, mesh)
+        if self.cfg.loss_type == "dr_grpo":
+            return self._completions(batch, mesh) * self.cfg.max_completion_length
+        return jnp.sum(effective_mask(batch["targets"], batch["mask"]))
+
+    def sums(self, params: dict, batch: dict, graphdef, rt) -> tuple[jax.Array, dict]:
+        g = self.cfg
+        logps, entropy = token_logps_and_entropies(params, batch, graphdef, rt, g.temperature)
+        m = effective_mask(batch["targets"], batch["mask"])
+        logps = jnp.where(m > 0, logps, 0.0)
+        old = jnp.where(m > 0, batch[OLD_LOGPS], 0.0) if OLD_LOGPS in batch else jax.lax.stop_gradient(logps)
+        adv = batch[ADVANTAGES].astype(jnp.float32)
+        high = g.epsilon if g.epsilon_high is None else g.epsilon_high
+        ratio = jnp.exp(logps - old)
+        per_token = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - g.epsilon, 1.0 + high) * adv)
+        kl = jnp.zeros_like(logps)
+        if g.beta:
+            d = jnp.where(m > 0, batch[REF_LOGPS], 0.0) - logps
+            kl = jnp.exp(d) - d - 1.0
+            per_token = per_token + g.beta * kl
+        counted = per_token * m
+        if g.loss_type == "grpo":  # each completion's mean over its tokens
+            ids = batch[COMPLETION]
+            n = segment_sums(m, ids, rt.mesh)
+            loss = jnp.sum(segment_sums(counted, ids, rt.mesh) / jnp.maximum(n, 1.0))
+        else:
+            loss = jnp.sum(counted)
+        ratio = jax.lax.stop_gradient(ratio)
+        low_clip = ((ratio < 1.0 - g.epsilon) & (adv < 0)).astype(jnp.float32)
+        high_clip = ((ratio > 1.0 + high) & (adv > 0)).astype(jnp.float32)
+        region = jnp.maximum(low_clip, high_clip)
+        sums = {"entropy": entropy, "kl": jax.lax.stop_gradient(kl), "clip_ratio/low_mean": low_clip,
+                "clip_ratio/high_mean": high_clip, "clip_ratio/region_mean": region}
+        sums = {k: jnp.sum(v * m) for k, v in sums.items()}
+        return loss, {**sums, "tokens": jnp.sum(m)}
+
+    def metrics(self, sums: dict, denominator: jax.Array, batch: dict) -> dict:
+        n = jnp.maximum(sums["tokens"], 1.0)
+        keys = METRICS if self.cfg.beta else tuple(k for k in METRICS if k != "kl")
+        return {k: sums[k] / n for k in keys}
+
+    def summary(self, loss_sum: float, sums: dict, denominator: float) -> dict:
+        n = max(sums.get("tokens", 0.0), 1.0)
+        return {"loss": loss_sum / max(denominator, 1.0), **{k: sums[k] / n for k in METRICS if k in sums}}
