@@ -107,11 +107,9 @@ class Config:
 
 def runtime(cfg: Config, mesh, *, keep_attention: bool = False) -> Runtime:
     """The forward's `jaxlong.models.llama.Runtime` of a run on `mesh`: the sections it reads (model, attention,
-    remat, tiling), the compute dtype, whether attention masks by segment ids (`data.packing=documents`) and
-    whether they carry a shared prompt's branches (`data.shared_prompt`)."""
+    remat, tiling), the compute dtype and whether attention masks by segment ids (`data.packing=documents`)."""
     return Runtime(mesh, cfg.model, cfg.attention, cfg.remat, cfg.tiling, cfg.compute_dtype,
-                   document_masking=cfg.data.packing == "documents", keep_attention=keep_attention,
-                   shared_prefix=cfg.data.shared_prompt)
+                   document_masking=cfg.data.packing == "documents", keep_attention=keep_attention)
 
 
 def run_mesh(cfg: Config):
@@ -412,7 +410,7 @@ def _check(cfg: Config, n: int, platform: str | None) -> None:
         raise ConfigError(f"seed={cfg.seed} must be >= 0")
     check_data(cfg.data)
     check_backend(cfg.attention.backend, head_dim=cfg.model.head_dim, compute_dtype=cfg.compute_dtype,
-                  segment_ids=cfg.data.packing == "documents", branches=cfg.data.shared_prompt)
+                  segment_ids=cfg.data.packing == "documents")
     _check_shared_prompt(cfg)
     check_objective(cfg)
     _check_run(cfg)
@@ -511,8 +509,7 @@ def _check_layout(cfg: Config, n: int, platform: str | None) -> None:
         if cfg.remat.policy == "custom":
             check_upipe_remat_names(cfg.remat.save + cfg.remat.offload)
     kernel = kernel_that_runs(cfg.attention.backend, platform, compute_dtype=cfg.compute_dtype,
-                              head_dim=m.head_dim, segment_ids=cfg.data.packing == "documents",
-                              branches=cfg.data.shared_prompt)
+                              head_dim=m.head_dim, segment_ids=cfg.data.packing == "documents")
     check_kernel_size(kernel, backend=cfg.attention.backend, batch=cfg.global_batch // (cfg.grad_accum * data * fsdp),
                       seq=cfg.seq_len // ring, heads=(u if cfg.attention.impl == "upipe" else m.heads) // context,
                       head_dim=m.head_dim)

@@ -45,15 +45,14 @@ def cudnn_attention(q, k, v, *, causal: bool = True, window: int = 0):
 # --------------------------------------------------------------------------- dispatch
 
 
-def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = None, branches: bool = False) -> str:
+def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = None) -> str:
     """Map `backend` (one of `BACKENDS`) to a concrete one for query array `q`.
 
     `'auto'` on GPUs (`platform`: the mesh's device platform, e.g. `mesh.devices.flat[0].platform`;
     default `jax.default_backend()`) with `q.dtype` bf16/fp16 picks `'cudnn'` without `segment_ids`
     (`head_dim % 8 == 0` and `<= 256`) and `'pallas'` with them (document masking;
     `head_dim` a power of two in [16, 256]); otherwise `'blockwise'`. Compile-only GPU devices (planning
-    without a GPU) report `'gpu'` while `jax.default_backend()` is `'cpu'`: pass `platform`. `branches`: the
-    segment ids carry a shared prefix's branches (`jaxlong.core.segments`), which only the blockwise kernel masks.
+    without a GPU) report `'gpu'` while `jax.default_backend()` is `'cpu'`: pass `platform`.
 
     Raises:
       ValueError: unknown backend, or `'cudnn'` with segment ids (`attention.backend`).
@@ -68,15 +67,14 @@ def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = No
     if backend != "auto":
         return backend
     platform = jax.default_backend() if platform is None else platform
-    return auto_backend(platform, jnp.dtype(q.dtype).name, q.shape[-1], segment_ids is not None, branches)
+    return auto_backend(platform, jnp.dtype(q.dtype).name, q.shape[-1], segment_ids is not None)
 
 
-def auto_backend(platform: str, compute_dtype: str, head_dim: int, segment_ids: bool, branches: bool = False) -> str:
+def auto_backend(platform: str, compute_dtype: str, head_dim: int, segment_ids: bool) -> str:
     """What `attention.backend=auto` runs (`resolve_backend`, without arrays): on GPUs (`platform` `gpu` or
     `cuda`) in bfloat16 or float16, cuDNN without segment ids and the Pallas kernel with them, where the kernel
-    takes `head_dim`; the blockwise kernel otherwise, and with a shared prefix's branches (`branches`: neither
-    GPU kernel masks them)."""
-    if platform not in ("gpu", "cuda") or compute_dtype not in ("bfloat16", "float16") or branches:
+    takes `head_dim`; the blockwise kernel otherwise."""
+    if platform not in ("gpu", "cuda") or compute_dtype not in ("bfloat16", "float16"):
         return "blockwise"
     if not segment_ids and cudnn_head_dim_ok(head_dim):
         return "cudnn"
@@ -86,13 +84,13 @@ def auto_backend(platform: str, compute_dtype: str, head_dim: int, segment_ids: 
 
 
 def kernel_that_runs(backend: str, platform: str | None, *, compute_dtype: str, head_dim: int,
-                     segment_ids: bool, branches: bool = False) -> str | None:
+                     segment_ids: bool) -> str | None:
     """The kernel a run's attention uses: an explicit `attention.backend` itself; `auto` resolved
     (`auto_backend`) where the platform is known, None where it is not (a config checked before the devices
     are known)."""
     if backend != "auto":
         return backend
-    return None if platform is None else auto_backend(platform, compute_dtype, head_dim, segment_ids, branches)
+    return None if platform is None else auto_backend(platform, compute_dtype, head_dim, segment_ids)
 
 
 def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: int = 512,
@@ -179,18 +177,16 @@ def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: boo
     return vjp(dout.astype(q.dtype))
 
 
-def check_backend(backend: str, *, head_dim: int, compute_dtype: str, segment_ids: bool,
-                  branches: bool = False) -> None:
+def check_backend(backend: str, *, head_dim: int, compute_dtype: str, segment_ids: bool) -> None:
     """An explicit `attention.backend` that the run's shapes, dtype, batches or mesh cannot use (the kernels' own
     checks, moved before compiling). `auto` always works: it falls back to the blockwise kernel.
 
     Args:
       backend: `attention.backend`; head_dim: `model.head_dim`; compute_dtype: `compute_dtype`;
       segment_ids: the batches carry segment ids (`data.packing=documents`).
-      branches: the segment ids carry a shared prefix's branches (`data.shared_prompt`).
 
     Raises:
-      ConfigError: cuDNN with segment ids or in float32, the Pallas kernel with branches, or a head_dim the kernel does not take (`key`
+      ConfigError: cuDNN with segment ids or in float32, or a head_dim the kernel does not take (`key`
         attention.backend, `keys` the option it conflicts with; `jaxlong.config.validate` adds what passes). Under
         ring attention (`ring` > 1) the same kernel runs its blocks.
     """
@@ -205,10 +201,6 @@ def check_backend(backend: str, *, head_dim: int, compute_dtype: str, segment_id
         if not cudnn_head_dim_ok(head_dim):
             raise ConfigError(f"attention.backend=cudnn needs model.head_dim a multiple of 8 and <= 256, got "
                               f"{head_dim}", keys=("model.head_dim",), **at)
-    if backend == "pallas" and branches:
-        raise ConfigError("attention.backend=pallas does not mask a shared prompt's branches (data.shared_prompt); "
-                          "use attention.backend=auto or blockwise (the blockwise kernel masks them), or "
-                          "data.shared_prompt=false", keys=("data.shared_prompt",), **at)
     if backend == "pallas" and not pallas_head_dim_ok(head_dim):
         raise ConfigError(f"attention.backend=pallas needs model.head_dim a power of two in [16, 256], got "
                           f"{head_dim}", keys=("model.head_dim",), **at)

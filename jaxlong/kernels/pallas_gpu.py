@@ -49,8 +49,9 @@ shapes), block sizes powers of two >= 16, every operand under 2**31 elements (`M
 pointer offsets are not shown to be 64-bit, as for `jaxlong.kernels.cudnn`). A sequence that is not a
 multiple of the blocks is padded inside the call (padded keys are masked, padded rows dropped).
 
-Segment ids with a shared prefix's branches (`jaxlong.core.segments`) are not masked by branch here: such rows run
-the blockwise kernel (`attention.backend=auto`, `jaxlong.kernels.backend.auto_backend`).
+Segment ids may carry a shared prefix's branches (`jaxlong.core.segments`): the kernels read the queries' and the
+keys' ids tile by tile (int32, `bq` and `bk` per tile) and mask a branch from its siblings, as the blockwise
+kernel does. Ring attention's off-diagonal blocks pass the (query, key) run ids too (`kv_segment_ids`).
 
 `interpret=True` runs the kernels in Pallas' interpreter (CPU tests; JAX 0.10.2's interpreter fails inside
 `shard_map(check_vma=True)`, so interpreted tests run with `check_vma=False`); otherwise they lower through
@@ -72,7 +73,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxlong.core.ordering import varying_axes
 from jaxlong.core.kept import keep_attention_residuals
-from jaxlong.core.segments import segment_starts
+from jaxlong.core.segments import documents, segment_starts, visible
 from jaxlong.kernels.layout import check_qkv, check_window, pallas_head_dim_ok, pallas_tiles
 
 __all__ = ["MAX_ELEMENTS", "pallas_attention", "pallas_attention_bwd", "pallas_attention_fwd"]
@@ -87,13 +88,20 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts=None):
+def _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts=None, kv_segment_ids=None):
     """Validate before tracing; return (segment_ids as int32 or None, block_q, block_k)."""
     b, s, h, d = check_qkv(q, k, v, "pallas attention", causal)
+    pair = kv_segment_ids is not None  # ring attention's off-diagonal blocks: the (query, key) id pair
+    if pair:
+        if causal or segment_ids is None:
+            raise ValueError("pallas attention: kv_segment_ids requires causal=False and segment_ids")
+        if tuple(kv_segment_ids.shape) != (b, k.shape[1]) or not jnp.issubdtype(kv_segment_ids.dtype, jnp.integer):
+            raise ValueError(f"kv_segment_ids must be integer [batch, kv_seq] = {[b, k.shape[1]]}; got "
+                             f"{kv_segment_ids.dtype} {tuple(kv_segment_ids.shape)}")
     if kv_starts is not None:
-        if causal or segment_ids is not None:
+        if causal or (segment_ids is not None and not pair):
             raise ValueError("pallas attention: kv_starts (ring attention's off-diagonal blocks) requires "
-                             "causal=False and no segment_ids")
+                             "causal=False, and segment_ids only with kv_segment_ids")
         if tuple(kv_starts.shape) != (b, s) or not jnp.issubdtype(kv_starts.dtype, jnp.integer):
             raise ValueError(f"kv_starts must be integer [batch, seq] = {[b, s]}; got {kv_starts.dtype} "
                              f"{tuple(kv_starts.shape)}")
@@ -108,7 +116,7 @@ def _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts=None):
         if int(blk) != blk or not _pow2(int(blk)) or blk < 16:
             raise ValueError(f"pallas attention: {name}={blk!r} must be a power of two >= 16")
     if segment_ids is not None:
-        if not causal:
+        if not causal and not pair:
             raise ValueError("segment_ids (document masking) requires causal=True")
         if tuple(segment_ids.shape) != (b, s) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
             raise ValueError(f"segment_ids must be integer [batch, seq] = {[b, s]}; got {segment_ids.dtype} "
@@ -134,7 +142,8 @@ def _runs(segment_ids, padded: int):
 
     b, s = segment_ids.shape
     pos = lax.broadcasted_iota(jnp.int32, (b, s), 1)
-    last = jnp.concatenate([segment_ids[:, 1:] != segment_ids[:, :-1], jnp.ones((b, 1), bool)], axis=1)
+    doc = documents(segment_ids)  # a document's branches are one run with its prefix
+    last = jnp.concatenate([doc[:, 1:] != doc[:, :-1], jnp.ones((b, 1), bool)], axis=1)
     ends = lax.cummin(jnp.where(last, pos, s - 1), axis=1, reverse=True)
     pad = ((0, 0), (0, padded - s))
     return (jnp.pad(segment_starts(segment_ids), pad, constant_values=s),
@@ -158,6 +167,10 @@ def _mask(q_pos, k_pos, starts, causal: bool, seq: int, padded: bool, window: in
         keys = jnp.broadcast_to(k_pos[None, :] < seq, (q_pos.shape[0], k_pos.shape[0]))
         mask = keys if mask is None else mask & keys
     return mask
+
+
+def _and(mask, other):
+    return other if mask is None else mask & other
 
 
 def _dot(a, b, trans_a=False, trans_b=False):
@@ -184,14 +197,22 @@ def _q_bounds(j, end_ref, *, causal, bq, bk, nq, window=0):
     return lo, hi
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk, seq, padded, window, ends=False):
-    en_ref, refs = (refs[-3], refs[:-3] + refs[-2:]) if ends else (None, refs)
-    st_ref, o_ref, lse_ref = refs if segments else (None, *refs)
+def _take(refs: list, present: bool):
+    """The next optional input ref (in the order the wrapper appends them), or None."""
+    return refs.pop(0) if present else None
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk, seq, padded, window, ends=False,
+                ids=False):
+    *refs, o_ref, lse_ref = refs
+    st_ref, en_ref = _take(refs, segments), _take(refs, ends)
+    qid_ref, kid_ref = _take(refs, ids), _take(refs, ids)  # segment ids: the queries' tile, the whole keys'
     i = pl.program_id(0)
     q = q_ref[...]  # [bq, d]
     q_pos = i * bq + jnp.arange(bq)
     st = st_ref[...] if segments else None  # [bq] run starts
     en = en_ref[...] if ends else None  # [bq] kv_ends
+    qid = qid_ref[...] if ids else None  # [bq] segment ids
 
     def body(j, carry):
         acc, m, l = carry
@@ -202,6 +223,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk,
         if en is not None:  # kv_ends
             before = jnp.broadcast_to((j * bk + jnp.arange(bk))[None, :] < en[:, None], (bq, bk))
             mask = before if mask is None else mask & before
+        if ids:  # a shared prefix's branches see the prefix and themselves
+            mask = _and(mask, visible(qid[:, None], kid_ref[pl.ds(j * bk, bk)][None, :]))
         if mask is not None:
             sc = jnp.where(mask, sc, _NEG)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
@@ -251,6 +274,11 @@ def _starts(segment_ids, kv_starts, padded: int, padded_keys: int):
     return _pad_seq(kv_starts.astype(jnp.int32), padded, value=padded_keys)
 
 
+def _key_ids(segment_ids, kv_segment_ids):
+    """The keys' segment ids, int32: `kv_segment_ids` (an off-diagonal block of ring attention) or the queries'."""
+    return segment_ids if kv_segment_ids is None else kv_segment_ids.astype(jnp.int32)
+
+
 def _pad_seq(x, padded: int, axis: int = 1, value=0):
     extra = padded - x.shape[axis]
     if not extra:
@@ -263,17 +291,20 @@ def _pad_seq(x, padded: int, axis: int = 1, value=0):
 def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, block_q: int = DEFAULT_BLOCK,
                          block_k: int = DEFAULT_BLOCK, interpret: bool = False, num_warps: int = 4,
                          num_stages: int = 2, kv_starts=None, kv_head_major: bool = False, window: int = 0,
-                         kv_ends=None):
+                         kv_ends=None, kv_segment_ids=None):
     """FlashAttention-2 forward (Pallas, Triton lowering); returns `(out, lse)`.
 
     Args:
       q: `[batch, seq, heads, head_dim]`; k, v: `[batch, kv_seq, kv_heads, head_dim]` (one dtype: bf16, fp16
         or fp32; head_dim a power of two in [16, 256]; `kv_seq` = `seq` when `causal`).
       causal: query t sees keys 0..t.
-      segment_ids: int `[batch, seq]` or None: document masking (module docstring), needs `causal`.
+      segment_ids: int `[batch, seq]` or None: document masking (module docstring), needs `causal` (or
+        `kv_segment_ids`); a shared prefix's branches (`jaxlong.core.segments`) are masked too.
       block_q, block_k: tile lengths, powers of two >= 16; seq is padded to a multiple of both.
       interpret: run in Pallas' interpreter (CPU tests) instead of compiling through Triton.
       num_warps, num_stages: Triton launch parameters.
+      kv_segment_ids: int `[batch, kv_seq]` or None: with `causal=False`, `segment_ids` and `kv_starts`, the keys'
+        ids (ring attention's off-diagonal blocks): query t sees key j only if `jaxlong.core.segments.visible`.
       kv_starts: int `[batch, seq]` or None: with `causal=False`, query t sees key j iff `j >= kv_starts[t]`
         (ring attention's off-diagonal blocks with document masking, module docstring; the chunked prefill's
         cache, `jaxlong.generation.chunked`).
@@ -298,7 +329,7 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
     seq_axis = 2 if kv_head_major else 1
     shapes = [jax.ShapeDtypeStruct(jnp.swapaxes(x, 1, 2).shape if kv_head_major else x.shape, x.dtype)
               for x in (k, v)]
-    segment_ids, bq, bk = _check(q, *shapes, segment_ids, causal, block_q, block_k, kv_starts)
+    segment_ids, bq, bk = _check(q, *shapes, segment_ids, causal, block_q, block_k, kv_starts, kv_segment_ids)
     window = check_window(window, causal, "pallas attention")
     if kv_ends is not None and (kv_starts is None or tuple(kv_ends.shape) != tuple(kv_starts.shape)):
         raise ValueError(f"pallas attention: kv_ends must come with kv_starts, of its shape {q.shape[:2]}; got "
@@ -309,9 +340,10 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
     q_ = _pad_seq(q, sp)
     k_, v_ = (_pad_seq(x, skp, axis=seq_axis) for x in (k, v))
     segments = segment_ids is not None or kv_starts is not None
+    ids = segment_ids is not None
     kernel = functools.partial(_fwd_kernel, scale=1.0 / math.sqrt(d), causal=bool(causal), segments=segments,
                                bq=bq, bk=bk, nk=skp // bk, seq=sk, padded=skp != sk, window=window,
-                               ends=kv_ends is not None)
+                               ends=kv_ends is not None, ids=ids)
     tile = pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0))
     whole_kv = (pl.BlockSpec((None, None, skp, d), lambda i, bb, hh: (bb, lax.div(hh, g), 0, 0)) if kv_head_major
                 else pl.BlockSpec((None, skp, None, d), lambda i, bb, hh: (bb, 0, lax.div(hh, g), 0)))
@@ -322,6 +354,10 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
     if kv_ends is not None:  # padded rows see no key
         in_specs.append(pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)))
         args.append(_pad_seq(kv_ends.astype(jnp.int32), sp, value=0))
+    if ids:  # the queries' ids by tile, the keys' whole (padded keys: id 0, seen by no document)
+        in_specs += [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)), pl.BlockSpec((None, skp),
+                                                                                     lambda i, bb, hh: (bb, 0))]
+        args += [_pad_seq(segment_ids, sp), _pad_seq(_key_ids(segment_ids, kv_segment_ids), skp)]
     args, sds = _vary_alike(*args)
     out, lse = pl.pallas_call(
         kernel, grid=(sp // bq, b, h), in_specs=in_specs,
@@ -334,16 +370,15 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, causal, segments, bq, bk, nq,
-                 g, seq, padded, window):
-    if not segments:
-        st_ref, end_ref, (dk_ref, dv_ref) = None, None, refs
-    elif causal:  # document masking: run starts and ends
-        st_ref, end_ref, dk_ref, dv_ref = refs
-    else:  # kv_starts: every query tile may see the kv tile
-        st_ref, end_ref, dk_ref, dv_ref = refs[0], None, *refs[1:]
+                 g, seq, padded, window, ids=False):
+    *refs, dk_ref, dv_ref = refs
+    # document masking: run starts and ends; kv_starts: every query tile may see the kv tile
+    st_ref, end_ref = _take(refs, segments), _take(refs, segments and causal)
+    qid_ref, kid_ref = _take(refs, ids), _take(refs, ids)  # segment ids: the queries' whole, the keys' tile
     j = pl.program_id(0)
     k = k_ref[...]  # [bk, d]
     v = v_ref[...]
+    kid = kid_ref[...] if ids else None
     k_pos = j * bk + jnp.arange(bk)
     lo, hi = _q_bounds(j, end_ref, causal=causal, bq=bq, bk=bk, nq=nq, window=window)
 
@@ -355,6 +390,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, 
         sc = _dot(q, k, trans_b=True) * scale
         mask = _mask(i * bq + jnp.arange(bq), k_pos, st_ref[rows] if segments else None, causal, seq, padded,
                      window)
+        if ids:
+            mask = _and(mask, visible(qid_ref[rows][:, None], kid[None, :]))
         if mask is not None:
             sc = jnp.where(mask, sc, _NEG)
         p = jnp.exp(sc - lse_ref[hg, rows][:, None])  # masked -> exp(_NEG - lse) == 0
@@ -373,19 +410,24 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, 
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, causal, segments, bq, bk, nk, seq,
-               padded, window):
-    st_ref, dq_ref = refs if segments else (None, *refs)
+               padded, window, ids=False):
+    *refs, dq_ref = refs
+    st_ref = _take(refs, segments)
+    qid_ref, kid_ref = _take(refs, ids), _take(refs, ids)  # segment ids: the queries' tile, the keys' whole
     i = pl.program_id(0)
     q, do = q_ref[...], do_ref[...]  # [bq, d]
     lse, delta = lse_ref[...], delta_ref[...]  # [bq]
     q_pos = i * bq + jnp.arange(bq)
     st = st_ref[...] if segments else None
+    qid = qid_ref[...] if ids else None
 
     def body(j, dq):
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
         sc = _dot(q, k, trans_b=True) * scale
         mask = _mask(q_pos, j * bk + jnp.arange(bk), st, causal, seq, padded, window)
+        if ids:
+            mask = _and(mask, visible(qid[:, None], kid_ref[pl.ds(j * bk, bk)][None, :]))
         if mask is not None:
             sc = jnp.where(mask, sc, _NEG)
         p = jnp.exp(sc - lse[:, None])
@@ -398,11 +440,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, ca
 
 def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None,
                          block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK, interpret: bool = False,
-                         num_warps: int = 4, num_stages: int = 2, kv_starts=None, window: int = 0):
+                         num_warps: int = 4, num_stages: int = 2, kv_starts=None, window: int = 0,
+                         kv_segment_ids=None):
     """FlashAttention-2 backward from the saved `out` and `lse` (no forward rerun); returns `(dq, dk, dv)`.
 
     Args:
-      q, k, v, causal, segment_ids, block_q, block_k, interpret, num_warps, num_stages, kv_starts, window: as for
+      q, k, v, causal, segment_ids, block_q, block_k, interpret, num_warps, num_stages, kv_starts, window,
+      kv_segment_ids: as for
         `pallas_attention_fwd` (the blocks need not match the forward's; the window must); dK/dV skip the query
         tiles past the reach of a kv tile's window.
       out: the forward output (shape of q); lse: float32 `[batch, heads, seq]` (from this forward,
@@ -415,7 +459,7 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
     Raises:
       ValueError: as `pallas_attention_fwd`, and when out, dout or lse have the wrong shapes.
     """
-    segment_ids, bq, bk = _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts)
+    segment_ids, bq, bk = _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts, kv_segment_ids)
     window = check_window(window, causal, "pallas attention")
     b, s, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
@@ -435,8 +479,11 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
         runs = (_starts(None, kv_starts, sp, skp),)
     else:
         runs = _runs(segment_ids, sp) if segments else None
+    ids = segment_ids is not None
     common = dict(scale=1.0 / math.sqrt(d), causal=bool(causal), segments=segments, bq=bq, bk=bk, seq=sk,
-                  padded=skp != sk, window=window)
+                  padded=skp != sk, window=window, ids=ids)
+    q_ids = _pad_seq(segment_ids, sp) if ids else None
+    k_ids = _pad_seq(_key_ids(segment_ids, kv_segment_ids), skp) if ids else None
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
     # dK, dV: grid (kv tile, batch, kv head); q, dout, lse, delta of the group's g query heads, whole sequence.
@@ -450,6 +497,10 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
         if kv_starts is None:  # the run ends bound the query tiles
             in_specs.append(pl.BlockSpec((None, bk), lambda j, bb, kh: (bb, j)))
         args += list(runs)
+    if ids:  # the queries' ids whole, the keys' by tile
+        in_specs += [pl.BlockSpec((None, sp), lambda j, bb, kh: (bb, 0)), pl.BlockSpec((None, bk),
+                                                                                     lambda j, bb, kh: (bb, j))]
+        args += [q_ids, k_ids]
     args, sds = _vary_alike(*args)
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, nq=sp // bq, g=g, **common), grid=(skp // bk, b, kvh),
@@ -465,6 +516,10 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
     if segments:
         in_specs.append(pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)))
         args.append(runs[0])
+    if ids:  # the queries' ids by tile, the keys' whole
+        in_specs += [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)), pl.BlockSpec((None, skp),
+                                                                                     lambda i, bb, hh: (bb, 0))]
+        args += [q_ids, k_ids]
     args, sds = _vary_alike(*args)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, nk=skp // bk, **common), grid=(sp // bq, b, h), in_specs=in_specs,

@@ -70,8 +70,6 @@ class Runtime:
       document_masking: attention masks by the batches' segment ids (`data.packing=documents`); False: each row is
         one causal stream (`concat`).
       keep_attention: the layer keeps its attention output and lse (`remat.keep_attention`).
-      shared_prefix: the segment ids carry shared prefixes' branches (`data.shared_prompt`,
-        `jaxlong.core.segments`): `auto` keeps the blockwise kernel, the one that masks them.
     """
 
     mesh: jax.sharding.Mesh
@@ -82,7 +80,6 @@ class Runtime:
     compute_dtype: Any = jnp.float32
     document_masking: bool = True
     keep_attention: bool = False
-    shared_prefix: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "compute_dtype", jnp.dtype(self.compute_dtype))
@@ -95,7 +92,7 @@ class Runtime:
         (`jaxlong.parallel.ring.ring_kernel`)."""
         probe = jax.ShapeDtypeStruct((self.model.head_dim,), self.compute_dtype)
         return resolve_backend(self.attention.backend, probe, segment_ids=True if self.document_masking else None,
-                               platform=self.mesh.devices.flat[0].platform, branches=self.shared_prefix)
+                               platform=self.mesh.devices.flat[0].platform)
 
     @property
     def kinds(self) -> tuple[int, ...]:

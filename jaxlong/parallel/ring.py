@@ -188,7 +188,8 @@ class BlockKernel:
         if self.backend == "pallas":
             chunk = k.shape[1] // max(len(k_starts), 1)
             starts = None if q_ids is None else kv_starts_of_chunks(q_ids, k_starts, chunk)
-            return pallas_kernel.pallas_attention_fwd(q, k, v, causal=False, kv_starts=starts, **self._pallas())
+            return pallas_kernel.pallas_attention_fwd(q, k, v, causal=False, kv_starts=starts, segment_ids=q_ids,
+                                                      kv_segment_ids=k_ids, **self._pallas())
         ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
         return blockwise_attention_fwd(q, k, v, causal=False, **ids, **self._tiles())
 
@@ -199,7 +200,7 @@ class BlockKernel:
             chunk = k.shape[1] // max(len(k_starts), 1)
             starts = None if q_ids is None else kv_starts_of_chunks(q_ids, k_starts, chunk)
             return pallas_kernel.pallas_attention_bwd(q, k, v, out, lse, dout, causal=False, kv_starts=starts,
-                                                      **self._pallas())
+                                                      segment_ids=q_ids, kv_segment_ids=k_ids, **self._pallas())
         ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
         return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=False, **ids, **self._tiles())
 

@@ -74,16 +74,17 @@ def fake_kernels(monkeypatch):
         calls.append(("cudnn", "bwd", causal, None, q.shape[1], k.shape[1], lse.shape[2]))
         return K.blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal, **TILES)
 
-    def masking(segment_ids, kv_starts):
+    def masking(segment_ids, kv_starts):  # a remote block's ids pair rides with its kv_starts
         return "kv_starts" if kv_starts is not None else "segments" if segment_ids is not None else None
 
-    def pallas_fwd(q, k, v, *, causal=True, segment_ids=None, kv_starts=None, interpret=False):
+    def pallas_fwd(q, k, v, *, causal=True, segment_ids=None, kv_starts=None, interpret=False, kv_segment_ids=None):
         calls.append(("pallas", "fwd", causal, masking(segment_ids, kv_starts), q.shape[1], k.shape[1], None))
         if kv_starts is None:
             return K.blockwise_attention_fwd(q, k, v, causal=causal, segment_ids=segment_ids, **TILES)
         return _dense_kv_starts_fwd(q, k, v, kv_starts)
 
-    def pallas_bwd(q, k, v, out, lse, dout, *, causal=True, segment_ids=None, kv_starts=None, interpret=False):
+    def pallas_bwd(q, k, v, out, lse, dout, *, causal=True, segment_ids=None, kv_starts=None, interpret=False,
+                   kv_segment_ids=None):
         calls.append(("pallas", "bwd", causal, masking(segment_ids, kv_starts), q.shape[1], k.shape[1],
                       lse.shape[2]))
         if kv_starts is None:

@@ -196,20 +196,45 @@ def test_shared_prefix_rows_equal_separate_rows_on_every_mesh(overrides):
 
 
 def test_rows_that_share_a_prompt_are_refused_where_they_cannot_run():
-    """One line before anything compiles: a shared prompt without preference pairs, without segment ids, with a
-    sliding-window model, or on the Pallas kernel (which does not mask branches); `auto` keeps the blockwise kernel
-    on GPUs."""
+    """One line before anything compiles: a shared prompt without preference pairs, without segment ids, or with a
+    sliding-window model."""
     from jaxlong.config import ConfigError, validate
-    from jaxlong.kernels.backend import auto_backend
 
     pairs = ("data.format=preference", "objective=dpo", "data.shared_prompt=true",
              "data.path=configs/data/stdlib_preference.jsonl", "data.chat_template=configs/chat_templates/chatml.jinja")
     cases = [(("data.shared_prompt=true",), "set data.format=preference"),
              ((*pairs, "data.packing=concat"), "packs each conversation as its own document"),
-             ((*pairs, "model.family=gemma3", "model.sliding_window=16"), "model.sliding_window=16 counts positions"),
-             ((*pairs, "attention.backend=pallas"), "does not mask a shared prompt's branches")]
+             ((*pairs, "model.family=gemma3", "model.sliding_window=16"), "model.sliding_window=16 counts positions")]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):
             validate(tiny_cfg(*overrides), 8)
-    assert auto_backend("gpu", "bfloat16", 64, segment_ids=True) == "pallas"
-    assert auto_backend("gpu", "bfloat16", 64, segment_ids=True, branches=True) == "blockwise"
+
+
+def test_the_pallas_kernels_mask_branches_as_the_blockwise_kernel_does():
+    """The Pallas kernel pair in its interpreter (float32) on shared-prefix rows: causal with segment ids, and
+    ring attention's off-diagonal form (keys of the row's first half for queries of its second, `kv_starts` with
+    the (query, key) run ids): forward, lse and the backward equal the blockwise kernel's, itself equal to the
+    separate rows (above)."""
+    from jaxlong.kernels import pallas_gpu as PG
+    from jaxlong.parallel.ring import kv_starts_of_chunks, run_ids
+
+    packed, _, _ = _layout(ROWS)
+    seg = jnp.asarray(packed["segment_ids"])
+    q, k, v, do = _qkv(len(ROWS), SEQ, 4, 2, d=16)
+    half = SEQ // 2
+    runs = run_ids(seg, 1)
+    cases = [(dict(causal=True, segment_ids=seg), (q, k, v, do), {}),
+             (dict(causal=False, segment_ids=runs[:, half:], kv_segment_ids=runs[:, :half]),
+              (q[:, half:], k[:, :half], v[:, :half], do[:, half:]),
+              dict(kv_starts=kv_starts_of_chunks(runs[:, half:], (0,), half)))]
+    for opts, (q_, k_, v_, do_), pallas_only in cases:
+        out, lse = PG.pallas_attention_fwd(q_, k_, v_, block_q=16, block_k=16, interpret=True, **opts, **pallas_only)
+        ref_out, ref_lse = K.blockwise_attention_fwd(q_, k_, v_, block_q=8, block_k=8, **opts)
+        np.testing.assert_allclose(out, ref_out, **TOL)
+        np.testing.assert_allclose(lse, ref_lse, **TOL)
+        lse_ = jnp.where(jnp.isfinite(ref_lse), ref_lse, 0.0)  # as ring's global lse: finite where a block sees none
+        grads = PG.pallas_attention_bwd(q_, k_, v_, ref_out, lse_, do_, block_q=16, block_k=16, interpret=True,
+                                        **opts, **pallas_only)
+        for got, want in zip(grads, K.blockwise_attention_bwd(q_, k_, v_, ref_out, lse_, do_, block_q=8,
+                                                              block_k=8, **opts)):
+            np.testing.assert_allclose(got, want, **TOL)
