@@ -123,8 +123,8 @@ def test_only_the_commands_import_jaxlong_modules_inside_functions():
 # The floors (docs/architecture.md): a folder may import its own floor's modules only from its own folder, and the
 # floors below it. Peers on one floor import neither each other: `training` and `generation` are peers.
 FLOORS = {"core": 0, "kernels": 1, "data": 1, "layers": 1, "optim": 1, "parallel": 2, "models": 3, "objectives": 4,
-          "config": 5, "training": 6, "generation": 6, "evaluation": 7, "recipes": 8, "plan": 9,
-          **{c: 10 for c in COMMANDS}}
+          "config": 5, "training": 6, "generation": 6, "evaluation": 7, "rl": 8, "recipes": 9, "plan": 10,
+          **{c: 11 for c in COMMANDS}}
 
 
 def _folder(module: str) -> str | None:
@@ -149,7 +149,7 @@ def test_every_folder_has_a_floor():
 
 def test_folders_import_downwards_only():
     """core < kernels, data, layers, optim < parallel < models < objectives < config < training, generation <
-    evaluation < recipes < plan < the commands: a module never imports a folder on its own floor or above, except
+    evaluation < rl < recipes < plan < the commands: a module never imports a folder on its own floor or above, except
     its own folder (so no two folders import each other, and training and generation import neither)."""
     wrong = [line for (a, b), lines in _folder_edges().items() if FLOORS[b] >= FLOORS[a] for line in lines]
     assert wrong == []

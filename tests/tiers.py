@@ -19,6 +19,7 @@ TIERS = {
     "data/test_chat_data.py": "fast+slow",
     "training/test_dpo.py": "fast+slow",
     "training/test_grpo.py": "fast+slow",
+    "rl/test_rewards.py": "fast",
     "data/test_mixture.py": "fast",
     "evaluation/test_eval.py": "fast+slow",
     "evaluation/test_hostmem.py": "fast+slow",
