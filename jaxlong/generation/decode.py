@@ -56,7 +56,8 @@ from jaxlong.models.family import GLOBAL, LOCAL, layer_kinds
 from jaxlong.models import llama as model_lib
 
 
-__all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "cache_shardings", "cache_shapes", "cache_bytes",
+__all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "expand_samples", "cache_shardings", "cache_shapes",
+           "cache_bytes",
            "stack_index", "window_gather", "zigzag_slot", "sample", "output_head", "decode_weights_mode",
            "replicate_weights", "weight_bytes"]
 
@@ -289,6 +290,21 @@ def replicate_weights(cfg, mesh: jax.sharding.Mesh):
     return jax.jit(lambda p: jax.tree_util.tree_map_with_path(cast, p), out_shardings=NamedSharding(mesh, P()))
 
 
+def expand_samples(mesh: jax.sharding.Mesh, samples: int):
+    """`expand(cache) -> cache` for G = `samples` rows per prompt (`make_decode_step(samples=G)`), jitted: the prompt
+    keys and values and `valid` stay as the prefill made them (one per prompt, never copied); the generated tokens'
+    cache gets G rows per prompt (zeros), and a sliding-window layer's ring buffer (its last `window` positions, a
+    few MiB) is repeated G times, each row's own from there on."""
+
+    def expand(cache: Cache) -> Cache:
+        new = jnp.zeros((*cache.new_k.shape[:1], cache.new_k.shape[1] * samples, *cache.new_k.shape[2:]),
+                        cache.new_k.dtype)
+        win_k, win_v = (jnp.repeat(a, samples, axis=1) for a in (cache.win_k, cache.win_v))
+        return cache._replace(new_k=new, new_v=new, win_k=win_k, win_v=win_v)
+
+    return jax.jit(expand, out_shardings=cache_shardings(mesh))
+
+
 def _partial(q, k, v, valid):
     """One shard's attention of the new queries `q` `[b, kv, g, d]` (float32, scaled) over its keys and values
     `[b, kv, n, d]` with `valid` `[b, n]`: (output `[b, kv, g, d]` float32, log-sum-exp `[b, kv, g]`; `NEG` where no
@@ -300,10 +316,16 @@ def _partial(q, k, v, valid):
     return normalise(jnp.einsum("bkgn,bknd->bkgd", p, v.astype(jnp.float32)), mx, jnp.sum(p, axis=-1))
 
 
-def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling(), vocab: int | None = None):
+def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling(), vocab: int | None = None,
+                     samples: int = 1):
     """`step(params, cache, tokens [b], positions [b], t, key) -> (next tokens [b] int32, logits [b, vocab]
     float32, cache)`, jitted with the cache donated: compiled once per batch size, cache size and placement of the
     weights (`decode_weights`), whatever the step.
+
+    `samples` = G > 1 decodes G rows per prompt from one prompt cache (GRPO's group, `expand_samples`): the cache's
+    prompt keys and values hold `b / G` prompts, and the G rows of prompt p (rows `p G .. p G + G - 1`) each have
+    their own generated tokens' cache. A global layer scores the G rows' queries against the prompt's keys together,
+    as G times as many query heads of one row, so the prompt's K/V is never copied G times.
 
     Feeds `tokens` (each row's newest token) at global `positions` (each row's prompt length + `t`). A global layer
     writes their keys and values into slot `t` of the small cache and attends to the valid prompt cache (split-KV
@@ -344,11 +366,21 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
         # slot s of a window buffer holds position pos - ((t - s) mod window) once slot t mod window is written
         held = (pos - jnp.mod(t - jnp.arange(window), window)[None, :]) >= 0  # [b, window]
 
+        def on_prompts(qg, j):
+            """The prompt cache's attention for every row: with G samples a prompt's G rows as its query heads."""
+            if samples == 1:
+                return prompt_attention(qg, cache.k[j], cache.v[j], cache.valid)
+            n = b // samples
+            q = qg.reshape(n, samples, m.kv_heads, group, m.head_dim).swapaxes(1, 2)
+            o, lse = prompt_attention(q.reshape(n, m.kv_heads, samples * group, m.head_dim), cache.k[j], cache.v[j],
+                                      cache.valid)
+            o = o.reshape(n, m.kv_heads, samples, group, m.head_dim).swapaxes(1, 2)
+            return o.reshape(qg.shape), lse.reshape(n, m.kv_heads, samples, group).swapaxes(1, 2).reshape(qg.shape[:3])
+
         def attend_global(qg, kv, j, carry):
             """Write into slot t of global layer j's small cache; attend to its prompt cache and to it."""
             new_k, new_v = (jax.lax.dynamic_update_slice(c, a, (j, 0, 0, t, 0)) for c, a in zip(carry[:2], kv))
-            attn, _ = merge([prompt_attention(qg, cache.k[j], cache.v[j], cache.valid),
-                             _partial(qg, new_k[j], new_v[j], seen)])
+            attn, _ = merge([on_prompts(qg, j), _partial(qg, new_k[j], new_v[j], seen)])
             return attn, (new_k, new_v, *carry[2:])
 
         def attend_local(qg, kv, j, carry):

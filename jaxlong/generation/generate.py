@@ -30,8 +30,8 @@ from jaxlong.core.memstats import free_per_device
 from jaxlong.core.mesh import BATCH_AXES, axis_size
 from jaxlong.core.batch import put_batch
 from jaxlong.generation.chunked import ChunkedPrefill
-from jaxlong.generation.decode import (Sampling, decode_weights_mode, make_decode_step, make_prefill,
-                                       replicate_weights, sample, weight_bytes)
+from jaxlong.generation.decode import (Sampling, decode_weights_mode, expand_samples, make_decode_step,
+                                       make_prefill, replicate_weights, sample, weight_bytes)
 
 
 __all__ = ["Generated", "Generator", "prompt_length", "check_positions"]
@@ -100,13 +100,19 @@ class Generator:
         Face directory's model).
       prefill_bar: show a progress bar on stderr over each chunked prefill (the CLIs' process 0): at 1M tokens in
         chunks of 8K a CPU host runs 128 chunk programs for hours.
+      num_samples: G, the rows generated from each prompt (GRPO's group, TRL's `num_generations`): each prompt is
+        prefilled once and its G rows decode from its one prompt cache (`jaxlong.generation.decode`), drawing
+        their own tokens; a call returns G results per prompt, prompt by prompt.
     """
 
     def __init__(self, cfg: Config, mesh, params: dict, tokenizer, *, max_new_tokens: int,
                  sampling: Sampling = Sampling(), eos_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                 trained: int | None = None, prefill_bar: bool = False):
+                 trained: int | None = None, prefill_bar: bool = False, num_samples: int = 1):
         if max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens={max_new_tokens} must be >= 1")
+        if num_samples < 1:
+            raise ConfigError(f"num_samples={num_samples} must be >= 1 (rows generated from each prompt)")
+        self.samples = int(num_samples)
         self.cfg, self.mesh, self.params, self.tokenizer = cfg, mesh, params, tokenizer
         self.max_new, self.sampling, self.trained, self.prefill_bar = max_new_tokens, sampling, trained, prefill_bar
         self.eos, self.stop = set(int(i) for i in eos_ids), [s for s in stop if s]
@@ -114,7 +120,8 @@ class Generator:
         self.prefill = make_prefill(cfg, mesh, max_new_tokens)
         # prompts longer than `prefill_chunk` are prefilled chunk by chunk (`jaxlong.generation.chunked`)
         self.chunked = ChunkedPrefill(cfg, mesh, cfg.prefill_chunk, max_new_tokens) if cfg.prefill_chunk else None
-        self.step = make_decode_step(cfg, mesh, sampling, vocab=vocab)
+        self.step = make_decode_step(cfg, mesh, sampling, vocab=vocab, samples=self.samples)
+        self.expand = expand_samples(mesh, self.samples) if self.samples > 1 else None
         # the first token in the decode step's own output sharding (replicated, so that every process reads the
         # tokens): every step then has one input signature
         self.first = jax.jit(lambda logits, key: sample(logits, key, sampling, vocab),
@@ -151,7 +158,9 @@ class Generator:
         """Generate for each prompt (token ids, each non-empty); `on_text(row, new_text)` streams each row's text
         as it grows (only text that no stop string could still claim); `logits`, when a list, receives each
         step's float32 logits `[rows, vocab]` (tests). `max_new` gives each row its own most new tokens (each at
-        most `max_new_tokens`, the cache's room); `pad_to` the least padded prompt length (`batch`).
+        most `max_new_tokens`, the cache's room); `pad_to` the least padded prompt length (`batch`). With
+        `num_samples` G > 1 the result holds G rows per prompt (prompt p's at `p G .. p G + G - 1`), and `on_text`
+        and `logits` see those rows.
 
         Raises:
           ConfigError: an empty prompt, or a prompt plus its new tokens beyond the model's positions, or a row's
@@ -174,6 +183,9 @@ class Generator:
                 close()
         else:
             logits_now, cache = self.prefill(self.params, put_batch(host, self.mesh))
+        g = self.samples
+        if g > 1:  # G rows per prompt: one prompt cache, G caches of generated tokens
+            logits_now, cache = jax.numpy.repeat(logits_now, g, axis=0), self.expand(cache)
         key = jax.random.key(seed)
         key, sub = jax.random.split(key)
         tok = self.first(logits_now, sub)
@@ -185,8 +197,8 @@ class Generator:
         if logits is not None:
             logits.append(np.asarray(jax.device_get(logits_now)))
         positions = np.array([len(p) for p in prompts] + [len(prompts[-1])] * (host["inputs"].shape[0] - len(prompts)),
-                             np.int32)
-        rows = len(prompts)
+                             np.int32).repeat(g)
+        rows, limits = len(prompts) * g, [m for m in limits for _ in range(g)]
         out = [Generated([], "", "length") for _ in range(rows)]
         shown = [0] * rows
         done = [False] * rows

@@ -17,6 +17,7 @@ from helpers import tiered
 
 from jaxlong.config import runtime
 from jaxlong.config import ConfigError, load_config
+from jaxlong.core.batch import put_batch
 from jaxlong.core.mesh import build_mesh
 from jaxlong.data import ByteTokenizer
 from jaxlong.core.memstats import free_per_device
@@ -92,6 +93,34 @@ def test_cached_decode_equals_the_whole_forward_at_every_step(reference, name):
     zero: list = []
     gen(PROMPTS, logits=zero)
     assert not np.any(zero[-1])  # the decode steps read a copy of the new parameters, not of the old
+
+
+@pytest.mark.parametrize(*tiered("name", ["one", "fsdp2-ring2-upipe2", "fsdp2-ulysses4"],
+                                 fast={"fsdp2-ring2-upipe2"}, ids=["one", "fsdp2-ring2-upipe2", "fsdp2-ulysses4"]))
+def test_a_group_of_samples_decodes_from_one_prompt_cache(reference, name):
+    """`num_samples` G = 3 rows per prompt, sampled (temperature 1, top-p 0.95) from one prompt cache each: every
+    row's logits at every step equal the whole forward of its prompt and the tokens it drew; a group's rows draw
+    different tokens; and the tokens equal those of the prompts repeated G times, each with its own cache, under
+    the same seed. The prompt cache holds each prompt once."""
+    host, ref_logits = reference
+    cfg = _cfg(*MESHES[name])
+    mesh, params = _on_mesh(host, cfg)
+    sampling = Sampling(1.0, 0, 0.95)
+    gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=5, sampling=sampling, num_samples=3)
+    steps: list = []
+    out = gen(PROMPTS[:2], seed=3, logits=steps)
+    assert len(out) == 6
+    for r, o in enumerate(out):
+        seq = list(PROMPTS[r // 3])
+        for t, token in enumerate(o.tokens):
+            np.testing.assert_allclose(steps[t][r], ref_logits(seq), rtol=0, atol=1e-5, err_msg=f"row {r}, step {t}")
+            seq.append(token)
+    assert len({tuple(o.tokens) for o in out[:3]}) > 1 and len({tuple(o.tokens) for o in out[3:]}) > 1
+    copies = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=5, sampling=sampling)
+    assert [o.tokens for o in copies([p for p in PROMPTS[:2] for _ in range(3)], seed=3)] == [o.tokens for o in out]
+    batch, _ = gen.batch(PROMPTS[:2])
+    cache = gen.expand(gen.prefill(gen.params, put_batch(batch, mesh))[1])
+    assert cache.k.shape[1] == cache.valid.shape[0] == 2 and cache.new_k.shape[1] == cache.win_k.shape[1] == 6
 
 
 LONG_PROMPTS = [np.arange(3, 40), np.arange(60, 80), np.array([256, 72, 105])]  # 37, 20 and 3 tokens

@@ -270,6 +270,46 @@ def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
 
 
 @pytest.mark.slow
+def test_a_group_of_samples_with_windows_decodes_from_one_prompt_cache():
+    """GRPO's rollouts on a model with windows (`num_samples` 3, sampled): each prompt's window buffers are
+    repeated for its 3 rows, which then write their own tokens into them, past the window of 8; every row's logits
+    at every step equal a whole one-device forward of its prompt and its tokens, on ring 2 x Ulysses 4 (the prompt
+    cache split by sequence, once per prompt)."""
+    from jaxlong.core.mesh import build_mesh
+    from jaxlong.data import ByteTokenizer
+    from jaxlong.generation.decode import Sampling
+    from jaxlong.generation.generate import Generator
+
+    base = [*GEMMA, "model.vocab_size=257", "global_batch=4", "model.tie_embeddings=true"]
+    ref_cfg = tiny_cfg(*base, "mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1", "attention.backend=reference")
+    ref_mesh = build_mesh(ref_cfg.mesh, jax.devices()[:1])
+    host = jax.tree.map(np.asarray, _params(ref_cfg, ref_mesh))
+    graphdef, rt = model_lib.model_graphdef(ref_cfg.model, ref_cfg.param_dtype), runtime(ref_cfg, ref_mesh)
+    fwd = jax.jit(lambda p, t: model_lib.forward(graphdef, p, t, rt))
+    cfg = tiny_cfg(*base, "mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "attention.block_q=8", "attention.block_k=8")
+    dev = build_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
+    shardings = jax.tree.map(lambda a: a.sharding, model_lib.init_params(cfg.model, dev, 0))
+    params = jax.tree.map(jax.device_put, host, shardings)
+    prompts = [np.arange(3, 40), np.array([256, 72, 105])]
+    steps: list = []
+    gen = Generator(cfg, dev, params, ByteTokenizer(), max_new_tokens=11, sampling=Sampling(1.0, 0, 1.0),
+                    num_samples=3)
+    out = gen(prompts, seed=1, logits=steps)
+    rows = [np.concatenate([prompts[r // 3], o.tokens]) for r, o in enumerate(out)]
+    batch = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for r, row in enumerate(rows):
+        batch[r, :len(row)] = row
+    hidden, head = fwd(host, batch)
+    whole = np.asarray(hidden @ head)
+    for r, o in enumerate(out):
+        assert len(o.tokens) == 11
+        for t in range(len(o.tokens)):
+            np.testing.assert_allclose(steps[t][r], whole[r, len(prompts[r // 3]) - 1 + t], rtol=0, atol=2e-5,
+                                       err_msg=f"row {r}, step {t}")
+    assert len({tuple(o.tokens) for o in out[:3]}) > 1
+
+
+@pytest.mark.slow
 def test_chunked_prefill_with_the_pallas_kernel_equals_the_whole_forward(monkeypatch):
     """The chunked prefill's GPU path on a model with windows, run on one device with the Pallas kernel in its
     interpreter: the global layers' chunk attention by the Pallas kernel with `kv_starts`, the local layers' with
