@@ -103,11 +103,13 @@ def stack_index(m) -> tuple[np.ndarray, np.ndarray]:
 class Sampling:
     """How the next token is drawn from the logits: `temperature` 0 is greedy (argmax); otherwise softmax of
     logits / temperature restricted to the `top_k` most likely tokens (0: all) and to the smallest set whose
-    probability reaches `top_p` (1: all), drawn with the step's key."""
+    probability reaches `top_p` (1: all), drawn with the step's key. `n`: the rows drawn from each prompt, all
+    decoding from its one prompt cache (vLLM's `SamplingParams.n`; GRPO's group, TRL's `num_generations`)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    n: int = 1
 
 
 def sample(logits: jax.Array, key: jax.Array, s: Sampling, vocab: int | None = None) -> jax.Array:
@@ -291,7 +293,7 @@ def replicate_weights(cfg, mesh: jax.sharding.Mesh):
 
 
 def expand_samples(mesh: jax.sharding.Mesh, samples: int):
-    """`expand(cache) -> cache` for G = `samples` rows per prompt (`make_decode_step(samples=G)`), jitted: the prompt
+    """`expand(cache) -> cache` for G = `samples` rows per prompt (`Sampling.n`), jitted: the prompt
     keys and values and `valid` stay as the prefill made them (one per prompt, never copied); the generated tokens'
     cache gets G rows per prompt (zeros), and a sliding-window layer's ring buffer (its last `window` positions, a
     few MiB) is repeated G times, each row's own from there on."""
@@ -316,13 +318,12 @@ def _partial(q, k, v, valid):
     return normalise(jnp.einsum("bkgn,bknd->bkgd", p, v.astype(jnp.float32)), mx, jnp.sum(p, axis=-1))
 
 
-def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling(), vocab: int | None = None,
-                     samples: int = 1):
+def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling(), vocab: int | None = None):
     """`step(params, cache, tokens [b], positions [b], t, key) -> (next tokens [b] int32, logits [b, vocab]
     float32, cache)`, jitted with the cache donated: compiled once per batch size, cache size and placement of the
     weights (`decode_weights`), whatever the step.
 
-    `samples` = G > 1 decodes G rows per prompt from one prompt cache (GRPO's group, `expand_samples`): the cache's
+    `sampling.n` = G > 1 decodes G rows per prompt from one prompt cache (GRPO's group, `expand_samples`): the cache's
     prompt keys and values hold `b / G` prompts, and the G rows of prompt p (rows `p G .. p G + G - 1`) each have
     their own generated tokens' cache. A global layer scores the G rows' queries against the prompt's keys together,
     as G times as many query heads of one row, so the prompt's K/V is never copied G times.
@@ -342,6 +343,7 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
     kinds, index = stack_index(m)
     present = [kind for kind in (GLOBAL, LOCAL) if kind in kinds]
+    samples = sampling.n
 
     def shard_attention(q, k, v, valid):
         o, lse = _partial(q, k, v, valid)

@@ -100,19 +100,18 @@ class Generator:
         Face directory's model).
       prefill_bar: show a progress bar on stderr over each chunked prefill (the CLIs' process 0): at 1M tokens in
         chunks of 8K a CPU host runs 128 chunk programs for hours.
-      num_samples: G, the rows generated from each prompt (GRPO's group, TRL's `num_generations`): each prompt is
-        prefilled once and its G rows decode from its one prompt cache (`jaxlong.generation.decode`), drawing
-        their own tokens; a call returns G results per prompt, prompt by prompt.
+    With `sampling.n` = G > 1 each prompt is prefilled once and G rows decode from its one prompt cache
+    (`jaxlong.generation.decode`), drawing their own tokens; a call returns G results per prompt, prompt by prompt.
     """
 
     def __init__(self, cfg: Config, mesh, params: dict, tokenizer, *, max_new_tokens: int,
                  sampling: Sampling = Sampling(), eos_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                 trained: int | None = None, prefill_bar: bool = False, num_samples: int = 1):
+                 trained: int | None = None, prefill_bar: bool = False):
         if max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens={max_new_tokens} must be >= 1")
-        if num_samples < 1:
-            raise ConfigError(f"num_samples={num_samples} must be >= 1 (rows generated from each prompt)")
-        self.samples = int(num_samples)
+        if sampling.n < 1:
+            raise ConfigError(f"sampling n={sampling.n} must be >= 1 (rows generated from each prompt)")
+        self.samples = int(sampling.n)
         self.cfg, self.mesh, self.params, self.tokenizer = cfg, mesh, params, tokenizer
         self.max_new, self.sampling, self.trained, self.prefill_bar = max_new_tokens, sampling, trained, prefill_bar
         self.eos, self.stop = set(int(i) for i in eos_ids), [s for s in stop if s]
@@ -120,7 +119,7 @@ class Generator:
         self.prefill = make_prefill(cfg, mesh, max_new_tokens)
         # prompts longer than `prefill_chunk` are prefilled chunk by chunk (`jaxlong.generation.chunked`)
         self.chunked = ChunkedPrefill(cfg, mesh, cfg.prefill_chunk, max_new_tokens) if cfg.prefill_chunk else None
-        self.step = make_decode_step(cfg, mesh, sampling, vocab=vocab, samples=self.samples)
+        self.step = make_decode_step(cfg, mesh, sampling, vocab=vocab)
         self.expand = expand_samples(mesh, self.samples) if self.samples > 1 else None
         # the first token in the decode step's own output sharding (replicated, so that every process reads the
         # tokens): every step then has one input signature
@@ -159,7 +158,7 @@ class Generator:
         as it grows (only text that no stop string could still claim); `logits`, when a list, receives each
         step's float32 logits `[rows, vocab]` (tests). `max_new` gives each row its own most new tokens (each at
         most `max_new_tokens`, the cache's room); `pad_to` the least padded prompt length (`batch`). With
-        `num_samples` G > 1 the result holds G rows per prompt (prompt p's at `p G .. p G + G - 1`), and `on_text`
+        `sampling.n` G > 1 the result holds G rows per prompt (prompt p's at `p G .. p G + G - 1`), and `on_text`
         and `logits` see those rows.
 
         Raises:

@@ -1,5 +1,5 @@
 """GRPO's rollouts as a training batch: each prompt's G completions, drawn from one prompt cache on the training
-mesh (`jaxlong.generation.generate.Generator` with `num_samples`), scored by the rewards (`jaxlong.rl.rewards`),
+mesh (`jaxlong.generation.generate.Generator` with `Sampling.n`), scored by the rewards (`jaxlong.rl.rewards`),
 turned into TRL's group-relative advantages (`jaxlong.objectives.grpo.group_advantages`) and packed as
 shared-prefix groups (`jaxlong.data.groups`): the prompt once, then its G completions as branches, so the training
 forward computes each prompt once too.

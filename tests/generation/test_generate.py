@@ -98,7 +98,7 @@ def test_cached_decode_equals_the_whole_forward_at_every_step(reference, name):
 @pytest.mark.parametrize(*tiered("name", ["one", "fsdp2-ring2-upipe2", "fsdp2-ulysses4"],
                                  fast={"fsdp2-ring2-upipe2"}, ids=["one", "fsdp2-ring2-upipe2", "fsdp2-ulysses4"]))
 def test_a_group_of_samples_decodes_from_one_prompt_cache(reference, name):
-    """`num_samples` G = 3 rows per prompt, sampled (temperature 1, top-p 0.95) from one prompt cache each: every
+    """`Sampling.n` G = 3 rows per prompt, sampled (temperature 1, top-p 0.95) from one prompt cache each: every
     row's logits at every step equal the whole forward of its prompt and the tokens it drew; a group's rows draw
     different tokens; and the tokens equal those of the prompts repeated G times, each with its own cache, under
     the same seed. The prompt cache holds each prompt once."""
@@ -106,7 +106,7 @@ def test_a_group_of_samples_decodes_from_one_prompt_cache(reference, name):
     cfg = _cfg(*MESHES[name])
     mesh, params = _on_mesh(host, cfg)
     sampling = Sampling(1.0, 0, 0.95)
-    gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=5, sampling=sampling, num_samples=3)
+    gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=5, sampling=Sampling(1.0, 0, 0.95, n=3))
     steps: list = []
     out = gen(PROMPTS[:2], seed=3, logits=steps)
     assert len(out) == 6

@@ -271,7 +271,7 @@ def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
 
 @pytest.mark.slow
 def test_a_group_of_samples_with_windows_decodes_from_one_prompt_cache():
-    """GRPO's rollouts on a model with windows (`num_samples` 3, sampled): each prompt's window buffers are
+    """GRPO's rollouts on a model with windows (`Sampling.n` 3, sampled): each prompt's window buffers are
     repeated for its 3 rows, which then write their own tokens into them, past the window of 8; every row's logits
     at every step equal a whole one-device forward of its prompt and its tokens, on ring 2 x Ulysses 4 (the prompt
     cache split by sequence, once per prompt)."""
@@ -292,8 +292,7 @@ def test_a_group_of_samples_with_windows_decodes_from_one_prompt_cache():
     params = jax.tree.map(jax.device_put, host, shardings)
     prompts = [np.arange(3, 40), np.array([256, 72, 105])]
     steps: list = []
-    gen = Generator(cfg, dev, params, ByteTokenizer(), max_new_tokens=11, sampling=Sampling(1.0, 0, 1.0),
-                    num_samples=3)
+    gen = Generator(cfg, dev, params, ByteTokenizer(), max_new_tokens=11, sampling=Sampling(1.0, 0, 1.0, n=3))
     out = gen(prompts, seed=1, logits=steps)
     rows = [np.concatenate([prompts[r // 3], o.tokens]) for r, o in enumerate(out)]
     batch = np.zeros((len(rows), max(map(len, rows))), np.int32)

@@ -34,8 +34,7 @@ def test_rollouts_pack_into_a_batch_the_trainer_scores_as_the_sampler_did():
     prompts = [np.frombuffer(b"The sky is", np.uint8).astype(np.int32),
                np.frombuffer(b"Two and two make", np.uint8).astype(np.int32)]
     steps: list = []
-    gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=6, sampling=Sampling(T, 0, 1.0),
-                    num_samples=N_GEN)
+    gen = Generator(cfg, mesh, params, ByteTokenizer(), max_new_tokens=6, sampling=Sampling(T, 0, 1.0, n=N_GEN))
     out = gen(prompts, seed=5, logits=steps)
     texts = [o.text for o in out]
     scores = score_completions([("string_match_part", load_reward("string_match_part"))],
