@@ -210,6 +210,7 @@ def test_rows_that_share_a_prompt_are_refused_where_they_cannot_run():
             validate(tiny_cfg(*overrides), 8)
 
 
+@pytest.mark.slow
 def test_the_pallas_kernels_mask_branches_as_the_blockwise_kernel_does():
     """The Pallas kernel pair in its interpreter (float32) on shared-prefix rows: causal with segment ids, and
     ring attention's off-diagonal form (keys of the row's first half for queries of its second, `kv_starts` with
