@@ -179,7 +179,7 @@ def _separate_rows():
     ("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "attention.impl=upipe", "remat.policy=full"),
     ("mesh.fsdp=1", "mesh.ring=8", "mesh.context=1", "remat.policy=offload"),
 ], ids=["one-device", "ulysses-c4", "upipe-c8-tiled", "ulysses-r2c4-tiled-loss", "upipe-fsdp2-r2c2", "ring-r8"],
-    fast={"ulysses-r2c4-tiled-loss"}))
+    fast=set()))  # the fast tier: GRPO's loss on shared-prefix rows against separate rows (tests/training/test_grpo.py)
 def test_shared_prefix_rows_equal_separate_rows_on_every_mesh(overrides):
     """Loss and every gradient of the completions' targets, and the final hidden states (the log-probs' input) of
     every scored token: the packed shared-prefix rows under `overrides` equal the separate rows on one device."""

@@ -60,10 +60,8 @@ def _dpo_cfg(tmp_path, *extra):
 
 
 MESHES = {  # mesh, loss: fast Ulysses x ring, FSDP, two micro-batches; slow U-Pipe x ring, tiled loss; one device;
-    # each pair's prompt once (data.shared_prompt) on the fast mesh and under U-Pipe x ring
+    # each pair's prompt once (data.shared_prompt) under U-Pipe x ring
     "ulysses-ring-fsdp-accum2-sigmoid": ("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "grad_accum=2"),
-    "shared-ulysses-ring-fsdp-accum2-sigmoid": ("mesh.fsdp=2", "mesh.ring=2", "mesh.context=2", "grad_accum=2",
-                                                "data.shared_prompt=true"),
     "shared-upipe-ring-tiled-simpo": ("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "attention.impl=upipe",
                                       "attention.heads_per_stage=4", "tiling.loss=true", "tiling.loss_tile=16",
                                       "dpo.loss=simpo", "data.shared_prompt=true"),
