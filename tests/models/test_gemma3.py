@@ -207,6 +207,32 @@ def test_layer_kinds_follow_the_pattern_or_the_listed_types():
     assert layer_kinds(tiny_cfg(*GEMMA, "model.sliding_window=0").model) == (0, 0, 0, 0)
 
 
+def _decode_setup(*mesh: str):
+    """`(cfg, mesh, params, whole_forward)` for decoding the tiny Gemma 3 on `mesh` (overrides): its parameters put
+    on the mesh, and `whole_forward(rows) -> logits [rows, longest, vocab]`, one forward of the token rows
+    (right-padded, one compile) on one device with materialized attention, the reference of every decode step."""
+    from jaxlong.core.mesh import build_mesh
+
+    base = [*GEMMA, "model.vocab_size=257", "global_batch=4", "model.tie_embeddings=true"]
+    ref_cfg = tiny_cfg(*base, "mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1", "attention.backend=reference")
+    ref_mesh = build_mesh(ref_cfg.mesh, jax.devices()[:1])
+    host = jax.tree.map(np.asarray, _params(ref_cfg, ref_mesh))
+    graphdef, rt = model_lib.model_graphdef(ref_cfg.model, ref_cfg.param_dtype), runtime(ref_cfg, ref_mesh)
+    fwd = jax.jit(lambda p, t: model_lib.forward(graphdef, p, t, rt))
+
+    def whole_forward(rows):
+        batch = np.zeros((len(rows), max(map(len, rows))), np.int32)
+        for r, row in enumerate(rows):
+            batch[r, :len(row)] = row
+        hidden, head = fwd(host, batch)
+        return np.asarray(hidden @ head)
+
+    cfg = tiny_cfg(*base, *mesh)
+    dev = build_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
+    shardings = jax.tree.map(lambda a: a.sharding, model_lib.init_params(cfg.model, dev, 0))
+    return cfg, dev, jax.tree.map(jax.device_put, host, shardings), whole_forward
+
+
 @pytest.mark.parametrize("mesh", [pytest.param(("mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1"), id="one"),
                                   pytest.param(("mesh.fsdp=2", "mesh.context=4"), id="fsdp2-ulysses4",
                                                marks=pytest.mark.slow),
@@ -226,21 +252,10 @@ def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
     row's window kept after the chunk where it ends (chunks 2, 1 and 0, or 9, 4 and 0). Every step's logits equal a
     whole one-device forward of the sequence so far (materialized attention with the window), and the tokens are its
     argmax; every decode step's cache has window-sized local stacks."""
-    from jaxlong.core.mesh import build_mesh
     from jaxlong.data import ByteTokenizer
     from jaxlong.generation.generate import Generator
 
-    base = [*GEMMA, "model.vocab_size=257", "global_batch=4", "model.tie_embeddings=true"]
-    ref_cfg = tiny_cfg(*base, "mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1", "attention.backend=reference")
-    ref_mesh = build_mesh(ref_cfg.mesh, jax.devices()[:1])
-    host = jax.tree.map(np.asarray, _params(ref_cfg, ref_mesh))
-    graphdef, rt = model_lib.model_graphdef(ref_cfg.model, ref_cfg.param_dtype), runtime(ref_cfg, ref_mesh)
-    fwd = jax.jit(lambda p, t: model_lib.forward(graphdef, p, t, rt))
-
-    cfg = tiny_cfg(*base, *mesh)
-    dev = build_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
-    shardings = jax.tree.map(lambda a: a.sharding, model_lib.init_params(cfg.model, dev, 0))
-    params = jax.tree.map(jax.device_put, host, shardings)
+    cfg, dev, params, whole_forward = _decode_setup(*mesh)
     prompts = [np.arange(3, 40), np.arange(60, 80), np.array([256, 72, 105])]
     steps: list = []
     gen = Generator(cfg, dev, params, ByteTokenizer(), max_new_tokens=11)
@@ -254,14 +269,8 @@ def test_greedy_decode_with_windows_equals_the_whole_forward(mesh):
     if cfg.prefill_chunk:  # the window layers' stacks while the chunks run: the 2 or 3 chunks a window reaches
         held = {16: 32, 4: 12}[cfg.prefill_chunk]
         assert gen.chunked.stacks(rows, prompt)[2].shape == (2, rows, 1, held, 16), gen.chunked.stacks(rows, prompt)
-    # One whole forward of each row's prompt and generated tokens (right-padded to one length, so one compile):
-    # by causality its logits at the prompt's last position + t are the ones that chose token t.
-    rows = [np.concatenate([p, o.tokens]) for p, o in zip(prompts, out)]
-    batch = np.zeros((len(rows), max(map(len, rows))), np.int32)
-    for r, row in enumerate(rows):
-        batch[r, :len(row)] = row
-    hidden, head = fwd(host, batch)
-    whole = np.asarray(hidden @ head)
+    # by causality the whole forward's logits at the prompt's last position + t are the ones that chose token t
+    whole = whole_forward([np.concatenate([p, o.tokens]) for p, o in zip(prompts, out)])
     for r, prompt in enumerate(prompts):
         for t, token in enumerate(out[r].tokens):
             want = whole[r, len(prompt) - 1 + t]
@@ -275,31 +284,17 @@ def test_a_group_of_samples_with_windows_decodes_from_one_prompt_cache():
     repeated for its 3 rows, which then write their own tokens into them, past the window of 8; every row's logits
     at every step equal a whole one-device forward of its prompt and its tokens, on ring 2 x Ulysses 4 (the prompt
     cache split by sequence, once per prompt)."""
-    from jaxlong.core.mesh import build_mesh
     from jaxlong.data import ByteTokenizer
     from jaxlong.generation.decode import Sampling
     from jaxlong.generation.generate import Generator
 
-    base = [*GEMMA, "model.vocab_size=257", "global_batch=4", "model.tie_embeddings=true"]
-    ref_cfg = tiny_cfg(*base, "mesh.num_devices=1", "mesh.fsdp=1", "mesh.context=1", "attention.backend=reference")
-    ref_mesh = build_mesh(ref_cfg.mesh, jax.devices()[:1])
-    host = jax.tree.map(np.asarray, _params(ref_cfg, ref_mesh))
-    graphdef, rt = model_lib.model_graphdef(ref_cfg.model, ref_cfg.param_dtype), runtime(ref_cfg, ref_mesh)
-    fwd = jax.jit(lambda p, t: model_lib.forward(graphdef, p, t, rt))
-    cfg = tiny_cfg(*base, "mesh.fsdp=1", "mesh.ring=2", "mesh.context=4", "attention.block_q=8", "attention.block_k=8")
-    dev = build_mesh(cfg.mesh, jax.devices()[:cfg.mesh.num_devices])
-    shardings = jax.tree.map(lambda a: a.sharding, model_lib.init_params(cfg.model, dev, 0))
-    params = jax.tree.map(jax.device_put, host, shardings)
+    cfg, dev, params, whole_forward = _decode_setup("mesh.fsdp=1", "mesh.ring=2", "mesh.context=4",
+                                                    "attention.block_q=8", "attention.block_k=8")
     prompts = [np.arange(3, 40), np.array([256, 72, 105])]
     steps: list = []
     gen = Generator(cfg, dev, params, ByteTokenizer(), max_new_tokens=11, sampling=Sampling(1.0, 0, 1.0, n=3))
     out = gen(prompts, seed=1, logits=steps)
-    rows = [np.concatenate([prompts[r // 3], o.tokens]) for r, o in enumerate(out)]
-    batch = np.zeros((len(rows), max(map(len, rows))), np.int32)
-    for r, row in enumerate(rows):
-        batch[r, :len(row)] = row
-    hidden, head = fwd(host, batch)
-    whole = np.asarray(hidden @ head)
+    whole = whole_forward([np.concatenate([prompts[r // 3], o.tokens]) for r, o in enumerate(out)])
     for r, o in enumerate(out):
         assert len(o.tokens) == 11
         for t in range(len(o.tokens)):
