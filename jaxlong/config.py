@@ -40,6 +40,7 @@ from jaxlong.models.hf_config import model_settings_from_hf
 from jaxlong.models.llama import Runtime
 from jaxlong.objectives.base import Objective
 from jaxlong.objectives.dpo import DPOConfig
+from jaxlong.objectives.grpo import GRPOConfig
 from jaxlong.objectives.registry import ObjectiveName, check_objective, objective_for
 from jaxlong.optim.adamw import OptimConfig, schedule_length, validate_optim
 from jaxlong.parallel.dispatch import AttentionConfig, check_attention
@@ -48,8 +49,8 @@ from jaxlong.parallel.ulysses import check_heads
 from jaxlong.parallel.upipe import check_upipe_remat_names, check_upipe_schedule
 
 __all__ = ["Config", "ModelConfig", "RopeScalingConfig", "MeshConfig", "AttentionConfig", "RematConfig", "TilingConfig",
-           "DataConfig", "SourceConfig", "OptimConfig", "DPOConfig", "ConfigError", "load_config", "from_dict",
-           "to_dict", "parse_override", "apply_setting", "read_yaml", "validate", "validate_optim", "schedule_length",
+           "DataConfig", "SourceConfig", "OptimConfig", "DPOConfig", "GRPOConfig", "ConfigError", "load_config",
+           "from_dict", "to_dict", "parse_override", "apply_setting", "read_yaml", "validate", "validate_optim", "schedule_length",
            "refusal", "advise", "with_settings", "changed_keys", "runtime", "run_mesh", "objective_of"]
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -66,8 +67,10 @@ class Config:
     tiling: TilingConfig = field(default_factory=TilingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    objective: ObjectiveName = "lm"  # "lm" (next-token loss; SFT with chat data) or "dpo" (preference pairs)
+    # "lm" (next-token loss; SFT with chat data), "dpo" (preference pairs) or "grpo" (RL on rollouts)
+    objective: ObjectiveName = "lm"
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     seq_len: int = 4096  # tokens per sequence
     global_batch: int = 2  # sequences per optimizer step, over all data-parallel replicas and micro-batches
     grad_accum: int = 1  # micro-batches per step (gradient accumulation); each has global_batch / grad_accum

@@ -21,6 +21,7 @@ TIERS = {
     "training/test_grpo.py": "fast+slow",
     "rl/test_rewards.py": "fast",
     "rl/test_rollouts.py": "fast",
+    "rl/test_grpo_run.py": "fast",
     "data/test_mixture.py": "fast",
     "evaluation/test_eval.py": "fast+slow",
     "evaluation/test_hostmem.py": "fast+slow",

@@ -69,8 +69,11 @@ def make_eval_step(cfg: Config, mesh: jax.sharding.Mesh, objective: Objective | 
 
 def compile_eval_step(cfg: Config, mesh: jax.sharding.Mesh, objective: Objective | None = None):
     """Ahead-of-time compile of `make_eval_step` (nothing allocated) on the run's batches (their entries are the
-    run's objective's, whatever `objective` sums); `memory_analysis()` gives its per-device bytes."""
-    batch = step_lib.abstract_batch(cfg, mesh, eval_batch_size(cfg))  # what the run's batches carry
+    run's objective's, whatever `objective` sums; a run without a held-out loss of its own, GRPO's, holds out
+    plain documents); `memory_analysis()` gives its per-device bytes."""
+    run_objective = objective_of(cfg)
+    held_out = run_objective if run_objective.held_out_loss else LanguageModeling()
+    batch = step_lib.abstract_batch(cfg, mesh, eval_batch_size(cfg), objective=held_out)  # what its batches carry
     return make_eval_step(cfg, mesh, objective).lower(step_lib.abstract_params(cfg, mesh), batch).compile()
 
 

@@ -15,6 +15,7 @@ from jaxlong.data import tokenizer_source
 from jaxlong.data.tokenizer import stop_ids
 from jaxlong.evaluation import ruler
 from jaxlong.evaluation.steps import compile_eval_step, evaluate_loss
+from jaxlong.objectives.lm import LanguageModeling
 from jaxlong.training.hooks import Hook, RunContext, StepContext
 
 __all__ = ["Validator", "validation_hooks"]
@@ -51,7 +52,9 @@ def validation_hooks(cfg: Config) -> list[Hook]:
     parts: dict = {}
 
     def start(run: RunContext) -> None:
-        parts["validator"] = Validator(run.cfg, run.mesh, run.objective)
+        # an objective without held-out data of its own (GRPO's rollouts): the held-out documents' text loss
+        held_out = run.objective if run.objective.held_out_loss else LanguageModeling()
+        parts["validator"] = Validator(run.cfg, run.mesh, held_out)
         suite = ruler.validation_suite(run.cfg)
         if suite:  # lengths checked, then cases generated now, before anything compiles
             ruler.check_lengths(run.cfg, suite.lengths, "ruler_lengths", cases=suite.cases, tasks=len(suite.tasks))
@@ -62,7 +65,7 @@ def validation_hooks(cfg: Config) -> list[Hook]:
         run.say(format_compiled(parts["validator"].compile(), "eval step"))
 
     def validate(ctx: StepContext) -> None:
-        objective = ctx.run.objective
+        objective = parts["validator"].objective
         ev = parts["validator"].run(ctx.params, ctx.run.validation_batches)
         if ctx.writer is not None:
             prefix = f"eval/{objective.summary_key}/" if objective.summary_key else "eval/"

@@ -39,12 +39,14 @@ __all__ = ["Generated", "Generator", "prompt_length", "check_positions"]
 
 @dataclasses.dataclass
 class Generated:
-    """One row's result: the generated `tokens` (EOS excluded), their `text`, and why it stopped (`eos`, `stop`:
-    a stop string, cut before it; `length`: `max_new_tokens`)."""
+    """One row's result: the generated `tokens` (EOS excluded), their `text`, why it stopped (`eos`, `stop`:
+    a stop string, cut before it; `length`: `max_new_tokens`) and, for `eos`, the id that ended it (`eos_id`;
+    else -1)."""
 
     tokens: list[int]
     text: str
     reason: str
+    eos_id: int = -1
 
 
 def check_positions(cfg: Config, prompt_tokens: int, max_new: int, trained: int | None = None) -> None:
@@ -207,7 +209,7 @@ class Generator:
                 if done[r]:
                     continue
                 if int(ids[r]) in self.eos:
-                    done[r], out[r].reason = True, "eos"
+                    done[r], out[r].reason, out[r].eos_id = True, "eos", int(ids[r])
                 else:
                     out[r].tokens.append(int(ids[r]))
                     self._update(out[r], done, r)

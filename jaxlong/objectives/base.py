@@ -167,6 +167,8 @@ class Objective:
       records: what its held-out data are made of (`documents`, `pairs`), for messages.
       title: its name in messages (`DPO`).
       gate_metrics: the held-out metrics a recipe's gate may hold it to, under `summary_key` (`dpo/loss`, ...).
+      held_out_loss: a validation computes its own loss on its held-out data (False: it has none, e.g. GRPO, whose
+        data are rollouts; a validation then scores held-out documents by the language-modelling loss).
     """
 
     name: str = ""
@@ -178,6 +180,7 @@ class Objective:
     records: str = "documents"
     title: str = "language modelling"
     gate_metrics: tuple[str, ...] = ()
+    held_out_loss: bool = True
 
     @classmethod
     def from_config(cls, cfg) -> Objective:
@@ -186,6 +189,14 @@ class Objective:
 
     def check(self, data) -> None:
         """The objective's rules on the data section (`data.*`), run by `jaxlong.config.validate`.
+
+        Raises:
+          ConfigError: naming the option, its value and what would work.
+        """
+
+    def check_run(self, cfg) -> None:
+        """The objective's rules on the rest of the run's config (its own section, the model, seq_len), run by
+        `jaxlong.config.validate` after `check`.
 
         Raises:
           ConfigError: naming the option, its value and what would work.

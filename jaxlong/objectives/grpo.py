@@ -38,17 +38,18 @@ with a negative advantage), `clip_ratio/high_mean` (above `1 + epsilon_high` wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlong.core.errors import ConfigError, check_choice
 from jaxlong.layers.loss import effective_mask
 from jaxlong.objectives.base import Objective, segment_sums, token_logps_and_entropies
 
-__all__ = ["GRPOConfig", "GroupRelativePolicyOptimization", "group_advantages", "combine_rewards", "LossType",
+__all__ = ["GRPOConfig", "check_grpo_run", "GroupRelativePolicyOptimization", "group_advantages", "combine_rewards", "LossType",
            "ScaleRewards", "COMPLETION", "ADVANTAGES", "OLD_LOGPS", "REF_LOGPS"]
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]  # `grpo.loss_type`
@@ -59,11 +60,14 @@ METRICS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip
 
 @dataclass
 class GRPOConfig:
-    """GRPO's options under TRL's `GRPOConfig` names (module docstring)."""
+    """The `grpo` section (`objective: grpo`, docs/post-training.md#grpo): GRPO's options under TRL's `GRPOConfig`
+    names (module docstring), and where the prompts and rewards come from."""
 
     num_generations: int = 8  # G, completions per prompt
-    max_completion_length: int = 256  # tokens a completion may take (dr_grpo's constant)
+    max_completion_length: int = 256  # tokens a completion may take, its EOS included (dr_grpo's constant)
     temperature: float = 1.0  # sampling temperature; log-probs are of the logits divided by it
+    top_p: float = 1.0  # sampling's nucleus (1.0: off)
+    top_k: int = 0  # sampling's top-k (0: off)
     beta: float = 0.0  # the KL term's weight (0: no reference)
     epsilon: float = 0.2  # the ratio's lower clip, 1 - epsilon
     epsilon_high: float | None = None  # the upper clip, 1 + epsilon_high (None: epsilon; DAPO uses 0.28)
@@ -71,7 +75,100 @@ class GRPOConfig:
     scale_rewards: ScaleRewards = "group"
     mask_truncated_completions: bool = False  # a completion that did not end (no EOS) counts no token
     num_iterations: int = 1  # mu, optimizer steps per batch of rollouts
+    reward_funcs: list[str] = field(default_factory=lambda: ["string_match_all"])  # shipped names or module:function
     reward_weights: list[float] | None = None  # one per reward function (None: 1 each)
+    # The prompts: "ruler" (RULER cases of `ruler_task` at `ruler_lengths`, made by jaxlong, refs as a column), or
+    # a JSONL file in TRL's prompt-only format (`prompt`: text or a list of messages; other columns go to rewards).
+    dataset: str = "ruler"
+    ruler_task: str = "niah_single_1"
+    ruler_lengths: list[int] = field(default_factory=list)  # RULER's length (prompt + its generation budget); []: 512
+    prompts_per_step: int = 0  # groups per optimizer step (0: global_batch, one group per row)
+    chat: bool = False  # render prompts with the run's chat template (messages always are)
+    # The frozen reference of the KL term (beta > 0): "policy" (the weights the run or stage starts from, kept as
+    # a second FSDP-sharded copy on the devices and saved once in RUN_DIR/grpo_reference/), or a Hugging Face
+    # directory of the same architecture.
+    reference: str = "policy"
+    log_completions: bool = True  # a few completions per logged step as TensorBoard text
+    num_completions_to_print: int = 4
+
+    def check(self) -> None:
+        """The section's own rules.
+
+        Raises:
+          ConfigError: naming the option, its value and what would work.
+        """
+        check_choice("grpo.loss_type", self.loss_type, LossType)
+        check_choice("grpo.scale_rewards", self.scale_rewards, ScaleRewards)
+        if self.num_generations < 2:
+            raise ConfigError(f"grpo.num_generations={self.num_generations}: group-relative advantages need at least "
+                              f"2 completions per prompt (a group of 1 has advantage 0 and trains nothing)",
+                              key="grpo.num_generations", value=self.num_generations)
+        for key in ("max_completion_length", "num_iterations", "num_completions_to_print"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"grpo.{key}={getattr(self, key)} must be >= 1", key=f"grpo.{key}")
+        if self.prompts_per_step < 0 or self.top_k < 0:
+            raise ConfigError(f"grpo.prompts_per_step={self.prompts_per_step}, grpo.top_k={self.top_k}: give counts "
+                              f">= 0 (0: global_batch prompts; no top-k)")
+        if not self.temperature > 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"grpo.temperature={self.temperature}, grpo.top_p={self.top_p}: the temperature must be "
+                              f"> 0 and top_p in (0, 1]")
+        if not self.epsilon > 0 or (self.epsilon_high is not None and not self.epsilon_high > 0) or self.beta < 0:
+            raise ConfigError(f"grpo.epsilon={self.epsilon}, grpo.epsilon_high={self.epsilon_high}, grpo.beta="
+                              f"{self.beta}: the clips must be > 0 (TRL: 0.2; DAPO's upper 0.28) and beta >= 0")
+        if not self.reward_funcs:
+            raise ConfigError("grpo.reward_funcs=[]: name at least one reward (string_match_all, string_match_part, "
+                              "think_format, or module:function)")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(f"grpo.reward_weights={self.reward_weights} has {len(self.reward_weights)} weights for "
+                              f"{len(self.reward_funcs)} grpo.reward_funcs; give one per function, or none")
+        if any(n <= 0 for n in self.ruler_lengths):
+            raise ConfigError(f"grpo.ruler_lengths={self.ruler_lengths}: give positive token counts, e.g. [1024]")
+
+    def group_tokens(self, prompt_tokens: int) -> int:
+        """Positions a group of a `prompt_tokens`-token prompt takes at most in a row (`jaxlong.data.groups`):
+        the prompt once, then G branches of its last token and a whole completion."""
+        return prompt_tokens - 1 + self.num_generations * (1 + self.max_completion_length)
+
+
+def check_grpo_run(cfg) -> None:
+    """What `objective: grpo` needs of the rest of the run: segment ids (`data.packing=documents`, the
+    shared-prefix rows' masks), no sliding window (a branch's window counts positions, not row indices), and rows
+    of `seq_len` that hold a group of the longest RULER prompt.
+
+    Raises:
+      ConfigError: naming the option, its value and what would work.
+    """
+    g = cfg.grpo
+    g.check()
+    if cfg.data.packing != "documents":
+        raise ConfigError(f"objective=grpo: data.packing={cfg.data.packing!r}; GRPO's rows hold each prompt once and "
+                          f"its completions as branches, masked by segment ids: set data.packing=documents",
+                          key="data.packing", value=cfg.data.packing, suggestions=({"data.packing": "documents"},))
+    if cfg.model.sliding_window:
+        raise ConfigError(f"objective=grpo: model.sliding_window={cfg.model.sliding_window} counts positions, and a "
+                          f"group's second branch does not follow the prompt in the row; GRPO takes full-attention "
+                          f"models", key="objective", value="grpo", keys=("model.sliding_window",))
+    if g.dataset != "ruler" and g.group_tokens(1) > cfg.seq_len:  # a file's prompts are measured at the start
+        raise ConfigError(f"objective=grpo: grpo.num_generations={g.num_generations} completions of up to "
+                          f"grpo.max_completion_length={g.max_completion_length} tokens take "
+                          f"{g.group_tokens(1)} positions after the prompt, more than seq_len={cfg.seq_len}; raise "
+                          f"seq_len, or lower those", key="seq_len", value=cfg.seq_len)
+    if g.dataset == "ruler":
+        length = max(g.ruler_lengths or [512])
+        need = g.group_tokens(length)
+        if need > cfg.seq_len:
+            raise ConfigError(f"objective=grpo: a group of a RULER prompt of up to {length} tokens and "
+                              f"grpo.num_generations={g.num_generations} completions of up to "
+                              f"grpo.max_completion_length={g.max_completion_length} tokens takes {need} positions, "
+                              f"more than seq_len={cfg.seq_len}; raise seq_len to {need}, or lower those",
+                              key="seq_len", value=cfg.seq_len, suggestions=({"seq_len": need},))
+        prompts = g.prompts_per_step or cfg.global_batch
+        fit = cfg.global_batch * (cfg.seq_len // need)
+        if prompts > fit:
+            raise ConfigError(f"objective=grpo: grpo.prompts_per_step={prompts} groups of up to {need} positions do "
+                              f"not fit global_batch={cfg.global_batch} rows of seq_len={cfg.seq_len} (at most "
+                              f"{fit}); lower grpo.prompts_per_step or raise global_batch",
+                              key="grpo.prompts_per_step", value=prompts, suggestions=({"grpo.prompts_per_step": fit},))
 
 
 def combine_rewards(per_function: np.ndarray, weights: Sequence[float] | None = None) -> np.ndarray:
@@ -132,13 +229,22 @@ class GroupRelativePolicyOptimization(Objective):
     records = "groups"
     title = "GRPO"
 
+    held_out_loss = False  # no held-out rollouts: a GRPO run validates on held-out documents' text loss, and RULER
+
     def __init__(self, cfg: GRPOConfig):
         self.cfg = cfg
         self.normalize = "batch" if cfg.loss_type == "dapo" else "micro"
+        # old log-probs only where the ratio can leave 1 (mu > 1); the reference's only with the KL term
+        self.batch_keys = {COMPLETION: np.int32, ADVANTAGES: np.float32,
+                           **({OLD_LOGPS: np.float32} if cfg.num_iterations > 1 else {}),
+                           **({REF_LOGPS: np.float32} if cfg.beta else {})}
 
     @classmethod
     def from_config(cls, cfg) -> GroupRelativePolicyOptimization:
         return cls(cfg.grpo)
+
+    def check_run(self, cfg) -> None:
+        check_grpo_run(cfg)
 
     def sum_shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: () for k in (*METRICS, "tokens")}

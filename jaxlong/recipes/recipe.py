@@ -39,7 +39,9 @@ from jaxlong import data as data_lib
 from jaxlong.config import Config, ConfigError, apply_setting, changed_keys, parse_override, validate
 from jaxlong.core.distributed import say as _say
 from jaxlong.evaluation.validation import validation_hooks
+from jaxlong.objectives.grpo import GroupRelativePolicyOptimization
 from jaxlong.recipes import gates as gate_lib
+from jaxlong.rl.grpo_batches import GRPOBatches
 from jaxlong.training.checkpoint import Checkpointer
 from jaxlong.training.loop import run
 
@@ -178,12 +180,17 @@ def train(cfg: Config, *, hooks=(), batches=None, resume: bool = False, profile:
           allow_changes: bool = False, objective=None) -> dict:
     """One training run as `python -m jaxlong.train` runs it: the trainer (`jaxlong.training.loop.run`, whose
     arguments these are) with the validation hooks first (the held-out loss and RULER every `eval_every` steps,
-    `jaxlong.evaluation.validation.validation_hooks`), then `hooks`.
+    `jaxlong.evaluation.validation.validation_hooks`), then `hooks`. With `objective: grpo` (and no `batches`)
+    the batches are GRPO's rollouts on the training mesh, with their metrics' hook (`jaxlong.rl.grpo_batches`).
 
     Returns and raises: as `jaxlong.training.loop.run`.
     """
-    return run(cfg, objective=objective, hooks=[*validation_hooks(cfg), *hooks], batches=batches, resume=resume,
-               profile=profile, allow_changes=allow_changes)
+    own = []
+    if cfg.objective == GroupRelativePolicyOptimization.name and batches is None:
+        batches = GRPOBatches(cfg)
+        own = [batches.hook]
+    return run(cfg, objective=objective, hooks=[*own, *validation_hooks(cfg), *hooks], batches=batches,
+               resume=resume, profile=profile, allow_changes=allow_changes)
 
 
 def run_recipe(stages: list[Stage], *, resume: bool = False, profile: bool = False,

@@ -7,6 +7,11 @@ host batch of global step `step` for the rows `rows` of the global batch; everyt
 (mesh, compiled step, checkpoints, `--resume`, SIGTERM, TensorBoard, hooks). The function must depend on the
 step alone (seed a generator with it), so that a resumed run is fed exactly what an uninterrupted one was: the
 checkpoint records only the step.
+
+An on-policy source (RL's rollouts, `jaxlong.rl`) is a `PolicyBatchFn`: `fn(step, rows, params)` also reads the
+parameters the step starts from (FSDP-sharded, read-only: the step donates them after the call), so that sampling
+uses the current policy without a copy. Its batches may carry the objective's own entries
+(`Objective.batch_keys`, e.g. GRPO's `advantages`), checked as the others.
 """
 
 from __future__ import annotations
@@ -17,9 +22,20 @@ import numpy as np
 
 from jaxlong.layers.loss import IGNORE_INDEX
 
-__all__ = ["BatchFn", "StepBatches", "BATCH_KEYS"]
+__all__ = ["BatchFn", "PolicyBatchFn", "StepBatches", "BATCH_KEYS"]
 
 BatchFn = Callable[[int, np.ndarray], dict]
+
+
+class PolicyBatchFn:
+    """A batch source that reads the current parameters: `fn(step, rows, params) -> dict` (module docstring).
+    Subclass it (or set `on_policy = True` on a callable) to be called with the parameters."""
+
+    on_policy = True
+
+    def __call__(self, step: int, rows: np.ndarray, params: dict) -> dict:
+        raise NotImplementedError
+
 # What the compiled train step reads (`jaxlong.training.step.abstract_batch`), with their dtypes.
 BATCH_KEYS = {"inputs": np.int32, "targets": np.int32, "mask": np.float32, "positions": np.int32,
               "segment_ids": np.int32}
@@ -37,17 +53,26 @@ class StepBatches:
       seq_len: tokens per row.
       vocab_size: the model's vocabulary: `inputs` in [0, vocab_size), `targets` too or `IGNORE_INDEX` (-100).
       start: the step already done (the run's first batch is `fn(start + 1, rows)`).
+      extra_keys: `{key: dtype}` of the objective's own `[rows, seq_len]` entries (`Objective.batch_keys`).
+    With `fn.on_policy` (`PolicyBatchFn`) the train loop calls `next_for(params)` and `fn` gets the parameters.
     """
 
-    def __init__(self, fn: BatchFn, rows: np.ndarray, seq_len: int, vocab_size: int, start: int = 0):
+    def __init__(self, fn: BatchFn, rows: np.ndarray, seq_len: int, vocab_size: int, start: int = 0,
+                 extra_keys: dict | None = None):
         self.fn, self.rows, self.seq_len, self.step = fn, np.asarray(rows, np.int64), int(seq_len), int(start)
         self.vocab_size = int(vocab_size)
+        self.keys = {**BATCH_KEYS, **(extra_keys or {})}
+        self.on_policy = bool(getattr(fn, "on_policy", False))
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
-        """The next step's batch, cast to `BATCH_KEYS`' dtypes.
+        return self.next_for(None)
+
+    def next_for(self, params: dict | None) -> dict:
+        """The next step's batch (an on-policy `fn` called with `params`), cast to `BATCH_KEYS`' dtypes and the
+        objective's.
 
         Raises:
           ValueError: not a dict, a key is missing, an array is not `[len(rows), seq_len]`, ids are not integers,
@@ -55,27 +80,29 @@ class StepBatches:
             finite number >= 0 (the message names the key and the step).
         """
         self.step += 1
-        batch = self.fn(self.step, self.rows)
+        batch = self.fn(self.step, self.rows, params) if self.on_policy else self.fn(self.step, self.rows)
         where = f"batches: fn({self.step}, rows)"
         want = (self.rows.size, self.seq_len)
         if not isinstance(batch, dict):
             raise ValueError(f"{where} returned {type(batch).__name__}; it must return a dict of "
                              f"{', '.join(BATCH_KEYS)}, each [rows={want[0]}, seq_len={want[1]}]")
-        missing = [k for k in BATCH_KEYS if k not in batch]
+        missing = [k for k in self.keys if k not in batch]
         if missing:
             raise ValueError(f"{where} returned no {', '.join(missing)}; a batch has "
                              f"{', '.join(BATCH_KEYS)}, each [rows={want[0]}, seq_len={want[1]}]")
         out = {}
-        for k, dtype in BATCH_KEYS.items():
+        for k, dtype in self.keys.items():
             arr = np.asarray(batch[k])
             if arr.shape != want:
                 raise ValueError(f"{where}[{k!r}] has shape {arr.shape}; it must be [rows, "
                                  f"seq_len] = {list(want)} (rows: this process's {want[0]} rows of the global "
                                  f"batch)")
             numeric = np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_
-            if k == "mask" and not numeric or k != "mask" and not np.issubdtype(arr.dtype, np.integer):
+            floats = k == "mask" or np.issubdtype(dtype, np.floating)
+            if floats and not numeric or not floats and not np.issubdtype(arr.dtype, np.integer):
                 raise ValueError(f"{where}[{k!r}] has dtype {arr.dtype}; it must be "
-                                 + ("a number per target (a loss weight)" if k == "mask" else "integers"))
+                                 + ("a number per target (a loss weight)" if k == "mask" else "numbers" if floats else
+                                    "integers"))
             out[k] = arr.astype(dtype, copy=False)
         self._check_values(out, where)
         return out

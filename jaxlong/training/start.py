@@ -166,7 +166,8 @@ def _training_batches(begun_cfg: Config, run: RunContext, rows, batch_fn: BatchF
     """The training batches: `batch_fn`'s (`StepBatches`), else the corpus pipeline's without the held-out
     documents (a mixture's length rules checked here, heavily repeated sources warned about)."""
     if batch_fn is not None:
-        return StepBatches(batch_fn, rows, begun_cfg.seq_len, begun_cfg.model.vocab_size, start)
+        return StepBatches(batch_fn, rows, begun_cfg.seq_len, begun_cfg.model.vocab_size, start,
+                           extra_keys=run.objective.batch_keys)
     return data_lib.batch_iterator(begun_cfg, run.tokenizer, source=run.source, exclude=run.held_out, rows=rows,
                                    warn=say)
 

@@ -226,7 +226,8 @@ def _steps(r: _Stepper, state: dict) -> tuple[int, int | None, str | None]:
         step = done + 1
         fault("before_batch", step)
         r.prof.before(step)
-        host_batch = next(batches)
+        # an on-policy source (RL's rollouts) samples from the parameters this step starts from
+        host_batch = batches.next_for(state["params"]) if getattr(batches, "on_policy", False) else next(batches)
         host_batch.pop(data_lib.PAIR_FEATURE, None)  # preference pairs: which pair (the reference pass's)
         log.packed.append(data_lib.packing_efficiency(host_batch))
         if log.names:  # a mixture: the source of every token, for each source's loss (0: no source)
