@@ -1,6 +1,7 @@
 """The results page of a recipe run (docs/recipes.md): per stage its steps, `seq_len`, first and last loss,
 learning rate, the realised data shares and the wall-clock time, read from the run's TensorBoard events; for a DPO
-stage (docs/post-training.md) also TRL's reward metrics at each step and on the held-out pairs.
+stage (docs/post-training.md) also TRL's reward metrics at each step and on the held-out pairs; for a GRPO stage
+TRL's rollout metrics at each step.
 
     python -m jaxlong.train --config configs/recipes/tiny_extension.yaml run_dir=/tmp/recipe
     python experiments/recipe_report.py /tmp/recipe/tiny_extension --config configs/recipes/tiny_extension.yaml \
@@ -71,6 +72,16 @@ def main() -> None:
             dpo.append(f"| {st} (held-out) | " + " | ".join(f"{s['eval/dpo/' + t][st]:.4f}" for t in tags) + " |")
         dpo = ["", "DPO (TRL's metrics, docs/post-training.md): each step's own batch, then the held-out pairs at the "
                "stage's end.", "", *dpo]
+    if "reward" in s:  # GRPO stages: TRL's metrics per step (a rollout's repeat on its later steps)
+        tags = [t for t in ("loss", "reward", "reward_std", "frac_reward_zero_std", "kl", "entropy",
+                            "clip_ratio/region_mean", "completions/mean_length", "timing/rollout_s",
+                            "timing/train_s") if t in s]
+        tags += sorted(t for t in s if t.startswith("rewards/") and t.endswith("/mean"))
+        dpo += ["", "GRPO (TRL's metrics, docs/post-training.md#grpo-on-rollouts): each step's rollout, its "
+                "completions scored by the rewards.", "", "| step | " + " | ".join(tags) + " |",
+                "|---:|" + "---:|" * len(tags)]
+        dpo += [f"| {st} | " + " | ".join(f"{s[t].get(st, float('nan')):.4f}" for t in tags) + " |"
+                for st in sorted(s["reward"])]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     text = f"""# Recipe: `{args.config}`
 

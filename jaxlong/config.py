@@ -50,8 +50,9 @@ from jaxlong.parallel.upipe import check_upipe_remat_names, check_upipe_schedule
 
 __all__ = ["Config", "ModelConfig", "RopeScalingConfig", "MeshConfig", "AttentionConfig", "RematConfig", "TilingConfig",
            "DataConfig", "SourceConfig", "OptimConfig", "DPOConfig", "GRPOConfig", "ConfigError", "load_config",
-           "from_dict", "to_dict", "parse_override", "apply_setting", "read_yaml", "validate", "validate_optim", "schedule_length",
-           "refusal", "advise", "with_settings", "changed_keys", "runtime", "run_mesh", "objective_of"]
+           "from_dict", "to_dict", "parse_override", "apply_setting", "read_yaml", "validate", "validate_optim",
+           "schedule_length", "refusal", "advise", "with_settings", "changed_keys", "runtime", "run_mesh",
+           "objective_of", "forward_at"]
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -134,6 +135,14 @@ def run_mesh(cfg: Config):
     mesh = build_mesh(cfg.mesh)
     check_process_layout(mesh)
     return mesh
+
+
+def forward_at(cfg: Config, seq_len: int, **changes) -> Config:
+    """The run's config for a forward of `seq_len` tokens that does not train (evaluation, generation, a probe),
+    for `validate` to say whether the mesh takes that length: `objective` lm (a training objective's rules, such as
+    GRPO's groups fitting `seq_len`, are the training run's), the loss tile chosen per length, and `changes`."""
+    return dataclasses.replace(cfg, seq_len=int(seq_len), objective="lm",
+                               tiling=dataclasses.replace(cfg.tiling, loss_tile=0), **changes)
 
 
 def objective_of(cfg: Config) -> Objective:

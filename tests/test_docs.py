@@ -57,6 +57,7 @@ RUN = {
     "python -m jaxlong.generate runs/default --prompt 'def fibonacci(n):' --max-new-tokens 64": AFTER_DEFAULT,
     "python -m jaxlong.train --config configs/recipes/tiny_extension.yaml": "a fresh directory",
     "python -m jaxlong.train --config configs/recipes/tiny_dpo.yaml": "a fresh directory",
+    "python -m jaxlong.train --config configs/recipes/tiny_grpo.yaml": "a fresh directory",
 }
 
 # The commands the slow tier does not run: (regular expression searched in the command, why). The first match

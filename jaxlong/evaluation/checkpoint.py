@@ -23,7 +23,8 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxlong import data as data_lib
-from jaxlong.config import Config, ConfigError, from_dict, objective_of, refusal, run_mesh, runtime, to_dict
+from jaxlong.config import (Config, ConfigError, forward_at, from_dict, objective_of, refusal, run_mesh, runtime,
+                            to_dict)
 from jaxlong.core.distributed import say as say_main
 from jaxlong.core.memstats import format_compiled
 from jaxlong.core.suggest import nearest
@@ -215,7 +216,7 @@ def _passkey_refusal(cfg, length: int) -> str | None:
     if length < 64:
         return "a passkey length must be >= 64 tokens (the needle and question)"
     # the loss tile is chosen per length by the stats step; every other sequence rule applies
-    rule = refusal(dataclasses.replace(cfg, seq_len=length, tiling=dataclasses.replace(cfg.tiling, loss_tile=0)))
+    rule = refusal(forward_at(cfg, length))
     return None if rule is None else f"not a sequence length this mesh takes ({rule})"
 
 

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from jaxlong.config import Config, ConfigError, validate
+from jaxlong.config import Config, ConfigError, forward_at, validate
 from jaxlong.core.memstats import free_per_device
 from jaxlong.core.mesh import BATCH_AXES, axis_size
 from jaxlong.core.batch import put_batch
@@ -79,9 +79,8 @@ def prompt_length(cfg: Config, longest: int, rows: int, search: int = 1 << 16) -
     """
     for n in range(max(longest, 1), longest + search):
         try:
-            validate(dataclasses.replace(cfg, seq_len=n, global_batch=rows, grad_accum=1, steps=1,
-                                         optim=dataclasses.replace(cfg.optim, schedule_start=0, warmup_steps=0,
-                                                                   decay_steps=0)))
+            validate(forward_at(cfg, n, global_batch=rows, grad_accum=1, steps=1,
+                                optim=dataclasses.replace(cfg.optim, schedule_start=0, warmup_steps=0, decay_steps=0)))
             return n
         except ConfigError:
             continue

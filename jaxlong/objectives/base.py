@@ -169,6 +169,8 @@ class Objective:
       gate_metrics: the held-out metrics a recipe's gate may hold it to, under `summary_key` (`dpo/loss`, ...).
       held_out_loss: a validation computes its own loss on its held-out data (False: it has none, e.g. GRPO, whose
         data are rollouts; a validation then scores held-out documents by the language-modelling loss).
+      reference_on_device: a frozen copy of the parameters stays on the devices beside the train step (GRPO's KL
+        reference), which the memory planner counts.
     """
 
     name: str = ""
@@ -181,6 +183,7 @@ class Objective:
     title: str = "language modelling"
     gate_metrics: tuple[str, ...] = ()
     held_out_loss: bool = True
+    reference_on_device: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> Objective:

@@ -49,8 +49,8 @@ from jaxlong.core.errors import ConfigError, check_choice
 from jaxlong.layers.loss import effective_mask
 from jaxlong.objectives.base import Objective, segment_sums, token_logps_and_entropies
 
-__all__ = ["GRPOConfig", "check_grpo_run", "GroupRelativePolicyOptimization", "group_advantages", "combine_rewards", "LossType",
-           "ScaleRewards", "COMPLETION", "ADVANTAGES", "OLD_LOGPS", "REF_LOGPS"]
+__all__ = ["GRPOConfig", "check_grpo_run", "GroupRelativePolicyOptimization", "group_advantages", "combine_rewards",
+           "LossType", "ScaleRewards", "COMPLETION", "ADVANTAGES", "OLD_LOGPS", "REF_LOGPS"]
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]  # `grpo.loss_type`
 ScaleRewards = Literal["group", "batch", "none"]  # `grpo.scale_rewards`
@@ -82,6 +82,7 @@ class GRPOConfig:
     dataset: str = "ruler"
     ruler_task: str = "niah_single_1"
     ruler_lengths: list[int] = field(default_factory=list)  # RULER's length (prompt + its generation budget); []: 512
+    ruler_cases: int = 0  # RULER prompts per length (0: as many as the stage's rollouts draw, 16 to 256)
     prompts_per_step: int = 0  # groups per optimizer step (0: global_batch, one group per row)
     chat: bool = False  # render prompts with the run's chat template (messages always are)
     # The frozen reference of the KL term (beta > 0): "policy" (the weights the run or stage starts from, kept as
@@ -106,9 +107,10 @@ class GRPOConfig:
         for key in ("max_completion_length", "num_iterations", "num_completions_to_print"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"grpo.{key}={getattr(self, key)} must be >= 1", key=f"grpo.{key}")
-        if self.prompts_per_step < 0 or self.top_k < 0:
-            raise ConfigError(f"grpo.prompts_per_step={self.prompts_per_step}, grpo.top_k={self.top_k}: give counts "
-                              f">= 0 (0: global_batch prompts; no top-k)")
+        if self.prompts_per_step < 0 or self.top_k < 0 or self.ruler_cases < 0:
+            raise ConfigError(f"grpo.prompts_per_step={self.prompts_per_step}, grpo.top_k={self.top_k}, "
+                              f"grpo.ruler_cases={self.ruler_cases}: give counts >= 0 (0: global_batch prompts; no "
+                              f"top-k; as many RULER cases as the rollouts draw)")
         if not self.temperature > 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"grpo.temperature={self.temperature}, grpo.top_p={self.top_p}: the temperature must be "
                               f"> 0 and top_p in (0, 1]")
@@ -234,6 +236,7 @@ class GroupRelativePolicyOptimization(Objective):
     def __init__(self, cfg: GRPOConfig):
         self.cfg = cfg
         self.normalize = "batch" if cfg.loss_type == "dapo" else "micro"
+        self.reference_on_device = bool(cfg.beta)  # the KL reference: a second FSDP-sharded copy of the weights
         # old log-probs only where the ratio can leave 1 (mu > 1); the reference's only with the KL term
         self.batch_keys = {COMPLETION: np.int32, ADVANTAGES: np.float32,
                            **({OLD_LOGPS: np.float32} if cfg.num_iterations > 1 else {}),

@@ -29,10 +29,12 @@ Per device it reports:
                       arguments/outputs), exact; per node it is this times the devices per node, checked
                       against `--host-budget`.
   peak                params + optimizer + gradients + activations: the compiled program's device bytes.
+  reference           a frozen copy of the parameters that stays on the devices beside the step (GRPO with
+                      `grpo.beta` > 0: its KL reference, `Objective.reference_on_device`), exact from the shardings.
   workspace           the attention kernel's run-time workspace, which no compile sees (`jaxlong.plan.workspace`).
   collectives         NCCL buffers (a model, `jaxlong.plan.workspace`).
   headroom            allocator fragmentation and what JAX holds besides the step (`--headroom`).
-  total               peak + workspace + collectives + headroom: what must fit the device budget.
+  total               peak + reference + workspace + collectives + headroom: what must fit the device budget.
 The three rows after peak are GPU-only; the CPU approximation reports them as 0.
 """
 
@@ -44,7 +46,7 @@ import math
 
 import jax
 
-from jaxlong.config import Config, ConfigError, apply_setting, parse_override, runtime, validate
+from jaxlong.config import Config, ConfigError, apply_setting, objective_of, parse_override, runtime, validate
 from jaxlong.core.memstats import compiled_bytes
 from jaxlong.core.mesh import CONTEXT_AXIS, RING_AXIS, build_mesh
 from jaxlong.core.units import GiB, fmt_gib, parse_bytes
@@ -240,8 +242,8 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
         of data-dependent length, whose FLOPs cannot be counted.
 
     Returns:
-      dict with `params`, `optimizer`, `gradients`, `activations`, `host`, `peak`, `workspace`, `collectives`,
-      `headroom`, `total` (bytes per device), `host_per_node` (bytes), `device_memory` (bytes per device, None
+      dict with `params`, `optimizer`, `gradients`, `activations`, `host`, `peak`, `reference`, `workspace`,
+      `collectives`, `headroom`, `total` (bytes per device), `host_per_node` (bytes), `device_memory` (bytes per device, None
       on the CPU), `source` (where the compile came from) and `compiled` (raw memory_analysis numbers).
 
     Raises:
@@ -288,7 +290,8 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
         activations = max(raw["temp"] - gradients - host, 0) * scale
         host = host * scale
     peak = params + optimizer + gradients + activations
-    rows = {"workspace": 0, "collectives": 0, "headroom": 0}
+    rows = {"reference": params if objective_of(cfg).reference_on_device else 0, "workspace": 0, "collectives": 0,
+            "headroom": 0}
     if gpu:
         batch_local = max(cfg.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"]), 1)
         backend = runtime(cfg, mesh).attention_backend
@@ -296,7 +299,7 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
                                                          ring=mesh.shape.get(RING_AXIS, 1))
         rows["collectives"] = ws.collective_buffer_bytes(n, collective_buffers)
         rows["headroom"] = ws.parse_headroom(headroom, device_memory) if device_memory else 0
-    total = peak + sum(rows.values())
+    total = peak + sum(rows.values())  # total = peak + reference + workspace + collectives + headroom
     out = {"params": params, "optimizer": optimizer, "gradients": gradients, "activations": activations,
            "host": host, "peak": peak, **rows, "total": total, "host_per_node": host * per_node,
            "device_memory": device_memory, "source": source, "compiled": raw}

@@ -106,8 +106,10 @@ class GRPOBatches(PolicyBatchFn):
         self.per_step = g.prompts_per_step or cfg.global_batch
         source = run.source if run.source is not None or g.dataset != "ruler" else data_lib.first_source(
             cfg, run.tokenizer)
-        self.prompts: PromptSet = load_prompts(cfg, run.tokenizer, cases=max(self.per_step * 8, 16), chat=chat,
-                                               source=source)
+        # RULER: as many cases per length as the stage's rollouts take (16 to 256; a longer stage repeats them)
+        rollouts = -(-(cfg.steps - cfg.optim.schedule_start) // g.num_iterations)
+        cases = g.ruler_cases or max(16, min(rollouts * self.per_step, 256))
+        self.prompts: PromptSet = load_prompts(cfg, run.tokenizer, cases=cases, chat=chat, source=source)
         longest = max(t.size for t in self.prompts.tokens)
         fit = cfg.global_batch * (cfg.seq_len // g.group_tokens(longest))
         if self.per_step > fit:

@@ -11,12 +11,12 @@ ring and the hybrids), tiled so that `[seq, vocab]` logits never exist — hence
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxlong.config import Config, ConfigError, refusal
+from jaxlong.config import Config, ConfigError, forward_at, refusal
 from jaxlong.core.distributed import gpu_driver_present
 from jaxlong.core.suggest import nearest
 from jaxlong.core.units import fmt_bytes
@@ -72,7 +72,7 @@ def check_length(cfg: Config, length: int, option: str = "ruler length") -> None
 def _length_refusal(cfg: Config, length: int) -> ConfigError | None:
     """The rule of `validate` a sequence of `length` tokens breaks on the run's mesh (no advice: a length is
     wanted, not another option), or None."""
-    return refusal(replace(cfg, seq_len=int(length), tiling=replace(cfg.tiling, loss_tile=0)))
+    return refusal(forward_at(cfg, length))
 
 
 def nearby_lengths(cfg: Config, length: int, tries: int = 256) -> list[int]:
