@@ -7,6 +7,7 @@ iteration's ratio is 1 (no clipping; KL 0 against the reference it starts at), a
 restores the reference and goes on."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,3 +87,33 @@ def test_grpo_refuses_a_missing_reward_and_a_prompt_too_long_before_compiling(tm
     long.write_text(json.dumps({"prompt": "x" * 200, "refs": ["x"]}) + "\n")
     with pytest.raises(ConfigError, match="prompt 0 has 201 tokens"):
         train(_cfg(tmp_path, "steps=1", f"grpo.dataset={long}", "run_name=long"))
+
+
+def test_prompts_in_trls_formats_text_or_messages_with_their_columns(tmp_path):
+    """TRL's prompt-only records: text is tokenized as it is (or as a user turn under `grpo.chat`), messages are
+    rendered with the run's chat template, the assistant's turn opened; the other fields are columns. Messages
+    without a template, and files that mix the two formats, are refused in one line."""
+    from jaxlong.data import ByteTokenizer  # noqa: PLC0415
+    from jaxlong.data.chat import ChatTemplate  # noqa: PLC0415
+    from jaxlong.rl.prompts import jsonl_prompts  # noqa: PLC0415
+
+    tok = ByteTokenizer()
+    chat = ChatTemplate(tmp_path, Path(__file__).parents[2] / "configs" / "chat_templates" / "chatml.jinja")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"prompt": messages, "refs": ["red"], "id": 7}) + "\n")
+    got = jsonl_prompts(path, tok, chat)
+    want = tok.encode(chat.render(messages, add_generation_prompt=True))
+    assert got.conversational and list(got.tokens[0]) == list(want) and got.columns == {"id": [7], "refs": [["red"]]}
+    assert chat.render(messages, add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+    text = tmp_path / "t.jsonl"
+    text.write_text(json.dumps({"prompt": "Name a colour."}) + "\n")
+    assert list(jsonl_prompts(text, tok).tokens[0]) == list(tok.encode_prompt("Name a colour."))
+    assert list(jsonl_prompts(text, tok, chat, use_chat=True).tokens[0]) == list(tok.encode(chat.render(
+        [{"role": "user", "content": "Name a colour."}], add_generation_prompt=True)))
+    with pytest.raises(ConfigError, match="its prompts are messages.* needs a chat template"):
+        jsonl_prompts(path, tok, None)
+    mixed = tmp_path / "x.jsonl"
+    mixed.write_text(path.read_text() + text.read_text())
+    with pytest.raises(ConfigError, match="some prompts are text and some messages"):
+        jsonl_prompts(mixed, tok, chat)
