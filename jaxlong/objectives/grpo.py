@@ -144,7 +144,7 @@ def check_grpo_run(cfg) -> None:
     g.check()
     if cfg.data.packing != "documents":
         raise ConfigError(f"objective=grpo: data.packing={cfg.data.packing!r}; GRPO's rows hold each prompt once and "
-                          f"its completions as branches, masked by segment ids: set data.packing=documents",
+                          f"its completions as branches, masked by segment ids",
                           key="data.packing", value=cfg.data.packing, suggestions=({"data.packing": "documents"},))
     if cfg.model.sliding_window:
         raise ConfigError(f"objective=grpo: model.sliding_window={cfg.model.sliding_window} counts positions, and a "

@@ -48,7 +48,7 @@ from jaxlong.models import llama as model_lib
 from jaxlong.objectives import grpo as G
 from jaxlong.objectives.base import token_logps_and_entropies
 from jaxlong.rl.prompts import PromptSet, load_prompts
-from jaxlong.rl.rewards import load_reward, score_completions
+from jaxlong.rl.rewards import NEEDS_COLUMNS, load_reward, score_completions
 from jaxlong.rl.rollouts import Group, pack_groups
 from jaxlong.training.batches import PolicyBatchFn
 from jaxlong.training.hooks import Hook, RunContext, StepContext
@@ -117,6 +117,12 @@ class GRPOBatches(PolicyBatchFn):
                               f"take {g.group_tokens(longest)} positions; global_batch={cfg.global_batch} rows of "
                               f"seq_len={cfg.seq_len} hold {fit}; lower grpo.prompts_per_step or raise global_batch",
                               key="grpo.prompts_per_step", value=self.per_step)
+        for spec, (name, _) in zip(g.reward_funcs, self.funcs):  # a shipped reward's columns, before compiling
+            missing = [c for c in NEEDS_COLUMNS.get(spec, ()) if c not in self.prompts.columns]
+            if missing:
+                raise ConfigError(f"grpo.reward_funcs: {name} reads the column {', '.join(missing)}, which "
+                                  f"grpo.dataset={g.dataset} does not have; add it to every record, or choose "
+                                  f"another reward", key="grpo.reward_funcs", value=g.reward_funcs)
         self.pad_to, self.eos = longest, stop_ids(run.tokenizer, directory)
         self.gen = Generator(cfg, run.mesh, None, run.tokenizer, max_new_tokens=g.max_completion_length,
                              sampling=Sampling(g.temperature, g.top_k, g.top_p, n=g.num_generations),
@@ -162,6 +168,9 @@ class GRPOBatches(PolicyBatchFn):
         columns = {k: [v[i] for i in idx for _ in range(gn)] for k, v in ps.columns.items()}
         scores = score_completions(self.funcs, prompts, completions, ids, columns)
         rewards = G.combine_rewards(scores, g.reward_weights)
+        if np.isnan(rewards).all():  # as TRL warns: nothing to learn from this rollout
+            self.run.say(f"grpo: every reward returned None (or NaN) for all {len(rewards)} completions of rollout "
+                         f"{rollout}: their advantages are 0 and this rollout trains nothing")
         adv, std = G.group_advantages(rewards, gn, g.scale_rewards)
         groups = [Group(ps.tokens[i], ids[k * gn:(k + 1) * gn], ended[k * gn:(k + 1) * gn], adv[k * gn:(k + 1) * gn])
                   for k, i in enumerate(idx)]

@@ -90,8 +90,9 @@ def jsonl_prompts(path: str | Path, tokenizer, chat=None, use_chat: bool = False
         raise ConfigError(f"grpo.dataset {path}: some prompts are text and some messages; give one format")
     conversational = kinds == {True}
     if (conversational or use_chat) and chat is None:
-        raise ConfigError(f"grpo.dataset {path}: {'its prompts are messages' if conversational else 'grpo.chat'} "
-                          f"needs a chat template, and the run's tokenizer has none; set data.chat_template=FILE")
+        why = "its prompts are messages, which need" if conversational else "grpo.chat=true needs"
+        raise ConfigError(f"grpo.dataset {path}: {why} a chat template, and the run's tokenizer has none; set "
+                          f"data.chat_template=FILE.jinja (e.g. configs/chat_templates/chatml.jinja)")
     tokens = []
     for rec in records:
         p = rec["prompt"]

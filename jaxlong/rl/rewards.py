@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
+import traceback
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -31,7 +32,7 @@ import numpy as np
 from jaxlong.evaluation.ruler.prompts import postprocess
 from jaxlong.evaluation.ruler.prompts import string_match_all as _match_all
 
-__all__ = ["REWARDS", "string_match_all", "string_match_part", "think_format", "load_reward", "score_completions",
+__all__ = ["REWARDS", "NEEDS_COLUMNS", "string_match_all", "string_match_part", "think_format", "load_reward", "score_completions",
            "completion_text"]
 
 
@@ -71,6 +72,8 @@ def think_format(prompts=None, completions=(), **kwargs) -> list[float]:
     return [1.0 if _THINK.match(completion_text(c)) else 0.0 for c in completions]
 
 
+NEEDS_COLUMNS = {"string_match_all": ("refs",), "string_match_part": ("refs",)}  # what a shipped reward reads
+
 REWARDS: dict[str, Callable] = {"string_match_all": string_match_all, "string_match_part": string_match_part,
                                 "think_format": think_format}
 
@@ -97,7 +100,9 @@ def load_reward(spec: str) -> Callable:
             loaded.loader.exec_module(mod)
         else:
             mod = importlib.import_module(module)
-    except (ImportError, FileNotFoundError) as e:
+    except FileNotFoundError:
+        raise ValueError(f"grpo.reward_funcs: {spec!r}: no such file {module!r}") from None
+    except ImportError as e:
         raise ValueError(f"grpo.reward_funcs: {spec!r}: cannot import {module!r} ({e})") from None
     fn = getattr(mod, name, None)
     if not callable(fn):
@@ -122,8 +127,10 @@ def score_completions(funcs: Sequence[tuple[str, Callable]], prompts: list, comp
     for j, (name, fn) in enumerate(funcs):
         try:
             got = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **(columns or {}))
-        except Exception as e:  # a user's function: name it, and what it raised
-            raise ValueError(f"reward {name!r} raised {type(e).__name__}: {e}") from e
+        except Exception as e:  # a user's function: name it, what it raised and where
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            raise ValueError(f"reward {name!r} raised {type(e).__name__}: {e} (at {frame.filename}:{frame.lineno}, "
+                             f"in {frame.name})") from e
         if not isinstance(got, (list, tuple, np.ndarray)) or len(got) != n:
             size = len(got) if hasattr(got, "__len__") else type(got).__name__
             raise ValueError(f"reward {name!r} returned {size} values for {n} completions; it must return a list of "
@@ -131,7 +138,7 @@ def score_completions(funcs: Sequence[tuple[str, Callable]], prompts: list, comp
         for i, x in enumerate(got):
             if x is None:
                 continue
-            if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)):
+            if not isinstance(x, (bool, np.bool_, int, float, np.floating, np.integer)):  # True counts 1.0, as in TRL
                 raise ValueError(f"reward {name!r} returned {x!r} for completion {i}; give a float, or None where it "
                                  f"cannot score")
             out[i, j] = float(x)

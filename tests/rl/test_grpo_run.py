@@ -83,6 +83,10 @@ def test_grpo_refuses_bad_options_in_one_line(tmp_path, override, match):
 def test_grpo_refuses_a_missing_reward_and_a_prompt_too_long_before_compiling(tmp_path):
     with pytest.raises(ValueError, match="cannot import"):
         train(_cfg(tmp_path, "steps=1", "grpo.reward_funcs=[no_such_module:f,string_match_part]"))
+    norefs = tmp_path / "norefs.jsonl"
+    norefs.write_text(json.dumps({"prompt": "Say a word about the sky:", "topic": "sky"}) + "\n")
+    with pytest.raises(ConfigError, match="string_match_part reads the column refs, which grpo.dataset"):
+        train(_cfg(tmp_path, "steps=1", f"grpo.dataset={norefs}", "run_name=norefs"))
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "x" * 200, "refs": ["x"]}) + "\n")
     with pytest.raises(ConfigError, match="prompt 0 has 201 tokens"):
@@ -111,7 +115,7 @@ def test_prompts_in_trls_formats_text_or_messages_with_their_columns(tmp_path):
     assert list(jsonl_prompts(text, tok).tokens[0]) == list(tok.encode_prompt("Name a colour."))
     assert list(jsonl_prompts(text, tok, chat, use_chat=True).tokens[0]) == list(tok.encode(chat.render(
         [{"role": "user", "content": "Name a colour."}], add_generation_prompt=True)))
-    with pytest.raises(ConfigError, match="its prompts are messages.* needs a chat template"):
+    with pytest.raises(ConfigError, match="its prompts are messages, which need a chat template"):
         jsonl_prompts(path, tok, None)
     mixed = tmp_path / "x.jsonl"
     mixed.write_text(path.read_text() + text.read_text())

@@ -27,16 +27,20 @@ def test_a_users_reward_is_called_as_trl_calls_it(tmp_path):
                     "            for i, (c, ids) in enumerate(zip(completions, completion_ids))]\n"
                     "def raises(**kw):\n    raise KeyError('answer')\n"
                     "def short(completions, **kw):\n    return [1.0]\n"
-                    "def text(completions, **kw):\n    return ['high'] * len(completions)\n")
+                    "def text(completions, **kw):\n    return ['high'] * len(completions)\n"
+                    "def hit(completions, **kw):\n    return ['7' in c for c in completions]\n")
     fns = [("length", R.load_reward(f"{path}:length")), ("string_match_part", R.load_reward("string_match_part"))]
     got = R.score_completions(fns, ["q", "q"], ["abc 7", "skip"], [[1, 2, 3], [4]],
                               {"bonus": [0.5, 0.0], "refs": [["7"], ["7"]]})
     np.testing.assert_array_equal(got, [[3.5, 1.0], [np.nan, 0.0]])
-    for name, message in (("raises", "reward 'raises' raised KeyError"), ("short", "returned 1 values for 2"),
+    hit = R.score_completions([("hit", R.load_reward(f"{path}:hit"))], ["q", "q"], ["abc 7", "b"], [[1], [2]])
+    np.testing.assert_array_equal(hit, [[1.0], [0.0]])  # booleans count 1 and 0, as TRL's float tensor makes them
+    for name, message in (("raises", "reward 'raises' raised KeyError: 'answer' \\(at .*my_rewards.py:5, in raises"),
+                          ("short", "returned 1 values for 2"),
                           ("text", "returned 'high' for completion 0")):
         with pytest.raises(ValueError, match=message):
             R.score_completions([(name, R.load_reward(f"{path}:{name}"))], ["q", "q"], ["a", "b"], [[1], [2]])
     for spec, message in (("nonsense", "neither a shipped reward"), (f"{path}:missing", "has no function"),
-                          ("no_such_module_xyz:f", "cannot import")):
+                          ("no_such_module_xyz:f", "cannot import"), ("missing.py:f", "no such file")):
         with pytest.raises(ValueError, match=message):
             R.load_reward(spec)
