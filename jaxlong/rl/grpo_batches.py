@@ -187,8 +187,8 @@ class GRPOBatches(PolicyBatchFn):
         return batch
 
     def _logps(self, params: dict, batch: dict) -> np.ndarray:
-        """The training forward's log-probs of `batch` under `params` (float32 `[rows, seq]`), micro-batch by
-        micro-batch as the train step runs it."""
+        """The training forward's log-probs of `batch` under `params` (float32 `[rows, seq]`), `global_batch /
+        grad_accum` rows at a time (a micro-batch's activations; each row's log-probs are its own)."""
         cfg, keys = self.cfg, ("inputs", "targets", "mask", "positions", "segment_ids")
         micro = cfg.global_batch // cfg.grad_accum
         parts = []
