@@ -20,7 +20,7 @@ TIERS = {
     "training/test_dpo.py": "fast+slow",
     "training/test_grpo.py": "fast+slow",
     "rl/test_rewards.py": "fast",
-    "rl/test_rollouts.py": "fast",
+    "rl/test_rollouts.py": "fast+slow",
     "rl/test_grpo_run.py": "fast",
     "data/test_mixture.py": "fast",
     "evaluation/test_eval.py": "fast+slow",

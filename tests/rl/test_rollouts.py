@@ -26,6 +26,7 @@ from jaxlong.training.accumulate import loss_and_grads
 N_GEN, T = 3, 0.8
 
 
+@pytest.mark.slow  # the fast tier samples, packs and trains through the whole loop (tests/rl/test_grpo_run.py)
 def test_rollouts_pack_into_a_batch_the_trainer_scores_as_the_sampler_did():
     cfg = tiny_cfg("model.vocab_size=257", "seq_len=64", "global_batch=2", "mesh.fsdp=2", "mesh.ring=2",
                    "mesh.context=2", "attention.block_q=8", "attention.block_k=8", "data.packing=documents")
