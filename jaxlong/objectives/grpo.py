@@ -49,12 +49,14 @@ from jaxlong.core.errors import ConfigError, check_choice
 from jaxlong.layers.loss import effective_mask
 from jaxlong.objectives.base import Objective, segment_sums, token_logps_and_entropies
 
-__all__ = ["GRPOConfig", "check_grpo_run", "GroupRelativePolicyOptimization", "group_advantages", "combine_rewards",
-           "LossType", "ScaleRewards", "COMPLETION", "ADVANTAGES", "OLD_LOGPS", "REF_LOGPS"]
+__all__ = ["GRPOConfig", "check_grpo_run", "check_groups_fit", "RULER_LENGTH", "GroupRelativePolicyOptimization",
+           "group_advantages", "combine_rewards", "LossType", "ScaleRewards", "COMPLETION", "ADVANTAGES", "OLD_LOGPS",
+           "REF_LOGPS"]
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]  # `grpo.loss_type`
 ScaleRewards = Literal["group", "batch", "none"]  # `grpo.scale_rewards`
 COMPLETION, ADVANTAGES, OLD_LOGPS, REF_LOGPS = "completion", "advantages", "old_logps", "ref_logps"
+RULER_LENGTH = 512  # grpo.ruler_lengths' default
 METRICS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
@@ -150,28 +152,32 @@ def check_grpo_run(cfg) -> None:
         raise ConfigError(f"objective=grpo: model.sliding_window={cfg.model.sliding_window} counts positions, and a "
                           f"group's second branch does not follow the prompt in the row; GRPO takes full-attention "
                           f"models", key="objective", value="grpo", keys=("model.sliding_window",))
-    if g.dataset != "ruler" and g.group_tokens(1) > cfg.seq_len:  # a file's prompts are measured at the start
-        raise ConfigError(f"objective=grpo: grpo.num_generations={g.num_generations} completions of up to "
-                          f"grpo.max_completion_length={g.max_completion_length} tokens take "
-                          f"{g.group_tokens(1)} positions after the prompt, more than seq_len={cfg.seq_len}; raise "
-                          f"seq_len, or lower those", key="seq_len", value=cfg.seq_len)
-    if g.dataset == "ruler":
-        length = max(g.ruler_lengths or [512])
-        need = g.group_tokens(length)
-        if need > cfg.seq_len:
-            raise ConfigError(f"objective=grpo: a group of a RULER prompt of up to {length} tokens and "
-                              f"grpo.num_generations={g.num_generations} completions of up to "
-                              f"grpo.max_completion_length={g.max_completion_length} tokens takes {need} positions, "
-                              f"more than seq_len={cfg.seq_len}; raise seq_len to {need}, or lower those",
-                              key="seq_len", value=cfg.seq_len, suggestions=({"seq_len": need},))
-        prompts = g.prompts_per_step or cfg.global_batch
-        fit = cfg.global_batch * (cfg.seq_len // need)
-        if prompts > fit:
-            raise ConfigError(f"objective=grpo: grpo.prompts_per_step={prompts} groups of up to {need} positions do "
-                              f"not fit global_batch={cfg.global_batch} rows of seq_len={cfg.seq_len} (at most "
-                              f"{fit}); lower grpo.prompts_per_step or raise global_batch",
-                              key="grpo.prompts_per_step", value=prompts, suggestions=({"grpo.prompts_per_step": fit},))
+    # a file's prompts are measured when read (`jaxlong.rl.prompts`); here the least prompt, or RULER's longest
+    check_groups_fit(cfg, max(g.ruler_lengths or [RULER_LENGTH]) if g.dataset == "ruler" else 1)
 
+
+def check_groups_fit(cfg, prompt_tokens: int) -> None:
+    """Refuse rows that cannot hold `grpo.prompts_per_step` groups of a `prompt_tokens`-token prompt: a group longer
+    than `seq_len`, or more groups than `global_batch` rows of `seq_len` hold.
+
+    Raises:
+      ConfigError: naming the options and what would fit.
+    """
+    g = cfg.grpo
+    need = g.group_tokens(prompt_tokens)
+    if need > cfg.seq_len:
+        raise ConfigError(f"objective=grpo: a group of a {prompt_tokens}-token prompt and grpo.num_generations="
+                          f"{g.num_generations} completions of up to grpo.max_completion_length="
+                          f"{g.max_completion_length} tokens takes {need} positions, more than seq_len={cfg.seq_len}; "
+                          f"raise seq_len to {need}, or lower those", key="seq_len", value=cfg.seq_len,
+                          suggestions=({"seq_len": need},))
+    prompts = g.prompts_per_step or cfg.global_batch
+    fit = cfg.global_batch * (cfg.seq_len // need)
+    if prompts > fit:
+        raise ConfigError(f"objective=grpo: grpo.prompts_per_step={prompts} groups of up to {need} positions do not "
+                          f"fit global_batch={cfg.global_batch} rows of seq_len={cfg.seq_len} (at most {fit}); lower "
+                          f"grpo.prompts_per_step or raise global_batch", key="grpo.prompts_per_step", value=prompts,
+                          suggestions=({"grpo.prompts_per_step": fit},))
 
 def combine_rewards(per_function: np.ndarray, weights: Sequence[float] | None = None) -> np.ndarray:
     """Each completion's reward, float64 `[n]`: the reward functions' scores `[n, functions]` (NaN where a function

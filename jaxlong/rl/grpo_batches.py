@@ -111,12 +111,7 @@ class GRPOBatches(PolicyBatchFn):
         cases = g.ruler_cases or max(16, min(rollouts * self.per_step, 256))
         self.prompts: PromptSet = load_prompts(cfg, run.tokenizer, cases=cases, chat=chat, source=source)
         longest = max(t.size for t in self.prompts.tokens)
-        fit = cfg.global_batch * (cfg.seq_len // g.group_tokens(longest))
-        if self.per_step > fit:
-            raise ConfigError(f"grpo.prompts_per_step={self.per_step}: groups of the longest prompt ({longest} tokens) "
-                              f"take {g.group_tokens(longest)} positions; global_batch={cfg.global_batch} rows of "
-                              f"seq_len={cfg.seq_len} hold {fit}; lower grpo.prompts_per_step or raise global_batch",
-                              key="grpo.prompts_per_step", value=self.per_step)
+        G.check_groups_fit(cfg, longest)  # the rows hold prompts_per_step groups of the longest prompt
         for spec, (name, _) in zip(g.reward_funcs, self.funcs):  # a shipped reward's columns, before compiling
             missing = [c for c in NEEDS_COLUMNS.get(spec, ()) if c not in self.prompts.columns]
             if missing:
@@ -148,10 +143,13 @@ class GRPOBatches(PolicyBatchFn):
     def _indices(self, rollout: int) -> list[int]:
         """The prompts of rollout `rollout`: consecutive slices of a permutation per epoch (seeded)."""
         n, k = len(self.prompts), self.per_step
+        orders: dict[int, np.ndarray] = {}
         out = []
         for j in range(rollout * k, rollout * k + k):
             epoch, at = divmod(j, n)
-            out.append(int(np.random.default_rng([self.cfg.seed, epoch]).permutation(n)[at]))
+            if epoch not in orders:
+                orders[epoch] = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
+            out.append(int(orders[epoch][at]))
         return out
 
     def _rollout(self, rollout: int, step: int, params: dict) -> dict:

@@ -20,10 +20,9 @@ import numpy as np
 
 from jaxlong.core.errors import ConfigError
 from jaxlong.evaluation.ruler import TASKS, corpus_tokens, generation_cases
+from jaxlong.objectives.grpo import RULER_LENGTH
 
-__all__ = ["PromptSet", "load_prompts", "ruler_prompts", "jsonl_prompts", "RULER_LENGTH"]
-
-RULER_LENGTH = 512  # grpo.ruler_lengths' default
+__all__ = ["PromptSet", "load_prompts", "ruler_prompts", "jsonl_prompts"]
 
 
 @dataclass

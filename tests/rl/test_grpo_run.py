@@ -71,7 +71,7 @@ def test_grpo_trains_on_rollouts_logs_trls_metrics_and_resumes_between_rollouts(
 
 @pytest.mark.parametrize("override, match", [
     ("grpo.num_generations=1", "at least 2 completions per prompt"),
-    ("grpo.max_completion_length=64", "take 195 positions after the prompt, more than seq_len=128"),
+    ("grpo.max_completion_length=64", "takes 195 positions, more than seq_len=128"),
     ("data.packing=concat", "data.packing=documents"),
     ("grpo.reward_weights=[1.0]", "1 weights for 2 grpo.reward_funcs"),
 ])
