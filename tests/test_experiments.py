@@ -6,13 +6,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from xla_flags import for_children
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(args: list[str]) -> str:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)  # each experiment sets its own device count
+    # each experiment sets its own device count; the compile-speed flags change no result (tests/xla_flags.py)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": for_children(os.environ.get("XLA_FLAGS", ""))}
     out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     text = (out.stdout + out.stderr).replace("\r", "\n")
     assert out.returncode == 0, text[-3000:]

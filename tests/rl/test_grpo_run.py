@@ -1,7 +1,8 @@
 """GRPO as `python -m jaxlong.train` runs it (`objective: grpo`, `jaxlong.recipes.train` with
 `jaxlong.rl.grpo_batches`): prompts in TRL's prompt-only JSONL format with a column, a user's reward given as
 `path.py:function` beside a shipped one, G completions per prompt sampled on a ring x Ulysses x FSDP mesh from the
-parameters each step starts from, two optimizer steps per rollout (old log-probs from the training forward) and the
+parameters each step starts from, trained with the 8B recipe's memory setup (full remat, kept attention, the tiled
+loss), two optimizer steps per rollout (old log-probs from the training forward) and the
 KL term to the reference saved with the run. The run logs TRL's metrics, its rewards vary within groups, the first
 iteration's ratio is 1 (no clipping; KL 0 against the reference it starts at), and a resume between two rollouts
 restores the reference and goes on."""
@@ -40,6 +41,8 @@ def _cfg(tmp_path, *extra):
                     "grpo.reward_weights=[1.0,2.0]", "grpo.num_generations=3", "grpo.max_completion_length=8",
                     "grpo.prompts_per_step=2", "grpo.num_iterations=2", "grpo.beta=0.04", "grpo.epsilon_high=0.28",
                     "optim.lr=1e-2", "optim.warmup_steps=0", "eval_every=0", "checkpoint_every=2", "log_every=1",
+                    # the memory setup of the 8B recipe's GRPO stage (configs/recipes/llama3_1_8b_post_training.yaml)
+                    "remat.policy=full", "remat.keep_attention=2", "tiling.loss=true", "tiling.loss_tile=16",
                     f"run_dir={tmp_path}", "run_name=grpo", *extra)
 
 
