@@ -39,9 +39,8 @@ from jaxlong import data as data_lib
 from jaxlong.config import Config, ConfigError, apply_setting, changed_keys, parse_override, validate
 from jaxlong.core.distributed import say as _say
 from jaxlong.evaluation.validation import validation_hooks
-from jaxlong.objectives.grpo import GroupRelativePolicyOptimization
 from jaxlong.recipes import gates as gate_lib
-from jaxlong.rl.grpo_batches import GRPOBatches
+from jaxlong.rl.grpo_batches import on_policy_batches
 from jaxlong.training.checkpoint import Checkpointer
 from jaxlong.training.loop import run
 
@@ -186,8 +185,7 @@ def train(cfg: Config, *, hooks=(), batches=None, resume: bool = False, profile:
     Returns and raises: as `jaxlong.training.loop.run`.
     """
     own = []
-    if cfg.objective == GroupRelativePolicyOptimization.name and batches is None:
-        batches = GRPOBatches(cfg)
+    if batches is None and (batches := on_policy_batches(cfg)) is not None:
         own = [batches.hook]
     return run(cfg, objective=objective, hooks=[*own, *validation_hooks(cfg), *hooks], batches=batches,
                resume=resume, profile=profile, allow_changes=allow_changes)

@@ -47,6 +47,7 @@ from jaxlong.models import hf
 from jaxlong.models import llama as model_lib
 from jaxlong.objectives import grpo as G
 from jaxlong.objectives.base import token_logps_and_entropies
+from jaxlong.objectives.registry import objective_for
 from jaxlong.rl.prompts import PromptSet, load_prompts
 from jaxlong.rl.rewards import NEEDS_COLUMNS, load_reward, score_completions
 from jaxlong.rl.rollouts import Group, pack_groups
@@ -240,6 +241,12 @@ class GRPOBatches(PolicyBatchFn):
             ctx.say(f"step {ctx.step}: reward {m['reward']:.3f}, reward_std {m['reward_std']:.3f}, completions "
                     f"{m['completions/mean_length']:.1f} tokens; rollout {m['timing/rollout_s']:.1f} s, train "
                     f"{m['timing/train_s']:.1f} s")
+
+
+def on_policy_batches(cfg: Config) -> GRPOBatches | None:
+    """The batch source of an objective that trains on its own samples: GRPO's rollouts on the training mesh for
+    `objective: grpo`, None for an objective that reads its data (the trainer's data pipeline)."""
+    return GRPOBatches(cfg) if isinstance(objective_for(cfg), G.GroupRelativePolicyOptimization) else None
 
 
 def _table(samples: list) -> str:
