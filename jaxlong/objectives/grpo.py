@@ -179,6 +179,7 @@ def check_groups_fit(cfg, prompt_tokens: int) -> None:
                           f"grpo.prompts_per_step or raise global_batch", key="grpo.prompts_per_step", value=prompts,
                           suggestions=({"grpo.prompts_per_step": fit},))
 
+
 def combine_rewards(per_function: np.ndarray, weights: Sequence[float] | None = None) -> np.ndarray:
     """Each completion's reward, float64 `[n]`: the reward functions' scores `[n, functions]` (NaN where a function
     returned None) times `weights` (None: 1 each), summed with the NaNs left out (TRL's `nansum`); NaN where every
