@@ -251,28 +251,18 @@ class Cost:
     warnings: list = dataclasses.field(default_factory=list)
 
     def add(self, other: "Cost", times: float = 1.0) -> None:
-        self.flops += other.flops * times
-        self.attention_flops += other.attention_flops * times
-        self.hbm_bytes += other.hbm_bytes * times
-        self.host_transfer_bytes += other.host_transfer_bytes * times
-        for mine, theirs in ((self.collective_bytes, other.collective_bytes),
-                             (self.collective_wire_bytes, other.collective_wire_bytes),
-                             (self.network_wire_bytes, other.network_wire_bytes),
-                             (self.attention_calls, other.attention_calls),
-                             (self.attention_head_calls, other.attention_head_calls),
-                             (self.tile_loop_flops, other.tile_loop_flops),
-                             (self.tile_loop_bytes, other.tile_loop_bytes),
-                             (self.tile_loop_entries, other.tile_loop_entries),
-                             (self.tile_loop_groups, other.tile_loop_groups),
-                             (self.tile_loop_group_bytes, other.tile_loop_group_bytes),
-                             (self.tile_loop_seen_entries, other.tile_loop_seen_entries),
-                             (self.tile_loop_seen_bytes, other.tile_loop_seen_bytes)):
-            for k, v in theirs.items():
-                mine[k] = mine.get(k, 0) + v * times
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, dict):
+                _accumulate(mine, theirs, times)
+            elif not isinstance(mine, list):
+                setattr(self, f.name, mine + theirs * times)
         self.warnings += [w for w in other.warnings if w not in self.warnings]
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+
+def _accumulate(mine: dict, theirs: dict, times: float = 1.0) -> None:
+    for k, v in theirs.items():
+        mine[k] = mine.get(k, 0) + v * times
 
 
 def _group_size(ins: Instr, default: int) -> int:
@@ -420,10 +410,8 @@ class _Walker:
                     c.add(dearest)
                     for b in branches:  # the other branches' tile loops: their shapes' bytes per entry
                         if b is not dearest:
-                            for mine, theirs in ((c.tile_loop_seen_entries, b.tile_loop_seen_entries),
-                                                 (c.tile_loop_seen_bytes, b.tile_loop_seen_bytes)):
-                                for k, v in theirs.items():
-                                    mine[k] = mine.get(k, 0) + v
+                            _accumulate(c.tile_loop_seen_entries, b.tile_loop_seen_entries)
+                            _accumulate(c.tile_loop_seen_bytes, b.tile_loop_seen_bytes)
                 continue
             if op in ("call", "async-start"):
                 c.add(self.cost(ins.attr("to_apply") or ins.attr("calls"), top))
