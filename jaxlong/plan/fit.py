@@ -62,6 +62,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import itertools
 import json
 import sys
 import time
@@ -77,7 +78,6 @@ from jaxlong.plan import planner
 from jaxlong.training.metrics import PEAK_FLOPS, flops_per_token
 
 REMAT_LEVELS = ("none", "save_dots", "full", "offload")
-DIM_NAMES = ("attention", "remat", "tiled loss", "tiled MLP", "kept attention")
 
 
 class FitError(ConfigError):
@@ -117,14 +117,11 @@ class Candidate:
 @functools.lru_cache(maxsize=None)
 def parse_setting(text: str) -> tuple[list[str], object]:
     """`key=value` -> (key path, value as the config stores it), type-checked once by `jaxlong.config.apply_setting`."""
-
     key, value, raw = parse_override(text)
     probe = Config()
     apply_setting(probe, key, value, raw)
     path = key.split(".")
-    for part in path:
-        probe = getattr(probe, part)
-    return path, probe
+    return path, functools.reduce(getattr, path, probe)
 
 
 def configure(cfg: Config, overrides) -> Config:
@@ -137,10 +134,7 @@ def configure(cfg: Config, overrides) -> Config:
     out = copy.deepcopy(cfg)
     for text in overrides:
         path, value = parse_setting(text)
-        obj = out
-        for part in path[:-1]:
-            obj = getattr(obj, part)
-        setattr(obj, path[-1], copy.copy(value))
+        setattr(functools.reduce(getattr, path[:-1], out), path[-1], copy.copy(value))
     return out
 
 
@@ -163,7 +157,6 @@ def mesh_splits(cfg: Config, devices_per_node: int, nodes: int) -> list[tuple[st
     own = copy.deepcopy(cfg)
     own.mesh.num_devices = n
     try:
-
         d, f, r, c = resolve_mesh_shape(own.mesh, n)
         mine = (f"mesh.num_devices={n}", f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.ring={r}", f"mesh.context={c}")
         if mine in out:
@@ -213,9 +206,8 @@ def offload_groupings(layers: int) -> list[int]:
 
 
 def dimension_levels(cfg: Config, host_budget: int | None = None) -> list[list[tuple[str, ...]]]:
-    """Per dimension (`DIM_NAMES`), the overrides of each level, fastest expected first, for `cfg`'s mesh;
+    """Per dimension (attention, remat, tiled loss, tiled MLP, kept attention), the overrides of each level, fastest expected first, for `cfg`'s mesh;
     `host_budget` (bytes per node) sizes the kept-attention level between all and none (`keep_levels`)."""
-
     m = cfg.model
     _, _, ring, context = resolve_mesh_shape(cfg.mesh, cfg.mesh.num_devices)
     attention = [("attention.impl=ulysses", "attention.heads_per_stage=0")]
@@ -258,8 +250,6 @@ def candidate_space(cfg: Config, devices_per_node: int, nodes: int,
 
     A split whose fastest candidate `validate` rejects (e.g. `global_batch` not divisible by `mesh.fsdp`) is
     reported once; other invalid candidates one by one."""
-    import itertools  # noqa: PLC0415
-
     splits = mesh_splits(cfg, devices_per_node, nodes)
     cands, invalid = [], []
     for i, split in enumerate(splits):
@@ -361,13 +351,11 @@ def analytic_cost(cfg: Config, p: dict | None = None, *, peak_flops: float = PEA
     seconds = model * factor / (peak_flops * mfu * cfg.mesh.num_devices)
     if cfg.remat.policy == "offload":
         seconds *= 1.02
-
     _, _, ring, context = resolve_mesh_shape(cfg.mesh, cfg.mesh.num_devices)
     launch = 20e-6 * cfg.model.layers * 3
     if cfg.attention.impl == "upipe":
         seconds += launch * (cfg.model.heads // (cfg.attention.heads_per_stage or context))
     if cfg.tiling.mlp:
-
         s_local = cfg.seq_len // (ring * context)
         seconds += launch * (cfg.tiling.mlp_tiles or default_mlp_tiles(s_local, cfg.model.hidden))
     return seconds
@@ -648,28 +636,10 @@ def _row(c: Candidate, cfg: Config, p: dict, budget, host_budget, cost_model, ca
             "compile_seconds": p.get("compile_seconds")}
 
 
-class _NoBar:
-    total = 0
-
-    def update(self, n=1):
-        pass
-
-    def refresh(self):
-        pass
-
-    def set_postfix_str(self, s, refresh=True):
-        pass
-
-    def close(self):
-        pass
-
-
 def _bar(total: int, on: bool):
-    if not on:
-        return _NoBar()
     from tqdm import tqdm  # noqa: PLC0415
 
-    return tqdm(total=total, desc="compiles", unit="compile", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, desc="compiles", unit="compile", file=sys.stderr, dynamic_ncols=True, disable=not on)
 
 
 # ----------------------------------------------------------------------------------------------
