@@ -122,12 +122,7 @@ def budgets(budget: str | None, host_budget: str, collective_buffers: str | None
 
 
 def shard_bytes(tree) -> int:
-
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape)
-        total += math.prod(shape) * leaf.dtype.itemsize
-    return total
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
 def _host_residual_bytes(cfg: Config, mesh) -> int:
@@ -172,14 +167,8 @@ def _itemsize(residuals) -> int:
     return next((a.dtype.itemsize for a, _ in residuals if "<host>" in a.str_short()), 4)
 
 
-def _gpu_devices_present() -> bool:
-
-    return jax.default_backend() == "gpu"
-
-
 def _target_for(target, n: int):
     """`target` resized to `n` devices: one node of n when n fits a node, else whole nodes."""
-
     per_node = min(n, target.devices_per_node)
     if n % per_node:
         raise ConfigError(f"mesh.num_devices={n} is not a whole number of {target.name} nodes of "
@@ -190,7 +179,6 @@ def _target_for(target, n: int):
 def _estimate(cfg: Config, compiled, target, devices: list) -> dict:
     """Roofline estimate of the compiled step (`jaxlong.plan.cost`) against `target`'s peaks, or, without a
     target, against the shipped target whose GPU the devices are."""
-
     n = cfg.mesh.num_devices
     if target is None:
         kind = devices[0].device_kind
@@ -250,9 +238,7 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
       ConfigError: the config is invalid for its own `mesh.num_devices`, or the target cannot be compiled for,
         or `estimate` without a GPU (target) or without the target's peak FLOP/s.
     """
-
-
-    gpu = target is not None or _gpu_devices_present()
+    gpu = target is not None or jax.default_backend() == "gpu"
     validate(cfg, platform="gpu" if gpu else "cpu")  # on GPUs, the limits of the kernel attention.backend=auto picks
     n = cfg.mesh.num_devices
     measured, scale, device_memory, per_node = cfg, 1.0, None, min(n, 8)
@@ -315,7 +301,6 @@ def fits(p: dict, budget: int, host_budget: int | None = None) -> bool:
 
 
 def apply_rung(cfg: Config, overrides: list[str], n: int, **sizes: int) -> Config:
-
     out = copy.deepcopy(cfg)
     for text in overrides:
         apply_setting(out, *parse_override(text.format(n=n, **sizes)))
@@ -360,7 +345,6 @@ def max_context(cfg: Config, budget: int, *, target=None, host_budget: int | Non
     Raises:
       ConfigError: the config is invalid at `start` tokens (e.g. heads not divisible by the context degree).
     """
-
     def probe(s: int):
         c = copy.deepcopy(cfg)
         c.seq_len = s
@@ -412,8 +396,6 @@ def max_context(cfg: Config, budget: int, *, target=None, host_budget: int | Non
 def format_context(tokens: int, start: int = 65536) -> str:
     """Max-context cell: 0 from the search means not even its first size fits."""
     return f"< {start:,}" if tokens == 0 else f"{tokens:,}"
-
-
 
 
 def format_table(rows: list[dict], budget: int, host_budget: int | None = None) -> str:
