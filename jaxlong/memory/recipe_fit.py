@@ -146,10 +146,7 @@ def write_recipe(source: Path, out: Path, results) -> None:
                 if isinstance(stage.get(dotted), dict):
                     _merge(stage, path[:i], stage.pop(dotted))
             stage.pop(key, None)
-            node = stage
-            for part in path[:-1]:
-                node = node.setdefault(part, {})
-            node[path[-1]] = value
+            _merge(stage, path[:-1], {path[-1]: value})
     header = (f"# {source} with each stage's memory setup from python -m jaxlong.memory --fit (XLA compiles; with a GPU "
               f"target and no GPU, estimates)\n")
     out.write_text(header + yaml.safe_dump(raw, sort_keys=False, width=120))

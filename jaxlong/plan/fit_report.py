@@ -85,10 +85,7 @@ def winner_overrides(res: FitResult, base: Config) -> list[str]:
     out = []
     for text in res.winner["overrides"].split():
         path, value = parse_setting(text)
-        cur = base
-        for part in path:
-            cur = getattr(cur, part)
-        if cur != value:
+        if functools.reduce(getattr, path, base) != value:
             out.append(text)
     return out
 

@@ -83,14 +83,10 @@ def layer_tiles(cfg) -> list[tuple[int, int]]:
     for a global layer, the window's band for a local one), as it runs under FSDP, Ulysses and U-Pipe by the
     all-to-all (each call sees the whole `seq_len`). Windows come from `model.sliding_window` and the layer kinds
     (`jaxlong.models.family.layer_kinds`)."""
-    return list(_kind_tiles(cfg).values())
-
-
-def _kind_tiles(cfg) -> dict[int, tuple[int, int]]:
     s, a = cfg.seq_len, cfg.attention
     kinds = layer_kinds(cfg.model)
-    return {k: (kinds.count(k), window_tiles(s, a.block_q, a.block_k, cfg.model.sliding_window if k == LOCAL else 0))
-            for k in sorted(set(kinds))}
+    return [(kinds.count(k), window_tiles(s, a.block_q, a.block_k, cfg.model.sliding_window if k == LOCAL else 0))
+            for k in sorted(set(kinds))]
 
 
 def kernel_calls(cfg, global_fraction: float = 1.0) -> list[KernelCall]:
