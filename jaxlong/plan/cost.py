@@ -25,20 +25,15 @@ None), and XLA's CPU `cost_analysis()` does not see cuDNN attention. So the comp
     The blockwise kernel (`jaxlong.kernels.blockwise`, pure JAX: its matmuls are `dot`s in loops): its tile loops
     have bounds that are data (the causal diagonal, a sliding window, documents), so XLA knows no trip count. Such
     a loop is a `while` without `known_trip_count` whose op traces, by the module's stack-frame tables, to
-    `jaxlong/kernels/blockwise.py`, or to an op of KERNEL_CALLERS (the halo exchange, ring attention, U-Pipe: they
-    call the kernel inside a `custom_vjp`, whose rules JAX traces with the op's call site as every op's traceback,
-    so the loop's frame is that call site's, in one of those files or below it) with a tile's 2 or 5 matmuls in
-    its body. It is counted one iteration (one score tile) per entry and recorded by direction in
-    `tile_loop_flops`, `tile_loop_bytes` and `tile_loop_entries`: "forward" (2 matmuls per tile: QK^T, PV),
-    "backward" (5: QK^T, dV, dP, dK, dQ), and by direction and one tile's FLOPs (the call's shape: its tiles and
-    batch x heads) in `tile_loop_groups` and `tile_loop_group_bytes`. The counts are in `flops` and `hbm_bytes`
-    as one iteration each; what the kernel computes per call depends on the layer kind (causal or windowed) and
-    its path (the whole sequence with H/C heads, or a local layer's chunk and halo with every head), which the
-    loop does not tell, so `jaxlong.plan.tiles.blockwise_attention_cost` replaces them by the kernel's tile
-    counts per layer kind and path (`window_tiles`, docs/windows.md): forward 4 x tq x tk x head_dim per tile and
-    (batch x head), backward 2.5 x that, for every time the program runs a layer's kernel (its remat
-    recomputation included; the rule is in `jaxlong.plan.tiles`). Without the stack-frame tables such loops fall
-    back to the rule for loops below.
+    `jaxlong/kernels/blockwise.py`, or to an op of KERNEL_CALLERS (the frame of their `custom_vjp`'s call site, see
+    there) with a tile's 2 or 5 matmuls in its body. It is counted one iteration (one score tile) per entry and
+    recorded by direction in `tile_loop_flops`, `tile_loop_bytes` and `tile_loop_entries` ("forward": 2 matmuls
+    per tile, QK^T and PV; "backward": 5, QK^T, dV, dP, dK, dQ), and by direction and one tile's FLOPs (the call's
+    shape: its tiles and batch x heads) in `tile_loop_groups` and `tile_loop_group_bytes`. The loop does not tell
+    the layer kind (causal or windowed) or the call's path, so `jaxlong.plan.tiles.blockwise_attention_cost`
+    replaces these counts by the kernel's tiles per layer kind and path (docs/windows.md; the rule, remat
+    recomputation included, is in `jaxlong.plan.tiles`). Without the stack-frame tables such loops fall back to
+    the rule for loops below.
     Elementwise work is not counted (it is memory bound; the HBM bytes carry it).
   HBM bytes (per device, per step) -- an approximation
     the operand + output bytes of every top-level op (fusions, custom calls, copies, collectives) of the entry
