@@ -27,6 +27,7 @@ from jaxlong.core.errors import fail
 from jaxlong.core.units import fmt_gib
 from jaxlong.plan import fit_report as fit_cli
 from jaxlong.plan.fit import parse_setting
+from jaxlong.plan.target import parse_target
 from jaxlong.recipes import expand
 
 __all__ = ["main", "stage_seconds", "write_recipe"]
@@ -63,8 +64,6 @@ def main(args, argv_overrides: list[str]) -> int:
             raise ConfigError(f"--out {args.out}: a recipe's plan writes one JSON per stage; give a directory")
         devices = []
         if args.target:
-            from jaxlong.plan.target import parse_target  # noqa: PLC0415
-
             devices = [f"mesh.num_devices={parse_target(args.target).devices}"]
         stages = expand(cfg, [*argv_overrides, *devices])
         counts = {s.cfg.mesh.num_devices for s in stages}

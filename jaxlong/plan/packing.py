@@ -80,11 +80,8 @@ def attention_tile_fraction(lengths, seq_len: int, block_q: int, block_k: int, r
 
     Raises:
       ValueError: no positive length."""
-    computed = dense = 0
-    for row in pack_rows(lengths, seq_len, rows):
-        c, d = _row_tiles(row, seq_len, block_q, block_k)
-        computed, dense = computed + c, dense + d
-    return computed / max(dense, 1)
+    tiles = [_row_tiles(row, seq_len, block_q, block_k) for row in pack_rows(lengths, seq_len, rows)]
+    return sum(c for c, _ in tiles) / max(sum(d for _, d in tiles), 1)
 
 
 def document_lengths(cfg) -> tuple[list[int], str] | None:

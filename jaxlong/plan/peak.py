@@ -67,17 +67,14 @@ def device_peak(dump_dir: str, top: int = 25) -> dict:
     with open(live) as f:
         section = None
         for line in f:
-            if line.strip() == "InstructionSequence:":
-                section = "seq"
-                continue
-            if line.strip() == "BufferLiveRange:":
-                section = "ranges"
+            if line.strip() in ("InstructionSequence:", "BufferLiveRange:"):
+                section = line.strip()
                 continue
             if line.startswith("  Live ranges at"):
                 break
-            if section == "seq":
+            if section == "InstructionSequence:":
                 sequence.append(line.strip().split(":", 1)[-1])
-            elif section == "ranges":
+            elif section == "BufferLiveRange:":
                 m = _RANGE.match(line)
                 if m and (m.group(1), m.group(2)) in device:
                     ranges.append(((m.group(1), m.group(2)), int(m.group(3)), int(m.group(4))))

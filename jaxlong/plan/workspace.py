@@ -53,12 +53,8 @@ def attention_workspace_bytes(cfg: Config, backend: str, context: int, batch_loc
     """
     if backend != "cudnn":
         return 0
-
     m = cfg.model
-    if cfg.attention.impl == "upipe":
-        heads_local = (cfg.attention.heads_per_stage or context) // context
-    else:
-        heads_local = m.heads // context
+    heads_local = ((cfg.attention.heads_per_stage or context) if cfg.attention.impl == "upipe" else m.heads) // context
     rows = batch_local * min(heads_local, BWD_HEADS_PER_CALL) * (cfg.seq_len // max(ring, 1))
     return 4 * rows * m.head_dim + 4 * rows  # dQ_accum + softmax_sum, float32
 
@@ -76,7 +72,6 @@ def parse_headroom(text: str, device_memory: int) -> int:
     Raises:
       ValueError: unparseable, or a percentage outside [0, 50].
     """
-
     m = re.fullmatch(r"\s*([0-9.]+)\s*%\s*", text)
     if m:
         pct = float(m.group(1))
