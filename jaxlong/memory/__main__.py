@@ -37,7 +37,6 @@ from jaxlong.plan.planner import __doc__ as _PLAN_DOC
 from jaxlong.plan.target import Target, cuda_plugin_available, parse_target
 from jaxlong.plan.workspace import parse_headroom
 
-TiB = 1024**4
 CPU_NOTICE = ("note: CPU approximation (XLA's CPU compiler, float32 compile scaled to the compute dtype; no "
               "attention workspace, collective buffers or headroom). For the GPU compiler's plan: "
               "pip install 'jax[cuda12]' and add --target h100 (or h200, a100).")

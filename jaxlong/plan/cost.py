@@ -143,10 +143,7 @@ def _parse_instr(line: str) -> Instr | None:
     if not m:
         return None
     rest = line[m.end():]
-    if rest.startswith("("):
-        end = _matching(rest, 0)
-    else:
-        end = rest.find(" ")
+    end = _matching(rest, 0) if rest.startswith("(") else rest.find(" ")
     shape, rest = rest[:end], rest[end:].lstrip()
     m2 = re.match(r"([\w\-]+)\(", rest)
     if not m2:
@@ -337,7 +334,7 @@ class _Walker:
     def constant_bound(self, ins: Instr) -> int | None:
         """The loop bound: the largest integer constant in the condition or a computation it calls, or None."""
         consts, todo, seen = [], [ins.attr("condition")], set()
-        while todo:  # the loop bound: an integer constant in the condition or a computation it calls
+        while todo:
             name = todo.pop()
             seen.add(name)
             for i in self.comps.get(name, []):

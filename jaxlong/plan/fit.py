@@ -146,19 +146,15 @@ def mesh_splits(cfg: Config, devices_per_node: int, nodes: int) -> list[tuple[st
     """Overrides of every `fsdp x ring x context` split of `devices_per_node * nodes` devices (the config's own
     split first), keeping `mesh.data`; context stays inside a node, ring > 1 only across nodes."""
     n, data = devices_per_node * nodes, max(cfg.mesh.data, 1)
-    out = []
-    for ring in _divisors(nodes):
-        for context in _divisors(devices_per_node):
-            if n % (data * ring * context):
-                continue
-            fsdp = n // (data * ring * context)
-            out.append((f"mesh.num_devices={n}", f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.ring={ring}",
-                        f"mesh.context={context}"))
-    own = copy.deepcopy(cfg)
-    own.mesh.num_devices = n
+
+    def split(data, fsdp, ring, context):
+        return (f"mesh.num_devices={n}", f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.ring={ring}",
+                f"mesh.context={context}")
+
+    out = [split(data, n // (data * ring * context), ring, context) for ring in _divisors(nodes)
+           for context in _divisors(devices_per_node) if n % (data * ring * context) == 0]
     try:
-        d, f, r, c = resolve_mesh_shape(own.mesh, n)
-        mine = (f"mesh.num_devices={n}", f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.ring={r}", f"mesh.context={c}")
+        mine = split(*resolve_mesh_shape(cfg.mesh, n))
         if mine in out:
             out.remove(mine)
             out.insert(0, mine)
