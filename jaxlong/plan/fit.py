@@ -478,12 +478,9 @@ def _topology(cfg: Config, target) -> tuple[int, int]:
 def _closest(rows: list[dict], budget: int, host_budget: int | None) -> dict | None:
     """The compiled row nearest to fitting, or None when none was compiled: the least excess, the larger of its
     device total over `budget` and its host bytes per node over `host_budget` (where one is given)."""
-    if not rows:
-        return None
-
     def excess(r):
         return max(r["total"] / budget, r["host_per_node"] / host_budget if host_budget else 0)
-    return min(rows, key=excess)
+    return min(rows, key=excess, default=None)
 
 
 @dataclasses.dataclass

@@ -405,12 +405,11 @@ def format_table(rows: list[dict], budget: int, host_budget: int | None = None) 
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     lines = [head]
     for r in rows:
-        ok = fits(r, budget, host_budget)
         lines.append(
             f"| {r['name']} | {fmt_gib(r['params'])} | {fmt_gib(r['gradients'])} | {fmt_gib(r['optimizer'])} | "
             f"{fmt_gib(r['activations'])} | {fmt_gib(r['peak'])} | {fmt_gib(r['workspace'])} | {fmt_gib(r['collectives'])} | "
             f"{fmt_gib(r['headroom'])} | **{fmt_gib(r['total'])}** | {fmt_gib(r['host'])} | {fmt_gib(r['host_per_node'])} | "
-            f"{'yes' if ok else 'no'} |"
+            f"{'yes' if fits(r, budget, host_budget) else 'no'} |"
         )
     return "\n".join(lines)
 
