@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         return fail(e)
     cfg = setup.cfg
-    _prepare_jax(args, cfg, setup.target)
+    if args.dump:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.dump}".strip()
+    fit_cli.prepare_jax(cfg, setup.target)
     where = setup.target.describe() if setup.target else f"{cfg.mesh.num_devices} devices"
     print(f"{cfg.model.name}: seq_len {cfg.seq_len:,}, {where}, budget {fmt_gib(setup.budget)} GiB per device, "
           f"host {fmt_gib(setup.host_budget)} GiB per node, compute {cfg.compute_dtype}")
@@ -178,16 +180,6 @@ def _check_planning(args, cfg: Config, target: Target | None, budget: int) -> No
     if cfg.attention.backend in ("cudnn", "pallas") and target is None and not _gpu_present():
         raise ConfigError(f"attention.backend={cfg.attention.backend} compiles only for NVIDIA GPUs; plan it with "
                           f"--target h100 (or h200, a100), or use attention.backend=auto")
-
-
-def _prepare_jax(args, cfg: Config, target: Target | None) -> None:
-    """Before jax creates a backend: no CUDA initialization for a deviceless target, `--dump` in XLA_FLAGS, and
-    `mesh.num_devices` simulated CPU devices."""
-    if target is not None and not _gpu_present():
-        distributed.use_cpu_platform()  # the CUDA plugin must not try to initialize a driver
-    if args.dump:
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={args.dump}".strip()
-    distributed.set_host_device_count(cfg.mesh.num_devices)
 
 
 def _plan_rungs(args, setup: _Setup, rungs: list) -> list[dict]:
