@@ -206,19 +206,17 @@ def _plan_rung(args, setup: _Setup, name: str, c: Config) -> dict:
     """One rung's plan (with `--max-context`, at its largest fitting length, `max_context`), printed on one line
     (and its estimate on a second with `--estimate`)."""
     kw = dict(headroom=args.headroom, collective_buffers=setup.collectives)
-    row = {}
     if args.max_context:
         s, p = max_context(c, setup.budget, target=setup.target, host_budget=setup.host_budget, start=setup.start,
                            **kw)
-        row.update(p or {k: float("nan") for k in ("params", "gradients", "optimizer", "activations", "host",
-                                                   "peak", "workspace", "collectives", "headroom", "total",
-                                                   "host_per_node")})
-        row["max_context"] = s
+        row = {**(p or {k: float("nan") for k in ("params", "gradients", "optimizer", "activations", "host", "peak",
+                                                  "workspace", "collectives", "headroom", "total", "host_per_node")}),
+               "max_context": s}
         print(f"{name:18s} max context {format_context(s, setup.start):>11s} tokens  (total "
               f"{fmt_gib(row['total'])} GiB per device, host {fmt_gib(row['host_per_node'])} GiB per node)",
               flush=True)
         return row
-    row.update(plan(c, setup.target, estimate=args.estimate, **kw), seq_len=c.seq_len)
+    row = dict(plan(c, setup.target, estimate=args.estimate, **kw), seq_len=c.seq_len)
     print(f"{name:18s} total {fmt_gib(row['total']):>8s} GiB  (compiled peak {fmt_gib(row['peak'])}, "
           f"activations {fmt_gib(row['activations'])}, host {fmt_gib(row['host'])})", flush=True)
     if "estimate" in row:
