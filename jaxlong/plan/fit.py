@@ -619,12 +619,11 @@ def _row(c: Candidate, cfg: Config, p: dict, budget, host_budget, cost_model, ca
     factor = est.get("recompute_factor")
     if factor is None:
         factor = analytic_flops(cfg)[1]
-    n = cfg.mesh.num_devices
     return {"overrides": c.key, "levels": list(c.levels), "fits": planner.fits(p, budget, host_budget),
             "peak": p["peak"], "total": p["total"], "host_per_node": p["host_per_node"], "step_seconds": seconds,
             "tokens_per_s_per_gpu": est["tokens_per_s_per_gpu"]
             if est.get("step_seconds") == seconds and est.get("tokens_per_s_per_gpu") is not None
-            else (cfg.seq_len * cfg.global_batch / seconds / n if seconds > 0 else float("inf")),
+            else (cfg.seq_len * cfg.global_batch / seconds / cfg.mesh.num_devices if seconds > 0 else float("inf")),
             "recompute_factor": factor, "source": p.get("source", ""), "cached": cached,
             "compile_seconds": p.get("compile_seconds")}
 

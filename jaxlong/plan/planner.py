@@ -223,11 +223,9 @@ def plan(cfg: Config, target=None, *, headroom: str = "2%", collective_buffers: 
         (GPUs, else the CPU approximation). See the module docstring.
       headroom: `--headroom` text (`'2%'` of device memory or a size); GPU plans only.
       collective_buffers: bytes of NCCL buffers per device, overriding the model; GPU plans only.
-      estimate: also count the compiled step's cost and estimate its time (`jaxlong.plan.cost`): adds
-        `estimate`, a dict with `flops`, `model_flops`, `hbm_bytes`, `collective_bytes` (per device per step),
-        `recompute_factor`, `attention_calls`, `step_seconds`, `tokens_per_s_per_gpu`, `mfu`, `assumptions`
-        (see `jaxlong.plan.cost.roofline`). GPU plans only: the CPU compile runs blockwise attention in loops
-        of data-dependent length, whose FLOPs cannot be counted.
+      estimate: also count the compiled step's cost and estimate its time: adds `estimate`, the dict of
+        `jaxlong.plan.cost.roofline` (per device per step). GPU plans only: the CPU compile runs blockwise
+        attention in loops of data-dependent length, whose FLOPs cannot be counted.
 
     Returns:
       dict with `params`, `optimizer`, `gradients`, `activations`, `host`, `peak`, `reference`, `workspace`,
