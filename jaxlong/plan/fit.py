@@ -68,6 +68,8 @@ import sys
 import time
 from typing import Callable
 
+from tqdm import tqdm
+
 from jaxlong.config import Config, ConfigError, apply_setting, parse_override, validate
 from jaxlong.core.mesh import resolve_mesh_shape
 from jaxlong.core.units import fmt_gib
@@ -454,7 +456,8 @@ def fit(cfg: Config, target=None, *, budget: int, host_budget: int | None = None
     tag = (fingerprint, getattr(target, "name", None), per_node, nodes, options.headroom, options.collective_buffers)
     cache = {} if options.cache is None else options.cache
     search = _Search(cfg, target, budget, host_budget, options, plan_fn, cache, tag, list(cands), pruned)
-    bar = _bar(min(options.max_compiles, len(cands)), options.progress)
+    bar = tqdm(total=min(options.max_compiles, len(cands)), desc="compiles", unit="compile", file=sys.stderr,
+               dynamic_ncols=True, disable=not options.progress)
     try:
         search.run(bar)
     finally:
@@ -626,12 +629,6 @@ def _row(c: Candidate, cfg: Config, p: dict, budget, host_budget, cost_model, ca
             else (cfg.seq_len * cfg.global_batch / seconds / cfg.mesh.num_devices if seconds > 0 else float("inf")),
             "recompute_factor": factor, "source": p.get("source", ""), "cached": cached,
             "compile_seconds": p.get("compile_seconds")}
-
-
-def _bar(total: int, on: bool):
-    from tqdm import tqdm  # noqa: PLC0415
-
-    return tqdm(total=total, desc="compiles", unit="compile", file=sys.stderr, dynamic_ncols=True, disable=not on)
 
 
 # ----------------------------------------------------------------------------------------------
