@@ -62,9 +62,7 @@ def main(args, argv_overrides: list[str]) -> int:
             return fit_cli.main(args, argv_overrides)
         if args.out and args.out.endswith(".json"):
             raise ConfigError(f"--out {args.out}: a recipe's plan writes one JSON per stage; give a directory")
-        devices = []
-        if args.target:
-            devices = [f"mesh.num_devices={parse_target(args.target).devices}"]
+        devices = [f"mesh.num_devices={parse_target(args.target).devices}"] if args.target else []
         stages = expand(cfg, [*argv_overrides, *devices])
         counts = {s.cfg.mesh.num_devices for s in stages}
         if len(counts) > 1:
