@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 from pathlib import Path
 from typing import Callable
 
@@ -297,23 +298,16 @@ def decide(gate: Gate, metrics: dict[str, float]) -> list[str]:
     """The thresholds `metrics` miss, each as `metric = value (needs >= min)` or `(needs <= max)`; [] when the
     gate passes. A metric the evaluation could not produce (e.g. a RULER task too long for the length) misses."""
     missed = []
-    for metric, bound in gate.min.items():
-        value = metrics.get(metric)
-        if value is None or not value >= bound:
-            missed.append(f"{metric} = {_fmt(value)} (needs >= {bound:g})")
-    for metric, bound in gate.max.items():
-        value = metrics.get(metric)
-        if value is None or not value <= bound:
-            missed.append(f"{metric} = {_fmt(value)} (needs <= {bound:g})")
+    for table, sign, meets in ((gate.min, ">=", operator.ge), (gate.max, "<=", operator.le)):
+        for metric, bound in table.items():
+            value = metrics.get(metric)
+            if value is None or not meets(value, bound):
+                missed.append(f"{metric} = {_fmt(value)} (needs {sign} {bound:g})")
     return missed
 
 
 def _fmt(value) -> str:
     return "not measured" if value is None else f"{value:.4g}"
-
-
-def record_path(run_dir: Path, stage: int) -> Path:
-    return run_dir / "gates" / f"stage{stage}.json"
 
 
 Evaluate = Callable[[Gate, Path, int], tuple[dict, str]]  # (gate, run dir, step) -> (summary, results directory)
@@ -336,7 +330,7 @@ def run_gate(gate: Gate, stage: int, name: str, step: int, run_dir: Path, *, nex
         its value, where the results are, how to go on). With `warn` the same line is printed and the recipe
         goes on.
     """
-    path = record_path(run_dir, stage)
+    path = run_dir / "gates" / f"stage{stage}.json"
     record = json.loads(path.read_text()) if path.exists() else None
     scoring = gate.ruler_scoring if gate.ruler else None
     if (record is None or record.get("step") != step or any(m not in record["metrics"] for m in gate.metrics)
