@@ -145,9 +145,7 @@ class ChatRecords:
             raise ValueError(f"{where} is not valid JSON ({e})") from None
         return cls._check(obj, where)
 
-    @staticmethod
-    def _check(obj, where: str) -> dict:
-        return parse_record(obj, where)
+    _check = staticmethod(parse_record)
 
     def __len__(self) -> int:
         return len(self.refs)

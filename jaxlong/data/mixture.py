@@ -74,8 +74,9 @@ class MixedSource:
     def __post_init__(self):
         self.label = self.label or repr(self.name)
 
-    def keeps(self, n: int) -> bool:
-        return n >= self.min_tokens and (self.max_tokens is None or n <= self.max_tokens)
+    def keeps(self, n):
+        """Whether a document of `n` tokens (an int, or an array of them) passes the length rules."""
+        return (n >= self.min_tokens) & (n <= (np.inf if self.max_tokens is None else self.max_tokens))
 
     def rules(self) -> str:
         """Its length rules as options: `min_doc_tokens=A, max_doc_tokens=B` (those set)."""
@@ -150,8 +151,7 @@ def check_lengths(lengths: list[SourceLengths], sources: list[MixedSource], stre
       ValueError: one line naming the source (`label`), the rule, the lengths seen and what would work.
     """
     for ls, src in zip(lengths, sources):
-        under_max = ls.lengths <= (np.inf if src.max_tokens is None else src.max_tokens)
-        keep = (ls.lengths >= src.min_tokens) & under_max
+        keep, under_max = src.keeps(ls.lengths), ls.lengths <= (np.inf if src.max_tokens is None else src.max_tokens)
         # the largest min_doc_tokens that leaves every packing stream a document (known when all were measured)
         per_stream = [ls.lengths[s::streams][under_max[s::streams]] for s in range(streams)] if ls.complete else []
         best_min = int(min(x.max() for x in per_stream)) if per_stream and all(x.size for x in per_stream) else None
@@ -202,7 +202,7 @@ def repetition_warnings(lengths: list[SourceLengths], sources: list[MixedSource]
     total = sum(s.weight for s in sources)
     out = []
     for ls, src in zip(lengths, sources):
-        keep = (ls.lengths >= src.min_tokens) & (ls.lengths <= (np.inf if src.max_tokens is None else src.max_tokens))
+        keep = src.keeps(ls.lengths)
         if not ls.lengths.size or not keep.any():
             continue
         scale = ls.documents / ls.indices.size  # 1 when every document was measured

@@ -152,10 +152,7 @@ class PreferenceRecords(ChatRecords):
     """`ChatRecords` of preference records (`parse_pair`)."""
 
     formats = _FORMATS
-
-    @staticmethod
-    def _check(obj, where: str) -> dict:
-        return parse_pair(obj, where)
+    _check = staticmethod(parse_pair)
 
 
 class PreferenceSource:
