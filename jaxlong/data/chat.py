@@ -26,18 +26,12 @@ MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"  # private-use characters around a {%
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
-def _config(directory: Path) -> dict:
-    f = directory / "tokenizer_config.json"
-    return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
-
-
 def find_template(directory: str | Path) -> str | None:
     """The chat template of the tokenizer directory `directory`, or None when it has none."""
-    directory = Path(directory)
-    f = directory / "chat_template.jinja"
+    f, config = Path(directory) / "chat_template.jinja", Path(directory) / "tokenizer_config.json"
     if f.is_file():
         return f.read_text(encoding="utf-8")
-    template = _config(directory).get("chat_template")
+    template = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
     if isinstance(template, list):  # named templates
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     return template if isinstance(template, str) else None

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import reduce
+from functools import partial, reduce
 from itertools import zip_longest
 from typing import Literal, get_args
 
@@ -481,9 +481,7 @@ def _mixed_batches(docs: list, mixed: list[MixedSource], tokenizer: Tokenizer, s
             warn(line)
 
     loss = any(map(is_chat, docs))
-
-    def tokenize(text):
-        return pairs_of(text, tokenizer, loss)
+    tokenize = partial(pairs_of, tokenizer=tokenizer, loss=loss)
 
     def documents(i: int, s: int, salt: int) -> grain.IterDataset:
         ds = grain.MapDataset.source(docs[i])[s::n]

@@ -234,8 +234,10 @@ def check_prompt(gate: Gate, cfg: Config) -> None:
             raise ConfigError(f"gate.ruler_lengths {n}: {'; '.join(problems)}")
 
 
-def eval_options(gate: Gate, step: int) -> EvalOptions:
-    """The evaluation's options of `gate` on checkpoint `step` (`python -m jaxlong.eval`'s flags, `eval_argv`)."""
+def evaluate_gate(gate: Gate, run_dir: Path, step: int) -> tuple[dict, str]:
+    """The evaluation of `gate` on checkpoint `step` of `run_dir`, in this process (every process of the run):
+    `python -m jaxlong.eval`'s (`jaxlong.evaluation.checkpoint.evaluate_checkpoint`, with the options `eval_argv`
+    gives as flags). Returns its summary and results directory."""
     options = EvalOptions(step=step, batches=gate.batches, passkey=gate.passkey, ruler=gate.ruler)
     if gate.passkey:
         options.lengths = ",".join(map(str, gate.passkey_lengths))
@@ -243,14 +245,7 @@ def eval_options(gate: Gate, step: int) -> EvalOptions:
     if gate.ruler:
         options.ruler_tasks, options.ruler_lengths = ",".join(gate.ruler_tasks), ",".join(map(str, gate.ruler_lengths))
         options.ruler_cases, options.ruler_scoring = gate.ruler_cases, gate.ruler_scoring
-    return options
-
-
-def evaluate_gate(gate: Gate, run_dir: Path, step: int) -> tuple[dict, str]:
-    """The evaluation of `gate` on checkpoint `step` of `run_dir`, in this process (every process of the run):
-    `python -m jaxlong.eval`'s (`jaxlong.evaluation.checkpoint.evaluate_checkpoint`). Returns its summary and
-    results directory."""
-    return evaluate_checkpoint(run_dir, eval_options(gate, step))
+    return evaluate_checkpoint(run_dir, options)
 
 
 def eval_argv(gate: Gate, run_dir: Path, step: int) -> list[str]:
