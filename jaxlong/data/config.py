@@ -156,16 +156,15 @@ def check_chat(d: DataConfig) -> None:
     for i, src in enumerate(d.sources):
         if src.format is not None:
             check_choice(f"data.sources[{i}].format", src.format, DataFormat)
-    if "chat" not in formats and "preference" not in formats:
-        return
     records = ("chat", "preference")
-    paths = [d.path] if not d.sources else [s.path for s in d.sources if (s.format or d.format) in records]
-    fmt = next(f for f in formats if f in records)
-    if any(p is None for p in paths):
-        where = "data.path" if not d.sources else next(f"data.sources[{i}].path" for i, s in enumerate(d.sources)
-                                                       if (s.format or d.format) in records and s.path is None)
+    fmt = next((f for f in formats if f in records), None)
+    if fmt is None:
+        return
+    nulls = [f"data.sources[{i}].path" for i, s in enumerate(d.sources) if formats[i] in records and s.path is None] \
+        if d.sources else ["data.path"] * (d.path is None)
+    if nulls:
         example = "configs/data/stdlib_chat.jsonl" if fmt == "chat" else "configs/data/stdlib_preference.jsonl"
-        raise ConfigError(f"{where} is null (the embedded corpus, which is text) under data.format={fmt}: give a "
+        raise ConfigError(f"{nulls[0]} is null (the embedded corpus, which is text) under data.format={fmt}: give a "
                           f".jsonl file or directory of {fmt} records ({example} is one)"
                           + (", or format: text for that source" if d.sources else ""))
     if d.packing != "documents":
