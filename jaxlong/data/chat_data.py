@@ -215,14 +215,14 @@ def encode_conversation(record: dict, tokenizer: Tokenizer, template: ChatTempla
         raise ValueError("a conversation needs a chat template: the tokenizer's directory has none and "
                          "data.chat_template is not set (configs/chat_templates/chatml.jinja is a ChatML one)")
     messages, first = record["messages"], record.get("first", 0)
-    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
+    index = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    assistant = [i for i in index if i >= first]
     chosen = assistant if turns == "all" else assistant[-1:]
     if template.marks_generation:
         text, spans = template.render_spans(messages)
-        if len(spans) != sum(m["role"] == "assistant" for m in messages):
+        if len(spans) != len(index):
             raise ValueError(f"the chat template's {{% generation %}} tags mark {len(spans)} spans for "
-                             f"{sum(m['role'] == 'assistant' for m in messages)} assistant messages")
-        index = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+                             f"{len(index)} assistant messages")
         spans = [s for i, s in zip(index, spans) if i in chosen]
     else:
         text = template.render(messages, add_generation_prompt=False)

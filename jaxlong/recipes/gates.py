@@ -221,13 +221,10 @@ def check_prompt(gate: Gate, cfg: Config) -> None:
     n = min(gate.ruler_lengths or [1 << 30])
     if gate.ruler and n <= 1 << 16:
         corpus = ruler.corpus_tokens([FILLER * (2 * n // len(FILLER) + 1)], tokenizer, 2 * n)
-        problems = []
+        problems, cases = [], ruler.generation_cases if gate.ruler_scoring == "generate" else ruler.make_cases
         for task in gate.ruler_tasks:
             try:
-                if gate.ruler_scoring == "generate":
-                    ruler.generation_cases(task, tokenizer, n, 1, seed=cfg.seed, corpus=corpus)
-                else:
-                    ruler.make_cases(task, tokenizer, n, 1, seed=cfg.seed, corpus=corpus)
+                cases(task, tokenizer, n, 1, seed=cfg.seed, corpus=corpus)
             except ValueError as e:
                 problems.append(str(e))
         if problems:
