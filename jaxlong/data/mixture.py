@@ -324,13 +324,10 @@ class _TokenShareMixIterator(grain.DatasetIterator):
         its pieces were taken, and the token counts: restoring draws the open documents again."""
         main = [m.get_state() for m in self._mains]
         extra = [None if e is None else e.get_state() for e in self._extras]
-        cursors = []
         for i, cur in enumerate(self._open):
-            if cur is None:
-                cursors.append(None)
-                continue
-            (main if cur["from"] == "main" else extra)[i] = cur["before"]
-            cursors.append({"from": cur["from"], "next": cur["next"]})
+            if cur is not None:
+                (main if cur["from"] == "main" else extra)[i] = cur["before"]
+        cursors = [None if cur is None else {"from": cur["from"], "next": cur["next"]} for cur in self._open]
         return {"main": main, "extra": extra, "open": cursors, "tokens": list(self._tokens),
                 "long": list(self._long), "upsampled": list(self._upsampled)}
 

@@ -213,13 +213,9 @@ class SplitLongDocuments(FlatMapTransform):
         n, L = element["inputs"].size, self.seq_len
         if n <= L:
             return [element]
-        pieces = []
-        for start in range(0, n, L):
-            piece = {k: element[k][start:start + L] for k in element if k != "positions"}
-            m = piece["inputs"].size
-            piece["positions"] = np.arange(m, dtype=np.int32) + (start if self.continue_positions else 0)
-            pieces.append(piece)
-        return pieces
+        return [{**{k: v[s:s + L] for k, v in element.items() if k != "positions"},
+                 "positions": np.arange(s, min(s + L, n), dtype=np.int32) - (0 if self.continue_positions else s)}
+                for s in range(0, n, L)]
 
 
 def token_limit(source: DocumentSource, tokenizer: Tokenizer, max_tokens: int) -> tuple[int, int]:
@@ -633,13 +629,10 @@ def mixture_sources(cfg, first=None, tokenizer: Tokenizer | None = None) -> list
       ValueError: a source's corpus is missing, empty or unreadable (see `open_source`; the message names
         `data.sources[i]` and its path: `data.sources[1] (b.jsonl): ...`).
     """
-    out = []
-    for i, src in enumerate(cfg.data.sources):
-        docs = first if i == 0 and first is not None else _open_listed(cfg, i, tokenizer)
-        out.append((docs, MixedSource(source_name(src, i), src.weight, src.min_doc_tokens, src.max_doc_tokens,
-                                      src.long_doc_tokens or max(cfg.seq_len // 2, 1), src.upsample_long,
-                                      source_label(src, i))))
-    return out
+    return [(first if i == 0 and first is not None else _open_listed(cfg, i, tokenizer),
+             MixedSource(source_name(src, i), src.weight, src.min_doc_tokens, src.max_doc_tokens,
+                         src.long_doc_tokens or max(cfg.seq_len // 2, 1), src.upsample_long, source_label(src, i)))
+            for i, src in enumerate(cfg.data.sources)]
 
 
 def source_shares(source: np.ndarray, names: list[str]) -> dict[str, int]:
