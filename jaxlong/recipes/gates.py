@@ -111,10 +111,7 @@ def parse_gate(raw, cfg: Config) -> Gate:
     unknown = [k for k in raw if k not in OPTIONS]
     if unknown:
         raise ConfigError(f"gate: unknown key(s) {', '.join(map(str, unknown))}; the keys are {', '.join(OPTIONS)}")
-    try:
-        gate = Gate(**raw)
-    except TypeError as e:
-        raise ConfigError(f"gate: {e}") from None
+    gate = Gate(**raw)  # every key is a field (OPTIONS)
     if gate.ruler_scoring not in ruler.SCORINGS:
         raise ConfigError(f"gate.ruler_scoring={gate.ruler_scoring!r}; choose generate (RULER's: greedy generation, "
                           f"string_match_all) or forced (teacher-forced exact match, a cheap proxy)")

@@ -153,10 +153,7 @@ def check_sources(stages: list[Stage]) -> None:
             continue
         seen.add(key)
         try:
-            if d.sources:
-                data_lib.mixture_sources(s.cfg)
-            else:
-                data_lib.first_source(s.cfg)
+            (data_lib.mixture_sources if d.sources else data_lib.first_source)(s.cfg)
         except ValueError as e:
             raise ValueError(f"stage {s.index} ({s.name}): {e}") from None
     for s in stages:
