@@ -259,8 +259,7 @@ class ChatSource:
     def __init__(self, path, tokenizer: Tokenizer, template: ChatTemplate | None, seq_len: int, turns: str = "all",
                  too_long: str = "refuse", option: str = "data.path"):
         self.records = ChatRecords(path, option)
-        self.tokenizer, self.template, self.turns = tokenizer, template, turns
-        self.path, self.option = path, option
+        self.tokenizer, self.template, self.turns, self.path = tokenizer, template, turns, path
         keep, lengths = [], []
         for i in range(len(self.records)):
             try:

@@ -185,7 +185,7 @@ class PreferenceSource:
     def __init__(self, path, tokenizer: Tokenizer, template: ChatTemplate | None, seq_len: int,
                  too_long: str = "refuse", option: str = "data.path", shared_prompt: bool = False):
         self.records = PreferenceRecords(path, option)
-        self.tokenizer, self.template, self.path, self.option = tokenizer, template, path, option
+        self.tokenizer, self.template, self.path = tokenizer, template, path
         self.shared_prompt = bool(shared_prompt)
         keep, lengths, halves, digest = [], [], [], hashlib.sha256()
         for i in range(len(self.records)):
