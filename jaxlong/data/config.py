@@ -40,7 +40,7 @@ class DataConfig:
     max_tokens: int | None = None  # cap on corpus tokens read (None: all)
     text_field: str = "text"  # the field of each .jsonl / .parquet record that holds the document
     packing: Packing = "documents"  # "documents" (whole documents, segment ids) or "concat" (concatenate and cut)
-    split_positions: SplitPositions = "restart"  # pieces of a document longer than seq_len: "restart" at 0 or "continue"
+    split_positions: SplitPositions = "restart"  # pieces of a long document: positions "restart" at 0 or "continue"
     shuffle: bool = True  # shuffle the documents each epoch (seeded by `seed` and the epoch)
     # Per packing stream: threads that read and tokenize ahead, and documents read ahead (Grain's ReadOptions;
     # its defaults of 16 and 500 cost seconds of start-up per stream and are slower on a few cores). No batch

@@ -347,5 +347,5 @@ class _TokenShareMixIterator(grain.DatasetIterator):
         for i, cur in enumerate(state.get("open", [None] * len(self._mains))):
             if cur is not None:  # draw the open document again (the counters already hold it)
                 before = self._stream(i, cur["from"]).get_state()
-                self._open[i] = {"from": cur["from"], "before": before, "pieces": self._split(self._pull(i, cur["from"])),
-                                 "next": int(cur["next"])}
+                self._open[i] = {"from": cur["from"], "before": before, "next": int(cur["next"]),
+                                 "pieces": self._split(self._pull(i, cur["from"]))}

@@ -196,8 +196,9 @@ class PreferenceSource:
             n = len(pair)
             if n > seq_len and too_long == "refuse":
                 raise ValueError(f"{option}: {self.records.where(i)}: the pair takes {n:,} positions (chosen and "
-                                 f"rejected, {'after one prompt' if shared_prompt else 'each with its prompt'}), more than seq_len={seq_len:,}; a pair is never "
-                                 f"cut: raise seq_len, or leave such ones out with data.too_long=drop")
+                                 f"rejected, {'after one prompt' if shared_prompt else 'each with its prompt'}), more "
+                                 f"than seq_len={seq_len:,}; a pair is never cut: raise seq_len, or leave such ones "
+                                 f"out with data.too_long=drop")
             if n <= seq_len:
                 keep.append(i)
                 lengths.append(n)

@@ -152,7 +152,8 @@ def _is_string(t) -> bool:
 
     if pa.types.is_dictionary(t):
         t = t.value_type
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", lambda _: False)(t)
+    string_view = getattr(pa.types, "is_string_view", lambda _: False)
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or string_view(t)
 
 
 class ParquetDocuments:
