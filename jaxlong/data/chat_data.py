@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import numpy as np
 
@@ -45,12 +45,11 @@ from jaxlong.data.sources import corpus_files
 from jaxlong.data.tokenizer import Tokenizer
 
 __all__ = ["ChatTokens", "ChatRecords", "ChatSource", "encode_conversation", "template_directory",
-           "check_messages", "ROLES", "DataFormat", "ChatTurns", "TooLong", "FORMATS", "TURNS", "TOO_LONG"]
+           "check_messages", "ROLES", "DataFormat", "ChatTurns", "TooLong"]
 
 DataFormat = Literal["text", "chat", "preference"]  # `data.format`, a source's `format` (preference: DPO pairs)
 ChatTurns = Literal["all", "last"]  # `data.chat_turns`
 TooLong = Literal["refuse", "drop"]  # `data.too_long`
-FORMATS, TURNS, TOO_LONG = get_args(DataFormat), get_args(ChatTurns), get_args(TooLong)
 _FORMATS = ('{"messages": [{"role": ..., "content": ...}, ...]}, {"prompt": [messages], "completion": [messages]} '
             'or {"prompt": "text", "completion": "text"}')
 
