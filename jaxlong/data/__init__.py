@@ -52,8 +52,8 @@ from jaxlong.data.tokenizer import (
 from jaxlong.data.imported import run_tokenizer, tokenizer_source
 
 __all__ = [
-    "Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "run_tokenizer", "tokenizer_source", "check_vocab", "TOKENIZERS",
-    "DocumentSource", "stdlib_files", "corpus_files",
+    "Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "run_tokenizer", "tokenizer_source", "check_vocab",
+    "TOKENIZERS", "DocumentSource", "stdlib_files", "corpus_files",
     "document_tokens", "document_pairs", "DocumentSubset", "make_dataset", "PipelineOptions", "merge_states",
     "batch_iterator", "packing_efficiency", "first_source", "mixture_sources", "source_shares", "SOURCE_FEATURE",
     "MixedSource", "TokenShareMix", "source_name", "source_label", "SourceLengths", "measure_lengths",

@@ -16,6 +16,8 @@ import re
 from datetime import datetime
 from pathlib import Path
 
+from jaxlong.data.tokenizer import special_tokens
+
 __all__ = ["ChatTemplate", "find_template", "run_template"]
 
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -24,24 +26,12 @@ MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"  # private-use characters around a {%
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
-def _content(value):
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _config(directory: Path) -> dict:
-    f = directory / "tokenizer_config.json"
-    return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
-
-
 def find_template(directory: str | Path) -> str | None:
     """The chat template of the tokenizer directory `directory`, or None when it has none."""
-    directory = Path(directory)
-    f = directory / "chat_template.jinja"
+    f, config = Path(directory) / "chat_template.jinja", Path(directory) / "tokenizer_config.json"
     if f.is_file():
         return f.read_text(encoding="utf-8")
-    template = _config(directory).get("chat_template")
+    template = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
     if isinstance(template, list):  # named templates
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     return template if isinstance(template, str) else None
@@ -106,13 +96,16 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"{self.where}: the chat template is not valid Jinja (line {e.lineno}: {e})") from None
-        self.special = {}
-        for name in ("special_tokens_map.json", "tokenizer_config.json"):
-            f = self.directory / name
-            data = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
-            for key in SPECIAL_KEYS:
-                if _content(data.get(key)) is not None:
-                    self.special[key] = _content(data.get(key))
+        self.special = special_tokens(self.directory, SPECIAL_KEYS)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+        import jinja2  # noqa: PLC0415
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **{**self.special, **kwargs})
+        except jinja2.TemplateError as e:
+            raise ValueError(f"{self.where}: the chat template refused the messages: {e}") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The template's text for `messages` (`[{"role": ..., "content": ...}, ...]`), with the assistant turn's
@@ -121,28 +114,16 @@ class ChatTemplate:
         Raises:
           ValueError: the template raised (e.g. `raise_exception('roles must alternate')`).
         """
-        import jinja2  # noqa: PLC0415
-
-        try:
-            text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **{**self.special, **kwargs})
-        except jinja2.TemplateError as e:
-            raise ValueError(f"{self.where}: the chat template refused the messages: {e}") from None
+        text = self._render(messages, add_generation_prompt, kwargs)
         return text.replace(MARK_OPEN, "").replace(MARK_CLOSE, "") if self.marks_generation else text
 
     def render_spans(self, messages: list[dict], **kwargs) -> tuple[str, list[tuple[int, int]]]:
         """The template's text for `messages` (no generation prompt) and the `[start, end)` character spans of its
         `{% generation %}` bodies, in order (empty unless `marks_generation`)."""
-        import jinja2  # noqa: PLC0415
-
         if any(MARK_OPEN in str(m.get("content")) or MARK_CLOSE in str(m.get("content")) for m in messages):
             raise ValueError("a message contains U+E000 or U+E001, the private-use characters that mark "
                              "{% generation %} spans; remove them from the data")
-        try:
-            marked = self.template.render(messages=messages, add_generation_prompt=False,
-                                          **{**self.special, **kwargs})
-        except jinja2.TemplateError as e:
-            raise ValueError(f"{self.where}: the chat template refused the messages: {e}") from None
+        marked = self._render(messages, False, kwargs)
         text, spans, start = [], [], None
         for piece in re.split(f"([{MARK_OPEN}{MARK_CLOSE}])", marked):
             if piece == MARK_OPEN:

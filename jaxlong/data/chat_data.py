@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import numpy as np
 
@@ -45,12 +45,11 @@ from jaxlong.data.sources import corpus_files
 from jaxlong.data.tokenizer import Tokenizer
 
 __all__ = ["ChatTokens", "ChatRecords", "ChatSource", "encode_conversation", "template_directory",
-           "check_messages", "ROLES", "DataFormat", "ChatTurns", "TooLong", "FORMATS", "TURNS", "TOO_LONG"]
+           "check_messages", "ROLES", "DataFormat", "ChatTurns", "TooLong"]
 
 DataFormat = Literal["text", "chat", "preference"]  # `data.format`, a source's `format` (preference: DPO pairs)
 ChatTurns = Literal["all", "last"]  # `data.chat_turns`
 TooLong = Literal["refuse", "drop"]  # `data.too_long`
-FORMATS, TURNS, TOO_LONG = get_args(DataFormat), get_args(ChatTurns), get_args(TooLong)
 _FORMATS = ('{"messages": [{"role": ..., "content": ...}, ...]}, {"prompt": [messages], "completion": [messages]} '
             'or {"prompt": "text", "completion": "text"}')
 
@@ -145,9 +144,7 @@ class ChatRecords:
             raise ValueError(f"{where} is not valid JSON ({e})") from None
         return cls._check(obj, where)
 
-    @staticmethod
-    def _check(obj, where: str) -> dict:
-        return parse_record(obj, where)
+    _check = staticmethod(parse_record)
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -217,14 +214,14 @@ def encode_conversation(record: dict, tokenizer: Tokenizer, template: ChatTempla
         raise ValueError("a conversation needs a chat template: the tokenizer's directory has none and "
                          "data.chat_template is not set (configs/chat_templates/chatml.jinja is a ChatML one)")
     messages, first = record["messages"], record.get("first", 0)
-    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
+    index = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    assistant = [i for i in index if i >= first]
     chosen = assistant if turns == "all" else assistant[-1:]
     if template.marks_generation:
         text, spans = template.render_spans(messages)
-        if len(spans) != sum(m["role"] == "assistant" for m in messages):
+        if len(spans) != len(index):
             raise ValueError(f"the chat template's {{% generation %}} tags mark {len(spans)} spans for "
-                             f"{sum(m['role'] == 'assistant' for m in messages)} assistant messages")
-        index = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+                             f"{len(index)} assistant messages")
         spans = [s for i, s in zip(index, spans) if i in chosen]
     else:
         text = template.render(messages, add_generation_prompt=False)
@@ -261,8 +258,7 @@ class ChatSource:
     def __init__(self, path, tokenizer: Tokenizer, template: ChatTemplate | None, seq_len: int, turns: str = "all",
                  too_long: str = "refuse", option: str = "data.path"):
         self.records = ChatRecords(path, option)
-        self.tokenizer, self.template, self.turns = tokenizer, template, turns
-        self.path, self.option = path, option
+        self.tokenizer, self.template, self.turns, self.path = tokenizer, template, turns, path
         keep, lengths = [], []
         for i in range(len(self.records)):
             try:

@@ -40,7 +40,7 @@ class DataConfig:
     max_tokens: int | None = None  # cap on corpus tokens read (None: all)
     text_field: str = "text"  # the field of each .jsonl / .parquet record that holds the document
     packing: Packing = "documents"  # "documents" (whole documents, segment ids) or "concat" (concatenate and cut)
-    split_positions: SplitPositions = "restart"  # pieces of a document longer than seq_len: "restart" at 0 or "continue"
+    split_positions: SplitPositions = "restart"  # pieces of a long document: positions "restart" at 0 or "continue"
     shuffle: bool = True  # shuffle the documents each epoch (seeded by `seed` and the epoch)
     # Per packing stream: threads that read and tokenize ahead, and documents read ahead (Grain's ReadOptions;
     # its defaults of 16 and 500 cost seconds of start-up per stream and are slower on a few cores). No batch
@@ -156,16 +156,15 @@ def check_chat(d: DataConfig) -> None:
     for i, src in enumerate(d.sources):
         if src.format is not None:
             check_choice(f"data.sources[{i}].format", src.format, DataFormat)
-    if "chat" not in formats and "preference" not in formats:
-        return
     records = ("chat", "preference")
-    paths = [d.path] if not d.sources else [s.path for s in d.sources if (s.format or d.format) in records]
-    fmt = next(f for f in formats if f in records)
-    if any(p is None for p in paths):
-        where = "data.path" if not d.sources else next(f"data.sources[{i}].path" for i, s in enumerate(d.sources)
-                                                       if (s.format or d.format) in records and s.path is None)
+    fmt = next((f for f in formats if f in records), None)
+    if fmt is None:
+        return
+    nulls = [f"data.sources[{i}].path" for i, s in enumerate(d.sources) if formats[i] in records and s.path is None] \
+        if d.sources else ["data.path"] * (d.path is None)
+    if nulls:
         example = "configs/data/stdlib_chat.jsonl" if fmt == "chat" else "configs/data/stdlib_preference.jsonl"
-        raise ConfigError(f"{where} is null (the embedded corpus, which is text) under data.format={fmt}: give a "
+        raise ConfigError(f"{nulls[0]} is null (the embedded corpus, which is text) under data.format={fmt}: give a "
                           f".jsonl file or directory of {fmt} records ({example} is one)"
                           + (", or format: text for that source" if d.sources else ""))
     if d.packing != "documents":

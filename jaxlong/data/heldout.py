@@ -54,10 +54,8 @@ def held_out_documents(source, tokenizer, fraction: float, seed: int, min_tokens
 
     n_docs = len(source)
     if n_docs < 2:
-        raise ValueError(
-            f"{corpus}: eval_fraction={fraction}: it has {n_docs} document(s); a held-out split needs at least 2 "
-            f"(use a corpus of several documents, or {options.none} {options.none_does})"
-        )
+        raise ValueError(f"{corpus}: eval_fraction={fraction}: it has {n_docs} document(s); a held-out split needs "
+                         f"at least 2 (use a corpus of several documents, or {options.none} {options.none_does})")
     order = np.random.default_rng([seed, 1]).permutation(n_docs)
     want, held, total = max(1, round(fraction * n_docs)), [], 0
     for i in order[: n_docs - 1]:
@@ -118,11 +116,10 @@ def validation_split(cfg, source, tokenizer, n_batches: int | None = None,
         if len(batches) == n_batches:
             return indices, batches
         if len(indices) >= len(source) - 1:
-            raise ValueError(
-                f"{corpus}: {options.batches.format(n_batches)}: its {len(source)} documents cannot fill {n_batches} "
-                f"validation batches of {eval_batch_size(cfg)} x seq_len={cfg.seq_len} tokens while keeping a document "
-                f"for training; lower {options.batches_name} or seq_len, use a larger corpus, or {options.none}"
-            )
+            raise ValueError(f"{corpus}: {options.batches.format(n_batches)}: its {len(source)} documents cannot "
+                             f"fill {n_batches} validation batches of {eval_batch_size(cfg)} x seq_len={cfg.seq_len} "
+                             f"tokens while keeping a document for training; lower {options.batches_name} or "
+                             f"seq_len, use a larger corpus, or {options.none}")
         need += need // 2
 
 

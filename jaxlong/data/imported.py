@@ -58,10 +58,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _hashes(directory: Path) -> dict[str, str]:
-    return {name: _sha256(directory / name) for name in FILES if (directory / name).is_file()}
-
-
 def check_copy(copy: Path, recorded: dict[str, str], where: str = "") -> None:
     """Refuse a run's copy (`RUN_DIR/imported/`) whose files differ from the sha256 `recorded` in the config saved
     with its checkpoint (`{}`: nothing recorded, a run from before copies were kept, nothing to check).
@@ -105,7 +101,7 @@ def keep_imported(cfg, run_dir: Path, *, recorded: dict[str, str] | None, write:
         if tokenizer_file.is_file() and _sha256(tokenizer_file) != _sha256(copy / "tokenizer.json"):
             say(f"note: {tokenizer_file} ({option}) differs from the run's copy {copy / 'tokenizer.json'}; the run "
                 f"keeps its copy (a new run_name takes the new tokenizer)")
-        return _hashes(copy)
+        return {name: _sha256(copy / name) for name in FILES if (copy / name).is_file()}
     if not tokenizer_file.is_file():
         raise ValueError(_gone(option, tokenizer_file, run_dir))
     files = {name: directory / name for name in FILES if (directory / name).is_file()}

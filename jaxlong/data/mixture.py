@@ -74,8 +74,9 @@ class MixedSource:
     def __post_init__(self):
         self.label = self.label or repr(self.name)
 
-    def keeps(self, n: int) -> bool:
-        return n >= self.min_tokens and (self.max_tokens is None or n <= self.max_tokens)
+    def keeps(self, n):
+        """Whether a document of `n` tokens (an int, or an array of them) passes the length rules."""
+        return (n >= self.min_tokens) & (n <= (np.inf if self.max_tokens is None else self.max_tokens))
 
     def rules(self) -> str:
         """Its length rules as options: `min_doc_tokens=A, max_doc_tokens=B` (those set)."""
@@ -150,8 +151,7 @@ def check_lengths(lengths: list[SourceLengths], sources: list[MixedSource], stre
       ValueError: one line naming the source (`label`), the rule, the lengths seen and what would work.
     """
     for ls, src in zip(lengths, sources):
-        under_max = ls.lengths <= (np.inf if src.max_tokens is None else src.max_tokens)
-        keep = (ls.lengths >= src.min_tokens) & under_max
+        keep, under_max = src.keeps(ls.lengths), ls.lengths <= (np.inf if src.max_tokens is None else src.max_tokens)
         # the largest min_doc_tokens that leaves every packing stream a document (known when all were measured)
         per_stream = [ls.lengths[s::streams][under_max[s::streams]] for s in range(streams)] if ls.complete else []
         best_min = int(min(x.max() for x in per_stream)) if per_stream and all(x.size for x in per_stream) else None
@@ -202,7 +202,7 @@ def repetition_warnings(lengths: list[SourceLengths], sources: list[MixedSource]
     total = sum(s.weight for s in sources)
     out = []
     for ls, src in zip(lengths, sources):
-        keep = (ls.lengths >= src.min_tokens) & (ls.lengths <= (np.inf if src.max_tokens is None else src.max_tokens))
+        keep = src.keeps(ls.lengths)
         if not ls.lengths.size or not keep.any():
             continue
         scale = ls.documents / ls.indices.size  # 1 when every document was measured
@@ -324,13 +324,10 @@ class _TokenShareMixIterator(grain.DatasetIterator):
         its pieces were taken, and the token counts: restoring draws the open documents again."""
         main = [m.get_state() for m in self._mains]
         extra = [None if e is None else e.get_state() for e in self._extras]
-        cursors = []
         for i, cur in enumerate(self._open):
-            if cur is None:
-                cursors.append(None)
-                continue
-            (main if cur["from"] == "main" else extra)[i] = cur["before"]
-            cursors.append({"from": cur["from"], "next": cur["next"]})
+            if cur is not None:
+                (main if cur["from"] == "main" else extra)[i] = cur["before"]
+        cursors = [None if cur is None else {"from": cur["from"], "next": cur["next"]} for cur in self._open]
         return {"main": main, "extra": extra, "open": cursors, "tokens": list(self._tokens),
                 "long": list(self._long), "upsampled": list(self._upsampled)}
 
@@ -350,5 +347,5 @@ class _TokenShareMixIterator(grain.DatasetIterator):
         for i, cur in enumerate(state.get("open", [None] * len(self._mains))):
             if cur is not None:  # draw the open document again (the counters already hold it)
                 before = self._stream(i, cur["from"]).get_state()
-                self._open[i] = {"from": cur["from"], "before": before, "pieces": self._split(self._pull(i, cur["from"])),
-                                 "next": int(cur["next"])}
+                self._open[i] = {"from": cur["from"], "before": before, "next": int(cur["next"]),
+                                 "pieces": self._split(self._pull(i, cur["from"]))}

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import partial, reduce
+from itertools import zip_longest
 from typing import Literal, get_args
 
 import grain
@@ -175,7 +177,7 @@ def _pair_features(doc: PairTokens) -> dict:
         firsts = [int(np.argmax(g["branch"] == b)) for b in (1, 2)]
     else:
         parts = [document_pairs(h.tokens, h.trained) for h in halves]
-        out = {k: np.concatenate([h[k] for h in parts]) for k in parts[0]}
+        out = _concat(parts)
         n = [h["inputs"].size for h in parts]
         out[PART_FEATURE] = np.repeat(np.array([1, 2], np.int32), n)
         firsts = [0, n[0]]
@@ -211,13 +213,9 @@ class SplitLongDocuments(FlatMapTransform):
         n, L = element["inputs"].size, self.seq_len
         if n <= L:
             return [element]
-        pieces = []
-        for start in range(0, n, L):
-            piece = {k: element[k][start:start + L] for k in element if k != "positions"}
-            m = piece["inputs"].size
-            piece["positions"] = np.arange(m, dtype=np.int32) + (start if self.continue_positions else 0)
-            pieces.append(piece)
-        return pieces
+        return [{**{k: v[s:s + L] for k, v in element.items() if k != "positions"},
+                 "positions": np.arange(s, min(s + L, n), dtype=np.int32) - (0 if self.continue_positions else s)}
+                for s in range(0, n, L)]
 
 
 def token_limit(source: DocumentSource, tokenizer: Tokenizer, max_tokens: int) -> tuple[int, int]:
@@ -326,9 +324,13 @@ def make_dataset(source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, 
 
     ds = ds.map_with_index(tokenize).filter(lambda d: d["inputs"].size > 0)
     per = global_batch // n
-    loss = is_chat(source)
-    streams = {s: _row_stream(ds[s::n], s, seq_len, options, _bins(n), loss, is_preference(source))
-               .batch(per, drop_remainder=True) for s in sorted({int(r) // per for r in rows})}
+
+    def stream(s: int) -> grain.IterDataset:  # stream s's documents shuffled, repeated and packed (stages 2-4)
+        docs = ds[s::n].shuffle(seed=options.seed + s) if options.shuffle else ds[s::n]
+        it = (docs.repeat() if options.repeat else docs).to_iter_dataset(read_options=options.read_options)
+        return _pack(it, s, seq_len, options, _bins(n), is_chat(source), is_preference(source))
+
+    streams = {s: stream(s).batch(per, drop_remainder=True) for s in sorted({int(r) // per for r in rows})}
     return ProcessBatches(streams, rows, per)
 
 
@@ -355,8 +357,7 @@ class ProcessBatches:
 
 def _add_counts(a, b) -> list[int]:
     """Two lists of per-source counts added, the shorter padded with zeros."""
-    n = max(len(a), len(b))
-    return [int(x) + int(y) for x, y in zip([*a, *[0] * (n - len(a))], [*b, *[0] * (n - len(b))])]
+    return [int(x) + int(y) for x, y in zip_longest(a, b, fillvalue=0)]
 
 
 class ProcessIterator:
@@ -396,10 +397,7 @@ class ProcessIterator:
     def source_tokens(self) -> list[int]:
         """Tokens of each source (by index) that this process's packing streams have fed since the stage began
         (carried over a resume by the data state); [] without a mixture."""
-        total: list[int] = []
-        for counts in self._tokens.values():
-            total = _add_counts(total, counts)
-        return total
+        return reduce(_add_counts, self._tokens.values(), [])
 
     def set_state(self, state: dict) -> None:
         """Continue from `state` (`get_state()` of this or another process's iterator, or `merge_states` of
@@ -437,16 +435,6 @@ def merge_states(states: list[dict]) -> dict:
 def _bins(streams: int) -> int:
     """First-fit packing bins per stream: fewer when many streams pack at once (bounded host memory)."""
     return PACKING_BINS if streams <= 16 else max(2, 256 // streams)
-
-
-def _row_stream(ds: grain.MapDataset, stream: int, seq_len: int, options: PipelineOptions, bins: int,
-                loss: bool = False, pairs: bool = False) -> grain.IterDataset:
-    """Packing stream `stream`'s documents shuffled (with `options.seed + stream`), repeated (unless
-    `options.repeat=False`) and packed into rows of `seq_len` (stages 2-4)."""
-    if options.shuffle:
-        ds = ds.shuffle(seed=options.seed + stream)
-    it = (ds.repeat() if options.repeat else ds).to_iter_dataset(read_options=options.read_options)
-    return _pack(it, stream, seq_len, options, bins, loss, pairs)
 
 
 def _pack(it: grain.IterDataset, stream: int, seq_len: int, options: PipelineOptions, bins: int,
@@ -489,9 +477,7 @@ def _mixed_batches(docs: list, mixed: list[MixedSource], tokenizer: Tokenizer, s
             warn(line)
 
     loss = any(map(is_chat, docs))
-
-    def tokenize(text):
-        return pairs_of(text, tokenizer, loss)
+    tokenize = partial(pairs_of, tokenizer=tokenizer, loss=loss)
 
     def documents(i: int, s: int, salt: int) -> grain.IterDataset:
         ds = grain.MapDataset.source(docs[i])[s::n]
@@ -621,12 +607,17 @@ def first_source(cfg, tokenizer: Tokenizer | None = None):
     """
     if not cfg.data.sources:
         return open_source(cfg, cfg.data.path, cfg.data.text_field, cfg.data.format, tokenizer)
-    src = cfg.data.sources[0]
+    return _open_listed(cfg, 0, tokenizer)
+
+
+def _open_listed(cfg, i: int, tokenizer: Tokenizer | None):
+    """`open_source` of `data.sources[i]`, its errors naming the source and its path."""
+    src = cfg.data.sources[i]
     try:
         return open_source(cfg, src.path, src.text_field or cfg.data.text_field, src.format or cfg.data.format,
                            tokenizer)
     except ValueError as e:
-        raise ValueError(f"{source_label(src, 0)}: {_reword(e)}") from None
+        raise ValueError(f"{source_label(src, i)}: {_reword(e)}") from None
 
 
 def mixture_sources(cfg, first=None, tokenizer: Tokenizer | None = None) -> list[tuple]:
@@ -638,18 +629,10 @@ def mixture_sources(cfg, first=None, tokenizer: Tokenizer | None = None) -> list
       ValueError: a source's corpus is missing, empty or unreadable (see `open_source`; the message names
         `data.sources[i]` and its path: `data.sources[1] (b.jsonl): ...`).
     """
-    out = []
-    for i, src in enumerate(cfg.data.sources):
-        try:
-            docs = first if i == 0 and first is not None else \
-                open_source(cfg, src.path, src.text_field or cfg.data.text_field, src.format or cfg.data.format,
-                            tokenizer)
-        except ValueError as e:
-            raise ValueError(f"{source_label(src, i)}: {_reword(e)}") from None
-        out.append((docs, MixedSource(source_name(src, i), src.weight, src.min_doc_tokens, src.max_doc_tokens,
-                                      src.long_doc_tokens or max(cfg.seq_len // 2, 1), src.upsample_long,
-                                      source_label(src, i))))
-    return out
+    return [(first if i == 0 and first is not None else _open_listed(cfg, i, tokenizer),
+             MixedSource(source_name(src, i), src.weight, src.min_doc_tokens, src.max_doc_tokens,
+                         src.long_doc_tokens or max(cfg.seq_len // 2, 1), src.upsample_long, source_label(src, i)))
+            for i, src in enumerate(cfg.data.sources)]
 
 
 def source_shares(source: np.ndarray, names: list[str]) -> dict[str, int]:

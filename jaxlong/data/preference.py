@@ -152,10 +152,7 @@ class PreferenceRecords(ChatRecords):
     """`ChatRecords` of preference records (`parse_pair`)."""
 
     formats = _FORMATS
-
-    @staticmethod
-    def _check(obj, where: str) -> dict:
-        return parse_pair(obj, where)
+    _check = staticmethod(parse_pair)
 
 
 class PreferenceSource:
@@ -188,7 +185,7 @@ class PreferenceSource:
     def __init__(self, path, tokenizer: Tokenizer, template: ChatTemplate | None, seq_len: int,
                  too_long: str = "refuse", option: str = "data.path", shared_prompt: bool = False):
         self.records = PreferenceRecords(path, option)
-        self.tokenizer, self.template, self.path, self.option = tokenizer, template, path, option
+        self.tokenizer, self.template, self.path = tokenizer, template, path
         self.shared_prompt = bool(shared_prompt)
         keep, lengths, halves, digest = [], [], [], hashlib.sha256()
         for i in range(len(self.records)):
@@ -199,8 +196,9 @@ class PreferenceSource:
             n = len(pair)
             if n > seq_len and too_long == "refuse":
                 raise ValueError(f"{option}: {self.records.where(i)}: the pair takes {n:,} positions (chosen and "
-                                 f"rejected, {'after one prompt' if shared_prompt else 'each with its prompt'}), more than seq_len={seq_len:,}; a pair is never "
-                                 f"cut: raise seq_len, or leave such ones out with data.too_long=drop")
+                                 f"rejected, {'after one prompt' if shared_prompt else 'each with its prompt'}), more "
+                                 f"than seq_len={seq_len:,}; a pair is never cut: raise seq_len, or leave such ones "
+                                 f"out with data.too_long=drop")
             if n <= seq_len:
                 keep.append(i)
                 lengths.append(n)

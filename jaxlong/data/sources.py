@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import importlib.util
+import itertools
 import json
 import os
 import sysconfig
@@ -151,7 +152,8 @@ def _is_string(t) -> bool:
 
     if pa.types.is_dictionary(t):
         t = t.value_type
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", lambda _: False)(t)
+    string_view = getattr(pa.types, "is_string_view", lambda _: False)
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or string_view(t)
 
 
 class ParquetDocuments:
@@ -288,9 +290,7 @@ class DocumentSource:
             nonempty = nonempty or len(part) > 0
         if not nonempty:
             raise ValueError(f"data.path={str(path)!r}: the corpus is empty (no documents); accepted: {_ACCEPTED}")
-        self.starts = [0]
-        for part in self.parts:
-            self.starts.append(self.starts[-1] + len(part))
+        self.starts = [0, *itertools.accumulate(map(len, self.parts))]
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -305,10 +305,9 @@ class DocumentSource:
         ref = self.parts[k][index - self.starts[k]]
         if not isinstance(ref, DocRef):
             return ref
-        if ref.offset < 0:
-            with open(ref.path, "rb") as f:
-                return f.read().decode("utf-8", errors="replace")
         with open(ref.path, "rb") as f:
+            if ref.offset < 0:
+                return f.read().decode("utf-8", errors="replace")
             f.seek(ref.offset)
             line = f.readline().decode("utf-8", errors="replace")
         return _jsonl_text(ref.path, ref.lineno, line, self.text_field)

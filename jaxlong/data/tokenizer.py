@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "TOKENIZERS", "stop_ids"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "TOKENIZERS", "stop_ids", "special_tokens"]
 
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>")
 _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|im_end|>")
@@ -33,7 +33,7 @@ class Tokenizer(Protocol):
       name: `data.tokenizer` as given (part of cache keys and messages).
       vocab_size: number of ids; every id is in `[0, vocab_size)`.
       bos_id: id put before every document, or None.
-      eos_id: id put after every document (also `eod_id`).
+      eos_id: id put after every document.
     """
 
     name: str
@@ -61,7 +61,6 @@ class ByteTokenizer:
     vocab_size = 257
     eos_id = 256
     bos_id = 256
-    eod_id = 256
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
@@ -88,8 +87,9 @@ def _token_content(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _special_from_files(directory: Path) -> dict[str, str]:
-    """`bos_token` / `eos_token` strings from tokenizer_config.json or special_tokens_map.json."""
+def special_tokens(directory: Path, keys=("bos_token", "eos_token")) -> dict[str, str]:
+    """The special tokens `keys` named in a tokenizer directory's tokenizer_config.json, else in its
+    special_tokens_map.json (ValueError: one of them is not JSON)."""
     found: dict[str, str] = {}
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         f = directory / name
@@ -99,7 +99,7 @@ def _special_from_files(directory: Path) -> dict[str, str]:
             cfg = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"data.tokenizer: {f} cannot be read as JSON ({e})") from e
-        for key in ("bos_token", "eos_token"):
+        for key in keys:
             content = _token_content(cfg.get(key))
             if content is not None:
                 found.setdefault(key, content)
@@ -137,7 +137,7 @@ class HFTokenizer:
         except Exception as e:  # noqa: BLE001 (the library raises a bare Exception on bad files)
             raise ValueError(f"{where} cannot be read as a Hugging Face tokenizer.json ({e})") from e
         self.name = str(path)
-        special = _special_from_files(p.parent)
+        special = special_tokens(p.parent)
         self.bos_id = self._find(special.get("bos_token"), _BOS_NAMES, p)
         self.eos_id = self._find(special.get("eos_token"), (), p)
         if self.eos_id is None:
@@ -147,7 +147,6 @@ class HFTokenizer:
         if self.eos_id is None:
             raise ValueError(f"{where} has no EOS token: add 'eos_token' to "
                              f"{p.parent / 'tokenizer_config.json'} (or one of {list(_EOS_NAMES)} to the tokenizer)")
-        self.eod_id = self.eos_id
         self.vocab_size = max(int(self._tok.get_vocab_size(with_added_tokens=True)), self.eos_id + 1)
 
     def _find(self, named: str | None, usual: tuple[str, ...], path: Path) -> int | None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 from pathlib import Path
 from typing import Callable
 
@@ -110,10 +111,7 @@ def parse_gate(raw, cfg: Config) -> Gate:
     unknown = [k for k in raw if k not in OPTIONS]
     if unknown:
         raise ConfigError(f"gate: unknown key(s) {', '.join(map(str, unknown))}; the keys are {', '.join(OPTIONS)}")
-    try:
-        gate = Gate(**raw)
-    except TypeError as e:
-        raise ConfigError(f"gate: {e}") from None
+    gate = Gate(**raw)  # every key is a field (OPTIONS)
     if gate.ruler_scoring not in ruler.SCORINGS:
         raise ConfigError(f"gate.ruler_scoring={gate.ruler_scoring!r}; choose generate (RULER's: greedy generation, "
                           f"string_match_all) or forced (teacher-forced exact match, a cheap proxy)")
@@ -220,21 +218,20 @@ def check_prompt(gate: Gate, cfg: Config) -> None:
     n = min(gate.ruler_lengths or [1 << 30])
     if gate.ruler and n <= 1 << 16:
         corpus = ruler.corpus_tokens([FILLER * (2 * n // len(FILLER) + 1)], tokenizer, 2 * n)
-        problems = []
+        problems, cases = [], ruler.generation_cases if gate.ruler_scoring == "generate" else ruler.make_cases
         for task in gate.ruler_tasks:
             try:
-                if gate.ruler_scoring == "generate":
-                    ruler.generation_cases(task, tokenizer, n, 1, seed=cfg.seed, corpus=corpus)
-                else:
-                    ruler.make_cases(task, tokenizer, n, 1, seed=cfg.seed, corpus=corpus)
+                cases(task, tokenizer, n, 1, seed=cfg.seed, corpus=corpus)
             except ValueError as e:
                 problems.append(str(e))
         if problems:
             raise ConfigError(f"gate.ruler_lengths {n}: {'; '.join(problems)}")
 
 
-def eval_options(gate: Gate, step: int) -> EvalOptions:
-    """The evaluation's options of `gate` on checkpoint `step` (`python -m jaxlong.eval`'s flags, `eval_argv`)."""
+def evaluate_gate(gate: Gate, run_dir: Path, step: int) -> tuple[dict, str]:
+    """The evaluation of `gate` on checkpoint `step` of `run_dir`, in this process (every process of the run):
+    `python -m jaxlong.eval`'s (`jaxlong.evaluation.checkpoint.evaluate_checkpoint`, with the options `eval_argv`
+    gives as flags). Returns its summary and results directory."""
     options = EvalOptions(step=step, batches=gate.batches, passkey=gate.passkey, ruler=gate.ruler)
     if gate.passkey:
         options.lengths = ",".join(map(str, gate.passkey_lengths))
@@ -242,14 +239,7 @@ def eval_options(gate: Gate, step: int) -> EvalOptions:
     if gate.ruler:
         options.ruler_tasks, options.ruler_lengths = ",".join(gate.ruler_tasks), ",".join(map(str, gate.ruler_lengths))
         options.ruler_cases, options.ruler_scoring = gate.ruler_cases, gate.ruler_scoring
-    return options
-
-
-def evaluate_gate(gate: Gate, run_dir: Path, step: int) -> tuple[dict, str]:
-    """The evaluation of `gate` on checkpoint `step` of `run_dir`, in this process (every process of the run):
-    `python -m jaxlong.eval`'s (`jaxlong.evaluation.checkpoint.evaluate_checkpoint`). Returns its summary and
-    results directory."""
-    return evaluate_checkpoint(run_dir, eval_options(gate, step))
+    return evaluate_checkpoint(run_dir, options)
 
 
 def eval_argv(gate: Gate, run_dir: Path, step: int) -> list[str]:
@@ -297,23 +287,16 @@ def decide(gate: Gate, metrics: dict[str, float]) -> list[str]:
     """The thresholds `metrics` miss, each as `metric = value (needs >= min)` or `(needs <= max)`; [] when the
     gate passes. A metric the evaluation could not produce (e.g. a RULER task too long for the length) misses."""
     missed = []
-    for metric, bound in gate.min.items():
-        value = metrics.get(metric)
-        if value is None or not value >= bound:
-            missed.append(f"{metric} = {_fmt(value)} (needs >= {bound:g})")
-    for metric, bound in gate.max.items():
-        value = metrics.get(metric)
-        if value is None or not value <= bound:
-            missed.append(f"{metric} = {_fmt(value)} (needs <= {bound:g})")
+    for table, sign, meets in ((gate.min, ">=", operator.ge), (gate.max, "<=", operator.le)):
+        for metric, bound in table.items():
+            value = metrics.get(metric)
+            if value is None or not meets(value, bound):
+                missed.append(f"{metric} = {_fmt(value)} (needs {sign} {bound:g})")
     return missed
 
 
 def _fmt(value) -> str:
     return "not measured" if value is None else f"{value:.4g}"
-
-
-def record_path(run_dir: Path, stage: int) -> Path:
-    return run_dir / "gates" / f"stage{stage}.json"
 
 
 Evaluate = Callable[[Gate, Path, int], tuple[dict, str]]  # (gate, run dir, step) -> (summary, results directory)
@@ -336,7 +319,7 @@ def run_gate(gate: Gate, stage: int, name: str, step: int, run_dir: Path, *, nex
         its value, where the results are, how to go on). With `warn` the same line is printed and the recipe
         goes on.
     """
-    path = record_path(run_dir, stage)
+    path = run_dir / "gates" / f"stage{stage}.json"
     record = json.loads(path.read_text()) if path.exists() else None
     scoring = gate.ruler_scoring if gate.ruler else None
     if (record is None or record.get("step") != step or any(m not in record["metrics"] for m in gate.metrics)

@@ -16,16 +16,16 @@ remat and tiling. `expand` turns the recipe into one ordinary, validated `Config
 compiles (every stage's errors at once): the base config, then the stage's keys, then the command line's
 overrides, with `steps` = the stage's last global step, `optim.schedule_start` = its first, `stage` = its index.
 
-`run_recipe` runs each stage as `train` runs one config (the trainer with the validation hooks): the first from
-the base weights
-(or `model.from_hf`), each next one from the checkpoint the previous stage ended with, its parameters and
-optimizer state, on its own mesh and compiled step, with its own data from the start (shuffled with another
+`run_recipe` runs each stage as `train` runs one config (the trainer with the validation hooks): the first from the
+base weights (or `model.from_hf`), each next one from the checkpoint the previous stage ended with, its parameters
+and optimizer state, on its own mesh and compiled step, with its own data from the start (shuffled with another
 seed: `jaxlong.data.pipeline.STAGE_SEED`). The global step runs on across stages; TensorBoard shows one run with
-`seq_len` and `stage` as scalars. Checkpoints record their stage (the config saved with them), so `--resume`
-after a kill anywhere continues the stage the latest checkpoint belongs to: mid-stage with its data state, at
-a boundary with the next stage. A stage may end with a gate (`jaxlong.recipes.gates`): an evaluation of its
-last checkpoint with thresholds, which stops the recipe (`GateFailed`) or warns when one is missed. Running a stage is exactly `python -m jaxlong.train --resume-with-changes` with
-that stage's config: a recipe is the chain of runs a user would otherwise type by hand.
+`seq_len` and `stage` as scalars. Checkpoints record their stage (the config saved with them), so `--resume` after a
+kill anywhere continues the stage the latest checkpoint belongs to: mid-stage with its data state, at a boundary
+with the next stage. A stage may end with a gate (`jaxlong.recipes.gates`): an evaluation of its last checkpoint
+with thresholds, which stops the recipe (`GateFailed`) or warns when one is missed. Running a stage is exactly
+`python -m jaxlong.train --resume-with-changes` with that stage's config: a recipe is the chain of runs a user would
+otherwise type by hand.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
-
 
 from jaxlong import data as data_lib
 from jaxlong.config import Config, ConfigError, apply_setting, changed_keys, parse_override, validate
@@ -114,9 +113,8 @@ def expand(cfg: Config, overrides=()) -> list[Stage]:
             gate = gate_lib.parse_gate(raw["gate"], out) if raw.get("gate") is not None else None
         except ConfigError as e:
             errors.append(_in_stage(e, i, at))
-            start += steps
-            continue
-        stages.append(Stage(i, name, start, start + steps, out, gate))
+        else:
+            stages.append(Stage(i, name, start, start + steps, out, gate))
         start += steps
     if len(errors) == 1:
         raise errors[0]
@@ -155,10 +153,7 @@ def check_sources(stages: list[Stage]) -> None:
             continue
         seen.add(key)
         try:
-            if d.sources:
-                data_lib.mixture_sources(s.cfg)
-            else:
-                data_lib.first_source(s.cfg)
+            (data_lib.mixture_sources if d.sources else data_lib.first_source)(s.cfg)
         except ValueError as e:
             raise ValueError(f"stage {s.index} ({s.name}): {e}") from None
     for s in stages:
