@@ -149,6 +149,15 @@ def case_depths(n: int) -> list[float]:
     return [0.5] if n == 1 else [i / (n - 1) for i in range(n)]
 
 
+def as_task(task: Task | str) -> Task:
+    """`task`, or the `Task` of that name in `TASKS` (ValueError for a name not in it)."""
+    if isinstance(task, str):
+        if task not in TASKS:
+            raise ValueError(f"ruler task {task!r} is unknown; give one of {sorted(TASKS)}")
+        return TASKS[task]
+    return task
+
+
 def make_cases(task: Task | str, tokenizer, length: int, n: int, *, seed: int = 0,
                corpus: np.ndarray | None = None) -> list[RulerCase]:
     """`n` cases of `task` at exactly `length` tokens (see the module docstring).
@@ -162,10 +171,7 @@ def make_cases(task: Task | str, tokenizer, length: int, n: int, *, seed: int = 
       ValueError: an unknown task or field value, a length too short for the task's fixed parts (the message
         gives the least length), a value kind the tokenizer cannot spell, a corpus haystack without `corpus`.
     """
-    if isinstance(task, str):
-        if task not in TASKS:
-            raise ValueError(f"ruler task {task!r} is unknown; give one of {sorted(TASKS)}")
-        task = TASKS[task]
+    task = as_task(task)
     if task.family not in ("niah", "vt", "cwe", "fwe"):
         raise ValueError(f"ruler task {task.name}: family={task.family!r}; give 'niah', 'vt', 'cwe' or 'fwe'")
     if task.family == "niah" and task.haystack not in ("filler", "corpus", "needles"):
