@@ -3,12 +3,10 @@
 
 `resolve` reads a run directory's checkpoint and the config it was trained with (overrides applied) and checks the
 evaluation's options (`EvalOptions`, the command's flags) before jax starts. `evaluate` then restores the
-parameters alone on that mesh (`jaxlong.training.checkpoint.restore_params`: no optimizer state is read) and
-measures: validation loss and perplexity on the held-out documents (the trainer's split), loss by position, passkey
-retrieval on a depth x length grid, the objective's own held-out metrics (DPO's), and with `ruler` RULER's tasks
-scored by greedy generation or teacher-forced. Results go to `RUN_DIR/eval/<setup>/step_N/` and TensorBoard
-(`jaxlong.evaluation.report`): each evaluation setup has its own directory, named by its mesh and a hash of what
-else differs from the run's config and the options' defaults (`evaluation_setup`).
+parameters alone on that mesh (no optimizer state is read), measures validation loss, loss by position, passkey
+retrieval, the objective's own held-out metrics (DPO's) and with `ruler` RULER's tasks (`python -m jaxlong.eval`
+lists them), and writes the results (`jaxlong.evaluation.report`) under `RUN_DIR/eval/<setup>/step_N/`, one
+directory per evaluation setup (`evaluation_setup`).
 """
 
 from __future__ import annotations
@@ -400,8 +398,8 @@ def evaluation_setup(cfg, run_dir: Path, step: int, mesh_shape: dict, args: Eval
 
     `name` is `mesh_<data>x<fsdp>x<ring>x<context>`, followed by `-<8 hex digits>` (a hash of the config apart from
     the mesh, and of those flags) when the config differs from the checkpoint's in keys other than `mesh.*`,
-    `model.from_hf` (where the tokenizer files are) and `imported`, or a flag is not at its default: the same setup has the same
-    name, another setup another name.
+    `model.from_hf` (where the tokenizer files are) and `imported`, or a flag is not at its default: the same setup
+    has the same name, another setup another name.
     """
     saved = from_dict(saved_config(run_dir / "checkpoints", step))
     # model.from_hf only says where the tokenizer files are (the weights are the checkpoint's): not a setup

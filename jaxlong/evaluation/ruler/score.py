@@ -81,10 +81,11 @@ def nearby_lengths(cfg: Config, length: int, tries: int = 256, least: int = 0) -
 
 def generation_bytes(cfg: Config, length: int, cases: int, tasks: int, cpu: bool = True) -> int:
     """The host arrays (bytes) that generating and scoring `cases` cases of each of `tasks` tasks at `length` tokens
-    need, a lower bound checked before jax starts (the estimate of the forwards themselves, compiled, is
-    `jaxlong.evaluation.hostmem.check_lengths`, run by the eval command once the mesh exists): the cases' int32 tokens and targets (8 bytes a token), the corpus haystack (twice the
-    length, `suite_corpus`, int32) and, with `cpu` (the run's devices are the CPU's, sharing host memory), one eval
-    batch's hidden states at `compute_dtype` (`eval_batch_size` x length x model.hidden)."""
+    need, a lower bound checked before jax starts (the forwards themselves are estimated, compiled, by
+    `jaxlong.evaluation.hostmem.check_lengths` once the mesh exists): the cases' int32 tokens and targets (8 bytes
+    a token), the corpus haystack (twice the length, `suite_corpus`, int32) and, with `cpu` (the run's devices are
+    the CPU's, sharing host memory), one eval batch's hidden states at `compute_dtype` (`eval_batch_size` x length
+    x model.hidden)."""
     need = 8 * length * cases * tasks + 4 * 2 * length
     if cpu:
         item = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.compute_dtype]
