@@ -160,10 +160,9 @@ def check_lengths(cfg, mesh, lengths, *, rows: int | Callable[[int], int], max_n
                   cases: int = 0, option: str = "--ruler-lengths", limit: int | None = None) -> dict:
     """Refuse, in one line naming every length, the lengths whose forward (`prefill_estimate` with `max_new`,
     else `stats_estimate`) would not fit this host's memory (`host_limit`, or `limit`) with a margin for the
-    estimate's error (`ESTIMATE_ERROR`: the estimate times 1.15 must fit; measured peaks were 0.93-1.10 times the
-    estimate); a no-op when no device of `mesh` is this host's CPU. A length below `LONG` tokens whose XLA:CPU
-    loop term is under a tenth of the limit is not compiled for (its programs are small). Returns {length:
-    HostBytes} of the lengths estimated.
+    estimate's error (`ESTIMATE_ERROR`: the estimate times 1.15 must fit); a no-op when no device of `mesh` is this
+    host's CPU. A length below `LONG` tokens whose XLA:CPU loop term is under a tenth of the limit is not compiled
+    for (its programs are small). Returns {length: HostBytes} of the lengths estimated.
 
     Args:
       rows: prompts per forward, or a function of the length giving them (generation's `rows_per_batch`).
