@@ -69,14 +69,14 @@ def check_length(cfg: Config, length: int, option: str = "ruler length") -> None
                           value=length)
 
 
-def nearby_lengths(cfg: Config, length: int, tries: int = 256, least: int = 0) -> list[int]:
+def nearby_lengths(cfg: Config, length: int, least: int = 0) -> list[int]:
     """The nearest sequence lengths below and above `length` that the run's mesh takes (`check_length`) and that
     are at least `least` tokens: at most one each, searched over multiples of the mesh's sequence split
-    (`mesh.context`, times `2 * mesh.ring` under ring attention), `tries` of them each way
+    (`mesh.context`, times `2 * mesh.ring` under ring attention), 256 of them each way
     (`jaxlong.core.suggest.nearest`)."""
     unit = max(cfg.mesh.context, 1) * (2 * cfg.mesh.ring if cfg.mesh.ring > 1 else 1)
     return nearest(lambda n: n >= least and refusal(forward_at(cfg, n)) is None, length, step=unit, lo=unit,
-                   tries=tries)
+                   tries=256)
 
 
 def generation_bytes(cfg: Config, length: int, cases: int, tasks: int, cpu: bool = True) -> int:
