@@ -1,5 +1,4 @@
-"""Validation during training, as hooks of the trainer (`jaxlong.training.hooks`): the held-out loss every
-`eval_every` steps and after the last, and with `ruler_tasks` RULER's scores (`eval/ruler_<scoring>/...`).
+"""Validation during training, as a hook of the trainer (`jaxlong.training.hooks`; what it logs: `validation_hooks`).
 
 The trainer holds the documents out and makes their batches (`RunContext.validation_batches`); the hook compiles
 the objective's eval step when the run starts (its memory printed before step 1) and generates RULER's cases then,
