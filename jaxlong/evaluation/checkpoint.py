@@ -109,9 +109,9 @@ def chat_template(cfg: Config, run_dir: Path, args: EvalOptions):
     return template
 
 
-def _positive(flag: str, value: int | None, default: int, what: str) -> None:
+def _positive(flag: str, value: int | None, default: int) -> None:
     if value is not None and value <= 0:
-        raise ConfigError(f"{flag}={value} must be positive; use {flag} {default} ({what})", key=flag, value=value,
+        raise ConfigError(f"{flag}={value} must be positive; use {flag} {default} (the default)", key=flag, value=value,
                           suggestions=({flag: default},))
 
 
@@ -136,8 +136,8 @@ def check_flags(cfg, args: EvalOptions) -> None:
         raise ConfigError(f"--batches={args.batches} must be >= 0; use --batches {cfg.eval_batches} (the run's "
                           f"eval_batches), or --batches 0 for no validation loss", key="--batches", value=args.batches,
                           suggestions=({"--batches": cfg.eval_batches}, {"--batches": 0}))
-    _positive("--per-cell", args.per_cell, 4, "the default")
-    _positive("--digits", args.digits, 5, "the default")
+    _positive("--per-cell", args.per_cell, 4)
+    _positive("--digits", args.digits, 5)
     defaults = _lengths_taken(cfg, 64)
     lengths = _counts("--lengths", args.lengths, defaults)
     if args.passkey and not lengths:  # the default: S/8, S/4, S/2, S, those the mesh takes
@@ -169,7 +169,7 @@ def resolve_ruler(cfg, args) -> None:
     if unknown:
         raise ConfigError(f"--ruler-tasks {args.ruler_tasks}: unknown task(s) {', '.join(unknown)}; choose from "
                           f"{', '.join(ruler.TASKS)}")
-    _positive("--ruler-cases", args.ruler_cases, 8, "the default")
+    _positive("--ruler-cases", args.ruler_cases, 8)
     defaults = _lengths_taken(cfg, 1)
     lengths = _counts("--ruler-lengths", args.ruler_lengths, defaults)
     option = "--ruler-lengths"
@@ -222,8 +222,8 @@ def _check_host_memory(cfg: Config, mesh, args: EvalOptions, say) -> None:
     """The host memory RULER's forwards need, where the devices are this host's CPU (compiled, AOT): refused when
     it does not fit, said when it does."""
     generate = args.ruler_scoring == "generate"
-    estimates = hostmem.check_lengths(cfg, mesh, args.ruler_lengths_list,
-                                      rows=(lambda n: ruler.rows_per_batch(cfg, n)) if generate else eval_batch_size(cfg),
+    rows = (lambda n: ruler.rows_per_batch(cfg, n)) if generate else eval_batch_size(cfg)
+    estimates = hostmem.check_lengths(cfg, mesh, args.ruler_lengths_list, rows=rows,
                                       max_new=max(ruler.TOKENS_TO_GENERATE.values()) if generate else None,
                                       cases=args.ruler_cases * len(args.ruler_tasks_list))
     for n, est in estimates.items():  # the long lengths, compiled for: what the guard passed, and why
