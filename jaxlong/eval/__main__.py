@@ -41,9 +41,9 @@ import sys
 
 from jaxlong.core import distributed, liveness
 from jaxlong.core.errors import ArgumentParser, fail
-from jaxlong.evaluation.checkpoint import EvalOptions, check_passkey_length, evaluate, resolve
+from jaxlong.evaluation.checkpoint import EvalOptions, evaluate, resolve
 
-__all__ = ["parse_args", "options", "main", "check_passkey_length"]
+__all__ = ["parse_args", "options", "main"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

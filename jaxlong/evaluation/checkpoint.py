@@ -3,12 +3,10 @@
 
 `resolve` reads a run directory's checkpoint and the config it was trained with (overrides applied) and checks the
 evaluation's options (`EvalOptions`, the command's flags) before jax starts. `evaluate` then restores the
-parameters alone on that mesh (`jaxlong.training.checkpoint.restore_params`: no optimizer state is read) and
-measures: validation loss and perplexity on the held-out documents (the trainer's split), loss by position, passkey
-retrieval on a depth x length grid, the objective's own held-out metrics (DPO's), and with `ruler` RULER's tasks
-scored by greedy generation or teacher-forced. Results go to `RUN_DIR/eval/<setup>/step_N/` and TensorBoard
-(`jaxlong.evaluation.report`): each evaluation setup has its own directory, named by its mesh and a hash of what
-else differs from the run's config and the options' defaults (`evaluation_setup`).
+parameters alone on that mesh (no optimizer state is read), measures validation loss, loss by position, passkey
+retrieval, the objective's own held-out metrics (DPO's) and with `ruler` RULER's tasks (`python -m jaxlong.eval`
+lists them), and writes the results (`jaxlong.evaluation.report`) under `RUN_DIR/eval/<setup>/step_N/`, one
+directory per evaluation setup (`evaluation_setup`).
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ from tqdm import tqdm
 from jaxlong import data as data_lib
 from jaxlong.config import (Config, ConfigError, forward_at, from_dict, objective_of, refusal, run_mesh, runtime,
                             to_dict)
-from jaxlong.core.distributed import say as say_main
+from jaxlong.core.distributed import say
 from jaxlong.core.memstats import format_compiled
-from jaxlong.core.suggest import nearest
 from jaxlong.core.units import fmt_bytes
 from jaxlong.data.chat import run_template
 from jaxlong.data.heldout import EVALUATION, corpus_label, eval_batch_size, held_out_documents, validation_split
@@ -112,9 +109,9 @@ def chat_template(cfg: Config, run_dir: Path, args: EvalOptions):
     return template
 
 
-def _positive(flag: str, value: int | None, default: int, what: str) -> None:
+def _positive(flag: str, value: int | None, default: int) -> None:
     if value is not None and value <= 0:
-        raise ConfigError(f"{flag}={value} must be positive; use {flag} {default} ({what})", key=flag, value=value,
+        raise ConfigError(f"{flag}={value} must be positive; use {flag} {default} (the default)", key=flag, value=value,
                           suggestions=({flag: default},))
 
 
@@ -139,12 +136,12 @@ def check_flags(cfg, args: EvalOptions) -> None:
         raise ConfigError(f"--batches={args.batches} must be >= 0; use --batches {cfg.eval_batches} (the run's "
                           f"eval_batches), or --batches 0 for no validation loss", key="--batches", value=args.batches,
                           suggestions=({"--batches": cfg.eval_batches}, {"--batches": 0}))
-    _positive("--per-cell", args.per_cell, 4, "the default")
-    _positive("--digits", args.digits, 5, "the default")
-    defaults = [n for n in (cfg.seq_len // 8, cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len) if _takes(cfg, n)]
-    lengths = _counts("--lengths", args.lengths, defaults or [cfg.seq_len])
+    _positive("--per-cell", args.per_cell, 4)
+    _positive("--digits", args.digits, 5)
+    defaults = _lengths_taken(cfg, 64)
+    lengths = _counts("--lengths", args.lengths, defaults)
     if args.passkey and not lengths:  # the default: S/8, S/4, S/2, S, those the mesh takes
-        lengths = defaults or [cfg.seq_len]
+        lengths = defaults
     for n in lengths if args.passkey else ():
         check_passkey_length(cfg, n)
     depths = [float(x) for x in args.depths.split(",")]
@@ -172,9 +169,8 @@ def resolve_ruler(cfg, args) -> None:
     if unknown:
         raise ConfigError(f"--ruler-tasks {args.ruler_tasks}: unknown task(s) {', '.join(unknown)}; choose from "
                           f"{', '.join(ruler.TASKS)}")
-    _positive("--ruler-cases", args.ruler_cases, 8, "the default")
-    defaults = [n for n in (cfg.seq_len // 8, cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len)
-                if n > 0 and _ruler_takes(cfg, n)] or [cfg.seq_len]
+    _positive("--ruler-cases", args.ruler_cases, 8)
+    defaults = _lengths_taken(cfg, 1)
     lengths = _counts("--ruler-lengths", args.ruler_lengths, defaults)
     option = "--ruler-lengths"
     if not lengths:
@@ -184,12 +180,10 @@ def resolve_ruler(cfg, args) -> None:
     args.ruler_lengths_list = sorted(set(lengths))
 
 
-def _ruler_takes(cfg, length: int) -> bool:
-    try:
-        ruler.check_length(cfg, length)
-    except ConfigError:
-        return False
-    return True
+def _lengths_taken(cfg, least: int) -> list[int]:
+    """S/8, S/4, S/2, S: those of at least `least` tokens that the mesh takes, or [S] when none is."""
+    return [n for n in (cfg.seq_len // 8, cfg.seq_len // 4, cfg.seq_len // 2, cfg.seq_len)
+            if n >= least and refusal(forward_at(cfg, n)) is None] or [cfg.seq_len]
 
 
 def check_passkey_length(cfg, length: int) -> None:
@@ -201,27 +195,16 @@ def check_passkey_length(cfg, length: int) -> None:
       ConfigError: naming `--lengths`, the length, the rule it breaks and the nearest lengths that pass
         (`suggestions`, `{"--lengths": n}`: a length to put in its place).
     """
-    why = _passkey_refusal(cfg, length)
-    if why is None:
+    if length < 64:
+        why = "a passkey length must be >= 64 tokens (the needle and question)"
+    elif (rule := refusal(forward_at(cfg, length))) is not None:  # the loss tile is chosen per length
+        why = f"not a sequence length this mesh takes ({rule})"
+    else:
         return
-    unit = max(cfg.mesh.context, 1) * (2 * cfg.mesh.ring if cfg.mesh.ring > 1 else 1)
-    near = nearest(lambda n: _takes(cfg, n), length, step=unit, lo=unit, tries=256)
+    near = ruler.nearby_lengths(cfg, length, least=64)
     raise ConfigError(f"--lengths {length}: {why}" + (f"; nearby lengths it takes: {' or '.join(map(str, near))}"
                                                       if near else ""),
                       key="--lengths", value=length, suggestions=tuple({"--lengths": n} for n in near))
-
-
-def _passkey_refusal(cfg, length: int) -> str | None:
-    """Why `length` cannot be a passkey length of this run, or None."""
-    if length < 64:
-        return "a passkey length must be >= 64 tokens (the needle and question)"
-    # the loss tile is chosen per length by the stats step; every other sequence rule applies
-    rule = refusal(forward_at(cfg, length))
-    return None if rule is None else f"not a sequence length this mesh takes ({rule})"
-
-
-def _takes(cfg, length: int) -> bool:
-    return _passkey_refusal(cfg, length) is None
 
 
 def _held_out(cfg: Config, source, tokenizer, args: EvalOptions) -> tuple[list[int], list[dict]]:
@@ -239,8 +222,8 @@ def _check_host_memory(cfg: Config, mesh, args: EvalOptions, say) -> None:
     """The host memory RULER's forwards need, where the devices are this host's CPU (compiled, AOT): refused when
     it does not fit, said when it does."""
     generate = args.ruler_scoring == "generate"
-    estimates = hostmem.check_lengths(cfg, mesh, args.ruler_lengths_list,
-                                      rows=(lambda n: ruler.rows_per_batch(cfg, n)) if generate else eval_batch_size(cfg),
+    rows = (lambda n: ruler.rows_per_batch(cfg, n)) if generate else eval_batch_size(cfg)
+    estimates = hostmem.check_lengths(cfg, mesh, args.ruler_lengths_list, rows=rows,
                                       max_new=max(ruler.TOKENS_TO_GENERATE.values()) if generate else None,
                                       cases=args.ruler_cases * len(args.ruler_tasks_list))
     for n, est in estimates.items():  # the long lengths, compiled for: what the guard passed, and why
@@ -260,7 +243,6 @@ def evaluate(cfg: Config, run_dir: Path, step: int, args: EvalOptions) -> dict:
     """
     mesh = run_mesh(cfg)
     main = jax.process_index() == 0  # process 0 prints and writes; every process computes
-    say = say_main
     tokenizer = data_lib.run_tokenizer(cfg, run_dir)  # the trainer's: the run's copy, then model.from_hf
     lengths = passkey_lengths(cfg, args, tokenizer) if args.passkey else []
     source = data_lib.first_source(cfg, tokenizer)  # data.path, or the first of data.sources
@@ -416,8 +398,8 @@ def evaluation_setup(cfg, run_dir: Path, step: int, mesh_shape: dict, args: Eval
 
     `name` is `mesh_<data>x<fsdp>x<ring>x<context>`, followed by `-<8 hex digits>` (a hash of the config apart from
     the mesh, and of those flags) when the config differs from the checkpoint's in keys other than `mesh.*`,
-    `model.from_hf` (where the tokenizer files are) and `imported`, or a flag is not at its default: the same setup has the same
-    name, another setup another name.
+    `model.from_hf` (where the tokenizer files are) and `imported`, or a flag is not at its default: the same setup
+    has the same name, another setup another name.
     """
     saved = from_dict(saved_config(run_dir / "checkpoints", step))
     # model.from_hf only says where the tokenizer files are (the weights are the checkpoint's): not a setup

@@ -86,25 +86,16 @@ class HostBytes:
         return self.base + self.devices * self.per_device + self.loop + self.host
 
 
-def program_bytes(compiled, resident_args: bool = False) -> int:
-    """Bytes one device adds while `compiled` runs: temporaries and outputs not aliased to inputs, plus its
-    arguments unless they are already resident (`resident_args`: a decode step's cache)."""
-    ma = compiled.memory_analysis()
-    args = 0 if resident_args else ma.argument_size_in_bytes
-    return args + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
-
-
-def estimate(cfg, mesh, compiled, length: int, *, host_arrays: int = 0, attention: bool = True,
-             resident_args: bool = False, base: int | None = None, steps: int | None = None,
+def estimate(cfg, mesh, compiled, length: int, *, host_arrays: int = 0, steps: int | None = None,
              step_bytes: int = KV_STEP_BYTES) -> HostBytes:
-    """The expected peak RSS of running `compiled` (a forward over `length` tokens on `mesh`; `attention` False for
-    a decode step, whose attention has no kv loop; `steps` its kv loop's iterations per device and layer, default
-    `kv_steps`, each holding `step_bytes`)."""
+    """The expected peak RSS of running `compiled` (a forward over `length` tokens on `mesh`; `steps` its kv loop's
+    iterations per device and layer, default `kv_steps`, each holding `step_bytes`)."""
     d = host_devices(mesh)
     steps = kv_steps(cfg, length) if steps is None else steps
-    loop = step_bytes * cfg.model.layers * d * steps if attention and d > 1 else 0
-    return HostBytes(program_bytes(compiled, resident_args), d, loop, host_arrays,
-                     rss_bytes() if base is None else base, steps)
+    ma = compiled.memory_analysis()
+    per_device = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    loop = step_bytes * cfg.model.layers * d * steps if d > 1 else 0
+    return HostBytes(per_device, d, loop, host_arrays, rss_bytes(), steps)
 
 
 def loop_term(cfg, mesh, length: int, generation: bool) -> tuple[int, int]:
@@ -144,8 +135,8 @@ def host_limit() -> int:
 def prefill_estimate(cfg, mesh, length: int, rows: int, max_new: int) -> tuple[HostBytes, object]:
     """`estimate` of generation's prefill (`jaxlong.generation.decode.make_prefill`) of `rows` prompts padded to
     `length` tokens with room for `max_new` new ones, compiled ahead of time; returns it with the compiled program.
-    Its outputs are the KV cache, which stays resident through the decode steps (each adds only its temporaries:
-    `program_bytes(step, resident_args=True)`, a few percent of the cache)."""
+    Its outputs are the KV cache, which stays resident through the decode steps (each adds only its temporaries, a
+    few percent of the cache)."""
     c = replace(cfg, seq_len=int(length))
     params = step_lib.abstract_params(c, mesh)
     if 0 < cfg.prefill_chunk < length:  # chunk by chunk: one chunk step's program, the cache among its arguments
@@ -169,10 +160,9 @@ def check_lengths(cfg, mesh, lengths, *, rows: int | Callable[[int], int], max_n
                   cases: int = 0, option: str = "--ruler-lengths", limit: int | None = None) -> dict:
     """Refuse, in one line naming every length, the lengths whose forward (`prefill_estimate` with `max_new`,
     else `stats_estimate`) would not fit this host's memory (`host_limit`, or `limit`) with a margin for the
-    estimate's error (`ESTIMATE_ERROR`: the estimate times 1.15 must fit; measured peaks were 0.93-1.10 times the
-    estimate); a no-op when no device of `mesh` is this host's CPU. A length below `LONG` tokens whose XLA:CPU
-    loop term is under a tenth of the limit is not compiled for (its programs are small). Returns {length:
-    HostBytes} of the lengths estimated.
+    estimate's error (`ESTIMATE_ERROR`: the estimate times 1.15 must fit); a no-op when no device of `mesh` is this
+    host's CPU. A length below `LONG` tokens whose XLA:CPU loop term is under a tenth of the limit is not compiled
+    for (its programs are small). Returns {length: HostBytes} of the lengths estimated.
 
     Args:
       rows: prompts per forward, or a function of the length giving them (generation's `rows_per_batch`).

@@ -31,9 +31,8 @@ def write(run_dir: Path, step: int, summary: dict, objective, ruler_cases: list,
         writer.add_scalar("eval/loss", summary["loss"], step)
         writer.add_scalar("eval/perplexity", summary["perplexity"], step)
     for row in summary["loss_by_position"]:
-        if not row["tokens"]:  # no target counted at these positions (chat data: the prompt's)
-            continue
-        writer.add_scalar(f"eval/loss_by_position/{row['start']:08d}", row["loss"], step)
+        if row["tokens"]:  # else no target counted at these positions (chat data: the prompt's)
+            writer.add_scalar(f"eval/loss_by_position/{row['start']:08d}", row["loss"], step)
     if "passkey" in summary:
         writer.add_scalar("eval/passkey_accuracy", summary["passkey"]["mean"], step)
     key = objective.summary_key

@@ -1,5 +1,4 @@
-"""Validation during training, as hooks of the trainer (`jaxlong.training.hooks`): the held-out loss every
-`eval_every` steps and after the last, and with `ruler_tasks` RULER's scores (`eval/ruler_<scoring>/...`).
+"""Validation during training, as a hook of the trainer (`jaxlong.training.hooks`; what it logs: `validation_hooks`).
 
 The trainer holds the documents out and makes their batches (`RunContext.validation_batches`); the hook compiles
 the objective's eval step when the run starts (its memory printed before step 1) and generates RULER's cases then,
@@ -18,25 +17,7 @@ from jaxlong.evaluation.steps import compile_eval_step, evaluate_loss
 from jaxlong.objectives.lm import LanguageModeling
 from jaxlong.training.hooks import Hook, RunContext, StepContext
 
-__all__ = ["Validator", "validation_hooks"]
-
-
-class Validator:
-    """The held-out loss of a run's objective: its eval step compiled ahead of time (`compile`), then `run(params,
-    batches)` returns the objective's summary (`{'loss', 'perplexity', 'tokens'}`; DPO's `{'loss', 'rewards/...',
-    'logps/...', 'pairs'}`)."""
-
-    def __init__(self, cfg: Config, mesh, objective):
-        self.cfg, self.mesh, self.objective = cfg, mesh, objective
-        self.compiled = None
-
-    def compile(self):
-        """AOT-compile the eval step; returns the `jax.stages.Compiled` (for its `memory_analysis`)."""
-        self.compiled = compile_eval_step(self.cfg, self.mesh, self.objective)
-        return self.compiled
-
-    def run(self, params: dict, batches: list[dict]) -> dict:
-        return evaluate_loss(self.compiled, params, batches, self.mesh, self.objective)
+__all__ = ["validation_hooks"]
 
 
 def validation_hooks(cfg: Config) -> list[Hook]:
@@ -53,8 +34,7 @@ def validation_hooks(cfg: Config) -> list[Hook]:
 
     def start(run: RunContext) -> None:
         # an objective without held-out data of its own (GRPO's rollouts): the held-out documents' text loss
-        held_out = run.objective if run.objective.held_out_loss else LanguageModeling()
-        parts["validator"] = Validator(run.cfg, run.mesh, held_out)
+        parts["objective"] = run.objective if run.objective.held_out_loss else LanguageModeling()
         suite = ruler.validation_suite(run.cfg)
         if suite:  # lengths checked, then cases generated now, before anything compiles
             ruler.check_lengths(run.cfg, suite.lengths, "ruler_lengths", cases=suite.cases, tasks=len(suite.tasks))
@@ -62,11 +42,12 @@ def validation_hooks(cfg: Config) -> list[Hook]:
             eos = stop_ids(run.tokenizer, tokenizer_source(run.cfg, run.run_dir))
             parts["ruler"] = ruler.RulerValidator(run.cfg, run.mesh, run.tokenizer, suite, corpus,
                                                   option="ruler_lengths", eos_ids=eos)
-        run.say(format_compiled(parts["validator"].compile(), "eval step"))
+        parts["step"] = compile_eval_step(run.cfg, run.mesh, parts["objective"])
+        run.say(format_compiled(parts["step"], "eval step"))
 
     def validate(ctx: StepContext) -> None:
-        objective = parts["validator"].objective
-        ev = parts["validator"].run(ctx.params, ctx.run.validation_batches)
+        objective = parts["objective"]
+        ev = evaluate_loss(parts["step"], ctx.params, ctx.run.validation_batches, ctx.run.mesh, objective)
         if ctx.writer is not None:
             prefix = f"eval/{objective.summary_key}/" if objective.summary_key else "eval/"
             for k, v in ev.items():

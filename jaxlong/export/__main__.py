@@ -18,17 +18,6 @@ import sys
 from pathlib import Path
 
 
-def config_from_dict(data: dict):
-    """The `Config` saved with a checkpoint (`jaxlong.config.to_dict`), taken as is: `model.from_hf` is not
-    re-read (the saved model fields already hold the run's values)."""
-    from jaxlong.config import Config, apply_setting  # noqa: PLC0415
-
-    cfg = Config()
-    for k, v in data.items():
-        apply_setting(cfg, k, v)
-    return cfg
-
-
 # What export's `key=value` arguments may set: where the tokenizer files are, for a run without its copy.
 EXPORT_KEYS = ("model.from_hf", "data.tokenizer")
 
@@ -45,7 +34,7 @@ def restore_params(run_dir: str | Path, step: int | None = None, overrides: list
     import jax  # noqa: PLC0415
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
-    from jaxlong.config import MeshConfig, apply_setting, parse_override  # noqa: PLC0415
+    from jaxlong.config import Config, MeshConfig, apply_setting, parse_override  # noqa: PLC0415
     from jaxlong.core.mesh import build_mesh  # noqa: PLC0415
     from jaxlong.training.checkpoint import Checkpointer  # noqa: PLC0415
     from jaxlong.training.checkpoint import restore_params as restore  # noqa: PLC0415
@@ -61,7 +50,9 @@ def restore_params(run_dir: str | Path, step: int | None = None, overrides: list
     manager = ocp.CheckpointManager(ckpt_dir)
     try:
         saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-        cfg = config_from_dict(saved)
+        cfg = Config()  # the saved config as is: `model.from_hf` is not re-read (the saved model fields hold the run's)
+        for k, v in saved.items():
+            apply_setting(cfg, k, v)
         for text in overrides:
             apply_setting(cfg, *parse_override(text))
         cfg.mesh = MeshConfig(data=1, fsdp=-1, context=1, num_devices=len(jax.devices()))

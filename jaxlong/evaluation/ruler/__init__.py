@@ -9,8 +9,6 @@ from jaxlong.evaluation.ruler.report import (
     format_table,
     log_scalars,
     tag_prefix,
-    write_cases,
-    write_csv,
     write_heatmap,
     write_results,
 )
@@ -24,9 +22,7 @@ from jaxlong.evaluation.ruler.score import (
     generation_bytes,
     nearby_lengths,
     evaluate_ruler,
-    generate,
     is_right,
-    predict_answers,
     results,
     score_cases,
     score_on_mesh,
@@ -43,20 +39,18 @@ from jaxlong.evaluation.ruler.prompts import (
     SCORINGS,
     TEMPLATES,
     TOKENS_TO_GENERATE,
-    GenerationCase,
     generation_cases,
     postprocess,
     render_prompt,
     string_match_all,
 )
-from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, TooShort, case_depths, corpus_tokens, make_cases
+from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, TooShort, corpus_tokens, make_cases
 
 __all__ = [
-    "CASE_COLUMNS", "case_rows", "format_table", "log_scalars", "tag_prefix", "generation_case_rows",
-    "outputs_on_mesh", "rows_per_batch", "score_outputs", "SCORINGS", "TEMPLATES", "TOKENS_TO_GENERATE",
-    "GenerationCase", "generation_cases", "postprocess", "render_prompt", "string_match_all", "TooShort",
-    "write_cases", "write_csv", "write_heatmap", "write_results", "RulerGeneration", "RulerSuite", "RulerValidator",
-    "answers_on_mesh", "check_length", "check_lengths", "evaluate_ruler", "generation_bytes", "nearby_lengths",
-    "generate", "is_right", "predict_answers", "results", "score_cases", "score_on_mesh", "suite_corpus",
-    "validation_suite", "TASKS", "RulerCase", "Task", "case_depths", "corpus_tokens", "make_cases",
+    "CASE_COLUMNS", "case_rows", "format_table", "log_scalars", "tag_prefix", "generation_case_rows", "outputs_on_mesh",
+    "rows_per_batch", "score_outputs", "SCORINGS", "TEMPLATES", "TOKENS_TO_GENERATE", "generation_cases", "postprocess",
+    "render_prompt", "string_match_all", "TooShort", "write_heatmap", "write_results", "RulerGeneration", "RulerSuite",
+    "RulerValidator", "answers_on_mesh", "check_length", "check_lengths", "evaluate_ruler", "generation_bytes",
+    "nearby_lengths", "is_right", "results", "score_cases", "score_on_mesh", "suite_corpus", "validation_suite",
+    "TASKS", "RulerCase", "Task", "corpus_tokens", "make_cases",
 ]

@@ -19,10 +19,7 @@ from jaxlong.data.heldout import eval_batch_size
 from jaxlong.evaluation.ruler.prompts import GenerationCase, string_match_all
 from jaxlong.generation.generate import Generator
 
-__all__ = ["outputs_on_mesh", "rows_per_batch", "score_outputs", "generation_case_rows", "GENERATION_CASE_COLUMNS"]
-
-GENERATION_CASE_COLUMNS = ("task", "length", "index", "depth", "score", "answer", "generated", "prompt_tokens",
-                           "stopped")
+__all__ = ["outputs_on_mesh", "rows_per_batch", "score_outputs", "generation_case_rows"]
 
 
 def outputs_on_mesh(cfg: Config, mesh, params: dict, tokenizer, cases: Sequence[GenerationCase], *,
@@ -80,7 +77,7 @@ def score_outputs(cases: Sequence[GenerationCase], texts: Sequence[str]) -> np.n
 
 
 def generation_case_rows(cases: Sequence[GenerationCase], outputs: Sequence, scores: np.ndarray) -> list[dict]:
-    """One row per case (`GENERATION_CASE_COLUMNS`): task, length, index, `depth` (the asked needle's, empty for
+    """One row per case: task, length, index, `depth` (the asked needle's, empty for
     cwe and fwe), `score` (string_match_all), `answer` (the reference items, ", "-joined), the `generated` text,
     `prompt_tokens`, and why generation `stopped` (eos, length)."""
     return [{"task": c.task, "length": c.length, "index": c.index,

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxlong.evaluation.ruler.tasks import TASKS, RulerCase, Task, TooShort, make_cases
+from jaxlong.evaluation.ruler.tasks import RulerCase, Task, TooShort, as_task, make_cases
 
 # RULER's scripts/data/synthetic/constants.py: (template, answer prefix) per family
 TEMPLATES = {
@@ -90,14 +90,6 @@ def string_match_all(prediction: str, refs: Sequence[str]) -> float:
     (postprocessed) prediction, in [0, 1]."""
     pred = postprocess(prediction).lower()
     return sum(r.lower() in pred for r in refs) / len(refs)
-
-
-def _task(task: Task | str) -> Task:
-    if isinstance(task, str):
-        if task not in TASKS:
-            raise ValueError(f"ruler task {task!r} is unknown; give one of {sorted(TASKS)}")
-        return TASKS[task]
-    return task
 
 
 def _main_task(task: Task, length: int) -> Task:
@@ -177,7 +169,7 @@ def generation_cases(task: Task | str, tokenizer, length: int, n: int, *, seed: 
       ValueError: as `make_cases`; a length too short for the task's fixed parts, its template and the generated
         tokens (`TooShort`, naming the least length that holds them).
     """
-    task = _task(task)
+    task = as_task(task)
     made = _try(task, tokenizer, length, n, seed, corpus, chat)
     if made is not None:
         return made

@@ -44,9 +44,10 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(path: str | Path, rows: list[dict]) -> None:
+def write_csv(path: str | Path, rows: list[dict], columns: Sequence[str] = COLUMNS) -> None:
+    """`rows` as a CSV of `columns` (a row's other keys left out)."""
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        w = csv.DictWriter(f, columns, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
 
@@ -59,14 +60,6 @@ def case_rows(cases, answers, right, decode) -> list[dict]:
     return [{"task": c.task, "length": c.length, "index": c.index, "depth": f"{c.depths[0]:.3f}" if c.depths else "",
              "correct": int(r), "answer": c.answer_text, "predicted": decode(a)}
             for c, a, r in zip(cases, answers, right, strict=True)]
-
-
-def write_cases(path: str | Path, rows: list[dict]) -> None:
-    """`case_rows` (or `generated.generation_case_rows`) as a CSV: what the model answered to each case."""
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]) if rows else CASE_COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
 
 
 def prompt_rows(cases: Sequence, decode: Callable) -> Iterator[dict]:
@@ -147,7 +140,7 @@ def write_results(out: str | Path, rows: list[dict], title: str = "RULER", cases
     write_heatmap(out / "ruler.png", rows, title)
     paths = [out / "ruler.csv", out / "ruler.png"]
     if cases is not None:
-        write_cases(out / "ruler_cases.csv", cases)
+        write_csv(out / "ruler_cases.csv", cases, list(cases[0]) if cases else CASE_COLUMNS)  # what the model answered
         paths.append(out / "ruler_cases.csv")
     if prompts is not None:
         write_prompts(out / "ruler_prompts.jsonl", prompts)

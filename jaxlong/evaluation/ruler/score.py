@@ -63,36 +63,29 @@ def check_length(cfg: Config, length: int, option: str = "ruler length") -> None
     run's mesh takes: `jaxlong.config.validate` with `seq_len=length` (divisible by mesh.context, by 2 *
     mesh.ring * mesh.context under ring attention, attention blocks and `tiling.mlp_tiles` dividing the local
     sequence). The loss tile is chosen per length by the stats step, so `tiling.loss_tile` is not checked."""
-    rule = _length_refusal(cfg, length)
+    rule = refusal(forward_at(cfg, length))
     if rule is not None:
         raise ConfigError(f"{option} {length}: not a sequence length this mesh takes ({rule})", key=option,
                           value=length)
 
 
-def _length_refusal(cfg: Config, length: int) -> ConfigError | None:
-    """The rule of `validate` a sequence of `length` tokens breaks on the run's mesh (no advice: a length is
-    wanted, not another option), or None."""
-    return refusal(forward_at(cfg, length))
-
-
-def nearby_lengths(cfg: Config, length: int, tries: int = 256) -> list[int]:
-    """The nearest sequence lengths below and above `length` that the run's mesh takes (`check_length`): at most
-    one each, searched over multiples of the mesh's sequence split (`mesh.context`, times `2 * mesh.ring` under
-    ring attention), `tries` of them each way (`jaxlong.core.suggest.nearest`)."""
+def nearby_lengths(cfg: Config, length: int, least: int = 0) -> list[int]:
+    """The nearest sequence lengths below and above `length` that the run's mesh takes (`check_length`) and that
+    are at least `least` tokens: at most one each, searched over multiples of the mesh's sequence split
+    (`mesh.context`, times `2 * mesh.ring` under ring attention), 256 of them each way
+    (`jaxlong.core.suggest.nearest`)."""
     unit = max(cfg.mesh.context, 1) * (2 * cfg.mesh.ring if cfg.mesh.ring > 1 else 1)
-    return nearest(lambda n: _takes(cfg, n), length, step=unit, lo=unit, tries=tries)
-
-
-def _takes(cfg: Config, length: int) -> bool:
-    return _length_refusal(cfg, length) is None
+    return nearest(lambda n: n >= least and refusal(forward_at(cfg, n)) is None, length, step=unit, lo=unit,
+                   tries=256)
 
 
 def generation_bytes(cfg: Config, length: int, cases: int, tasks: int, cpu: bool = True) -> int:
     """The host arrays (bytes) that generating and scoring `cases` cases of each of `tasks` tasks at `length` tokens
-    need, a lower bound checked before jax starts (the estimate of the forwards themselves, compiled, is
-    `jaxlong.evaluation.hostmem.check_lengths`, run by the eval command once the mesh exists): the cases' int32 tokens and targets (8 bytes a token), the corpus haystack (twice the
-    length, `suite_corpus`, int32) and, with `cpu` (the run's devices are the CPU's, sharing host memory), one eval
-    batch's hidden states at `compute_dtype` (`eval_batch_size` x length x model.hidden)."""
+    need, a lower bound checked before jax starts (the forwards themselves are estimated, compiled, by
+    `jaxlong.evaluation.hostmem.check_lengths` once the mesh exists): the cases' int32 tokens and targets (8 bytes
+    a token), the corpus haystack (twice the length, `suite_corpus`, int32) and, with `cpu` (the run's devices are
+    the CPU's, sharing host memory), one eval batch's hidden states at `compute_dtype` (`eval_batch_size` x length
+    x model.hidden)."""
     need = 8 * length * cases * tasks + 4 * 2 * length
     if cpu:
         item = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.compute_dtype]
@@ -123,7 +116,7 @@ def check_lengths(cfg: Config, lengths: Sequence[int], option: str = "ruler leng
             why = (f"{n} tokens need at least {fmt_bytes(generation_bytes(cfg, n, cases, tasks, cpu))} of host "
                    f"memory to generate and score {cases} case(s) of {tasks} task(s), and this host has "
                    f"{fmt_bytes(host)}")
-        elif (rule := _length_refusal(cfg, n)) is not None:
+        elif (rule := refusal(forward_at(cfg, n))) is not None:
             near = nearby_lengths(cfg, n)
             why = (f"not a sequence length this mesh takes ({rule})"
                    + (f"; nearby lengths it takes: {' or '.join(map(str, near))}" if near else ""))

@@ -24,12 +24,8 @@ tokenizer. Cases are a pure function of (task, tokenizer, length, seed, case ind
 of n sits at depth i / (n - 1) of the haystack (variable tracking: the asked chain spans half the haystack,
 starting at depth i / (n - 1) / 2), the other needles at seeded random depths.
 
-Where this differs from RULER (also in docs/evaluation.md): needles go in at the sentence boundary nearest the
-depth (after a token ending in "."), at the exact token depth in a haystack without one; the answer is scored
-teacher-forced as one exact token sequence (RULER generates and scores recall of the items in any order), so
-multi-item answers are asked for in a stated order; the corpus haystack is the run's text, read from a seeded
-offset and wrapped; a "needles" haystack draws from a pool of 256 distractor needles; `cwe` tops its English
-words up with coded words at lengths where they run out; no '....' noise in `fwe`.
+Where this differs from RULER (needle placement, haystacks, words, answers in a stated order): docs/evaluation.md
+under "Where this differs from the paper".
 """
 
 from __future__ import annotations
@@ -149,6 +145,15 @@ def case_depths(n: int) -> list[float]:
     return [0.5] if n == 1 else [i / (n - 1) for i in range(n)]
 
 
+def as_task(task: Task | str) -> Task:
+    """`task`, or the `Task` of that name in `TASKS` (ValueError for a name not in it)."""
+    if isinstance(task, str):
+        if task not in TASKS:
+            raise ValueError(f"ruler task {task!r} is unknown; give one of {sorted(TASKS)}")
+        return TASKS[task]
+    return task
+
+
 def make_cases(task: Task | str, tokenizer, length: int, n: int, *, seed: int = 0,
                corpus: np.ndarray | None = None) -> list[RulerCase]:
     """`n` cases of `task` at exactly `length` tokens (see the module docstring).
@@ -162,10 +167,7 @@ def make_cases(task: Task | str, tokenizer, length: int, n: int, *, seed: int = 
       ValueError: an unknown task or field value, a length too short for the task's fixed parts (the message
         gives the least length), a value kind the tokenizer cannot spell, a corpus haystack without `corpus`.
     """
-    if isinstance(task, str):
-        if task not in TASKS:
-            raise ValueError(f"ruler task {task!r} is unknown; give one of {sorted(TASKS)}")
-        task = TASKS[task]
+    task = as_task(task)
     if task.family not in ("niah", "vt", "cwe", "fwe"):
         raise ValueError(f"ruler task {task.name}: family={task.family!r}; give 'niah', 'vt', 'cwe' or 'fwe'")
     if task.family == "niah" and task.haystack not in ("filler", "corpus", "needles"):
@@ -302,10 +304,9 @@ def _niah(task, pieces, lex, rng, length, depth, index, corpus):
         keys = lex.draw(rng, task.keys, n_keys)
         asked = keys[: task.num_queries]
         values = lex.draw(rng, task.values, task.num_values * task.num_queries + (n_keys - task.num_queries))
-        answer_needles = []  # (key, value) of the asked keys
-        for q, key in enumerate(asked):
-            answer_needles += [(key, v) for v in values[q * task.num_values:(q + 1) * task.num_values]]
-        others = [(k, v) for k, v in zip(keys[task.num_queries:], values[len(answer_needles):])]
+        answer_needles = [(key, v) for q, key in enumerate(asked)  # (key, value) of the asked keys
+                          for v in values[q * task.num_values:(q + 1) * task.num_values]]
+        others = list(zip(keys[task.num_queries:], values[len(answer_needles):]))
         pool = []
         if task.haystack == "needles":
             pool_keys = lex.draw(rng, task.keys, POOL, exclude=keys)
@@ -327,11 +328,8 @@ def _niah(task, pieces, lex, rng, length, depth, index, corpus):
         context, starts = _insert(hay, list(zip(depths, needles)), pieces)
         value_at = [s + pieces.fill(NEEDLE.split(" {value}")[0], kind=kind, key=k).size
                     for s, (k, _) in zip(starts, answer_needles)]
-        n_ans = len(answer_needles)
-        if task.num_values > 1:  # in order of appearance
-            order = sorted(range(n_ans), key=lambda j: starts[j])
-        else:  # in the order asked
-            order = list(range(n_ans))
+        n_ans = len(answer_needles)  # several values: in order of appearance; else in the order asked
+        order = sorted(range(n_ans), key=lambda j: starts[j]) if task.num_values > 1 else list(range(n_ans))
         items = [answer_needles[j][1] for j in order]
         return _case(task, length, index, _Sections(head, context, tail, pieces.join(items)), items,
                      [value_at[j] for j in order], starts[:n_ans], [v for _, v in others], asked)

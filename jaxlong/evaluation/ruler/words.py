@@ -87,12 +87,12 @@ class Pieces:
         """Whether `" " + text` survives encode and decode unchanged."""
         return self.tokenizer.decode(self.slot(text)) == " " + text
 
-    def join(self, items: Iterable[str], sep: str = ",") -> np.ndarray:
-        """The answer format: `slot(a) + encode(sep) + slot(b) + ...` (a list of values, in the stated order)."""
+    def join(self, items: Iterable[str]) -> np.ndarray:
+        """The answer format: `slot(a) + encode(",") + slot(b) + ...` (a list of values, in the stated order)."""
         out = []
         for i, item in enumerate(items):
             if i:
-                out.append(self(sep))
+                out.append(self(","))
             out.append(self.slot(item))
         return np.concatenate(out) if out else np.zeros(0, np.int32)
 
@@ -142,10 +142,10 @@ class Lexicon:
                 out.append(s)
         return out
 
-    def variables(self, rng: np.random.Generator, n: int, exclude: Iterable[str] = ()) -> list[str]:
+    def variables(self, rng: np.random.Generator, n: int) -> list[str]:
         """`n` distinct variable names of 5 upper-case letters (RULER's variable tracking)."""
         letters = self.upper if len(self.upper) >= 4 else self.letters.upper()
-        seen, out = set(exclude), []
+        seen, out = set(), []
         while len(out) < n:
             s = "".join(letters[i] for i in rng.integers(0, len(letters), 5))
             if s not in seen and self.pieces.spells(s):
