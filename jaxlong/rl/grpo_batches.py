@@ -144,14 +144,9 @@ class GRPOBatches(PolicyBatchFn):
     def _indices(self, rollout: int) -> list[int]:
         """The prompts of rollout `rollout`: consecutive slices of a permutation per epoch (seeded)."""
         n, k = len(self.prompts), self.per_step
-        orders: dict[int, np.ndarray] = {}
-        out = []
-        for j in range(rollout * k, rollout * k + k):
-            epoch, at = divmod(j, n)
-            if epoch not in orders:
-                orders[epoch] = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
-            out.append(int(orders[epoch][at]))
-        return out
+        spots = [divmod(j, n) for j in range(rollout * k, rollout * k + k)]  # (epoch, index in its permutation)
+        orders = {e: np.random.default_rng([self.cfg.seed, e]).permutation(n) for e in {e for e, _ in spots}}
+        return [int(orders[e][at]) for e, at in spots]
 
     def _rollout(self, rollout: int, step: int, params: dict) -> dict:
         cfg, g, gn = self.cfg, self.g, self.g.num_generations
