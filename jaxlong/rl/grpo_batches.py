@@ -49,7 +49,7 @@ from jaxlong.objectives import grpo as G
 from jaxlong.objectives.base import token_logps_and_entropies
 from jaxlong.objectives.registry import objective_for
 from jaxlong.rl.prompts import PromptSet, load_prompts
-from jaxlong.rl.rewards import NEEDS_COLUMNS, load_reward, score_completions
+from jaxlong.rl.rewards import NEEDS_COLUMNS, completion_text, load_reward, score_completions
 from jaxlong.rl.rollouts import Group, pack_groups
 from jaxlong.training.batches import PolicyBatchFn
 from jaxlong.training.hooks import Hook, RunContext, StepContext
@@ -101,7 +101,7 @@ class GRPOBatches(PolicyBatchFn):
 
     def _start(self, run: RunContext) -> None:
         cfg, g = run.cfg, self.g
-        self.run, self.mesh, self.tokenizer = run, run.mesh, run.tokenizer
+        self.run, self.mesh = run, run.mesh
         directory = data_lib.tokenizer_source(cfg, run.run_dir)
         chat = run_template(cfg.data.chat_template, directory, run_dir=run.run_dir)
         self.per_step = g.prompts_per_step or cfg.global_batch
@@ -119,10 +119,10 @@ class GRPOBatches(PolicyBatchFn):
                 raise ConfigError(f"grpo.reward_funcs: {name} reads the column {', '.join(missing)}, which "
                                   f"grpo.dataset={g.dataset} does not have; add it to every record, or choose "
                                   f"another reward", key="grpo.reward_funcs", value=g.reward_funcs)
-        self.pad_to, self.eos = longest, stop_ids(run.tokenizer, directory)
+        self.pad_to = longest
         self.gen = Generator(cfg, run.mesh, None, run.tokenizer, max_new_tokens=g.max_completion_length,
                              sampling=Sampling(g.temperature, g.top_k, g.top_p, n=g.num_generations),
-                             eos_ids=self.eos)
+                             eos_ids=stop_ids(run.tokenizer, directory))
         graphdef, rt = model_lib.model_graphdef(cfg.model, cfg.param_dtype), runtime(cfg, run.mesh)
         self.logps = jax.jit(lambda p, b: token_logps_and_entropies(p, b, graphdef, rt, g.temperature)[0],
                              out_shardings=NamedSharding(run.mesh, P()))
@@ -247,8 +247,7 @@ def on_policy_batches(cfg: Config) -> GRPOBatches | None:
 def _table(samples: list) -> str:
     """A Markdown table of (prompt, completion, reward, advantage), the prompt's last 200 characters."""
     def cell(x) -> str:
-        text = x if isinstance(x, str) else str(x[-1]["content"]) if isinstance(x, list) and x else str(x)
-        return text.replace("|", "\\|").replace("\n", " ")
+        return completion_text(x).replace("|", "\\|").replace("\n", " ")
 
     rows = [f"| ...{cell(p)[-200:]} | {cell(c)} | {r:.3f} | {a:.3f} |" for p, c, r, a in samples]
     return "\n".join(["| prompt | completion | reward | advantage |", "|---|---|---|---|", *rows])
