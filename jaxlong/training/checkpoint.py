@@ -103,7 +103,6 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, every: int, keep: int, final_step: int | None = None):
         self.directory = Path(directory).absolute()
-        self.every = every
         if jax.process_index() == 0:  # leftovers of a killed run; orbax's own cleanup runs in the background
             remove_tmp_dirs(self.directory)
         policies = [ocp_policy.FixedIntervalPolicy(every), ocp_policy.PreemptionCheckpointingPolicy()]
