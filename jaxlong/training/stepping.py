@@ -157,8 +157,7 @@ class _Profile:
 
 @dataclasses.dataclass
 class _Stepper:
-    """What the steps run with: the begun run, its checkpointer, hooks, signal state, fault callback, metrics log,
-    progress bar and profile."""
+    """What the steps run with (the arguments of `train`, the metrics log, the progress bar and the profile)."""
 
     b: Begun
     ckpt: Checkpointer
