@@ -51,7 +51,7 @@ from jaxlong.objectives.registry import objective_for
 from jaxlong.rl.prompts import PromptSet, load_prompts
 from jaxlong.rl.rewards import NEEDS_COLUMNS, completion_text, load_reward, score_completions
 from jaxlong.rl.rollouts import Group, pack_groups
-from jaxlong.training.batches import PolicyBatchFn
+from jaxlong.training.batches import BATCH_KEYS, PolicyBatchFn
 from jaxlong.training.hooks import Hook, RunContext, StepContext
 from jaxlong.training.step import abstract_params
 
@@ -183,12 +183,12 @@ class GRPOBatches(PolicyBatchFn):
     def _logps(self, params: dict, batch: dict) -> np.ndarray:
         """The training forward's log-probs of `batch` under `params` (float32 `[rows, seq]`), `global_batch /
         grad_accum` rows at a time (a micro-batch's activations; each row's log-probs are its own)."""
-        cfg, keys = self.cfg, ("inputs", "targets", "mask", "positions", "segment_ids")
+        cfg = self.cfg
         micro = cfg.global_batch // cfg.grad_accum
         parts = []
         for s in range(0, cfg.global_batch, micro):
             rows = process_rows(self.mesh, micro)
-            host = {k: batch[k][s:s + micro][rows] for k in keys}
+            host = {k: batch[k][s:s + micro][rows] for k in BATCH_KEYS}
             got = self.logps(params, put_batch(host, self.mesh, rows, micro))
             parts.append(natural_order(np.asarray(got.addressable_data(0)), self.mesh))
         return np.concatenate(parts).astype(np.float32)
