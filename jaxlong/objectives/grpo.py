@@ -49,7 +49,7 @@ from jaxlong.core.errors import ConfigError, check_choice
 from jaxlong.layers.loss import effective_mask
 from jaxlong.objectives.base import Objective, segment_sums, token_logps_and_entropies
 
-__all__ = ["GRPOConfig", "check_grpo_run", "check_groups_fit", "RULER_LENGTH", "GroupRelativePolicyOptimization",
+__all__ = ["GRPOConfig", "check_groups_fit", "RULER_LENGTH", "GroupRelativePolicyOptimization",
            "group_advantages", "combine_rewards", "LossType", "ScaleRewards", "COMPLETION", "ADVANTAGES", "OLD_LOGPS",
            "REF_LOGPS"]
 
@@ -134,28 +134,6 @@ class GRPOConfig:
         return prompt_tokens - 1 + self.num_generations * (1 + self.max_completion_length)
 
 
-def check_grpo_run(cfg) -> None:
-    """What `objective: grpo` needs of the rest of the run: segment ids (`data.packing=documents`, the
-    shared-prefix rows' masks), no sliding window (a branch's window counts positions, not row indices), and rows
-    of `seq_len` that hold a group of the longest RULER prompt.
-
-    Raises:
-      ConfigError: naming the option, its value and what would work.
-    """
-    g = cfg.grpo
-    g.check()
-    if cfg.data.packing != "documents":
-        raise ConfigError(f"objective=grpo: data.packing={cfg.data.packing!r}; GRPO's rows hold each prompt once and "
-                          f"its completions as branches, masked by segment ids",
-                          key="data.packing", value=cfg.data.packing, suggestions=({"data.packing": "documents"},))
-    if cfg.model.sliding_window:
-        raise ConfigError(f"objective=grpo: model.sliding_window={cfg.model.sliding_window} counts positions, and a "
-                          f"group's second branch does not follow the prompt in the row; GRPO takes full-attention "
-                          f"models", key="objective", value="grpo", keys=("model.sliding_window",))
-    # a file's prompts are measured when read (`jaxlong.rl.prompts`); here the least prompt, or RULER's longest
-    check_groups_fit(cfg, max(g.ruler_lengths or [RULER_LENGTH]) if g.dataset == "ruler" else 1)
-
-
 def check_groups_fit(cfg, prompt_tokens: int) -> None:
     """Refuse rows that cannot hold `grpo.prompts_per_step` groups of a `prompt_tokens`-token prompt: a group longer
     than `seq_len`, or more groups than `global_batch` rows of `seq_len` hold.
@@ -233,11 +211,8 @@ class GroupRelativePolicyOptimization(Objective):
     """GRPO's loss and TRL's metrics on shared-prefix rows (module docstring); `cfg` the `grpo` section."""
 
     name = "grpo"
-    batch_keys = {COMPLETION: np.int32, ADVANTAGES: np.float32, OLD_LOGPS: np.float32, REF_LOGPS: np.float32}
-    unit = "tokens"
     records = "groups"
     title = "GRPO"
-
     held_out_loss = False  # no held-out rollouts: a GRPO run validates on held-out documents' text loss, and RULER
 
     def __init__(self, cfg: GRPOConfig):
@@ -254,7 +229,25 @@ class GroupRelativePolicyOptimization(Objective):
         return cls(cfg.grpo)
 
     def check_run(self, cfg) -> None:
-        check_grpo_run(cfg)
+        """What `objective: grpo` needs of the rest of the run: segment ids (`data.packing=documents`, the
+        shared-prefix rows' masks), no sliding window (a branch's window counts positions, not row indices), and rows
+        of `seq_len` that hold a group of the longest RULER prompt.
+
+        Raises:
+          ConfigError: naming the option, its value and what would work.
+        """
+        g = cfg.grpo
+        g.check()
+        if cfg.data.packing != "documents":
+            raise ConfigError(f"objective=grpo: data.packing={cfg.data.packing!r}; GRPO's rows hold each prompt once "
+                              f"and its completions as branches, masked by segment ids", key="data.packing",
+                              value=cfg.data.packing, suggestions=({"data.packing": "documents"},))
+        if cfg.model.sliding_window:
+            raise ConfigError(f"objective=grpo: model.sliding_window={cfg.model.sliding_window} counts positions, and "
+                              f"a group's second branch does not follow the prompt in the row; GRPO takes "
+                              f"full-attention models", key="objective", value="grpo", keys=("model.sliding_window",))
+        # a file's prompts are measured when read (`jaxlong.rl.prompts`); here the least prompt, or RULER's longest
+        check_groups_fit(cfg, max(g.ruler_lengths or [RULER_LENGTH]) if g.dataset == "ruler" else 1)
 
     def sum_shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: () for k in (*METRICS, "tokens")}

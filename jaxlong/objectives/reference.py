@@ -14,6 +14,7 @@ checkpoint a recipe's stage starts from, or a fresh initialization), or a Huggin
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -76,7 +77,6 @@ def compute_reference(run: Preparation, params: dict) -> np.ndarray:
     per = cfg.global_batch // cfg.grad_accum
     out = np.full((len(source), 2), np.nan)
     keys = ("inputs", "targets", "mask", "positions", "segment_ids")
-    group: list[dict] = []
 
     def run_group(group):
         batch = {k: np.concatenate([r[k] for r in group]) for k in (*keys, PAIR_FEATURE)}
@@ -90,12 +90,8 @@ def compute_reference(run: Preparation, params: dict) -> np.ndarray:
                 first = np.flatnonzero(half == s)[0]
                 out[pair[first] - 1, (s - 1) % 2] = got[r, s - 1]
 
-    for row in rows:
-        group.append(row)
-        if len(group) == per:
-            run_group(group)
-            group = []
-    if group:
+    rows = iter(rows)
+    while group := list(itertools.islice(rows, per)):
         run_group(group)
     if np.isnan(out).any():  # every pair goes through the packer once
         raise RuntimeError(f"the reference pass missed {int(np.isnan(out).any(axis=1).sum())} pairs")

@@ -88,11 +88,10 @@ def make_optimizer(o: OptimConfig, steps: int) -> tuple[optax.GradientTransforma
         decay_steps=schedule_length(steps - o.schedule_start, o.warmup_steps, o.decay_steps),
         end_value=o.lr * o.min_lr_ratio,
     )
-    if o.schedule_start:  # a recipe's stage: its own warmup and decay from its first step
-        def schedule(count):
-            return stage_schedule(jnp.maximum(count - o.schedule_start, 0))
-    else:
-        schedule = stage_schedule
+
+    def schedule(count):  # from `schedule_start` (a recipe's stage: its own warmup and decay from its first step)
+        return stage_schedule(jnp.maximum(count - o.schedule_start, 0))
+
     tx = optax.chain(
         optax.clip_by_global_norm(o.clip_norm) if o.clip_norm is not None else optax.identity(),
         optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay),

@@ -49,9 +49,9 @@ from jaxlong.objectives import grpo as G
 from jaxlong.objectives.base import token_logps_and_entropies
 from jaxlong.objectives.registry import objective_for
 from jaxlong.rl.prompts import PromptSet, load_prompts
-from jaxlong.rl.rewards import NEEDS_COLUMNS, load_reward, score_completions
+from jaxlong.rl.rewards import NEEDS_COLUMNS, completion_text, load_reward, score_completions
 from jaxlong.rl.rollouts import Group, pack_groups
-from jaxlong.training.batches import PolicyBatchFn
+from jaxlong.training.batches import BATCH_KEYS, PolicyBatchFn
 from jaxlong.training.hooks import Hook, RunContext, StepContext
 from jaxlong.training.step import abstract_params
 
@@ -101,7 +101,7 @@ class GRPOBatches(PolicyBatchFn):
 
     def _start(self, run: RunContext) -> None:
         cfg, g = run.cfg, self.g
-        self.run, self.mesh, self.tokenizer = run, run.mesh, run.tokenizer
+        self.run, self.mesh = run, run.mesh
         directory = data_lib.tokenizer_source(cfg, run.run_dir)
         chat = run_template(cfg.data.chat_template, directory, run_dir=run.run_dir)
         self.per_step = g.prompts_per_step or cfg.global_batch
@@ -119,10 +119,10 @@ class GRPOBatches(PolicyBatchFn):
                 raise ConfigError(f"grpo.reward_funcs: {name} reads the column {', '.join(missing)}, which "
                                   f"grpo.dataset={g.dataset} does not have; add it to every record, or choose "
                                   f"another reward", key="grpo.reward_funcs", value=g.reward_funcs)
-        self.pad_to, self.eos = longest, stop_ids(run.tokenizer, directory)
+        self.pad_to = longest
         self.gen = Generator(cfg, run.mesh, None, run.tokenizer, max_new_tokens=g.max_completion_length,
                              sampling=Sampling(g.temperature, g.top_k, g.top_p, n=g.num_generations),
-                             eos_ids=self.eos)
+                             eos_ids=stop_ids(run.tokenizer, directory))
         graphdef, rt = model_lib.model_graphdef(cfg.model, cfg.param_dtype), runtime(cfg, run.mesh)
         self.logps = jax.jit(lambda p, b: token_logps_and_entropies(p, b, graphdef, rt, g.temperature)[0],
                              out_shardings=NamedSharding(run.mesh, P()))
@@ -144,14 +144,9 @@ class GRPOBatches(PolicyBatchFn):
     def _indices(self, rollout: int) -> list[int]:
         """The prompts of rollout `rollout`: consecutive slices of a permutation per epoch (seeded)."""
         n, k = len(self.prompts), self.per_step
-        orders: dict[int, np.ndarray] = {}
-        out = []
-        for j in range(rollout * k, rollout * k + k):
-            epoch, at = divmod(j, n)
-            if epoch not in orders:
-                orders[epoch] = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
-            out.append(int(orders[epoch][at]))
-        return out
+        spots = [divmod(j, n) for j in range(rollout * k, rollout * k + k)]  # (epoch, index in its permutation)
+        orders = {e: np.random.default_rng([self.cfg.seed, e]).permutation(n) for e in {e for e, _ in spots}}
+        return [int(orders[e][at]) for e, at in spots]
 
     def _rollout(self, rollout: int, step: int, params: dict) -> dict:
         cfg, g, gn = self.cfg, self.g, self.g.num_generations
@@ -188,12 +183,12 @@ class GRPOBatches(PolicyBatchFn):
     def _logps(self, params: dict, batch: dict) -> np.ndarray:
         """The training forward's log-probs of `batch` under `params` (float32 `[rows, seq]`), `global_batch /
         grad_accum` rows at a time (a micro-batch's activations; each row's log-probs are its own)."""
-        cfg, keys = self.cfg, ("inputs", "targets", "mask", "positions", "segment_ids")
+        cfg = self.cfg
         micro = cfg.global_batch // cfg.grad_accum
         parts = []
         for s in range(0, cfg.global_batch, micro):
             rows = process_rows(self.mesh, micro)
-            host = {k: batch[k][s:s + micro][rows] for k in keys}
+            host = {k: batch[k][s:s + micro][rows] for k in BATCH_KEYS}
             got = self.logps(params, put_batch(host, self.mesh, rows, micro))
             parts.append(natural_order(np.asarray(got.addressable_data(0)), self.mesh))
         return np.concatenate(parts).astype(np.float32)
@@ -252,8 +247,7 @@ def on_policy_batches(cfg: Config) -> GRPOBatches | None:
 def _table(samples: list) -> str:
     """A Markdown table of (prompt, completion, reward, advantage), the prompt's last 200 characters."""
     def cell(x) -> str:
-        text = x if isinstance(x, str) else str(x[-1]["content"]) if isinstance(x, list) and x else str(x)
-        return text.replace("|", "\\|").replace("\n", " ")
+        return completion_text(x).replace("|", "\\|").replace("\n", " ")
 
     rows = [f"| ...{cell(p)[-200:]} | {cell(c)} | {r:.3f} | {a:.3f} |" for p, c, r, a in samples]
     return "\n".join(["| prompt | completion | reward | advantage |", "|---|---|---|---|", *rows])

@@ -57,11 +57,8 @@ def string_match_all(prompts=None, completions=(), refs=None, **kwargs) -> list[
 
 def string_match_part(prompts=None, completions=(), refs=None, **kwargs) -> list[float]:
     """RULER's `string_match_part` of each completion: 1.0 if any of its `refs` is in it (case-insensitive)."""
-    out = []
-    for c, r in zip(completions, _refs(refs, len(completions))):
-        pred = postprocess(completion_text(c)).lower()
-        out.append(float(any(x.lower() in pred for x in r)))
-    return out
+    preds = [postprocess(completion_text(c)).lower() for c in completions]
+    return [float(any(x.lower() in p for x in r)) for p, r in zip(preds, _refs(refs, len(completions)))]
 
 
 _THINK = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)

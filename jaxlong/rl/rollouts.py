@@ -46,10 +46,8 @@ def pack_groups(groups: Sequence[Group], rows: int, seq_len: int, mask_truncated
     Raises:
       ValueError: a group longer than `seq_len` (naming its prompt and completion lengths), or more groups than
         the rows hold."""
-    out = {k: np.zeros((rows, seq_len), np.int32) for k in ("inputs", "targets", "positions", "segment_ids",
-                                                           COMPLETION)}
-    out["mask"] = np.zeros((rows, seq_len), np.float32)
-    out[ADVANTAGES] = np.zeros((rows, seq_len), np.float32)
+    out = {k: np.zeros((rows, seq_len), np.float32 if k in ("mask", ADVANTAGES) else np.int32)
+           for k in ("inputs", "targets", "positions", "segment_ids", COMPLETION, "mask", ADVANTAGES)}
     free, docs, numbers = [seq_len] * rows, [0] * rows, [0] * rows
     where: list[tuple[int, int]] = [(0, 0)] * len(groups)
     for i in sorted(range(len(groups)), key=lambda i: -len(groups[i])):

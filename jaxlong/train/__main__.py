@@ -66,17 +66,14 @@ def main(argv: list[str] | None = None) -> int:
             cfg = stages[0].cfg
     except ConfigError as e:
         return fail(e)
-    if args.fit:  # search the fastest configuration that fits, then train with it
-        from jaxlong.plan import fit_report as fit_cli  # noqa: PLC0415
+    try:
+        if args.fit:  # search the fastest configuration that fits, then train with it
+            from jaxlong.plan import fit_report as fit_cli  # noqa: PLC0415
 
-        try:
             if distributed.process_count_from_env() > 1:
                 raise ConfigError("--fit runs in one process; run python -m jaxlong.memory --fit first and launch "
                                   "with the overrides it prints")
             cfg = fit_cli.fit_for_training(args, cfg, args.overrides)
-        except (ConfigError, ValueError) as e:
-            return fail(e)
-    try:
         distributed.start(cfg.mesh, cfg.lost_process_timeout_s)
     except (ConfigError, ValueError) as e:
         return fail(e)

@@ -82,11 +82,9 @@ def remove_tmp_dirs(directory: str | Path) -> list[str]:
     path = Path(directory)
     if not path.is_dir():
         return []
-    names = []
-    for p in path.iterdir():
-        if TMP_MARK in p.name:
-            shutil.rmtree(p, ignore_errors=True)
-            names.append(p.name)
+    names = [p.name for p in path.iterdir() if TMP_MARK in p.name]
+    for name in names:
+        shutil.rmtree(path / name, ignore_errors=True)
     return names
 
 
@@ -105,7 +103,6 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, every: int, keep: int, final_step: int | None = None):
         self.directory = Path(directory).absolute()
-        self.every = every
         if jax.process_index() == 0:  # leftovers of a killed run; orbax's own cleanup runs in the background
             remove_tmp_dirs(self.directory)
         policies = [ocp_policy.FixedIntervalPolicy(every), ocp_policy.PreemptionCheckpointingPolicy()]
@@ -122,9 +119,6 @@ class Checkpointer:
     def latest_in(directory: str | Path) -> int | None:
         """Latest committed checkpoint step in `directory` (None if there is none); creates nothing."""
         return max(committed_steps(directory), default=None)
-
-    def latest_step(self) -> int | None:
-        return self.latest_in(self.directory)
 
     def should_save(self, step: int) -> bool:
         """Whether orbax's policy saves `step` (interval, final step, or a reached preemption sync point)."""
@@ -171,7 +165,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             remove_tmp_dirs(self.directory)
             raise CheckpointError(f"could not commit step {pending}: {type(e).__name__}: {e}") from e
-        latest = self.latest_step()
+        latest = self.latest_in(self.directory)
         if pending is not None and pending not in committed_steps(self.directory):
             remove_tmp_dirs(self.directory)
             raise CheckpointError(f"step {pending} was not committed (no {self.directory / str(pending)})")
@@ -186,7 +180,7 @@ class Checkpointer:
             metadata, before any array is read).
           CheckpointError: the checkpoint's `state['step']` differs from its label.
         """
-        step = self.latest_step() if step is None else step
+        step = self.latest_in(self.directory) if step is None else step
         if step is None:
             raise FileNotFoundError(f"--resume: no checkpoint found in {self.directory}")
         mismatches = param_shape_mismatches(self.directory, step, abstract_state)

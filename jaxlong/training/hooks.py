@@ -5,10 +5,8 @@ state, the metrics, the checkpoint with its data state, the stop on SIGTERM/SIGI
 at the model between steps is a hook (as Levanter's `Trainer.add_hook(fn, every=N)`), which the command adds:
 validation on held-out documents and RULER (`jaxlong.evaluation.validation.validation_hooks`, added by `python -m
 jaxlong.train` through `jaxlong.recipes`), or a user's own probe passed to `jaxlong.training.loop.run(cfg,
-hooks=[Hook(fn, every=100)])`. A hook's optional `start` runs once when the run starts, before anything compiles
-(it may check its options, prepare its data, compile its own programs); `fn` runs after the steps it is due. A hook
-runs on every process of a multi-process run (it may run collectives on the mesh); `say` prints on process 0 only
-and `writer` is None on the other processes.
+hooks=[Hook(fn, every=100)])`. A hook's `start` may check its options, prepare its data and compile its own
+programs. A hook runs on every process of a multi-process run (it may run collectives on the mesh).
 """
 
 from __future__ import annotations

@@ -74,12 +74,11 @@ def check_resume(cfg: Config, mesh, ckpt_dir: Path, step: int, allow_changes: bo
     Raises:
       ConfigError: other shapes (the changed `model.*` keys named), or changes that need `--resume-with-changes`.
     """
+    saved = saved_config(ckpt_dir, step)
     mismatches = param_shape_mismatches(ckpt_dir, step, step_lib.abstract_state(cfg, mesh))
     if mismatches:
         err = StateMismatch(step, ckpt_dir, mismatches)
-        raise ConfigError("--resume: " + mismatch_message(err, saved_config(ckpt_dir, step), to_dict(cfg),
-                                                          to_dict(Config())))
-    saved = saved_config(ckpt_dir, step)
+        raise ConfigError("--resume: " + mismatch_message(err, saved, to_dict(cfg), to_dict(Config())))
     if saved is None:
         say(f"note: checkpoint {step} holds no config; resuming without comparing configs")
         return

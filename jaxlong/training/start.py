@@ -252,9 +252,8 @@ def initial_state(b: Begun, ckpt: Checkpointer, batch_fn: BatchFn | None) -> dic
 def _prepare(b: Begun, state: dict, saved: dict) -> None:
     """The objective's preparation with the weights the run starts from; resumed inside the objective's stage (not
     at its start: a recipe's next stage, or a run switched to it by --resume-with-changes) they are gone."""
-    cfg = b.cfg
+    cfg, mesh = b.cfg, b.mesh
     inside = b.resume and saved.get("stage", 0) == cfg.stage and saved.get("objective", "lm") == cfg.objective
-    mesh = b.mesh
     b.run.objective.prepare(Preparation(
         cfg, b.run.run_dir, b.run.source, b.run.tokenizer, model_lib.model_graphdef(cfg.model, cfg.param_dtype),
         runtime(cfg, mesh), None if inside else (lambda: state["params"]),

@@ -21,6 +21,7 @@ from jaxlong.models import llama as model_lib
 from jaxlong.objectives.base import Objective
 from jaxlong.optim.adamw import make_optimizer
 from jaxlong.training.accumulate import loss_and_grads
+from jaxlong.training.batches import BATCH_KEYS
 
 __all__ = ["init_state", "reset_optimizer", "abstract_state", "abstract_params", "state_shardings", "abstract_batch",
            "make_train_step", "compile_train_step"]
@@ -88,18 +89,9 @@ def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh, batch_size: int | None 
     float32, `positions` int32 (within each document) and `segment_ids` int32 (0 = padding), each `[batch_size,
     seq_len]`, and the objective's own entries (`Objective.batch_keys`; default the run's objective, e.g. DPO's
     `reference` float32)."""
-    sh = batch_sharding(mesh)
     shape = (batch_size or cfg.global_batch, cfg.seq_len)
-    out = {
-        "inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
-        "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
-        "mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh),
-        "positions": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
-        "segment_ids": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh),
-    }
-    for key, dtype in (objective or objective_of(cfg)).batch_keys.items():
-        out[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
-    return out
+    keys = {**BATCH_KEYS, **(objective or objective_of(cfg)).batch_keys}
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh)) for k, dtype in keys.items()}
 
 
 def make_train_step(cfg: Config, mesh: jax.sharding.Mesh, objective: Objective | None = None):

@@ -88,8 +88,7 @@ class MetricsLog:
         metrics["tokens_per_s"] = self.tokens_per_step / metrics["step_time_s"]
         if self.peak:
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops / (self.peak * self.mesh.size)
-        for k, v in device_memory().items():
-            metrics[f"device_memory/{k}"] = v
+        metrics.update({f"device_memory/{k}": v for k, v in device_memory().items()})
         for i, (k, v) in enumerate(metrics.items()):
             if self.writer is not None:
                 self.writer.add_scalar(k, v, done)
@@ -158,8 +157,7 @@ class _Profile:
 
 @dataclasses.dataclass
 class _Stepper:
-    """What the steps run with: the begun run, its checkpointer, hooks, signal state, fault callback, metrics log,
-    progress bar and profile."""
+    """What the steps run with (the arguments of `train`, the metrics log, the progress bar and the profile)."""
 
     b: Begun
     ckpt: Checkpointer
