@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong.config import runtime
 from jaxlong.core.mesh import BATCH_AXES, SEQ_AXES, axis_size, seq_shards
-from jaxlong.generation.decode import Cache, cache_shapes, output_head, stack_index, window_gather
+from jaxlong.generation.decode import Cache, by_kind, cache_shapes, output_head, stack_index, window_gather
 from jaxlong.kernels.backend import attention_fwd_with_lse
 from jaxlong.kernels.merge import NEG, merge_across
 from jaxlong.kernels.layout import pallas_head_dim_ok
@@ -227,9 +227,7 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
             def on(here):
                 return ops[here][1](q, cache[2 * here], cache[2 * here + 1], s, j).astype(cd)
 
-            if len(present) == 1:
-                return on(present[0]), tuple(cache)
-            return jax.lax.switch(kind, [functools.partial(on, GLOBAL), functools.partial(on, LOCAL)]), tuple(cache)
+            return by_kind(kinds, i, on), tuple(cache)
 
         x, cache = model.cached_layers(x, batch["positions"], rt, attend, tuple(cache),
                                        spec=P(BATCH_AXES, SEQ_AXES, None))

@@ -58,9 +58,8 @@ from jaxlong.models import llama as model_lib
 
 __all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "expand_samples", "cache_shardings", "cache_shapes",
            "cache_bytes",
-           "stack_index", "window_gather", "zigzag_slot", "sample", "output_head", "decode_weights_mode",
+           "stack_index", "by_kind", "window_gather", "zigzag_slot", "sample", "output_head", "decode_weights_mode",
            "replicate_weights", "weight_bytes"]
-
 
 
 class Cache(NamedTuple):
@@ -97,6 +96,15 @@ def stack_index(m) -> tuple[np.ndarray, np.ndarray]:
     for kind in (GLOBAL, LOCAL):
         index[kinds == kind] = np.arange(int((kinds == kind).sum()))
     return kinds, index
+
+
+def by_kind(kinds: np.ndarray, i: jax.Array, fn, *args):
+    """`fn(kind, *args)` for layer `i`'s (traced int32) kind: called as is where every layer is of one kind, else
+    a `lax.switch` between the kinds' branches."""
+    present = [kind for kind in (GLOBAL, LOCAL) if kind in kinds]
+    if len(present) == 1:
+        return fn(present[0], *args)
+    return jax.lax.switch(jnp.asarray(kinds)[i], [functools.partial(fn, GLOBAL), functools.partial(fn, LOCAL)], *args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,11 +253,7 @@ def make_prefill(cfg, mesh: jax.sharding.Mesh, max_new: int):
                     acc[f] = jax.lax.dynamic_update_slice(acc[f], a, at)
                 return tuple(acc)
 
-            present = [kind for kind in (GLOBAL, LOCAL) if kind in kinds]
-            if len(present) == 1:
-                return put(present[0], acc)
-            return jax.lax.switch(jnp.asarray(kinds)[i], [functools.partial(put, GLOBAL),
-                                                          functools.partial(put, LOCAL)], acc)
+            return by_kind(kinds, i, put, acc)
 
         zeros = tuple(rt.constrain(jnp.zeros(a.shape, a.dtype), a.sharding.spec)
                       for a in (empty.k, empty.v, empty.win_k, empty.win_v))
@@ -342,7 +346,6 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
     scale = 1.0 / float(np.sqrt(m.head_dim))
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
     kinds, index = stack_index(m)
-    present = [kind for kind in (GLOBAL, LOCAL) if kind in kinds]
     samples = sampling.n
 
     def shard_attention(q, k, v, valid):
@@ -395,11 +398,7 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
             qg = (q[:, 0].astype(jnp.float32) * scale).reshape(b, m.kv_heads, group, m.head_dim)
             kv = tuple(jnp.swapaxes(a, 1, 2)[None].astype(cd) for a in (k, v))  # [1, b, kv_heads, 1, head_dim]
             branches = {GLOBAL: attend_global, LOCAL: attend_local}
-            operands = (qg, kv, jnp.asarray(index)[i], carry)
-            if len(present) == 1:
-                attn, carry = branches[present[0]](*operands)
-            else:
-                attn, carry = jax.lax.switch(jnp.asarray(kinds)[i], [branches[GLOBAL], branches[LOCAL]], *operands)
+            attn, carry = by_kind(kinds, i, lambda kind, *a: branches[kind](*a), qg, kv, jnp.asarray(index)[i], carry)
             return attn.reshape(b, 1, m.heads, m.head_dim).astype(cd), carry
 
         x, (new_k, new_v, win_k, win_v) = model.cached_layers(
