@@ -25,14 +25,9 @@ ROPE_SCALINGS = get_args(RopeScaling)
 
 @dataclass
 class RopeScalingConfig:
-    """RoPE frequency scaling for context extension (`rope_scaling` of Hugging Face configs).
-
-    `type`: `none`; `linear` (position interpolation, Chen et al. 2023: every frequency / `factor`);
-    `llama3` (Llama-3.1: wavelengths above `original_max_position_embeddings / low_freq_factor` are divided by
-    `factor`, those below `original_max_position_embeddings / high_freq_factor` kept, those between
-    interpolated); `yarn` (Peng et al. 2023, YaRN: a ramp between `beta_fast` and `beta_slow` rotations, and
-    the attention temperature `attention_factor`, default `0.1 ln(factor) + 1`, applied to cos and sin).
-    `rope_frequencies` computes them as `transformers` does.
+    """RoPE frequency scaling for context extension (`rope_scaling` of Hugging Face configs): `type` `none`,
+    `linear` (position interpolation, Chen et al. 2023), `llama3` (Llama-3.1) or `yarn` (Peng et al. 2023, YaRN),
+    computed by `rope_frequencies` as `transformers` does (how each rescales the frequencies: its docstring).
     """
 
     type: RopeScaling = "none"
