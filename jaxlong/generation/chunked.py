@@ -159,9 +159,7 @@ def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str, window: int):
 
     def attend(q, kc, vc, i, j):
         """Local: q `[b, cl, h, d]` of this device's slice -> its attention output, same shape (float32)."""
-        dev = jnp.int32(0)
-        for a in seq:  # the device's index along the flattened sequence axes (ring-major)
-            dev = dev * axis_size(mesh, a) + jax.lax.axis_index(a)
+        dev = jax.lax.axis_index(seq) if seq else 0  # the device's index along the flattened sequence axes
         if seq:
             q = jax.lax.all_gather(q, seq, axis=1, tiled=True)  # [b, chunk, h, d]: the whole chunk
 

@@ -160,13 +160,11 @@ def cache_shapes(cfg, mesh: jax.sharding.Mesh, rows: int, prompt: int, max_new: 
     m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
     kinds, _ = stack_index(m)
     g, l = int((kinds == GLOBAL).sum()), int((kinds == LOCAL).sum())
-    sh = cache_shardings(mesh)
-    shapes = Cache((g, rows, m.kv_heads, prompt, m.head_dim), (g, rows, m.kv_heads, prompt, m.head_dim),
-                   (rows, prompt), (g, rows, m.kv_heads, max_new, m.head_dim),
-                   (g, rows, m.kv_heads, max_new, m.head_dim), (l, rows, m.kv_heads, m.sliding_window, m.head_dim),
-                   (l, rows, m.kv_heads, m.sliding_window, m.head_dim))
+    big, new, win = ((n, rows, m.kv_heads, s, m.head_dim)
+                     for n, s in ((g, prompt), (g, max_new), (l, m.sliding_window)))
+    shapes = Cache(big, big, (rows, prompt), new, new, win, win)
     dtypes = Cache(cd, cd, jnp.dtype(bool), cd, cd, cd, cd)
-    return Cache(*(jax.ShapeDtypeStruct(a, d, sharding=h) for a, d, h in zip(shapes, dtypes, sh)))
+    return Cache(*(jax.ShapeDtypeStruct(a, d, sharding=h) for a, d, h in zip(shapes, dtypes, cache_shardings(mesh))))
 
 
 def cache_bytes(cache: Cache) -> dict[str, int]:
@@ -199,9 +197,8 @@ def window_gather(mesh: jax.sharding.Mesh, window: int, slot_of):
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
 
     def gather(k, v, last):
-        dev, local_n = jnp.int32(0), k.shape[3]
-        for a in seq:  # the device's index along the flattened sequence axes (ring-major)
-            dev = dev * axis_size(mesh, a) + jax.lax.axis_index(a)
+        local_n = k.shape[3]
+        dev = jax.lax.axis_index(seq) if seq else 0  # the device's index along the flattened sequence axes
         index = last[:, None] - window + 1 + jnp.arange(window)  # [b, window]
         slot = slot_of(jnp.maximum(index, 0))
         mine = (index >= 0) & (slot // local_n == dev)
