@@ -210,10 +210,6 @@ def activation_spec() -> P:
     return P(BATCH_AXES, SEQ_AXES, None)
 
 
-def fsdp_size(mesh: jax.sharding.Mesh) -> int:
-    return int(np.prod([axis_size(mesh, a) for a in FSDP_AXES]))
-
-
 def param_spec(shape: tuple[int, ...], n_shards: int, stacked: bool) -> P:
     """ZeRO-3 spec of one leaf: the most major dimension divisible by `n_shards` is split over `FSDP_AXES`.
 
@@ -240,7 +236,7 @@ def tree_shardings(mesh: jax.sharding.Mesh, tree) -> object:
     Works on optimizer state too: optax's moment trees contain the parameter paths (with `layers` for the
     stacked decoder weights), and counters are scalars (replicated).
     """
-    n = fsdp_size(mesh)
+    n = int(np.prod([axis_size(mesh, a) for a in FSDP_AXES]))  # the devices each leaf is split over
 
     def one(path, leaf):
         return NamedSharding(mesh, param_spec(tuple(np.shape(leaf)), n, _is_stacked(path)))

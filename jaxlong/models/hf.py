@@ -92,11 +92,6 @@ def text_prefix(names) -> str:
     return "model."
 
 
-def leaf_names(family: str) -> dict[str, tuple[str, str]]:
-    """jaxlong leaf -> (HF name, layout) for a model family."""
-    return {**LEAVES, **GEMMA3_LEAVES} if family == "gemma3" else LEAVES
-
-
 def _hf_shape(ours: tuple[int, ...], layout: str) -> tuple[int, ...]:
     """The HF shape of one (per-layer) jaxlong leaf shape."""
     if layout == "copy":
@@ -118,7 +113,7 @@ def expected_tensors(abstract: dict, family: str = "llama",
                      prefix: str = "model.") -> dict[str, tuple[str, str, int | None, tuple]]:
     """HF tensor name -> (jaxlong leaf path, layout, layer index or None, HF shape), from the abstract params of a
     model `family`; the language model's names under `prefix` (`text_prefix`)."""
-    names = leaf_names(family)
+    names = {**LEAVES, **GEMMA3_LEAVES} if family == "gemma3" else LEAVES  # jaxlong leaf -> (HF name, layout)
     out = {}
     for path, leaf in _by_path(abstract).items():
         if path not in names:
