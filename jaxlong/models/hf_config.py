@@ -204,7 +204,8 @@ def model_settings_from_hf(directory: str | Path) -> dict:
     layer_types = hf.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ConfigError(f"{where}: layer_types other than full_attention (sliding windows) are not supported")
-    m = {"name": str(Path(directory).name or mt), "from_hf": str(directory), "qk_norm": mt == "qwen3"}
+    m = {"name": str(Path(directory).name or mt), "from_hf": str(directory), "qk_norm": mt == "qwen3",
+         "tie_embeddings": False, "norm_eps": 1e-6, "rope_theta": 10000.0}  # transformers' defaults (Llama, Qwen3)
     for key, field in MAPPED.items():
         if hf.get(key) is not None:
             m[field] = FIELD_TYPES[field](hf[key])
@@ -212,12 +213,6 @@ def model_settings_from_hf(directory: str | Path) -> dict:
         m["kv_heads"] = m["heads"]
     if hf.get("head_dim") is None:
         m["head_dim"] = m["hidden"] // m["heads"]
-    if hf.get("tie_word_embeddings") is None:  # transformers' defaults (Llama and Qwen3 alike)
-        m["tie_embeddings"] = False
-    if hf.get("rms_norm_eps") is None:
-        m["norm_eps"] = 1e-6
-    if hf.get("rope_theta") is None:
-        m["rope_theta"] = 10000.0
     theta, m["rope_scaling"] = _rope_scaling(hf, where)
     if theta is not None:
         m["rope_theta"] = float(theta)
