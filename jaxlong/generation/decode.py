@@ -57,9 +57,8 @@ from jaxlong.models import llama as model_lib
 
 
 __all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "expand_samples", "cache_shardings", "cache_shapes",
-           "cache_bytes",
-           "stack_index", "by_kind", "window_gather", "zigzag_slot", "sample", "output_head", "decode_weights_mode",
-           "replicate_weights", "weight_bytes"]
+           "cache_bytes", "stack_index", "by_kind", "window_gather", "zigzag_slot", "sample", "output_head",
+           "decode_weights_mode", "replicate_weights", "weight_bytes"]
 
 
 class Cache(NamedTuple):
