@@ -435,9 +435,7 @@ def _check_shared_prompt(cfg: Config) -> None:
     """Rows that hold a prompt once (`data.shared_prompt`, preference pairs, so packed with segment ids) take no
     sliding window: a window counts positions, and a branch's row index is not its position
     (`jaxlong.core.segments`)."""
-    if not cfg.data.shared_prompt:
-        return
-    if cfg.model.sliding_window:
+    if cfg.data.shared_prompt and cfg.model.sliding_window:
         raise ConfigError(f"data.shared_prompt=true: model.sliding_window={cfg.model.sliding_window} counts "
                           f"positions, and a shared prompt's second branch does not follow it in the row; set "
                           f"data.shared_prompt=false for a model with sliding-window layers",
@@ -543,8 +541,7 @@ def validate_ruler(cfg: Config) -> None:
                           f"string_match_all) or forced (teacher-forced exact match, the cheap proxy)",
                           key="ruler_scoring", value=cfg.ruler_scoring,
                           suggestions=({"ruler_scoring": "generate"}, {"ruler_scoring": "forced"}))
-    bad = [n for n in cfg.ruler_lengths if n <= 0]
-    if bad:
+    if any(n <= 0 for n in cfg.ruler_lengths):
         raise ConfigError(f"ruler_lengths={cfg.ruler_lengths}: lengths must be positive token counts, e.g. "
                           f"[{cfg.seq_len}]")
     if cfg.ruler_cases <= 0:

@@ -62,10 +62,7 @@ def process_rows(mesh: jax.sharding.Mesh, global_batch: int, process: int | None
     """
     process = jax.process_index() if process is None else process
     index = batch_sharding(mesh).devices_indices_map((global_batch, seq_shards(mesh)))
-    rows = set()
-    for device, idx in index.items():
-        if process_of(device) == process:
-            rows.update(range(global_batch)[idx[0]])
+    rows = {r for device, idx in index.items() if process_of(device) == process for r in range(global_batch)[idx[0]]}
     return np.array(sorted(rows), np.int64)
 
 

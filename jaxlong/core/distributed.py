@@ -117,8 +117,8 @@ def start(mesh_cfg, lost_process_timeout_s: float = 120) -> int:
     """Start a launch before jax has a backend: check that `mesh_cfg.num_devices` (a `jaxlong.core.mesh.MeshConfig`)
     splits over the processes, ask for `num_devices / processes` simulated devices on the CPU
     (`set_host_device_count`) and `initialize` (with `lost_process_timeout_s`, seconds). Returns the process
-    count. The mesh's split over the processes is
-    checked once it is built (`jaxlong.core.mesh.check_process_layout`), before anything compiles.
+    count. The mesh's split over the processes is checked once it is built
+    (`jaxlong.core.mesh.check_process_layout`), before anything compiles.
 
     Raises:
       ConfigError: `mesh.num_devices` is not divisible by the process count.

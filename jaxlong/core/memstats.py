@@ -11,15 +11,8 @@ def compiled_bytes(compiled) -> dict[str, int]:
     """Per-device bytes of a compiled program: arguments, outputs, temporaries, aliased (donated) bytes,
     host-side counterparts, and `peak` = argument + output + temp - alias (XLA's own estimate; best-effort)."""
     m = compiled.memory_analysis()
-    out = {
-        "argument": m.argument_size_in_bytes,
-        "output": m.output_size_in_bytes,
-        "temp": m.temp_size_in_bytes,
-        "alias": m.alias_size_in_bytes,
-        "host_argument": getattr(m, "host_argument_size_in_bytes", 0),
-        "host_output": getattr(m, "host_output_size_in_bytes", 0),
-        "host_temp": getattr(m, "host_temp_size_in_bytes", 0),
-    }
+    out = {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "output", "temp", "alias")}
+    out |= {f"host_{k}": getattr(m, f"host_{k}_size_in_bytes", 0) for k in ("argument", "output", "temp")}
     out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
     return out
 

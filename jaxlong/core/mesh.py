@@ -96,10 +96,7 @@ def resolve_mesh_shape(mesh, num_devices: int) -> tuple[int, int, int, int]:
     if len(free) > 1:
         raise ConfigError(f"mesh: only one axis may be -1, got {', '.join('mesh.' + k for k in free)}",
                           key=f"mesh.{free[-1]}", value=-1, keys=tuple(f"mesh.{k}" for k in free[:-1]))
-    fixed = 1
-    for k, v in sizes.items():
-        if v != -1:
-            fixed *= v
+    fixed = int(np.prod([v for v in sizes.values() if v != -1]))
     if free:
         if num_devices % fixed:
             raise ConfigError(
@@ -136,9 +133,7 @@ def build_mesh(cfg, devices: list | None = None) -> jax.sharding.Mesh:
     """
     devices = list(run_devices(cfg) if devices is None else devices)
     shape = resolve_mesh_shape(cfg, len(devices))
-    return jax.make_mesh(
-        shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices
-    )
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
 def mesh_processes(mesh: jax.sharding.Mesh) -> np.ndarray:
@@ -215,10 +210,6 @@ def activation_spec() -> P:
     return P(BATCH_AXES, SEQ_AXES, None)
 
 
-def fsdp_size(mesh: jax.sharding.Mesh) -> int:
-    return int(np.prod([axis_size(mesh, a) for a in FSDP_AXES]))
-
-
 def param_spec(shape: tuple[int, ...], n_shards: int, stacked: bool) -> P:
     """ZeRO-3 spec of one leaf: the most major dimension divisible by `n_shards` is split over `FSDP_AXES`.
 
@@ -245,7 +236,7 @@ def tree_shardings(mesh: jax.sharding.Mesh, tree) -> object:
     Works on optimizer state too: optax's moment trees contain the parameter paths (with `layers` for the
     stacked decoder weights), and counters are scalars (replicated).
     """
-    n = fsdp_size(mesh)
+    n = int(np.prod([axis_size(mesh, a) for a in FSDP_AXES]))  # the devices each leaf is split over
 
     def one(path, leaf):
         return NamedSharding(mesh, param_spec(tuple(np.shape(leaf)), n, _is_stacked(path)))
@@ -255,15 +246,10 @@ def tree_shardings(mesh: jax.sharding.Mesh, tree) -> object:
 
 def describe_param_sharding(mesh: jax.sharding.Mesh, params) -> list[str]:
     """Human-readable lines `path shape -> spec`, replicated leaves marked, for logs and docs."""
-    shardings = tree_shardings(mesh, params)
-    lines = []
-    for (path, leaf), (_, sh) in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_flatten_with_path(shardings)[0]
-    ):
-        name = jax.tree_util.keystr(path)
-        replicated = all(s is None for s in sh.spec)
-        lines.append(f"{name} {tuple(np.shape(leaf))} -> {sh.spec}{'  (replicated: too small to split)' if replicated else ''}")
-    return lines
+    shardings = jax.tree.leaves(tree_shardings(mesh, params))
+    return [f"{jax.tree_util.keystr(path)} {tuple(np.shape(leaf))} -> {sh.spec}"
+            + ("  (replicated: too small to split)" if all(s is None for s in sh.spec) else "")
+            for (path, leaf), sh in zip(jax.tree_util.tree_flatten_with_path(params)[0], shardings)]
 
 
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:

@@ -33,11 +33,9 @@ def sides(value: int, *, step: int = 1, lo: int = 1, hi: int | None = None) -> t
     """The integers near `value` that a search tries: the multiples of `step` in `[lo, hi]` below `value`
     (descending) and above it (ascending; `hi` None: unbounded, cut by the search's own limit)."""
     step = max(int(step), 1)
-    start_below = (value - 1) // step * step
-    start_above = value // step * step + step
-    first_up = max(start_above, -(-lo // step) * step)
-    top = (hi // step * step if hi is not None else first_up + step * 10**9)
-    return range(start_below, lo - 1, -step), range(first_up, top + 1, step)
+    first_up = max(value // step * step + step, -(-lo // step) * step)
+    top = hi // step * step if hi is not None else first_up + step * 10**9
+    return range((value - 1) // step * step, lo - 1, -step), range(first_up, top + 1, step)
 
 
 def nearest(passes: Callable[[int], bool], value: int, *, step: int = 1, lo: int = 1, hi: int | None = None,

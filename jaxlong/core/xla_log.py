@@ -80,11 +80,7 @@ class XlaLog:
 
     def summary(self) -> list[str]:
         """One line per kind of known message seen, e.g. `note: XLA's rematerialization could not bring 3 ...`."""
-        out = []
-        for kind, hits in self.seen.items():
-            last = hits[-1]
-            out.append("note: " + KNOWN[kind][1](len(hits), last))
-        return out
+        return ["note: " + KNOWN[kind][1](len(hits), hits[-1]) for kind, hits in self.seen.items()]
 
 
 _ACTIVE: list[XlaLog] = []

@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlong.config import runtime
 from jaxlong.core.mesh import BATCH_AXES, SEQ_AXES, axis_size, seq_shards
-from jaxlong.generation.decode import Cache, cache_shapes, output_head, stack_index, window_gather
+from jaxlong.generation.decode import Cache, by_kind, cache_shapes, output_head, stack_index, window_gather
 from jaxlong.kernels.backend import attention_fwd_with_lse
 from jaxlong.kernels.merge import NEG, merge_across
 from jaxlong.kernels.layout import pallas_head_dim_ok
@@ -159,9 +159,7 @@ def _cache_ops(cfg, mesh, n: int, chunk: int, kernel: str, window: int):
 
     def attend(q, kc, vc, i, j):
         """Local: q `[b, cl, h, d]` of this device's slice -> its attention output, same shape (float32)."""
-        dev = jnp.int32(0)
-        for a in seq:  # the device's index along the flattened sequence axes (ring-major)
-            dev = dev * axis_size(mesh, a) + jax.lax.axis_index(a)
+        dev = jax.lax.axis_index(seq) if seq else 0  # the device's index along the flattened sequence axes
         if seq:
             q = jax.lax.all_gather(q, seq, axis=1, tiled=True)  # [b, chunk, h, d]: the whole chunk
 
@@ -227,9 +225,7 @@ def _make_chunk_step(cfg, mesh, n: int, chunk: int, kernel: str):
             def on(here):
                 return ops[here][1](q, cache[2 * here], cache[2 * here + 1], s, j).astype(cd)
 
-            if len(present) == 1:
-                return on(present[0]), tuple(cache)
-            return jax.lax.switch(kind, [functools.partial(on, GLOBAL), functools.partial(on, LOCAL)]), tuple(cache)
+            return by_kind(kinds, i, on), tuple(cache)
 
         x, cache = model.cached_layers(x, batch["positions"], rt, attend, tuple(cache),
                                        spec=P(BATCH_AXES, SEQ_AXES, None))

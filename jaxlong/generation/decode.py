@@ -57,10 +57,8 @@ from jaxlong.models import llama as model_lib
 
 
 __all__ = ["Cache", "Sampling", "make_prefill", "make_decode_step", "expand_samples", "cache_shardings", "cache_shapes",
-           "cache_bytes",
-           "stack_index", "window_gather", "zigzag_slot", "sample", "output_head", "decode_weights_mode",
-           "replicate_weights", "weight_bytes"]
-
+           "cache_bytes", "stack_index", "by_kind", "window_gather", "zigzag_slot", "sample", "output_head",
+           "decode_weights_mode", "replicate_weights", "weight_bytes"]
 
 
 class Cache(NamedTuple):
@@ -97,6 +95,15 @@ def stack_index(m) -> tuple[np.ndarray, np.ndarray]:
     for kind in (GLOBAL, LOCAL):
         index[kinds == kind] = np.arange(int((kinds == kind).sum()))
     return kinds, index
+
+
+def by_kind(kinds: np.ndarray, i: jax.Array, fn, *args):
+    """`fn(kind, *args)` for layer `i`'s (traced int32) kind: called as is where every layer is of one kind, else
+    a `lax.switch` between the kinds' branches."""
+    present = [kind for kind in (GLOBAL, LOCAL) if kind in kinds]
+    if len(present) == 1:
+        return fn(present[0], *args)
+    return jax.lax.switch(jnp.asarray(kinds)[i], [functools.partial(fn, GLOBAL), functools.partial(fn, LOCAL)], *args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,13 +159,11 @@ def cache_shapes(cfg, mesh: jax.sharding.Mesh, rows: int, prompt: int, max_new: 
     m, cd = cfg.model, jnp.dtype(cfg.compute_dtype)
     kinds, _ = stack_index(m)
     g, l = int((kinds == GLOBAL).sum()), int((kinds == LOCAL).sum())
-    sh = cache_shardings(mesh)
-    shapes = Cache((g, rows, m.kv_heads, prompt, m.head_dim), (g, rows, m.kv_heads, prompt, m.head_dim),
-                   (rows, prompt), (g, rows, m.kv_heads, max_new, m.head_dim),
-                   (g, rows, m.kv_heads, max_new, m.head_dim), (l, rows, m.kv_heads, m.sliding_window, m.head_dim),
-                   (l, rows, m.kv_heads, m.sliding_window, m.head_dim))
+    big, new, win = ((n, rows, m.kv_heads, s, m.head_dim)
+                     for n, s in ((g, prompt), (g, max_new), (l, m.sliding_window)))
+    shapes = Cache(big, big, (rows, prompt), new, new, win, win)
     dtypes = Cache(cd, cd, jnp.dtype(bool), cd, cd, cd, cd)
-    return Cache(*(jax.ShapeDtypeStruct(a, d, sharding=h) for a, d, h in zip(shapes, dtypes, sh)))
+    return Cache(*(jax.ShapeDtypeStruct(a, d, sharding=h) for a, d, h in zip(shapes, dtypes, cache_shardings(mesh))))
 
 
 def cache_bytes(cache: Cache) -> dict[str, int]:
@@ -191,9 +196,8 @@ def window_gather(mesh: jax.sharding.Mesh, window: int, slot_of):
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
 
     def gather(k, v, last):
-        dev, local_n = jnp.int32(0), k.shape[3]
-        for a in seq:  # the device's index along the flattened sequence axes (ring-major)
-            dev = dev * axis_size(mesh, a) + jax.lax.axis_index(a)
+        local_n = k.shape[3]
+        dev = jax.lax.axis_index(seq) if seq else 0  # the device's index along the flattened sequence axes
         index = last[:, None] - window + 1 + jnp.arange(window)  # [b, window]
         slot = slot_of(jnp.maximum(index, 0))
         mine = (index >= 0) & (slot // local_n == dev)
@@ -245,11 +249,7 @@ def make_prefill(cfg, mesh: jax.sharding.Mesh, max_new: int):
                     acc[f] = jax.lax.dynamic_update_slice(acc[f], a, at)
                 return tuple(acc)
 
-            present = [kind for kind in (GLOBAL, LOCAL) if kind in kinds]
-            if len(present) == 1:
-                return put(present[0], acc)
-            return jax.lax.switch(jnp.asarray(kinds)[i], [functools.partial(put, GLOBAL),
-                                                          functools.partial(put, LOCAL)], acc)
+            return by_kind(kinds, i, put, acc)
 
         zeros = tuple(rt.constrain(jnp.zeros(a.shape, a.dtype), a.sharding.spec)
                       for a in (empty.k, empty.v, empty.win_k, empty.win_v))
@@ -342,7 +342,6 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
     scale = 1.0 / float(np.sqrt(m.head_dim))
     seq = tuple(a for a in SEQ_AXES if axis_size(mesh, a) > 1)
     kinds, index = stack_index(m)
-    present = [kind for kind in (GLOBAL, LOCAL) if kind in kinds]
     samples = sampling.n
 
     def shard_attention(q, k, v, valid):
@@ -395,11 +394,7 @@ def make_decode_step(cfg, mesh: jax.sharding.Mesh, sampling: Sampling = Sampling
             qg = (q[:, 0].astype(jnp.float32) * scale).reshape(b, m.kv_heads, group, m.head_dim)
             kv = tuple(jnp.swapaxes(a, 1, 2)[None].astype(cd) for a in (k, v))  # [1, b, kv_heads, 1, head_dim]
             branches = {GLOBAL: attend_global, LOCAL: attend_local}
-            operands = (qg, kv, jnp.asarray(index)[i], carry)
-            if len(present) == 1:
-                attn, carry = branches[present[0]](*operands)
-            else:
-                attn, carry = jax.lax.switch(jnp.asarray(kinds)[i], [branches[GLOBAL], branches[LOCAL]], *operands)
+            attn, carry = by_kind(kinds, i, lambda kind, *a: branches[kind](*a), qg, kv, jnp.asarray(index)[i], carry)
             return attn.reshape(b, 1, m.heads, m.head_dim).astype(cd), carry
 
         x, (new_k, new_v, win_k, win_v) = model.cached_layers(

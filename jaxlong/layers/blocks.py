@@ -25,14 +25,9 @@ ROPE_SCALINGS = get_args(RopeScaling)
 
 @dataclass
 class RopeScalingConfig:
-    """RoPE frequency scaling for context extension (`rope_scaling` of Hugging Face configs).
-
-    `type`: `none`; `linear` (position interpolation, Chen et al. 2023: every frequency / `factor`);
-    `llama3` (Llama-3.1: wavelengths above `original_max_position_embeddings / low_freq_factor` are divided by
-    `factor`, those below `original_max_position_embeddings / high_freq_factor` kept, those between
-    interpolated); `yarn` (Peng et al. 2023, YaRN: a ramp between `beta_fast` and `beta_slow` rotations, and
-    the attention temperature `attention_factor`, default `0.1 ln(factor) + 1`, applied to cos and sin).
-    `rope_frequencies` computes them as `transformers` does.
+    """RoPE frequency scaling for context extension (`rope_scaling` of Hugging Face configs): `type` `none`,
+    `linear` (position interpolation, Chen et al. 2023), `llama3` (Llama-3.1) or `yarn` (Peng et al. 2023, YaRN),
+    computed by `rope_frequencies` as `transformers` does (how each rescales the frequencies: its docstring).
     """
 
     type: RopeScaling = "none"
@@ -88,18 +83,12 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 
 def rms_norm_fwd(x, scale, eps):
-    """RMSNorm forward and its residuals `(x, scale, 1/rms)` (for ops that fuse the norm, e.g. U-Pipe)."""
+    """RMSNorm forward `x * (r * scale)` in x's dtype, with r the per-token `1/rms` `[..., 1]`, and its residuals
+    `(x, scale, r)` (for ops that fuse the norm, e.g. U-Pipe). The product is `x * (r * scale)`, not
+    `(x * r) * scale`: no full-size `x * r` exists for the compiler to share with (and keep alive for) another use
+    of it."""
     r = inv_rms(x, eps)
-    return rms_norm_apply(x, r, scale), (x, scale, r)
-
-
-def rms_norm_apply(x, r, scale):
-    """The normalized x from its per-token `1/rms` r `[..., 1]`: `x * (r * scale)`, in x's dtype.
-
-    Recomputations (U-Pipe's backward) call this too, so they round exactly as the forward did. The product
-    is `x * (r * scale)`, not `(x * r) * scale`: no full-size `x * r` exists for the compiler to share with
-    (and keep alive for) another use of it."""
-    return (x.astype(jnp.float32) * (r * scale.astype(jnp.float32))).astype(x.dtype)
+    return (x.astype(jnp.float32) * (r * scale.astype(jnp.float32))).astype(x.dtype), (x, scale, r)
 
 
 def rms_norm_bwd(eps, res, g):

@@ -39,13 +39,9 @@ def token_entropies(hidden: jax.Array, head: jax.Array) -> jax.Array:
     return jax.lax.stop_gradient(-jnp.sum(jnp.exp(logp) * logp, axis=-1))
 
 
-def masked_mean(losses: jax.Array, mask: jax.Array) -> jax.Array:
-    """`sum(losses * mask) / max(sum(mask), 1)` over the whole (global) batch."""
-    mask = mask.astype(jnp.float32)
-    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
 def cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy (nats/token) over the valid tokens of the global batch: positions where
-    `mask` is 0 or the target is `IGNORE_INDEX` are left out; finite for any target at such a position."""
-    return masked_mean(token_losses(hidden, head, targets), effective_mask(targets, mask))
+    `mask` is 0 or the target is `IGNORE_INDEX` are left out; finite for any target at such a position:
+    `sum(losses * mask) / max(sum(mask), 1)` over the whole (global) batch."""
+    mask = effective_mask(targets, mask)
+    return jnp.sum(token_losses(hidden, head, targets) * mask) / jnp.maximum(jnp.sum(mask), 1.0)

@@ -117,7 +117,7 @@ def make_policy(cfg, keep: bool = False):
     if cfg.policy == "save_dots":
         return policies.checkpoint_dots_with_no_batch_dims
     if cfg.policy == "offload":
-        return _offload_only(LAYER_INPUT)
+        return _save_offload([], [LAYER_INPUT])
     if cfg.policy == "custom":
         for key, names in (("remat.save", cfg.save), ("remat.offload", cfg.offload)):
             unknown = sorted(set(names) - set(NAMES))
@@ -194,20 +194,15 @@ def host_layer_inputs(layers: int, offload_every: int) -> int:
 def remat(fn, cfg, keep: bool = False):
     """Wrap a scan body `fn(carry, xs)` in `jax.checkpoint` with the configured policy (identity for `none`);
     `keep`: the policy also keeps the attention output and lse (`remat.keep_attention`)."""
-    policy = make_policy(cfg, keep)
     if cfg.policy == "none":
         return fn
-    return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+    return jax.checkpoint(fn, policy=make_policy(cfg, keep), prevent_cse=False)
 
 
 def _save_offload(saved: list[str], offloaded: list[str]):
     return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded, offload_src="device",
         offload_dst="pinned_host")
-
-
-def _offload_only(name: str):
-    return _save_offload([], [name])
 
 
 def scan_layers(layer, x: jax.Array, stacked, cfg, group_params=None, keep_layer=None, kinds=None,
@@ -308,7 +303,7 @@ def _scan_part(layer, x, stacked, cfg, group_params, keep: bool, kinds=None, out
     elif keep:
         outer_policy = _save_offload(list(KEPT_NAMES), [GROUP_INPUT])
     else:
-        outer_policy = _offload_only(GROUP_INPUT)
+        outer_policy = _save_offload([], [GROUP_INPUT])
     cast = group_params or (lambda p: p)
 
     def group(carry, params, first: int):

@@ -46,7 +46,7 @@ from jaxlong.core.mesh import BATCH_AXES, seq_axes, seq_shards
 from jaxlong.core.ordering import zeros_after
 from jaxlong.core.units import MiB
 from jaxlong.layers.blocks import gate_activation, rms_norm
-from jaxlong.layers.loss import IGNORE_INDEX
+from jaxlong.layers.loss import effective_mask
 
 DEFAULT_LOSS_BUDGET_BYTES = 256 * MiB
 
@@ -107,23 +107,16 @@ def _positive_divisor(value, n: int) -> bool:
     return not isinstance(value, bool) and v >= 1 and n % v == 0
 
 
+def _check_divides(key: str, value, seq_local: int) -> None:
+    if not _positive_divisor(value, seq_local):
+        raise ValueError(f"{key}={value!r} must be a positive integer dividing the local sequence length "
+                         f"{seq_local} (seq_len / mesh.context); valid values: {_show(_divisors(seq_local))}")
+
+
 def validate_loss_tile(seq_local: int, tile: int) -> None:
     """Raise ValueError unless `tile` (tokens per loss tile, option `tiling.loss_tile`) divides `seq_local`
     (the sequence length each device holds: seq_len / mesh.context)."""
-    if not _positive_divisor(tile, seq_local):
-        raise ValueError(
-            f"tiling.loss_tile={tile!r} must be a positive integer dividing the local sequence length "
-            f"{seq_local} (seq_len / mesh.context); valid values: {_show(_divisors(seq_local))}"
-        )
-
-
-def validate_mlp_tiles(seq_local: int, tiles: int) -> None:
-    """Raise ValueError unless `tiles` (number of MLP tiles, option `tiling.mlp_tiles`) divides `seq_local`."""
-    if not _positive_divisor(tiles, seq_local):
-        raise ValueError(
-            f"tiling.mlp_tiles={tiles!r} must be a positive integer dividing the local sequence length "
-            f"{seq_local} (seq_len / mesh.context); valid values: {_show(_divisors(seq_local))}"
-        )
+    _check_divides("tiling.loss_tile", tile, seq_local)
 
 
 def default_loss_tile(seq_local: int, vocab: int, budget_bytes: int = DEFAULT_LOSS_BUDGET_BYTES, *,
@@ -192,19 +185,22 @@ def _ce_sum(hidden, head, targets, mask, tile, axes):
     return _ce_sum_fwd(hidden, head, targets, mask, tile, axes)[0]
 
 
-def _ce_sum_fwd(hidden, head, targets, mask, tile, axes):
-    s = hidden.shape[1]
-    vocab = head.shape[1]
+def _tile_ce(hidden, head, targets, i, tile):
+    """Tile `i`'s per-token cross-entropy and log-sum-exp, float32 `[b, tile]` each."""
+    logits = _tile_logits(_tile(hidden, i, tile), head)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.sum(jnp.where(_is_target(_tile(targets, i, tile), head.shape[1]), logits, 0.0), axis=-1)
+    return lse - target_logit, lse
 
+
+def _ce_sum_fwd(hidden, head, targets, mask, tile, axes):
     # Each tile's sum is a scan output, summed once at the end (a reduction tree), not a running float32
     # total: n tiles added one after another would round n times at the size of the whole sum (docs/numerics.md).
     def body(_, i):
-        logits = _tile_logits(_tile(hidden, i, tile), head)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        target_logit = jnp.sum(jnp.where(_is_target(_tile(targets, i, tile), vocab), logits, 0.0), axis=-1)
-        return None, (jnp.sum((lse - target_logit) * _tile(mask, i, tile)), lse)
+        loss, lse = _tile_ce(hidden, head, targets, i, tile)
+        return None, (jnp.sum(loss * _tile(mask, i, tile)), lse)
 
-    _, (sums, lse) = jax.lax.scan(body, None, jnp.arange(s // tile))
+    _, (sums, lse) = jax.lax.scan(body, None, jnp.arange(hidden.shape[1] // tile))
     return jnp.sum(sums), (hidden, head, targets, mask, _untile(lse))
 
 
@@ -265,7 +261,7 @@ def tiled_loss_sum(hidden: jax.Array, head: jax.Array, targets: jax.Array, mask:
       ValueError: `tile` does not divide the local sequence length (option `tiling.loss_tile`), or seq is not
         divisible by mesh.context.
     """
-    mask = jnp.where(targets == IGNORE_INDEX, 0.0, mask.astype(jnp.float32))
+    mask = effective_mask(targets, mask)
     if mesh is None:
         validate_loss_tile(hidden.shape[1], tile)
         return _ce_sum(hidden, head, targets, mask, int(tile), ()), jnp.sum(mask)
@@ -291,13 +287,8 @@ def _ce_tokens(hidden, head, targets, tile, axes):
 
 
 def _ce_tokens_fwd(hidden, head, targets, tile, axes):
-    vocab = head.shape[1]
-
     def body(_, i):
-        logits = _tile_logits(_tile(hidden, i, tile), head)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        target_logit = jnp.sum(jnp.where(_is_target(_tile(targets, i, tile), vocab), logits, 0.0), axis=-1)
-        return None, (lse - target_logit, lse)
+        return None, _tile_ce(hidden, head, targets, i, tile)
 
     _, (losses, lse) = jax.lax.scan(body, None, jnp.arange(hidden.shape[1] // tile))
     return _untile(losses), (hidden, head, targets, _untile(lse))
@@ -384,9 +375,7 @@ def tiled_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """Plain SwiGLU `(silu(x W_gate) * (x W_up)) W_down`: `[b, s, hidden]` -> `[b, s, hidden]`
     (the same math as `jaxlong.models.llama.mlp`)."""
-    gate = jnp.einsum("bsh,hf->bsf", x, w_gate)
-    up = jnp.einsum("bsh,hf->bsf", x, w_up)
-    return jnp.einsum("bsf,fh->bsh", jax.nn.silu(gate) * up, w_down)
+    return _gated(x, w_gate, w_up, w_down, jax.nn.silu)
 
 
 def _mlp_tile(x_t, norms, w_gate, w_up, w_down, eps, act):
@@ -489,10 +478,10 @@ def tiled_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
     eps = float(norm_eps)
     norms = None if norm_scale is None else (norm_scale, post_norm_scale)
     if mesh is None:
-        validate_mlp_tiles(x.shape[1], tiles)
+        _check_divides("tiling.mlp_tiles", tiles, x.shape[1])
         return _mlp_tiled(x, norms, w_gate, w_up, w_down, x.shape[1] // int(tiles), (), eps, activation)
     seq_local = _check_mesh_seq(x.shape[1], mesh)
-    validate_mlp_tiles(seq_local, tiles)
+    _check_divides("tiling.mlp_tiles", tiles, seq_local)
     axes = tuple(mesh.axis_names)
 
     def local(x, norms, *ws):

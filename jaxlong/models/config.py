@@ -92,8 +92,7 @@ def _check_windows(m: ModelConfig) -> None:
             raise ConfigError(f"model.layer_types: give model.layers={m.layers} entries, each full_attention or "
                               f"sliding_attention (got {len(m.layer_types)}{', with ' + str(bad) if bad else ''})",
                               key="model.layer_types", value=m.layer_types)
-    for key in ("rope_local_theta",):
-        if not getattr(m, key) > 0:
-            raise ConfigError(f"model.{key}={getattr(m, key)} must be positive")
+    if not m.rope_local_theta > 0:
+        raise ConfigError(f"model.rope_local_theta={m.rope_local_theta} must be positive")
     if m.query_pre_attn_scalar < 0:
         raise ConfigError(f"model.query_pre_attn_scalar={m.query_pre_attn_scalar} must be positive (0: head_dim)")

@@ -92,11 +92,6 @@ def text_prefix(names) -> str:
     return "model."
 
 
-def leaf_names(family: str) -> dict[str, tuple[str, str]]:
-    """jaxlong leaf -> (HF name, layout) for a model family."""
-    return {**LEAVES, **GEMMA3_LEAVES} if family == "gemma3" else LEAVES
-
-
 def _hf_shape(ours: tuple[int, ...], layout: str) -> tuple[int, ...]:
     """The HF shape of one (per-layer) jaxlong leaf shape."""
     if layout == "copy":
@@ -108,15 +103,19 @@ def _hf_shape(ours: tuple[int, ...], layout: str) -> tuple[int, ...]:
     return (ours[2], ours[0] * ours[1])  # out_heads: [n, d, D] <- [D, n*d]
 
 
-def expected_tensors(abstract: dict, tied: bool, family: str = "llama",
+def _by_path(tree) -> dict:
+    """The leaves of `tree` by dotted path (`layers.wq`)."""
+    return {".".join(str(getattr(k, "key", k)) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def expected_tensors(abstract: dict, family: str = "llama",
                      prefix: str = "model.") -> dict[str, tuple[str, str, int | None, tuple]]:
     """HF tensor name -> (jaxlong leaf path, layout, layer index or None, HF shape), from the abstract params of a
     model `family`; the language model's names under `prefix` (`text_prefix`)."""
-    names = leaf_names(family)
+    names = {**LEAVES, **GEMMA3_LEAVES} if family == "gemma3" else LEAVES  # jaxlong leaf -> (HF name, layout)
     out = {}
-    flat = {".".join(str(getattr(k, "key", k)) for k in path): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
-    for path, leaf in flat.items():
+    for path, leaf in _by_path(abstract).items():
         if path not in names:
             raise ValueError(f"no Hugging Face name for parameter {path}")
         name, layout = names[path]
@@ -179,7 +178,7 @@ def check_checkpoint(directory: str | Path, model: ModelConfig, reader: Safetens
     where = f"model.from_hf={str(directory)!r}"
     have = reader.names()
     prefix = text_prefix(have)
-    want = expected_tensors(abstract_params(model), model.tie_embeddings, model.family, prefix)
+    want = expected_tensors(abstract_params(model), model.family, prefix)
     ignorable = {n for n in have if n.endswith(IGNORABLE_SUFFIXES)}
     if prefix != "model.":  # the vision tower is left out
         ignorable |= {n for n in have if n.startswith(VISION_PREFIXES) or n == "language_model.lm_head.weight"}
@@ -269,14 +268,12 @@ def load_params(directory: str | Path, model: ModelConfig, mesh: jax.sharding.Me
     dtype = np.dtype(jnp.dtype(param_dtype))
     by_leaf: dict[str, list] = {}
     prefix = text_prefix(reader.names())
-    for name, (path, layout, layer, _) in expected_tensors(abstract, model.tie_embeddings, model.family,
-                                                           prefix).items():
+    for name, (path, layout, layer, _) in expected_tensors(abstract, model.family, prefix).items():
         by_leaf.setdefault(path, []).append((layer, name, layout))
-    flat_abs = {".".join(str(getattr(k, "key", k)) for k in p): (leaf, sh) for (p, leaf), (_, sh) in zip(
-        jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree_util.tree_flatten_with_path(shardings)[0])}
+    leaves, sharding_of = _by_path(abstract), _by_path(shardings)
     out: dict = {}
     for path, entries in by_leaf.items():
-        leaf, sharding = flat_abs[path]
+        leaf, sharding = leaves[path], sharding_of[path]
         if path.startswith("layers."):
             layer_sharding = NamedSharding(mesh, P(*tuple(sharding.spec)[1:]))
             stacked = jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=sharding)()
@@ -335,7 +332,6 @@ def save_hf(params: dict, model: ModelConfig, out: str | Path, *, seq_len: int, 
     """
     from safetensors.numpy import save_file  # noqa: PLC0415
 
-
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--out {out}: the directory exists and is not empty; choose a new one")
@@ -355,9 +351,8 @@ def save_hf(params: dict, model: ModelConfig, out: str | Path, *, seq_len: int, 
                 shutil.copyfile(Path(source) / f, out / f)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    flat = {".".join(str(getattr(k, "key", k)) for k in p): leaf
-            for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-    want = expected_tensors(abstract_params(m, param_dtype), m.tie_embeddings, m.family)
+    flat = _by_path(params)
+    want = expected_tensors(abstract_params(m, param_dtype), m.family)
     itemsize = jnp.dtype(param_dtype).itemsize
     shards: list[list[str]] = [[]]  # planned from the shapes, so only one shard is ever on the host
     size = 0

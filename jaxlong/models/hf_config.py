@@ -57,11 +57,9 @@ REQUIRED_VALUES = {
     "pruned_heads": ({}, None), "is_encoder_decoder": (False,), "add_cross_attention": (False,),
     "quantization_config": (None,),
 }
-ROPE_KEYS = {
-    "factor": "factor", "original_max_position_embeddings": "original_max_position_embeddings",
-    "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor", "beta_fast": "beta_fast",
-    "beta_slow": "beta_slow", "attention_factor": "attention_factor", "truncate": "truncate",
-}
+# rope scaling fields, each the `model.rope_scaling.*` field of that name.
+ROPE_KEYS = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "beta_fast",
+             "beta_slow", "attention_factor", "truncate")
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 # The type of each mapped `model.*` field (config.json may hold 1 for 1.0, or 1e-05 for an int).
 FIELD_TYPES = {"vocab_size": int, "hidden": int, "layers": int, "heads": int, "kv_heads": int, "head_dim": int,
@@ -98,11 +96,9 @@ def _rope_scaling(hf: dict, where: str) -> tuple[float | None, dict]:
     if params.get("mscale") or params.get("mscale_all_dim"):
         raise ConfigError(f"{where}: rope scaling with mscale/mscale_all_dim (DeepSeek's YaRN) is not supported")
     scaling = {"type": ROPE_TYPES[kind]}
-    for key, field in ROPE_KEYS.items():
+    for key in ROPE_KEYS:
         if params.get(key) is not None:
-            value = params[key]
-            kind_of = {"original_max_position_embeddings": int, "truncate": bool}.get(field, float)
-            scaling[field] = kind_of(value)
+            scaling[key] = {"original_max_position_embeddings": int, "truncate": bool}.get(key, float)(params[key])
     if scaling["type"] in ("llama3", "yarn") and not scaling.get("original_max_position_embeddings"):
         scaling["original_max_position_embeddings"] = int(hf.get("max_position_embeddings") or 0)
     return theta, scaling
@@ -208,7 +204,8 @@ def model_settings_from_hf(directory: str | Path) -> dict:
     layer_types = hf.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise ConfigError(f"{where}: layer_types other than full_attention (sliding windows) are not supported")
-    m = {"name": str(Path(directory).name or mt), "from_hf": str(directory), "qk_norm": mt == "qwen3"}
+    m = {"name": str(Path(directory).name or mt), "from_hf": str(directory), "qk_norm": mt == "qwen3",
+         "tie_embeddings": False, "norm_eps": 1e-6, "rope_theta": 10000.0}  # transformers' defaults (Llama, Qwen3)
     for key, field in MAPPED.items():
         if hf.get(key) is not None:
             m[field] = FIELD_TYPES[field](hf[key])
@@ -216,12 +213,6 @@ def model_settings_from_hf(directory: str | Path) -> dict:
         m["kv_heads"] = m["heads"]
     if hf.get("head_dim") is None:
         m["head_dim"] = m["hidden"] // m["heads"]
-    if hf.get("tie_word_embeddings") is None:  # transformers' defaults (Llama and Qwen3 alike)
-        m["tie_embeddings"] = False
-    if hf.get("rms_norm_eps") is None:
-        m["norm_eps"] = 1e-6
-    if hf.get("rope_theta") is None:
-        m["rope_theta"] = 10000.0
     theta, m["rope_scaling"] = _rope_scaling(hf, where)
     if theta is not None:
         m["rope_theta"] = float(theta)
@@ -264,9 +255,8 @@ def _gemma3_config_dict(m, context: int, dtype: str) -> dict:
     """`config.json` of a `model.family=gemma3` model as a `gemma3_text` checkpoint (the text model alone), with the
     RoPE settings in both spellings: `rope_parameters` per layer type (transformers 5) and `rope_theta`,
     `rope_local_base_freq`, `rope_scaling` (4.x)."""
-    full = {"rope_type": "default", "rope_theta": m.rope_theta}
-    if m.rope_scaling.type != "none":
-        full = {**_scaling_dict(m.rope_scaling), "rope_theta": m.rope_theta}
+    scaling = _scaling_dict(m.rope_scaling) if m.rope_scaling.type != "none" else {"rope_type": "default"}
+    full = {**scaling, "rope_theta": m.rope_theta}
     types = ["sliding_attention" if k else "full_attention" for k in _kinds(m)]
     out = {
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": m.vocab_size,

@@ -119,11 +119,6 @@ class Runtime:
             offload_attention_output=R.offloads_attention_output(self.remat, self.keep_attention),
             window=m.sliding_window if local else 0, query_scale=query_scale(m), window_exchange=a.window_exchange)
 
-    @property
-    def sublayer(self) -> SublayerContext:
-        """The attention record of a model whose layers are all of one kind (the first layer's)."""
-        return self.attention_context(self.kinds[0])
-
     def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """RoPE tables `(cos, sin)` of integer `positions` `[b, s]` for each kind of layer, stacked on a leading
         axis indexed by the kind (`[2, b, s, head_dim / 2]` for a model with both kinds, else `[1, ...]`: index 0)."""
@@ -192,7 +187,7 @@ class DecoderLayer(nnx.Module):
         between them (`lax.switch`)."""
         w = self.weights()
         if kind is None or isinstance(kind, int):
-            ctx = rt.sublayer if kind is None else rt.attention_context(kind)
+            ctx = rt.attention_context(rt.kinds[0] if kind is None else kind)
             return attention_sublayer(x, w, positions, segment_ids, ctx)
         branches = [functools.partial(attention_sublayer, weights=w, positions=positions, segment_ids=segment_ids,
                                       ctx=rt.attention_context(k)) for k in (GLOBAL, LOCAL)]
@@ -420,14 +415,13 @@ def model_graphdef(model: ModelConfig, param_dtype: str = "float32"):
     return nnx.graphdef(abstract)
 
 
+def _pure_params(model: ModelConfig, rngs: nnx.Rngs, param_dtype: str) -> dict:
+    return nnx.to_pure_dict(nnx.state(Llama(model, rngs=rngs, param_dtype=jnp.dtype(param_dtype)), nnx.Param))
+
+
 def abstract_params(model: ModelConfig, param_dtype: str = "float32") -> dict:
     """`jax.ShapeDtypeStruct` tree of the parameters (nothing allocated), in `param_dtype`."""
-
-    def create():
-        return nnx.to_pure_dict(nnx.state(Llama(model, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(param_dtype)),
-                                          nnx.Param))
-
-    return jax.eval_shape(create)
+    return jax.eval_shape(lambda: _pure_params(model, nnx.Rngs(0), param_dtype))
 
 
 def init_params(model: ModelConfig, mesh: jax.sharding.Mesh, seed: int, param_dtype: str = "float32") -> dict:
@@ -436,12 +430,8 @@ def init_params(model: ModelConfig, mesh: jax.sharding.Mesh, seed: int, param_dt
     Returns a nested dict of `jax.Array` in `param_dtype`; stacked decoder weights have a leading `[layers]` axis.
     """
     shardings = tree_shardings(mesh, abstract_params(model, param_dtype))
-
-    def create(key):
-        return nnx.to_pure_dict(nnx.state(Llama(model, rngs=nnx.Rngs(params=key), param_dtype=jnp.dtype(param_dtype)),
-                                          nnx.Param))
-
-    return jax.jit(create, out_shardings=shardings)(jax.random.key(seed))
+    create = jax.jit(lambda key: _pure_params(model, nnx.Rngs(params=key), param_dtype), out_shardings=shardings)
+    return create(jax.random.key(seed))
 
 
 def forward(graphdef, params: dict, tokens: jax.Array, rt: Runtime, positions: jax.Array | None = None,
