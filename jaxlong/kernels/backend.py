@@ -29,22 +29,6 @@ Backend = Literal["auto", "blockwise", "cudnn", "pallas", "reference"]  # `atten
 BACKENDS = get_args(Backend)
 
 
-def cudnn_attention(q, k, v, *, causal: bool = True, window: int = 0):
-    """Differentiable cuDNN flash attention (`jaxlong.kernels.cudnn`, a `custom_vjp` saving
-    `(q, k, v, out, lse)` whose backward does not rerun the forward).
-
-    Same layout (GQA handled natively). GPU only; bf16/fp16 inputs, head_dim a multiple of 8 and <= 256;
-    `window` a sliding window (cuDNN's `sliding_window_length`, causal only).
-    It takes no segment ids: packed documents go to the Pallas GPU kernel (`backend='auto'`) or raise
-    (`backend='cudnn'`, see `resolve_backend`).
-    Raises ValueError/ConfigError as `jaxlong.kernels.cudnn.cudnn_attention_fwd`.
-    """
-    return cudnn_kernel.cudnn_attention(q, k, v, causal=causal, window=window)
-
-
-# --------------------------------------------------------------------------- dispatch
-
-
 def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = None) -> str:
     """Map `backend` (one of `BACKENDS`) to a concrete one for query array `q`.
 
@@ -110,7 +94,7 @@ def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: i
         return blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
                                    segment_ids=segment_ids, window=window)
     if backend == "cudnn":
-        return cudnn_attention(q, k, v, causal=causal, window=window)
+        return cudnn_kernel.cudnn_attention(q, k, v, causal=causal, window=window)
     if backend == "pallas":
         return pallas_kernel.pallas_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
     return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
