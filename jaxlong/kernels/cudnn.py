@@ -89,6 +89,7 @@ import jax.numpy as jnp
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels.layout import check_qkv, check_window, cudnn_head_dim_ok
+from jaxlong.kernels.merge import add_rounded
 
 __all__ = ["CHECKED_JAX", "MAX_ELEMENTS", "cudnn_attention", "cudnn_attention_bwd", "cudnn_attention_fwd"]
 
@@ -261,14 +262,10 @@ def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment
         dq_c, dk_c, dv_c = fa._dot_product_attention_bwd_p_wrapper.bind(
             *(named.get(n, unused) for n in operands), **{n: params[n] for n in keywords})[:3]
         dqs.append(dq_c)
-        dk = dk.at[:, :, kv_lo:kv_hi].set(_sum(dk[:, :, kv_lo:kv_hi], dk_c))
-        dv = dv.at[:, :, kv_lo:kv_hi].set(_sum(dv[:, :, kv_lo:kv_hi], dv_c))
+        dk = dk.at[:, :, kv_lo:kv_hi].set(add_rounded(dk[:, :, kv_lo:kv_hi], dk_c))
+        dv = dv.at[:, :, kv_lo:kv_hi].set(add_rounded(dv[:, :, kv_lo:kv_hi], dv_c))
     dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs, axis=2)
     return dq, dk, dv
-
-
-def _sum(total, part):
-    return (total.astype(jnp.float32) + part.astype(jnp.float32)).astype(total.dtype)
 
 
 @functools.cache

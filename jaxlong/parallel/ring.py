@@ -85,9 +85,7 @@ from jaxlong.kernels import pallas_gpu as pallas_kernel
 from jaxlong.core import segments
 from jaxlong.kernels.blockwise import blockwise_attention_bwd, blockwise_attention_fwd
 from jaxlong.core.segments import segment_starts
-from jaxlong.kernels.merge import merge_into
-
-_F32 = jnp.float32
+from jaxlong.kernels.merge import add_rounded, merge_into
 
 
 # ----------------------------------------------------------------------------- zigzag layout
@@ -232,12 +230,6 @@ def _tail(x, c: int, axis: int = 1):
     return None if x is None else lax.slice_in_dim(x, c, 2 * c, axis=axis)
 
 
-def add_rounded(total: jax.Array, part: jax.Array) -> jax.Array:
-    """`total + part` added in float32 and rounded to `total`'s dtype: how the ring's (and U-Pipe's)
-    sequence-sized gradient accumulators sum contributions (module docstring, "Backward")."""
-    return (total.astype(_F32) + part.astype(_F32)).astype(total.dtype)
-
-
 def _add_at(total, part, start: int):
     """`add_rounded` of `part` into `total[:, start:start + len(part)]` (a zigzag chunk along axis 1)."""
     end = start + part.shape[1]
@@ -363,7 +355,7 @@ def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = Tr
     if n > 1:
         nxt = lax.ppermute((k, v), axis_name, _ring_perm(n))  # issued before the diagonal block
     out, lse = kernel.diagonal_fwd(q, k, v, causal, q_ids)
-    out = out.astype(_F32)
+    out = out.astype(jnp.float32)
     if n == 1:
         return (out.astype(q.dtype), lse) + ((k, v) if return_kv else ())
     r = lax.axis_index(axis_name)

@@ -101,12 +101,13 @@ from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, axis_size, se
 from jaxlong.core.ordering import opaque_one, zeros_after
 from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels.backend import attention_bwd, attention_fwd_with_lse, resolve_backend
+from jaxlong.kernels.merge import add_rounded
 from jaxlong.layers import blocks as L
 from jaxlong.layers.remat import ATTENTION_NAMES
 from jaxlong.parallel import ulysses
 from jaxlong.parallel.halo import halo_attention_bwd, halo_attention_fwd, halo_over_context
 from jaxlong.parallel.record import SublayerContext, SublayerWeights
-from jaxlong.parallel.ring import add_rounded, ring_attention_bwd, ring_attention_fwd, zigzag_positions
+from jaxlong.parallel.ring import ring_attention_bwd, ring_attention_fwd, zigzag_positions
 from jaxlong.parallel.ulysses import check_heads, ulysses_attention
 
 
@@ -400,20 +401,18 @@ def accumulate_product(dx: jax.Array, dy: jax.Array, w: jax.Array, tiles: int = 
       `[b, S/C, hidden]` in dx's dtype: each product rounded to it and added in float32 (the same values for
       any `tiles`).
     """
-    f32 = jnp.float32
-
     def part(rows_dy):
         return jnp.einsum("bsnd,hnd->bsh", rows_dy, w, preferred_element_type=dx.dtype)
 
     if tiles <= 1:
-        return (dx.astype(f32) + part(dy).astype(f32)).astype(dx.dtype)
+        return add_rounded(dx, part(dy))
     rows = dx.shape[1] // tiles
 
     def body(i, dx):
         at = i * rows
-        block = jax.lax.dynamic_slice_in_dim(dx, at, rows, axis=1).astype(f32)
-        block = block + part(jax.lax.dynamic_slice_in_dim(dy, at, rows, axis=1)).astype(f32)
-        return jax.lax.dynamic_update_slice_in_dim(dx, block.astype(dx.dtype), at, axis=1)
+        block = add_rounded(jax.lax.dynamic_slice_in_dim(dx, at, rows, axis=1),
+                            part(jax.lax.dynamic_slice_in_dim(dy, at, rows, axis=1)))
+        return jax.lax.dynamic_update_slice_in_dim(dx, block, at, axis=1)
 
     return jax.lax.fori_loop(0, tiles, body, dx)
 
