@@ -68,6 +68,7 @@ from jaxlong.core.errors import ConfigError
 from jaxlong.core.ordering import varying_axes, zeros_after
 from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.core.segments import documents, segment_starts, visible
+from jaxlong.kernels.layout import check_window
 
 __all__ = [
     "segment_starts",
@@ -154,17 +155,6 @@ def _check_segments(segment_ids, q, causal):
     return segment_ids.astype(jnp.int32)
 
 
-def _check_window(window, causal: bool) -> int:
-    """`window` as an int: 0 (none) or a positive number of positions, with `causal` only."""
-    if window is None or int(window) == 0:
-        return 0
-    if int(window) < 0 or int(window) != window:
-        raise ValueError(f"window={window!r} must be 0 (no window) or a positive number of positions")
-    if not causal:
-        raise ValueError("a sliding window needs causal=True (a query sees itself and the window - 1 keys before it)")
-    return int(window)
-
-
 def window_tiles(seq: int, block_q: int, block_k: int, window: int = 0) -> int:
     """Score tiles `[block_q, block_k]` the causal blockwise kernel computes for one `[seq]` row and head, with a
     sliding `window` (> 0) or without (0): the tiles that every mask leaves entirely empty are not visited. Both
@@ -194,28 +184,20 @@ def _overlapping(firsts, lasts, other_first, other_last):
     return lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
+def _check_rows(name: str, x, like):
+    """`x` (None, or integer `[batch, seq]` of `like`'s leading axes, as the argument `name`) as int32."""
+    if x is None:
+        return None
+    if tuple(x.shape) != tuple(like.shape[:2]) or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integer [batch, seq] = {list(like.shape[:2])}; got {x.dtype}{list(x.shape)}")
+    return jnp.asarray(x).astype(jnp.int32)
+
+
 def _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal):
     """Validate a (query ids, key ids) pair for `causal=False`; return both as int32."""
     if causal or segment_ids is None:
         raise ValueError("kv_segment_ids (separate key segment ids) requires causal=False and segment_ids")
-    for name, ids, x in (("segment_ids", segment_ids, q), ("kv_segment_ids", kv_segment_ids, k)):
-        if tuple(ids.shape) != tuple(x.shape[:2]) or not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"{name} must be integer [batch, seq] = {list(x.shape[:2])}; "
-                             f"got {ids.dtype}{list(ids.shape)}")
-    return segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
-
-
-def _check_offsets(kv_starts, kv_ends, q):
-    """Validate the per-query key bounds against q's `[batch, seq]`; return both as int32 (or None)."""
-    out = []
-    for name, x in (("kv_starts", kv_starts), ("kv_ends", kv_ends)):
-        if x is not None:
-            if tuple(x.shape) != tuple(q.shape[:2]) or not jnp.issubdtype(x.dtype, jnp.integer):
-                raise ValueError(f"{name} must be integer [batch, seq] = {list(q.shape[:2])}; "
-                                 f"got {x.dtype}{list(x.shape)}")
-            x = jnp.asarray(x).astype(jnp.int32)
-        out.append(x)
-    return tuple(out)
+    return _check_rows("segment_ids", segment_ids, q), _check_rows("kv_segment_ids", kv_segment_ids, k)
 
 
 # ------------------------------------------------------------------------- reference
@@ -243,8 +225,8 @@ def reference_attention_with_lse(q, k, v, *, causal: bool, segment_ids=None, win
     """
     b, s, h, kvh, d = _check_shapes(q, k, v, causal)
     segment_ids = _check_segments(segment_ids, q, causal)
-    window = _check_window(window, causal)
-    kv_starts, kv_ends = _check_offsets(kv_starts, kv_ends, q)
+    window = check_window(window, causal)
+    kv_starts, kv_ends = _check_rows("kv_starts", kv_starts, q), _check_rows("kv_ends", kv_ends, q)
     q5 = _split_heads(q.astype(_F32), kvh)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q5, k.astype(_F32)) / math.sqrt(d)
     mask, keys = None, jnp.arange(k.shape[1])[None, None, :]
@@ -305,12 +287,12 @@ def _masks(q, k, causal, window, segment_ids, kv_segment_ids, kv_starts, kv_ends
         q_ids, kv_ids = _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal)
         segment_ids = None
     segment_ids = _check_segments(segment_ids, q, causal)
-    kv_starts, kv_ends = _check_offsets(kv_starts, kv_ends, q)
+    kv_starts, kv_ends = _check_rows("kv_starts", kv_starts, q), _check_rows("kv_ends", kv_ends, q)
     low = None if segment_ids is None else segment_starts(segment_ids)
     if kv_starts is not None:
         low = kv_starts if low is None else jnp.maximum(low, kv_starts)
     offsets = kv_starts is not None or kv_ends is not None
-    return _Masks(bool(causal), _check_window(window, causal), low, kv_ends, segment_ids, q_ids, kv_ids,
+    return _Masks(bool(causal), check_window(window, causal), low, kv_ends, segment_ids, q_ids, kv_ids,
                   offsets or q_ids is not None, offsets)
 
 
@@ -610,7 +592,7 @@ def blockwise_attention(q, k, v, *, causal: bool = True, block_q: int = 512,
     bq = _check_block("block_q", block_q, s)
     bk = _check_block("block_k", block_k, k.shape[1])
     segment_ids = _check_segments(segment_ids, q, causal)
-    return _blockwise(q, k, v, segment_ids, bool(causal), bq, bk, _check_window(window, causal))
+    return _blockwise(q, k, v, segment_ids, bool(causal), bq, bk, check_window(window, causal))
 
 
 def check_attention_block(key: str, block: int, seq: int) -> None:
