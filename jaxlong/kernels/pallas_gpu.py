@@ -84,10 +84,6 @@ DEFAULT_BLOCK = 64
 MAX_ELEMENTS = 2**31 - 1  # per operand: Triton pointer offsets are 32-bit unless proven otherwise
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts=None, kv_segment_ids=None):
     """Validate before tracing; return (segment_ids as int32 or None, block_q, block_k)."""
     b, s, h, d = check_qkv(q, k, v, "pallas attention", causal)
@@ -113,7 +109,7 @@ def _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts=None, kv_se
         raise ValueError(f"attention.backend=pallas needs head_dim a power of two in [16, 256] (model.head_dim), "
                          f"got {d}; use attention.backend=blockwise")
     for name, blk in (("block_q", block_q), ("block_k", block_k)):
-        if int(blk) != blk or not _pow2(int(blk)) or blk < 16:
+        if int(blk) != blk or blk < 16 or int(blk) & (int(blk) - 1):
             raise ValueError(f"pallas attention: {name}={blk!r} must be a power of two >= 16")
     if segment_ids is not None:
         if not causal and not pair:
@@ -164,8 +160,7 @@ def _mask(q_pos, k_pos, starts, causal: bool, seq: int, padded: bool, window: in
     if starts is not None:
         mask = k_pos[None, :] >= starts[:, None]
     if padded:  # causal masks padded keys for every real query already
-        keys = jnp.broadcast_to(k_pos[None, :] < seq, (q_pos.shape[0], k_pos.shape[0]))
-        mask = keys if mask is None else mask & keys
+        mask = _and(mask, jnp.broadcast_to(k_pos[None, :] < seq, (q_pos.shape[0], k_pos.shape[0])))
     return mask
 
 
@@ -221,8 +216,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk,
         sc = _dot(q, k, trans_b=True) * scale  # [bq, bk] float32
         mask = _mask(q_pos, j * bk + jnp.arange(bk), st, causal, seq, padded, window)
         if en is not None:  # kv_ends
-            before = jnp.broadcast_to((j * bk + jnp.arange(bk))[None, :] < en[:, None], (bq, bk))
-            mask = before if mask is None else mask & before
+            mask = _and(mask, jnp.broadcast_to((j * bk + jnp.arange(bk))[None, :] < en[:, None], (bq, bk)))
         if ids:  # a shared prefix's branches see the prefix and themselves
             mask = _and(mask, visible(qid[:, None], kid_ref[pl.ds(j * bk, bk)][None, :]))
         if mask is not None:
