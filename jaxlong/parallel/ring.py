@@ -483,13 +483,9 @@ def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, causal: bool = True, blo
     batch = tuple(a for a in mesh.axis_names if a in ("data", "fsdp")) or None
     spec = P(batch, RING_AXIS, None, None)
     fn = functools.partial(ring_attention_local, causal=causal, block_q=block_q, block_k=block_k, backend=backend)
-    if segment_ids is None:
-        return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=True)(q, k, v)
-    if not causal:
-        raise ValueError("ring attention: segment_ids (document masking) requires causal=True")
-    seg = lambda q, k, v, ids: fn(q, k, v, segment_ids=ids)
-    return jax.shard_map(seg, mesh=mesh, in_specs=(spec,) * 3 + (P(batch, None),), out_specs=spec,
-                         check_vma=True)(q, k, v, segment_ids)
+    ids_spec = None if segment_ids is None else P(batch, None)
+    return jax.shard_map(lambda q, k, v, ids: fn(q, k, v, segment_ids=ids), mesh=mesh,
+                         in_specs=(spec,) * 3 + (ids_spec,), out_specs=spec, check_vma=True)(q, k, v, segment_ids)
 
 
 def check_ring(seq_len: int, ring: int, context: int, block_q: int, block_k: int) -> None:

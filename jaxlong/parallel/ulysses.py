@@ -146,11 +146,9 @@ def ulysses_attention(
             out = attention(q, k, v, segment_ids=seg, **kernel)
         return heads_to_seq(out)
 
-    if segment_ids is None:
-        return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=True)(q, k, v)
-    seg_spec = P(BATCH_AXES, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
-                         check_vma=True)(q, k, v, segment_ids.astype(jnp.int32))
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, None if seg is None else P(BATCH_AXES, None)),
+                         out_specs=spec, check_vma=True)(q, k, v, seg)
 
 
 def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | None, ctx) -> jax.Array:
