@@ -268,16 +268,18 @@ def attention_memory_model(
     return model
 
 
-def _positions(batch: int, seq_local: int) -> jax.Array:
-    """Global token positions `[batch, S/(R*C)]` of this device's sequence shard (inside shard_map); with a
-    ring (R > 1) the shard is slot block `ring_index * C + context_index` of the zigzag layout."""
-    ring, context = _ring_size(), _context_size()
-    block = jax.lax.axis_index(CONTEXT_AXIS)
-    if ring > 1:
-        block = jax.lax.axis_index(RING_AXIS) * context + block
-    slots = block * seq_local + jnp.arange(seq_local, dtype=jnp.int32)
-    pos = zigzag_positions(slots, seq_local * ring * context, ring)
-    return jnp.broadcast_to(pos, (batch, seq_local))
+def _rope_tables(x, pos, head_dim: int, opts: dict):
+    """RoPE's (cos, sin) for this device's shard of x `[b, S/(R*C), hidden]` (inside shard_map), at the batch's
+    positions `pos` `[b, S/(R*C)]` (per-document positions of packed documents), or when None at the global token
+    positions (with a ring (R > 1) the shard is slot block `ring_index * C + context_index` of the zigzag layout)."""
+    if pos is None:
+        (batch, seq_local), ring, context = x.shape[:2], _ring_size(), _context_size()
+        block = jax.lax.axis_index(CONTEXT_AXIS)
+        if ring > 1:
+            block = jax.lax.axis_index(RING_AXIS) * context + block
+        slots = block * seq_local + jnp.arange(seq_local, dtype=jnp.int32)
+        pos = jnp.broadcast_to(zigzag_positions(slots, seq_local * ring * context, ring), (batch, seq_local))
+    return L.rope_tables(pos, head_dim, opts["theta"], opts.get("scaling"))
 
 
 def _varying(x: jax.Array) -> jax.Array:
@@ -423,12 +425,6 @@ def _q_scaled(q, opts: dict):
     return q if opts["q_scale"] == 1.0 else (q * opts["q_scale"]).astype(q.dtype)
 
 
-def _rope_positions(x, pos):
-    """RoPE positions of this device's shard: the batch's `pos` `[b, S/C]` (per-document positions of packed
-    documents), or the global token indices when None."""
-    return _positions(*x.shape[:2]) if pos is None else pos
-
-
 def _forward(x, wq, wk, wv, pos, seg, sch: Schedule, opts: dict, qk=None, fold=None):
     """Stage scan. Returns the output `[b, S/C, H, d]` and lse `[groups, stages_per_group, b, m, S]`.
     `pos`: RoPE positions `[b, S/C]` or None; `seg`: segment ids of the whole sequence `[b, S]` or None;
@@ -439,7 +435,7 @@ def _forward(x, wq, wk, wv, pos, seg, sch: Schedule, opts: dict, qk=None, fold=N
     eps = opts["eps"]
     b, s_local, _ = x.shape
     d = wq.shape[-1]
-    cos, sin = L.rope_tables(_rope_positions(x, pos), d, opts["theta"], opts.get("scaling"))
+    cos, sin = _rope_tables(x, pos, d, opts)
     out = zeros_after(x, (b, s_local, sch.heads, d), x.dtype, _all_axes())
 
     def group(out, t):
@@ -505,8 +501,7 @@ def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict
     The recomputed projections use weight slices times a 1 that XLA cannot fold and that depends on the forward's
     lse: otherwise, with a single stage, XLA merges them with the forward's projections (its CPU pipeline runs CSE
     again after expanding optimization barriers) or schedules them in the forward, and Q, K, V stay alive."""
-    d = wq.shape[-1]
-    cos, sin = L.rope_tables(_rope_positions(x, pos), d, opts["theta"], opts.get("scaling"))
+    cos, sin = _rope_tables(x, pos, wq.shape[-1], opts)
     f32 = jnp.float32
     # Sequence-sized accumulators (dx `[b, S/C, hidden]`, dK/dV `[b, S, kc, d]`) are kept in the activation
     # dtype; each stage's contribution is a matmul or kernel output with float32 accumulation inside, rounded
