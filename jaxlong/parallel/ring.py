@@ -159,48 +159,37 @@ class BlockKernel:
     block_k: int = 512
     interpret: bool = False
 
-    def _tiles(self) -> dict:
-        return dict(block_q=self.block_q, block_k=self.block_k)
+    def _run(self, backward: bool, *arrays, causal: bool, **masks):
+        """This backend's forward or backward on `arrays`; cuDNN takes no masks (it never gets segment ids)."""
+        if self.backend == "cudnn":
+            fn = cudnn_kernel.cudnn_attention_bwd if backward else cudnn_kernel.cudnn_attention_fwd
+            return fn(*arrays, causal=causal)
+        if self.backend == "pallas":
+            fn = pallas_kernel.pallas_attention_bwd if backward else pallas_kernel.pallas_attention_fwd
+            return fn(*arrays, causal=causal, interpret=self.interpret, **masks)
+        fn = blockwise_attention_bwd if backward else blockwise_attention_fwd
+        return fn(*arrays, causal=causal, block_q=self.block_q, block_k=self.block_k, **masks)
 
-    def _pallas(self) -> dict:
-        return dict(interpret=self.interpret)
+    def _block_masks(self, k, q_ids, k_ids, k_starts) -> dict:
+        """An off-diagonal block's masks: none, or the run ids (and the Pallas kernel's `kv_starts`)."""
+        if q_ids is None:
+            return {}
+        masks = dict(segment_ids=q_ids, kv_segment_ids=k_ids)
+        if self.backend == "pallas":
+            masks["kv_starts"] = kv_starts_of_chunks(q_ids, k_starts, k.shape[1] // max(len(k_starts), 1))
+        return masks
 
     def diagonal_fwd(self, q, k, v, causal, ids=None):
-        if self.backend == "cudnn":
-            return cudnn_kernel.cudnn_attention_fwd(q, k, v, causal=causal)
-        if self.backend == "pallas":
-            return pallas_kernel.pallas_attention_fwd(q, k, v, causal=causal, segment_ids=ids, **self._pallas())
-        return blockwise_attention_fwd(q, k, v, causal=causal, segment_ids=ids, **self._tiles())
+        return self._run(False, q, k, v, causal=causal, segment_ids=ids)
 
     def diagonal_bwd(self, q, k, v, out, lse, dout, causal, ids=None):
-        if self.backend == "cudnn":
-            return cudnn_kernel.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=causal)
-        if self.backend == "pallas":
-            return pallas_kernel.pallas_attention_bwd(q, k, v, out, lse, dout, causal=causal, segment_ids=ids,
-                                                      **self._pallas())
-        return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal, segment_ids=ids, **self._tiles())
+        return self._run(True, q, k, v, out, lse, dout, causal=causal, segment_ids=ids)
 
     def block_fwd(self, q, k, v, q_ids=None, k_ids=None, k_starts=()):
-        if self.backend == "cudnn":
-            return cudnn_kernel.cudnn_attention_fwd(q, k, v, causal=False)
-        if self.backend == "pallas":
-            chunk = k.shape[1] // max(len(k_starts), 1)
-            starts = None if q_ids is None else kv_starts_of_chunks(q_ids, k_starts, chunk)
-            return pallas_kernel.pallas_attention_fwd(q, k, v, causal=False, kv_starts=starts, segment_ids=q_ids,
-                                                      kv_segment_ids=k_ids, **self._pallas())
-        ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
-        return blockwise_attention_fwd(q, k, v, causal=False, **ids, **self._tiles())
+        return self._run(False, q, k, v, causal=False, **self._block_masks(k, q_ids, k_ids, k_starts))
 
     def block_bwd(self, q, k, v, out, lse, dout, q_ids=None, k_ids=None, k_starts=()):
-        if self.backend == "cudnn":
-            return cudnn_kernel.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=False)
-        if self.backend == "pallas":
-            chunk = k.shape[1] // max(len(k_starts), 1)
-            starts = None if q_ids is None else kv_starts_of_chunks(q_ids, k_starts, chunk)
-            return pallas_kernel.pallas_attention_bwd(q, k, v, out, lse, dout, causal=False, kv_starts=starts,
-                                                      segment_ids=q_ids, kv_segment_ids=k_ids, **self._pallas())
-        ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
-        return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=False, **ids, **self._tiles())
+        return self._run(True, q, k, v, out, lse, dout, causal=False, **self._block_masks(k, q_ids, k_ids, k_starts))
 
 
 def kv_starts_of_chunks(q_runs: jax.Array, k_starts, chunk: int) -> jax.Array:
