@@ -500,7 +500,8 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
         functools.partial(_dkdv_kernel, nq=sp // bq, g=g, **common), grid=(skp // bk, b, kvh),
         in_specs=in_specs, out_specs=[kv_tile, kv_tile],
         out_shape=[sds((b, skp, kvh, d), k.dtype), sds((b, skp, kvh, d), v.dtype)],
-        compiler_params=params, interpret=interpret, name="jaxlong_flash_bwd_dkdv" + ("_causal" if causal else ""))(*args)
+        compiler_params=params, interpret=interpret,
+        name="jaxlong_flash_bwd_dkdv" + ("_causal" if causal else ""))(*args)
 
     # dQ: grid (query tile, batch, head); k, v of the head's kv head, whole sequence.
     q_tile = pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0))
