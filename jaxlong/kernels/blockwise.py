@@ -1,20 +1,18 @@
-"""Exact blockwise (flash-style) attention in pure JAX and the dense reference; the backend choice and
-dispatch is `jaxlong.kernels.backend` (the cuDNN kernel pair with lse in and out is
-`jaxlong.kernels.cudnn`; the Pallas GPU kernel pair with segment ids is `jaxlong.kernels.pallas_gpu`).
+"""Exact blockwise (flash-style) attention in pure JAX and the dense reference; the backend choice and dispatch is
+`jaxlong.kernels.backend` (the cuDNN kernel pair with lse in and out is `jaxlong.kernels.cudnn`; the Pallas GPU kernel
+pair with segment ids is `jaxlong.kernels.pallas_gpu`).
 
 Layout (everywhere in this module):
 
 * `q`: `[batch, seq, heads, head_dim]`
-* `k`, `v`: `[batch, seq, kv_heads, head_dim]` with `heads % kv_heads == 0`.
-  Grouped-query attention (GQA): query head `h` attends with kv head
-  `h // (heads // kv_heads)`. `kv_heads == heads` is ordinary multi-head attention.
+* `k`, `v`: `[batch, seq, kv_heads, head_dim]` with `heads % kv_heads == 0`. Grouped-query attention (GQA): query
+  head `h` attends with kv head `h // (heads // kv_heads)`. `kv_heads == heads` is ordinary multi-head attention.
 * output: same shape and dtype as `q`.
 * `lse` (log-sum-exp of the scaled scores per query row): float32 `[batch, heads, seq]`.
 
-For `causal=True` queries and keys share one sequence length and one origin (query `t` sees keys
-`0..t`); an unmasked call (`causal=False`) may take a key block of another length `kv_seq`
-(`k`, `v`: `[batch, kv_seq, kv_heads, head_dim]`, ring attention's remote blocks). Scores are
-`q . k / sqrt(head_dim)`.
+For `causal=True` queries and keys share one sequence length and one origin (query `t` sees keys `0..t`); an unmasked
+call (`causal=False`) may take a key block of another length `kv_seq` (`k`, `v`: `[batch, kv_seq, kv_heads, head_dim]`,
+ring attention's remote blocks). Scores are `q . k / sqrt(head_dim)`.
 
 Sliding windows (`window` = W > 0, causal only; Gemma 3's local layers, arXiv 2503.19786 section 2): query `t`
 sees keys `t - W < k <= t`, itself and the W - 1 before it (transformers' `sliding_window`), combined with the
@@ -22,18 +20,16 @@ causal and document masks. The key tiles wholly before a query tile's window (fo
 past a key tile's reach (backward) are not visited, so a window of W costs about `W / (seq / 2)` of causal
 attention's tiles (`window_tiles` counts them).
 
-Packed documents (`segment_ids`, int32 `[batch, seq]`, 0 = padding): a query attends only to
-the earlier keys of its own *run* of equal segment ids (document masking, block-diagonal causal).
-Packed documents are contiguous, so a run is a document; an id that reappears after another id
-starts a new run. Every query sees at least itself, so no softmax row is empty (padding tokens
-attend to earlier padding; their outputs are meant to be masked out of the loss). Segment ids
-require `causal=True`. The blockwise kernels compute each token's run start
-(`segment_starts`, `[batch, seq]` int32, O(seq)) and from it loop bounds per tile: kv tiles
-before the first run that a query tile touches (forward) and query tiles past the last run that
-touches a kv tile (backward) are not visited, so `n` equal documents cost about `1/n` of full
-causal attention. Nothing `[seq, seq]`-shaped and nothing per head is added. Segment ids may carry a shared
-prefix's branches in their high bits (`jaxlong.core.segments`): a run is then a document with its branches, and
-a query sees the run's prefix and its own branch, never a sibling (one more term in each tile's mask).
+Packed documents (`segment_ids`, int32 `[batch, seq]`, 0 = padding): a query attends only to the earlier keys of its own
+*run* of equal segment ids (document masking, block-diagonal causal). Packed documents are contiguous, so a run is a
+document; an id that reappears after another id starts a new run. Every query sees at least itself, so no softmax row is
+empty (padding tokens attend to earlier padding; their outputs are meant to be masked out of the loss). Segment ids
+require `causal=True`. The blockwise kernels compute each token's run start (`segment_starts`, `[batch, seq]` int32,
+O(seq)) and from it loop bounds per tile: kv tiles before the first run that a query tile touches (forward) and query
+tiles past the last run that touches a kv tile (backward) are not visited, so `n` equal documents cost about `1/n` of
+full causal attention. Nothing `[seq, seq]`-shaped and nothing per head is added. Segment ids may carry a shared
+prefix's branches in their high bits (`jaxlong.core.segments`): a run is then a document with its branches, and a query
+sees the run's prefix and its own branch, never a sibling (one more term in each tile's mask).
 
 Per-query key bounds (`kv_starts`, `kv_ends`, int32 `[batch, seq]`, forward and backward): query `t` sees key
 `j` only if `kv_starts[t] <= j < kv_ends[t]`, combined with the causal, window and document masks (and with
@@ -44,15 +40,13 @@ query tile's bounds (forward) and the query tiles whose bounds miss a key tile (
 that sees no key gets output 0 and lse -inf. The forward also reads head-major keys and values (`kv_head_major`, a
 cache's layout) in place.
 
-The blockwise kernels follow FlashAttention-2 (T. Dao, "FlashAttention-2: Faster Attention
-with Better Parallelism and Work Partitioning", 2023, arXiv 2307.08691): Algorithm 1 (forward, online softmax
-over kv tiles per query tile, saving only `out` and `lse`) and Algorithm 2 (backward,
-recomputing each score tile from `q`, `k` and `lse`). They are written with
-`lax.map` / `lax.scan` / `lax.fori_loop` so XLA never materializes a
-`[seq, seq]` array; with `causal=True` the kv (forward) or query (backward) tiles that
-lie entirely above the diagonal are not visited, roughly halving the work. Inputs may be
-bf16/fp16: the matmuls take the input dtype with float32 accumulation, and softmax
-statistics, accumulators and gradients are kept in float32, then cast back.
+The blockwise kernels follow FlashAttention-2 (T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism and
+Work Partitioning", 2023, arXiv 2307.08691): Algorithm 1 (forward, online softmax over kv tiles per query tile, saving
+only `out` and `lse`) and Algorithm 2 (backward, recomputing each score tile from `q`, `k` and `lse`). They are written
+with `lax.map` / `lax.scan` / `lax.fori_loop` so XLA never materializes a `[seq, seq]` array; with `causal=True` the kv
+(forward) or query (backward) tiles that lie entirely above the diagonal are not visited, roughly halving the work.
+Inputs may be bf16/fp16: the matmuls take the input dtype with float32 accumulation, and softmax statistics,
+accumulators and gradients are kept in float32, then cast back.
 """
 from __future__ import annotations
 
@@ -407,15 +401,12 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
       `kv_starts` or `kv_ends` a query that sees no key gets output 0 and lse `-inf`.
 
     Raises:
-      ValueError: malformed shapes (q and k of different lengths with `causal`), a block size that
-        does not divide its sequence, segment ids that are not `[batch, seq]` integers (or come
-        with `causal=False`), bounds that are not integer `[batch, seq]`, or a window without `causal`.
+      ValueError: malformed shapes (q and k of different lengths with `causal`), a block size that does not divide
+        its sequence, segment ids that are not `[batch, seq]` integers (or come with `causal=False`), bounds that are
+        not integer `[batch, seq]`, or a window without `causal`.
 
-    Query tiles are processed by `lax.map`; each runs an online softmax over kv tiles in a
-    `lax.fori_loop` whose bounds skip the tiles no query of the tile sees: above the diagonal (`causal`), before
-    the earliest run start or `kv_starts` of the query tile (over the batch), before its earliest window start,
-    from its greatest `kv_ends` on. Tiles straddling a bound are computed and masked. Peak extra memory is
-    O(tile^2).
+    Query tiles are processed by `lax.map`; each runs an online softmax in a `lax.fori_loop` over the kv tiles its
+    queries may see (`_kv_range`; tiles straddling a bound are computed and masked). Peak extra memory is O(tile^2).
     """
     keys = [jax.ShapeDtypeStruct(x.shape[:1] + x.shape[2:3] + x.shape[1:2] + x.shape[3:], x.dtype)
             for x in (k, v)] if kv_head_major else (k, v)
@@ -491,13 +482,9 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
     Raises:
       ValueError: as `blockwise_attention_fwd`.
 
-    An outer `lax.scan` walks kv tiles, accumulating that tile's `dk`/`dv` in float32;
-    an inner `lax.fori_loop` walks the query tiles that may see the kv tile (`causal`: from the first one that
-    reaches it; with segment ids or `kv_starts`, up to the last one whose least first key is at or before the kv
-    tile's end; with `kv_ends` from the first whose greatest end is past its start; with a window up to the last
-    one the window reaches), recomputing `P = exp(q k^T * scale - lse)` per
-    tile and adding into a float32 `dq` buffer carried through the scan. No `[seq, seq]`
-    array is formed.
+    An outer `lax.scan` walks kv tiles, accumulating that tile's `dk`/`dv` in float32; an inner `lax.fori_loop`
+    walks the query tiles that may see the kv tile (`_q_ranges`), recomputing `P = exp(q k^T * scale - lse)` per
+    tile and adding into a float32 `dq` buffer carried through the scan. No `[seq, seq]` array is formed.
     """
     (b, s, h, kvh, d), (bq, bk) = _dims(q, k, v, block_q, block_k, causal)
     m = _masks(q, k, causal, window, segment_ids, kv_segment_ids, kv_starts, kv_ends)
