@@ -32,12 +32,11 @@ block of rank `src`:
   - src == r: ordinary causal attention on the local 2c tokens (local order is causal order);
   - src <  r: all 2c queries see the first K/V chunk (chunk src) and none of the second;
   - src >  r: only the second query chunk (chunk 2R-1-r) sees the K/V block, all of it.
-One call per step: either case is one unmasked kernel call of 2c x c scores, 2c queries to c keys or c queries
-to 2c keys (`lax.cond` on src < r), so every rank does the same work at every step and no block is ever fully
-masked. The slices a call takes (the first K/V chunk, or the second chunk of q, out and dout) are the only
-copies: selecting between the two cases element by element would copy ten c-token halves per step. Token positions
-(RoPE) follow the permutation (`zigzag_positions`); the
-loss, a mean over tokens, is unchanged when inputs, targets and mask are permuted together.
+One call per step: either case is one unmasked kernel call of 2c x c scores, 2c queries to c keys or c queries to 2c
+keys (`lax.cond` on src < r), so every rank does the same work at every step and no block is ever fully masked. The
+slices a call takes (the first K/V chunk, or the second chunk of q, out and dout) are the only copies: selecting between
+the two cases element by element would copy ten c-token halves per step. Token positions (RoPE) follow the permutation
+(`zigzag_positions`); the loss, a mean over tokens, is unchanged when inputs, targets and mask are permuted together.
 
 The per-block kernel (`BlockKernel`) is the one `attention.backend` resolves to: cuDNN flash attention on GPUs
 (the diagonal block causal, the off-diagonal ones unmasked), the Pallas kernel when the batches carry segment
@@ -54,9 +53,8 @@ off-diagonal block (all its keys before all its queries) masks query i from key 
 equal (`kv_segment_ids` of the blockwise kernel; the Pallas kernel's `kv_starts`, the number of the block's
 keys before the query's run start, counted over the block's chunks, is the same mask since keys precede
 queries). A query may then see no key of a block: that block's lse is -inf and its merge weight 0. Run ids never
-decrease along a chunk, so the kernel skips the tiles whose id ranges do not
-meet, forward and backward: with many short documents most remote blocks cost next to nothing. Nothing
-`[S, S]`-shaped or per head is added.
+decrease along a chunk, so the kernel skips the tiles whose id ranges do not meet, forward and backward: with many short
+documents most remote blocks cost next to nothing. Nothing `[S, S]`-shaped or per head is added.
 
 Hybrids: with a `context` axis as well, `jaxlong.parallel.ulysses.ulysses_attention` all-to-alls heads over `context`
 and runs `ring_attention_local` over `ring` (USP, Fang & Zhao 2024, arXiv 2405.07719); `jaxlong.parallel.upipe` runs it
@@ -275,9 +273,7 @@ def _ring_perm(n: int):
 
 def _middle_steps(n: int, body, carry):
     """Run `body(i, carry) -> carry` for the ring steps i = 1 .. n-2 (the last step, which sends no K/V on, is
-    the caller's). A `lax.while_loop`, not `fori_loop`: a loop of static length is a `scan`, which JAX's partial
-    evaluation may split into a loop that stacks per-step values (every step's K/V halves, `[n-2, ...]`) for a
-    second loop, when the ring runs in a forward that `jax.checkpoint` replays (module docstring, memory)."""
+    the caller's), in a `lax.while_loop`, not a `fori_loop` (module docstring, memory)."""
     if n <= 2:
         return carry
     i, carry = lax.while_loop(lambda ic: ic[0] < n - 1, lambda ic: (ic[0] + 1, body(ic[0], ic[1])),
