@@ -575,9 +575,7 @@ def blockwise_attention(q, k, v, *, causal: bool = True, block_q: int = 512,
     `lax.scan`, `shard_map` and `jax.checkpoint`. Shapes, dtypes and errors as for
     `blockwise_attention_fwd` (checked eagerly, before tracing the custom_vjp).
     """
-    _, s, _, _, _ = _check_shapes(q, k, v, causal)
-    bq = _check_block("block_q", block_q, s)
-    bk = _check_block("block_k", block_k, k.shape[1])
+    _, (bq, bk) = _dims(q, k, v, block_q, block_k, causal)
     segment_ids = _check_segments(segment_ids, q, causal)
     return _blockwise(q, k, v, segment_ids, bool(causal), bq, bk, check_window(window, causal))
 
