@@ -81,9 +81,8 @@ def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: i
               block_k: int = 512, segment_ids=None, window: int = 0):
     """Differentiable attention with backend dispatch; returns `out` (shape/dtype of q).
 
-    backend: `'auto'` (see `resolve_backend`), `'blockwise'`, `'cudnn'`, `'pallas'` or
-    `'reference'`. `block_q`/`block_k` are used only by `'blockwise'` (the Pallas kernel keeps its
-    own Triton tile sizes).
+    backend: `'auto'` (see `resolve_backend`), `'blockwise'`, `'cudnn'`, `'pallas'` or `'reference'`.
+    `block_q`/`block_k` are used only by `'blockwise'` (the Pallas kernel keeps its own Triton tile sizes).
     `segment_ids`: int `[batch, seq]` or None, document masking (module docstring).
     `window`: 0, or a sliding window of that many positions (`jaxlong.kernels.blockwise`, Gemma 3's local layers,
     docs/windows.md): every backend takes it (cuDNN without segment ids, as always).
@@ -141,11 +140,10 @@ def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: boo
                   block_q: int = 512, block_k: int = 512, segment_ids=None, window: int = 0):
     """Backward matching `attention_fwd_with_lse`; returns `(dq, dk, dv)`.
 
-    `'blockwise'` uses `blockwise_attention_bwd`, `'cudnn'`
-    `jaxlong.kernels.cudnn.cudnn_attention_bwd` and `'pallas'`
-    `jaxlong.kernels.pallas_gpu.pallas_attention_bwd`, all from the saved `out`/`lse` (no
-    forward is rerun). `'reference'` (tests only) ignores `out`/`lse` and recomputes the
-    forward under `jax.vjp`. Dtypes follow q, k, v; `window` must be the forward's.
+    `'blockwise'` uses `blockwise_attention_bwd`, `'cudnn'` `jaxlong.kernels.cudnn.cudnn_attention_bwd` and `'pallas'`
+    `jaxlong.kernels.pallas_gpu.pallas_attention_bwd`, all from the saved `out`/`lse` (no forward is rerun).
+    `'reference'` (tests only) ignores `out`/`lse` and recomputes the forward under `jax.vjp`. Dtypes follow q, k, v;
+    `window` must be the forward's.
     """
     backend = resolve_backend(backend, q, segment_ids)
     if backend == "blockwise":

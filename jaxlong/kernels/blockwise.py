@@ -120,11 +120,10 @@ def _check_block(name: str, block: int, seq: int) -> int:
 def _full(shape, value, *refs):
     """float32 `full(shape, value)` that varies over the same shard_map axes as `refs`.
 
-    Loop carries must keep one type inside `jax.shard_map`; a plain `jnp.zeros` is
-    mesh-invariant while the loop body's results vary with the inputs, so the buffer varies
-    over the union of the axes of `refs`. It is built after the last of `refs` (see
-    `jaxlong.core.ordering`): a constant buffer would be hoisted out of the enclosing layer
-    scan and stay allocated across all of it.
+    Loop carries must keep one type inside `jax.shard_map`; a plain `jnp.zeros` is mesh-invariant while the loop body's
+    results vary with the inputs, so the buffer varies over the union of the axes of `refs`. It is built after the last
+    of `refs` (see `jaxlong.core.ordering`): a constant buffer would be hoisted out of the enclosing layer scan and stay
+    allocated across all of it.
     """
     return zeros_after(refs[-1], shape, _F32, varying_axes(*refs), value)
 
@@ -378,14 +377,13 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
       q: `[batch, seq, heads, head_dim]`; k, v: `[batch, kv_seq, kv_heads, head_dim]` (`kv_seq` = `seq` when
         `causal`).
       causal: mask keys after the query position.
-      block_q, block_k: query / key tile lengths (may differ). Each is clamped to its sequence
-        (`seq`, `kv_seq`) and must then divide it.
+      block_q, block_k: query / key tile lengths (may differ). Each is clamped to its sequence (`seq`, `kv_seq`) and
+        must then divide it.
       segment_ids: int `[batch, seq]` or None: document masking (module docstring).
-      kv_segment_ids: int `[batch, kv_seq]` or None: the keys' ids when q and k are different
-        blocks of a sequence (ring attention's off-diagonal blocks); then `causal=False` and
-        query `i` sees key `j` iff `segment_ids[i] == kv_segment_ids[j]`. Both must be
-        non-decreasing along the sequence (e.g. each token's document start): kv tiles whose id
-        range misses the query tile's are skipped.
+      kv_segment_ids: int `[batch, kv_seq]` or None: the keys' ids when q and k are different blocks of a sequence
+        (ring attention's off-diagonal blocks); then `causal=False` and query `i` sees key `j` iff `segment_ids[i] ==
+        kv_segment_ids[j]`. Both must be non-decreasing along the sequence (e.g. each token's document start): kv tiles
+        whose id range misses the query tile's are skipped.
       window: 0, or a sliding window of that many positions with `causal` (query `t` sees keys `t - window + 1 ..
         t`, transformers' `sliding_window`); the key tiles wholly before every query's window are not visited.
       kv_starts: int `[batch, seq]` or None: query `t` sees key `j` only if `j >= kv_starts[t]` (key indices, any
@@ -570,10 +568,9 @@ def blockwise_attention(q, k, v, *, causal: bool = True, block_q: int = 512,
                         block_k: int = 512, segment_ids=None, window: int = 0):
     """Differentiable blockwise attention (`jax.custom_vjp`); returns `out`.
 
-    Forward is `blockwise_attention_fwd`, backward `blockwise_attention_bwd`;
-    the saved residuals are exactly `(q, k, v, segment_ids, out, lse)`. Works under `jit`,
-    `lax.scan`, `shard_map` and `jax.checkpoint`. Shapes, dtypes and errors as for
-    `blockwise_attention_fwd` (checked eagerly, before tracing the custom_vjp).
+    Forward is `blockwise_attention_fwd`, backward `blockwise_attention_bwd`; the saved residuals are exactly `(q, k, v,
+    segment_ids, out, lse)`. Works under `jit`, `lax.scan`, `shard_map` and `jax.checkpoint`. Shapes, dtypes and errors
+    as for `blockwise_attention_fwd` (checked eagerly, before tracing the custom_vjp).
     """
     _, (bq, bk) = _dims(q, k, v, block_q, block_k, causal)
     segment_ids = _check_segments(segment_ids, q, causal)
