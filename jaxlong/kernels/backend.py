@@ -29,22 +29,6 @@ Backend = Literal["auto", "blockwise", "cudnn", "pallas", "reference"]  # `atten
 BACKENDS = get_args(Backend)
 
 
-def cudnn_attention(q, k, v, *, causal: bool = True, window: int = 0):
-    """Differentiable cuDNN flash attention (`jaxlong.kernels.cudnn`, a `custom_vjp` saving
-    `(q, k, v, out, lse)` whose backward does not rerun the forward).
-
-    Same layout (GQA handled natively). GPU only; bf16/fp16 inputs, head_dim a multiple of 8 and <= 256;
-    `window` a sliding window (cuDNN's `sliding_window_length`, causal only).
-    It takes no segment ids: packed documents go to the Pallas GPU kernel (`backend='auto'`) or raise
-    (`backend='cudnn'`, see `resolve_backend`).
-    Raises ValueError/ConfigError as `jaxlong.kernels.cudnn.cudnn_attention_fwd`.
-    """
-    return cudnn_kernel.cudnn_attention(q, k, v, causal=causal, window=window)
-
-
-# --------------------------------------------------------------------------- dispatch
-
-
 def resolve_backend(backend: str, q, segment_ids=None, platform: str | None = None) -> str:
     """Map `backend` (one of `BACKENDS`) to a concrete one for query array `q`.
 
@@ -97,9 +81,8 @@ def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: i
               block_k: int = 512, segment_ids=None, window: int = 0):
     """Differentiable attention with backend dispatch; returns `out` (shape/dtype of q).
 
-    backend: `'auto'` (see `resolve_backend`), `'blockwise'`, `'cudnn'`, `'pallas'` or
-    `'reference'`. `block_q`/`block_k` are used only by `'blockwise'` (the Pallas kernel keeps its
-    own Triton tile sizes).
+    backend: `'auto'` (see `resolve_backend`), `'blockwise'`, `'cudnn'`, `'pallas'` or `'reference'`.
+    `block_q`/`block_k` are used only by `'blockwise'` (the Pallas kernel keeps its own Triton tile sizes).
     `segment_ids`: int `[batch, seq]` or None, document masking (module docstring).
     `window`: 0, or a sliding window of that many positions (`jaxlong.kernels.blockwise`, Gemma 3's local layers,
     docs/windows.md): every backend takes it (cuDNN without segment ids, as always).
@@ -110,7 +93,7 @@ def attention(q, k, v, *, backend: str = "auto", causal: bool = True, block_q: i
         return blockwise_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
                                    segment_ids=segment_ids, window=window)
     if backend == "cudnn":
-        return cudnn_attention(q, k, v, causal=causal, window=window)
+        return cudnn_kernel.cudnn_attention(q, k, v, causal=causal, window=window)
     if backend == "pallas":
         return pallas_kernel.pallas_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
     return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
@@ -157,11 +140,10 @@ def attention_bwd(q, k, v, out, lse, dout, *, backend: str = "auto", causal: boo
                   block_q: int = 512, block_k: int = 512, segment_ids=None, window: int = 0):
     """Backward matching `attention_fwd_with_lse`; returns `(dq, dk, dv)`.
 
-    `'blockwise'` uses `blockwise_attention_bwd`, `'cudnn'`
-    `jaxlong.kernels.cudnn.cudnn_attention_bwd` and `'pallas'`
-    `jaxlong.kernels.pallas_gpu.pallas_attention_bwd`, all from the saved `out`/`lse` (no
-    forward is rerun). `'reference'` (tests only) ignores `out`/`lse` and recomputes the
-    forward under `jax.vjp`. Dtypes follow q, k, v; `window` must be the forward's.
+    `'blockwise'` uses `blockwise_attention_bwd`, `'cudnn'` `jaxlong.kernels.cudnn.cudnn_attention_bwd` and `'pallas'`
+    `jaxlong.kernels.pallas_gpu.pallas_attention_bwd`, all from the saved `out`/`lse` (no forward is rerun).
+    `'reference'` (tests only) ignores `out`/`lse` and recomputes the forward under `jax.vjp`. Dtypes follow q, k, v;
+    `window` must be the forward's.
     """
     backend = resolve_backend(backend, q, segment_ids)
     if backend == "blockwise":

@@ -1,20 +1,18 @@
-"""Exact blockwise (flash-style) attention in pure JAX and the dense reference; the backend choice and
-dispatch is `jaxlong.kernels.backend` (the cuDNN kernel pair with lse in and out is
-`jaxlong.kernels.cudnn`; the Pallas GPU kernel pair with segment ids is `jaxlong.kernels.pallas_gpu`).
+"""Exact blockwise (flash-style) attention in pure JAX and the dense reference; the backend choice and dispatch is
+`jaxlong.kernels.backend` (the cuDNN kernel pair with lse in and out is `jaxlong.kernels.cudnn`; the Pallas GPU kernel
+pair with segment ids is `jaxlong.kernels.pallas_gpu`).
 
 Layout (everywhere in this module):
 
 * `q`: `[batch, seq, heads, head_dim]`
-* `k`, `v`: `[batch, seq, kv_heads, head_dim]` with `heads % kv_heads == 0`.
-  Grouped-query attention (GQA): query head `h` attends with kv head
-  `h // (heads // kv_heads)`. `kv_heads == heads` is ordinary multi-head attention.
+* `k`, `v`: `[batch, seq, kv_heads, head_dim]` with `heads % kv_heads == 0`. Grouped-query attention (GQA): query
+  head `h` attends with kv head `h // (heads // kv_heads)`. `kv_heads == heads` is ordinary multi-head attention.
 * output: same shape and dtype as `q`.
 * `lse` (log-sum-exp of the scaled scores per query row): float32 `[batch, heads, seq]`.
 
-For `causal=True` queries and keys share one sequence length and one origin (query `t` sees keys
-`0..t`); an unmasked call (`causal=False`) may take a key block of another length `kv_seq`
-(`k`, `v`: `[batch, kv_seq, kv_heads, head_dim]`, ring attention's remote blocks). Scores are
-`q . k / sqrt(head_dim)`.
+For `causal=True` queries and keys share one sequence length and one origin (query `t` sees keys `0..t`); an unmasked
+call (`causal=False`) may take a key block of another length `kv_seq` (`k`, `v`: `[batch, kv_seq, kv_heads, head_dim]`,
+ring attention's remote blocks). Scores are `q . k / sqrt(head_dim)`.
 
 Sliding windows (`window` = W > 0, causal only; Gemma 3's local layers, arXiv 2503.19786 section 2): query `t`
 sees keys `t - W < k <= t`, itself and the W - 1 before it (transformers' `sliding_window`), combined with the
@@ -22,18 +20,16 @@ causal and document masks. The key tiles wholly before a query tile's window (fo
 past a key tile's reach (backward) are not visited, so a window of W costs about `W / (seq / 2)` of causal
 attention's tiles (`window_tiles` counts them).
 
-Packed documents (`segment_ids`, int32 `[batch, seq]`, 0 = padding): a query attends only to
-the earlier keys of its own *run* of equal segment ids (document masking, block-diagonal causal).
-Packed documents are contiguous, so a run is a document; an id that reappears after another id
-starts a new run. Every query sees at least itself, so no softmax row is empty (padding tokens
-attend to earlier padding; their outputs are meant to be masked out of the loss). Segment ids
-require `causal=True`. The blockwise kernels compute each token's run start
-(`segment_starts`, `[batch, seq]` int32, O(seq)) and from it loop bounds per tile: kv tiles
-before the first run that a query tile touches (forward) and query tiles past the last run that
-touches a kv tile (backward) are not visited, so `n` equal documents cost about `1/n` of full
-causal attention. Nothing `[seq, seq]`-shaped and nothing per head is added. Segment ids may carry a shared
-prefix's branches in their high bits (`jaxlong.core.segments`): a run is then a document with its branches, and
-a query sees the run's prefix and its own branch, never a sibling (one more term in each tile's mask).
+Packed documents (`segment_ids`, int32 `[batch, seq]`, 0 = padding): a query attends only to the earlier keys of its own
+*run* of equal segment ids (document masking, block-diagonal causal). Packed documents are contiguous, so a run is a
+document; an id that reappears after another id starts a new run. Every query sees at least itself, so no softmax row is
+empty (padding tokens attend to earlier padding; their outputs are meant to be masked out of the loss). Segment ids
+require `causal=True`. The blockwise kernels compute each token's run start (`segment_starts`, `[batch, seq]` int32,
+O(seq)) and from it loop bounds per tile: kv tiles before the first run that a query tile touches (forward) and query
+tiles past the last run that touches a kv tile (backward) are not visited, so `n` equal documents cost about `1/n` of
+full causal attention. Nothing `[seq, seq]`-shaped and nothing per head is added. Segment ids may carry a shared
+prefix's branches in their high bits (`jaxlong.core.segments`): a run is then a document with its branches, and a query
+sees the run's prefix and its own branch, never a sibling (one more term in each tile's mask).
 
 Per-query key bounds (`kv_starts`, `kv_ends`, int32 `[batch, seq]`, forward and backward): query `t` sees key
 `j` only if `kv_starts[t] <= j < kv_ends[t]`, combined with the causal, window and document masks (and with
@@ -44,15 +40,13 @@ query tile's bounds (forward) and the query tiles whose bounds miss a key tile (
 that sees no key gets output 0 and lse -inf. The forward also reads head-major keys and values (`kv_head_major`, a
 cache's layout) in place.
 
-The blockwise kernels follow FlashAttention-2 (T. Dao, "FlashAttention-2: Faster Attention
-with Better Parallelism and Work Partitioning", 2023, arXiv 2307.08691): Algorithm 1 (forward, online softmax
-over kv tiles per query tile, saving only `out` and `lse`) and Algorithm 2 (backward,
-recomputing each score tile from `q`, `k` and `lse`). They are written with
-`lax.map` / `lax.scan` / `lax.fori_loop` so XLA never materializes a
-`[seq, seq]` array; with `causal=True` the kv (forward) or query (backward) tiles that
-lie entirely above the diagonal are not visited, roughly halving the work. Inputs may be
-bf16/fp16: the matmuls take the input dtype with float32 accumulation, and softmax
-statistics, accumulators and gradients are kept in float32, then cast back.
+The blockwise kernels follow FlashAttention-2 (T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism and
+Work Partitioning", 2023, arXiv 2307.08691): Algorithm 1 (forward, online softmax over kv tiles per query tile, saving
+only `out` and `lse`) and Algorithm 2 (backward, recomputing each score tile from `q`, `k` and `lse`). They are written
+with `lax.map` / `lax.scan` / `lax.fori_loop` so XLA never materializes a `[seq, seq]` array; with `causal=True` the kv
+(forward) or query (backward) tiles that lie entirely above the diagonal are not visited, roughly halving the work.
+Inputs may be bf16/fp16: the matmuls take the input dtype with float32 accumulation, and softmax statistics,
+accumulators and gradients are kept in float32, then cast back.
 """
 from __future__ import annotations
 
@@ -68,6 +62,7 @@ from jaxlong.core.errors import ConfigError
 from jaxlong.core.ordering import varying_axes, zeros_after
 from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.core.segments import documents, segment_starts, visible
+from jaxlong.kernels.layout import check_window
 
 __all__ = [
     "segment_starts",
@@ -125,11 +120,10 @@ def _check_block(name: str, block: int, seq: int) -> int:
 def _full(shape, value, *refs):
     """float32 `full(shape, value)` that varies over the same shard_map axes as `refs`.
 
-    Loop carries must keep one type inside `jax.shard_map`; a plain `jnp.zeros` is
-    mesh-invariant while the loop body's results vary with the inputs, so the buffer varies
-    over the union of the axes of `refs`. It is built after the last of `refs` (see
-    `jaxlong.core.ordering`): a constant buffer would be hoisted out of the enclosing layer
-    scan and stay allocated across all of it.
+    Loop carries must keep one type inside `jax.shard_map`; a plain `jnp.zeros` is mesh-invariant while the loop body's
+    results vary with the inputs, so the buffer varies over the union of the axes of `refs`. It is built after the last
+    of `refs` (see `jaxlong.core.ordering`): a constant buffer would be hoisted out of the enclosing layer scan and stay
+    allocated across all of it.
     """
     return zeros_after(refs[-1], shape, _F32, varying_axes(*refs), value)
 
@@ -152,17 +146,6 @@ def _check_segments(segment_ids, q, causal):
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(f"segment_ids must be an integer array; got {segment_ids.dtype}")
     return segment_ids.astype(jnp.int32)
-
-
-def _check_window(window, causal: bool) -> int:
-    """`window` as an int: 0 (none) or a positive number of positions, with `causal` only."""
-    if window is None or int(window) == 0:
-        return 0
-    if int(window) < 0 or int(window) != window:
-        raise ValueError(f"window={window!r} must be 0 (no window) or a positive number of positions")
-    if not causal:
-        raise ValueError("a sliding window needs causal=True (a query sees itself and the window - 1 keys before it)")
-    return int(window)
 
 
 def window_tiles(seq: int, block_q: int, block_k: int, window: int = 0) -> int:
@@ -194,28 +177,20 @@ def _overlapping(firsts, lasts, other_first, other_last):
     return lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
+def _check_rows(name: str, x, like):
+    """`x` (None, or integer `[batch, seq]` of `like`'s leading axes, as the argument `name`) as int32."""
+    if x is None:
+        return None
+    if tuple(x.shape) != tuple(like.shape[:2]) or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integer [batch, seq] = {list(like.shape[:2])}; got {x.dtype}{list(x.shape)}")
+    return jnp.asarray(x).astype(jnp.int32)
+
+
 def _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal):
     """Validate a (query ids, key ids) pair for `causal=False`; return both as int32."""
     if causal or segment_ids is None:
         raise ValueError("kv_segment_ids (separate key segment ids) requires causal=False and segment_ids")
-    for name, ids, x in (("segment_ids", segment_ids, q), ("kv_segment_ids", kv_segment_ids, k)):
-        if tuple(ids.shape) != tuple(x.shape[:2]) or not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"{name} must be integer [batch, seq] = {list(x.shape[:2])}; "
-                             f"got {ids.dtype}{list(ids.shape)}")
-    return segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
-
-
-def _check_offsets(kv_starts, kv_ends, q):
-    """Validate the per-query key bounds against q's `[batch, seq]`; return both as int32 (or None)."""
-    out = []
-    for name, x in (("kv_starts", kv_starts), ("kv_ends", kv_ends)):
-        if x is not None:
-            if tuple(x.shape) != tuple(q.shape[:2]) or not jnp.issubdtype(x.dtype, jnp.integer):
-                raise ValueError(f"{name} must be integer [batch, seq] = {list(q.shape[:2])}; "
-                                 f"got {x.dtype}{list(x.shape)}")
-            x = jnp.asarray(x).astype(jnp.int32)
-        out.append(x)
-    return tuple(out)
+    return _check_rows("segment_ids", segment_ids, q), _check_rows("kv_segment_ids", kv_segment_ids, k)
 
 
 # ------------------------------------------------------------------------- reference
@@ -243,8 +218,8 @@ def reference_attention_with_lse(q, k, v, *, causal: bool, segment_ids=None, win
     """
     b, s, h, kvh, d = _check_shapes(q, k, v, causal)
     segment_ids = _check_segments(segment_ids, q, causal)
-    window = _check_window(window, causal)
-    kv_starts, kv_ends = _check_offsets(kv_starts, kv_ends, q)
+    window = check_window(window, causal)
+    kv_starts, kv_ends = _check_rows("kv_starts", kv_starts, q), _check_rows("kv_ends", kv_ends, q)
     q5 = _split_heads(q.astype(_F32), kvh)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q5, k.astype(_F32)) / math.sqrt(d)
     mask, keys = None, jnp.arange(k.shape[1])[None, None, :]
@@ -305,12 +280,12 @@ def _masks(q, k, causal, window, segment_ids, kv_segment_ids, kv_starts, kv_ends
         q_ids, kv_ids = _check_kv_segments(segment_ids, kv_segment_ids, q, k, causal)
         segment_ids = None
     segment_ids = _check_segments(segment_ids, q, causal)
-    kv_starts, kv_ends = _check_offsets(kv_starts, kv_ends, q)
+    kv_starts, kv_ends = _check_rows("kv_starts", kv_starts, q), _check_rows("kv_ends", kv_ends, q)
     low = None if segment_ids is None else segment_starts(segment_ids)
     if kv_starts is not None:
         low = kv_starts if low is None else jnp.maximum(low, kv_starts)
     offsets = kv_starts is not None or kv_ends is not None
-    return _Masks(bool(causal), _check_window(window, causal), low, kv_ends, segment_ids, q_ids, kv_ids,
+    return _Masks(bool(causal), check_window(window, causal), low, kv_ends, segment_ids, q_ids, kv_ids,
                   offsets or q_ids is not None, offsets)
 
 
@@ -402,14 +377,13 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
       q: `[batch, seq, heads, head_dim]`; k, v: `[batch, kv_seq, kv_heads, head_dim]` (`kv_seq` = `seq` when
         `causal`).
       causal: mask keys after the query position.
-      block_q, block_k: query / key tile lengths (may differ). Each is clamped to its sequence
-        (`seq`, `kv_seq`) and must then divide it.
+      block_q, block_k: query / key tile lengths (may differ). Each is clamped to its sequence (`seq`, `kv_seq`) and
+        must then divide it.
       segment_ids: int `[batch, seq]` or None: document masking (module docstring).
-      kv_segment_ids: int `[batch, kv_seq]` or None: the keys' ids when q and k are different
-        blocks of a sequence (ring attention's off-diagonal blocks); then `causal=False` and
-        query `i` sees key `j` iff `segment_ids[i] == kv_segment_ids[j]`. Both must be
-        non-decreasing along the sequence (e.g. each token's document start): kv tiles whose id
-        range misses the query tile's are skipped.
+      kv_segment_ids: int `[batch, kv_seq]` or None: the keys' ids when q and k are different blocks of a sequence
+        (ring attention's off-diagonal blocks); then `causal=False` and query `i` sees key `j` iff `segment_ids[i] ==
+        kv_segment_ids[j]`. Both must be non-decreasing along the sequence (e.g. each token's document start): kv tiles
+        whose id range misses the query tile's are skipped.
       window: 0, or a sliding window of that many positions with `causal` (query `t` sees keys `t - window + 1 ..
         t`, transformers' `sliding_window`); the key tiles wholly before every query's window are not visited.
       kv_starts: int `[batch, seq]` or None: query `t` sees key `j` only if `j >= kv_starts[t]` (key indices, any
@@ -425,15 +399,12 @@ def blockwise_attention_fwd(q, k, v, *, causal: bool = True, block_q: int = 512,
       `kv_starts` or `kv_ends` a query that sees no key gets output 0 and lse `-inf`.
 
     Raises:
-      ValueError: malformed shapes (q and k of different lengths with `causal`), a block size that
-        does not divide its sequence, segment ids that are not `[batch, seq]` integers (or come
-        with `causal=False`), bounds that are not integer `[batch, seq]`, or a window without `causal`.
+      ValueError: malformed shapes (q and k of different lengths with `causal`), a block size that does not divide
+        its sequence, segment ids that are not `[batch, seq]` integers (or come with `causal=False`), bounds that are
+        not integer `[batch, seq]`, or a window without `causal`.
 
-    Query tiles are processed by `lax.map`; each runs an online softmax over kv tiles in a
-    `lax.fori_loop` whose bounds skip the tiles no query of the tile sees: above the diagonal (`causal`), before
-    the earliest run start or `kv_starts` of the query tile (over the batch), before its earliest window start,
-    from its greatest `kv_ends` on. Tiles straddling a bound are computed and masked. Peak extra memory is
-    O(tile^2).
+    Query tiles are processed by `lax.map`; each runs an online softmax in a `lax.fori_loop` over the kv tiles its
+    queries may see (`_kv_range`; tiles straddling a bound are computed and masked). Peak extra memory is O(tile^2).
     """
     keys = [jax.ShapeDtypeStruct(x.shape[:1] + x.shape[2:3] + x.shape[1:2] + x.shape[3:], x.dtype)
             for x in (k, v)] if kv_head_major else (k, v)
@@ -509,13 +480,9 @@ def blockwise_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True,
     Raises:
       ValueError: as `blockwise_attention_fwd`.
 
-    An outer `lax.scan` walks kv tiles, accumulating that tile's `dk`/`dv` in float32;
-    an inner `lax.fori_loop` walks the query tiles that may see the kv tile (`causal`: from the first one that
-    reaches it; with segment ids or `kv_starts`, up to the last one whose least first key is at or before the kv
-    tile's end; with `kv_ends` from the first whose greatest end is past its start; with a window up to the last
-    one the window reaches), recomputing `P = exp(q k^T * scale - lse)` per
-    tile and adding into a float32 `dq` buffer carried through the scan. No `[seq, seq]`
-    array is formed.
+    An outer `lax.scan` walks kv tiles, accumulating that tile's `dk`/`dv` in float32; an inner `lax.fori_loop`
+    walks the query tiles that may see the kv tile (`_q_ranges`), recomputing `P = exp(q k^T * scale - lse)` per
+    tile and adding into a float32 `dq` buffer carried through the scan. No `[seq, seq]` array is formed.
     """
     (b, s, h, kvh, d), (bq, bk) = _dims(q, k, v, block_q, block_k, causal)
     m = _masks(q, k, causal, window, segment_ids, kv_segment_ids, kv_starts, kv_ends)
@@ -601,16 +568,13 @@ def blockwise_attention(q, k, v, *, causal: bool = True, block_q: int = 512,
                         block_k: int = 512, segment_ids=None, window: int = 0):
     """Differentiable blockwise attention (`jax.custom_vjp`); returns `out`.
 
-    Forward is `blockwise_attention_fwd`, backward `blockwise_attention_bwd`;
-    the saved residuals are exactly `(q, k, v, segment_ids, out, lse)`. Works under `jit`,
-    `lax.scan`, `shard_map` and `jax.checkpoint`. Shapes, dtypes and errors as for
-    `blockwise_attention_fwd` (checked eagerly, before tracing the custom_vjp).
+    Forward is `blockwise_attention_fwd`, backward `blockwise_attention_bwd`; the saved residuals are exactly `(q, k, v,
+    segment_ids, out, lse)`. Works under `jit`, `lax.scan`, `shard_map` and `jax.checkpoint`. Shapes, dtypes and errors
+    as for `blockwise_attention_fwd` (checked eagerly, before tracing the custom_vjp).
     """
-    _, s, _, _, _ = _check_shapes(q, k, v, causal)
-    bq = _check_block("block_q", block_q, s)
-    bk = _check_block("block_k", block_k, k.shape[1])
+    _, (bq, bk) = _dims(q, k, v, block_q, block_k, causal)
     segment_ids = _check_segments(segment_ids, q, causal)
-    return _blockwise(q, k, v, segment_ids, bool(causal), bq, bk, _check_window(window, causal))
+    return _blockwise(q, k, v, segment_ids, bool(causal), bq, bk, check_window(window, causal))
 
 
 def check_attention_block(key: str, block: int, seq: int) -> None:

@@ -34,15 +34,16 @@ Why this kernel (survey, December 2026):
 Private API guard: `_api()` checks that the module and the names used here exist (and that the forward has
 `return_residual`) and raises a clear error otherwise (use `attention.backend=blockwise`); the backward's
 operand list is read from the module's own `_dot_product_attention_bwd_impl` signature, since it has grown
-across JAX versions (offsets, page tables), and an unknown parameter is an error, not a guess. Checked with JAX 0.10.2 (deviceless sm_90 compile); the device
-check `experiments/gpu_check.py` verifies the numbers on the JAX that the GPU machine has (0.11).
+across JAX versions (offsets, page tables), and an unknown parameter is an error, not a guess. Checked with JAX
+0.10.2 (deviceless sm_90 compile); the device check `experiments/gpu_check.py` verifies the numbers on the JAX that
+the GPU machine has (0.11).
 
 The statistic's convention (from the source). cuDNN's SDPA graph defines its `Stats` output as
 `max + log(sum(exp(P - max)))` over the keys, natural logarithm, where `P` is the scaled, masked score
 (cudnn-frontend `CompositeSoftmaxNode`; JAX's docstring: "the logsumexp tensor", FlashAttention-2 §3.1.1);
 JAX returns it as float32 `[batch, heads, seq]` (`softmax_stat_shape = (B, N, T)`), for either qkv layout.
-That is exactly `blockwise_attention_fwd`'s lse, so `_stat_to_lse` is the identity; the device check compares
-the two numerically.
+That is exactly `blockwise_attention_fwd`'s lse, so the statistic is returned as the lse; the device check
+compares the two numerically.
 
 Sliding windows (`window` W > 0, causal only; Gemma 3's local layers, docs/windows.md): query t sees keys
 `t - W + 1 .. t`, as in `jaxlong.kernels.blockwise`. The module's `sliding_window_length` has exactly that
@@ -69,8 +70,8 @@ check's large-tensor probe (`experiments/gpu_check.py`) shows it can be lifted. 
 U/C heads, so the limit moves to 2**31 / (U/C * head_dim) tokens (16M for one 128-dim head).
 
 Head chunks. A call is split over its heads where that helps: the forward runs as few calls as the size limit
-allows (aligned with the KV groups), the backward one query head per call
-(`BWD_HEADS_PER_CALL`), with that head's KV head; dK and dV of a KV group are summed over its calls (in float32, kept in the input dtype between calls).
+allows (aligned with the KV groups), the backward one query head per call (`BWD_HEADS_PER_CALL`), with that
+head's KV head; dK and dV of a KV group are summed over its calls (in float32, kept in the input dtype between calls).
 The backward's run-time workspace (the float32 dQ accumulator, `4 * b * heads_per_call * S * head_dim` bytes,
 see `jaxlong.plan.workspace`) then holds one head instead of all of them: for Ulysses on Llama-3-8B at C = 8,
 a quarter (1.5 GiB instead of 6 GiB per device at 3M tokens). At millions of tokens one head saturates the GPU
@@ -89,6 +90,7 @@ import jax.numpy as jnp
 from jaxlong.core.errors import ConfigError
 from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels.layout import check_qkv, check_window, cudnn_head_dim_ok
+from jaxlong.kernels.merge import add_rounded
 
 __all__ = ["CHECKED_JAX", "MAX_ELEMENTS", "cudnn_attention", "cudnn_attention_bwd", "cudnn_attention_fwd"]
 
@@ -152,12 +154,6 @@ def _sliding_window(window: int, seq: int) -> int | None:
     return window if 0 < window < seq else None
 
 
-def _stat_to_lse(stat):
-    """cuDNN's softmax statistic -> the blockwise kernel's lse: both natural-log logsumexp of the scaled scores,
-    float32 `[batch, heads, seq]` (module docstring), so this is the identity."""
-    return stat
-
-
 def cudnn_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, window: int = 0):
     """cuDNN flash attention forward; returns `(out, lse)`.
 
@@ -189,7 +185,7 @@ def cudnn_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, windo
                                              qkv_layout="BTNH", sliding_window_length=band,
                                              return_residual=True)
         outs.append(out)
-        lses.append(_stat_to_lse(stat))
+        lses.append(stat)  # the blockwise kernel's lse (module docstring)
     if len(outs) == 1:
         return outs[0], lses[0]
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=1)
@@ -238,8 +234,6 @@ def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment
         raise ValueError(f"cudnn attention backward: out {out.shape} and dout {dout.shape} must have q's shape "
                          f"{q.shape} and lse {lse.shape} must be [batch, heads, seq] = {(b, h, s)}")
     fa = _api()
-    named = {"query": q, "key": k, "value": v, "activation": lse.astype(jnp.float32),
-             "fwd_output": out.astype(q.dtype), "grad_output": dout.astype(q.dtype)}
     params = {"scale": 1.0 / math.sqrt(d), "seed": 42, "dropout_rate": 0.0, "variadic_args": (False, False),
               "mask_type": _mask(fa, causal), "layout": fa.AttentionLayout.BTNH.value,
               "sliding_window_length": _sliding_window(window, k.shape[1])}
@@ -255,27 +249,22 @@ def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment
     # (a float32 `[b, S, kv_heads, d]` buffer would cost what the split saves in workspace).
     dqs, dk, dv = [], jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype)
     for lo, hi, kv_lo, kv_hi in _calls(q, k, min(BWD_HEADS_PER_CALL, h)):
-        named.update(query=q[:, :, lo:hi], key=k[:, :, kv_lo:kv_hi], value=v[:, :, kv_lo:kv_hi],
+        named = dict(query=q[:, :, lo:hi], key=k[:, :, kv_lo:kv_hi], value=v[:, :, kv_lo:kv_hi],
                      activation=lse[:, lo:hi], fwd_output=out[:, :, lo:hi].astype(q.dtype),
                      grad_output=dout[:, :, lo:hi].astype(q.dtype))
         dq_c, dk_c, dv_c = fa._dot_product_attention_bwd_p_wrapper.bind(
             *(named.get(n, unused) for n in operands), **{n: params[n] for n in keywords})[:3]
         dqs.append(dq_c)
-        dk = dk.at[:, :, kv_lo:kv_hi].set(_sum(dk[:, :, kv_lo:kv_hi], dk_c))
-        dv = dv.at[:, :, kv_lo:kv_hi].set(_sum(dv[:, :, kv_lo:kv_hi], dv_c))
+        dk = dk.at[:, :, kv_lo:kv_hi].set(add_rounded(dk[:, :, kv_lo:kv_hi], dk_c))
+        dv = dv.at[:, :, kv_lo:kv_hi].set(add_rounded(dv[:, :, kv_lo:kv_hi], dv_c))
     dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs, axis=2)
     return dq, dk, dv
-
-
-def _sum(total, part):
-    return (total.astype(jnp.float32) + part.astype(jnp.float32)).astype(total.dtype)
 
 
 @functools.cache
 def _bwd_signature(fa) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Operand and parameter names of the backward primitive, read from the module's own implementation
-    (`_dot_product_attention_bwd_impl(query, key, value, bias, q_seqlen, ..., activation, fwd_output,
-    grad_output, scale, seed, ...)`): the operand list has grown across JAX versions (offsets, page tables)."""
+    (`_dot_product_attention_bwd_impl(query, ..., grad_output, scale, seed, ...)`; module docstring)."""
     names = list(inspect.signature(fa._dot_product_attention_bwd_impl).parameters)
     first = names.index("scale")
     return tuple(names[:first]), tuple(names[first:])

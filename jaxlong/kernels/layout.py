@@ -23,20 +23,21 @@ def check_qkv(q, k, v, name: str, causal: bool = True) -> tuple[int, int, int, i
     return b, s, h, d
 
 
-def check_window(window, causal: bool, name: str) -> int:
+def check_window(window, causal: bool, name: str = "") -> int:
     """A sliding window as an int: 0 (none) or W > 0 positions, with the causal mask only (query t sees keys
     `t - W + 1 .. t`, itself and the W - 1 before it: transformers' `sliding_window`, `jaxlong.kernels.blockwise`,
     docs/windows.md).
 
     Raises:
-      ValueError: a negative or fractional window, or one with `causal=False` (naming the kernel `name`).
+      ValueError: a negative or fractional window, or one with `causal=False` (naming the kernel `name`, if given).
     """
     if window is None or window == 0:
         return 0
+    at = f"{name}: " if name else ""
     if int(window) != window or window < 0:
-        raise ValueError(f"{name}: window={window!r} must be 0 (no window) or a positive number of positions")
+        raise ValueError(f"{at}window={window!r} must be 0 (no window) or a positive number of positions")
     if not causal:
-        raise ValueError(f"{name}: a sliding window needs causal=True (a query sees itself and the window - 1 keys "
+        raise ValueError(f"{at}a sliding window needs causal=True (a query sees itself and the window - 1 keys "
                          f"before it)")
     return int(window)
 

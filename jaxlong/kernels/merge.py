@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["NEG", "merge", "merge_across", "merge_into", "normalise"]
+__all__ = ["NEG", "add_rounded", "merge", "merge_across", "merge_into", "normalise"]
 
 NEG = -1e30  # a masked score or an empty set's lse: finite, so exp(NEG - max) = 0, never NaN
 
@@ -75,3 +75,9 @@ def merge_into(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.
     wa = jnp.swapaxes(jnp.exp(lse_a - lse), 1, 2)[..., None]
     wb = jnp.swapaxes(jnp.exp(lse_b - lse), 1, 2)[..., None]
     return wa * out_a + wb * out_b.astype(jnp.float32), lse
+
+
+def add_rounded(total: jax.Array, part: jax.Array) -> jax.Array:
+    """`total + part` added in float32 and rounded to `total`'s dtype: how sequence-sized gradient accumulators sum
+    their contributions (ring attention's, U-Pipe's over a KV group's stages, the cuDNN kernel's over head calls)."""
+    return (total.astype(jnp.float32) + part.astype(jnp.float32)).astype(total.dtype)

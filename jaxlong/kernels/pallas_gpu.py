@@ -81,11 +81,8 @@ __all__ = ["MAX_ELEMENTS", "pallas_attention", "pallas_attention_bwd", "pallas_a
 _F32 = jnp.float32
 _NEG = float(jnp.finfo(jnp.float32).min)  # finite "minus infinity": no inf - inf NaNs
 DEFAULT_BLOCK = 64
+_LAUNCH = dict(num_warps=4, num_stages=2)  # Triton launch parameters of every kernel
 MAX_ELEMENTS = 2**31 - 1  # per operand: Triton pointer offsets are 32-bit unless proven otherwise
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts=None, kv_segment_ids=None):
@@ -113,7 +110,7 @@ def _check(q, k, v, segment_ids, causal, block_q, block_k, kv_starts=None, kv_se
         raise ValueError(f"attention.backend=pallas needs head_dim a power of two in [16, 256] (model.head_dim), "
                          f"got {d}; use attention.backend=blockwise")
     for name, blk in (("block_q", block_q), ("block_k", block_k)):
-        if int(blk) != blk or not _pow2(int(blk)) or blk < 16:
+        if int(blk) != blk or blk < 16 or int(blk) & (int(blk) - 1):
             raise ValueError(f"pallas attention: {name}={blk!r} must be a power of two >= 16")
     if segment_ids is not None:
         if not causal and not pair:
@@ -164,8 +161,7 @@ def _mask(q_pos, k_pos, starts, causal: bool, seq: int, padded: bool, window: in
     if starts is not None:
         mask = k_pos[None, :] >= starts[:, None]
     if padded:  # causal masks padded keys for every real query already
-        keys = jnp.broadcast_to(k_pos[None, :] < seq, (q_pos.shape[0], k_pos.shape[0]))
-        mask = keys if mask is None else mask & keys
+        mask = _and(mask, jnp.broadcast_to(k_pos[None, :] < seq, (q_pos.shape[0], k_pos.shape[0])))
     return mask
 
 
@@ -221,8 +217,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, scale, causal, segments, bq, bk, nk,
         sc = _dot(q, k, trans_b=True) * scale  # [bq, bk] float32
         mask = _mask(q_pos, j * bk + jnp.arange(bk), st, causal, seq, padded, window)
         if en is not None:  # kv_ends
-            before = jnp.broadcast_to((j * bk + jnp.arange(bk))[None, :] < en[:, None], (bq, bk))
-            mask = before if mask is None else mask & before
+            mask = _and(mask, jnp.broadcast_to((j * bk + jnp.arange(bk))[None, :] < en[:, None], (bq, bk)))
         if ids:  # a shared prefix's branches see the prefix and themselves
             mask = _and(mask, visible(qid[:, None], kid_ref[pl.ds(j * bk, bk)][None, :]))
         if mask is not None:
@@ -289,9 +284,8 @@ def _pad_seq(x, padded: int, axis: int = 1, value=0):
 
 
 def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, block_q: int = DEFAULT_BLOCK,
-                         block_k: int = DEFAULT_BLOCK, interpret: bool = False, num_warps: int = 4,
-                         num_stages: int = 2, kv_starts=None, kv_head_major: bool = False, window: int = 0,
-                         kv_ends=None, kv_segment_ids=None):
+                         block_k: int = DEFAULT_BLOCK, interpret: bool = False, kv_starts=None,
+                         kv_head_major: bool = False, window: int = 0, kv_ends=None, kv_segment_ids=None):
     """FlashAttention-2 forward (Pallas, Triton lowering); returns `(out, lse)`.
 
     Args:
@@ -302,7 +296,6 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
         `kv_segment_ids`); a shared prefix's branches (`jaxlong.core.segments`) are masked too.
       block_q, block_k: tile lengths, powers of two >= 16; seq is padded to a multiple of both.
       interpret: run in Pallas' interpreter (CPU tests) instead of compiling through Triton.
-      num_warps, num_stages: Triton launch parameters.
       kv_segment_ids: int `[batch, kv_seq]` or None: with `causal=False`, `segment_ids` and `kv_starts`, the keys'
         ids (ring attention's off-diagonal blocks): query t sees key j only if `jaxlong.core.segments.visible`.
       kv_starts: int `[batch, seq]` or None: with `causal=False`, query t sees key j iff `j >= kv_starts[t]`
@@ -363,7 +356,7 @@ def pallas_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, bloc
         kernel, grid=(sp // bq, b, h), in_specs=in_specs,
         out_specs=[tile, pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i))],
         out_shape=[sds((b, sp, h, d), q.dtype), sds((b, h, sp), _F32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(**_LAUNCH),
         interpret=interpret,
         name="jaxlong_flash_fwd" + ("_causal" if causal else "") + ("_kvhm" if kv_head_major else ""))(*args)
     return out[:, :s], lse[:, :, :s]
@@ -440,13 +433,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, scale, ca
 
 def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None,
                          block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK, interpret: bool = False,
-                         num_warps: int = 4, num_stages: int = 2, kv_starts=None, window: int = 0,
-                         kv_segment_ids=None):
+                         kv_starts=None, window: int = 0, kv_segment_ids=None):
     """FlashAttention-2 backward from the saved `out` and `lse` (no forward rerun); returns `(dq, dk, dv)`.
 
     Args:
-      q, k, v, causal, segment_ids, block_q, block_k, interpret, num_warps, num_stages, kv_starts, window,
-      kv_segment_ids: as for
+      q, k, v, causal, segment_ids, block_q, block_k, interpret, kv_starts, window, kv_segment_ids: as for
         `pallas_attention_fwd` (the blocks need not match the forward's; the window must); dK/dV skip the query
         tiles past the reach of a kv tile's window.
       out: the forward output (shape of q); lse: float32 `[batch, heads, seq]` (from this forward,
@@ -484,7 +475,7 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
                   padded=skp != sk, window=window, ids=ids)
     q_ids = _pad_seq(segment_ids, sp) if ids else None
     k_ids = _pad_seq(_key_ids(segment_ids, kv_segment_ids), skp) if ids else None
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = plgpu.CompilerParams(**_LAUNCH)
 
     # dK, dV: grid (kv tile, batch, kv head); q, dout, lse, delta of the group's g query heads, whole sequence.
     group_rows = pl.BlockSpec((None, sp, g, d), lambda j, bb, kh: (bb, 0, kh, 0))
@@ -506,7 +497,8 @@ def pallas_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segmen
         functools.partial(_dkdv_kernel, nq=sp // bq, g=g, **common), grid=(skp // bk, b, kvh),
         in_specs=in_specs, out_specs=[kv_tile, kv_tile],
         out_shape=[sds((b, skp, kvh, d), k.dtype), sds((b, skp, kvh, d), v.dtype)],
-        compiler_params=params, interpret=interpret, name="jaxlong_flash_bwd_dkdv" + ("_causal" if causal else ""))(*args)
+        compiler_params=params, interpret=interpret,
+        name="jaxlong_flash_bwd_dkdv" + ("_causal" if causal else ""))(*args)
 
     # dQ: grid (query tile, batch, head); k, v of the head's kv head, whole sequence.
     q_tile = pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0))

@@ -1,17 +1,9 @@
 """The attention section of the config (`attention.*`, `AttentionConfig`) and the model's one entry into
-context-parallel attention: `attention_sublayer(x, weights, positions,
-segment_ids, ctx)` runs the attention sublayer `x + W_o attention(RMSNorm(x))` with the method
-`attention.impl` names, on the mesh `data x fsdp x ring x context`.
-
-Methods (`METHODS`), each a module of `jaxlong.parallel` with its algorithm, the validators it calls before
-tracing (`ulysses.check_heads`, `upipe.check_upipe_schedule`, `ring.check_ring`, run by `jaxlong.config.validate`
-so a config the mesh cannot run fails before compiling) and, where there is one, its memory model:
-  ulysses  `jaxlong.parallel.ulysses.sublayer`: all-to-all over `context` around a single-device kernel
-           (DeepSpeed-Ulysses); with `mesh.ring` > 1 the Ulysses x ring hybrid (USP).
-  upipe    `jaxlong.parallel.upipe.sublayer`: U-Pipe, head-chunked Ulysses in stages of U heads (Untied
-           Ulysses); with `mesh.ring` > 1 each stage runs ring attention over `ring` (U-Pipe x ring).
-Ring attention (`jaxlong.parallel.ring`) is the `ring`-axis half of both: with `mesh.context=1` and
-`mesh.ring=R` the `ulysses` method is plain ring attention.
+context-parallel attention: `attention_sublayer(x, weights, positions, segment_ids, ctx)` runs the attention
+sublayer `x + W_o attention(RMSNorm(x))` with the method `attention.impl` names (`METHODS`: `ulysses.sublayer`,
+`upipe.sublayer`; each method's module, validators and memory model are listed in `jaxlong.parallel`), on the mesh
+`data x fsdp x ring x context`. With `mesh.context=1` and `mesh.ring=R` the `ulysses` method is plain ring
+attention (`jaxlong.parallel.ring`).
 """
 
 from __future__ import annotations

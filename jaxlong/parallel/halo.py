@@ -238,21 +238,16 @@ def halo_attention_bwd(q, k, v, out, lse, dout, *, window: int, block_q: int = 5
     """
     h, c, (tq, tk), ids = _setup(q, window, block_q, block_k, segment_ids, ids_are_runs, axis_name)
     (kh, vh), pull = jax.vjp(lambda k, v: _halo_kv(k, v, h, axis_name), k, v)
-    dq, dk, dv, dkh, dvh = [], [], [], [], []
+    grads = []  # (dq, dk, dv) of each chunk with its halo
     for half in range(len(ids)):
         sl = slice(half * c, (half + 1) * c)
-        g = blockwise_attention_bwd(
+        grads.append(blockwise_attention_bwd(
             _pad(q[:, sl], h), jnp.concatenate([kh[half], k[:, sl]], axis=1),
             jnp.concatenate([vh[half], v[:, sl]], axis=1), _pad(out[:, sl], h), _pad(lse[..., sl], h, axis=-1),
-            _pad(dout[:, sl], h), causal=True, block_q=tq, block_k=tk, segment_ids=ids[half], window=window)
-        dq.append(g[0][:, h:])
-        dk.append(g[1][:, h:])
-        dv.append(g[2][:, h:])
-        dkh.append(g[1][:, :h])
-        dvh.append(g[2][:, :h])
-    dk_back, dv_back = pull((tuple(dkh), tuple(dvh)))
-    cat = functools.partial(jnp.concatenate, axis=1)
-    return cat(dq), (cat(dk) + dk_back).astype(k.dtype), (cat(dv) + dv_back).astype(v.dtype)
+            _pad(dout[:, sl], h), causal=True, block_q=tq, block_k=tk, segment_ids=ids[half], window=window))
+    dk_back, dv_back = pull(tuple(tuple(g[i][:, :h] for g in grads) for i in (1, 2)))  # the halos' gradients
+    cat = lambda i: jnp.concatenate([g[i][:, h:] for g in grads], axis=1)
+    return cat(0), (cat(1) + dk_back).astype(k.dtype), (cat(2) + dv_back).astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

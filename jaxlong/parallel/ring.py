@@ -32,12 +32,11 @@ block of rank `src`:
   - src == r: ordinary causal attention on the local 2c tokens (local order is causal order);
   - src <  r: all 2c queries see the first K/V chunk (chunk src) and none of the second;
   - src >  r: only the second query chunk (chunk 2R-1-r) sees the K/V block, all of it.
-One call per step: either case is one unmasked kernel call of 2c x c scores, 2c queries to c keys or c queries
-to 2c keys (`lax.cond` on src < r), so every rank does the same work at every step and no block is ever fully
-masked. The slices a call takes (the first K/V chunk, or the second chunk of q, out and dout) are the only
-copies: selecting between the two cases element by element would copy ten c-token halves per step. Token positions
-(RoPE) follow the permutation (`zigzag_positions`); the
-loss, a mean over tokens, is unchanged when inputs, targets and mask are permuted together.
+One call per step: either case is one unmasked kernel call of 2c x c scores, 2c queries to c keys or c queries to 2c
+keys (`lax.cond` on src < r), so every rank does the same work at every step and no block is ever fully masked. The
+slices a call takes (the first K/V chunk, or the second chunk of q, out and dout) are the only copies: selecting between
+the two cases element by element would copy ten c-token halves per step. Token positions (RoPE) follow the permutation
+(`zigzag_positions`); the loss, a mean over tokens, is unchanged when inputs, targets and mask are permuted together.
 
 The per-block kernel (`BlockKernel`) is the one `attention.backend` resolves to: cuDNN flash attention on GPUs
 (the diagonal block causal, the off-diagonal ones unmasked), the Pallas kernel when the batches carry segment
@@ -54,9 +53,8 @@ off-diagonal block (all its keys before all its queries) masks query i from key 
 equal (`kv_segment_ids` of the blockwise kernel; the Pallas kernel's `kv_starts`, the number of the block's
 keys before the query's run start, counted over the block's chunks, is the same mask since keys precede
 queries). A query may then see no key of a block: that block's lse is -inf and its merge weight 0. Run ids never
-decrease along a chunk, so the kernel skips the tiles whose id ranges do not
-meet, forward and backward: with many short documents most remote blocks cost next to nothing. Nothing
-`[S, S]`-shaped or per head is added.
+decrease along a chunk, so the kernel skips the tiles whose id ranges do not meet, forward and backward: with many short
+documents most remote blocks cost next to nothing. Nothing `[S, S]`-shaped or per head is added.
 
 Hybrids: with a `context` axis as well, `jaxlong.parallel.ulysses.ulysses_attention` all-to-alls heads over `context`
 and runs `ring_attention_local` over `ring` (USP, Fang & Zhao 2024, arXiv 2405.07719); `jaxlong.parallel.upipe` runs it
@@ -85,9 +83,7 @@ from jaxlong.kernels import pallas_gpu as pallas_kernel
 from jaxlong.core import segments
 from jaxlong.kernels.blockwise import blockwise_attention_bwd, blockwise_attention_fwd
 from jaxlong.core.segments import segment_starts
-from jaxlong.kernels.merge import merge_into
-
-_F32 = jnp.float32
+from jaxlong.kernels.merge import add_rounded, merge_into
 
 
 # ----------------------------------------------------------------------------- zigzag layout
@@ -161,48 +157,37 @@ class BlockKernel:
     block_k: int = 512
     interpret: bool = False
 
-    def _tiles(self) -> dict:
-        return dict(block_q=self.block_q, block_k=self.block_k)
+    def _run(self, backward: bool, *arrays, causal: bool, **masks):
+        """This backend's forward or backward on `arrays`; cuDNN takes no masks (it never gets segment ids)."""
+        if self.backend == "cudnn":
+            fn = cudnn_kernel.cudnn_attention_bwd if backward else cudnn_kernel.cudnn_attention_fwd
+            return fn(*arrays, causal=causal)
+        if self.backend == "pallas":
+            fn = pallas_kernel.pallas_attention_bwd if backward else pallas_kernel.pallas_attention_fwd
+            return fn(*arrays, causal=causal, interpret=self.interpret, **masks)
+        fn = blockwise_attention_bwd if backward else blockwise_attention_fwd
+        return fn(*arrays, causal=causal, block_q=self.block_q, block_k=self.block_k, **masks)
 
-    def _pallas(self) -> dict:
-        return dict(interpret=self.interpret)
+    def _block_masks(self, k, q_ids, k_ids, k_starts) -> dict:
+        """An off-diagonal block's masks: none, or the run ids (and the Pallas kernel's `kv_starts`)."""
+        if q_ids is None:
+            return {}
+        masks = dict(segment_ids=q_ids, kv_segment_ids=k_ids)
+        if self.backend == "pallas":
+            masks["kv_starts"] = kv_starts_of_chunks(q_ids, k_starts, k.shape[1] // max(len(k_starts), 1))
+        return masks
 
     def diagonal_fwd(self, q, k, v, causal, ids=None):
-        if self.backend == "cudnn":
-            return cudnn_kernel.cudnn_attention_fwd(q, k, v, causal=causal)
-        if self.backend == "pallas":
-            return pallas_kernel.pallas_attention_fwd(q, k, v, causal=causal, segment_ids=ids, **self._pallas())
-        return blockwise_attention_fwd(q, k, v, causal=causal, segment_ids=ids, **self._tiles())
+        return self._run(False, q, k, v, causal=causal, segment_ids=ids)
 
     def diagonal_bwd(self, q, k, v, out, lse, dout, causal, ids=None):
-        if self.backend == "cudnn":
-            return cudnn_kernel.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=causal)
-        if self.backend == "pallas":
-            return pallas_kernel.pallas_attention_bwd(q, k, v, out, lse, dout, causal=causal, segment_ids=ids,
-                                                      **self._pallas())
-        return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=causal, segment_ids=ids, **self._tiles())
+        return self._run(True, q, k, v, out, lse, dout, causal=causal, segment_ids=ids)
 
     def block_fwd(self, q, k, v, q_ids=None, k_ids=None, k_starts=()):
-        if self.backend == "cudnn":
-            return cudnn_kernel.cudnn_attention_fwd(q, k, v, causal=False)
-        if self.backend == "pallas":
-            chunk = k.shape[1] // max(len(k_starts), 1)
-            starts = None if q_ids is None else kv_starts_of_chunks(q_ids, k_starts, chunk)
-            return pallas_kernel.pallas_attention_fwd(q, k, v, causal=False, kv_starts=starts, segment_ids=q_ids,
-                                                      kv_segment_ids=k_ids, **self._pallas())
-        ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
-        return blockwise_attention_fwd(q, k, v, causal=False, **ids, **self._tiles())
+        return self._run(False, q, k, v, causal=False, **self._block_masks(k, q_ids, k_ids, k_starts))
 
     def block_bwd(self, q, k, v, out, lse, dout, q_ids=None, k_ids=None, k_starts=()):
-        if self.backend == "cudnn":
-            return cudnn_kernel.cudnn_attention_bwd(q, k, v, out, lse, dout, causal=False)
-        if self.backend == "pallas":
-            chunk = k.shape[1] // max(len(k_starts), 1)
-            starts = None if q_ids is None else kv_starts_of_chunks(q_ids, k_starts, chunk)
-            return pallas_kernel.pallas_attention_bwd(q, k, v, out, lse, dout, causal=False, kv_starts=starts,
-                                                      segment_ids=q_ids, kv_segment_ids=k_ids, **self._pallas())
-        ids = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=k_ids)
-        return blockwise_attention_bwd(q, k, v, out, lse, dout, causal=False, **ids, **self._tiles())
+        return self._run(True, q, k, v, out, lse, dout, causal=False, **self._block_masks(k, q_ids, k_ids, k_starts))
 
 
 def kv_starts_of_chunks(q_runs: jax.Array, k_starts, chunk: int) -> jax.Array:
@@ -230,12 +215,6 @@ def _head(x, c: int, axis: int = 1):
 
 def _tail(x, c: int, axis: int = 1):
     return None if x is None else lax.slice_in_dim(x, c, 2 * c, axis=axis)
-
-
-def add_rounded(total: jax.Array, part: jax.Array) -> jax.Array:
-    """`total + part` added in float32 and rounded to `total`'s dtype: how the ring's (and U-Pipe's)
-    sequence-sized gradient accumulators sum contributions (module docstring, "Backward")."""
-    return (total.astype(_F32) + part.astype(_F32)).astype(total.dtype)
 
 
 def _add_at(total, part, start: int):
@@ -294,9 +273,7 @@ def _ring_perm(n: int):
 
 def _middle_steps(n: int, body, carry):
     """Run `body(i, carry) -> carry` for the ring steps i = 1 .. n-2 (the last step, which sends no K/V on, is
-    the caller's). A `lax.while_loop`, not `fori_loop`: a loop of static length is a `scan`, which JAX's partial
-    evaluation may split into a loop that stacks per-step values (every step's K/V halves, `[n-2, ...]`) for a
-    second loop, when the ring runs in a forward that `jax.checkpoint` replays (module docstring, memory)."""
+    the caller's), in a `lax.while_loop`, not a `fori_loop` (module docstring, memory)."""
     if n <= 2:
         return carry
     i, carry = lax.while_loop(lambda ic: ic[0] < n - 1, lambda ic: (ic[0] + 1, body(ic[0], ic[1])),
@@ -363,7 +340,7 @@ def ring_attention_fwd(q, k, v, *, axis_name: str = RING_AXIS, causal: bool = Tr
     if n > 1:
         nxt = lax.ppermute((k, v), axis_name, _ring_perm(n))  # issued before the diagonal block
     out, lse = kernel.diagonal_fwd(q, k, v, causal, q_ids)
-    out = out.astype(_F32)
+    out = out.astype(jnp.float32)
     if n == 1:
         return (out.astype(q.dtype), lse) + ((k, v) if return_kv else ())
     r = lax.axis_index(axis_name)
@@ -491,13 +468,9 @@ def ring_attention(q, k, v, *, mesh: jax.sharding.Mesh, causal: bool = True, blo
     batch = tuple(a for a in mesh.axis_names if a in ("data", "fsdp")) or None
     spec = P(batch, RING_AXIS, None, None)
     fn = functools.partial(ring_attention_local, causal=causal, block_q=block_q, block_k=block_k, backend=backend)
-    if segment_ids is None:
-        return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=True)(q, k, v)
-    if not causal:
-        raise ValueError("ring attention: segment_ids (document masking) requires causal=True")
-    seg = lambda q, k, v, ids: fn(q, k, v, segment_ids=ids)
-    return jax.shard_map(seg, mesh=mesh, in_specs=(spec,) * 3 + (P(batch, None),), out_specs=spec,
-                         check_vma=True)(q, k, v, segment_ids)
+    ids_spec = None if segment_ids is None else P(batch, None)
+    return jax.shard_map(lambda q, k, v, ids: fn(q, k, v, segment_ids=ids), mesh=mesh,
+                         in_specs=(spec,) * 3 + (ids_spec,), out_specs=spec, check_vma=True)(q, k, v, segment_ids)
 
 
 def check_ring(seq_len: int, ring: int, context: int, block_q: int, block_k: int) -> None:

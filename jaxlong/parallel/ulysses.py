@@ -41,22 +41,20 @@ from jaxlong.parallel.halo import halo_attention_local, halo_over_context
 from jaxlong.parallel.ring import ring_attention_local, run_ids
 
 
-def seq_to_heads(x: jax.Array, axis_name: str = CONTEXT_AXIS) -> jax.Array:
-    """All-to-all inside `shard_map`: `[b, S/C, h, d]` (sequence-sharded) -> `[b, S, h/C, d]` (head-sharded)."""
-    return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+def seq_to_heads(x: jax.Array) -> jax.Array:
+    """All-to-all over `context` inside `shard_map`: `[b, S/C, h, d]` (sequence-sharded) -> `[b, S, h/C, d]`
+    (head-sharded)."""
+    return jax.lax.all_to_all(x, CONTEXT_AXIS, split_axis=2, concat_axis=1, tiled=True)
 
 
-def heads_to_seq(x: jax.Array, axis_name: str = CONTEXT_AXIS) -> jax.Array:
+def heads_to_seq(x: jax.Array) -> jax.Array:
     """Inverse all-to-all: `[b, S, h/C, d]` (head-sharded) -> `[b, S/C, h, d]` (sequence-sharded)."""
-    return jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+    return jax.lax.all_to_all(x, CONTEXT_AXIS, split_axis=1, concat_axis=2, tiled=True)
 
 
 def replicate_kv_heads(k: jax.Array, context: int) -> jax.Array:
     """`[b, s, H_kv, d]` -> `[b, s, C, d]` when H_kv < C (each KV head repeated C/H_kv times, in order)."""
-    kv_heads = k.shape[2]
-    if kv_heads >= context:
-        return k
-    return jnp.repeat(k, context // kv_heads, axis=2)
+    return k if k.shape[2] >= context else jnp.repeat(k, context // k.shape[2], axis=2)
 
 
 def gather_segment_ids(segment_ids: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
@@ -146,11 +144,9 @@ def ulysses_attention(
             out = attention(q, k, v, segment_ids=seg, **kernel)
         return heads_to_seq(out)
 
-    if segment_ids is None:
-        return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=True)(q, k, v)
-    seg_spec = P(BATCH_AXES, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
-                         check_vma=True)(q, k, v, segment_ids.astype(jnp.int32))
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, None if seg is None else P(BATCH_AXES, None)),
+                         out_specs=spec, check_vma=True)(q, k, v, seg)
 
 
 def sublayer(x: jax.Array, w, positions: jax.Array, segment_ids: jax.Array | None, ctx) -> jax.Array:

@@ -8,8 +8,8 @@ all-to-alls to `[b, S, U/C, d]`, runs attention (with the whole sequence's segme
 back and writes its slice into one output buffer allocated before the stages. Only one stage's tensors are
 live at a time, so head-proportional memory scales with U/C instead of H/C.
 
-GQA schedule (Untied Ulysses, arXiv 2602.21196, §3.3). With H_kv' = max(H_kv, C) effective KV heads (KV heads are replicated
-C/H_kv times when H_kv < C) and g = H/H_kv' query heads per effective KV head, each device takes
+GQA schedule (§3.3). With H_kv' = max(H_kv, C) effective KV heads (KV heads are replicated C/H_kv times when
+H_kv < C) and g = H/H_kv' query heads per effective KV head, each device takes
 m = U/C query heads per stage and holds kc = max(1, m/g) KV heads per *KV group*; a group of C*kc KV heads is
 projected and all-to-all'd once and reused by its max(1, g/m) stages. Stage u of group t gives device r the
 query heads `(t*C*kc + r*kc)*g + u*m + j`, j < m — all of them belong to the KV heads r holds, so no device
@@ -24,33 +24,34 @@ RoPE and all-to-all, all-to-alls the saved output slice and the incoming gradien
 the attention backward, accumulates dK, dV over the group's stages, all-to-alls dQ (and dK, dV at the group's
 end) back, un-rotates them (RoPE is orthogonal: its transpose is the rotation by -angle), and accumulates dx
 and the weight gradients stage by stage. Each stage's `[b, S/C, hidden]` term of dx (dQ W_q^T, and dK W_k^T +
-dV W_v^T at a group's end) is added into dx in place, one block of rows at a time (`accumulate_product`): the whole
-product never exists beside dx (at 10M tokens on Llama-3.1-8B, C = 8, it was a 10 GiB buffer at the
-backward's peak). Differentiating a plain scan instead would stack every stage's
-residuals and give the saving back (`tests/test_upipe_memory.py` checks the compiled gradient for this).
+dV W_v^T at a group's end) is added into dx in place, one block of rows at a time (`accumulate_product`): the
+whole product never exists beside dx (at 10M tokens on Llama-3.1-8B, C = 8, it was a 10 GiB buffer at the
+backward's peak). Differentiating a plain scan instead would stack every stage's residuals and give the saving
+back (`tests/parallel/test_upipe_memory.py` checks the compiled gradient for this).
 With mesh.ring > 1 each stage's attention is ring attention (`jaxlong.parallel.ring`): the KV group's K/V and
 its dK/dV accumulators travel the ring with the stage (`return_kv`, `dkv`) and come home for the next stage,
 so the device holds one K/V block and one pair of accumulators at a time, whatever the ring degree.
 
-Fused attention sublayer (`norm_scale=`, `out_weight=`, what `jaxlong.models.llama` uses). The op can take the raw
-layer input and the attention RMSNorm's scale and normalize inside: the forward then saves the layer input
-(alive anyway under layer remat) instead of the normalized copy. The norm is folded into the projections
+Fused attention sublayer (`SublayerWeights.norm` and `.wo`, what `jaxlong.models.llama` uses). The op can take
+the raw layer input and the attention RMSNorm's scale and normalize inside: the forward then saves the layer
+input (alive anyway under layer remat) instead of the normalized copy. The norm is folded into the projections
 (`_linear`): with h = x * (r * scale), r the per-token 1/rms, each stage computes `h @ W = r * (x @ (scale * W))`
 and the weight gradients `h^T dY = scale * (x^T (r * dY))`, so no normalized `[b, S/C, hidden]` copy of x
 exists in the forward or the backward (at 3M tokens on Llama-3.1-8B, C = 8, that is 3 GiB per device at the
-backward's peak); the backward pulls the accumulated dh back through the norm (`jaxlong.layers.blocks.rms_norm_bwd`).
-Otherwise the normalized input is a residual alive through the whole backward of the layer's MLP. With W_o as well, the op returns `x + out @ W_o` and its backward takes the
-`[b, S/C, hidden]` gradient of the sublayer: each stage projects it onto its own heads (`dy @ W_o[s]^T`,
+backward's peak); the backward pulls the accumulated dh back through the norm (`jaxlong.layers.blocks
+.rms_norm_bwd`). Otherwise the normalized input is a residual alive through the whole backward of the layer's
+MLP. With W_o as well, the op returns `x + out @ W_o` and its backward takes the `[b, S/C, hidden]` gradient of
+the sublayer: each stage projects it onto its own heads (`dy @ W_o[s]^T`,
 `[b, S/C, U, d]`) and accumulates its rows of dW_o, so the full-width output gradient `[b, S/C, H, d]` that
 autodiff of `out @ W_o` would hand the op never exists, and the residual branch's gradient goes straight
 into dx. Buffers the op allocates (the output buffer, the accumulators) are created with
 `jaxlong.core.ordering.zeros_after`, so the compiler does not hoist them out of the decoder-layer scan.
 
-Qwen3's q/k norms (`qk_norm=`) and RoPE scaling (`rope_scaling=`). Each stage normalizes its own query heads and
-its KV group's key heads over head_dim before RoPE, inside the op; the backward recomputes `rope(norm(x @ w))`
-for the stage as a `jax.vjp` and pulls dQ (dK) back through it, accumulating the norm scales' gradients over the
-stages. The RoPE tables carry the scaled frequencies (and YaRN's attention factor, which the rotation's
-transpose carries too).
+Qwen3's q/k norms (`SublayerWeights.qk_norm`) and RoPE scaling (`SublayerContext.rope_scaling`). Each stage
+normalizes its own query heads and its KV group's key heads over head_dim before RoPE, inside the op; the backward
+recomputes `rope(norm(x @ w))` for the stage as a `jax.vjp` and pulls dQ (dK) back through it, accumulating the
+norm scales' gradients over the stages. The RoPE tables carry the scaled frequencies (and YaRN's attention
+factor, which the rotation's transpose carries too).
 
 Memory model (`attention_memory_model`), per device, one attention layer: the tensors live at the peak of the
 compiled program, i.e. what `memory_analysis().temp_size_in_bytes` counts (x, the weights and the incoming
@@ -83,7 +84,7 @@ GQA keeps them for g/m stages), T_w and T_r. Two terms are CPU-specific: XLA's C
 all-to-all as C sliced copies, a tuple exchange and a concatenation (the chunk terms) and transposes the
 weights for the dx product (T_w). It also computes bf16 matmuls and all-to-alls in float32: measure in float32.
 The model is checked against `memory_analysis` (within 15%, Llama3-8B and Qwen3-32B shapes, S = 256K, C = 8)
-in `tests/test_upipe_memory.py`; `experiments/upipe_sweep.py` tabulates both.
+in `tests/parallel/test_upipe_memory.py`; `experiments/upipe_sweep.py` tabulates both.
 """
 
 from __future__ import annotations
@@ -101,12 +102,13 @@ from jaxlong.core.mesh import BATCH_AXES, CONTEXT_AXIS, RING_AXIS, axis_size, se
 from jaxlong.core.ordering import opaque_one, zeros_after
 from jaxlong.core.kept import keep_attention_residuals
 from jaxlong.kernels.backend import attention_bwd, attention_fwd_with_lse, resolve_backend
+from jaxlong.kernels.merge import add_rounded
 from jaxlong.layers import blocks as L
 from jaxlong.layers.remat import ATTENTION_NAMES
 from jaxlong.parallel import ulysses
 from jaxlong.parallel.halo import halo_attention_bwd, halo_attention_fwd, halo_over_context
 from jaxlong.parallel.record import SublayerContext, SublayerWeights
-from jaxlong.parallel.ring import add_rounded, ring_attention_bwd, ring_attention_fwd, zigzag_positions
+from jaxlong.parallel.ring import ring_attention_bwd, ring_attention_fwd, zigzag_positions
 from jaxlong.parallel.ulysses import check_heads, ulysses_attention
 
 
@@ -267,16 +269,18 @@ def attention_memory_model(
     return model
 
 
-def _positions(batch: int, seq_local: int) -> jax.Array:
-    """Global token positions `[batch, S/(R*C)]` of this device's sequence shard (inside shard_map); with a
-    ring (R > 1) the shard is slot block `ring_index * C + context_index` of the zigzag layout."""
-    ring, context = _ring_size(), _context_size()
-    block = jax.lax.axis_index(CONTEXT_AXIS)
-    if ring > 1:
-        block = jax.lax.axis_index(RING_AXIS) * context + block
-    slots = block * seq_local + jnp.arange(seq_local, dtype=jnp.int32)
-    pos = zigzag_positions(slots, seq_local * ring * context, ring)
-    return jnp.broadcast_to(pos, (batch, seq_local))
+def _rope_tables(x, pos, head_dim: int, opts: dict):
+    """RoPE's (cos, sin) for this device's shard of x `[b, S/(R*C), hidden]` (inside shard_map), at the batch's
+    positions `pos` `[b, S/(R*C)]` (per-document positions of packed documents), or when None at the global token
+    positions (with a ring (R > 1) the shard is slot block `ring_index * C + context_index` of the zigzag layout)."""
+    if pos is None:
+        (batch, seq_local), ring, context = x.shape[:2], _ring_size(), _context_size()
+        block = jax.lax.axis_index(CONTEXT_AXIS)
+        if ring > 1:
+            block = jax.lax.axis_index(RING_AXIS) * context + block
+        slots = block * seq_local + jnp.arange(seq_local, dtype=jnp.int32)
+        pos = jnp.broadcast_to(zigzag_positions(slots, seq_local * ring * context, ring), (batch, seq_local))
+    return L.rope_tables(pos, head_dim, opts["theta"], opts.get("scaling"))
 
 
 def _varying(x: jax.Array) -> jax.Array:
@@ -322,9 +326,9 @@ def _stage_set(a: jax.Array, val: jax.Array, t, u, axis: int, sch: Schedule) -> 
 
 
 def _seq_to_heads(x: jax.Array) -> jax.Array:
-    """`[b, S/C, U, d]` -> `[b, S, U/C, d]`, as `jaxlong.parallel.ulysses.seq_to_heads`, but all-to-all'd along a leading
-    device axis (split = concat = 0) so each peer's chunk is contiguous and the received chunks are already in
-    sequence order: no transposition after the exchange (for b = 1)."""
+    """`[b, S/C, U, d]` -> `[b, S, U/C, d]`, as `jaxlong.parallel.ulysses.seq_to_heads`, but all-to-all'd along a
+    leading device axis (split = concat = 0) so each peer's chunk is contiguous and the received chunks are already
+    in sequence order: no transposition after the exchange (for b = 1)."""
     b, s, u, d = x.shape
     c = u // _context_size()
     xt = x.reshape(b, s, _context_size(), c, d).transpose(2, 0, 1, 3, 4)
@@ -400,20 +404,18 @@ def accumulate_product(dx: jax.Array, dy: jax.Array, w: jax.Array, tiles: int = 
       `[b, S/C, hidden]` in dx's dtype: each product rounded to it and added in float32 (the same values for
       any `tiles`).
     """
-    f32 = jnp.float32
-
     def part(rows_dy):
         return jnp.einsum("bsnd,hnd->bsh", rows_dy, w, preferred_element_type=dx.dtype)
 
     if tiles <= 1:
-        return (dx.astype(f32) + part(dy).astype(f32)).astype(dx.dtype)
+        return add_rounded(dx, part(dy))
     rows = dx.shape[1] // tiles
 
     def body(i, dx):
         at = i * rows
-        block = jax.lax.dynamic_slice_in_dim(dx, at, rows, axis=1).astype(f32)
-        block = block + part(jax.lax.dynamic_slice_in_dim(dy, at, rows, axis=1)).astype(f32)
-        return jax.lax.dynamic_update_slice_in_dim(dx, block.astype(dx.dtype), at, axis=1)
+        block = add_rounded(jax.lax.dynamic_slice_in_dim(dx, at, rows, axis=1),
+                            part(jax.lax.dynamic_slice_in_dim(dy, at, rows, axis=1)))
+        return jax.lax.dynamic_update_slice_in_dim(dx, block, at, axis=1)
 
     return jax.lax.fori_loop(0, tiles, body, dx)
 
@@ -422,12 +424,6 @@ def _q_scaled(q, opts: dict):
     """Queries times the layer's query scale (`SublayerContext.query_scale`, Gemma 3's `query_pre_attn_scalar`),
     after RoPE; the backward applies the same scalar to dq (its own transpose)."""
     return q if opts["q_scale"] == 1.0 else (q * opts["q_scale"]).astype(q.dtype)
-
-
-def _rope_positions(x, pos):
-    """RoPE positions of this device's shard: the batch's `pos` `[b, S/C]` (per-document positions of packed
-    documents), or the global token indices when None."""
-    return _positions(*x.shape[:2]) if pos is None else pos
 
 
 def _forward(x, wq, wk, wv, pos, seg, sch: Schedule, opts: dict, qk=None, fold=None):
@@ -440,7 +436,7 @@ def _forward(x, wq, wk, wv, pos, seg, sch: Schedule, opts: dict, qk=None, fold=N
     eps = opts["eps"]
     b, s_local, _ = x.shape
     d = wq.shape[-1]
-    cos, sin = L.rope_tables(_rope_positions(x, pos), d, opts["theta"], opts.get("scaling"))
+    cos, sin = _rope_tables(x, pos, d, opts)
     out = zeros_after(x, (b, s_local, sch.heads, d), x.dtype, _all_axes())
 
     def group(out, t):
@@ -490,24 +486,20 @@ def _place_kv_grads(dwk, dwv, dwkv, t, sch: Schedule):
 def _backward(x, wq, wk, wv, pos, seg, out, lse, dout, sch: Schedule, opts: dict, wo=None, qk=None, fold=None):
     """Stage scan of the backward; returns dh, dWq, dWk, dWv, dWo, d(q_norm, k_norm) (this device's partial
     weight gradients; dWo None without `wo`, the last None without `qk`). `pos`, `seg`, `fold` as for
-    `_forward`; dh is the gradient of the attention's input h (h = x, or RMSNorm(x) with `fold`: the caller
-    pulls dh back through the norm). With `fold` the weight gradients `h^T dY` are formed as
-    `scale * (x^T (r * dY))`, so the normalized input is never recomputed as a `[b, S/C, hidden]` tensor.
+    `_forward`; dh is the gradient of the attention's input h (h = x, or RMSNorm(x) with `fold`, never formed:
+    `_linear`, `_weight_grad`; the caller pulls dh back through the norm).
 
     With `qk` (the q/k RMSNorm scales `[d]`, Qwen3) each recomputed projection's `rope(norm(y))` is a
     `jax.vjp` of the projection y `[b, S/C, n, d]`, whose pullback gives dY (and the norm scale's gradient);
     dY then gives dh and the weight rows as without `qk`.
 
-    `dout` is the gradient of the output `[b, S/C, H, d]`; with `wo` (W_o `[H, d, hidden]`) it is instead the
-    gradient `[b, S/C, hidden]` of `out @ W_o`: each stage then forms its own slice of the output gradient,
-    `dout_s = dout @ W_o[s]^T` `[b, S/C, U, d]`, and accumulates `dW_o[s] = out_s^T dout`, so no full-width
-    `[b, S/C, H, d]` output gradient exists. dWo is None without `wo`.
+    `dout` is the gradient of the output `[b, S/C, H, d]`, or with `wo` (W_o `[H, d, hidden]`) that of
+    `out @ W_o`, `[b, S/C, hidden]`, from which each stage forms its own slice (`_stage_output`).
 
     The recomputed projections use weight slices times a 1 that XLA cannot fold and that depends on the forward's
     lse: otherwise, with a single stage, XLA merges them with the forward's projections (its CPU pipeline runs CSE
     again after expanding optimization barriers) or schedules them in the forward, and Q, K, V stay alive."""
-    d = wq.shape[-1]
-    cos, sin = L.rope_tables(_rope_positions(x, pos), d, opts["theta"], opts.get("scaling"))
+    cos, sin = _rope_tables(x, pos, wq.shape[-1], opts)
     f32 = jnp.float32
     # Sequence-sized accumulators (dx `[b, S/C, hidden]`, dK/dV `[b, S, kc, d]`) are kept in the activation
     # dtype; each stage's contribution is a matmul or kernel output with float32 accumulation inside, rounded
@@ -701,14 +693,11 @@ def upipe_attention(x: jax.Array, w: SublayerWeights, ctx: SublayerContext, *, p
         layout when ring > 1). Normalized already, unless `w.norm` is given.
       w: the layer's weights, gathered (replicated) in the compute dtype: wq `[hidden, heads, head_dim]`; wk, wv
         `[hidden, kv_heads, head_dim]`. With `w.norm` (the attention RMSNorm's scale `[hidden]`) x is normalized
-        inside the op: the forward saves the layer input instead of the normalized one and the backward
-        recomputes the norm after the incoming gradient arrives (folded into the projections), so no normalized
-        copy of x stays alive through the rest of the layer's backward. With `w.wo` (`[heads, head_dim, hidden]`,
-        needs `w.norm`) the op returns the whole sublayer with its residual, `x + W_o attention(RMSNorm(x))`
-        (`x + post_norm(...)` with `w.post_norm`, Gemma 3), and its backward forms each stage's slice of the output
-        gradient from the incoming `[b, S/C, hidden]` gradient (`dy @ W_o[stage]^T`, `[b, S/C, U, d]`) and
-        accumulates dW_o stage by stage: no `[b, S/C, H, d]` output gradient is ever live. `w.qk_norm`: Qwen3's
-        and Gemma 3's q/k RMSNorm scales `[head_dim]`, applied per stage before RoPE.
+        inside the op, folded into the projections (module docstring: fused attention sublayer). With `w.wo`
+        (`[heads, head_dim, hidden]`, needs `w.norm`) the op returns the whole sublayer with its residual,
+        `x + W_o attention(RMSNorm(x))` (`x + post_norm(...)` with `w.post_norm`, Gemma 3), and no
+        `[b, S/C, H, d]` output gradient is ever live. `w.qk_norm`: Qwen3's and Gemma 3's q/k RMSNorm scales
+        `[head_dim]`, applied per stage before RoPE.
       ctx: the layer's attention record: U = `ctx.heads_per_stage` (0: the context degree C; a multiple of C
         dividing heads), RoPE (`rope_theta`, `rope_scaling`, global token indices unless `positions`), the kernel
         (`backend`, `block_q`, `block_k`; under ring, `auto` is resolved for the mesh's devices and runs ring
