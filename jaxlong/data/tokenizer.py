@@ -20,6 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxlong.core.errors import ConfigError
+
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer", "TOKENIZERS", "stop_ids", "special_tokens"]
 
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>")
@@ -207,9 +209,10 @@ def get_tokenizer(name: str) -> Tokenizer:
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
-    """Raise ValueError when the tokenizer has more ids than `model.vocab_size` (checked before compiling)."""
+    """Raise ConfigError (a ValueError) when the tokenizer has more ids than `model.vocab_size` (checked before
+    compiling)."""
     if tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of data.tokenizer="
+        raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the vocabulary of data.tokenizer="
                          f"{tokenizer.name!r} ({tokenizer.vocab_size} ids); use model.vocab_size >= "
                          f"{tokenizer.vocab_size}")
 

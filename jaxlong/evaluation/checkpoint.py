@@ -345,10 +345,7 @@ def ruler_suite(cfg, args: EvalOptions, tokenizer, source, held_out) -> tuple[li
       ConfigError: a length given by `--ruler-lengths` is too short for a task, or the tokenizer is larger than
         `model.vocab_size`.
     """
-    try:
-        check_vocab(tokenizer, cfg.model.vocab_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    check_vocab(tokenizer, cfg.model.vocab_size)
     suite = ruler.RulerSuite(args.ruler_tasks_list, args.ruler_lengths_list, args.ruler_cases, cfg.seed,
                              args.ruler_scoring)
     corpus = ruler.suite_corpus(suite, (source[i] for i in held_out), tokenizer)

@@ -23,17 +23,16 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxlong.data.pipeline import first_source
+from jaxlong.data.pipeline import PACKING_BINS, first_source
 
 __all__ = ["pack_rows", "attention_tile_fraction", "document_lengths"]
-
-PACKING_BINS = 16  # rows first fit fills at once, as the pipeline (jaxlong.data.pipeline.PACKING_BINS)
 
 
 def pack_rows(lengths, seq_len: int, rows: int) -> list[list[int]]:
     """Document lengths (tokens) packed into at most `rows` rows of `seq_len` by first fit over `PACKING_BINS`
-    open rows, the sample shuffled (seeded) and repeated until the rows are full; a document longer than `seq_len` is cut into pieces
-    of `seq_len` (as `data.split_positions` does). Returns each row's document lengths, in order."""
+    open rows (the pipeline's), the sample shuffled (seeded) and repeated until the rows are full; a document longer
+    than `seq_len` is cut into pieces of `seq_len` (as `data.split_positions` does). Returns each row's document
+    lengths, in order."""
     lengths = [int(n) for n in lengths if int(n) > 0]
     if not lengths:
         raise ValueError("no document lengths to pack")

@@ -148,10 +148,7 @@ def _run_context(cfg: Config, mesh, run_dir: Path, objective: Objective, batch_f
     cfg = dataclasses.replace(cfg, imported=keep_imported(cfg, run_dir, recorded=recorded, write=main, say=say))
     keep_chat_template(cfg, run_dir, write=main)  # RUN_DIR/chat_template.jinja
     tokenizer = data_lib.run_tokenizer(cfg, run_dir)  # the run's copy, then model.from_hf, then data.tokenizer
-    try:
-        data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    data_lib.check_vocab(tokenizer, cfg.model.vocab_size)
     say(f"jaxlong: {cfg.model.name}, seq_len {cfg.seq_len}, global batch {cfg.global_batch}, "
         f"mesh {dict(mesh.shape)} on {mesh.size} x {jax.devices()[0].device_kind}, "
         f"attention {cfg.attention.impl}/{cfg.attention.backend}, remat {cfg.remat.policy}")

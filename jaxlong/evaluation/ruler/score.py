@@ -275,10 +275,7 @@ class RulerValidator:
         if suite.scoring not in SCORINGS:
             raise ConfigError(f"ruler scoring {suite.scoring!r}: give one of {', '.join(SCORINGS)}")
         check_lengths(cfg, suite.lengths, option, cases=suite.cases, tasks=len(suite.tasks))
-        try:
-            check_vocab(tokenizer, cfg.model.vocab_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        check_vocab(tokenizer, cfg.model.vocab_size)
         self.cfg, self.mesh, self.tokenizer, self.scoring = cfg, mesh, tokenizer, suite.scoring
         self.eos = [tokenizer.eos_id] if eos_ids is None else list(eos_ids)
         self.cases = generate(suite, tokenizer, corpus, chat)
