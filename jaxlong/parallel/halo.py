@@ -246,8 +246,8 @@ def halo_attention_bwd(q, k, v, out, lse, dout, *, window: int, block_q: int = 5
             jnp.concatenate([vh[half], v[:, sl]], axis=1), _pad(out[:, sl], h), _pad(lse[..., sl], h, axis=-1),
             _pad(dout[:, sl], h), causal=True, block_q=tq, block_k=tk, segment_ids=ids[half], window=window))
     dk_back, dv_back = pull(tuple(tuple(g[i][:, :h] for g in grads) for i in (1, 2)))  # the halos' gradients
-    cat = lambda i: jnp.concatenate([g[i][:, h:] for g in grads], axis=1)
-    return cat(0), (cat(1) + dk_back).astype(k.dtype), (cat(2) + dv_back).astype(v.dtype)
+    dq, dk, dv = (jnp.concatenate([g[i][:, h:] for g in grads], axis=1) for i in range(3))  # the chunks'
+    return dq, (dk + dk_back).astype(k.dtype), (dv + dv_back).astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

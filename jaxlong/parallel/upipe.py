@@ -32,19 +32,18 @@ With mesh.ring > 1 each stage's attention is ring attention (`jaxlong.parallel.r
 its dK/dV accumulators travel the ring with the stage (`return_kv`, `dkv`) and come home for the next stage,
 so the device holds one K/V block and one pair of accumulators at a time, whatever the ring degree.
 
-Fused attention sublayer (`SublayerWeights.norm` and `.wo`, what `jaxlong.models.llama` uses). The op can take
-the raw layer input and the attention RMSNorm's scale and normalize inside: the forward then saves the layer
-input (alive anyway under layer remat) instead of the normalized copy. The norm is folded into the projections
+Fused attention sublayer (`SublayerWeights.norm` and `.wo`, what `jaxlong.models.llama` uses). The op can take the
+raw layer input and the attention RMSNorm's scale and normalize inside: the forward then saves the layer input
+(alive anyway under layer remat) instead of the normalized copy. The norm is folded into the projections
 (`_linear`): with h = x * (r * scale), r the per-token 1/rms, each stage computes `h @ W = r * (x @ (scale * W))`
-and the weight gradients `h^T dY = scale * (x^T (r * dY))`, so no normalized `[b, S/C, hidden]` copy of x
-exists in the forward or the backward (at 3M tokens on Llama-3.1-8B, C = 8, that is 3 GiB per device at the
-backward's peak); the backward pulls the accumulated dh back through the norm (`jaxlong.layers.blocks
-.rms_norm_bwd`). Otherwise the normalized input is a residual alive through the whole backward of the layer's
-MLP. With W_o as well, the op returns `x + out @ W_o` and its backward takes the `[b, S/C, hidden]` gradient of
-the sublayer: each stage projects it onto its own heads (`dy @ W_o[s]^T`,
-`[b, S/C, U, d]`) and accumulates its rows of dW_o, so the full-width output gradient `[b, S/C, H, d]` that
-autodiff of `out @ W_o` would hand the op never exists, and the residual branch's gradient goes straight
-into dx. Buffers the op allocates (the output buffer, the accumulators) are created with
+and the weight gradients `h^T dY = scale * (x^T (r * dY))`, so no normalized `[b, S/C, hidden]` copy of x exists in
+the forward or the backward (at 3M tokens on Llama-3.1-8B, C = 8, that is 3 GiB per device at the backward's peak);
+the backward pulls the accumulated dh back through the norm (`jaxlong.layers.blocks.rms_norm_bwd`). Otherwise the
+normalized input is a residual alive through the whole backward of the layer's MLP. With W_o as well, the op returns
+`x + out @ W_o` and its backward takes the `[b, S/C, hidden]` gradient of the sublayer: each stage projects it onto
+its own heads (`dy @ W_o[s]^T`, `[b, S/C, U, d]`) and accumulates its rows of dW_o, so the full-width output
+gradient `[b, S/C, H, d]` that autodiff of `out @ W_o` would hand the op never exists, and the residual branch's
+gradient goes straight into dx. Buffers the op allocates (the output buffer, the accumulators) are created with
 `jaxlong.core.ordering.zeros_after`, so the compiler does not hoist them out of the decoder-layer scan.
 
 Qwen3's q/k norms (`SublayerWeights.qk_norm`) and RoPE scaling (`SublayerContext.rope_scaling`). Each stage

@@ -204,8 +204,9 @@ def offload_groupings(layers: int) -> list[int]:
 
 
 def dimension_levels(cfg: Config, host_budget: int | None = None) -> list[list[tuple[str, ...]]]:
-    """Per dimension (attention, remat, tiled loss, tiled MLP, kept attention), the overrides of each level, fastest expected first, for `cfg`'s mesh;
-    `host_budget` (bytes per node) sizes the kept-attention level between all and none (`keep_levels`)."""
+    """Per dimension (attention, remat, tiled loss, tiled MLP, kept attention), the overrides of each level, fastest
+    expected first, for `cfg`'s mesh; `host_budget` (bytes per node) sizes the kept-attention level between all and
+    none (`keep_levels`)."""
     m = cfg.model
     _, _, ring, context = resolve_mesh_shape(cfg.mesh, cfg.mesh.num_devices)
     attention = [("attention.impl=ulysses", "attention.heads_per_stage=0")]
